@@ -1,0 +1,15 @@
+"""expertcache: measure, bound and run expert caches for offloaded mixture-of-experts models."""
+
+from .cache import ExpertCache, Step
+from .errors import ConfigError, ExpertcacheError, PolicyError, TraceError
+from .policies import Policy, StreamFuture, available_policies, make_policy, register
+from .sim import ReplayResult, replay, replay_many
+from .trace import Trace, load_trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError", "ExpertCache", "ExpertcacheError", "Policy", "PolicyError", "ReplayResult", "Step",
+    "StreamFuture", "Trace", "TraceError", "available_policies", "load_trace", "make_policy", "register",
+    "replay", "replay_many",
+]

@@ -1,0 +1,1 @@
+"""The ``expertcache`` command: one subcommand per module, registered in :mod:`.main`."""

@@ -1,0 +1,115 @@
+"""Helpers shared by the subcommands: output formats, argument types, trace loading."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any, Iterable, Sequence
+
+from ..errors import ConfigError
+from ..trace import Trace, load_trace, parse_layers
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON (one object per line) instead of a table")
+
+
+def add_replay_options(p: argparse.ArgumentParser) -> None:
+    """Options that shape the streams a replay serves (DESIGN section 2)."""
+    p.add_argument("--pool", choices=("layer", "global"), default="layer",
+                   help="'layer': one pool of CAPACITY per layer (default); 'global': one pool of CAPACITY (layer, expert) items")
+    p.add_argument("--reset", choices=("sequence", "none"), default="sequence",
+                   help="empty the pools at each sequence (default) or carry them over")
+    p.add_argument("--layers", type=parse_layers, default=None, metavar="IDS",
+                   help="layer ids to replay, e.g. '4-8' or '4,5,11' (default: all)")
+    p.add_argument("--warm", type=fraction, default=0.0, metavar="W",
+                   help="unscored warm-up fraction of each stream, e.g. 0.6 (default 0)")
+
+
+def fraction(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= x < 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is outside [0, 1)")
+    return x
+
+
+def positive_int(text: str) -> int:
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {x}")
+    return x
+
+
+def open_trace(path: str) -> Trace:
+    return load_trace(path)
+
+
+def emit_json(records: Iterable[dict], out=None) -> None:
+    """One compact JSON object per line; NaN and infinities become null."""
+    out = out or sys.stdout
+    for rec in records:
+        out.write(json.dumps(_clean(rec), allow_nan=False) + "\n")
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy scalar
+        return _clean(x.item())
+    return x
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], out=None) -> None:
+    """Print a plain aligned table: text left-aligned, numbers right-aligned."""
+    out = out or sys.stdout
+    cells = [[_fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    numeric = [all(_is_num(r[i]) for r in rows) if rows else False for i in range(len(headers))]
+
+    def line(vals):
+        return "  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(vals, widths, numeric)).rstrip()
+
+    out.write(line(headers) + "\n")
+    out.write("  ".join("-" * w for w in widths) + "\n")
+    for r in cells:
+        out.write(line(r) + "\n")
+
+
+def _is_num(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "-"
+        return f"{v:.4f}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}" if abs(v) >= 10000 else str(v)
+    return str(v)
+
+
+def describe(trace: Trace) -> str:
+    return (
+        f"trace {trace.name}: T={trace.num_tokens} tokens in {trace.num_sequences} sequence(s), "
+        f"L={trace.num_layers} layers, k={trace.top_k} of E={trace.num_experts}, phase {trace.meta.get('phase', 'unknown')}"
+    )
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)

@@ -1,0 +1,135 @@
+"""The eviction-policy interface every cache in expertcache drives.
+
+A policy is a small stateful object that ranks eviction candidates. It knows nothing about
+slots, copies or the simulator: the cache that drives it (:class:`expertcache.cache.ExpertCache`
+in the live harness and the tier, the compiled kernels in :mod:`expertcache.sim`) calls
+
+``reset(n_items, future=None, steps_per_token=1)``
+    at the start of every stream (a pool starting empty);
+``keys(candidates, t) -> float array``
+    when it must evict at step ``t``: one key per candidate (resident items the current group
+    does not request). The cache evicts in ascending ``(key, last use, item id)`` order, so every
+    rule breaks ties the same way (DESIGN section 2: least recently used, then smallest id);
+``on_access(items, t)``
+    once the group requested at step ``t`` is resident.
+
+Steps count access groups: a token at one layer in a per-layer pool, or one layer of one token in a
+global pool, where ``steps_per_token`` = number of layers so rules defined per token (decay rate,
+foresight horizon) keep their meaning.
+
+Clairvoyant rules (``needs_future = True``) receive a :class:`StreamFuture` in ``reset``.
+
+For the simulator's hot loop a policy also describes itself as a compiled plan
+(:meth:`Policy.plan`); the plan and the reference methods above implement the same rule twice,
+independently, and the tests check them hit for hit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from ..errors import PolicyError
+from ..kernels import NEVER
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..sim.layout import StreamLayout
+
+
+
+class StreamFuture:
+    """The recorded future of one stream: when each item is requested next.
+
+    Built from the stream's access groups ``[G, k]`` (item ids, -1 pads); step ``g`` is row ``g``.
+    """
+
+    def __init__(self, groups: np.ndarray):
+        groups = np.asarray(groups)
+        self.num_steps = int(groups.shape[0])
+        g, _ = np.nonzero(groups >= 0)
+        items = groups[groups >= 0].astype(np.int64)
+        self._span = self.num_steps + 1
+        self._codes = np.sort(items * self._span + g)
+
+    def next_use(self, items: np.ndarray, t: int) -> np.ndarray:
+        """First step after ``t`` that requests each item (``NEVER`` if none)."""
+        items = np.asarray(items, dtype=np.int64)
+        q = items * self._span + t
+        idx = np.searchsorted(self._codes, q, side="right")
+        found = np.zeros(items.shape, dtype=bool)
+        inside = idx < self._codes.size
+        found[inside] = self._codes[idx[inside]] // self._span == items[inside]
+        out = np.full(items.shape, NEVER, dtype=np.int64)
+        out[found] = self._codes[idx[found]] % self._span
+        return out
+
+
+class Policy:
+    """Base class of eviction rules; see the module docstring for the calling protocol."""
+
+    name: ClassVar[str] = "?"
+    needs_future: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.n_items = 0
+        self.steps_per_token = 1
+        self.future: StreamFuture | None = None
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_arg(cls, arg: str | None) -> "Policy":
+        """Build from the text after ``name:`` in a policy spec (``None`` when absent)."""
+        if arg is not None:
+            raise PolicyError(f"policy {cls.name!r} takes no parameter (got {cls.name}:{arg})")
+        return cls()
+
+    @property
+    def spec(self) -> str:
+        """Canonical name, parseable by :func:`expertcache.policies.make_policy`."""
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<policy {self.spec}>"
+
+    # -- protocol -----------------------------------------------------------------------------
+    def reset(self, n_items: int, future: StreamFuture | None = None, steps_per_token: int = 1) -> None:
+        if self.needs_future and future is None:
+            raise PolicyError(f"policy {self.spec!r} is clairvoyant: it needs the recorded future of the stream")
+        self.n_items = int(n_items)
+        self.future = future
+        self.steps_per_token = int(steps_per_token)
+
+    def on_access(self, items: np.ndarray, t: int) -> None:
+        """The items of step ``t`` are resident (called once per step, after any evictions)."""
+
+    def keys(self, candidates: np.ndarray, t: int) -> np.ndarray:
+        """Eviction keys of the candidates at step ``t``; lowest is evicted first."""
+        raise NotImplementedError
+
+    # -- simulator fast path ------------------------------------------------------------------
+    def plan(self, layout: "StreamLayout"):
+        """A compiled plan (:mod:`expertcache.kernels`) running this rule over ``layout``,
+        or ``None`` to make the simulator drive :meth:`keys`/:meth:`on_access` from Python."""
+        return None
+
+
+def parse_float(arg: str, what: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> float:
+    try:
+        x = float(arg)
+    except ValueError:
+        raise PolicyError(f"{what}: expected a number, got {arg!r}") from None
+    if not np.isfinite(x) or x < lo or x > hi or (lo_open and x == lo) or (hi_open and x == hi):
+        lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
+        raise PolicyError(f"{what}: {arg} is outside {lb}{lo}, {hi}{rb}")
+    return x
+
+
+def parse_int(arg: str, what: str, lo: int) -> int:
+    try:
+        x = int(arg)
+    except ValueError:
+        raise PolicyError(f"{what}: expected an integer, got {arg!r}") from None
+    if x < lo:
+        raise PolicyError(f"{what}: {x} is below {lo}")
+    return x

@@ -1,0 +1,54 @@
+"""``foresight:h``: farthest-future eviction that sees only the next h tokens.
+
+Candidates whose next request lies more than h tokens ahead (or never comes) are equal and go
+first, least recently used first; among the visible ones the farthest goes. In a global pool the
+horizon is ``h * steps_per_token`` steps.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from ..kernels import ScanPlan
+from .base import Policy, parse_int
+from .registry import register
+
+
+@nb.njit(cache=True)
+def _key(e, t, fstate, istate, nxt, pf, pi):
+    if nxt[e] - t > pi[0]:
+        return -np.inf
+    return -float(nxt[e])
+
+
+@nb.njit(cache=True)
+def _access(e, t, fstate, istate, pf, pi):
+    pass
+
+
+@register
+class Foresight(Policy):
+    name = "foresight"
+    needs_future = True
+
+    def __init__(self, horizon: int = 16):
+        super().__init__()
+        self.horizon = int(horizon)
+
+    @classmethod
+    def from_arg(cls, arg):
+        if arg is None:
+            return cls()
+        return cls(parse_int(arg, "foresight:h", 0))
+
+    @property
+    def spec(self):
+        return f"foresight:{self.horizon}"
+
+    def keys(self, candidates, t):
+        nu = self.future.next_use(candidates, t)
+        return np.where(nu - t > self.horizon * self.steps_per_token, -np.inf, -nu.astype(np.float64))
+
+    def plan(self, layout):
+        return ScanPlan(_key, _access, pi=[self.horizon * layout.steps_per_token], needs_future=True)

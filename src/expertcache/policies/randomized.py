@@ -1,0 +1,64 @@
+"""``random[:seed]``: evict a uniformly random candidate, reproducibly.
+
+Each candidate's key at step t is a hash of (seed, t, item) (splitmix64), so every implementation
+draws the same victims."""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from ..kernels import ScanPlan
+from .base import Policy, parse_int
+from .registry import register
+
+_M1 = np.uint64(0x9E3779B97F4A7C15)
+_M2 = np.uint64(0xBF58476D1CE4E5B9)
+_M3 = np.uint64(0x94D049BB133111EB)
+
+
+def hash_keys(seed: int, t: int, items: np.ndarray) -> np.ndarray:
+    """Uniform floats in [0, 1) from splitmix64(seed * M1 + t * M2 + item * M3)."""
+    with np.errstate(over="ignore"):
+        x = np.uint64(seed) * _M1 + np.uint64(t) * _M2 + np.asarray(items, dtype=np.uint64) * _M3
+        x = (x ^ (x >> np.uint64(30))) * _M2
+        x = (x ^ (x >> np.uint64(27))) * _M3
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+@nb.njit(cache=True)
+def _key(e, t, fstate, istate, nxt, pf, pi):
+    x = np.uint64(pi[0]) * _M1 + np.uint64(t) * _M2 + np.uint64(e) * _M3
+    x = (x ^ (x >> np.uint64(30))) * _M2
+    x = (x ^ (x >> np.uint64(27))) * _M3
+    x = x ^ (x >> np.uint64(31))
+    return float(x >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+@nb.njit(cache=True)
+def _access(e, t, fstate, istate, pf, pi):
+    pass
+
+
+@register
+class Random(Policy):
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.seed = int(seed)
+
+    @classmethod
+    def from_arg(cls, arg):
+        return cls() if arg is None else cls(parse_int(arg, "random:seed", 0))
+
+    @property
+    def spec(self):
+        return f"random:{self.seed}"
+
+    def keys(self, candidates, t):
+        return hash_keys(self.seed, t, candidates)
+
+    def plan(self, layout):
+        return ScanPlan(_key, _access, pi=[self.seed])
