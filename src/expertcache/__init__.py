@@ -8,6 +8,17 @@ from .trace import Trace, load_trace
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``offload`` and ``capture`` need torch and transformers, so they load on first use."""
+    if name in ("offload", "capture"):
+        import importlib
+
+        package = importlib.import_module(f"{__name__}.offload")  # callable: expertcache.offload(model, ...)
+        return package if name == "offload" else package.capture
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ConfigError", "ExpertCache", "ExpertcacheError", "Policy", "PolicyError", "ReplayResult", "Step",
     "StreamFuture", "Trace", "TraceError", "available_policies", "load_trace", "make_policy", "register",

@@ -87,8 +87,8 @@ class ExpertCache:
 
     @property
     def filling(self) -> bool:
-        """True until the pool has held ``capacity`` items once."""
-        return self.evictions == 0 and len(self._free) > 0
+        """True until the pool has held ``capacity`` items once (slots are never freed mid-stream)."""
+        return bool(self._free)
 
     def slot_of(self, item: int) -> int:
         return int(self._slot[item])

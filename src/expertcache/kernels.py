@@ -6,16 +6,18 @@ demand fetch, a victim only among residents the current group does not request, 
 ascending ``(key, last use, item id)`` order, every pool empty at each stream start. They return
 two int32 arrays over groups: misses (copies) and evictions (copies once the pool is full).
 
-Three loops cover every rule:
+Four loops cover every rule:
 
 * :func:`lru_loop` -- a doubly linked recency list, O(1) per request;
 * :func:`static_key_loop` -- an indexed binary heap for rules whose key is fixed from one access of
-  an item to the next (LRU, LFU, farthest-future, mean interval), O(log C) per request; the keys of
-  every access are computed before the loop;
-* :func:`scan_loop` -- a scan over the residents at each eviction for rules whose keys move with
-  time (decayed frequency, limited foresight, random), O(C) per eviction; the rule comes in as two
-  compiled functions ``key(item, t, fstate, istate, nxt, pf, pi)`` and
-  ``access(item, t, fstate, istate, pf, pi)``.
+  an item to the next (LRU, LFU, decayed frequency, farthest-future, mean interval), O(log C) per
+  request; the keys of every access are computed before the loop;
+* :func:`foresight_loop` -- limited foresight: a recency list of residents whose next request is
+  beyond the horizon plus a heap of the visible ones, O(log C) per request;
+* :func:`random_loop` -- random eviction, scanning the residents at each eviction, O(C).
+
+Rules are not passed in as compiled functions: numba cannot safely cache a loop specialised on
+function arguments across processes, so each loop is a plain cached function.
 
 Steps ``t`` seen by rules are local to the stream (0 at its first group), as in ``ExpertCache``.
 """
@@ -53,89 +55,52 @@ def next_use(groups, starts, n_items):
     return out
 
 
-# ------------------------------------------------------------------------------ LRU list
-@nb.njit(cache=True)
-def lru_loop(groups, starts, n_items, capacity):
-    """LRU by a recency list: head = least recently used. Members of a group are moved to the
-    tail in ascending id order, so equal last use breaks ties by the smallest id."""
-    G, k = groups.shape
-    misses = np.zeros(G, dtype=np.int32)
-    evictions = np.zeros(G, dtype=np.int32)
-    prv = np.full(n_items, -1, dtype=np.int64)
-    nxt = np.full(n_items, -1, dtype=np.int64)
-    resident = np.zeros(n_items, dtype=np.bool_)
-    stamp = np.full(n_items, -1, dtype=np.int64)
-    buf = np.empty(k, dtype=np.int64)
-    for s in range(starts.size - 1):
-        head = -1
-        tail = -1
-        size = 0
-        for g in range(starts[s], starts[s + 1]):
-            n = 0
-            for j in range(k):  # insertion sort of the group's ids
-                e = groups[g, j]
-                if e < 0:
-                    continue
-                stamp[e] = g
-                i = n
-                while i > 0 and buf[i - 1] > e:
-                    buf[i] = buf[i - 1]
-                    i -= 1
-                buf[i] = e
-                n += 1
-            m = 0
-            ev = 0
-            for i in range(n):
-                e = buf[i]
-                if resident[e]:
-                    if e != tail:  # unlink, then append at the tail
-                        p, q = prv[e], nxt[e]
-                        if p >= 0:
-                            nxt[p] = q
-                        else:
-                            head = q
-                        prv[q] = p
-                        prv[e] = tail
-                        nxt[e] = -1
-                        nxt[tail] = e
-                        tail = e
-                    continue
-                m += 1
-                if size == capacity:
-                    v = head
-                    while stamp[v] == g:
-                        v = nxt[v]
-                    p, q = prv[v], nxt[v]
-                    if p >= 0:
-                        nxt[p] = q
-                    else:
-                        head = q
-                    if q >= 0:
-                        prv[q] = p
-                    else:
-                        tail = p
-                    resident[v] = False
-                    size -= 1
-                    ev += 1
-                resident[e] = True
-                size += 1
-                prv[e] = tail
-                nxt[e] = -1
-                if tail >= 0:
-                    nxt[tail] = e
-                else:
-                    head = e
-                tail = e
-            misses[g] = m
-            evictions[g] = ev
-        v = head
-        while v >= 0:
-            resident[v] = False
-            v = nxt[v]
-    return misses, evictions
+# ------------------------------------------------------------------------------ building blocks
+# A recency list is a doubly linked list over item ids (prv/nxt, -1 ends), head = least recent.
+@nb.njit(cache=True, inline="always")
+def _unlink(prv, nxt, e, head, tail):
+    p, q = prv[e], nxt[e]
+    if p >= 0:
+        nxt[p] = q
+    else:
+        head = q
+    if q >= 0:
+        prv[q] = p
+    else:
+        tail = p
+    return head, tail
 
 
-# ------------------------------------------------------------------------------ heap
+@nb.njit(cache=True, inline="always")
+def _append(prv, nxt, e, head, tail):
+    prv[e] = tail
+    nxt[e] = -1
+    if tail >= 0:
+        nxt[tail] = e
+    else:
+        head = e
+    return head, e
+
+
+@nb.njit(cache=True, inline="always")
+def _sorted_group(groups, g, buf, stamp):
+    """Copy group ``g``'s ids (padding dropped) into ``buf`` in ascending order, mark them
+    requested (``stamp[e] = g``); return how many."""
+    n = 0
+    for j in range(groups.shape[1]):
+        e = groups[g, j]
+        if e < 0:
+            continue
+        stamp[e] = g
+        i = n
+        while i > 0 and buf[i - 1] > e:
+            buf[i] = buf[i - 1]
+            i -= 1
+        buf[i] = e
+        n += 1
+    return n
+
+
 # A binary min-heap of residents ordered by (key, last use, id), stored inline in three arrays
 # (hk, hl, hi) so a comparison touches no other memory; pos[item] is the item's heap index.
 @nb.njit(cache=True, inline="always")
@@ -179,6 +144,105 @@ def _sift_down(hk, hl, hi, pos, i, size):
     pos[e] = i
 
 
+@nb.njit(cache=True, inline="always")
+def _push(hk, hl, hi, pos, size, key, last, e):
+    hk[size], hl[size], hi[size] = key, last, e
+    _sift_up(hk, hl, hi, pos, size)
+    return size + 1
+
+
+@nb.njit(cache=True)
+def _remove(hk, hl, hi, pos, size, e):
+    """Take ``e`` out of the heap; return the new size."""
+    r = pos[e]
+    size -= 1
+    if r != size:
+        moved = hi[size]
+        hk[r], hl[r], hi[r] = hk[size], hl[size], moved
+        pos[moved] = r
+        _sift_up(hk, hl, hi, pos, r)
+        _sift_down(hk, hl, hi, pos, pos[moved], size)
+    return size
+
+
+@nb.njit(cache=True)
+def _pop_victim(hk, hl, hi, pos, size, stamp, g, ak, al, ai):
+    """Pop the smallest resident not requested by group ``g`` (``stamp[e] == g``); requested ones
+    popped on the way go back. Return ``(victim, new size)``; the caller clears ``pos[victim]``."""
+    na = 0
+    while True:
+        tk, tl, top = hk[0], hl[0], hi[0]
+        size -= 1
+        if size > 0:
+            hk[0], hl[0], hi[0] = hk[size], hl[size], hi[size]
+            _sift_down(hk, hl, hi, pos, 0, size)
+        if stamp[top] != g:
+            break
+        ak[na], al[na], ai[na] = tk, tl, top
+        na += 1
+    for i in range(na):
+        size = _push(hk, hl, hi, pos, size, ak[i], al[i], ai[i])
+    return top, size
+
+
+# ------------------------------------------------------------------------------ LRU list
+@nb.njit(cache=True)
+def lru_loop(groups, starts, n_items, capacity):
+    """LRU by a recency list. Members of a group are moved to the tail in ascending id order, so
+    equal last use breaks ties by the smallest id."""
+    G, k = groups.shape
+    misses = np.zeros(G, dtype=np.int32)
+    evictions = np.zeros(G, dtype=np.int32)
+    prv = np.full(n_items, -1, dtype=np.int64)
+    nxt = np.full(n_items, -1, dtype=np.int64)
+    resident = np.zeros(n_items, dtype=np.bool_)
+    stamp = np.full(n_items, -1, dtype=np.int64)
+    buf = np.empty(k, dtype=np.int64)
+    for s in range(starts.size - 1):
+        head = -1
+        tail = -1
+        size = 0
+        for g in range(starts[s], starts[s + 1]):
+            n = _sorted_group(groups, g, buf, stamp)
+            m = 0
+            ev = 0
+            for i in range(n):
+                e = buf[i]
+                if resident[e]:
+                    if e != tail:  # move to the tail (inlined by hand: the hot path)
+                        p, q = prv[e], nxt[e]
+                        if p >= 0:
+                            nxt[p] = q
+                        else:
+                            head = q
+                        prv[q] = p
+                        prv[e] = tail
+                        nxt[e] = -1
+                        nxt[tail] = e
+                        tail = e
+                    continue
+                m += 1
+                if size == capacity:
+                    v = head
+                    while stamp[v] == g:
+                        v = nxt[v]
+                    head, tail = _unlink(prv, nxt, v, head, tail)
+                    resident[v] = False
+                    size -= 1
+                    ev += 1
+                resident[e] = True
+                size += 1
+                head, tail = _append(prv, nxt, e, head, tail)
+            misses[g] = m
+            evictions[g] = ev
+        v = head
+        while v >= 0:
+            resident[v] = False
+            v = nxt[v]
+    return misses, evictions
+
+
+# ------------------------------------------------------------------------------ heap
 @nb.njit(cache=True)
 def static_key_loop(groups, keys, starts, n_items, capacity):
     """Evict the resident with the smallest ``(key, last use, id)``; ``keys[g, j]`` is the key the
@@ -221,26 +285,10 @@ def static_key_loop(groups, keys, starts, n_items, capacity):
                     continue
                 m += 1
                 if size == capacity:
-                    na = 0
-                    while True:  # pop until the top is not requested by this group
-                        tk, tl, top = hk[0], hl[0], hi[0]
-                        size -= 1
-                        if size > 0:
-                            hk[0], hl[0], hi[0] = hk[size], hl[size], hi[size]
-                            _sift_down(hk, hl, hi, pos, 0, size)
-                        if stamp[top] != g:
-                            pos[top] = -1
-                            ev += 1
-                            break
-                        ak[na], al[na], ai[na] = tk, tl, top
-                        na += 1
-                    for i in range(na):  # requested residents go back
-                        hk[size], hl[size], hi[size] = ak[i], al[i], ai[i]
-                        _sift_up(hk, hl, hi, pos, size)
-                        size += 1
-                hk[size], hl[size], hi[size] = keys[g, j], t, e
-                _sift_up(hk, hl, hi, pos, size)
-                size += 1
+                    v, size = _pop_victim(hk, hl, hi, pos, size, stamp, g, ak, al, ai)
+                    pos[v] = -1
+                    ev += 1
+                size = _push(hk, hl, hi, pos, size, keys[g, j], t, e)
             misses[g] = m
             evictions[g] = ev
         for i in range(size):
@@ -248,32 +296,131 @@ def static_key_loop(groups, keys, starts, n_items, capacity):
     return misses, evictions
 
 
-# ------------------------------------------------------------------------------ scan
+# ------------------------------------------------------------------------------ foresight
 @nb.njit(cache=True)
-def scan_loop(groups, starts, n_items, capacity, nuse, key_fn, access_fn, fstate, istate, pf, pi):
-    """Evict by scanning the residents for the smallest ``(key_fn(...), last use, id)``.
+def foresight_loop(groups, nuse, starts, n_items, capacity, horizon):
+    """Farthest-future eviction that sees ``horizon`` steps ahead.
 
-    ``fstate``/``istate`` are the rule's per-item state (reset to 0 / -1 for each stream);
-    ``nuse`` is :func:`next_use` (or an empty ``[0, 0]`` array when the rule needs no future);
-    ``pf``/``pi`` are the rule's float and int parameters.
+    Residents whose next request is more than ``horizon`` steps away (or never) are *beyond* and
+    go first, least recently used first (a recency list, as in :func:`lru_loop`); the others are
+    *visible* and go farthest next request first (a heap keyed ``(-next, last use, id)``). A beyond
+    item turns visible at step ``next - horizon``: each such moment is queued as an event when the
+    item is accessed, and stale events (item evicted or re-accessed since) are skipped.
     """
     G, k = groups.shape
     misses = np.zeros(G, dtype=np.int32)
     evictions = np.zeros(G, dtype=np.int32)
-    has_future = nuse.shape[0] == G
+    next_req = np.full(n_items, _NEVER, dtype=np.int64)
+    where = np.zeros(n_items, dtype=np.int8)  # 0 absent, 1 beyond, 2 visible, 3 just loaded
+    prv = np.full(n_items, -1, dtype=np.int64)
+    nxt = np.full(n_items, -1, dtype=np.int64)
+    stamp = np.full(n_items, -1, dtype=np.int64)
+    pos = np.full(n_items, -1, dtype=np.int64)
+    hk = np.empty(capacity, dtype=np.float64)
+    hl = np.empty(capacity, dtype=np.int64)
+    hi = np.empty(capacity, dtype=np.int64)
+    ak = np.empty(k, dtype=np.float64)
+    al = np.empty(k, dtype=np.int64)
+    ai = np.empty(k, dtype=np.int64)
+    ev_head = np.full(G + 1, -1, dtype=np.int64)  # events due at each (global) step
+    ev_item = np.empty(G * k + 1, dtype=np.int64)
+    ev_next = np.empty(G * k + 1, dtype=np.int64)
+    buf = np.empty(k, dtype=np.int64)
+    n_ev = 0
+    for s in range(starts.size - 1):
+        a, b = starts[s], starts[s + 1]
+        head = -1
+        tail = -1
+        size = 0  # residents, both classes
+        hsize = 0  # visible residents
+        for g in range(a, b):
+            t = g - a
+            x = ev_head[g]  # beyond items whose next request comes into view now
+            while x >= 0:
+                e = ev_item[x]
+                if where[e] == 1 and next_req[e] - horizon == g:
+                    head, tail = _unlink(prv, nxt, e, head, tail)
+                    where[e] = 2
+                    hsize = _push(hk, hl, hi, pos, hsize, -float(next_req[e] - a), stamp[e] - a, e)
+                x = ev_next[x]
+            n = _sorted_group(groups, g, buf, stamp)
+            m = 0
+            ev = 0
+            for i in range(n):  # misses: the least recent beyond resident goes, else the farthest visible
+                e = buf[i]
+                if where[e] != 0:
+                    continue
+                m += 1
+                if size == capacity:
+                    v = head
+                    while v >= 0 and stamp[v] == g:
+                        v = nxt[v]
+                    if v >= 0:
+                        head, tail = _unlink(prv, nxt, v, head, tail)
+                    else:
+                        v, hsize = _pop_victim(hk, hl, hi, pos, hsize, stamp, g, ak, al, ai)
+                    where[v] = 0
+                    size -= 1
+                    ev += 1
+                where[e] = 3
+                size += 1
+            for j in range(k):
+                e = groups[g, j]
+                if e >= 0:
+                    next_req[e] = nuse[g, j]
+            for i in range(n):  # members take their class in ascending id order (ties: smallest id first)
+                e = buf[i]
+                if where[e] == 1:
+                    head, tail = _unlink(prv, nxt, e, head, tail)
+                elif where[e] == 2:
+                    hsize = _remove(hk, hl, hi, pos, hsize, e)
+                if next_req[e] - g <= horizon:
+                    where[e] = 2
+                    hsize = _push(hk, hl, hi, pos, hsize, -float(next_req[e] - a), t, e)
+                else:
+                    where[e] = 1
+                    head, tail = _append(prv, nxt, e, head, tail)
+                    if next_req[e] != _NEVER:
+                        due = next_req[e] - horizon
+                        ev_item[n_ev] = e
+                        ev_next[n_ev] = ev_head[due]
+                        ev_head[due] = n_ev
+                        n_ev += 1
+            misses[g] = m
+            evictions[g] = ev
+        v = head
+        while v >= 0:
+            where[v] = 0
+            v = nxt[v]
+        for r in range(hsize):
+            where[hi[r]] = 0
+    return misses, evictions
+
+
+# ------------------------------------------------------------------------------ random
+@nb.njit(cache=True, inline="always")
+def mix64(seed, t, e):
+    """splitmix64 of ``seed * M1 + t * M2 + e * M3`` as a float in [0, 1) (see policies.randomized)."""
+    x = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(t) * np.uint64(0xBF58476D1CE4E5B9) \
+        + np.uint64(e) * np.uint64(0x94D049BB133111EB)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return float(x >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+@nb.njit(cache=True)
+def random_loop(groups, starts, n_items, capacity, seed):
+    """Evict the candidate with the smallest ``mix64(seed, step, item)``, scanning the residents."""
+    G, k = groups.shape
+    misses = np.zeros(G, dtype=np.int32)
+    evictions = np.zeros(G, dtype=np.int32)
     last = np.zeros(n_items, dtype=np.int64)
-    nxt = np.full(n_items, _NEVER, dtype=np.int64)
     rpos = np.full(n_items, -1, dtype=np.int64)
     stamp = np.full(n_items, -1, dtype=np.int64)
     res = np.empty(capacity, dtype=np.int64)
     for s in range(starts.size - 1):
         a, b = starts[s], starts[s + 1]
-        for g in range(a, b):
-            for j in range(k):
-                e = groups[g, j]
-                if e >= 0:
-                    fstate[e] = 0.0
-                    istate[e] = -1
         size = 0
         for g in range(a, b):
             t = g - a
@@ -295,7 +442,7 @@ def scan_loop(groups, starts, n_items, capacity, nuse, key_fn, access_fn, fstate
                         c = res[i]
                         if stamp[c] == g:
                             continue
-                        kc = key_fn(c, t, fstate, istate, nxt, pf, pi)
+                        kc = mix64(seed, t, c)
                         if best < 0 or kc < bk or (kc == bk and (last[c] < last[best] or (last[c] == last[best] and c < best))):
                             best = c
                             bk = kc
@@ -312,9 +459,6 @@ def scan_loop(groups, starts, n_items, capacity, nuse, key_fn, access_fn, fstate
                 e = groups[g, j]
                 if e >= 0:
                     last[e] = t
-                    if has_future:
-                        nxt[e] = nuse[g, j] - a if nuse[g, j] != _NEVER else _NEVER
-                    access_fn(e, t, fstate, istate, pf, pi)
             misses[g] = m
             evictions[g] = ev
         for i in range(size):
@@ -341,24 +485,24 @@ class StaticKeyPlan:
         return static_key_loop(layout.groups, keys, layout.starts, layout.n_items, capacity)
 
 
-class ScanPlan:
-    """Run :func:`scan_loop` with a rule's compiled ``key``/``access`` functions."""
+class ForesightPlan:
+    """Run :func:`foresight_loop` with a horizon in steps."""
 
-    def __init__(self, key_fn, access_fn, pf=None, pi=None, needs_future=False):
-        self.key_fn = key_fn
-        self.access_fn = access_fn
-        self.pf = np.zeros(1) if pf is None else np.ascontiguousarray(pf, dtype=np.float64)
-        self.pi = np.zeros(1, dtype=np.int64) if pi is None else np.ascontiguousarray(pi, dtype=np.int64)
-        self.needs_future = needs_future
+    def __init__(self, horizon_steps: int):
+        self.horizon = int(horizon_steps)
 
     def run(self, layout, capacity):
-        nuse = layout.next_use if self.needs_future else np.zeros((0, 0), dtype=np.int64)
-        fstate = np.zeros(layout.n_items, dtype=np.float64)
-        istate = np.full(layout.n_items, -1, dtype=np.int64)
-        return scan_loop(
-            layout.groups, layout.starts, layout.n_items, capacity, nuse,
-            self.key_fn, self.access_fn, fstate, istate, self.pf, self.pi,
-        )
+        return foresight_loop(layout.groups, layout.next_use, layout.starts, layout.n_items, capacity, self.horizon)
+
+
+class RandomPlan:
+    """Run :func:`random_loop` with a seed."""
+
+    def __init__(self, seed: int):
+        self.seed = int(seed)
+
+    def run(self, layout, capacity):
+        return random_loop(layout.groups, layout.starts, layout.n_items, capacity, self.seed)
 
 
 @nb.njit(cache=True)

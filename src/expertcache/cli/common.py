@@ -16,16 +16,19 @@ def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (one object per line) instead of a table")
 
 
-def add_replay_options(p: argparse.ArgumentParser) -> None:
-    """Options that shape the streams a replay serves (DESIGN section 2)."""
-    p.add_argument("--pool", choices=("layer", "global"), default="layer",
-                   help="'layer': one pool of CAPACITY per layer (default); 'global': one pool of CAPACITY (layer, expert) items")
+def add_replay_options(p: argparse.ArgumentParser, *, pool: bool = True, warm: float | None = 0.0) -> None:
+    """Options that shape the streams a replay serves (DESIGN section 2). ``pool=False`` leaves out
+    ``--pool``; ``warm`` is the default of ``--warm`` (``None`` leaves the option out)."""
+    if pool:
+        p.add_argument("--pool", choices=("layer", "global"), default="layer",
+                       help="'layer': one pool of CAPACITY per layer (default); 'global': one pool of CAPACITY (layer, expert) items")
     p.add_argument("--reset", choices=("sequence", "none"), default="sequence",
                    help="empty the pools at each sequence (default) or carry them over")
     p.add_argument("--layers", type=parse_layers, default=None, metavar="IDS",
                    help="layer ids to replay, e.g. '4-8' or '4,5,11' (default: all)")
-    p.add_argument("--warm", type=fraction, default=0.0, metavar="W",
-                   help="unscored warm-up fraction of each stream, e.g. 0.6 (default 0)")
+    if warm is not None:
+        p.add_argument("--warm", type=fraction, default=warm, metavar="W",
+                       help=f"unscored warm-up fraction of each stream, e.g. 0.6 (default {warm:g})")
 
 
 def fraction(text: str) -> float:
@@ -113,3 +116,11 @@ def describe(trace: Trace) -> str:
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def setup_line(run, what: str) -> str:
+    """``run``: a ReplayResult or MissRatioCurve (both carry layers, reset, tokens and warm)."""
+    return (
+        f"{what}, {len(run.layers)} layer(s), reset at {'each sequence' if run.reset == 'sequence' else 'no point'}, "
+        f"scored tokens {run.tokens}" + (f" (warm fraction {run.warm:g})" if run.warm else "")
+    )

@@ -16,6 +16,13 @@ from ..errors import ExpertcacheError
 
 COMMAND_MODULES = [
     "replay_cmd",
+    "trace_cmds",
+    "bounds_cmd",
+    "synth_cmd",
+    "stats_cmd",
+    "curves_cmd",
+    "eval_cmd",
+    "demo_cmd",
 ]
 
 

@@ -6,7 +6,7 @@ import argparse
 
 from ..policies import available_policies, make_policy
 from ..sim import build_layout, fill_gap, replay_layout
-from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, table
+from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, setup_line, table
 
 HELP = """Replay a trace through eviction policies at one capacity (lossless, demand fetch).
 
@@ -40,14 +40,16 @@ def run(args) -> int:
         emit_json(r.to_dict() | {"trace": trace.name} for r in results)
         return 0
     print(describe(trace))
-    print(
-        f"capacity {args.capacity} per {'pool shared by all layers' if args.pool == 'global' else 'layer'}, "
-        f"{len(layout.layer_ids)} layer(s), reset at {'each sequence' if args.reset == 'sequence' else 'no point'}, "
-        f"scored tokens {layout.tokens}" + (f" (warm fraction {args.warm:g})" if args.warm else "")
-    )
+    unit = "in the global pool" if args.pool == "global" else "per layer"
+    print(setup_line(results[0], f"capacity {args.capacity} {unit}"))
+    print_results(results)
+    return 0
+
+
+def print_results(results) -> None:
+    """The policy table: copies/token, steady and total copies, hit rate, gap recovered."""
     rows = [
         (r.policy, r.copies_per_token, r.copies_steady, r.copies_total, r.hit_rate, r.gap_recovered)
         for r in results
     ]
     table(rows, ["policy", "copies/token", "steady", "total", "hit rate", "gap recovered"])
-    return 0

@@ -7,24 +7,11 @@ horizon is ``h * steps_per_token`` steps.
 
 from __future__ import annotations
 
-import numba as nb
 import numpy as np
 
-from ..kernels import ScanPlan
+from ..kernels import ForesightPlan
 from .base import Policy, parse_int
 from .registry import register
-
-
-@nb.njit(cache=True)
-def _key(e, t, fstate, istate, nxt, pf, pi):
-    if nxt[e] - t > pi[0]:
-        return -np.inf
-    return -float(nxt[e])
-
-
-@nb.njit(cache=True)
-def _access(e, t, fstate, istate, pf, pi):
-    pass
 
 
 @register
@@ -51,4 +38,4 @@ class Foresight(Policy):
         return np.where(nu - t > self.horizon * self.steps_per_token, -np.inf, -nu.astype(np.float64))
 
     def plan(self, layout):
-        return ScanPlan(_key, _access, pi=[self.horizon * layout.steps_per_token], needs_future=True)
+        return ForesightPlan(self.horizon * layout.steps_per_token)

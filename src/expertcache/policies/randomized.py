@@ -5,10 +5,9 @@ draws the same victims."""
 
 from __future__ import annotations
 
-import numba as nb
 import numpy as np
 
-from ..kernels import ScanPlan
+from ..kernels import RandomPlan
 from .base import Policy, parse_int
 from .registry import register
 
@@ -25,20 +24,6 @@ def hash_keys(seed: int, t: int, items: np.ndarray) -> np.ndarray:
         x = (x ^ (x >> np.uint64(27))) * _M3
         x = x ^ (x >> np.uint64(31))
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
-
-
-@nb.njit(cache=True)
-def _key(e, t, fstate, istate, nxt, pf, pi):
-    x = np.uint64(pi[0]) * _M1 + np.uint64(t) * _M2 + np.uint64(e) * _M3
-    x = (x ^ (x >> np.uint64(30))) * _M2
-    x = (x ^ (x >> np.uint64(27))) * _M3
-    x = x ^ (x >> np.uint64(31))
-    return float(x >> np.uint64(11)) * (1.0 / 9007199254740992.0)
-
-
-@nb.njit(cache=True)
-def _access(e, t, fstate, istate, pf, pi):
-    pass
 
 
 @register
@@ -61,4 +46,4 @@ class Random(Policy):
         return hash_keys(self.seed, t, candidates)
 
     def plan(self, layout):
-        return ScanPlan(_key, _access, pi=[self.seed])
+        return RandomPlan(self.seed)

@@ -159,7 +159,7 @@ def replay_layout(layout: StreamLayout, capacity: int, policy: "str | Policy", *
     if engine not in ENGINES:
         raise ConfigError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
     policy = make_policy(policy)
-    capacity = _check_capacity(layout, capacity)
+    capacity = check_capacity(layout, capacity)
     t0 = time.perf_counter()
     plan = policy.plan(layout) if engine != "python" else None
     if plan is None and engine == "compiled":
@@ -174,7 +174,8 @@ def replay_layout(layout: StreamLayout, capacity: int, policy: "str | Policy", *
     return _tally(layout, capacity, policy.spec, misses, evictions, used, seconds)
 
 
-def _check_capacity(layout: StreamLayout, capacity) -> int:
+def check_capacity(layout: StreamLayout, capacity) -> int:
+    """``capacity`` as an int, or a ConfigError if it is not one or cannot hold the widest group."""
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
         raise ConfigError(f"capacity must be an integer, got {capacity!r}")
     widest = int(layout.requests.max()) if layout.requests.size else 0

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .._io import atomic_open
-from ..errors import TraceError
+from ..errors import ConfigError, TraceError
 
 PHASES = ("decode", "prefill", "teacher-forced", "mixed", "unknown")
 CORE_ARRAYS = ("experts", "seq", "probs", "router_probs")
@@ -381,8 +381,6 @@ def _ranges(ids: Sequence[int]) -> str:
 
 def parse_layers(spec: str | None) -> list[int] | None:
     """Parse ``"4-8"``, ``"4,5,6"`` or ``"2,4-6"`` into layer ids (``None``/``"all"``: every layer)."""
-    from ..errors import ConfigError
-
     if spec is None or spec.strip() in ("", "all"):
         return None
     out: list[int] = []

@@ -1,0 +1,433 @@
+"""Locality statistics of a router trace: skew, recency, concentration, coverage, hot-set overlap.
+
+Every number is defined in ``docs/locality.md`` (the contract); in short, per layer ``l``:
+
+* ``zipf_alpha``: minus the least-squares slope of ``log count`` on ``log rank`` over the experts
+  with a nonzero count at ``l`` (rank 1 = most selected); NaN with fewer than two such experts.
+* ``reuse_w{W}``: mean over *scored* tokens of the fraction of the token's experts at ``l`` that
+  the same sequence used at ``l`` within the ``W`` previous decode steps. A token is scored when
+  the row of the step just before it is in the trace (same sequence, ``step`` one less), the
+  ``reuse_prev_token`` convention of ``shared/traces``; rows are placed by the ``step`` extra when
+  the trace has one (a jump marks dropped rows), else by position. The scored set does not depend
+  on ``W``, so ``reuse_w{W}`` never decreases as ``W`` grows.
+* ``top_share``: share of the layer's selections that went to its ``N`` most selected experts.
+* ``distinct``: experts selected at least once; ``coverage`` = ``distinct / E``.
+
+Overall values are the mean over layers of the per-layer values (layers where a value is
+undefined are left out). ``coverage_curve`` is the share of the whole pool (``L * E`` pairs of
+layer and expert) touched by the first ``n`` tokens in trace order. Hot sets (the top ``N``
+experts of a layer, ties to the smaller id, zero counts never included) of two traces are
+compared by Jaccard overlap per shared layer id.
+
+All functions are vectorised with numpy; memory is bounded by one layer's ``T * k`` selections.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError, TraceError
+from ..trace import Trace
+
+DEFAULT_WINDOWS = (1, 8, 64)
+"""Reuse windows (decode steps) reported by default: Table 1 of the tiering paper (seed 004)."""
+
+DEFAULT_TOP = 8
+"""Hot-set size N by default: the paper's top-8 share."""
+
+NO_EARLIER_USE = np.iinfo(np.int64).max
+"""Gap of a selection whose expert the sequence never used before at that layer (and of padding)."""
+
+
+# ---------------------------------------------------------------------------- primitives
+def token_steps(trace: Trace) -> np.ndarray:
+    """int64 ``[T]``: each row's decode step inside its sequence.
+
+    The ``step`` extra when the trace has one (it must be integer ``[T]`` and strictly increasing
+    within each sequence), else the row's position in its sequence (0, 1, 2, ...).
+    """
+    T = trace.num_tokens
+    bounds = trace.seq_bounds
+    step = trace.extras.get("step")
+    if step is None:
+        starts = np.repeat(bounds[:-1], np.diff(bounds))
+        return np.arange(T, dtype=np.int64) - starts
+    step = np.asarray(step)
+    if step.shape != (T,) or step.dtype.kind not in "iu":
+        raise TraceError(f"{trace.source}: step: expected integer shape ({T},), got {step.dtype} {step.shape}")
+    step = step.astype(np.int64)
+    first = np.zeros(T, dtype=bool)
+    first[bounds[:-1]] = True
+    bad = np.flatnonzero(~first[1:] & (step[1:] <= step[:-1])) + 1
+    if bad.size:
+        t = int(bad[0])
+        raise TraceError(
+            f"{trace.source}: step: not increasing inside a sequence at token {t} "
+            f"(step {int(step[t - 1])} then {int(step[t])})"
+        )
+    return step
+
+
+def scored_tokens(trace: Trace, steps: np.ndarray | None = None) -> np.ndarray:
+    """bool ``[T]``: rows whose previous decode step (same sequence, step - 1) is in the trace."""
+    steps = token_steps(trace) if steps is None else steps
+    out = np.zeros(trace.num_tokens, dtype=bool)
+    out[1:] = (trace.seq[1:] == trace.seq[:-1]) & (steps[1:] - steps[:-1] == 1)
+    return out
+
+
+def expert_counts(trace: Trace) -> np.ndarray:
+    """int64 ``[L, E]``: how many tokens selected each expert at each layer (padding ignored)."""
+    L, E = trace.num_layers, trace.num_experts
+    ex = trace.experts
+    layer = np.broadcast_to(np.arange(L)[None, :, None], ex.shape)
+    valid = ex >= 0
+    keys = layer[valid].astype(np.int64) * E + ex[valid]
+    return np.bincount(keys, minlength=L * E).reshape(L, E)
+
+
+def zipf_alpha(counts: Sequence[int] | np.ndarray) -> float:
+    """Rank-frequency slope of one layer's counts.
+
+    Sort the nonzero counts in descending order, give them ranks 1..n, and fit
+    ``log count = c - alpha * log rank`` by ordinary least squares; returns ``alpha``.
+    NaN when fewer than two experts have a nonzero count (no slope to fit).
+    """
+    c = np.asarray(counts, dtype=np.float64).ravel()
+    c = np.sort(c[c > 0])[::-1]
+    if c.size < 2:
+        return math.nan
+    x = np.log(np.arange(1, c.size + 1, dtype=np.float64))
+    y = np.log(c)
+    x -= x.mean()
+    return float(-(x @ (y - y.mean())) / (x @ x))
+
+
+def top_share(counts: np.ndarray, n: int = DEFAULT_TOP) -> np.ndarray | float:
+    """Share of selections taken by the ``n`` most selected experts, per row of ``counts``.
+
+    ``counts`` is ``[E]`` (returns a float) or ``[L, E]`` (returns ``[L]``); NaN where a row is all zero.
+    """
+    if n < 1:
+        raise ConfigError(f"top: expected a positive number of experts, got {n}")
+    c = np.asarray(counts, dtype=np.float64)
+    top = -np.sort(-c, axis=-1)[..., :n].sum(axis=-1)
+    total = c.sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.where(total > 0, top / np.where(total > 0, total, 1), np.nan)
+    return float(share) if share.ndim == 0 else share
+
+
+def hot_sets(counts: np.ndarray, n: int = DEFAULT_TOP) -> np.ndarray:
+    """bool ``[L, E]``: each layer's hot set, its ``n`` most selected experts.
+
+    Ties go to the smaller expert id; experts never selected are never hot, so a layer that
+    used fewer than ``n`` experts has a smaller hot set.
+    """
+    if n < 1:
+        raise ConfigError(f"top: expected a positive number of experts, got {n}")
+    c = np.atleast_2d(np.asarray(counts))
+    L, E = c.shape
+    # Stable sort on -count keeps ascending id order among equal counts.
+    order = np.argsort(-c, axis=1, kind="stable")[:, :n]
+    hot = np.zeros((L, E), dtype=bool)
+    np.put_along_axis(hot, order, True, axis=1)
+    return hot & (c > 0)
+
+
+def reuse_gaps(trace: Trace, layer: int, steps: np.ndarray | None = None) -> np.ndarray:
+    """int64 ``[T, k]`` for the layer at column ``layer``: steps since the same sequence last
+    selected the same expert at that layer; :data:`NO_EARLIER_USE` for a first use and for padding.
+    ``steps`` is :func:`token_steps` of the trace (computed when not given)."""
+    ex = trace.experts[:, layer, :]
+    T, k = ex.shape
+    steps = token_steps(trace) if steps is None else steps
+    bounds = trace.seq_bounds
+    seq_index = np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(bounds))
+    flat = ex.reshape(-1)
+    pos = np.flatnonzero(flat >= 0)
+    tok = pos // k
+    key = seq_index[tok] * trace.num_experts + flat[pos]
+    if key.size and key.max() < 2**16:
+        key = key.astype(np.uint16)  # numpy sorts 16-bit keys by radix: several times faster
+    order = np.argsort(key, kind="stable")  # within one key, tokens stay in trace order
+    key_s, tok_s = key[order], tok[order]
+    gap_s = np.full(pos.size, NO_EARLIER_USE, dtype=np.int64)
+    same = key_s[1:] == key_s[:-1]
+    gap_s[1:][same] = steps[tok_s[1:][same]] - steps[tok_s[:-1][same]]
+    gaps = np.full(T * k, NO_EARLIER_USE, dtype=np.int64)
+    gaps[pos[order]] = gap_s
+    return gaps.reshape(T, k)
+
+
+def reuse_within(trace: Trace, windows: Iterable[int] = DEFAULT_WINDOWS) -> np.ndarray:
+    """float ``[len(windows), L]``: per layer, the mean over scored tokens of the fraction of a
+    token's experts that its sequence used at that layer within the previous ``W`` steps.
+
+    See the module docstring for which tokens are scored; NaN for a layer with none.
+    """
+    windows = _check_windows(windows)
+    steps = token_steps(trace)
+    scored = scored_tokens(trace, steps)
+    out = np.full((len(windows), trace.num_layers), np.nan)
+    for col in range(trace.num_layers):
+        gaps = reuse_gaps(trace, col, steps)
+        n_valid = np.count_nonzero(trace.experts[:, col, :] >= 0, axis=1)
+        rows = scored & (n_valid > 0)
+        if not rows.any():
+            continue
+        g, nv = gaps[rows], n_valid[rows]
+        for i, w in enumerate(windows):
+            out[i, col] = float(np.mean(np.count_nonzero(g <= w, axis=1) / nv))
+    return out
+
+
+def coverage_curve(trace: Trace, checkpoints: Iterable[int] | None = None) -> list[tuple[int, float]]:
+    """``(n, share)`` pairs: the share of the pool's ``L * E`` (layer, expert) pairs selected by
+    the first ``n`` tokens in trace order. Default checkpoints: 16, 64, 256, ... below ``T``, and ``T``."""
+    T, L, k = trace.experts.shape
+    E = trace.num_experts
+    if checkpoints is None:
+        checkpoints = [4**i for i in range(2, 40) if 4**i < T] + [T]
+    points = sorted({min(int(n), T) for n in checkpoints if int(n) > 0})
+    first_token = np.full(L * E, T, dtype=np.int64)  # T: never selected
+    for col in range(L):
+        ex = trace.experts[:, col, :]
+        tok, slot = np.nonzero(ex >= 0)
+        ids = ex[tok, slot].astype(np.int64)
+        np.minimum.at(first_token, col * E + ids, tok)
+    seen_by = np.cumsum(np.bincount(first_token, minlength=T + 1)[:T])  # seen_by[n-1]: touched by n tokens
+    return [(n, float(seen_by[n - 1]) / (L * E)) for n in points]
+
+
+def _check_windows(windows: Iterable[int]) -> list[int]:
+    out = sorted({int(w) for w in windows})
+    if not out or out[0] < 1:
+        raise ConfigError(f"windows: expected positive step counts, got {list(windows)}")
+    return out
+
+
+# ---------------------------------------------------------------------------- reports
+@dataclass
+class LayerLocality:
+    """The locality statistics of one layer (definitions in the module docstring)."""
+
+    layer: int
+    selections: int
+    distinct: int
+    coverage: float
+    zipf_alpha: float
+    top_share: float
+    reuse: dict[int, float]
+
+    def to_dict(self, top: int) -> dict:
+        return {
+            "layer": self.layer,
+            "selections": self.selections,
+            "distinct": self.distinct,
+            "coverage": self.coverage,
+            "zipf_alpha": self.zipf_alpha,
+            f"top{top}_share": self.top_share,
+            **{f"reuse_w{w}": v for w, v in self.reuse.items()},
+        }
+
+
+@dataclass
+class LocalityReport:
+    """Per-layer and overall locality of one trace; overall values are means over layers."""
+
+    name: str
+    num_experts: int
+    top_k: int
+    tokens: int
+    sequences: int
+    scored_tokens: int
+    windows: list[int]
+    top: int
+    layers: list[LayerLocality]
+    coverage: list[tuple[int, float]] = field(default_factory=list)
+    hot: np.ndarray | None = field(default=None, repr=False)
+    """bool ``[L, E]`` hot sets (top ``top`` experts per layer), kept for overlap comparisons."""
+    layer_ids: list[int] = field(default_factory=list)
+    model: str | None = None
+
+    @property
+    def zipf_alpha(self) -> float:
+        return _mean(x.zipf_alpha for x in self.layers)
+
+    @property
+    def top_share(self) -> float:
+        return _mean(x.top_share for x in self.layers)
+
+    def reuse(self, window: int) -> float:
+        return _mean(x.reuse[window] for x in self.layers)
+
+    @property
+    def distinct(self) -> tuple[float, int, int]:
+        """(mean, min, max) distinct experts per layer."""
+        d = [x.distinct for x in self.layers]
+        return float(np.mean(d)), int(min(d)), int(max(d))
+
+    @property
+    def coverage_final(self) -> float:
+        return self.coverage[-1][1] if self.coverage else math.nan
+
+    def summary(self) -> dict:
+        """Overall values, keyed as in the JSON record."""
+        mean, lo, hi = self.distinct
+        return {
+            "zipf_alpha": self.zipf_alpha,
+            **{f"reuse_w{w}": self.reuse(w) for w in self.windows},
+            f"top{self.top}_share": self.top_share,
+            "distinct_mean": mean,
+            "distinct_min": lo,
+            "distinct_max": hi,
+            "coverage": self.coverage_final,
+        }
+
+    def to_dict(self) -> dict:
+        """The JSON record of ``expertcache stats --json`` (one per trace)."""
+        return {
+            "kind": "trace",
+            "trace": self.name,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "layers": len(self.layers),
+            "tokens": self.tokens,
+            "sequences": self.sequences,
+            "scored_tokens": self.scored_tokens,
+            "windows": self.windows,
+            "top": self.top,
+            **self.summary(),
+            "coverage_curve": [{"tokens": n, "coverage": c} for n, c in self.coverage],
+            "per_layer": [x.to_dict(self.top) for x in self.layers],
+        }
+
+
+def locality_report(
+    trace: Trace,
+    *,
+    windows: Iterable[int] = DEFAULT_WINDOWS,
+    top: int = DEFAULT_TOP,
+    checkpoints: Iterable[int] | None = None,
+) -> LocalityReport:
+    """Every locality statistic of ``trace`` (per layer, overall, coverage curve, hot sets)."""
+    windows = _check_windows(windows)
+    counts = expert_counts(trace)
+    reuse = reuse_within(trace, windows)
+    shares = top_share(counts, top)
+    E = trace.num_experts
+    layers = []
+    for col, lid in enumerate(trace.layer_ids):
+        distinct = int(np.count_nonzero(counts[col]))
+        layers.append(LayerLocality(
+            layer=lid,
+            selections=int(counts[col].sum()),
+            distinct=distinct,
+            coverage=distinct / E,
+            zipf_alpha=zipf_alpha(counts[col]),
+            top_share=float(shares[col]),
+            reuse={w: float(reuse[i, col]) for i, w in enumerate(windows)},
+        ))
+    return LocalityReport(
+        name=trace.name,
+        num_experts=E,
+        top_k=trace.top_k,
+        tokens=trace.num_tokens,
+        sequences=trace.num_sequences,
+        scored_tokens=int(np.count_nonzero(scored_tokens(trace))),
+        windows=windows,
+        top=top,
+        layers=layers,
+        coverage=coverage_curve(trace, checkpoints),
+        hot=hot_sets(counts, top),
+        layer_ids=trace.layer_ids,
+        model=trace.meta.get("model"),
+    )
+
+
+# ---------------------------------------------------------------------------- hot-set overlap
+@dataclass
+class PairOverlap:
+    """Jaccard overlap of two traces' hot sets, per layer id the two share.
+
+    ``jaccard`` maps layer id to ``|A & B| / |A | B|`` (NaN when both hot sets are empty);
+    ``reason`` says why the pair is not comparable (then ``jaccard`` is empty).
+    """
+
+    a: str
+    b: str
+    top: int
+    jaccard: dict[int, float]
+    reason: str | None = None
+
+    @property
+    def mean(self) -> float:
+        return _mean(self.jaccard.values())
+
+    @property
+    def min(self) -> float:
+        return min(self._defined, default=math.nan)
+
+    @property
+    def max(self) -> float:
+        return max(self._defined, default=math.nan)
+
+    @property
+    def _defined(self) -> list[float]:
+        return [v for v in self.jaccard.values() if not math.isnan(v)]
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "overlap",
+            "a": self.a,
+            "b": self.b,
+            "top": self.top,
+            "layers": len(self.jaccard),
+            "jaccard_mean": self.mean,
+            "jaccard_min": self.min,
+            "jaccard_max": self.max,
+            "per_layer": [{"layer": lid, "jaccard": v} for lid, v in self.jaccard.items()],
+            "reason": self.reason,
+        }
+
+
+def hot_set_overlap(a: LocalityReport, b: LocalityReport) -> PairOverlap:
+    """Jaccard overlap of the hot sets of two reports (built with the same ``top``).
+
+    Comparable only when both traces come from the same model (their ``meta["model"]`` agree when
+    both have one), have the same number of experts and share at least one layer id; otherwise
+    ``reason`` says why and ``jaccard`` is empty.
+    """
+    if a.top != b.top:
+        raise ConfigError(f"hot sets of different sizes ({a.top} and {b.top}) cannot be compared")
+    pair = PairOverlap(a=a.name, b=b.name, top=a.top, jaccard={})
+    if a.model and b.model and a.model != b.model:
+        pair.reason = f"different models ({_short(a.model)} vs {_short(b.model)})"
+        return pair
+    if a.num_experts != b.num_experts:
+        pair.reason = f"different expert counts (E={a.num_experts} vs E={b.num_experts})"
+        return pair
+    shared = [lid for lid in a.layer_ids if lid in set(b.layer_ids)]
+    if not shared:
+        pair.reason = "no layer id in common"
+        return pair
+    for lid in shared:
+        ha, hb = a.hot[a.layer_ids.index(lid)], b.hot[b.layer_ids.index(lid)]
+        union = np.count_nonzero(ha | hb)
+        pair.jaccard[lid] = np.count_nonzero(ha & hb) / union if union else math.nan
+    return pair
+
+
+def _short(model: str) -> str:
+    """A model name without its parenthesised details."""
+    return model.split(" (")[0]
+
+
+def _mean(values: Iterable[float]) -> float:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return float(np.mean(vals)) if vals else math.nan

@@ -1,0 +1,169 @@
+"""``expertcache eval``: a Hugging Face MoE checkpoint with offloaded experts, one pass per policy.
+
+torch and transformers are imported only when the command runs, so the rest of the CLI works
+without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..policies import available_policies
+from ..trace import parse_layers
+from .common import add_json, emit_json, positive_int, table
+
+HELP = """Teacher-force token sequences through a Hugging Face MoE checkpoint whose experts live in host
+memory behind CAPACITY device slots per offloaded layer, once per policy, and compare each run
+with the all-resident reference.
+
+Per policy: next-token NLL and the reference NLL (all experts resident), 'exact' when they agree
+within --tolerance (every policy here is lossless: a miss fails the command with exit status 1),
+copies (fill = those that first fill each sequence's empty pool, steady = the rest; copies/token =
+steady copies over all offloaded layers / tokens), tokens/s (CUDA events on a GPU, perf_counter
+on the CPU), copy time, and whether the copies equal a replay of the run's own captured trace.
+
+--mode decode feeds one token per forward with a KV cache (token-by-token decoding, as in the
+seeds' harness); --mode forward runs one forward per sequence, in which every offloaded layer
+still serves its tokens one cache step at a time: both make the same copies. Clairvoyant policies
+(belady, foresight:h) read the future from the reference pass's trace, which --capture saves.
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate policies live on a Hugging Face MoE checkpoint", description=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (save_pretrained layout)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", metavar="IDS.npy",
+                     help="token ids: a 1-d stream cut into --max-len sequences, or a 2-d [sequences, tokens] array")
+    src.add_argument("--text", metavar="FILE", help="UTF-8 text, tokenized with the checkpoint's tokenizer")
+    p.add_argument("--capacity", "-c", type=positive_int, required=True, help="device slots per offloaded layer")
+    p.add_argument("--policy", "-p", action="append", dest="policies", metavar="POLICY",
+                   help=f"repeatable; one of {', '.join(available_policies())} (default: lru and belady)")
+    p.add_argument("--layers", type=parse_layers, default=None, metavar="IDS",
+                   help="MoE layers to offload, e.g. '4-8' or '4,5,11' (default: all)")
+    p.add_argument("--max-len", type=positive_int, default=384, metavar="N", help="tokens per sequence (default 384)")
+    p.add_argument("--max-sequences", type=positive_int, default=None, metavar="N", help="evaluate at most N sequences")
+    p.add_argument("--mode", choices=("decode", "forward"), default="decode",
+                   help="one token per forward with a KV cache (default), or one forward per sequence")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights dtype (default: the checkpoint's)")
+    p.add_argument("--capture", metavar="OUT.npz", help="save the reference pass's router trace (canonical .npz)")
+    p.add_argument("--router-probs", action="store_true", help="include the full router softmax in --capture")
+    p.add_argument("--tolerance", type=float, default=5e-3, metavar="NATS",
+                   help="largest |nll - nll_reference| a lossless policy may show (default 5e-3)")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    hf = _import_hf()
+    model = _load_model(args.model, args.device, args.dtype)
+    if args.tokens:
+        ids = _read_tokens(args.tokens)
+    else:
+        ids = _read_text(args.model, args.text)
+    sequences = hf.split_tokens(ids, args.max_len, args.max_sequences)
+    evaluation = hf.evaluate(
+        model, sequences, args.capacity, args.policies or ["lru", "belady"], args.layers,
+        mode=args.mode, tolerance=args.tolerance, router_probs=args.router_probs,
+        progress=sys.stderr.isatty() and not args.json,
+    )
+    if args.capture:
+        evaluation.trace.save(args.capture)
+    records = [r.to_dict() | {"model": args.model} for r in evaluation.results]
+    if args.json:
+        emit_json(records)
+    else:
+        _print_table(args, evaluation, records)
+    failures = evaluation.failures()
+    for line in failures:
+        print(f"expertcache eval: error: {line}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _print_table(args, evaluation, records) -> None:
+    first = records[0]
+    print(
+        f"model {args.model}: {first['sequences']} sequence(s), {first['tokens']} tokens, mode {first['mode']}, "
+        f"device {first['device']}; capacity {args.capacity} of {evaluation.trace.num_experts} experts in layers "
+        f"{','.join(map(str, first['layers']))}"
+    )
+    print(f"reference (all experts resident): nll {evaluation.reference.nll:.5f}, {evaluation.reference.tokens_per_s:.1f} tokens/s")
+    rows = [
+        (r["policy"], r["nll"], r["nll_delta"], "yes" if r["exact"] else "NO", r["copies_per_token"], r["copies_steady"],
+         r["copies_total"], r["tokens_per_s"], r["speed_vs_reference"], r["copy_seconds"], "yes" if r["replay_agrees"] else "NO")
+        for r in records
+    ]
+    table(rows, ["policy", "nll", "delta", "exact", "copies/token", "steady", "total", "tok/s", "x ref", "copy s", "= replay"])
+    if args.capture:
+        print(f"trace of the reference pass saved to {args.capture}")
+
+
+def _import_hf():
+    """The evaluation module; a missing or unsupported torch / transformers is a one-line user error."""
+    try:
+        from ..offload import evaluation as module
+    except ImportError as exc:
+        raise ConfigError(_first_line(exc)) from None
+    return module
+
+
+def _load_model(path: str, device: str | None, dtype: str):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()  # errors reach the user as one line; no loading chatter
+    transformers.logging.disable_progress_bar()
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"--model {path}: not a checkpoint folder (no config.json)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"--model {path}: cannot load it ({_first_line(exc)})") from None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return model.to(torch.device(device)).eval()
+    except (RuntimeError, AssertionError) as exc:
+        raise ConfigError(f"--device {device}: {_first_line(exc)}") from None
+
+
+def _read_tokens(path: str) -> np.ndarray:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--tokens {path}: no such file")
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"--tokens {path}: not a readable .npy array ({_first_line(exc)})") from None
+    if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
+        raise ConfigError(f"--tokens {path}: expected integer token ids, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    return ids
+
+
+def _read_text(model_dir: str, path: str) -> np.ndarray:
+    from transformers import AutoTokenizer
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--text {path}: no such file")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"--text needs a tokenizer saved in {model_dir} ({_first_line(exc)}); without one, pass --tokens ids.npy"
+        ) from None
+    text = Path(path).read_text(encoding="utf-8")
+    return np.asarray(tokenizer(text)["input_ids"], dtype=np.int64)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,64 @@
+"""Hugging Face integration: real MoE models with their experts offloaded to host memory.
+
+``expertcache.offload`` is this package, and it is callable: ``expertcache.offload(model, ...)`` is
+:func:`offload` (a package and a function cannot share the name otherwise, since importing a
+submodule rebinds the package attribute).
+
+==============  ===============================================================================
+module          concept
+==============  ===============================================================================
+``model``       finding a model's MoE layers, checking their experts layout, reading a forward's
+                place in its sequence
+``pool``        host-packed experts and device slots; the copies
+``experts``     the ``"expertcache"`` experts implementation: one cache step per token, the
+                model's own experts function run on slot weights
+``run``         :func:`offload`: attach / detach, streams, :class:`OffloadStats`
+``recorder``    :func:`capture`: router decisions into a canonical :class:`~expertcache.Trace`
+``evaluation``  teacher-forced NLL, tokens/s, copies, the exactness and replay checks
+``timing``      device-aware stopwatch (CUDA events or ``perf_counter``)
+``toy``         small random-weight checkpoints of real families (tests, benchmarks)
+==============  ===============================================================================
+
+Needs torch and transformers (``pip install 'expertcache[hf]'``); ``import expertcache`` does not.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+try:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        f"expertcache.offload needs torch and transformers ({exc.name} is missing): pip install 'expertcache[hf]'"
+    ) from exc
+
+from ..errors import ConfigError
+from .model import TRANSFORMERS_RANGE, find_sites, require_transformers
+
+try:
+    require_transformers()
+except ConfigError as exc:  # pragma: no cover - exercised only with another transformers release
+    raise ImportError(str(exc)) from None
+
+from .evaluation import Evaluation, ExactnessError, PolicyResult, evaluate  # noqa: E402
+from .experts import IMPLEMENTATION  # noqa: E402
+from .recorder import Capture, capture  # noqa: E402
+from .run import OffloadRun, OffloadStats, offload  # noqa: E402
+
+__all__ = [
+    "IMPLEMENTATION", "TRANSFORMERS_RANGE", "Capture", "Evaluation", "ExactnessError", "OffloadRun",
+    "OffloadStats", "PolicyResult", "capture", "evaluate", "find_sites", "offload",
+]
+
+
+class _CallableModule(types.ModuleType):
+    """This package, callable as :func:`offload`."""
+
+    def __call__(self, *args, **kwargs) -> OffloadRun:
+        return offload(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

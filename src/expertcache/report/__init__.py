@@ -1,0 +1,1 @@
+"""Human-facing output: pictures (:mod:`.plots`). Needs the ``plot`` extra (matplotlib)."""

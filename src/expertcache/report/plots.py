@@ -1,0 +1,172 @@
+"""PNG pictures of the curves in :mod:`expertcache.sim.curves`, readable without the code.
+
+Every figure names the trace, the pool, the capacity and the window in its title, labels its axes
+with units and has a legend. Figures are drawn with matplotlib's object API on the Agg canvas (no
+pyplot state, no display needed) and written atomically: a temporary file beside the target,
+then a rename, so a killed run never leaves a torn PNG. matplotlib comes with the ``plot`` extra.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+from .._io import atomic_open
+from ..errors import ConfigError
+
+DPI = 120
+
+
+def plot_mrc(curves: Sequence, path: str | os.PathLike, *, trace: str) -> Path:
+    """Miss-ratio curves (:class:`~expertcache.sim.curves.MissRatioCurve`): steady copies per token
+    (left) and hit rate (right) against capacity, one line per policy."""
+    fig = _figure(2)
+    ax_c, ax_h = fig.axes
+    first = curves[0].results[0]
+    for i, curve in enumerate(curves):
+        style = dict(color=_color(i), marker="o" if len(curve.results) <= 40 else None, markersize=3, linewidth=1.6)
+        ax_c.plot(curve.capacities, curve.copies_per_token, label=curve.policy, **style)
+        ax_h.plot(curve.capacities, 100 * curve.hit_rate, label=curve.policy, **style)
+    xlabel = _capacity_label(first.pool)
+    ax_c.set(xlabel=xlabel, ylabel="steady copies per token (all layers)", title="Copies per token")
+    ax_h.set(xlabel=xlabel, ylabel="hit rate (% of scored requests)", title="Hit rate")
+    ax_c.set_ylim(bottom=0)
+    for ax in fig.axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(title="policy", fontsize=8)
+    caps = curves[0].capacities
+    fig.suptitle(f"{trace}: miss-ratio curves, capacity {caps.min()}..{caps.max()} ({_setup(first)})")
+    return _save(fig, path)
+
+
+def plot_foresight(curve, path: str | os.PathLike, *, trace: str) -> Path:
+    """Gap recovered by ``foresight:h`` against the horizon h on a log2 axis (a
+    :class:`~expertcache.sim.curves.ForesightCurve`), the causal rules as dotted horizontal lines
+    (seed 001, Fig. 2). Horizon 0 (= LRU) has no place on a log axis and is left out."""
+    fig = _figure(1, width=8.5, height=5.6)
+    ax = fig.axes[0]
+    pts = [(h, g) for h, g in zip(curve.horizons, curve.gap) if h > 0 and g is not None]
+    if not pts:
+        raise ConfigError("plot: LRU and Belady tie at this capacity, so no share of the gap is defined")
+    hs, gs = zip(*pts)
+    ax.plot(hs, [100 * g for g in gs], color=_color(0), marker="o", linewidth=2, label="belady seeing h tokens ahead")
+    for h, g in pts:
+        ax.annotate(_pct(g), (h, 100 * g), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
+    shown = [100 * g for g in gs]
+    for i, r in enumerate(curve.references):
+        if r.gap_recovered is not None:
+            shown.append(100 * r.gap_recovered)
+            ax.axhline(100 * r.gap_recovered, color=_color(i + 1), linestyle=":", linewidth=1.8,
+                       label=f"{r.policy} (causal): {_pct(r.gap_recovered)}")
+    ax.axhline(0, color="0.4", linewidth=0.8)
+    ax.axhline(100, color="0.4", linewidth=0.8)
+    ax.set_ylim(min(-5.0, min(shown) - 5), max(110.0, max(shown) + 10))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(hs, [str(h) for h in hs])
+    ax.set(xlabel="foresight h (tokens of future requests visible, log2 scale)",
+           ylabel="share of the LRU-to-Belady gap recovered (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    lru, bel = curve.lru, curve.belady
+    fig.suptitle(
+        f"{trace}: limited foresight at capacity {curve.capacity} {_unit(lru.pool)}\n{_setup(lru)}; "
+        f"0% = LRU ({lru.copies_per_token:.3g} copies/token), 100% = Belady ({bel.copies_per_token:.3g})",
+        fontsize=10,
+    )
+    return _save(fig, path)
+
+
+def plot_pools(comparisons: Sequence, path: str | os.PathLike, *, trace: str) -> Path:
+    """Global pool against the equal per-layer split (:class:`~expertcache.sim.curves.PoolComparison`):
+    hit rate (left) and copies per token (right). One per-layer capacity gives grouped bars,
+    several give lines against capacity (solid: global pool, dashed: per-layer split)."""
+    fig = _figure(2)
+    ax_h, ax_c = fig.axes
+    policies = list(dict.fromkeys(c.policy for c in comparisons))
+    caps = sorted({c.capacity for c in comparisons})
+    first = comparisons[0]
+    L = len(first.split.layers)
+    if len(caps) == 1:
+        width = 0.38
+        for j, (name, pick) in enumerate((("per-layer split", "split"), ("global pool", "shared"))):
+            xs = [i + (j - 0.5) * width for i in range(len(policies))]
+            rs = [getattr(c, pick) for c in comparisons]
+            kw = dict(width=width, color=_color(j), label=name)
+            ax_h.bar(xs, [100 * r.hit_rate for r in rs], **kw)
+            ax_c.bar(xs, [r.copies_per_token for r in rs], **kw)
+        for i, c in enumerate(comparisons):  # global minus split above each pair
+            top = 100 * max(c.split.hit_rate, c.shared.hit_rate)
+            ax_h.annotate(f"{c.hit_rate_diff_pp:+.1f} pp", (i, top), textcoords="offset points", xytext=(0, 4),
+                          ha="center", fontsize=8)
+            top = max(c.split.copies_per_token, c.shared.copies_per_token)
+            ax_c.annotate(f"{c.copies_per_token_diff:+.2f}", (i, top), textcoords="offset points", xytext=(0, 4),
+                          ha="center", fontsize=8)
+        for ax in fig.axes:
+            ax.set_xticks(range(len(policies)), policies)
+            ax.set_xlabel("policy")
+        budget = f"{caps[0]} experts per layer = {L * caps[0]} shared"
+    else:
+        for i, name in enumerate(policies):
+            rows = [c for c in comparisons if c.policy == name]
+            x = [c.capacity for c in rows]
+            for pick, ls, tag in (("shared", "-", "global"), ("split", "--", "split")):
+                rs = [getattr(c, pick) for c in rows]
+                kw = dict(color=_color(i), linestyle=ls, marker="o" if ls == "-" else "s", markersize=3, label=f"{name}, {tag}")
+                ax_h.plot(x, [100 * r.hit_rate for r in rs], **kw)
+                ax_c.plot(x, [r.copies_per_token for r in rs], **kw)
+        for ax in fig.axes:
+            ax.set_xlabel(f"capacity per layer (experts; global pool = {L} x this)")
+        budget = f"{caps[0]}..{caps[-1]} experts per layer"
+    note = " (labels: global minus split)" if len(caps) == 1 else ""
+    ax_h.set(ylabel="hit rate (% of scored requests)", title="Hit rate" + note)
+    ax_c.set(ylabel="steady copies per token (all layers)", title="Copies per token" + note)
+    for ax in fig.axes:
+        ax.grid(True, alpha=0.3, axis="y" if len(caps) == 1 else "both")
+        ax.legend(fontsize=8)
+    window = f"warm {first.split.warm:g}" if first.split.warm else "no warm window"
+    fig.suptitle(f"{trace}: global pool vs per-layer split at equal budget ({budget}, {L} layers, {window})")
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _figure(panels: int, width: float = 6.4, height: float = 4.8):
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:  # pragma: no cover - depends on the install
+        raise ConfigError("plot: matplotlib is not installed (pip install 'expertcache[plot]')") from None
+    fig = Figure(figsize=(width * panels, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    fig.subplots(1, panels)
+    return fig
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    with atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=DPI)
+    return path
+
+
+def _color(i: int) -> str:
+    return f"C{i % 10}"
+
+
+def _unit(pool: str) -> str:
+    return "experts in the global pool" if pool == "global" else "experts per layer"
+
+
+def _capacity_label(pool: str) -> str:
+    return f"capacity ({_unit(pool)})"
+
+
+def _pct(share: float) -> str:
+    return f"{round(100 * share)}%"  # an int: no "-0%"
+
+
+def _setup(r) -> str:
+    pool = "global pool" if r.pool == "global" else "per-layer pools"
+    window = f"warm {r.warm:g}" if r.warm else "whole streams scored"
+    reset = "reset per sequence" if r.reset == "sequence" else "no reset"
+    return f"{pool}, {reset}, {window}"

@@ -1,0 +1,235 @@
+"""Miss-ratio curves: copies and hit rate against capacity, for any policy.
+
+:func:`sweep` lays the trace out once and serves every capacity from that one layout. For ``lru``
+it needs no replay at all: LRU with co-requested experts protected is a stack algorithm (see
+:mod:`.stack`), so one pass over the trace yields every capacity's counts, equal to
+:func:`~expertcache.sim.replay.replay_layout` count for count -- ``copies_total``,
+``copies_steady``, hits, per layer, in per-layer and global pools, with warm windows and either
+reset. Other policies are replayed at each capacity.
+
+Valid capacities run from the widest group (the most experts one token requests at one layer, i.e.
+``k`` on unpadded traces) upwards; beyond ``n_items`` (``E`` per layer, ``L * E`` in a global
+pool) nothing changes any more.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from ...errors import ConfigError
+from ...policies import Policy, make_policy
+from ...trace import Trace
+from ..layout import StreamLayout, build_layout
+from ..replay import LayerCounts, ReplayResult, check_capacity, replay_layout
+from .stack import stack_histograms
+
+Progress = Callable[[int], None]
+"""Called with a number of finished replays (a one-pass curve counts as one)."""
+
+
+@dataclass(eq=False)
+class MissRatioCurve:
+    """One policy's counts at ascending capacities, held as arrays (row ``i`` is capacity
+    ``capacities[i]``; column ``j`` is layer ``layers[j]``), with the definitions of
+    :class:`~expertcache.sim.replay.ReplayResult`; :attr:`results` gives those objects.
+
+    ``method``: ``"stack"`` (one LRU stack pass) or ``"replay"`` (one replay per capacity).
+    ``gap_recovered[i]`` is NaN where undefined (no lru/belady pair swept, or they tie).
+    """
+
+    policy: str
+    capacities: np.ndarray
+    layer_requests: np.ndarray
+    layer_copies_total: np.ndarray
+    layer_copies_steady: np.ndarray
+    tokens: int
+    layers: list[int]
+    pool: str
+    reset: str
+    warm: float
+    method: str
+    seconds: float
+    engine: str = "compiled"
+    gap_recovered: np.ndarray | None = None
+
+    @classmethod
+    def from_results(cls, policy: str, results: Sequence[ReplayResult], seconds: float) -> "MissRatioCurve":
+        r0 = results[0]
+        return cls(
+            policy=policy,
+            capacities=np.array([r.capacity for r in results], dtype=np.int64),
+            layer_requests=np.array([c.requests for c in r0.per_layer], dtype=np.int64),
+            layer_copies_total=np.array([[c.copies_total for c in r.per_layer] for r in results], dtype=np.int64),
+            layer_copies_steady=np.array([[c.copies_steady for c in r.per_layer] for r in results], dtype=np.int64),
+            tokens=r0.tokens, layers=list(r0.layers), pool=r0.pool, reset=r0.reset, warm=r0.warm,
+            method="replay", seconds=seconds, engine=r0.engine,
+        )
+
+    @property
+    def requests(self) -> int:
+        return int(self.layer_requests.sum())
+
+    @property
+    def copies_total(self) -> np.ndarray:
+        return self.layer_copies_total.sum(axis=1)
+
+    @property
+    def copies_steady(self) -> np.ndarray:
+        return self.layer_copies_steady.sum(axis=1)
+
+    @property
+    def copies_per_token(self) -> np.ndarray:
+        return self.copies_steady / self.tokens if self.tokens else np.full(self.capacities.size, np.nan)
+
+    @property
+    def hit_rate(self) -> np.ndarray:
+        return 1.0 - self.copies_total / self.requests if self.requests else np.full(self.capacities.size, np.nan)
+
+    @cached_property
+    def results(self) -> list[ReplayResult]:
+        """One :class:`~expertcache.sim.replay.ReplayResult` per capacity (``seconds``: the curve's
+        time divided by the number of capacities)."""
+        gap = self.gap_recovered
+        return [
+            ReplayResult(
+                policy=self.policy, capacity=int(c), pool=self.pool, reset=self.reset, warm=self.warm,
+                layers=list(self.layers), tokens=self.tokens, requests=self.requests,
+                copies_total=int(self.layer_copies_total[i].sum()), copies_steady=int(self.layer_copies_steady[i].sum()),
+                per_layer=[
+                    LayerCounts(lid, int(self.layer_requests[j]), int(self.layer_copies_total[i, j]),
+                                int(self.layer_copies_steady[i, j]))
+                    for j, lid in enumerate(self.layers)
+                ],
+                gap_recovered=None if gap is None or np.isnan(gap[i]) else float(gap[i]),
+                engine=self.engine, seconds=self.seconds / self.capacities.size,
+            )
+            for i, c in enumerate(self.capacities)
+        ]
+
+    def at(self, capacity: int) -> ReplayResult:
+        """The result at ``capacity`` (which must be on the curve)."""
+        hit = np.flatnonzero(self.capacities == capacity)
+        if not hit.size:
+            raise ConfigError(f"capacity {capacity} is not on the {self.policy} curve")
+        return self.results[int(hit[0])]
+
+
+def capacity_bounds(layout: StreamLayout) -> tuple[int, int]:
+    """``(lowest, highest)`` capacities worth sweeping: the widest group and ``n_items``."""
+    widest = int(layout.requests.max()) if layout.requests.size else 1
+    return max(widest, 1), max(int(layout.n_items), widest, 1)
+
+
+def sweep(
+    trace: Trace,
+    capacities: Iterable[int] | None = None,
+    policies: Sequence["str | Policy"] = ("lru",),
+    *,
+    pool: str = "layer",
+    reset: str = "sequence",
+    layers: Iterable[int] | None = None,
+    warm: float = 0.0,
+    engine: str = "auto",
+    one_pass: bool = True,
+    progress: Progress | None = None,
+) -> list[MissRatioCurve]:
+    """Miss-ratio curves of ``policies`` at ``capacities`` (default: every capacity from the widest
+    group to ``n_items``). Replay options as in :func:`~expertcache.sim.replay.replay`.
+
+    ``lru`` takes one stack pass when ``one_pass`` (default) and ``engine`` is ``"auto"``; set
+    ``one_pass=False`` to replay it at each capacity instead. When both ``lru`` and ``belady`` are
+    swept, every curve carries ``gap_recovered`` at each capacity (as :func:`~expertcache.sim.fill_gap`).
+    """
+    layout = build_layout(trace, pool=pool, reset=reset, layers=layers, warm=warm)
+    return sweep_layout(layout, capacities, policies, engine=engine, one_pass=one_pass, progress=progress)
+
+
+def sweep_layout(
+    layout: StreamLayout,
+    capacities: Iterable[int] | None = None,
+    policies: Sequence["str | Policy"] = ("lru",),
+    *,
+    engine: str = "auto",
+    one_pass: bool = True,
+    progress: Progress | None = None,
+) -> list[MissRatioCurve]:
+    """:func:`sweep` on prepared streams."""
+    caps = _capacities(layout, capacities)
+    tick = progress or (lambda n: None)
+    curves = []
+    for spec in policies:
+        policy = make_policy(spec)
+        if policy.spec == "lru" and one_pass and engine == "auto":
+            curves.append(lru_curve(layout, caps))
+            tick(1)
+            continue
+        t0 = time.perf_counter()
+        results = []
+        for c in caps:  # a fresh policy object per replay unless the caller handed one in
+            results.append(replay_layout(layout, c, make_policy(spec) if isinstance(spec, str) else policy, engine=engine))
+            tick(1)
+        curves.append(MissRatioCurve.from_results(policy.spec, results, time.perf_counter() - t0))
+    _fill_gaps(curves)
+    return curves
+
+
+def lru_curve(layout: StreamLayout, capacities: Iterable[int] | None = None) -> MissRatioCurve:
+    """LRU's curve from one stack pass: equal, count for count, to replaying each capacity."""
+    caps = np.asarray(_capacities(layout, capacities), dtype=np.int64)
+    t0 = time.perf_counter()
+    depth, first = _histograms(layout)
+    requests = depth.sum(axis=1)
+    col = np.minimum(caps, layout.n_items)
+    beyond = requests[:, None] - np.cumsum(depth, axis=1)  # [:, c]: requests of finite depth > c
+    misses = (beyond[:, col] + depth[:, :1]).T  # [n, L]; depth[:, 0] = first requests
+    steady = misses - np.cumsum(first, axis=1)[:, col].T  # minus the fill among the first c items
+    return MissRatioCurve(
+        policy="lru", capacities=caps, layer_requests=requests, layer_copies_total=misses,
+        layer_copies_steady=steady, tokens=layout.tokens, layers=list(layout.layer_ids), pool=layout.pool,
+        reset=layout.reset, warm=layout.warm, method="stack", seconds=time.perf_counter() - t0, engine="stack",
+    )
+
+
+def _fill_gaps(curves: Sequence[MissRatioCurve]) -> None:
+    """``gap_recovered`` of every curve at every capacity, when ``lru`` and ``belady`` are swept:
+    ``(steady(lru) - steady(p)) / (steady(lru) - steady(belady))``, NaN where they tie."""
+    by_name = {c.policy: c for c in curves}
+    if "lru" not in by_name or "belady" not in by_name:
+        return
+    hi, lo = by_name["lru"].copies_steady, by_name["belady"].copies_steady
+    span = (hi - lo).astype(np.float64)
+    for c in curves:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            c.gap_recovered = np.where(span != 0, (hi - c.copies_steady) / span, np.nan)
+        c.__dict__.pop("results", None)  # rebuild the result objects with their gaps
+
+
+def _histograms(layout: StreamLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Run :func:`.stack.stack_histograms` with each group's layer row and scored flag."""
+    L, T = len(layout.layer_ids), layout.token_scored.size
+    rows = np.arange(L, dtype=np.int64)
+    if layout.pool == "layer":  # groups layer-major: g = l * T + t
+        group_layer, group_scored = np.repeat(rows, T), np.tile(layout.token_scored, L)
+    else:  # global pool, token-major: g = t * L + l
+        group_layer, group_scored = np.tile(rows, T), np.repeat(layout.token_scored, L)
+    return stack_histograms(layout.groups, layout.starts, layout.n_items, group_layer, group_scored, L)
+
+
+def _capacities(layout: StreamLayout, capacities: Iterable[int] | None) -> list[int]:
+    if capacities is None:
+        lo, hi = capacity_bounds(layout)
+        return list(range(lo, hi + 1))
+    values = list(capacities)
+    for c in values:
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+            check_capacity(layout, c)  # raises the replay's message
+    caps = sorted({int(c) for c in values})
+    if not caps:
+        raise ConfigError("capacities: none given")
+    check_capacity(layout, caps[0])  # the smallest must hold the widest group
+    return caps

@@ -1,0 +1,115 @@
+"""The command line: tables, --json records, one-line errors with a non-zero exit, --help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import expertcache as ec
+from expertcache.cli.main import build_parser, main
+
+
+def run(*argv):
+    return subprocess.run([sys.executable, "-m", "expertcache.cli.main", *map(str, argv)], capture_output=True, text=True)
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    rng = np.random.default_rng(0)
+    ex = np.stack([[rng.choice(16, 4, replace=False) for _ in range(2)] for _ in range(120)])
+    return ec.Trace.from_arrays(ex, np.repeat([0, 1], 60), num_experts=16, meta={"name": "toy"}).save(tmp_path / "t.npz")
+
+
+def test_replay_json_has_the_contract_fields(trace_file, capsys):
+    assert main(["replay", str(trace_file), "--capacity", "8", "-p", "lru", "-p", "decayed:0.9", "-p", "belady", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["policy"] for r in records] == ["lru", "decayed:0.9", "belady"]
+    for r in records:
+        for key in ("policy", "capacity", "tokens", "requests", "copies_total", "copies_steady", "copies_per_token", "hit_rate"):
+            assert key in r
+        direct = ec.replay(ec.load_trace(trace_file), 8, r["policy"])
+        assert (r["copies_total"], r["copies_steady"], r["tokens"]) == (direct.copies_total, direct.copies_steady, 120)
+    assert records[0]["gap_recovered"] == 0.0 and records[2]["gap_recovered"] == 1.0
+
+
+def test_replay_table(trace_file, capsys):
+    assert main(["replay", str(trace_file), "-c", "8", "--pool", "global", "--warm", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "trace toy" in out and "copies/token" in out and "lru" in out and "belady" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["replay", "{t}", "-c", "2"], "capacity 2 is below the 4 experts"),
+        (["replay", "{t}", "-c", "8", "-p", "fifo"], "unknown policy 'fifo'"),
+        (["replay", "{t}", "-c", "8", "-p", "decayed:2"], "decayed:beta: 2 is outside (0.0, 1.0]"),
+        (["replay", "{t}", "-c", "8", "-p", "foresight:x"], "foresight:h: expected an integer"),
+        (["replay", "{t}", "-c", "8", "--layers", "9"], "layer 9 is not in this trace"),
+        (["replay", "missing.npz", "-c", "8"], "missing.npz: no such file"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(trace_file, argv, message):
+    proc = run(*[a.format(t=trace_file) for a in argv])
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_argparse_errors_exit_2(trace_file):
+    proc = run("replay", trace_file, "--capacity", "zero")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_every_command_has_help():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name, p in sub.choices.items():
+        text = p.format_help()
+        assert "usage:" in text and len(text) > 100, name
+
+
+def test_import_export_round_trip(tmp_path, capsys):
+    log = tmp_path / "routing.jsonl"
+    recs = [{"problem_id": s, "layer": l, "token_idx": t, "experts": [(t + l + s) % 6, (t + l + s + 1) % 6], "gating_probs": [0.7, 0.3]}
+            for s in (3, 1) for t in range(5) for l in (0, 2)]
+    log.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    out = tmp_path / "t.npz"
+    assert main(["import", "vllm-jsonl", str(log), "--out", str(out), "--num-experts", "6", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tokens"] == 10 and info["sequences"] == 2 and info["layers"] == 2
+    t = ec.load_trace(out)
+    assert t.layer_ids == [0, 2] and t.meta["sequence_ids"] == {"0": 3, "1": 1}
+    assert t.experts[0, 1].tolist() == recs[1]["experts"]
+    csv = tmp_path / "t.csv"
+    assert main(["export", "libcachesim", str(out), "--out", str(csv), "--order", "ascending"]) == 0
+    lines = csv.read_text().splitlines()
+    assert lines[0] == "time,obj_id,obj_size" and len(lines) == 1 + 10 * 2 * 2
+
+
+def test_import_errors(tmp_path):
+    log = tmp_path / "bad.jsonl"
+    log.write_text('{"problem_id": 0, "layer": 0, "token_idx": 0, "experts": [1, 2]}\n{"problem_id": 0, "layer": 0}\n')
+    proc = run("import", "vllm-jsonl", log, "--out", tmp_path / "x.npz")
+    assert proc.returncode == 2 and "bad.jsonl:2: missing field 'token_idx'" in proc.stderr
+    log.write_text('{"problem_id": 0, "layer": 0, "token_idx": 0, "experts": [1, 1]}\n')
+    proc = run("import", "vllm-jsonl", log, "--out", tmp_path / "x.npz")
+    assert proc.returncode == 2 and "bad.jsonl:1: field 'experts': an id appears twice" in proc.stderr
+    log.write_text('{"problem_id": 0, "layer": 0, "token_idx": 0, "experts": [1, 2]}\nnot json\n')
+    proc = run("import", "vllm-jsonl", log, "--out", tmp_path / "x.npz")
+    assert proc.returncode == 2 and "bad.jsonl:2: not valid JSON" in proc.stderr
+    assert not (tmp_path / "x.npz").exists()
+
+
+def test_demo_prints_the_table_and_writes_plots(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EXPERTCACHE_SHARED_TRACES", str(tmp_path / "none"))
+    assert main(["demo", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    for word in ("lru", "belady", "foresight:16", "B_flat", "h=16"):
+        assert word in out
+    assert (tmp_path / "out" / "mrc.png").stat().st_size > 10_000
+    assert (tmp_path / "out" / "foresight.png").stat().st_size > 10_000

@@ -1,0 +1,114 @@
+"""``expertcache eval`` on tiny saved checkpoints: JSON records, the capture, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from expertcache import load_trace, replay  # noqa: E402
+from expertcache.cli.main import main  # noqa: E402
+from expertcache.offload.toy import save_toy_checkpoint, single_thread  # noqa: E402
+
+REQUIRED = {"policy", "capacity", "tokens", "nll", "nll_reference", "exact", "copies_total", "copies_steady",
+            "copies_per_token", "tokens_per_s", "copy_seconds"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_toy_checkpoint("olmoe", tmp_path_factory.mktemp("olmoe"), tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def ids(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ids") / "ids.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 95, 60))
+    return path
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_eval_json_capture_and_replay_agree(capsys, ckpt, ids, tmp_path):
+    out_npz = tmp_path / "out.npz"
+    code, out, err = run_cli(
+        capsys, "eval", "--model", ckpt, "--tokens", ids, "--capacity", 3, "--policy", "lru", "--policy", "belady",
+        "--layers", "1-2", "--max-len", 32, "--capture", out_npz, "--router-probs", "--json",
+    )
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["policy"] for r in records] == ["lru", "belady"]
+    for r in records:
+        assert REQUIRED <= r.keys()
+        assert r["exact"] and r["replay_agrees"] and r["capacity"] == 3 and r["tokens"] == 60
+        assert r["mode"] == "decode" and r["device"] == "cpu" and r["layers"] == [1, 2]
+    trace = load_trace(out_npz)
+    assert trace.num_tokens == 60 and trace.num_sequences == 2 and trace.router_probs is not None
+    for r in records:
+        replayed = replay(trace, 3, r["policy"], layers=[1, 2])
+        assert (replayed.copies_total, replayed.copies_steady) == (r["copies_total"], r["copies_steady"])
+
+
+def test_eval_text_with_local_tokenizer_and_table(capsys, ckpt, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 90}" for i in range(40)), encoding="utf-8")
+    code, out, err = run_cli(capsys, "eval", "--model", ckpt, "--text", text, "--capacity", 4, "--policy", "lfu",
+                             "--mode", "forward", "--max-len", 20)
+    assert code == 0, err
+    assert "reference (all experts resident)" in out and "lfu" in out and "copies/token" in out
+
+
+def test_eval_fails_loudly_when_inexact(capsys, ckpt, ids, monkeypatch):
+    from expertcache.offload.experts import OffloadedLayer
+
+    original = OffloadedLayer.__call__
+    monkeypatch.setattr(OffloadedLayer, "__call__", lambda self, h, i, w: original(self, h, i, w) + 1.0)
+    code, out, err = run_cli(capsys, "eval", "--model", ckpt, "--tokens", ids, "--capacity", 4, "--policy", "lru",
+                             "--mode", "forward", "--json")
+    assert code == 1
+    assert json.loads(out)["exact"] is False
+    assert "expertcache eval: error: policy lru at C=4" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory, ckpt, ids):
+    root = tmp_path_factory.mktemp("bad")
+    big, text = root / "big.npy", root / "t.txt"
+    np.save(big, np.array([1, 2, 500]))
+    text.write_text("w1 w2", encoding="utf-8")
+    gpt = save_toy_checkpoint("gpt_oss", root / "gpt")
+    return {"missing": root / "nowhere", "gpt": gpt, "ids": ids, "ckpt": ckpt, "big": big, "text": text}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "{missing}", "--tokens", "{ids}"], "not a checkpoint folder"),
+        (["--model", "{gpt}", "--tokens", "{ids}"], "not supported by expertcache.offload"),
+        (["--model", "{ckpt}", "--tokens", "{ids}", "--layers", "7-9"], "not MoE layers"),
+        (["--model", "{ckpt}", "--tokens", "{big}"], "outside the model's vocabulary"),
+        (["--model", "{ckpt}", "--tokens", "{text}"], "not a readable .npy"),
+        (["--model", "{gpt}", "--text", "{text}"], "needs a tokenizer"),
+        (["--model", "{ckpt}", "--tokens", "{ids}", "--policy", "nope"], "unknown policy"),
+        (["--model", "{ckpt}", "--tokens", "{ids}", "--max-len", "1"], "max-len must be at least 2"),
+    ],
+)
+def test_eval_errors_are_one_line(capsys, bad_inputs, argv, message):
+    code, out, err = run_cli(capsys, "eval", *[a.format(**bad_inputs) for a in argv], "--capacity", 4)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("expertcache eval: error:") and message in err

@@ -1,0 +1,76 @@
+"""Policies by name, their specs, the recorded future, and the cache step the harnesses drive."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import expertcache as ec
+from expertcache.errors import PolicyError
+from expertcache.policies import NEVER
+
+
+@pytest.mark.parametrize(
+    "spec, canonical",
+    [("lru", "lru"), ("LFU", "lfu"), ("decayed", "decayed:0.95"), ("decayed:0.9", "decayed:0.9"),
+     ("belady", "belady"), ("foresight:16", "foresight:16"), ("foresight", "foresight:16"),
+     ("mean-interval", "mean-interval"), ("random", "random:0"), ("random:7", "random:7")],
+)
+def test_specs_round_trip(spec, canonical):
+    p = ec.make_policy(spec)
+    assert p.spec == canonical
+    assert ec.make_policy(p.spec).spec == canonical
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [("fifo", "unknown policy 'fifo'"), ("lru:3", "takes no parameter"), ("decayed:0", "outside (0.0, 1.0]"),
+     ("decayed:abc", "expected a number"), ("foresight:-1", "below 0"), ("", "expected a name")],
+)
+def test_bad_specs(spec, message):
+    with pytest.raises(PolicyError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        ec.make_policy(spec)
+
+
+def test_registry_lists_the_rules():
+    assert {"lru", "lfu", "decayed", "belady", "foresight", "mean-interval", "random"} <= set(ec.available_policies())
+
+
+def test_clairvoyant_policy_needs_a_future():
+    with pytest.raises(PolicyError, match="needs the recorded future"):
+        ec.ExpertCache(2, "belady", 4)
+
+
+def test_stream_future_next_use():
+    groups = np.array([[0, 1], [2, -1], [0, 3], [1, 2]])
+    f = ec.StreamFuture(groups)
+    assert f.next_use(np.array([0, 1, 2, 3]), 0).tolist() == [2, 3, 1, 2]
+    assert f.next_use(np.array([0, 3, 2]), 2).tolist() == [NEVER, NEVER, 3]
+    assert f.next_use(np.array([5]), 0).tolist() == [NEVER]
+
+
+def test_cache_step_reuses_the_victims_slot_and_reports_fill():
+    cache = ec.ExpertCache(2, "lru", 5)
+    s = cache.prepare([3, 1])
+    assert s.loads == [(1, 0), (3, 1)] and s.evicted == [] and s.hits == 0 and cache.filling is False
+    s = cache.prepare([1])
+    assert s.hits == 1 and s.loads == [] and s.slots.tolist() == [0]
+    s = cache.prepare([4, 1])  # 3 is the least recently used non-requested resident
+    assert s.evicted == [3] and s.loads == [(4, 1)] and cache.slot_of(3) == -1
+    assert cache.copies == 3 and cache.evictions == 1
+    with pytest.raises(ec.ConfigError, match="capacity is 2"):
+        cache.prepare([0, 2, 3])
+    cache.reset()
+    assert cache.resident.size == 0 and cache.t == 0 and cache.filling
+
+
+def test_ties_break_by_least_recent_then_smallest_id():
+    # lfu: 2 and 0 both used once; 0 used earlier -> evicted first
+    cache = ec.ExpertCache(3, "lfu", 8)
+    for g in ([0], [2], [5], [5], [7]):
+        step = cache.prepare(g)
+    assert step.evicted == [0]
+    # equal last use: smallest id goes
+    cache = ec.ExpertCache(2, "lru", 8)
+    cache.prepare([6, 4])
+    assert cache.prepare([1]).evicted == [4]
