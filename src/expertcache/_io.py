@@ -33,13 +33,3 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    with atomic_open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    with atomic_open(path, "wb") as fh:
-        fh.write(data)

@@ -98,9 +98,8 @@ def build_layout(
         raise ConfigError(f"--reset: {reset!r} is not one of {', '.join(RESETS)}")
     if not (0.0 <= warm < 1.0):
         raise ConfigError(f"--warm: {warm} is outside [0, 1)")
-    ex = trace.experts
-    if layers is not None:
-        ex = ex[:, trace.layer_index(layers), :]
+    cols = trace.layer_index(layers)
+    ex = trace.experts if layers is None else trace.experts[:, cols, :]
     ex = ex.astype(np.int32, copy=False)
     T, L, k = ex.shape
     E = trace.num_experts
@@ -126,7 +125,7 @@ def build_layout(
         n_items=n_items,
         steps_per_token=spt,
         token_scored=token_scored,
-        layer_ids=[trace.layer_ids[c] for c in (trace.layer_index(layers) if layers is not None else range(trace.num_layers))],
+        layer_ids=[trace.layer_ids[c] for c in cols],
         pool=pool,
         reset=reset,
         warm=float(warm),
