@@ -398,13 +398,17 @@ def foresight_loop(groups, nuse, starts, n_items, capacity, horizon):
 
 
 # ------------------------------------------------------------------------------ random
+MIX_M1 = np.uint64(0x9E3779B97F4A7C15)
+MIX_M2 = np.uint64(0xBF58476D1CE4E5B9)
+MIX_M3 = np.uint64(0x94D049BB133111EB)
+
+
 @nb.njit(cache=True, inline="always")
 def mix64(seed, t, e):
     """splitmix64 of ``seed * M1 + t * M2 + e * M3`` as a float in [0, 1) (see policies.randomized)."""
-    x = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(t) * np.uint64(0xBF58476D1CE4E5B9) \
-        + np.uint64(e) * np.uint64(0x94D049BB133111EB)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = np.uint64(seed) * MIX_M1 + np.uint64(t) * MIX_M2 + np.uint64(e) * MIX_M3
+    x = (x ^ (x >> np.uint64(30))) * MIX_M2
+    x = (x ^ (x >> np.uint64(27))) * MIX_M3
     x = x ^ (x >> np.uint64(31))
     return float(x >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 

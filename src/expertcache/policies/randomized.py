@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels import MIX_M1 as _M1
+from ..kernels import MIX_M2 as _M2
+from ..kernels import MIX_M3 as _M3
 from ..kernels import RandomPlan
 from .base import Policy, parse_int
 from .registry import register
 
-_M1 = np.uint64(0x9E3779B97F4A7C15)
-_M2 = np.uint64(0xBF58476D1CE4E5B9)
-_M3 = np.uint64(0x94D049BB133111EB)
-
 
 def hash_keys(seed: int, t: int, items: np.ndarray) -> np.ndarray:
-    """Uniform floats in [0, 1) from splitmix64(seed * M1 + t * M2 + item * M3)."""
+    """Uniform floats in [0, 1) from splitmix64(seed * M1 + t * M2 + item * M3): the reference
+    twin of :func:`expertcache.kernels.mix64`, written independently with numpy."""
     with np.errstate(over="ignore"):
         x = np.uint64(seed) * _M1 + np.uint64(t) * _M2 + np.asarray(items, dtype=np.uint64) * _M3
         x = (x ^ (x >> np.uint64(30))) * _M2
