@@ -34,12 +34,16 @@ def test_replay_json_has_the_contract_fields(trace_file, capsys):
         direct = ec.replay(ec.load_trace(trace_file), 8, r["policy"])
         assert (r["copies_total"], r["copies_steady"], r["tokens"]) == (direct.copies_total, direct.copies_steady, 120)
     assert records[0]["gap_recovered"] == 0.0 and records[2]["gap_recovered"] == 1.0
+    assert [r["needs_future"] for r in records] == [False, False, True]
 
 
 def test_replay_table(trace_file, capsys):
     assert main(["replay", str(trace_file), "-c", "8", "--pool", "global", "--warm", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "trace toy" in out and "copies/token" in out and "lru" in out and "belady" in out
+    header, _, lru, belady = out.splitlines()[2:]
+    assert header.split()[:2] == ["policy", "future"]
+    assert lru.split()[1] != "yes" and belady.split()[1] == "yes"
 
 
 @pytest.mark.parametrize(
@@ -81,7 +85,8 @@ def test_import_export_round_trip(tmp_path, capsys):
     out = tmp_path / "t.npz"
     assert main(["import", "vllm-jsonl", str(log), "--out", str(out), "--num-experts", "6", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["tokens"] == 10 and info["sequences"] == 2 and info["layers"] == 2
+    assert info["tokens"] == 10 and info["sequences"] == 2 and info["layers"] == [0, 2] and info["num_layers"] == 2
+    assert info["format"] == "vllm-jsonl" and info["out"] == str(out)
     t = ec.load_trace(out)
     assert t.layer_ids == [0, 2] and t.meta["sequence_ids"] == {"0": 3, "1": 1}
     assert t.experts[0, 1].tolist() == recs[1]["experts"]
@@ -109,7 +114,9 @@ def test_demo_prints_the_table_and_writes_plots(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("EXPERTCACHE_SHARED_TRACES", str(tmp_path / "none"))
     assert main(["demo", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    for word in ("lru", "belady", "foresight:16", "B_flat", "h=16"):
+    for word in ("lru", "belady", "foresight:16", "B_flat", "h=16", "ms/tok", "GB/s", "tok/s", "future"):
         assert word in out
+    assert "tau 0.51 ms per copy (the eviction paper's L40S)" in out
+    assert "expert 12.58 MB (12,582,912 bytes, trace meta expert_bytes)" in out
     assert (tmp_path / "out" / "mrc.png").stat().st_size > 10_000
     assert (tmp_path / "out" / "foresight.png").stat().st_size > 10_000

@@ -1,6 +1,6 @@
 """Miss-ratio curves, foresight curves, global-vs-split pools, their plots and commands.
 
-The one-pass LRU curve must equal a replay at every capacity, count for count (DESIGN section 2),
+The one-pass LRU curve must equal a replay at every capacity, count for count (docs/semantics.md),
 on random traces (padding, sequences, warm windows, both pools, both resets) and on the real ones.
 """
 
@@ -233,7 +233,8 @@ def test_compare_pools_is_two_fair_replays_at_equal_budget():
         assert c.hit_rate_diff_pp == pytest.approx(100 * (shared.hit_rate - split.hit_rate))
         assert c.copies_per_token_diff == pytest.approx(shared.copies_per_token - split.copies_per_token)
         d = c.to_dict()
-        assert (d["capacity_per_layer"], d["capacity_global"], d["warm"]) == (c.capacity, 3 * c.capacity, 0.6)
+        assert (d["capacity"], d["capacity_global"], d["warm"]) == (c.capacity, 3 * c.capacity, 0.6)
+        assert d["layers"] == [0, 1, 2] and d["needs_future"] == (c.policy == "belady")
 
 
 def test_one_layer_global_pool_is_the_split():
@@ -310,12 +311,28 @@ def test_sweep_command_json_matches_replay(trace_file, capsys):
 
 def test_sweep_command_table_and_plot(trace_file, tmp_path, capsys):
     pytest.importorskip("matplotlib")
+    (tmp_path / "out").mkdir()
     png = tmp_path / "out" / "mrc.png"
-    rc, out, err = run_cli(capsys, "sweep", trace_file, "-c", "2,4", "--plot", png)
+    rc, out, err = run_cli(capsys, "sweep", trace_file, "--capacities", "2,4", "--plot", png)
     assert rc == 0 and png.read_bytes()[:8] == PNG and f"wrote {png}" in err
     lines = out.splitlines()
     assert lines[2].split()[:3] == ["capacity", "lru", "copies/tok"]
-    assert [ln.split()[0] for ln in lines[4:]] == ["2", "4"]
+    assert [ln.split()[0] for ln in lines[4:6]] == ["2", "4"]
+    assert lines[6] == "needs the future (clairvoyant, an offline reference): belady"
+
+
+def test_capacity_vocabulary(trace_file, capsys):
+    """-c/--capacity is one value everywhere; lists and ranges are --capacities; no --reference."""
+    for argv in (["sweep", trace_file, "-c", "2,4"], ["sweep", trace_file, "-c", "4"],
+                 ["compare-pools", trace_file, "--capacity", "2,4"], ["compare-pools", trace_file],
+                 ["compare-pools", trace_file, "-c", "3", "--capacities", "3,4"],
+                 ["foresight", trace_file, "-c", "4", "--reference", "lfu"]):
+        with pytest.raises(SystemExit) as exc:
+            main([str(a) for a in argv])
+        assert exc.value.code == 2
+    capsys.readouterr()
+    rc, out, _ = run_cli(capsys, "compare-pools", trace_file, "--capacities", "3:4", "-p", "lru", "--json")
+    assert rc == 0 and [json.loads(x)["capacity"] for x in out.splitlines()] == [3, 4]
 
 
 def test_foresight_command(trace_file, capsys):
@@ -324,8 +341,15 @@ def test_foresight_command(trace_file, capsys):
     recs = [json.loads(line) for line in out.splitlines()]
     assert [r["policy"] for r in recs] == ["lru", "foresight:1", "foresight:2", "belady", "lfu", "decayed:0.95",
                                            "mean-interval"]
-    rc, out, _ = run_cli(capsys, "foresight", trace_file, "-c", "4", "--horizons", "1,2", "--reference", "lfu")
+    assert [r["needs_future"] for r in recs] == [False, True, True, True, False, False, False]
+    assert all(r["capacity"] == 4 and r["layers"] == [0, 1] and r["trace"] for r in recs)
+    rc, out, _ = run_cli(capsys, "foresight", trace_file, "-c", "4", "--horizons", "1,2", "--policy", "lfu",
+                         "-p", "belady")
     assert rc == 0 and "gap recovered" in out and "lfu" in out and "mean-interval" not in out
+    header, _, *rows = out.splitlines()[2:]
+    assert header.split()[:3] == ["policy", "future", "role"]
+    assert [r.split()[:2] for r in rows] == [["lru", "bound"], ["foresight:1", "yes"], ["foresight:2", "yes"],
+                                             ["belady", "yes"], ["lfu", "reference"], ["belady", "yes"]]
 
 
 def test_compare_pools_command(trace_file, capsys):
@@ -335,11 +359,16 @@ def test_compare_pools_command(trace_file, capsys):
     assert [r["policy"] for r in recs] == ["lru", "lfu", "belady"]
     trace = load_trace(trace_file)
     lru = recs[0]
-    assert lru["capacity_global"] == 6 and lru["warm"] == 0.6
+    assert lru["capacity"] == 3 and lru["capacity_global"] == 6 and lru["warm"] == 0.6
+    assert lru["layers"] == [0, 1] and lru["trace"] == trace.name
+    assert [r["needs_future"] for r in recs] == [False, False, True]
     assert lru["hit_rate_split"] == replay(trace, 3, "lru", warm=0.6).hit_rate
     assert lru["hit_rate_global"] == replay(trace, 6, "lru", pool="global", warm=0.6).hit_rate
-    rc, out, _ = run_cli(capsys, "compare-pools", trace_file, "-c", "3", "-p", "lru", "--warm", "0")
+    rc, out, _ = run_cli(capsys, "compare-pools", trace_file, "-c", "3", "-p", "lru", "-p", "belady", "--warm", "0")
     assert rc == 0 and "diff pp" in out and "warm fraction" not in out
+    lines = out.splitlines()
+    assert lines[2].split()[:4] == ["C/layer", "global", "policy", "future"]
+    assert lines[4].split()[2:4] != ["lru", "yes"] and lines[5].split()[2:4] == ["belady", "yes"]
 
 
 @pytest.mark.parametrize("argv", [
@@ -351,3 +380,23 @@ def test_compare_pools_command(trace_file, capsys):
 def test_commands_report_user_errors_in_one_line(trace_file, capsys, argv):
     rc, out, err = run_cli(capsys, *[a.format(t=trace_file) for a in argv])
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+
+
+def test_default_grid_and_stack_fallback_on_a_large_item_space(monkeypatch):
+    """A global pool of a large model has millions of capacities: the default sweep thins them,
+    and LRU falls back to replay (same counts) when the stack histograms would not fit."""
+    from expertcache.sim import build_layout
+    from expertcache.sim.curves import mrc
+
+    rng = np.random.default_rng(3)
+    ex = np.stack([[rng.choice(600, 2, replace=False) for _ in range(4)] for _ in range(30)])
+    trace = Trace.from_arrays(ex, num_experts=600)
+    layout = build_layout(trace, pool="global")
+    caps = mrc._capacities(layout, None)
+    assert len(caps) == mrc.DEFAULT_GRID and caps[0] == 2 and caps[-1] == 2400
+    stack = mrc.sweep_layout(layout, caps[:5] + caps[-2:], ["lru"])[0]
+    monkeypatch.setattr(mrc, "MAX_STACK_CELLS", 10)
+    replayed = mrc.sweep_layout(layout, caps[:5] + caps[-2:], ["lru"])[0]
+    assert stack.method == "stack" and replayed.method == "replay"
+    assert np.array_equal(stack.copies_per_token, replayed.copies_per_token)
+    assert np.array_equal(stack.hit_rate, replayed.hit_rate)

@@ -102,7 +102,7 @@ def bad_inputs(tmp_path_factory, ckpt, ids):
         (["--model", "{gpt}", "--tokens", "{ids}"], "not supported by expertcache.offload"),
         (["--model", "{ckpt}", "--tokens", "{ids}", "--layers", "7-9"], "not MoE layers"),
         (["--model", "{ckpt}", "--tokens", "{big}"], "outside the model's vocabulary"),
-        (["--model", "{ckpt}", "--tokens", "{text}"], "not a readable .npy"),
+        (["--model", "{ckpt}", "--tokens", "{text}"], "not a valid .npy header"),
         (["--model", "{gpt}", "--text", "{text}"], "needs a tokenizer"),
         (["--model", "{ckpt}", "--tokens", "{ids}", "--policy", "nope"], "unknown policy"),
         (["--model", "{ckpt}", "--tokens", "{ids}", "--max-len", "1"], "max-len must be at least 2"),

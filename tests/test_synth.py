@@ -159,11 +159,11 @@ def test_bench_k1_is_the_replay_benchmark_trace():
 # ---------------------------------------------------------------------------- CLI
 def test_synth_cli_writes_a_loadable_trace(tmp_path, capsys):
     out = tmp_path / "q.npz"
-    argv = ["synth", "--preset", "qwen3-30b-a3b", "--tokens", "50", "--sequences", "2", "--layers", "3",
+    argv = ["synth", "--preset", "qwen3-30b-a3b", "--tokens", "50", "--sequences", "2", "--num-layers", "3",
             "--seed", "5", "--out", str(out), "--json"]
     assert main(argv) == 0
     rec = json.loads(capsys.readouterr().out)
-    assert rec["path"] == str(out) and rec["tokens"] == 100 and rec["layers"] == 3 and rec["seed"] == 5
+    assert rec["out"] == str(out) and rec["tokens"] == 100 and rec["layers"] == [0, 1, 2] and rec["seed"] == 5
     trace = load_trace(out)
     assert trace.experts.shape == (100, 3, 8) and trace.meta["provenance"]["seed"] == 5
     np.testing.assert_array_equal(trace.experts, synthesize_preset("qwen3-30b-a3b", 5, tokens=50, sequences=2,
@@ -172,7 +172,7 @@ def test_synth_cli_writes_a_loadable_trace(tmp_path, capsys):
 
 def test_synth_cli_parameter_overrides(tmp_path, capsys):
     out = tmp_path / "o.npz"
-    assert main(["synth", "--preset", "olmoe", "--tokens", "20", "--reuse-prob", "0", "--experts", "16",
+    assert main(["synth", "--preset", "olmoe", "--tokens", "20", "--reuse-prob", "0", "--num-experts", "16",
                  "--top-k", "2", "--out", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out
     trace = load_trace(out)
@@ -209,5 +209,9 @@ def test_synth_cli_unwritable_out_is_one_line(tmp_path, capsys):
     (tmp_path / "taken.npz").mkdir()
     assert main(["synth", "--preset", "olmoe", "--tokens", "4", "--out", str(tmp_path / "taken.npz")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--out: cannot write" in err and "\n" not in err
+    assert f"--out {tmp_path / 'taken.npz'}: is a folder, expected a file name" in err and "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.npz"]  # no temporary file left behind
+    assert main(["synth", "--preset", "olmoe", "--tokens", "4", "--out", str(tmp_path / "nope" / "t.npz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"folder {tmp_path / 'nope'} does not exist" in err and "\n" not in err
+    assert not (tmp_path / "nope").exists()

@@ -122,7 +122,7 @@ def test_missing_arrays_and_bad_files(tmp_path):
     with pytest.raises(TraceError, match="no such file"):
         ec.load_trace(tmp_path / "missing.npz")
     np.savez(tmp_path / "f.npz", experts=np.array([[[0]]], dtype=object), seq=np.zeros(1))
-    with pytest.raises(TraceError, match="f.npz: not a readable .npz trace|object arrays"):
+    with pytest.raises(TraceError, match=r"f.npz: member 'experts.npy': object \(pickled\) arrays are not allowed"):
         ec.load_trace(tmp_path / "f.npz")
     np.savez(tmp_path / "g.npz", meta=np.array("{oops"), **{k: v for k, v in _good().items() if k != "meta"})
     with pytest.raises(TraceError, match="meta: not valid JSON"):

@@ -1,22 +1,51 @@
-"""Atomic file writes: a killed run leaves either the old file or the new one, never a torn one."""
+"""Atomic file writes: a killed run leaves either the old file or the new one, never a torn one.
+
+A write goes to a temporary file beside the target, named ``.<name>.<pid>.<random>.tmp``; on
+success it is flushed, fsynced and renamed over the target. An exception removes it. A run killed
+outright (SIGKILL, power loss) cannot clean up, so every write first removes the temporaries of
+the same target whose writing process no longer exists: after the next run nothing is orphaned.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import re
+import secrets
 from pathlib import Path
 from typing import IO, Iterator
 
+from .errors import ConfigError
 
-@contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[IO]:
-    """Open a temporary file beside ``path``; on success fsync it and rename it over ``path``."""
+_TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
+
+
+def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:
+    """``path`` as a Path whose folder exists and which is not itself a folder, else a ConfigError."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results get the usual permissions
+    if not parent.is_dir():
+        raise ConfigError(f"{option} {path}: folder {parent} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"{option} {path}: is a folder, expected a file name")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", *, option: str = "--out", **kwargs) -> Iterator[IO]:
+    """Open a temporary file beside ``path``; on success fsync it and rename it over ``path``.
+
+    The folder must exist (a ConfigError naming it otherwise; ``option`` names the option that
+    gave the path). Stale temporaries of the same target left by dead processes are removed first.
+    """
+    path = check_writable(path, option)
+    parent = path.parent if str(path.parent) else Path(".")
+    clean_stale_temporaries(path)
+    tmp = parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for any file
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot write ({exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, mode, **kwargs) as fh:
             yield fh
@@ -29,7 +58,28 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs) -> Iterator[
         raise
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def clean_stale_temporaries(path: Path) -> list[Path]:
+    """Remove ``.<name>.<pid>.<hex>.tmp`` files beside ``path`` whose process is gone; returns them."""
+    parent = path.parent if str(path.parent) else Path(".")
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            m = _TEMP.fullmatch(entry.name)
+            if m is None or m.group("name") != path.name or _alive(int(m.group("pid"))):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # our own: another write of this process may be under way
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

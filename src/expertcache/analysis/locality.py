@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, TraceError
+from ..errors import ConfigError
 from ..trace import Trace
 
 DEFAULT_WINDOWS = (1, 8, 64)
@@ -47,8 +47,8 @@ NO_EARLIER_USE = np.iinfo(np.int64).max
 def token_steps(trace: Trace) -> np.ndarray:
     """int64 ``[T]``: each row's decode step inside its sequence.
 
-    The ``step`` extra when the trace has one (it must be integer ``[T]`` and strictly increasing
-    within each sequence), else the row's position in its sequence (0, 1, 2, ...).
+    The ``step`` extra when the trace has one (validated when the trace was built: integer ``[T]``,
+    strictly increasing within each sequence), else the row's position in its sequence (0, 1, 2, ...).
     """
     T = trace.num_tokens
     bounds = trace.seq_bounds
@@ -56,19 +56,7 @@ def token_steps(trace: Trace) -> np.ndarray:
     if step is None:
         starts = np.repeat(bounds[:-1], np.diff(bounds))
         return np.arange(T, dtype=np.int64) - starts
-    step = np.asarray(step)
-    if step.shape != (T,) or step.dtype.kind not in "iu":
-        raise TraceError(f"{trace.source}: step: expected integer shape ({T},), got {step.dtype} {step.shape}")
-    step = step.astype(np.int64)
-    first = np.zeros(T, dtype=bool)
-    first[bounds[:-1]] = True
-    bad = np.flatnonzero(~first[1:] & (step[1:] <= step[:-1])) + 1
-    if bad.size:
-        t = int(bad[0])
-        raise TraceError(
-            f"{trace.source}: step: not increasing inside a sequence at token {t} "
-            f"(step {int(step[t - 1])} then {int(step[t])})"
-        )
+    step = np.asarray(step, dtype=np.int64)  # validated at load: integer [T], rising in each sequence
     return step
 
 
@@ -296,7 +284,8 @@ class LocalityReport:
             "trace": self.name,
             "num_experts": self.num_experts,
             "top_k": self.top_k,
-            "layers": len(self.layers),
+            "layers": [x.layer for x in self.layers],
+            "num_layers": len(self.layers),
             "tokens": self.tokens,
             "sequences": self.sequences,
             "scored_tokens": self.scored_tokens,
@@ -387,7 +376,7 @@ class PairOverlap:
             "a": self.a,
             "b": self.b,
             "top": self.top,
-            "layers": len(self.jaccard),
+            "layers": list(self.jaccard),
             "jaccard_mean": self.mean,
             "jaccard_min": self.min,
             "jaccard_max": self.max,

@@ -7,9 +7,9 @@ import os
 import sys
 
 from ..bounds import DEFAULT_MAX_STATES, ORDERS, compute_bounds, verify_greedy
-from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, table
+from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, seed_int, table
 
-BOUNDS_HELP = """Bound the fewest copies any lossless schedule needs, per stream (DESIGN section 2).
+BOUNDS_HELP = """Bound the fewest copies any lossless schedule needs, per stream (docs/bounds.md).
 
 B_flat: classical MIN on each stream flattened to single requests (each token's ids listed
 consecutively, in router, ascending and descending order; per stream the largest is kept).
@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     v.add_argument("--instances", "-n", type=positive_int, default=42_000, help="instances to check (default 42,000)")
     v.add_argument("--jobs", "-j", type=positive_int, default=os.cpu_count() or 1,
                    help="worker processes (default: all cores)")
-    v.add_argument("--seed", type=int, default=0, help="instance i is a function of (seed, i) (default 0)")
+    v.add_argument("--seed", type=seed_int, default=0, help="instance i is a function of (seed, i) (default 0)")
     v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_json(v)
     v.set_defaults(func=run_verify)

@@ -8,8 +8,12 @@ import math
 import sys
 from typing import Any, Iterable, Sequence
 
+from .._io import check_writable
 from ..errors import ConfigError
 from ..trace import Trace, load_trace, parse_layers
+
+MAX_INT = 2**62
+"""Largest integer an option takes (counts, capacities): beyond it no array could be indexed."""
 
 
 def add_json(p: argparse.ArgumentParser) -> None:
@@ -17,15 +21,14 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 
 def add_replay_options(p: argparse.ArgumentParser, *, pool: bool = True, warm: float | None = 0.0) -> None:
-    """Options that shape the streams a replay serves (DESIGN section 2). ``pool=False`` leaves out
+    """Options that shape the streams a replay serves (docs/semantics.md). ``pool=False`` leaves out
     ``--pool``; ``warm`` is the default of ``--warm`` (``None`` leaves the option out)."""
     if pool:
         p.add_argument("--pool", choices=("layer", "global"), default="layer",
                        help="'layer': one pool of CAPACITY per layer (default); 'global': one pool of CAPACITY (layer, expert) items")
     p.add_argument("--reset", choices=("sequence", "none"), default="sequence",
                    help="empty the pools at each sequence (default) or carry them over")
-    p.add_argument("--layers", type=parse_layers, default=None, metavar="IDS",
-                   help="layer ids to replay, e.g. '4-8' or '4,5,11' (default: all)")
+    add_layers(p, "layer ids to replay")
     if warm is not None:
         p.add_argument("--warm", type=fraction, default=warm, metavar="W",
                        help=f"unscored warm-up fraction of each stream, e.g. 0.6 (default {warm:g})")
@@ -41,18 +44,68 @@ def fraction(text: str) -> float:
     return x
 
 
-def positive_int(text: str) -> int:
+def _int_in(text: str, lo: int, hi: int, what: str, span: str) -> int:
     try:
         x = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if x < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {x}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {_short(text)}") from None
+    if not lo <= x <= hi:
+        raise argparse.ArgumentTypeError(f"expected {what} {span}, got {_short(text)}")
     return x
+
+
+def positive_int(text: str) -> int:
+    """A count or capacity: an integer in [1, 2**62]."""
+    return _int_in(text, 1, MAX_INT, "a positive integer", "up to 2**62")
+
+
+def seed_int(text: str) -> int:
+    """A random seed: an integer in [0, 2**63)."""
+    return _int_in(text, 0, 2**63 - 1, "a non-negative integer", "below 2**63")
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (no nan, no inf)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {_short(text)}") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {_short(text)}")
+    return x
+
+
+def layer_ids(text: str) -> list[int] | None:
+    """argparse type of ``--layers``: layer ids such as '4-8' or '4,5,11' ('all': every layer)."""
+    try:
+        return parse_layers(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--layers: ")) from None
+
+
+def add_layers(p: argparse.ArgumentParser, what: str) -> None:
+    """``--layers IDS``: always layer ids, in every command."""
+    p.add_argument("--layers", type=layer_ids, default=None, metavar="IDS",
+                   help=f"{what}, e.g. '4-8' or '4,5,11' (default: all)")
+
+
+def add_out(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
+    """``--out/-o PATH``: the file a command writes (its folder must exist)."""
+    p.add_argument("--out", "-o", required=required, metavar="PATH", help=what)
+
+
+def check_out(path: str | None, option: str = "--out") -> None:
+    """Refuse an output path whose folder does not exist before any work is done."""
+    if path is not None:
+        check_writable(path, option)
 
 
 def open_trace(path: str) -> Trace:
     return load_trace(path)
+
+
+def _short(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
 
 
 def emit_json(records: Iterable[dict], out=None) -> None:

@@ -1,11 +1,14 @@
-"""``expertcache sweep | foresight | compare-pools``: curves over one trace, as tables, JSON or PNG.
+"""``expertcache sweep | foresight | compare-pools``: curves over one trace, as tables, JSON or plots.
 
 * ``sweep``: miss-ratio curves, copies per token and hit rate against capacity (LRU's from one
-  stack pass, exact);
-* ``foresight``: share of the LRU-to-Belady gap that h tokens of foresight recover, with the
-  causal rules as references (seed 001, Fig. 2);
+  stack pass, exact), with the smallest capacity meeting a target (``--target-*``);
+* ``foresight``: share of the LRU-to-Belady gap that h tokens of foresight recover, with other
+  policies (by default the causal rules) as references;
 * ``compare-pools``: one global pool against an equal per-layer split at the same total budget,
-  under fair windows (seed 004, section 3).
+  under fair windows.
+
+Vocabulary: ``-c/--capacity`` is always one value; lists and ranges are ``--capacities``. Records
+name things as ``replay`` does (``capacity``, ``policy``, ``layers``, ``trace``, ``needs_future``).
 """
 
 from __future__ import annotations
@@ -13,49 +16,67 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from pathlib import Path
 from typing import Iterator
 
+from ..costmodel import FIGURES, GB, cache_bytes
+from ..errors import ConfigError
 from ..policies import available_policies, make_policy
+from ..report.plots import plot_format
 from ..sim import build_layout
 from ..sim.curves import (
-    CAUSAL_RULES, DEFAULT_HORIZONS, DEFAULT_POLICIES, FAIR_WARM, capacity_bounds, compare_pools, foresight_curve,
-    sweep_layout,
+    CAUSAL_RULES, DEFAULT_HORIZONS, DEFAULT_POLICIES, FAIR_WARM, capacity_bounds, compare_pools, curve_target,
+    foresight_curve, sweep_layout,
 )
+from ..sim.curves.targets import check_targets
 from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, setup_line, table
+from .replay_cmd import future_mark
+from .sizing_opts import add_sizing_options, resolve_sizing
 
 POLICY_HELP = (
     f"repeatable; one of {', '.join(available_policies())}, with a parameter as in 'decayed:0.9', 'foresight:16'"
 )
+CAPACITIES_HELP = "'LO:HI' or 'LO:HI:STEP' (HI included) or a comma list '8,16,32'"
 
 
 def add_parser(sub) -> None:
     p = _command(sub, "sweep", "miss-ratio curves: copies/token and hit rate against capacity", SWEEP_HELP)
-    p.add_argument("--capacities", "-c", type=capacity_list, default=None, metavar="SPEC",
-                   help="'LO:HI' or 'LO:HI:STEP' (HI included) or a comma list '8,16,32' "
-                        "(default: every capacity from the widest group to E, or L*E in a global pool)")
+    p.add_argument("--capacities", type=capacity_list, default=None, metavar="SPEC",
+                   help=CAPACITIES_HELP + " (default: every capacity from the widest group to E, or L*E in a "
+                        "global pool; 1,024 evenly spaced ones when there are more)")
     p.add_argument("--policy", "-p", action="append", dest="policies", metavar="POLICY",
                    help=POLICY_HELP + " (default: lru and belady)")
     p.add_argument("--replay-lru", action="store_true",
                    help="replay LRU at each capacity instead of the one-pass stack computation (same numbers)")
+    p.add_argument("--target-hit-rate", type=hit_rate_target, default=None, metavar="X",
+                   help="report, per policy, the smallest swept capacity with hit rate >= X (X in (0, 1])")
+    p.add_argument("--target-copies", type=copies_target, default=None, metavar="Y",
+                   help="report, per policy, the smallest swept capacity with copies/token <= Y (Y >= 0); "
+                        "with --target-hit-rate both must hold")
     add_replay_options(p)
+    add_sizing_options(p)
     _outputs(p, "mrc.png", run_sweep)
 
     p = _command(sub, "foresight", "share of the LRU-to-Belady gap recovered against the foresight horizon",
                  FORESIGHT_HELP)
-    p.add_argument("--capacity", "-c", type=positive_int, required=True, help="experts per pool")
+    p.add_argument("--capacity", "-c", type=positive_int, required=True, help="experts per pool (one value)")
     p.add_argument("--horizons", type=int_list, default=list(DEFAULT_HORIZONS), metavar="H,H,...",
                    help=f"tokens of foresight (default {','.join(map(str, DEFAULT_HORIZONS))})")
-    p.add_argument("--reference", action="append", dest="references", metavar="POLICY",
-                   help=f"repeatable causal rule to place on the curve (default: {', '.join(CAUSAL_RULES)})")
+    p.add_argument("--policy", "-p", action="append", dest="policies", metavar="POLICY",
+                   help=POLICY_HELP + f"; placed on the curve as a reference (default: {', '.join(CAUSAL_RULES)})")
     add_replay_options(p)
     _outputs(p, "foresight.png", run_foresight)
 
     p = _command(sub, "compare-pools", "global pool vs equal per-layer split at the same total budget", POOLS_HELP)
-    p.add_argument("--capacity", "-c", type=capacity_list, required=True, metavar="C",
-                   help="experts per layer (the global pool gets L x C); several as 'LO:HI[:STEP]' or '8,16,32'")
+    caps = p.add_mutually_exclusive_group(required=True)
+    caps.add_argument("--capacity", "-c", type=positive_int, default=None, metavar="C",
+                      help="experts per layer, one value (the global pool gets L x C)")
+    caps.add_argument("--capacities", type=capacity_list, default=None, metavar="SPEC",
+                      help="several per-layer capacities: " + CAPACITIES_HELP)
     p.add_argument("--policy", "-p", action="append", dest="policies", metavar="POLICY",
                    help=POLICY_HELP + f" (default: {', '.join(DEFAULT_POLICIES)})")
     add_replay_options(p, pool=False, warm=FAIR_WARM)
+    add_sizing_options(p)
     _outputs(p, "pools.png", run_pools)
 
 
@@ -66,27 +87,34 @@ def _command(sub, name: str, summary: str, description: str) -> argparse.Argumen
 
 
 def _outputs(p: argparse.ArgumentParser, example: str, func) -> None:
-    p.add_argument("--plot", metavar="PNG", default=None, help=f"also draw the curves into this PNG file, e.g. {example}")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help=f"also draw the curves into FILE, e.g. {example}; the format follows the extension: "
+                        ".png, .pdf or .svg (the folder must exist)")
     add_json(p)
     p.set_defaults(func=func)
 
 
 SWEEP_HELP = """Miss-ratio curves: steady copies per token and hit rate at each capacity, per policy.
 
-Counts follow DESIGN section 2, exactly as 'expertcache replay' prints them at one capacity. LRU's
-whole curve comes from one pass over the trace (LRU with co-requested experts protected is a
-stack algorithm); other policies are replayed at each capacity on one shared layout.
+Counts are defined in docs/semantics.md, exactly as 'expertcache replay' prints them at one
+capacity. LRU's whole curve comes from one pass over the trace (LRU with co-requested experts
+protected is a stack algorithm); other policies are replayed at each capacity on one shared layout.
+With --target-hit-rate/--target-copies it reports, per policy, the smallest swept capacity that
+meets the target, and says so when a larger capacity misses it again. The sizing options add
+MB/token, GB/s, ms/token, tokens/s and cache memory (docs/sizing.md).
 """
 
 FORESIGHT_HELP = """Limited foresight: the share of the LRU-to-Belady gap in steady copies that farthest-future
-eviction recovers when it sees only the next h tokens ('foresight:h'), for each horizon, with the
-causal rules as reference values (0% = LRU, 100% = Belady).
+eviction recovers when it sees only the next h tokens ('foresight:h'), for each horizon, with other
+policies (default: the causal rules) as reference values (0% = LRU, 100% = Belady). See
+docs/curves.md; the 'future' column marks policies that read the recorded future.
 """
 
 POOLS_HELP = """Global pool against an equal per-layer split at the same total budget: per-layer pools of C
 experts each, or one pool of L x C (layer, expert) items shared by the L layers. Same policy, same
 streams and the same fair window (default: warm on the first 60% of each sequence, score the rest).
-Differences are global minus split (hit rate in percentage points).
+Differences are global minus split (hit rate in percentage points). See docs/curves.md; the sizing
+options add a table of MB/token, GB/s, ms/token, tokens/s and cache memory (docs/sizing.md).
 """
 
 
@@ -104,6 +132,8 @@ def capacity_list(text: str) -> list[int]:
         lo, hi, step = parts[0], parts[1], parts[2] if len(parts) == 3 else 1
         if hi < lo or step < 1:
             raise argparse.ArgumentTypeError(f"{text!r}: need LO <= HI and STEP >= 1")
+        if (hi - lo) // step > 1_000_000:
+            raise argparse.ArgumentTypeError(f"{text!r}: more than a million capacities")
         out = list(range(lo, hi + 1, step))
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: capacities must be positive integers")
@@ -118,6 +148,37 @@ def int_list(text: str) -> list[int]:
     if not out or min(out) < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected non-negative integers")
     return sorted(set(out))
+
+
+def hit_rate_target(text: str) -> float:
+    x = _number(text)
+    if not 0.0 < x <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is outside (0, 1]")
+    return x
+
+
+def copies_target(text: str) -> float:
+    x = _number(text)
+    if not (x >= 0.0 and x != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return x
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def check_plot(path: str | None) -> None:
+    """Refuse a ``--plot`` path with an unknown extension or a missing folder, before any work."""
+    if path is None:
+        return
+    plot_format(path)
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise ConfigError(f"--plot {path}: folder {parent} does not exist")
 
 
 @contextlib.contextmanager
@@ -141,9 +202,19 @@ def wrote(path) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def future_note(names: list[str]) -> str:
+    """The line under a table naming the policies that need the future (empty when none)."""
+    return f"needs the future (clairvoyant, an offline reference): {', '.join(names)}" if names else ""
+
+
 # ------------------------------------------------------------------------------------ commands
 def run_sweep(args) -> int:
+    check_plot(args.plot)
+    targeted = args.target_hit_rate is not None or args.target_copies is not None
+    if targeted:
+        check_targets(args.target_hit_rate, args.target_copies)
     trace = open_trace(args.trace)
+    setup = resolve_sizing(args, trace)
     specs = [make_policy(s).spec for s in (args.policies or ["lru", "belady"])]
     layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm)
     lo, hi = capacity_bounds(layout)
@@ -155,8 +226,12 @@ def run_sweep(args) -> int:
         from ..report.plots import plot_mrc
 
         wrote(plot_mrc(curves, args.plot, trace=trace.name))
+    targets = [curve_target(c, target_hit_rate=args.target_hit_rate, target_copies=args.target_copies)
+               for c in curves] if targeted else []
     if args.json:
-        emit_json(r.to_dict() | {"trace": trace.name, "method": c.method} for c in curves for r in c.results)
+        emit_json(r.to_dict() | {"trace": trace.name, "method": c.method} | setup.result_record(r)
+                  for c in curves for r in c.results)
+        emit_json(_target_record(c, t, setup, trace.name) for c, t in zip(curves, targets))
         return 0
     print(describe(trace))
     print(setup_line(curves[0], "capacity = experts " + ("in the global pool" if args.pool == "global" else "per layer")))
@@ -171,12 +246,76 @@ def run_sweep(args) -> int:
         row += [c.results[i].gap_recovered for c in with_gap]
         rows.append(row)
     table(rows, headers)
+    note = future_note([c.policy for c in curves if c.needs_future])
+    if note:
+        print(note)
+    if setup.active:  # one row per (capacity, policy), as compare-pools does: the wide table stays readable
+        print("\n" + setup.describe())
+        rows = [(int(cap), c.policy, future_mark(c.needs_future), *setup.result_cells(c.results[i]))
+                for i, cap in enumerate(curves[0].capacities) for c in curves]
+        table(rows, ["capacity", "policy", "future", *setup.headers()])
+    if targets:
+        _print_targets(curves, targets, setup)
     return 0
 
 
+def _target_record(curve, target, setup, trace_name: str) -> dict:
+    """The ``"record": "target"`` JSON object of one policy (see docs/sizing.md)."""
+    r = curve.at(target.capacity) if target.reached else None
+    S = setup.sizing.expert_bytes
+    memory = (cache_bytes(target.capacity, S, pool=curve.pool, num_layers=len(curve.layers))
+              if r is not None and S is not None else None)
+    rec = {
+        "record": "target", "policy": curve.policy, "needs_future": curve.needs_future,
+        "target_hit_rate": target.target_hit_rate, "target_copies": target.target_copies,
+        "capacity": target.capacity, "reached": target.reached, "cache_bytes": memory,
+        "hit_rate": r.hit_rate if r else None, "copies_per_token": r.copies_per_token if r else None,
+        "max_capacity": target.max_capacity, "misses_again_at": list(target.misses_again_at),
+        "pool": curve.pool, "layers": list(curve.layers), "trace": trace_name,
+    }
+    if setup.active:
+        sized = setup.result_record(r) if r is not None else setup.sizing.inputs() | dict.fromkeys(FIGURES)
+        rec |= sized | {"cache_bytes": memory}
+    return rec
+
+
+def _print_targets(curves, targets, setup) -> None:
+    t0 = targets[0]
+    want = []
+    if t0.target_hit_rate is not None:
+        want.append(f"hit rate >= {t0.target_hit_rate:g}")
+    if t0.target_copies is not None:
+        want.append(f"copies/token <= {t0.target_copies:g}")
+    unit = "in the global pool" if curves[0].pool == "global" else "per layer"
+    print(f"\nsmallest swept capacity with {' and '.join(want)} (experts {unit}):")
+    width = max(len(c.policy) for c in curves)
+    S = setup.sizing.expert_bytes
+    for c, t in zip(curves, targets):
+        mark = " (needs future)" if c.needs_future else ""
+        if not t.reached:
+            print(f"  {c.policy:<{width}}  not reached up to C={t.max_capacity}{mark}")
+            continue
+        r = c.at(t.capacity)
+        line = (f"  {c.policy:<{width}}  C={t.capacity}: hit rate {r.hit_rate:.4f}, "
+                f"{r.copies_per_token:.4f} copies/token")
+        if S is not None:
+            memory = cache_bytes(t.capacity, S, pool=c.pool, num_layers=len(c.layers))
+            line += f", cache {memory / GB:.4g} GB"
+        if setup.active:
+            fig = setup.sizing.figures(r.copies_per_token)
+            if fig.ms_per_token is not None:
+                line += f", {fig.ms_per_token:.4g} ms/token ({fig.tokens_per_s_predicted:.4g} tok/s)"
+        line += mark
+        if t.misses_again_at:
+            again = ", ".join(map(str, t.misses_again_at[:8])) + (", ..." if len(t.misses_again_at) > 8 else "")
+            line += f"; not monotone: misses the target again at C={again}"
+        print(line)
+
+
 def run_foresight(args) -> int:
+    check_plot(args.plot)
     trace = open_trace(args.trace)
-    refs = [make_policy(s).spec for s in (args.references or CAUSAL_RULES)]
+    refs = [make_policy(s).spec for s in (args.policies or CAUSAL_RULES)]
     with progress(2 + len(args.horizons) + len(refs), "foresight") as tick:
         curve = foresight_curve(trace, args.capacity, args.horizons, refs, pool=args.pool, reset=args.reset,
                                 layers=args.layers, warm=args.warm, progress=tick)
@@ -190,34 +329,56 @@ def run_foresight(args) -> int:
     print(describe(trace))
     unit = "in the global pool" if args.pool == "global" else "per layer"
     print(setup_line(curve.lru, f"capacity {curve.capacity} {unit}"))
-    rows = [(rec["policy"], rec["role"], rec["horizon"], rec["copies_per_token"], rec["hit_rate"], rec["gap_recovered"])
-            for rec in curve.records()]
-    table(rows, ["policy", "role", "horizon", "copies/token", "hit rate", "gap recovered"])
+    rows = [(rec["policy"], future_mark(rec["needs_future"]), rec["role"], rec["horizon"], rec["copies_per_token"],
+             rec["hit_rate"], rec["gap_recovered"]) for rec in curve.records()]
+    table(rows, ["policy", "future", "role", "horizon", "copies/token", "hit rate", "gap recovered"])
     return 0
 
 
 def run_pools(args) -> int:
+    check_plot(args.plot)
     trace = open_trace(args.trace)
+    setup = resolve_sizing(args, trace)
     specs = [make_policy(s).spec for s in (args.policies or DEFAULT_POLICIES)]
-    with progress(2 * len(specs) * len(args.capacity), "compare-pools") as tick:
-        comps = compare_pools(trace, args.capacity, specs, warm=args.warm, reset=args.reset, layers=args.layers,
+    capacities = [args.capacity] if args.capacity is not None else args.capacities
+    with progress(2 * len(specs) * len(capacities), "compare-pools") as tick:
+        comps = compare_pools(trace, capacities, specs, warm=args.warm, reset=args.reset, layers=args.layers,
                               progress=tick)
     if args.plot:
         from ..report.plots import plot_pools
 
         wrote(plot_pools(comps, args.plot, trace=trace.name))
     if args.json:
-        emit_json(c.to_dict() | {"trace": trace.name} for c in comps)
+        emit_json(c.to_dict() | {"trace": trace.name} | _pools_sizing(setup, c) for c in comps)
         return 0
     L = len(comps[0].split.layers)
     print(describe(trace))
     print(f"{L} layer(s); split = one pool of C per layer, global = one pool of {L} x C; scored tokens "
           f"{comps[0].split.tokens}" + (f" (warm fraction {args.warm:g})" if args.warm else ""))
     rows = [
-        (c.capacity, c.shared.capacity, c.policy, c.split.hit_rate, c.shared.hit_rate, c.hit_rate_diff_pp,
-         c.split.copies_per_token, c.shared.copies_per_token, c.copies_per_token_diff)
+        (c.capacity, c.shared.capacity, c.policy, future_mark(c.split.needs_future), c.split.hit_rate,
+         c.shared.hit_rate, c.hit_rate_diff_pp, c.split.copies_per_token, c.shared.copies_per_token,
+         c.copies_per_token_diff)
         for c in comps
     ]
-    table(rows, ["C/layer", "global", "policy", "hit split", "hit global", "diff pp",
+    table(rows, ["C/layer", "global", "policy", "future", "hit split", "hit global", "diff pp",
                  "copies/tok split", "copies/tok global", "diff"])
+    if setup.active:
+        print("\n" + setup.describe())
+        rows = [(c.capacity, c.policy, future_mark(r.needs_future), name, *setup.result_cells(r))
+                for c in comps for name, r in (("split", c.split), ("global", c.shared))]
+        table(rows, ["C/layer", "policy", "future", "pool", *setup.headers()])
     return 0
+
+
+def _pools_sizing(setup, comp) -> dict:
+    """Sizing fields of one comparison: inputs, ``cache_bytes`` (equal for both pools) and every
+    other figure twice, suffixed ``_split`` and ``_global`` as the command's other fields are."""
+    if not setup.active:
+        return {}
+    split, shared = setup.result_record(comp.split), setup.result_record(comp.shared)
+    out = setup.sizing.inputs() | {"cache_bytes": split["cache_bytes"]}
+    for key in FIGURES:
+        if key != "cache_bytes":
+            out[f"{key}_split"], out[f"{key}_global"] = split[key], shared[key]
+    return out

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..policies import available_policies
-from ..trace import parse_layers
-from .common import add_json, emit_json, positive_int, table
+from ..errors import ConfigError, TraceError
+from ..trace.npz import read_npy
+from ..policies import available_policies, make_policy
+from .common import add_json, add_layers, check_out, emit_json, nonnegative_float, positive_int, table
 
 HELP = """Teacher-force token sequences through a Hugging Face MoE checkpoint whose experts live in host
 memory behind CAPACITY device slots per offloaded layer, once per policy, and compare each run
@@ -46,8 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--capacity", "-c", type=positive_int, required=True, help="device slots per offloaded layer")
     p.add_argument("--policy", "-p", action="append", dest="policies", metavar="POLICY",
                    help=f"repeatable; one of {', '.join(available_policies())} (default: lru and belady)")
-    p.add_argument("--layers", type=parse_layers, default=None, metavar="IDS",
-                   help="MoE layers to offload, e.g. '4-8' or '4,5,11' (default: all)")
+    add_layers(p, "MoE layer ids to offload")
     p.add_argument("--max-len", type=positive_int, default=384, metavar="N", help="tokens per sequence (default 384)")
     p.add_argument("--max-sequences", type=positive_int, default=None, metavar="N", help="evaluate at most N sequences")
     p.add_argument("--mode", choices=("decode", "forward"), default="decode",
@@ -57,13 +56,14 @@ def add_parser(sub) -> None:
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--capture", metavar="OUT.npz", help="save the reference pass's router trace (canonical .npz)")
     p.add_argument("--router-probs", action="store_true", help="include the full router softmax in --capture")
-    p.add_argument("--tolerance", type=float, default=5e-3, metavar="NATS",
+    p.add_argument("--tolerance", type=nonnegative_float, default=5e-3, metavar="NATS",
                    help="largest |nll - nll_reference| a lossless policy may show (default 5e-3)")
     add_json(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    check_out(args.capture, "--capture")
     hf = _import_hf()
     model = _load_model(args.model, args.device, args.dtype)
     if args.tokens:
@@ -78,7 +78,8 @@ def run(args) -> int:
     )
     if args.capture:
         evaluation.trace.save(args.capture)
-    records = [r.to_dict() | {"model": args.model} for r in evaluation.results]
+    records = [r.to_dict() | {"model": args.model, "needs_future": make_policy(r.policy).needs_future}
+               for r in evaluation.results]
     if args.json:
         emit_json(records)
     else:
@@ -98,11 +99,12 @@ def _print_table(args, evaluation, records) -> None:
     )
     print(f"reference (all experts resident): nll {evaluation.reference.nll:.5f}, {evaluation.reference.tokens_per_s:.1f} tokens/s")
     rows = [
-        (r["policy"], r["nll"], r["nll_delta"], "yes" if r["exact"] else "NO", r["copies_per_token"], r["copies_steady"],
+        (r["policy"], "yes" if r["needs_future"] else "", r["nll"], r["nll_delta"], "yes" if r["exact"] else "NO",
+         r["copies_per_token"], r["copies_steady"],
          r["copies_total"], r["tokens_per_s"], r["speed_vs_reference"], r["copy_seconds"], "yes" if r["replay_agrees"] else "NO")
         for r in records
     ]
-    table(rows, ["policy", "nll", "delta", "exact", "copies/token", "steady", "total", "tok/s", "x ref", "copy s", "= replay"])
+    table(rows, ["policy", "future", "nll", "delta", "exact", "copies/token", "steady", "total", "tok/s", "x ref", "copy s", "= replay"])
     if args.capture:
         print(f"trace of the reference pass saved to {args.capture}")
 
@@ -138,14 +140,12 @@ def _load_model(path: str, device: str | None, dtype: str):
 
 
 def _read_tokens(path: str) -> np.ndarray:
-    if not os.path.isfile(path):
-        raise ConfigError(f"--tokens {path}: no such file")
     try:
-        ids = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as exc:
-        raise ConfigError(f"--tokens {path}: not a readable .npy array ({_first_line(exc)})") from None
-    if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
-        raise ConfigError(f"--tokens {path}: expected integer token ids, got {getattr(ids, 'dtype', type(ids).__name__)}")
+        ids = read_npy(path, "--tokens")  # sizes checked before reading, no pickle
+    except TraceError as err:
+        raise ConfigError(str(err)) from None
+    if ids.dtype.kind not in "iu":
+        raise ConfigError(f"--tokens {path}: expected integer token ids, got {ids.dtype}")
     return ids
 
 
@@ -160,7 +160,10 @@ def _read_text(model_dir: str, path: str) -> np.ndarray:
         raise ConfigError(
             f"--text needs a tokenizer saved in {model_dir} ({_first_line(exc)}); without one, pass --tokens ids.npy"
         ) from None
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--text {path}: not UTF-8 text (byte {exc.start})") from None
     return np.asarray(tokenizer(text)["input_ids"], dtype=np.int64)
 
 

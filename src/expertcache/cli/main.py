@@ -1,18 +1,37 @@
 """Entry point: ``expertcache <command> ...``.
 
 Each command lives in its own module exposing ``add_parser(subparsers)``, which registers the
-subcommand and sets ``func(args) -> int`` as its handler. User mistakes raise
-:class:`~expertcache.errors.ExpertcacheError`; they are printed as one line and exit with 2.
+subcommand and sets ``func(args) -> int`` as its handler.
+
+The contract with users: whatever the input, the command either succeeds or prints ONE line on
+stderr naming what is wrong and where, and exits with 2. User mistakes raise
+:class:`~expertcache.errors.ExpertcacheError`; argument errors print one line too (the usage
+is shown by ``--help`` only); running out of memory is one line; warnings are one line each.
+Anything else is a bug in expertcache: it is reported as one line asking for a report, exit 70
+(``EXPERTCACHE_DEBUG=1`` shows the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
 
 from .. import __version__
 from ..errors import ExpertcacheError
+
+EXIT_USAGE = 2
+EXIT_BUG = 70
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``expertcache replay: error: ... (see --help)``."""
+
+    def error(self, message: str):  # noqa: D102 (argparse API)
+        first = message.strip().splitlines()[0] if message.strip() else "invalid arguments"
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {first} (see '{self.prog} --help')\n")
 
 COMMAND_MODULES = [
     "replay_cmd",
@@ -27,7 +46,7 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="expertcache",
         description="Measure, bound and run expert caches for offloaded mixture-of-experts models.",
     )
@@ -42,16 +61,38 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ExpertcacheError as err:
-        print(f"expertcache {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("expertcache: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
+    name = f"expertcache {args.command}"
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            return int(args.func(args) or 0)
+        except ExpertcacheError as err:
+            print(f"{name}: error: {_one_line(err)}", file=sys.stderr)
+            return EXIT_USAGE
+        except MemoryError:
+            print(f"{name}: error: not enough memory for this input (try fewer layers, tokens or capacities)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            print("expertcache: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:
+            return 0
+        except Exception as err:  # a bug: still one line, unless asked for the traceback
+            if os.environ.get("EXPERTCACHE_DEBUG"):
+                raise
+            print(f"{name}: internal error (a bug in expertcache {__version__}; please report it with the command): "
+                  f"{type(err).__name__}: {_one_line(err)}", file=sys.stderr)
+            return EXIT_BUG
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 2000 else text[:1997] + "..."
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"expertcache: warning: {_one_line(Warning(str(message)))}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

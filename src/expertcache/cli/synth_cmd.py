@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from ..errors import ConfigError
 from ..trace.synth import PRESETS, get_preset, synthesize
-from .common import add_json, describe, emit_json, positive_int, require, table
+from .common import add_json, add_out, check_out, describe, emit_json, positive_int, require, seed_int, table
 
 HELP = """Generate a synthetic router trace with realistic locality and save it (.npz, atomically).
 
@@ -20,7 +20,7 @@ parameter can be overridden; the seed makes the output identical on every machin
 """
 
 # Generator parameters with a flag of their own below; the rest get --<name-with-dashes>.
-_NAMED = {"num_experts": "--experts", "top_k": "--top-k", "num_layers": "--layers", "tokens": "--tokens",
+_NAMED = {"num_experts": "--num-experts", "top_k": "--top-k", "num_layers": "--num-layers", "tokens": "--tokens",
           "sequences": "--sequences"}
 _HELP = {
     "zipf_first": "popularity exponent of the first layer",
@@ -43,12 +43,12 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--list", action="store_true", help="list the presets with their calibration targets and exit")
     p.add_argument("--preset", metavar="NAME", help=f"one of {', '.join(PRESETS)}")
-    p.add_argument("--out", "-o", metavar="PATH", help="output trace (.npz)")
-    p.add_argument("--seed", type=int, default=0, help="random seed, a non-negative integer (default 0)")
+    add_out(p, "output trace (.npz); its folder must exist", required=False)
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed, a non-negative integer (default 0)")
     p.add_argument("--tokens", type=positive_int, metavar="T", help="tokens per sequence (default: the preset's)")
     p.add_argument("--sequences", type=positive_int, metavar="S", help="number of sequences (default: the preset's)")
-    p.add_argument("--layers", type=positive_int, metavar="L", help="number of MoE layers (default: the preset's)")
-    p.add_argument("--experts", type=positive_int, metavar="E", help="experts per layer (default: the preset's)")
+    p.add_argument("--num-layers", type=positive_int, metavar="L", help="number of MoE layers (default: the preset's)")
+    p.add_argument("--num-experts", type=positive_int, metavar="E", help="experts per layer (default: the preset's)")
     p.add_argument("--top-k", type=positive_int, metavar="K", help="experts per token and layer (default: the preset's)")
     for name, help_text in _HELP.items():
         kind = int if name == "max_lag" else float
@@ -63,6 +63,7 @@ def run(args) -> int:
     require(args.preset is not None, "--preset is required (see 'expertcache synth --list')")
     require(args.out is not None, "--out is required (the .npz file to write)")
     require(args.out.endswith(".npz"), f"--out: expected a path ending in .npz, got {args.out!r}")
+    check_out(args.out)
     preset = get_preset(args.preset)
     overrides = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in _NAMED.items()}
     overrides |= {name: getattr(args, name) for name in _HELP}
@@ -75,11 +76,12 @@ def run(args) -> int:
     try:
         path = trace.save(args.out)
     except OSError as err:
-        raise ConfigError(f"--out: cannot write {args.out} ({err.strerror or err})") from None
+        raise ConfigError(f"--out {args.out}: cannot write it ({err.strerror or err})") from None
     seconds = time.perf_counter() - t0
     if args.json:
-        emit_json([{"path": str(path), "preset": preset.name, "seed": args.seed, "tokens": trace.num_tokens,
-                    "sequences": trace.num_sequences, "layers": trace.num_layers, "num_experts": trace.num_experts,
+        emit_json([{"out": str(path), "preset": preset.name, "seed": args.seed, "tokens": trace.num_tokens,
+                    "sequences": trace.num_sequences, "layers": trace.layer_ids, "num_layers": trace.num_layers,
+                    "num_experts": trace.num_experts,
                     "top_k": trace.top_k, "params": asdict(params), "seconds": seconds}])
         return 0
     print(f"wrote {path} ({seconds:.2f} s, seed {args.seed})")

@@ -3,20 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from ..errors import ConfigError
 from ..trace.exporters import FORMATS, ORDERS, export_libcachesim
-from ..trace.importers import JsonlFields, import_vllm_jsonl
-from .common import add_json, describe, emit_json, open_trace, positive_int
-from ..trace import parse_layers
+from ..trace.importers import (
+    FORMATS as IMPORT_FORMATS,
+    SEQUENCE_MODES,
+    JsonlFields,
+    TokenFields,
+    detect_format,
+    import_trace,
+)
+from .common import add_json, add_layers, add_out, check_out, describe, emit_json, open_trace, positive_int
 
-IMPORT_HELP = """Convert a per-(token, layer) JSONL routing log into a canonical trace (.npz).
+IMPORT_HELP = """Convert a routing log from another engine into a canonical trace (.npz).
 
-Each line is one record such as
-  {"problem_id": 0, "layer": 3, "token_idx": 17, "experts": [5, 1], "gating_probs": [0.6, 0.4]}
-(the shape vLLM routing-log patches write; rename fields with the --*-field options). Sequences
-keep their order of first appearance, tokens are sorted by token index (gaps are kept in the
-'step' array), layers are sorted. Every (token, layer) must be present once.
+FORMAT is one of the formats below; without it, --format decides (default auto: the shape is
+detected from the file's first bytes and records). JSONL input may be plain, gzip or zstd
+(found by magic bytes, not by name; zstd needs the zstandard package); a line may hold at most
+64 MiB.
+
+formats and their record shapes (default field names; rename with the --*-field options):
+  vllm-jsonl   one record per sequence, token and layer:
+                 {"problem_id": 0, "layer": 3, "token_idx": 17, "experts": [5, 1], "gating_probs": [0.6, 0.4]}
+  token-jsonl  one record per sequence and token, every layer in it:
+                 {"problem_id": 0, "token_idx": 17, "experts": [[5, 1], [2, 7]]}         layer i = position i
+                 {"problem_id": 0, "token_idx": 17, "experts": [[5, 1], [2, 7]], "layer_ids": [0, 3]}
+                 {"problem_id": 0, "token_idx": 17, "experts": {"0": [5, 1], "3": [2, 7]}}
+               gate weights ("gating_probs") in the same shape as the experts
+  sglang       the torch.save dump SGLang's expert-distribution recorder writes in per_token mode
+               (expert_distribution_recorder_<time>_<rank>.pt), or a folder of them; read without
+               unpickling; physical expert ids are mapped to logical ones
+
+Sequences keep their order of first appearance, tokens are sorted by token index (gaps kept in the
+'step' array), layers are sorted. Every token needs every layer (--drop-incomplete drops tokens
+that lack one) and every id list the same length k (--pad pads shorter ones with -1). A field
+named by an option must be present; the default gate-weight and layer-id fields are read when
+present in every record. Errors name the file, the line (or dump record) and the field.
 """
 
 EXPORT_HELP = """Write a trace as a single-request stream for libCacheSim.
@@ -30,24 +55,34 @@ and Belady misses equal 'expertcache replay --reset none' copies_total.
 
 
 def add_parser(sub) -> None:
-    imp = sub.add_parser("import", help="import routing logs from other engines",
-                         description="Import routing logs from other engines into the canonical trace format.")
-    isub = imp.add_subparsers(dest="format", metavar="FORMAT")
-    isub.required = True
-    p = isub.add_parser("vllm-jsonl", help="per-(token, layer) JSONL routing records", description=IMPORT_HELP,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("log", help="the .jsonl routing log")
-    p.add_argument("--out", "-o", required=True, help="trace to write (.npz)")
-    p.add_argument("--num-experts", type=positive_int, help="E (default: largest id + 1)")
+    p = sub.add_parser("import", help="import routing logs from other engines (vllm-jsonl, token-jsonl, sglang)",
+                       description=IMPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       usage="expertcache import [FORMAT] PATH --out T.npz [options]")
+    p.add_argument("source", nargs="+", metavar="[FORMAT] PATH",
+                   help=f"optional format ({', '.join(IMPORT_FORMATS)}), then the routing log, dump or folder")
+    p.add_argument("--format", dest="import_format", choices=("auto", *IMPORT_FORMATS), default=None,
+                   help="format of PATH when no FORMAT is given (default auto)")
+    add_out(p, "trace to write (.npz); its folder must exist")
+    p.add_argument("--num-experts", type=positive_int, help="E (default: from the dump's expert map, else largest id + 1)")
     p.add_argument("--model", help="model name to record in the trace metadata")
-    p.add_argument("--phase", default="decode", help="decode, prefill, teacher-forced, mixed or unknown (default decode)")
-    p.add_argument("--drop-incomplete", action="store_true", help="drop tokens that lack a record for some layer")
-    d = JsonlFields()
-    p.add_argument("--seq-field", default=d.seq, help=f"sequence id field (default {d.seq})")
-    p.add_argument("--layer-field", default=d.layer, help=f"layer field (default {d.layer})")
-    p.add_argument("--token-field", default=d.token, help=f"token index field (default {d.token})")
-    p.add_argument("--experts-field", default=d.experts, help=f"expert ids field (default {d.experts})")
-    p.add_argument("--probs-field", default=d.probs, help=f"gate weights field, '' for none (default {d.probs})")
+    p.add_argument("--phase", help="decode, prefill, teacher-forced, mixed or unknown "
+                                   "(default decode for the JSONL formats, mixed for sglang)")
+    p.add_argument("--drop-incomplete", action="store_true", help="drop tokens that lack some layer")
+    p.add_argument("--pad", action="store_true", help="pad id lists shorter than the longest with -1 (default: an error)")
+    d, t = JsonlFields(), TokenFields()
+    g = p.add_argument_group("JSONL field names (vllm-jsonl, token-jsonl)")
+    g.add_argument("--seq-field", help=f"sequence id field (default {d.seq})")
+    g.add_argument("--token-field", help=f"token index field (default {d.token})")
+    g.add_argument("--experts-field", help=f"expert ids field (default {d.experts})")
+    g.add_argument("--probs-field", help=f"gate weights field, '' for none (default {d.probs}, read when present)")
+    g.add_argument("--layer-field", help=f"vllm-jsonl: layer field (default {d.layer})")
+    g.add_argument("--layers-field", help=f"token-jsonl: layer ids of the per-layer lists (default {t.layers}, read when present)")
+    g = p.add_argument_group("sglang")
+    g.add_argument("--sequences", choices=SEQUENCE_MODES, default=None,
+                   help="'positions': a new sequence wherever a position does not follow the previous one; "
+                        "'stream': one sequence per dump file; 'auto' (default): positions when every forward "
+                        "pass serves one request, else stream")
+    g.add_argument("--rank", type=int, default=None, help="keep only this rank's records")
     add_json(p)
     p.set_defaults(func=run_import)
 
@@ -58,35 +93,79 @@ def add_parser(sub) -> None:
     p = esub.add_parser("libcachesim", help="libCacheSim csv or oracleGeneral trace", description=EXPORT_HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="canonical trace (.npz)")
-    p.add_argument("--out", "-o", required=True, help="file to write")
+    add_out(p, "file to write; its folder must exist")
     p.add_argument("--order", choices=ORDERS, default="router", help="order of a token's experts (default router)")
     p.add_argument("--format", dest="fmt", choices=FORMATS, default="csv", help="csv (default) or oracle (binary)")
-    p.add_argument("--layers", type=parse_layers, default=None, metavar="IDS", help="layer ids to export (default all)")
+    add_layers(p, "layer ids to export")
     add_json(p)
     p.set_defaults(func=run_export)
 
 
+_APPLIES = {
+    "seq_field": ("vllm-jsonl", "token-jsonl"), "token_field": ("vllm-jsonl", "token-jsonl"),
+    "experts_field": ("vllm-jsonl", "token-jsonl"), "probs_field": ("vllm-jsonl", "token-jsonl"),
+    "layer_field": ("vllm-jsonl",), "layers_field": ("token-jsonl",), "sequences": ("sglang",), "rank": ("sglang",),
+}
+
+
+def _source(args) -> tuple[str, str]:
+    """(format or 'auto', path) from the positionals and --format."""
+    src = args.source
+    if len(src) > 2:
+        raise ConfigError(f"expected [FORMAT] PATH, got {len(src)} arguments ({' '.join(src)})")
+    if len(src) == 2:
+        fmt, path = src
+        if fmt not in IMPORT_FORMATS:
+            raise ConfigError(f"{fmt!r} is not a format (one of {', '.join(IMPORT_FORMATS)}); give FORMAT PATH or PATH alone")
+        if args.import_format not in (None, fmt):
+            raise ConfigError(f"FORMAT {fmt} contradicts --format {args.import_format}")
+        return fmt, path
+    if src[0] in IMPORT_FORMATS and not os.path.exists(src[0]):
+        raise ConfigError(f"missing the path after the format {src[0]}")
+    return args.import_format or "auto", src[0]
+
+
+def _fields(args) -> tuple[JsonlFields, TokenFields]:
+    d, t = JsonlFields(), TokenFields()
+    probs = d.probs if args.probs_field is None else (args.probs_field or None)
+    common = dict(seq=args.seq_field or d.seq, token=args.token_field or d.token, experts=args.experts_field or d.experts, probs=probs)
+    return (JsonlFields(layer=args.layer_field or d.layer, **common),
+            TokenFields(layers=args.layers_field or t.layers, **common))
+
+
 def run_import(args) -> int:
-    fields = JsonlFields(args.seq_field, args.layer_field, args.token_field, args.experts_field, args.probs_field or None)
-    trace = import_vllm_jsonl(args.log, fields=fields, num_experts=args.num_experts,
-                              drop_incomplete=args.drop_incomplete, model=args.model, phase=args.phase)
+    fmt, path = _source(args)
+    check_out(args.out)
+    vllm_fields, token_fields = _fields(args)
+    if fmt == "auto":
+        fmt = detect_format(path, vllm_fields=vllm_fields, token_fields=token_fields)
+    for name, formats in _APPLIES.items():
+        if getattr(args, name) is not None and fmt not in formats:
+            raise ConfigError(f"--{name.replace('_', '-')} does not apply to {fmt} (only to {', '.join(formats)})")
+    trace, fmt = import_trace(path, fmt, vllm_fields=vllm_fields, token_fields=token_fields,
+                              num_experts=args.num_experts, drop_incomplete=args.drop_incomplete, pad=args.pad,
+                              model=args.model, phase=args.phase, sequences=args.sequences or "auto", rank=args.rank)
     trace.save(args.out)
     dropped = trace.meta["validation"]["tokens_dropped"]
     if args.json:
-        emit_json([{"out": args.out, "tokens": trace.num_tokens, "sequences": trace.num_sequences,
-                    "layers": trace.num_layers, "top_k": trace.top_k, "num_experts": trace.num_experts,
-                    "tokens_dropped": dropped}])
+        emit_json([{"out": args.out, "format": fmt, "tokens": trace.num_tokens, "sequences": trace.num_sequences,
+                    "layers": trace.layer_ids, "num_layers": trace.num_layers, "top_k": trace.top_k,
+                    "num_experts": trace.num_experts, "tokens_dropped": dropped}])
         return 0
-    print(describe(trace))
+    print(describe(trace) + f" (read as {fmt})")
     if trace.meta.get("num_experts_inferred"):
         print(f"note: E = {trace.num_experts} inferred from the largest id; pass --num-experts if the model has more", file=sys.stderr)
+    if fmt == "sglang" and args.sequences in (None, "auto") and trace.meta["source"]["sequences"] == "stream":
+        print("note: forward passes serve several requests, so each dump file is one sequence "
+              "(--sequences positions splits where positions break)", file=sys.stderr)
     if dropped:
-        print(f"dropped {dropped} token(s) lacking a layer record", file=sys.stderr)
+        print(f"dropped {dropped} token(s) lacking a layer", file=sys.stderr)
     print(f"wrote {args.out}")
     return 0
 
 
 def run_export(args) -> int:
+    check_out(args.out)
     trace = open_trace(args.trace)
     n = export_libcachesim(trace, args.out, order=args.order, layers=args.layers, fmt=args.fmt)
     if args.json:

@@ -28,6 +28,7 @@ import torch
 import transformers
 from packaging.version import Version
 
+from .._text import id_ranges
 from ..errors import ConfigError
 
 #: The transformers releases this package was verified against (the ``hf`` extra pins the same).
@@ -163,7 +164,7 @@ def select_sites(sites: list[ExpertsSite], layers: Iterable[int] | None, label: 
     if missing:
         raise ConfigError(
             f"layers: {', '.join(map(str, missing))} {'is not an MoE layer' if len(missing) == 1 else 'are not MoE layers'} "
-            f"of this {label} (MoE layers: {_ranges(sorted(by_layer))})"
+            f"of this {label} (MoE layers: {id_ranges(sorted(by_layer))})"
         )
     return [by_layer[lid] for lid in sorted(wanted)]
 
@@ -227,14 +228,3 @@ def _router_of(experts_name: str, modules: dict[str, torch.nn.Module], routers: 
         if name.rpartition(".")[0] == block and type(module) in routers:
             return module, routers[type(module)]
     return None, 0
-
-
-def _ranges(ids: list[int]) -> str:
-    parts, i = [], 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(parts)

@@ -125,11 +125,14 @@ def parse_float(arg: str, what: str, lo: float, hi: float, *, lo_open: bool = Fa
     return x
 
 
-def parse_int(arg: str, what: str, lo: int) -> int:
+def parse_int(arg: str, what: str, lo: int, hi: int = 2**63 - 1) -> int:
+    """An integer parameter in ``[lo, hi]`` (default: up to the largest int64, what loops can hold)."""
     try:
         x = int(arg)
     except ValueError:
-        raise PolicyError(f"{what}: expected an integer, got {arg!r}") from None
+        raise PolicyError(f"{what}: expected an integer, got {arg[:40]!r}") from None
     if x < lo:
         raise PolicyError(f"{what}: {x} is below {lo}")
+    if x > hi:
+        raise PolicyError(f"{what}: {arg[:40]} is above {hi}")
     return x

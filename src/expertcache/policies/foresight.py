@@ -27,7 +27,7 @@ class Foresight(Policy):
     def from_arg(cls, arg):
         if arg is None:
             return cls()
-        return cls(parse_int(arg, "foresight:h", 0))
+        return cls(parse_int(arg, "foresight:h", 0, 2**40))
 
     @property
     def spec(self):

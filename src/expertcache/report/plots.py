@@ -1,9 +1,12 @@
-"""PNG pictures of the curves in :mod:`expertcache.sim.curves`, readable without the code.
+"""Pictures of the curves in :mod:`expertcache.sim.curves`, readable without the code.
 
 Every figure names the trace, the pool, the capacity and the window in its title, labels its axes
-with units and has a legend. Figures are drawn with matplotlib's object API on the Agg canvas (no
-pyplot state, no display needed) and written atomically: a temporary file beside the target,
-then a rename, so a killed run never leaves a torn PNG. matplotlib comes with the ``plot`` extra.
+with units and has a legend; a policy that reads the recorded future (``needs_future``) is labelled
+"(needs future)". The file format follows the extension of the path: ``.png``, ``.pdf`` or ``.svg``
+(any case); anything else is a :class:`~expertcache.errors.ConfigError` (:func:`plot_format`),
+raised before anything is drawn. Figures are drawn with matplotlib's object API on the Agg canvas
+(no pyplot state, no display needed) and written atomically: a temporary file beside the target,
+then a rename, so a killed run never leaves a torn file. matplotlib comes with the ``plot`` extra.
 """
 
 from __future__ import annotations
@@ -16,18 +19,38 @@ from .._io import atomic_open
 from ..errors import ConfigError
 
 DPI = 120
+FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
+"""Extensions (lower case) of the files a plot can be written to, and matplotlib's format name."""
+
+
+def plot_format(path: str | os.PathLike, option: str = "--plot") -> str:
+    """The format of ``path`` from its extension (``png``, ``pdf`` or ``svg``, any case), else a
+    one-line ConfigError naming ``option``."""
+    suffix = Path(path).suffix
+    fmt = FORMATS.get(suffix.lower())
+    if fmt is None:
+        what = f"extension {suffix!r}" if suffix else "no extension"
+        raise ConfigError(f"{option} {path}: {what}; the format follows the extension: .png, .pdf or .svg")
+    return fmt
+
+
+def policy_label(name: str, needs_future: bool) -> str:
+    """A policy's legend label: ``"belady (needs future)"`` for a clairvoyant policy."""
+    return f"{name} (needs future)" if needs_future else name
 
 
 def plot_mrc(curves: Sequence, path: str | os.PathLike, *, trace: str) -> Path:
     """Miss-ratio curves (:class:`~expertcache.sim.curves.MissRatioCurve`): steady copies per token
     (left) and hit rate (right) against capacity, one line per policy."""
+    fmt = plot_format(path)
     fig = _figure(2)
     ax_c, ax_h = fig.axes
     first = curves[0].results[0]
     for i, curve in enumerate(curves):
         style = dict(color=_color(i), marker="o" if len(curve.results) <= 40 else None, markersize=3, linewidth=1.6)
-        ax_c.plot(curve.capacities, curve.copies_per_token, label=curve.policy, **style)
-        ax_h.plot(curve.capacities, 100 * curve.hit_rate, label=curve.policy, **style)
+        label = policy_label(curve.policy, getattr(curve, "needs_future", False))
+        ax_c.plot(curve.capacities, curve.copies_per_token, label=label, **style)
+        ax_h.plot(curve.capacities, 100 * curve.hit_rate, label=label, **style)
     xlabel = _capacity_label(first.pool)
     ax_c.set(xlabel=xlabel, ylabel="steady copies per token (all layers)", title="Copies per token")
     ax_h.set(xlabel=xlabel, ylabel="hit rate (% of scored requests)", title="Hit rate")
@@ -37,28 +60,33 @@ def plot_mrc(curves: Sequence, path: str | os.PathLike, *, trace: str) -> Path:
         ax.legend(title="policy", fontsize=8)
     caps = curves[0].capacities
     fig.suptitle(f"{trace}: miss-ratio curves, capacity {caps.min()}..{caps.max()} ({_setup(first)})")
-    return _save(fig, path)
+    return _save(fig, path, fmt)
 
 
 def plot_foresight(curve, path: str | os.PathLike, *, trace: str) -> Path:
     """Gap recovered by ``foresight:h`` against the horizon h on a log2 axis (a
-    :class:`~expertcache.sim.curves.ForesightCurve`), the causal rules as dotted horizontal lines
-    (seed 001, Fig. 2). Horizon 0 (= LRU) has no place on a log axis and is left out."""
+    :class:`~expertcache.sim.curves.ForesightCurve`), the other policies (by default the causal
+    rules) as dotted horizontal lines, as in the eviction paper's Fig. 2. Horizon 0 (= LRU) has no
+    place on a log axis and is left out."""
+    fmt = plot_format(path)
     fig = _figure(1, width=8.5, height=5.6)
     ax = fig.axes[0]
     pts = [(h, g) for h, g in zip(curve.horizons, curve.gap) if h > 0 and g is not None]
     if not pts:
         raise ConfigError("plot: LRU and Belady tie at this capacity, so no share of the gap is defined")
     hs, gs = zip(*pts)
-    ax.plot(hs, [100 * g for g in gs], color=_color(0), marker="o", linewidth=2, label="belady seeing h tokens ahead")
+    ahead = any(getattr(r, "needs_future", False) for r in curve.foresight)
+    ax.plot(hs, [100 * g for g in gs], color=_color(0), marker="o", linewidth=2,
+            label=policy_label("foresight:h, belady seeing h tokens ahead", ahead))
     for h, g in pts:
         ax.annotate(_pct(g), (h, 100 * g), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
     shown = [100 * g for g in gs]
     for i, r in enumerate(curve.references):
         if r.gap_recovered is not None:
             shown.append(100 * r.gap_recovered)
+            kind = "needs future" if getattr(r, "needs_future", False) else "causal"
             ax.axhline(100 * r.gap_recovered, color=_color(i + 1), linestyle=":", linewidth=1.8,
-                       label=f"{r.policy} (causal): {_pct(r.gap_recovered)}")
+                       label=f"{r.policy} ({kind}): {_pct(r.gap_recovered)}")
     ax.axhline(0, color="0.4", linewidth=0.8)
     ax.axhline(100, color="0.4", linewidth=0.8)
     ax.set_ylim(min(-5.0, min(shown) - 5), max(110.0, max(shown) + 10))
@@ -74,16 +102,18 @@ def plot_foresight(curve, path: str | os.PathLike, *, trace: str) -> Path:
         f"0% = LRU ({lru.copies_per_token:.3g} copies/token), 100% = Belady ({bel.copies_per_token:.3g})",
         fontsize=10,
     )
-    return _save(fig, path)
+    return _save(fig, path, fmt)
 
 
 def plot_pools(comparisons: Sequence, path: str | os.PathLike, *, trace: str) -> Path:
     """Global pool against the equal per-layer split (:class:`~expertcache.sim.curves.PoolComparison`):
     hit rate (left) and copies per token (right). One per-layer capacity gives grouped bars,
     several give lines against capacity (solid: global pool, dashed: per-layer split)."""
+    fmt = plot_format(path)
     fig = _figure(2)
     ax_h, ax_c = fig.axes
     policies = list(dict.fromkeys(c.policy for c in comparisons))
+    labels = {c.policy: policy_label(c.policy, getattr(c.split, "needs_future", False)) for c in comparisons}
     caps = sorted({c.capacity for c in comparisons})
     first = comparisons[0]
     L = len(first.split.layers)
@@ -103,7 +133,7 @@ def plot_pools(comparisons: Sequence, path: str | os.PathLike, *, trace: str) ->
             ax_c.annotate(f"{c.copies_per_token_diff:+.2f}", (i, top), textcoords="offset points", xytext=(0, 4),
                           ha="center", fontsize=8)
         for ax in fig.axes:
-            ax.set_xticks(range(len(policies)), policies)
+            ax.set_xticks(range(len(policies)), [labels[p].replace(" (", "\n(") for p in policies])
             ax.set_xlabel("policy")
         budget = f"{caps[0]} experts per layer = {L * caps[0]} shared"
     else:
@@ -112,7 +142,8 @@ def plot_pools(comparisons: Sequence, path: str | os.PathLike, *, trace: str) ->
             x = [c.capacity for c in rows]
             for pick, ls, tag in (("shared", "-", "global"), ("split", "--", "split")):
                 rs = [getattr(c, pick) for c in rows]
-                kw = dict(color=_color(i), linestyle=ls, marker="o" if ls == "-" else "s", markersize=3, label=f"{name}, {tag}")
+                kw = dict(color=_color(i), linestyle=ls, marker="o" if ls == "-" else "s", markersize=3,
+                          label=f"{labels[name]}, {tag}")
                 ax_h.plot(x, [100 * r.hit_rate for r in rs], **kw)
                 ax_c.plot(x, [r.copies_per_token for r in rs], **kw)
         for ax in fig.axes:
@@ -126,7 +157,7 @@ def plot_pools(comparisons: Sequence, path: str | os.PathLike, *, trace: str) ->
         ax.legend(fontsize=8)
     window = f"warm {first.split.warm:g}" if first.split.warm else "no warm window"
     fig.suptitle(f"{trace}: global pool vs per-layer split at equal budget ({budget}, {L} layers, {window})")
-    return _save(fig, path)
+    return _save(fig, path, fmt)
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -142,10 +173,10 @@ def _figure(panels: int, width: float = 6.4, height: float = 4.8):
     return fig
 
 
-def _save(fig, path) -> Path:
+def _save(fig, path, fmt: str) -> Path:
     path = Path(path)
     with atomic_open(path, "wb") as fh:
-        fig.savefig(fh, format="png", dpi=DPI)
+        fig.savefig(fh, format=fmt, dpi=DPI)
     return path
 
 

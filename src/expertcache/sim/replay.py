@@ -1,4 +1,4 @@
-"""Lossless replay of a trace under an eviction policy: exact copy counts (DESIGN section 2).
+"""Lossless replay of a trace under an eviction policy: exact copy counts (docs/semantics.md).
 
 Counting, per stream (a pool's life from empty):
 
@@ -8,7 +8,10 @@ Counting, per stream (a pool's life from empty):
 * ``copies_per_token``: ``copies_steady`` summed over layers and streams / scored tokens ``T``;
 * ``hit_rate``: ``1 - misses / requests`` over the scored window;
 * ``gap_recovered``: ``(steady(lru) - steady(p)) / (steady(lru) - steady(belady))`` when a run
-  holds both ``lru`` and ``belady`` (undefined when they tie).
+  holds both ``lru`` and ``belady`` (undefined when they tie);
+* ``needs_future``: the policy's own flag (:attr:`~expertcache.policies.Policy.needs_future`): it
+  reads the recorded future of the stream (clairvoyant), so its counts are an offline reference,
+  not something a causal cache can run.
 
 With a warm fraction ``w`` every count covers only the scored tokens (the last ``1 - w`` of each
 stream); the warm part only fills and warms the pool.
@@ -66,6 +69,7 @@ class ReplayResult:
     gap_recovered: float | None = None
     engine: str = "compiled"
     seconds: float = 0.0
+    needs_future: bool = False
 
     @property
     def copies_fill(self) -> int:
@@ -80,9 +84,10 @@ class ReplayResult:
         return 1.0 - self.copies_total / self.requests if self.requests else float("nan")
 
     def to_dict(self) -> dict:
-        """The JSON record (DESIGN section 3): counts first, then the run's configuration."""
+        """The JSON record: counts first, then the run's configuration."""
         return {
             "policy": self.policy,
+            "needs_future": self.needs_future,
             "capacity": self.capacity,
             "tokens": self.tokens,
             "requests": self.requests,
@@ -168,10 +173,13 @@ def replay_layout(layout: StreamLayout, capacity: int, policy: "str | Policy", *
         misses, evictions = plan.run(layout, capacity)
         used = "compiled"
     else:
-        misses, evictions = _python_loop(layout, capacity, policy)
+        slots = min(capacity, layout.n_items)  # more slots than items never change a count
+        misses, evictions = _python_loop(layout, slots, policy)
         used = "python"
     seconds = time.perf_counter() - t0
-    return _tally(layout, capacity, policy.spec, misses, evictions, used, seconds)
+    result = _tally(layout, capacity, policy.spec, misses, evictions, used, seconds)
+    result.needs_future = bool(policy.needs_future)
+    return result
 
 
 def check_capacity(layout: StreamLayout, capacity) -> int:

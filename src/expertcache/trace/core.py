@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import zipfile
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -30,9 +30,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .._io import atomic_open
+from .._text import id_ranges
 from ..errors import ConfigError, TraceError
+from .npz import read_npz, resolve_trace_path
+from .validate import MAX_LAYER_ID, MAX_LAYERS, PHASES, build, compact_dtype, parse_meta, seq_bounds
 
-PHASES = ("decode", "prefill", "teacher-forced", "mixed", "unknown")
 CORE_ARRAYS = ("experts", "seq", "probs", "router_probs")
 
 
@@ -92,7 +94,7 @@ class Trace:
             arrays["router_probs"] = np.asarray(router_probs)
         for name, value in (extras or {}).items():
             arrays[name] = np.asarray(value)
-        return _build(arrays, meta, source, fill_meta=True)
+        return build(arrays, meta, source, fill_meta=True)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -122,7 +124,7 @@ class Trace:
     @property
     def seq_bounds(self) -> np.ndarray:
         """``[S + 1]`` token offsets: sequence i is tokens ``seq_bounds[i]:seq_bounds[i+1]``."""
-        return _seq_bounds(self.seq)
+        return seq_bounds(self.seq)
 
     @property
     def num_requests(self) -> int:
@@ -149,7 +151,7 @@ class Trace:
         out = []
         for lid in layers:
             if lid not in ids:
-                raise TraceError(f"{self.source}: layers: layer {lid} is not in this trace (layer ids {_ranges(ids)})")
+                raise TraceError(f"{self.source}: layers: layer {lid} is not in this trace (layer ids {id_ranges(ids)})")
             out.append(ids.index(lid))
         if len(set(out)) != len(out):
             raise TraceError(f"{self.source}: layers: a layer is named twice in {list(layers)}")
@@ -199,7 +201,10 @@ class Trace:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the canonical ``.npz`` atomically (temp file + rename); returns the path."""
         path = Path(path)
-        arrays: dict[str, np.ndarray] = {"experts": _compact_ids(self.experts, self.num_experts), "seq": self.seq.astype(np.int32)}
+        arrays: dict[str, np.ndarray] = {
+            "experts": self.experts.astype(compact_dtype(self.num_experts), copy=False),
+            "seq": _narrow(self.seq),
+        }
         if self.probs is not None:
             arrays["probs"] = self.probs
         if self.router_probs is not None:
@@ -213,189 +218,59 @@ class Trace:
 
 # ---------------------------------------------------------------------- loading
 def load_trace(path: str | os.PathLike) -> Trace:
-    """Read and validate a canonical trace (``.npz``), such as those in ``shared/traces``.
+    """Read and validate a canonical trace (``.npz``), such as the real traces this project tests on.
 
-    ``path`` may be the ``.npz`` file or a folder holding ``routing.npz``.
+    ``path`` may be the ``.npz`` file or a folder holding ``routing.npz``. The archive is read by
+    :func:`~expertcache.trace.npz.read_npz` (sizes checked before allocating, no pickle) and
+    validated by :func:`~expertcache.trace.validate.build`; any problem is one
+    :class:`~expertcache.errors.TraceError` line naming the file, the field and the index.
     """
-    p = Path(path)
-    if p.is_dir():
-        p = p / "routing.npz"
     src = str(path)
-    if not p.exists():
-        raise TraceError(f"{src}: no such file")
-    try:
-        with np.load(p, allow_pickle=False) as z:
-            arrays = {name: z[name] for name in z.files}
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, zipfile.LargeZipFile) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TraceError(f"{src}: not a readable .npz trace ({reason})") from None
+    arrays = read_npz(resolve_trace_path(path), src)
     meta_arr = arrays.pop("meta", None)
     meta: dict = {}
     if meta_arr is not None:
         if meta_arr.dtype.kind not in "US" or meta_arr.ndim != 0:
             raise TraceError(f"{src}: meta: expected a 0-d JSON string, got {meta_arr.dtype} {meta_arr.shape}")
         try:
-            meta = json.loads(str(meta_arr))
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{src}: meta: not valid JSON ({exc.msg} at char {exc.pos})") from None
-        if not isinstance(meta, dict):
-            raise TraceError(f"{src}: meta: expected a JSON object, got {type(meta).__name__}")
-    return _build(arrays, meta, src, fill_meta=meta_arr is None)
+            text = str(meta_arr) if meta_arr.dtype.kind == "U" else bytes(meta_arr.item()).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TraceError(f"{src}: meta: not UTF-8 text (byte {exc.start})") from None
+        meta = parse_meta(text, src)
+    return build(arrays, meta, src, fill_meta=meta_arr is None)
 
 
-def _build(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: bool) -> Trace:
-    """Validate arrays + meta and return a Trace. With ``fill_meta`` missing keys are derived."""
-    for name, arr in arrays.items():
-        if arr.dtype == object:
-            raise TraceError(f"{src}: {name}: object arrays are not allowed in a trace")
-    if "experts" not in arrays:
-        raise TraceError(f"{src}: experts: missing (a trace needs 'experts' [T, L, k] and 'seq' [T])")
-    experts = arrays.pop("experts")
-    if experts.ndim != 3:
-        raise TraceError(f"{src}: experts: expected rank 3 [tokens, layers, k], got shape {experts.shape}")
-    if experts.dtype.kind not in "iu":
-        raise TraceError(f"{src}: experts: expected an integer dtype, got {experts.dtype}")
-    T, L, k = experts.shape
-    if T == 0 or L == 0 or k == 0:
-        raise TraceError(f"{src}: experts: empty shape {experts.shape}")
-
-    if "seq" not in arrays:
-        if fill_meta:
-            arrays["seq"] = np.zeros(T, dtype=np.int32)
-        else:
-            raise TraceError(f"{src}: seq: missing (expected int [{T}] sequence ids)")
-    seq = arrays.pop("seq")
-    if seq.ndim != 1 or seq.shape[0] != T:
-        raise TraceError(f"{src}: seq: expected shape ({T},), got {seq.shape}")
-    if seq.dtype.kind not in "iu":
-        raise TraceError(f"{src}: seq: expected an integer dtype, got {seq.dtype}")
-    _check_contiguous(seq, src)
-
-    meta = dict(meta)
-    if "num_experts" not in meta:
-        if not fill_meta:
-            raise TraceError(f"{src}: meta: missing 'num_experts'")
-        meta["num_experts"] = int(experts.max()) + 1 if experts.max() >= 0 else 1
-        meta["num_experts_inferred"] = True
-    E = meta["num_experts"]
-    if not isinstance(E, int) or isinstance(E, bool) or E <= 0:
-        raise TraceError(f"{src}: meta: num_experts must be a positive integer, got {E!r}")
-    _check_ids(experts, E, src)
-
-    probs = arrays.pop("probs", None)
-    if probs is not None:
-        _check_float(probs, experts.shape, "probs", src, mask=experts >= 0)
-    router_probs = arrays.pop("router_probs", None)
-    if router_probs is not None:
-        _check_float(router_probs, (T, L, E), "router_probs", src)
-
-    n_seq = len(_seq_bounds(seq)) - 1
-    derived = {"num_experts": E, "top_k": k, "num_layers": L, "tokens": T, "sequences": n_seq}
-    for key, value in derived.items():
-        if key not in meta:
-            meta[key] = value
-        elif meta[key] != value:
-            what = {"top_k": "k", "num_layers": "L", "tokens": "T", "sequences": "distinct runs of seq"}.get(key, key)
-            raise TraceError(f"{src}: meta: {key} = {meta[key]!r} contradicts the arrays ({what} = {value})")
-    if "layer_ids" not in meta:
-        meta["layer_ids"] = list(range(L))
-    lids = meta["layer_ids"]
-    if (
-        not isinstance(lids, list)
-        or len(lids) != L
-        or not all(isinstance(x, int) and not isinstance(x, bool) for x in lids)
-        or len(set(lids)) != L
-    ):
-        raise TraceError(f"{src}: meta: layer_ids must be {L} distinct integers, got {lids!r}")
-    meta.setdefault("phase", "unknown")
-    if meta["phase"] not in PHASES:
-        raise TraceError(f"{src}: meta: phase {meta['phase']!r} is not one of {', '.join(PHASES)}")
-    return Trace(experts=experts, seq=seq, meta=meta, probs=probs, router_probs=router_probs, extras=arrays, source=src)
-
-
-# ---------------------------------------------------------------------- checks
-def _check_ids(experts: np.ndarray, E: int, src: str) -> None:
-    bad = (experts < -1) | (experts >= E)
-    if bad.any():
-        t, l, j = np.argwhere(bad)[0]
-        raise TraceError(
-            f"{src}: experts: id {int(experts[t, l, j])} at token {t}, layer {l}, slot {j} is outside [0, {E}) "
-            f"(num_experts = {E}; -1 is the only padding value)"
-        )
-    srt = np.sort(experts, axis=2)
-    dup = (srt[:, :, 1:] == srt[:, :, :-1]) & (srt[:, :, 1:] >= 0)
-    if dup.any():
-        t, l, j = np.argwhere(dup)[0]
-        raise TraceError(
-            f"{src}: experts: id {int(srt[t, l, j])} appears twice at token {t}, layer {l} "
-            f"(ids {experts[t, l].tolist()})"
-        )
-
-
-def _check_contiguous(seq: np.ndarray, src: str) -> None:
-    if seq.size == 0:
-        return
-    starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
-    values = seq[starts]
-    if np.unique(values).size != values.size:
-        seen: set[int] = set()
-        for s, v in zip(starts, values):
-            if int(v) in seen:
-                raise TraceError(
-                    f"{src}: seq: sequence {int(v)} resumes at token {int(s)} after other tokens "
-                    "(each sequence's tokens must be contiguous)"
-                )
-            seen.add(int(v))
-
-
-def _check_float(arr: np.ndarray, shape: tuple, name: str, src: str, mask: np.ndarray | None = None) -> None:
-    if arr.dtype.kind != "f":
-        raise TraceError(f"{src}: {name}: expected a float dtype, got {arr.dtype}")
-    if arr.shape != tuple(shape):
-        raise TraceError(f"{src}: {name}: expected shape {tuple(shape)}, got {arr.shape}")
-    bad = ~np.isfinite(arr)
-    if mask is not None:
-        bad &= mask
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise TraceError(f"{src}: {name}: non-finite value {arr[idx]} at index {idx}")
-
-
-def _seq_bounds(seq: np.ndarray) -> np.ndarray:
-    if seq.size == 0:
-        return np.zeros(1, dtype=np.int64)
-    starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
-    return np.r_[starts, seq.size].astype(np.int64)
-
-
-def _compact_ids(experts: np.ndarray, E: int) -> np.ndarray:
-    dtype = np.int16 if E <= np.iinfo(np.int16).max else np.int32
-    return experts.astype(dtype, copy=False)
-
-
-def _ranges(ids: Sequence[int]) -> str:
-    if len(ids) > 8:
-        return f"{ids[0]}..{ids[-1]} ({len(ids)} layers)"
-    return ", ".join(map(str, ids))
+def _narrow(seq: np.ndarray) -> np.ndarray:
+    """Sequence ids as int32 when they all fit (the shared traces' dtype), else int64."""
+    i32 = np.iinfo(np.int32)
+    if seq.size == 0 or (seq.min() >= i32.min and seq.max() <= i32.max):
+        return seq.astype(np.int32)
+    return seq.astype(np.int64, copy=False)
 
 
 def parse_layers(spec: str | None) -> list[int] | None:
-    """Parse ``"4-8"``, ``"4,5,6"`` or ``"2,4-6"`` into layer ids (``None``/``"all"``: every layer)."""
+    """Parse ``"4-8"``, ``"4,5,6"`` or ``"2,4-6"`` into layer ids (``None``/``"all"``: every layer).
+
+    Ids are integers in ``[0, 2**31)``, at most :data:`~expertcache.trace.validate.MAX_LAYERS` of
+    them, none twice; anything else is a one-line :class:`~expertcache.errors.ConfigError`.
+    """
     if spec is None or spec.strip() in ("", "all"):
         return None
     out: list[int] = []
-    try:
-        for part in spec.split(","):
-            part = part.strip()
-            if "-" in part[1:]:
-                a, b = part.split("-", 1) if not part.startswith("-") else (part, "")
-                lo, hi = int(a), int(b)
-                if hi < lo:
-                    raise ValueError
-                out.extend(range(lo, hi + 1))
-            else:
-                out.append(int(part))
-    except ValueError:
-        raise ConfigError(f"--layers: cannot read {spec!r} (expected e.g. '4-8' or '4,5,11')") from None
+    for part in spec.split(","):
+        m = _LAYER_PART.fullmatch(part.strip())
+        if m is None:
+            raise ConfigError(f"--layers: cannot read {spec!r} (expected e.g. '4-8' or '4,5,11')")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise ConfigError(f"--layers: {part.strip()!r} runs backwards")
+        if hi > MAX_LAYER_ID or len(out) + hi - lo + 1 > MAX_LAYERS:
+            raise ConfigError(f"--layers: {spec!r} names ids beyond 2**31 - 1 or more than {MAX_LAYERS:,} layers")
+        out.extend(range(lo, hi + 1))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"--layers: {spec!r} names a layer twice")
     return out
 
+
+_LAYER_PART = re.compile(r"(\d{1,10})(?:\s*-\s*(\d{1,10}))?")

@@ -44,8 +44,15 @@ import numpy as np
 
 from ..errors import ConfigError
 from .core import Trace
+from .validate import MAX_EXPERTS, MAX_ITEMS, MAX_LAYERS
 
 GENERATOR = "expertcache.trace.synth/1"
+TIERING_PAPER = '"Who Should Own the Expert Cache? Kernel-Managed Tiering for Trillion-Parameter MoE Inference"'
+EVICTION_PAPER = '"Fewer Expert Transfers Without Changing Routing: Expert Eviction for MoE Offloading" (arXiv:2611.15842)'
+MAX_LAG = 1 << 20
+"""Largest copy lag in tokens (the lag distribution is tabulated)."""
+MAX_DRIFT = 64
+"""Most rank swaps per token (each swap draws a number per token and sequence)."""
 """Recorded in provenance; bump the suffix when the same parameters would give different ids."""
 
 
@@ -84,7 +91,12 @@ class SynthParams:
             need(isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1,
                  f"{name} must be a positive integer, got {value!r}")
         need(self.top_k <= self.num_experts, f"top_k = {self.top_k} exceeds num_experts = {self.num_experts}")
-        need(self.num_experts <= np.iinfo(np.int32).max, f"num_experts = {self.num_experts} is too large")
+        need(self.num_experts <= MAX_EXPERTS, f"num_experts = {self.num_experts:,} is above the limit of {MAX_EXPERTS:,}")
+        need(self.num_layers <= MAX_LAYERS, f"num_layers = {self.num_layers:,} is above the limit of {MAX_LAYERS:,}")
+        need(self.num_layers * self.num_experts <= MAX_ITEMS,
+             f"num_layers x num_experts = {self.num_layers * self.num_experts:,} is above the limit of {MAX_ITEMS:,}")
+        need(self.max_lag <= MAX_LAG, f"max_lag = {self.max_lag:,} is above {MAX_LAG:,}")
+        need(self.drift_rate <= MAX_DRIFT, f"drift_rate = {self.drift_rate:g} is above {MAX_DRIFT} swaps per token")
         for name in ("zipf_first", "zipf_last", "depth_power", "zipf_cutoff", "cutoff_power", "lag_exponent",
                      "drift_rate"):
             value = getattr(self, name)
@@ -140,7 +152,9 @@ class Preset:
 
     ``targets`` keys name statistics as defined in :mod:`expertcache.analysis.calibration`
     (``zipf_alpha`` and ``reuse_w1`` per sequence, ``copies_per_token[lru]`` replayed on
-    ``replay_layers`` at ``replay_capacity``, ...); that module measures them.
+    ``replay_layers`` at ``replay_capacity``, ...); that module measures them. ``meta`` holds
+    facts about the modelled model that the trace meta records, such as ``expert_bytes`` (bytes of
+    one expert's weights, which the sizing options of the replay commands read).
     """
 
     name: str
@@ -150,6 +164,7 @@ class Preset:
     targets: Mapping[str, Target] = field(default_factory=dict)
     replay_layers: tuple[int, ...] = ()
     replay_capacity: int = 0
+    meta: Mapping[str, Any] = field(default_factory=dict)
 
 
 # Fitted with seed 0 by benchmarks/calibrate_synth.py (random search around a hand-picked start;
@@ -166,7 +181,7 @@ PRESETS: dict[str, Preset] = {
                                zipf_first=0.302, zipf_last=0.992, zipf_cutoff=0.462, cutoff_power=3.871,
                                reuse_prob=0.709, lag_exponent=1.072, max_lag=31, drift_rate=0.005, domain_shuffle=0.309),
             description="Qwen3-30B-A3B decode: E=128, k=8, 48 layers; 4 domains x 400 steps",
-            source="seed 004 (kernel-managed tiering), Table 1 and section 3",
+            source=f"{TIERING_PAPER}, Table 1 and section 3",
             targets={"zipf_alpha": Target(1.10, 1.26, 0.02), "reuse_w1": Target(0.38, 0.45, 0.01),
                      "reuse_w64": Target(0.95, 0.96, 0.01), "top8_share": Target(0.34, 0.42, 0.01),
                      "hot_jaccard": Target(0.066, 0.454, 0.02)},
@@ -177,7 +192,7 @@ PRESETS: dict[str, Preset] = {
                                zipf_first=0.257, zipf_last=1.07, zipf_cutoff=2.051, reuse_prob=0.588, lag_exponent=1.249,
                                max_lag=123, drift_rate=2.0, domain_shuffle=0.0),
             description="DeepSeek-V3 decode: E=256, k=8, 58 MoE layers; 4 domains x 300 steps",
-            source="seed 004 (kernel-managed tiering), Table 1 and section 3",
+            source=f"{TIERING_PAPER}, Table 1 and section 3",
             targets={"zipf_alpha": Target(0.86, 0.93, 0.02), "reuse_w1": Target(0.26, 0.31, 0.01),
                      "reuse_w64": Target(0.83, 0.85, 0.01), "hot_jaccard": Target(0.032, 0.085, 0.02)},
         ),
@@ -188,7 +203,7 @@ PRESETS: dict[str, Preset] = {
                                cutoff_power=1.775, reuse_prob=0.394, lag_exponent=1.671, max_lag=4, drift_rate=0.009,
                                domain_shuffle=0.449),
             description="Kimi-K3 decode: E=896, k=16, 92 routed layers (the paper's count); 4 domains x 300 steps",
-            source="seed 004 (kernel-managed tiering), Table 1 and section 3",
+            source=f"{TIERING_PAPER}, Table 1 and section 3",
             targets={"zipf_alpha": Target(1.00, 1.04, 0.02), "reuse_w1": Target(0.32, 0.36, 0.01),
                      "reuse_w8": Target(0.57, 0.59, 0.01), "reuse_w64": Target(0.80, 0.82, 0.01),
                      "top8_share": Target(0.13, 0.16, 0.01), "coverage": Target(0.64, 0.69, 0.02),
@@ -202,7 +217,7 @@ PRESETS: dict[str, Preset] = {
                                cutoff_power=1.298, reuse_prob=0.378, lag_exponent=0.755, max_lag=27, drift_rate=0.023,
                                domain_shuffle=0.5),
             description="OLMoE-1B-7B (reuse-tuned router), teacher-forced decode: E=64, k=8, 16 layers; 16 x 384 tokens",
-            source="seeds 000/001 (expert eviction): 8 offloaded layers at C=32",
+            source=f"{EVICTION_PAPER}: 8 offloaded layers at C=32",
             targets={"copies_per_token[lru]": Target(9.6, 9.6, 0.5), "copies_per_token[belady]": Target(4.6, 4.6, 0.5),
                      "gap_recovered[decayed:0.95]": Target(0.27, 0.27, 0.08),
                      "gap_recovered[foresight:16]": Target(0.96, 0.96, 0.04),
@@ -211,6 +226,7 @@ PRESETS: dict[str, Preset] = {
                      "gap_recovered[foresight:8]": Target(0.76, 0.76, 0.1)},
             replay_layers=(0, 2, 4, 6, 8, 10, 12, 14),
             replay_capacity=32,
+            meta={"expert_bytes": 3 * 2048 * 1024 * 2},  # gated experts, hidden 2048 x 1024, bf16: 12.6 MB
         ),
         Preset(
             name="bench-k1",
@@ -235,7 +251,8 @@ def synthesize(params: SynthParams, seed: int = 0, *, preset: str | None = None)
     """Generate a trace from ``params`` with ``np.random.default_rng(seed)``.
 
     The meta records ``model = "synthetic:<preset>"`` (``"synthetic:custom"`` without a preset),
-    phase ``decode`` and, under ``provenance``, the generator, its parameters and the seed.
+    phase ``decode``, the preset's own ``meta`` (e.g. ``expert_bytes``) and, under ``provenance``,
+    the generator, its parameters and the seed.
     """
     params.validate()
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -268,6 +285,7 @@ def synthesize(params: SynthParams, seed: int = 0, *, preset: str | None = None)
         "name": f"synthetic-{name}",
         "model": f"synthetic:{name}",
         "phase": "decode",
+        **(PRESETS[preset].meta if preset in PRESETS else {}),
         "provenance": {"generator": GENERATOR, "preset": preset, "seed": int(seed), "params": asdict(params)},
     }
     seq = np.repeat(np.arange(S, dtype=np.int32), T)

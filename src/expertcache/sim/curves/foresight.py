@@ -1,14 +1,15 @@
 """Foresight curve: how much of the LRU-to-Belady gap a limited look-ahead recovers.
 
-``foresight:h`` is farthest-future eviction that sees only the next ``h`` tokens (DESIGN section
-2). Its *gap recovered* at horizon h is ``(steady(lru) - steady(foresight:h)) / (steady(lru) -
-steady(belady))`` -- 0 for LRU, 1 for Belady, undefined (``None``) when LRU and Belady tie. The
-causal rules (LFU, decayed frequency, mean interval) get the same number, which places each of
-them at an equivalent foresight (seed 001, Fig. 2: the causal rules sit near two tokens).
+``foresight:h`` is farthest-future eviction that sees only the next ``h`` tokens
+(docs/semantics.md). Its *gap recovered* at horizon h is ``(steady(lru) - steady(foresight:h)) /
+(steady(lru) - steady(belady))`` -- 0 for LRU, 1 for Belady, undefined (``None``) when LRU and
+Belady tie. The causal rules (LFU, decayed frequency, mean interval) get the same number, which
+places each of them at an equivalent foresight (as in the eviction paper's Fig. 2, where the
+causal rules sit near two tokens).
 
 ``foresight:0`` sees nothing (every candidate's next request lies beyond the horizon) and is LRU,
 so the curve starts at 0; it usually rises towards 1 with h, but need not be monotone, and may pass
-1, since farthest-future eviction is not optimal for grouped requests (DESIGN section 2, bounds).
+1, since farthest-future eviction is not optimal for grouped requests (docs/bounds.md).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ class MissRatioCurve:
 
     ``method``: ``"stack"`` (one LRU stack pass) or ``"replay"`` (one replay per capacity).
     ``gap_recovered[i]`` is NaN where undefined (no lru/belady pair swept, or they tie).
+    ``needs_future``: the policy reads the recorded future (clairvoyant; an offline reference).
     """
 
     policy: str
@@ -56,6 +57,7 @@ class MissRatioCurve:
     seconds: float
     engine: str = "compiled"
     gap_recovered: np.ndarray | None = None
+    needs_future: bool = False
 
     @classmethod
     def from_results(cls, policy: str, results: Sequence[ReplayResult], seconds: float) -> "MissRatioCurve":
@@ -67,7 +69,7 @@ class MissRatioCurve:
             layer_copies_total=np.array([[c.copies_total for c in r.per_layer] for r in results], dtype=np.int64),
             layer_copies_steady=np.array([[c.copies_steady for c in r.per_layer] for r in results], dtype=np.int64),
             tokens=r0.tokens, layers=list(r0.layers), pool=r0.pool, reset=r0.reset, warm=r0.warm,
-            method="replay", seconds=seconds, engine=r0.engine,
+            method="replay", seconds=seconds, engine=r0.engine, needs_future=r0.needs_future,
         )
 
     @property
@@ -106,7 +108,7 @@ class MissRatioCurve:
                     for j, lid in enumerate(self.layers)
                 ],
                 gap_recovered=None if gap is None or np.isnan(gap[i]) else float(gap[i]),
-                engine=self.engine, seconds=self.seconds / self.capacities.size,
+                engine=self.engine, seconds=self.seconds / self.capacities.size, needs_future=self.needs_future,
             )
             for i, c in enumerate(self.capacities)
         ]
@@ -139,7 +141,8 @@ def sweep(
     progress: Progress | None = None,
 ) -> list[MissRatioCurve]:
     """Miss-ratio curves of ``policies`` at ``capacities`` (default: every capacity from the widest
-    group to ``n_items``). Replay options as in :func:`~expertcache.sim.replay.replay`.
+    group to ``n_items``, or :data:`DEFAULT_GRID` evenly spaced ones when there are more). Replay
+    options as in :func:`~expertcache.sim.replay.replay`.
 
     ``lru`` takes one stack pass when ``one_pass`` (default) and ``engine`` is ``"auto"``; set
     ``one_pass=False`` to replay it at each capacity instead. When both ``lru`` and ``belady`` are
@@ -164,8 +167,11 @@ def sweep_layout(
     curves = []
     for spec in policies:
         policy = make_policy(spec)
-        if policy.spec == "lru" and one_pass and engine == "auto":
-            curves.append(lru_curve(layout, caps))
+        stack_fits = len(layout.layer_ids) * (layout.n_items + 1) <= MAX_STACK_CELLS
+        if policy.spec == "lru" and one_pass and engine == "auto" and stack_fits:
+            curve = lru_curve(layout, caps)
+            curve.needs_future = bool(policy.needs_future)
+            curves.append(curve)
             tick(1)
             continue
         t0 = time.perf_counter()
@@ -220,10 +226,21 @@ def _histograms(layout: StreamLayout) -> tuple[np.ndarray, np.ndarray]:
     return stack_histograms(layout.groups, layout.starts, layout.n_items, group_layer, group_scored, L)
 
 
+DEFAULT_GRID = 1024
+"""The default sweep holds every capacity when there are at most this many, else this many
+evenly spaced ones, both ends included (a global pool of a large model has millions)."""
+
+MAX_STACK_CELLS = 1 << 26
+"""Largest ``layers x (items + 1)`` histogram the one-pass LRU curve builds (512 MB per table);
+beyond it LRU is replayed at each capacity, with the same counts."""
+
+
 def _capacities(layout: StreamLayout, capacities: Iterable[int] | None) -> list[int]:
     if capacities is None:
         lo, hi = capacity_bounds(layout)
-        return list(range(lo, hi + 1))
+        if hi - lo + 1 <= DEFAULT_GRID:
+            return list(range(lo, hi + 1))
+        return sorted({int(round(x)) for x in np.linspace(lo, hi, DEFAULT_GRID)})
     values = list(capacities)
     for c in values:
         if isinstance(c, bool) or not isinstance(c, (int, np.integer)):

@@ -1,4 +1,4 @@
-"""Global pool against an equal per-layer split at the same total budget (seed 004, section 3).
+"""Global pool against an equal per-layer split at the same total budget (docs/curves.md).
 
 With ``L`` layers and a per-layer capacity ``C``, the split gives every layer its own pool of
 ``C`` experts; the global pool shares ``L * C`` ``(layer, expert)`` slots among all layers, so
@@ -6,6 +6,9 @@ demand sets the split. Both serve the same streams under the same policy, reset 
 (by default ``warm = 0.6``: the first 60% of each sequence warms the pools unscored), so their hit
 rates and copies per token are directly comparable. Differences are global minus split:
 ``hit_rate_diff_pp`` in percentage points, ``copies_per_token_diff`` in copies per token.
+
+Records name things as ``expertcache replay`` does: ``capacity`` is the per-layer capacity ``C``
+(``capacity_global`` = ``L * C``), ``policy``, ``layers`` (a list), ``needs_future``.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class PoolComparison:
         s, g = self.split, self.shared
         return {
             "policy": self.policy,
-            "capacity_per_layer": s.capacity,
+            "needs_future": s.needs_future,
+            "capacity": s.capacity,
             "capacity_global": g.capacity,
             "layers": s.layers,
             "tokens": s.tokens,

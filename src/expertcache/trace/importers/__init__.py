@@ -1,0 +1,40 @@
+"""Importers: routing logs from other engines into the canonical :class:`~expertcache.trace.Trace`.
+
+=============  ==================================================  ===========================
+format         input                                               module
+=============  ==================================================  ===========================
+vllm-jsonl     JSONL, one record per (sequence, token, layer)      :mod:`.vllm`
+token-jsonl    JSONL, one record per (sequence, token)             :mod:`.per_token`
+sglang         SGLang's per-token expert-distribution dump (.pt)   :mod:`.sglang` (:mod:`.torchzip`)
+=============  ==================================================  ===========================
+
+JSONL input may be gzip- or zstd-compressed (found by magic bytes, streamed: :mod:`.records`);
+``auto`` tells the shapes apart (:mod:`.detect`). Every user error is a one-line
+:class:`~expertcache.errors.TraceError` or :class:`~expertcache.errors.ConfigError` naming the file
+and line (or record) and the field. Nothing here unpickles or imports torch.
+"""
+
+from .detect import DEFAULT_PHASE, FORMATS, detect_format, import_trace, shapes
+from .per_token import TokenFields, import_token_jsonl
+from .records import MAX_LINE_BYTES
+from .sglang import SEQUENCE_MODES, import_sglang
+from .torchzip import read_torch_save
+from .values import MAX_EXPERTS
+from .vllm import JsonlFields, import_vllm_jsonl
+
+__all__ = [
+    "DEFAULT_PHASE",
+    "FORMATS",
+    "MAX_EXPERTS",
+    "MAX_LINE_BYTES",
+    "SEQUENCE_MODES",
+    "JsonlFields",
+    "TokenFields",
+    "detect_format",
+    "import_sglang",
+    "import_token_jsonl",
+    "import_trace",
+    "import_vllm_jsonl",
+    "read_torch_save",
+    "shapes",
+]

@@ -1,0 +1,123 @@
+"""``--format auto``: tell the importers' shapes apart from a file's first bytes and records, and
+one entry point, :func:`import_trace`, for every format.
+
+Rules: a folder or a zip archive holding ``data.pkl`` (a ``torch.save`` file) is ``sglang``;
+otherwise the first :data:`PROBE` records decide (after gzip/zstd decompression): an experts
+field holding a flat id list next to a layer field is ``vllm-jsonl``; one holding a list of id
+lists, or an object keyed by layer, is ``token-jsonl``. The probed records must agree; a file
+that fits no shape is a one-line error listing the shapes known.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zipfile
+from pathlib import Path
+
+from ...errors import ConfigError, TraceError
+from ..core import Trace
+from .per_token import TokenFields, import_token_jsonl
+from .records import ZIP_MAGIC, iter_lines, open_regular, parse_record
+from .sglang import import_sglang
+from .vllm import JsonlFields, import_vllm_jsonl
+
+FORMATS = ("vllm-jsonl", "token-jsonl", "sglang")
+PROBE = 8
+DEFAULT_PHASE = {"vllm-jsonl": "decode", "token-jsonl": "decode", "sglang": "mixed"}
+
+
+def shapes(vf: JsonlFields = JsonlFields(), tf: TokenFields = TokenFields()) -> dict[str, str]:
+    """One line per format: the record shape it reads, with the field names in force."""
+    return {
+        "vllm-jsonl": f"one JSON record per token and layer: {vf.seq}/{vf.layer}/{vf.token}/{vf.experts} with a flat id list",
+        "token-jsonl": f"one JSON record per token: {tf.seq}/{tf.token}/{tf.experts} holding a list of id lists "
+                       "or an object keyed by layer",
+        "sglang": "a torch.save dump of SGLang's expert-distribution recorder in per_token mode, or a folder of them",
+    }
+
+
+def _fits_none(src: str, why: str, vf: JsonlFields, tf: TokenFields) -> TraceError:
+    known = ", ".join(f"{name} ({text})" for name, text in shapes(vf, tf).items())
+    return TraceError(f"{src}: {why}; fits none of: {known}")
+
+
+def detect_format(path: str | os.PathLike, *, vllm_fields: JsonlFields = JsonlFields(),
+                  token_fields: TokenFields = TokenFields()) -> str:
+    """The format name of ``path`` (see the module rules)."""
+    src, vf, tf = str(path), vllm_fields, token_fields
+    if Path(path).is_dir():
+        return "sglang"
+    with open_regular(path) as fh:
+        magic = fh.read(4)
+        if magic.startswith(ZIP_MAGIC):
+            try:
+                names = zipfile.ZipFile(fh).namelist()
+            except (zipfile.BadZipFile, OSError, ValueError):
+                names = []
+            if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+                return "sglang"
+            raise _fits_none(src, "a zip archive without data.pkl", vf, tf)
+    found: list[tuple[str, str]] = []
+    with contextlib.closing(iter_lines(path)) as lines:
+        for lineno, body in lines:
+            if not body.strip():
+                continue
+            where = f"{src}:{lineno}"
+            try:
+                rec = parse_record(body, where)
+            except TraceError as exc:
+                if found:
+                    raise
+                raise _fits_none(src, f"line {lineno} is no JSON record ({str(exc)[len(where) + 2:]})", vf, tf) from None
+            shape = _shape(rec, vf, tf)
+            if shape is None:
+                raise _fits_none(where, "this record has no known shape", vf, tf)
+            if found and shape != found[0][1]:
+                raise TraceError(f"{where}: a {shape} record, but {found[0][0]} is a {found[0][1]} record (one shape per file)")
+            found.append((where, shape))
+            if len(found) == PROBE:
+                break
+    if not found:
+        raise TraceError(f"{src}: empty file (no records)")
+    return found[0][1]
+
+
+def _shape(rec: dict, vf: JsonlFields, tf: TokenFields) -> str | None:
+    ex = rec.get(tf.experts)
+    if isinstance(ex, dict) or (isinstance(ex, list) and ex and all(isinstance(x, list) for x in ex)):
+        return "token-jsonl"
+    ex = rec.get(vf.experts)
+    if vf.layer in rec and isinstance(ex, list) and not any(isinstance(x, (list, dict)) for x in ex):
+        return "vllm-jsonl"
+    return None
+
+
+def import_trace(
+    path: str | os.PathLike,
+    fmt: str = "auto",
+    *,
+    vllm_fields: JsonlFields = JsonlFields(),
+    token_fields: TokenFields = TokenFields(),
+    num_experts: int | None = None,
+    drop_incomplete: bool = False,
+    pad: bool = False,
+    model: str | None = None,
+    phase: str | None = None,
+    sequences: str = "auto",
+    rank: int | None = None,
+) -> tuple[Trace, str]:
+    """Import ``path`` in format ``fmt`` (``'auto'``: :func:`detect_format`); returns the trace and
+    the format read. ``phase`` defaults to decode for the JSONL formats, mixed for sglang;
+    ``sequences`` and ``rank`` apply to sglang only."""
+    if fmt == "auto":
+        fmt = detect_format(path, vllm_fields=vllm_fields, token_fields=token_fields)
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format: {fmt!r} is not one of auto, {', '.join(FORMATS)}")
+    common = dict(num_experts=num_experts, drop_incomplete=drop_incomplete, pad=pad, model=model,
+                  phase=phase or DEFAULT_PHASE[fmt])
+    if fmt == "vllm-jsonl":
+        return import_vllm_jsonl(path, fields=vllm_fields, **common), fmt
+    if fmt == "token-jsonl":
+        return import_token_jsonl(path, fields=token_fields, **common), fmt
+    return import_sglang(path, sequences=sequences, rank=rank, **common), fmt

@@ -1,0 +1,86 @@
+"""``vllm-jsonl``: one JSON record per (sequence, token, layer), the shape vLLM routing-log
+patches write::
+
+    {"problem_id": 0, "layer": 3, "token_idx": 17, "experts": [5, 1], "gating_probs": [0.6, 0.4]}
+
+Field names are configurable (:class:`JsonlFields`). The default gate-weight field is read when
+present (in every record or in none); a gate-weight field named otherwise must be present.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from ..core import Trace
+from .records import iter_records, display_name
+from .table import RoutingTable
+from .values import check_num_experts, check_phase, field, id_list, index_value, prob_list, seq_value
+
+DEFAULT_PROBS = "gating_probs"
+
+
+@dataclass(frozen=True)
+class JsonlFields:
+    """Field names of a per-(token, layer) JSONL routing record.
+
+    The defaults are those the vLLM routing-log patches write::
+
+        {"problem_id": 0, "layer": 3, "token_idx": 17, "experts": [5, 1], "gating_probs": [0.6, 0.4]}
+
+    ``probs`` may be ``None`` (no gate weights are read).
+    """
+
+    seq: str = "problem_id"
+    layer: str = "layer"
+    token: str = "token_idx"
+    experts: str = "experts"
+    probs: str | None = DEFAULT_PROBS
+
+
+def import_vllm_jsonl(
+    path: str | os.PathLike,
+    *,
+    fields: JsonlFields = JsonlFields(),
+    num_experts: int | None = None,
+    drop_incomplete: bool = False,
+    pad: bool = False,
+    model: str | None = None,
+    phase: str = "decode",
+) -> Trace:
+    """Read a JSONL routing log (plain, gzip or zstd) with one record per (sequence, token, layer).
+
+    Sequences keep the order in which they first appear; tokens are ordered by their token index
+    within a sequence (gaps are kept in the ``step`` extra array, as in the shared traces); layers
+    are sorted. Every (token, layer) must be present once: a missing one is an error naming it,
+    unless ``drop_incomplete`` drops such tokens (their count goes to ``meta['validation']``).
+    Every id list must have the same length unless ``pad`` (shorter lists padded with -1).
+    ``num_experts`` defaults to the largest id + 1.
+    """
+    check_phase(phase)
+    check_num_experts(num_experts)
+    src = str(path)
+    f = fields
+    table = RoutingTable(src, {"seq": f.seq, "token": f.token, "experts": f.experts, "probs": f.probs}, pad=pad)
+    probs_required = f.probs is not None and f.probs != DEFAULT_PROBS
+    records = 0
+    for where, rec in iter_records(path):
+        s = seq_value(field(rec, f.seq, where), f.seq, where)
+        layer = index_value(field(rec, f.layer, where), f.layer, where)
+        tok = index_value(field(rec, f.token, where), f.token, where)
+        ids = id_list(field(rec, f.experts, where), f.experts, where, num_experts)
+        probs = None
+        if f.probs is not None:
+            present = f.probs in rec or probs_required
+            table.probs_present(present, where)
+            if present:
+                probs = prob_list(field(rec, f.probs, where), len(ids), f.probs, where)
+        table.add(s, tok, layer, ids, probs, where)
+        records += 1
+    meta = {
+        "name": display_name(path),
+        "model": model or "unknown",
+        "phase": phase,
+        "source": {"format": "vllm-jsonl", "path": src, "fields": asdict(f)},
+    }
+    return table.build(num_experts=num_experts, drop_incomplete=drop_incomplete, meta=meta, records=records)

@@ -1,0 +1,71 @@
+"""Argument cases for the fuzzer (see ``tests/fuzzing.py``): a valid trace, hostile option values.
+
+Every command gets random options drawn from a pool of values a user might type by mistake or on
+purpose: zero, negatives, huge integers, ``nan``/``inf``, empty strings, backwards ranges, unknown
+policies, plots with unknown extensions or in missing folders. Refusing is fine; what is judged
+is how: one line, exit 2, no traceback, no hang, bounded memory.
+"""
+
+from __future__ import annotations
+
+import random
+
+from fuzzing import Case, random_trace, trace_members, zip_bytes
+
+NUMBERS = ["0", "1", "2", "3", "-1", "0.5", "1e309", "nan", "inf", "-inf", "", "abc", "1_000",
+           "99999999999999999999", "4611686018427387904", "9" * 5000, "0x10", " 4 "]
+SPECS = ["3:2", "1:8", "2,3,4", "1:100:0", "0:4", "2:4611686018427387904:1000000000000000", "1:2000000",
+         "4,4,4", ",", ":", "1:2:3:4"]
+LAYERS = ["all", "0-3", "5-2", "0,0", "-1", "9999999999-99999999999", "0-4095", "1,2,x", ""]
+POLICIES = ["lru", "belady", "foresight:4", "foresight:99999999999999", "decayed:0.5", "decayed:nan", "random:3",
+            "random:99999999999999999999", "nope", "", "lfu:1", "mean-interval"]
+DURATIONS = ["0.51ms", "510us", "0.00051s", "0", "-1ms", "nanms", "1e400ms", "5tok/s", "0tok/s", "12", "ms", "1 h"]
+
+COMMANDS = {
+    "replay": [("-c", NUMBERS), ("-p", POLICIES), ("--pool", ["layer", "global", "x"]), ("--reset", ["none", "x"]),
+               ("--layers", LAYERS), ("--warm", NUMBERS), ("--expert-mb", NUMBERS), ("--tau", DURATIONS),
+               ("--c", DURATIONS), ("--tokens-per-s", NUMBERS),
+               ("--model-config", ["{root}/missing.json", "{root}/t.npz", "{root}/deep.json", "{root}/bigint.json",
+                                   "{root}/huge.json", "{root}/good.json", "{root}/bad.json", "{root}"])],
+    "sweep": [("--capacities", SPECS + NUMBERS[:4]), ("-p", POLICIES), ("--target-hit-rate", NUMBERS),
+              ("--target-copies", NUMBERS), ("--plot", ["{root}/m.png", "{root}/m.jpg", "{root}/no/m.svg", "{root}"]),
+              ("--pool", ["global"]), ("--layers", LAYERS)],
+    "foresight": [("-c", NUMBERS), ("--horizons", ["1,2", "0", "-1", "99999999999999999", "x", ""]), ("-p", POLICIES)],
+    "compare-pools": [("--capacities", SPECS), ("-c", NUMBERS), ("-p", POLICIES), ("--warm", NUMBERS)],
+    "bounds": [("-c", NUMBERS), ("--exact", None), ("--max-states", NUMBERS), ("--order", ["router", "x"]),
+               ("--layers", LAYERS)],
+    "stats": [("--top", NUMBERS), ("--windows", ["1,8", "0", "99999999999999999999", "x", "4611686018427387904"]),
+              ("--summary", None)],
+    "export": [("--order", ["router", "ascending", "x"]), ("--format", ["csv", "oracle", "x"]), ("--layers", LAYERS),
+               ("--out", ["{root}/x.csv", "{root}/no/x.csv", "{root}"])],
+}
+NEEDS = {"replay": ["-c"], "foresight": ["-c"], "bounds": ["-c"], "export": ["--out"]}
+
+
+def args_case(rng: random.Random) -> Case:
+    arrays, meta = random_trace(rng)
+    command = rng.choice(sorted(COMMANDS))
+    argv = ["export", "libcachesim"] if command == "export" else [command]
+    argv.append("{path}")
+    options = COMMANDS[command]
+    chosen = rng.sample(options, rng.randint(1, min(4, len(options))))
+    for name in NEEDS.get(command, []):
+        if name not in [c[0] for c in chosen] and rng.random() < 0.9:
+            chosen.append(next(o for o in options if o[0] == name))
+    for name, pool in chosen:
+        argv.append(name)
+        if pool is not None:
+            argv.append(rng.choice(pool))
+    if rng.random() < 0.5:
+        argv.append("--json")
+    files = {"t.npz": zip_bytes(trace_members(arrays, meta)), **CONFIGS}
+    return Case("args", " ".join(argv), "any", files, argv=argv)
+
+
+CONFIGS = {  # model configs for --model-config: hostile and valid
+    "deep.json": b'{"a": ' * 50_000 + b"1" + b"}" * 50_000,
+    "bigint.json": b'{"hidden_size": 1' + b"0" * 5000 + b', "intermediate_size": 2, "torch_dtype": "bfloat16"}',
+    "huge.json": b'{"hidden_size": 99999999999999999999, "intermediate_size": 99999999999, "torch_dtype": "float32"}',
+    "good.json": b'{"hidden_size": 2048, "intermediate_size": 1024, "torch_dtype": "bfloat16"}',
+    "bad.json": b'\xff\xfe{"hidden_size": true}',
+}

@@ -1,0 +1,91 @@
+"""Atomic writes: a missing folder is named, a killed writer leaves nothing behind after the next
+run, and a live writer's temporary is never touched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import expertcache as ec
+from expertcache._io import atomic_open, clean_stale_temporaries
+from expertcache.errors import ConfigError
+
+KILLED_WRITER = """
+import os, sys
+from expertcache._io import atomic_open
+cm = atomic_open(sys.argv[1], "wb")
+fh = cm.__enter__()
+fh.write(b"partial " * 1000)
+fh.flush()
+os.kill(os.getpid(), 9)   # killed mid-write: no cleanup can run
+"""
+
+
+def test_killed_writer_leaves_no_partial_file_and_the_next_run_removes_its_temporary(tmp_path):
+    target = tmp_path / "t.npz"
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(target)], capture_output=True)
+    assert proc.returncode == -9
+    leftovers = [p.name for p in tmp_path.iterdir()]
+    assert not target.exists() and len(leftovers) == 1 and leftovers[0].startswith(".t.npz.")
+    path = ec.Trace.from_arrays(np.array([[0, 1], [2, 3]]), num_experts=4).save(target)  # the next run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]
+    assert ec.load_trace(path).num_tokens == 2
+
+
+def test_a_live_writers_temporary_is_kept(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        live = tmp_path / f".t.npz.{sleeper.pid}.0123abcd.tmp"
+        live.write_bytes(b"being written")
+        dead = tmp_path / f".t.npz.{_dead_pid()}.89abcdef.tmp"
+        dead.write_bytes(b"orphan")
+        other = tmp_path / f".u.npz.{_dead_pid()}.89abcdef.tmp"  # another target's: not ours to judge here
+        other.write_bytes(b"orphan of u")
+        assert clean_stale_temporaries(tmp_path / "t.npz") == [dead]
+        assert live.exists() and other.exists() and not dead.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_missing_folder_and_folder_targets_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match=f"folder {tmp_path / 'nope'} does not exist"):
+        with atomic_open(tmp_path / "nope" / "x.npz", "wb"):
+            pass
+    (tmp_path / "d.npz").mkdir()
+    with pytest.raises(ConfigError, match="is a folder, expected a file name"):
+        with atomic_open(tmp_path / "d.npz", "wb"):
+            pass
+    assert not (tmp_path / "nope").exists()
+
+
+def test_an_exception_removes_the_temporary_and_keeps_the_old_file(tmp_path):
+    target = tmp_path / "x.txt"
+    target.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_open(target, "w") as fh:
+            fh.write("new, half")
+            raise RuntimeError("interrupted")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.txt"] and target.read_text() == "old"
+
+
+def test_written_files_get_the_usual_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        with atomic_open(tmp_path / "x.txt", "w") as fh:
+            fh.write("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "x.txt").stat().st_mode & 0o777 == 0o644
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    time.sleep(0.05)
+    return proc.pid
