@@ -89,3 +89,30 @@ def _dead_pid() -> int:
     proc.wait()
     time.sleep(0.05)
     return proc.pid
+
+
+def test_machine_errors_and_bugs_are_one_line(monkeypatch, capsys, tmp_path):
+    """A full disk is the machine's fault (exit 2, one line naming the file); an unexpected
+    exception is a bug (exit 70, one line asking for a report, no traceback)."""
+    from expertcache.cli import stats_cmd
+    from expertcache.cli.main import main
+
+    def full_disk(args):
+        raise OSError(28, "No space left on device", str(tmp_path / "t.npz"))
+
+    monkeypatch.setattr(stats_cmd, "run", full_disk)
+    assert main(["stats", "t.npz"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"expertcache stats: error: {tmp_path / 't.npz'}: No space left on device"]
+
+    def bug(args):
+        raise KeyError("oops")
+
+    monkeypatch.setattr(stats_cmd, "run", bug)
+    monkeypatch.delenv("EXPERTCACHE_DEBUG", raising=False)
+    assert main(["stats", "t.npz"]) == 70
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "internal error (a bug in expertcache" in err[0] and "KeyError" in err[0]
+    monkeypatch.setenv("EXPERTCACHE_DEBUG", "1")
+    with pytest.raises(KeyError):
+        main(["stats", "t.npz"])

@@ -6,7 +6,8 @@ subcommand and sets ``func(args) -> int`` as its handler.
 The contract with users: whatever the input, the command either succeeds or prints ONE line on
 stderr naming what is wrong and where, and exits with 2. User mistakes raise
 :class:`~expertcache.errors.ExpertcacheError`; argument errors print one line too (the usage
-is shown by ``--help`` only); running out of memory is one line; warnings are one line each.
+is shown by ``--help`` only); running out of memory, a full disk or a refused permission is one
+line; warnings are one line each.
 Anything else is a bug in expertcache: it is reported as one line asking for a report, exit 70
 (``EXPERTCACHE_DEBUG=1`` shows the traceback).
 """
@@ -78,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         except BrokenPipeError:
             return 0
+        except OSError as err:  # the machine, not the input: a full disk, a permission, a vanished file
+            where = f"{err.filename}: " if err.filename else ""
+            print(f"{name}: error: {where}{err.strerror or _one_line(err)}", file=sys.stderr)
+            return EXIT_USAGE
         except Exception as err:  # a bug: still one line, unless asked for the traceback
             if os.environ.get("EXPERTCACHE_DEBUG"):
                 raise
