@@ -77,7 +77,7 @@ def oracle_trace_problem(path: Path) -> str | None:
     for key in ("name", "model"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             return key
-    if "expert_bytes" in meta and not (is_int(meta["expert_bytes"]) and meta["expert_bytes"] > 0):
+    if "expert_bytes" in meta and not (is_int(meta["expert_bytes"]) and 0 < meta["expert_bytes"] <= 10**13):
         return "expert_bytes"
     if "num_experts_inferred" in meta and not isinstance(meta["num_experts_inferred"], bool):
         return "num_experts_inferred"

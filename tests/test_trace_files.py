@@ -139,7 +139,8 @@ def test_total_size_limit_is_checked_from_the_headers(tmp_path, monkeypatch):
     ({**META, "layer_ids": [3.0, 5]}, r"meta: layer_ids must be 2 distinct integers in \[0, 2\*\*31\)"),
     ({**META, "layer_ids": [3, -5]}, r"meta: layer_ids must be 2 distinct integers"),
     ({**META, "name": 7}, r"meta: name must be a string, got 7"),
-    ({**META, "expert_bytes": 1.5}, r"meta: expert_bytes must be a positive integer, got 1.5"),
+    ({**META, "expert_bytes": 1.5}, r"meta: expert_bytes must be a positive integer up to 10\*\*13, got 1.5"),
+    ({**META, "expert_bytes": 10**13 + 1}, r"meta: expert_bytes must be a positive integer up to 10\*\*13, got 10000000000001"),
     ({**META, "phase": None}, r"meta: phase must be a string, got None"),
     ([META], r"meta: expected a JSON object, got list"),
 ])

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..costmodel import GB, MB, Sizing, SizingFigures, expert_bytes_from_config, parse_duration_ms
+from ..costmodel import GB, LIMITS, MB, Sizing, SizingFigures, expert_bytes_from_config, parse_duration_ms
 from ..errors import ConfigError
 
 SIZING_OPTIONS = ("expert_mb", "model_config", "tau", "c", "tokens_per_s")
@@ -177,17 +177,13 @@ def resolve_sizing(args, trace=None, *, defaults: Sizing | None = None, default_
     mb = getattr(args, "expert_mb", None)
     config = getattr(args, "model_config", None)
     if mb is not None:
-        if not 1 <= mb * MB < 2**63:
-            raise ConfigError(f"--expert-mb: {mb:g} MB is not between one byte and 2**63 bytes")
-        values["expert_bytes"], sources["expert_bytes"] = int(round(mb * MB)), "--expert-mb"
+        if not 1 <= mb * MB <= LIMITS["expert_bytes"]:  # checked before rounding to whole bytes
+            raise ConfigError(f"--expert-mb: {mb:g} MB is not between one byte and 10 TB")
+        values["expert_bytes"], sources["expert_bytes"] = round(mb * MB), "--expert-mb"
     elif config is not None:
         values["expert_bytes"], sources["expert_bytes"] = expert_bytes_from_config(config), f"from {config}"
-    elif trace is not None and trace.meta.get("expert_bytes") is not None:
-        try:
-            values["expert_bytes"], sources["expert_bytes"] = meta_expert_bytes(trace), "trace meta expert_bytes"
-        except ConfigError:
-            if active:  # a bad meta value matters only where the figures are asked for
-                raise
+    elif trace is not None and trace.meta.get("expert_bytes") is not None:  # validated when the trace was loaded
+        values["expert_bytes"], sources["expert_bytes"] = trace.meta["expert_bytes"], "trace meta expert_bytes"
     for name, option in (("tau_ms", "tau"), ("c_ms", "c"), ("tokens_per_s", "tokens_per_s")):
         value = getattr(args, option, None)
         if value is not None:
@@ -198,11 +194,3 @@ def resolve_sizing(args, trace=None, *, defaults: Sizing | None = None, default_
                 values[name], sources[name] = value, default_source
     return SizingSetup(Sizing(**values), sources, active=active)
 
-
-def meta_expert_bytes(trace) -> int:
-    """The trace meta key ``expert_bytes`` as a positive int (ConfigError naming the trace otherwise)."""
-    value = trace.meta.get("expert_bytes")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"trace {trace.name}: meta expert_bytes = {value!r} is not a positive integer "
-                          "(override it with --expert-mb)")
-    return value

@@ -6,8 +6,8 @@ tau`` (copies block), ``max(c, rho * tau)`` (copies overlapped), ``tokens_per_s_
 """
 
 from .sizing import (
-    FIGURES, GB, INPUTS, MB, Sizing, SizingFigures, cache_bytes, expert_bytes_from_config, parse_duration_ms,
+    FIGURES, GB, INPUTS, LIMITS, MB, Sizing, SizingFigures, cache_bytes, expert_bytes_from_config, parse_duration_ms,
 )
 
-__all__ = ["FIGURES", "GB", "INPUTS", "MB", "Sizing", "SizingFigures", "cache_bytes", "expert_bytes_from_config",
+__all__ = ["FIGURES", "GB", "INPUTS", "LIMITS", "MB", "Sizing", "SizingFigures", "cache_bytes", "expert_bytes_from_config",
            "parse_duration_ms"]

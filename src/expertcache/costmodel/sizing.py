@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from ..trace.validate import MAX_EXPERT_BYTES
 
 MB = 1e6
 """Bytes in one (decimal) megabyte."""
@@ -55,7 +56,7 @@ FIGURES = ("bytes_per_token", "gbps_needed", "copy_ms_per_token", "ms_per_token"
 INPUTS = ("expert_bytes", "tau_ms", "c_ms", "tokens_per_s")
 
 
-LIMITS = {"expert_bytes": 1e13, "tau_ms": 3.6e6, "c_ms": 3.6e6, "tokens_per_s": 1e9}
+LIMITS = {"expert_bytes": MAX_EXPERT_BYTES, "tau_ms": 3.6e6, "c_ms": 3.6e6, "tokens_per_s": 1e9}
 """Largest accepted inputs (10 TB per expert, an hour per copy or token, 1e9 tokens/s): beyond
 them a figure would be noise or overflow, never a plan."""
 

@@ -10,7 +10,8 @@ Limits (so that per-item tables always fit in memory; see docs/semantics.md):
 * ``num_experts`` E is at most :data:`MAX_EXPERTS` (1,048,576);
 * at most :data:`MAX_LAYERS` (4,096) layers, layer ids in ``[0, 2**31)``;
 * ``L * E`` (the item space of one global pool) at most :data:`MAX_ITEMS` (4,194,304);
-* the meta JSON at most :data:`MAX_META_CHARS` characters.
+* the meta JSON at most :data:`MAX_META_CHARS` characters;
+* ``expert_bytes`` (optional) at most :data:`MAX_EXPERT_BYTES`.
 
 On success arrays are canonical, whatever integer width or byte order the file used:
 ``experts`` int16 when E fits (else int32), ``seq`` and ``step`` int64, everything C-ordered in
@@ -32,6 +33,8 @@ MAX_LAYERS = 1 << 12
 MAX_ITEMS = 1 << 22
 MAX_LAYER_ID = (1 << 31) - 1
 MAX_META_CHARS = 1 << 24
+MAX_EXPERT_BYTES = 10**13
+"""Largest ``expert_bytes`` (10 TB): beyond it no sizing figure is a plan (the cost model's bound)."""
 
 _INT_META = ("num_experts", "top_k", "num_layers", "tokens", "sequences")
 _WHAT = {"top_k": "k", "num_layers": "L", "tokens": "T", "sequences": "distinct runs of seq"}
@@ -155,8 +158,9 @@ def _check_meta_types(meta: dict, src: str) -> None:
             raise TraceError(f"{src}: meta: {key} must be a positive integer, got {_short(meta[key])}")
     if "num_experts" in meta and meta["num_experts"] > MAX_EXPERTS:
         raise TraceError(f"{src}: meta: num_experts = {meta['num_experts']:,} is more than the limit of {MAX_EXPERTS:,}")
-    if "expert_bytes" in meta and not (_is_int(meta["expert_bytes"]) and meta["expert_bytes"] > 0):
-        raise TraceError(f"{src}: meta: expert_bytes must be a positive integer, got {_short(meta['expert_bytes'])}")
+    if "expert_bytes" in meta and not (_is_int(meta["expert_bytes"]) and 0 < meta["expert_bytes"] <= MAX_EXPERT_BYTES):
+        raise TraceError(f"{src}: meta: expert_bytes must be a positive integer up to 10**13, "
+                         f"got {_short(meta['expert_bytes'])}")
     for key in ("name", "model"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
             raise TraceError(f"{src}: meta: {key} must be a string, got {_short(meta[key])}")
