@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from pathlib import Path
 from typing import Iterator
 
 from ..costmodel import FIGURES, GB, cache_bytes
-from ..errors import ConfigError
 from ..policies import available_policies, make_policy
 from ..report.plots import plot_format
 from ..sim import build_layout
@@ -28,8 +26,10 @@ from ..sim.curves import (
     CAUSAL_RULES, DEFAULT_HORIZONS, DEFAULT_POLICIES, FAIR_WARM, capacity_bounds, compare_pools, curve_target,
     foresight_curve, sweep_layout,
 )
-from ..sim.curves.targets import check_targets
-from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, setup_line, table
+from .common import (
+    add_json, add_replay_options, check_out, describe, emit_json, nonnegative_float, open_trace, positive_int, setup_line,
+    table,
+)
 from .replay_cmd import future_mark
 from .sizing_opts import add_sizing_options, resolve_sizing
 
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
                    help="replay LRU at each capacity instead of the one-pass stack computation (same numbers)")
     p.add_argument("--target-hit-rate", type=hit_rate_target, default=None, metavar="X",
                    help="report, per policy, the smallest swept capacity with hit rate >= X (X in (0, 1])")
-    p.add_argument("--target-copies", type=copies_target, default=None, metavar="Y",
+    p.add_argument("--target-copies", type=nonnegative_float, default=None, metavar="Y",
                    help="report, per policy, the smallest swept capacity with copies/token <= Y (Y >= 0); "
                         "with --target-hit-rate both must hold")
     add_replay_options(p)
@@ -157,13 +157,6 @@ def hit_rate_target(text: str) -> float:
     return x
 
 
-def copies_target(text: str) -> float:
-    x = _number(text)
-    if not (x >= 0.0 and x != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return x
-
-
 def _number(text: str) -> float:
     try:
         return float(text)
@@ -173,12 +166,9 @@ def _number(text: str) -> float:
 
 def check_plot(path: str | None) -> None:
     """Refuse a ``--plot`` path with an unknown extension or a missing folder, before any work."""
-    if path is None:
-        return
-    plot_format(path)
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise ConfigError(f"--plot {path}: folder {parent} does not exist")
+    if path is not None:
+        plot_format(path)
+        check_out(path, "--plot")
 
 
 @contextlib.contextmanager
@@ -211,8 +201,6 @@ def future_note(names: list[str]) -> str:
 def run_sweep(args) -> int:
     check_plot(args.plot)
     targeted = args.target_hit_rate is not None or args.target_copies is not None
-    if targeted:
-        check_targets(args.target_hit_rate, args.target_copies)
     trace = open_trace(args.trace)
     setup = resolve_sizing(args, trace)
     specs = [make_policy(s).spec for s in (args.policies or ["lru", "belady"])]
@@ -226,12 +214,13 @@ def run_sweep(args) -> int:
         from ..report.plots import plot_mrc
 
         wrote(plot_mrc(curves, args.plot, trace=trace.name))
-    targets = [curve_target(c, target_hit_rate=args.target_hit_rate, target_copies=args.target_copies)
+    targets = [_target_record(c, curve_target(c, target_hit_rate=args.target_hit_rate,
+                                               target_copies=args.target_copies), setup, trace.name)
                for c in curves] if targeted else []
     if args.json:
         emit_json(r.to_dict() | {"trace": trace.name, "method": c.method} | setup.result_record(r)
                   for c in curves for r in c.results)
-        emit_json(_target_record(c, t, setup, trace.name) for c, t in zip(curves, targets))
+        emit_json(targets)
         return 0
     print(describe(trace))
     print(setup_line(curves[0], "capacity = experts " + ("in the global pool" if args.pool == "global" else "per layer")))
@@ -255,7 +244,7 @@ def run_sweep(args) -> int:
                 for i, cap in enumerate(curves[0].capacities) for c in curves]
         table(rows, ["capacity", "policy", "future", *setup.headers()])
     if targets:
-        _print_targets(curves, targets, setup)
+        _print_targets(targets)
     return 0
 
 
@@ -279,36 +268,33 @@ def _target_record(curve, target, setup, trace_name: str) -> dict:
     return rec
 
 
-def _print_targets(curves, targets, setup) -> None:
-    t0 = targets[0]
+def _print_targets(records: list[dict]) -> None:
+    """The target lines, one per policy, from the ``"record": "target"`` objects."""
+    r0 = records[0]
     want = []
-    if t0.target_hit_rate is not None:
-        want.append(f"hit rate >= {t0.target_hit_rate:g}")
-    if t0.target_copies is not None:
-        want.append(f"copies/token <= {t0.target_copies:g}")
-    unit = "in the global pool" if curves[0].pool == "global" else "per layer"
+    if r0["target_hit_rate"] is not None:
+        want.append(f"hit rate >= {r0['target_hit_rate']:g}")
+    if r0["target_copies"] is not None:
+        want.append(f"copies/token <= {r0['target_copies']:g}")
+    unit = "in the global pool" if r0["pool"] == "global" else "per layer"
     print(f"\nsmallest swept capacity with {' and '.join(want)} (experts {unit}):")
-    width = max(len(c.policy) for c in curves)
-    S = setup.sizing.expert_bytes
-    for c, t in zip(curves, targets):
-        mark = " (needs future)" if c.needs_future else ""
-        if not t.reached:
-            print(f"  {c.policy:<{width}}  not reached up to C={t.max_capacity}{mark}")
+    width = max(len(r["policy"]) for r in records)
+    for r in records:
+        mark = " (needs future)" if r["needs_future"] else ""
+        if not r["reached"]:
+            print(f"  {r['policy']:<{width}}  not reached up to C={r['max_capacity']}{mark}")
             continue
-        r = c.at(t.capacity)
-        line = (f"  {c.policy:<{width}}  C={t.capacity}: hit rate {r.hit_rate:.4f}, "
-                f"{r.copies_per_token:.4f} copies/token")
-        if S is not None:
-            memory = cache_bytes(t.capacity, S, pool=c.pool, num_layers=len(c.layers))
-            line += f", cache {memory / GB:.4g} GB"
-        if setup.active:
-            fig = setup.sizing.figures(r.copies_per_token)
-            if fig.ms_per_token is not None:
-                line += f", {fig.ms_per_token:.4g} ms/token ({fig.tokens_per_s_predicted:.4g} tok/s)"
+        line = (f"  {r['policy']:<{width}}  C={r['capacity']}: hit rate {r['hit_rate']:.4f}, "
+                f"{r['copies_per_token']:.4f} copies/token")
+        if r["cache_bytes"] is not None:
+            line += f", cache {r['cache_bytes'] / GB:.4g} GB"
+        if r.get("ms_per_token") is not None:
+            line += f", {r['ms_per_token']:.4g} ms/token ({r['tokens_per_s_predicted']:.4g} tok/s)"
         line += mark
-        if t.misses_again_at:
-            again = ", ".join(map(str, t.misses_again_at[:8])) + (", ..." if len(t.misses_again_at) > 8 else "")
-            line += f"; not monotone: misses the target again at C={again}"
+        again = r["misses_again_at"]
+        if again:
+            shown = ", ".join(map(str, again[:8])) + (", ..." if len(again) > 8 else "")
+            line += f"; not monotone: misses the target again at C={shown}"
         print(line)
 
 

@@ -48,7 +48,7 @@ def plot_mrc(curves: Sequence, path: str | os.PathLike, *, trace: str) -> Path:
     first = curves[0].results[0]
     for i, curve in enumerate(curves):
         style = dict(color=_color(i), marker="o" if len(curve.results) <= 40 else None, markersize=3, linewidth=1.6)
-        label = policy_label(curve.policy, getattr(curve, "needs_future", False))
+        label = policy_label(curve.policy, curve.needs_future)
         ax_c.plot(curve.capacities, curve.copies_per_token, label=label, **style)
         ax_h.plot(curve.capacities, 100 * curve.hit_rate, label=label, **style)
     xlabel = _capacity_label(first.pool)
@@ -75,7 +75,7 @@ def plot_foresight(curve, path: str | os.PathLike, *, trace: str) -> Path:
     if not pts:
         raise ConfigError("plot: LRU and Belady tie at this capacity, so no share of the gap is defined")
     hs, gs = zip(*pts)
-    ahead = any(getattr(r, "needs_future", False) for r in curve.foresight)
+    ahead = any(r.needs_future for r in curve.foresight)
     ax.plot(hs, [100 * g for g in gs], color=_color(0), marker="o", linewidth=2,
             label=policy_label("foresight:h, belady seeing h tokens ahead", ahead))
     for h, g in pts:
@@ -84,7 +84,7 @@ def plot_foresight(curve, path: str | os.PathLike, *, trace: str) -> Path:
     for i, r in enumerate(curve.references):
         if r.gap_recovered is not None:
             shown.append(100 * r.gap_recovered)
-            kind = "needs future" if getattr(r, "needs_future", False) else "causal"
+            kind = "needs future" if r.needs_future else "causal"
             ax.axhline(100 * r.gap_recovered, color=_color(i + 1), linestyle=":", linewidth=1.8,
                        label=f"{r.policy} ({kind}): {_pct(r.gap_recovered)}")
     ax.axhline(0, color="0.4", linewidth=0.8)
@@ -113,7 +113,7 @@ def plot_pools(comparisons: Sequence, path: str | os.PathLike, *, trace: str) ->
     fig = _figure(2)
     ax_h, ax_c = fig.axes
     policies = list(dict.fromkeys(c.policy for c in comparisons))
-    labels = {c.policy: policy_label(c.policy, getattr(c.split, "needs_future", False)) for c in comparisons}
+    labels = {c.policy: policy_label(c.policy, c.split.needs_future) for c in comparisons}
     caps = sorted({c.capacity for c in comparisons})
     first = comparisons[0]
     L = len(first.split.layers)
