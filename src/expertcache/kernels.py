@@ -471,7 +471,7 @@ def random_loop(groups, starts, n_items, capacity, seed):
 
 
 # ------------------------------------------------------------------------------ plans
-def _slots(layout, capacity) -> int:
+def pool_slots(layout, capacity) -> int:
     """Pool slots the loops allocate: never more than the items (more would change no count)."""
     return int(min(int(capacity), int(layout.n_items)))
 
@@ -484,7 +484,7 @@ class LRUPlan:
     """Run :func:`lru_loop`."""
 
     def run(self, layout, capacity):
-        return lru_loop(layout.groups, layout.starts, layout.n_items, _slots(layout, capacity))
+        return lru_loop(layout.groups, layout.starts, layout.n_items, pool_slots(layout, capacity))
 
 
 class StaticKeyPlan:
@@ -495,7 +495,7 @@ class StaticKeyPlan:
 
     def run(self, layout, capacity):
         keys = np.ascontiguousarray(self.make_keys(layout), dtype=np.float64)
-        return static_key_loop(layout.groups, keys, layout.starts, layout.n_items, _slots(layout, capacity))
+        return static_key_loop(layout.groups, keys, layout.starts, layout.n_items, pool_slots(layout, capacity))
 
 
 class ForesightPlan:
@@ -505,7 +505,7 @@ class ForesightPlan:
         self.horizon = int(horizon_steps)
 
     def run(self, layout, capacity):
-        return foresight_loop(layout.groups, layout.next_use, layout.starts, layout.n_items, _slots(layout, capacity),
+        return foresight_loop(layout.groups, layout.next_use, layout.starts, layout.n_items, pool_slots(layout, capacity),
                               min(self.horizon, _MAX_HORIZON))
 
 
@@ -516,7 +516,7 @@ class RandomPlan:
         self.seed = int(seed)
 
     def run(self, layout, capacity):
-        return random_loop(layout.groups, layout.starts, layout.n_items, _slots(layout, capacity), self.seed)
+        return random_loop(layout.groups, layout.starts, layout.n_items, pool_slots(layout, capacity), self.seed)
 
 
 @nb.njit(cache=True)

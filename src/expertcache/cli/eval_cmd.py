@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, TraceError
+from ..errors import ConfigError
 from ..trace.npz import read_npy
 from ..policies import available_policies, make_policy
 from .common import add_json, add_layers, check_out, emit_json, nonnegative_float, positive_int, table
@@ -140,10 +140,7 @@ def _load_model(path: str, device: str | None, dtype: str):
 
 
 def _read_tokens(path: str) -> np.ndarray:
-    try:
-        ids = read_npy(path, "--tokens")  # sizes checked before reading, no pickle
-    except TraceError as err:
-        raise ConfigError(str(err)) from None
+    ids = read_npy(path, "--tokens")  # sizes checked before reading, no pickle; errors are one line
     if ids.dtype.kind not in "iu":
         raise ConfigError(f"--tokens {path}: expected integer token ids, got {ids.dtype}")
     return ids

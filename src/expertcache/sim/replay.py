@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ..cache import ExpertCache
+from ..kernels import pool_slots
 from ..errors import ConfigError
 from ..policies import Policy, StreamFuture, make_policy
 from ..trace import Trace
@@ -173,8 +174,7 @@ def replay_layout(layout: StreamLayout, capacity: int, policy: "str | Policy", *
         misses, evictions = plan.run(layout, capacity)
         used = "compiled"
     else:
-        slots = min(capacity, layout.n_items)  # more slots than items never change a count
-        misses, evictions = _python_loop(layout, slots, policy)
+        misses, evictions = _python_loop(layout, pool_slots(layout, capacity), policy)
         used = "python"
     seconds = time.perf_counter() - t0
     result = _tally(layout, capacity, policy.spec, misses, evictions, used, seconds)

@@ -90,7 +90,8 @@ def build(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: boo
     if seq.dtype.kind not in "iu":
         raise TraceError(f"{src}: seq: expected an integer dtype, got {seq.dtype}")
     seq = _as_int64(seq)
-    _check_contiguous(seq, src)
+    bounds = seq_bounds(seq)
+    _check_contiguous(seq, bounds[:-1], src)
 
     meta = dict(meta)
     _check_meta_types(meta, src)
@@ -116,7 +117,7 @@ def build(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: boo
     if router_probs is not None:
         router_probs = _check_float(router_probs, (T, L, E), "router_probs", src, upper=1.0)
 
-    n_seq = len(seq_bounds(seq)) - 1
+    n_seq = len(bounds) - 1
     derived = {"num_experts": E, "top_k": k, "num_layers": L, "tokens": T, "sequences": n_seq}
     for key, value in derived.items():
         if key not in meta:
@@ -140,7 +141,7 @@ def build(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: boo
     if meta["phase"] not in PHASES:
         raise TraceError(f"{src}: meta: phase {meta['phase']!r} is not one of {', '.join(PHASES)}")
 
-    extras = {name: _check_extra(name, arr, seq, T, L, src) for name, arr in arrays.items()}
+    extras = {name: _check_extra(name, arr, bounds, T, L, src) for name, arr in arrays.items()}
     return Trace(
         experts=experts, seq=seq, meta=meta, probs=probs, router_probs=router_probs, extras=extras, source=src
     )
@@ -212,8 +213,8 @@ def compact_dtype(E: int) -> np.dtype:
     return np.dtype(np.int16 if E <= np.iinfo(np.int16).max else np.int32)
 
 
-def _check_contiguous(seq: np.ndarray, src: str) -> None:
-    starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+def _check_contiguous(seq: np.ndarray, starts: np.ndarray, src: str) -> None:
+    """Each sequence id names one run of tokens (``starts``: where the runs begin)."""
     values = seq[starts]
     if np.unique(values).size != values.size:
         seen: set[int] = set()
@@ -251,14 +252,14 @@ def _check_float(arr, shape, name, src, mask=None, upper=None) -> np.ndarray:
     return arr
 
 
-def _check_extra(name: str, arr: np.ndarray, seq: np.ndarray, T: int, L: int, src: str) -> np.ndarray:
+def _check_extra(name: str, arr: np.ndarray, bounds: np.ndarray, T: int, L: int, src: str) -> np.ndarray:
     """Extras are kept as they are, except the two with a documented meaning (``step``, ``aligned``)."""
     if name == "step":
         if arr.shape != (T,) or arr.dtype.kind not in "iu":
             raise TraceError(f"{src}: step: expected integer shape ({T},), got {arr.dtype} {arr.shape}")
         step = _as_int64(arr)
         first = np.zeros(T, dtype=bool)
-        first[seq_bounds(seq)[:-1]] = True
+        first[bounds[:-1]] = True
         bad = np.flatnonzero(~first[1:] & (step[1:] <= step[:-1])) + 1
         if bad.size:
             t = int(bad[0])
