@@ -31,7 +31,7 @@ import torch
 import transformers
 
 import expertcache
-from expertcache.offload.evaluation import run_pass
+from expertcache.offload.passes import run_pass
 from expertcache.offload.toy import toy_model
 
 

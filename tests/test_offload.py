@@ -22,8 +22,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import expertcache  # noqa: E402
 from expertcache import ConfigError, PolicyError, load_trace, replay  # noqa: E402
 from expertcache.offload import IMPLEMENTATION, find_sites  # noqa: E402
-from expertcache.offload.evaluation import ExactnessError, evaluate, split_tokens  # noqa: E402
-from expertcache.offload.experts import OffloadedLayer  # noqa: E402
+from expertcache.offload.evaluation import ExactnessError, evaluate  # noqa: E402
+from expertcache.offload.passes import split_tokens  # noqa: E402
+from expertcache.offload.layer import OffloadedLayer  # noqa: E402
+from expertcache.offload.model import cache_argument  # noqa: E402
 from expertcache.offload.toy import FAMILIES, save_toy_checkpoint, single_thread  # noqa: E402
 
 E, K = 8, 2
@@ -251,7 +253,7 @@ def test_capture_teacher_forced_and_errors(checkpoints):
         model(input_ids=tokens(5))
     with pytest.raises(ConfigError, match="phase='all'"):
         empty.trace
-    with pytest.raises(ConfigError, match="batch-1"), torch.no_grad(), expertcache.capture(model):
+    with pytest.raises(ConfigError, match="batch-1"), torch.no_grad(), expertcache.capture(model, router_probs=True):
         model(input_ids=torch.zeros(2, 4, dtype=torch.long))
 
 
@@ -285,10 +287,11 @@ def test_evaluate_fails_loudly_when_a_run_is_not_exact(checkpoints, monkeypatch)
 
 
 def decode_logits(model, x):
+    key = cache_argument(model)  # ``cache`` in 5.24, ``past_key_values`` in 5.17 (which ignores ``cache=``)
     cache, rows = None, []
     for i in range(x.shape[1]):
-        out = model(input_ids=x[:, i : i + 1], cache=cache, use_cache=True)
-        cache = out.cache
+        out = model(input_ids=x[:, i : i + 1], use_cache=True, **{key: cache})
+        cache = out[key]
         rows.append(out.logits[0, -1])
     return torch.stack(rows)
 
@@ -308,7 +311,8 @@ def test_full_capacity_decode_is_bitwise_equal_under_the_default_implementation(
 def test_transformers_range_is_checked():
     from expertcache.offload.model import require_transformers
 
+    require_transformers("5.17.0")
     require_transformers("5.24.0")
-    for version in ("4.57.1", "5.0.0", "6.0.0"):
-        with pytest.raises(ConfigError, match=r"supports transformers >=5\.24\.0,<6"):
+    for version in ("4.57.1", "5.0.0", "5.16.0", "6.0.0"):
+        with pytest.raises(ConfigError, match=r"supports transformers >=5\.17\.0,<6"):
             require_transformers(version)

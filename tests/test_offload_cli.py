@@ -74,7 +74,7 @@ def test_eval_text_with_local_tokenizer_and_table(capsys, ckpt, tmp_path):
 
 
 def test_eval_fails_loudly_when_inexact(capsys, ckpt, ids, monkeypatch):
-    from expertcache.offload.experts import OffloadedLayer
+    from expertcache.offload.layer import OffloadedLayer
 
     original = OffloadedLayer.__call__
     monkeypatch.setattr(OffloadedLayer, "__call__", lambda self, h, i, w: original(self, h, i, w) + 1.0)
@@ -83,6 +83,30 @@ def test_eval_fails_loudly_when_inexact(capsys, ckpt, ids, monkeypatch):
     assert code == 1
     assert json.loads(out)["exact"] is False
     assert "expertcache eval: error: policy lru at C=4" in err and "Traceback" not in err
+
+
+def test_eval_prefetch_batch_and_timing(capsys, ckpt, ids, tmp_path):
+    code, out, err = run_cli(capsys, "eval", "--model", ckpt, "--tokens", ids, "-c", 3, "-p", "lru", "-p", "belady",
+                             "--max-len", 20, "--prefetch", "next-layer", "--json")
+    assert code == 0, err
+    for r in map(json.loads, out.splitlines()):
+        assert r["exact"] and r["replay_agrees"] is None and r["prefetch"] == "next-layer"
+        assert r["prefetch_copies"] == r["prefetch_hits"] + r["prefetch_wasted"] + r["prefetch_pending"] > 0
+        assert r["ms_blocking"] >= r["ms_overlapped"] >= r["c_ms"] > 0 and r["memory"]["host_expert_bytes"] > 0
+    out_npz = tmp_path / "batch.npz"
+    code, out, err = run_cli(capsys, "eval", "--model", ckpt, "--tokens", ids, "-c", 4, "-p", "lru", "--max-len", 20,
+                             "--batch", 2, "--capture", out_npz)
+    assert code == 0, err
+    assert "--batch 2 leaves out the last 1 sequence(s)" in err and "= replay" in out and "memory:" in out
+    trace = load_trace(out_npz)
+    assert trace.meta["batch"] == 2 and trace.num_tokens == 20 and trace.top_k == 4
+    code, out, err = run_cli(capsys, "eval", "--model", ckpt, "--tokens", ids, "-c", 5, "-p", "lru", "-p", "belady",
+                             "--max-len", 20, "--pool", "global")
+    assert code == 0, err
+    assert "capacity 5 slots shared by layers 0,1,2" in out and "NO" not in out
+    code, out, err = run_cli(capsys, "eval", "--model", ckpt, "--tokens", ids, "-c", 3, "--mode", "forward",
+                             "--prefetch", "oracle")
+    assert code == 2 and "prefetch needs mode decode" in err and err.count("\n") == 1
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +130,19 @@ def bad_inputs(tmp_path_factory, ckpt, ids):
         (["--model", "{gpt}", "--text", "{text}"], "needs a tokenizer"),
         (["--model", "{ckpt}", "--tokens", "{ids}", "--policy", "nope"], "unknown policy"),
         (["--model", "{ckpt}", "--tokens", "{ids}", "--max-len", "1"], "max-len must be at least 2"),
+        (["--model", "{ckpt}", "--tokens", "{ids}", "--batch", "3", "--max-len", "40"], "do not form a batch"),
     ],
 )
 def test_eval_errors_are_one_line(capsys, bad_inputs, argv, message):
     code, out, err = run_cli(capsys, "eval", *[a.format(**bad_inputs) for a in argv], "--capacity", 4)
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("expertcache eval: error:") and message in err
+
+
+@pytest.mark.parametrize("argv, message", [(["--batch", "0"], "argument --batch"), (["--prefetch", "x"], "argument --prefetch"),
+                                           (["--reference", "x"], "argument --reference")])
+def test_eval_usage_errors_are_one_line(capsys, ckpt, ids, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--model", str(ckpt), "--tokens", str(ids), "-c", "3", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and message in err

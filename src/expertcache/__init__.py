@@ -10,12 +10,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``offload`` and ``capture`` need torch and transformers, so they load on first use."""
-    if name in ("offload", "capture"):
+    """``offload``, ``capture`` and ``load_offloaded`` need torch and transformers, so they load on first use."""
+    if name in ("offload", "capture", "load_offloaded"):
         import importlib
 
         package = importlib.import_module(f"{__name__}.offload")  # callable: expertcache.offload(model, ...)
-        return package if name == "offload" else package.capture
+        return package if name == "offload" else getattr(package, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -45,8 +45,16 @@ class ExpertCache:
     * an item requested by the current group is never evicted while serving that group;
     * a miss takes a free slot while one exists (the pool is *filling*); after that it takes the
       slot of a victim, and victims are the candidates (residents the group does not request) in
-      ascending ``(policy key, last use, item id)`` order;
+      ascending ``(policy key, last use, item id)`` order, except that prefetched items not yet
+      used go first (see :meth:`prefetch`);
     * the outcome does not depend on the order of ids within a group.
+
+    :meth:`prefetch` loads items ahead of demand between two steps. A prefetched item enters the
+    policy's state only when a step first requests it (``on_access``); until then it is a
+    *speculative* resident, evicted before any item a step has used. Counters, per cache since
+    it was made: ``prefetch_copies`` = ``prefetch_hits`` (later requested while still resident)
+    + ``prefetch_wasted`` (evicted, or emptied by a reset, before any request) +
+    ``prefetch_pending`` (still resident and unused).
 
     ``reset()`` empties the pool and starts a new stream (the policy forgets its history).
     """
@@ -68,10 +76,14 @@ class ExpertCache:
         self.steps_per_token = steps_per_token
         self._slot = np.full(self.n_items, -1, dtype=np.int64)
         self._last = np.full(self.n_items, -1, dtype=np.int64)
+        self._speculative = np.zeros(self.n_items, dtype=bool)
+        self.prefetch_copies = self.prefetch_hits = self.prefetch_wasted = 0
         self.reset(future)
 
     def reset(self, future: StreamFuture | None = None) -> None:
-        """Empty every slot and start a new stream at step 0."""
+        """Empty every slot and start a new stream at step 0 (unused prefetched items count as wasted)."""
+        self.prefetch_wasted += int(np.count_nonzero(self._speculative))
+        self._speculative.fill(False)
         self._slot.fill(-1)
         self._last.fill(-1)
         self._free = list(range(self.capacity - 1, -1, -1))
@@ -93,6 +105,63 @@ class ExpertCache:
     def slot_of(self, item: int) -> int:
         return int(self._slot[item])
 
+    def slots_of(self, items: np.ndarray) -> np.ndarray:
+        """Slots of ``items`` (an int array of any shape; -1 for a pad or a non-resident item)."""
+        items = np.asarray(items, dtype=np.int64)
+        return np.where(items >= 0, self._slot[np.maximum(items, 0)], -1)
+
+    @property
+    def prefetch_pending(self) -> int:
+        """Prefetched items still resident and not yet requested."""
+        return int(np.count_nonzero(self._speculative))
+
+    def _victims(self, candidates: np.ndarray, need: int, t: int) -> np.ndarray:
+        keys = np.asarray(self.policy.keys(candidates, t), dtype=np.float64)
+        order = np.lexsort((candidates, self._last[candidates], keys, ~self._speculative[candidates]))
+        return candidates[order[:need]]
+
+    def prefetch(self, items) -> Step:
+        """Load the non-resident ``items`` before the next step requests anything (no step is taken).
+
+        Ids are deduplicated in the order given and at most ``capacity`` are kept. Victims are
+        residents outside ``items``: unused prefetched items first, then the policy's order as
+        seen just after the last step. The step's ``hits`` counts items already resident.
+        """
+        items = np.asarray(items, dtype=np.int64).ravel()
+        items = items[(items >= 0) & (items < self.n_items)]
+        _, first = np.unique(items, return_index=True)
+        items = items[np.sort(first)][: self.capacity]
+        missing = items[self._slot[items] < 0]
+        need = missing.size - len(self._free)
+        victims = np.zeros(0, dtype=np.int64)
+        if need > 0:
+            resident = np.flatnonzero(self._slot >= 0)
+            candidates = np.setdiff1d(resident, items, assume_unique=True)
+            victims = self._victims(candidates, need, self.t - 1)
+        step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(items.size - missing.size))
+        self._place(missing, victims, step)
+        self._speculative[missing] = True
+        self.prefetch_copies += missing.size
+        step.slots = self._slot[items].copy()
+        return step
+
+    def _place(self, missing: np.ndarray, victims: np.ndarray, step: Step) -> None:
+        vi = 0
+        for item in missing:
+            if self._free:
+                slot = self._free.pop()
+            else:
+                victim = int(victims[vi])
+                vi += 1
+                slot = int(self._slot[victim])
+                self._slot[victim] = -1
+                if self._speculative[victim]:
+                    self._speculative[victim] = False
+                    self.prefetch_wasted += 1
+                step.evicted.append(victim)
+            self._slot[item] = slot
+            step.loads.append((int(item), slot))
+
     def prepare(self, items) -> Step:
         """Make every item of this access group resident; see the class invariants."""
         items = np.asarray(items, dtype=np.int64).ravel()
@@ -108,22 +177,13 @@ class ExpertCache:
         if need > 0:
             resident = np.flatnonzero(self._slot >= 0)
             candidates = np.setdiff1d(resident, items, assume_unique=True)
-            keys = np.asarray(self.policy.keys(candidates, t), dtype=np.float64)
-            order = np.lexsort((candidates, self._last[candidates], keys))
-            victims = candidates[order[:need]]
+            victims = self._victims(candidates, need, t)
         step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(items.size - missing.size))
-        vi = 0
-        for item in missing:
-            if self._free:
-                slot = self._free.pop()
-            else:
-                victim = int(victims[vi])
-                vi += 1
-                slot = int(self._slot[victim])
-                self._slot[victim] = -1
-                step.evicted.append(victim)
-            self._slot[item] = slot
-            step.loads.append((int(item), slot))
+        self._place(missing, victims, step)
+        used = items[self._speculative[items]]
+        if used.size:
+            self.prefetch_hits += used.size
+            self._speculative[used] = False
         self._last[items] = t
         self.copies += len(step.loads)
         self.evictions += len(step.evicted)

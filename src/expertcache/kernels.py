@@ -24,8 +24,9 @@ Steps ``t`` seen by rules are local to the stream (0 at its first group), as in 
 
 from __future__ import annotations
 
-import numba as nb
 import numpy as np
+
+from ._jit import AVAILABLE, njit
 
 NEVER = np.iinfo(np.int64).max // 4
 """Next-use step of an item that is never requested again (later than every real step)."""
@@ -33,7 +34,7 @@ NEVER = np.iinfo(np.int64).max // 4
 _NEVER = np.int64(NEVER)
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def next_use(groups, starts, n_items):
     """``[G, k]`` int64: the next group of the same stream requesting the same item, else NEVER."""
     G, k = groups.shape
@@ -57,7 +58,7 @@ def next_use(groups, starts, n_items):
 
 # ------------------------------------------------------------------------------ building blocks
 # A recency list is a doubly linked list over item ids (prv/nxt, -1 ends), head = least recent.
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _unlink(prv, nxt, e, head, tail):
     p, q = prv[e], nxt[e]
     if p >= 0:
@@ -71,7 +72,7 @@ def _unlink(prv, nxt, e, head, tail):
     return head, tail
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _append(prv, nxt, e, head, tail):
     prv[e] = tail
     nxt[e] = -1
@@ -82,7 +83,7 @@ def _append(prv, nxt, e, head, tail):
     return head, e
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _sorted_group(groups, g, buf, stamp):
     """Copy group ``g``'s ids (padding dropped) into ``buf`` in ascending order, mark them
     requested (``stamp[e] = g``); return how many."""
@@ -103,7 +104,7 @@ def _sorted_group(groups, g, buf, stamp):
 
 # A binary min-heap of residents ordered by (key, last use, id), stored inline in three arrays
 # (hk, hl, hi) so a comparison touches no other memory; pos[item] is the item's heap index.
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _lt(ka, la, ia, kb, lb, ib):
     if ka != kb:
         return ka < kb
@@ -112,7 +113,7 @@ def _lt(ka, la, ia, kb, lb, ib):
     return ia < ib
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _sift_up(hk, hl, hi, pos, i):
     k0, l0, e = hk[i], hl[i], hi[i]
     while i > 0:
@@ -126,7 +127,7 @@ def _sift_up(hk, hl, hi, pos, i):
     pos[e] = i
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _sift_down(hk, hl, hi, pos, i, size):
     k0, l0, e = hk[i], hl[i], hi[i]
     while True:
@@ -144,14 +145,14 @@ def _sift_down(hk, hl, hi, pos, i, size):
     pos[e] = i
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _push(hk, hl, hi, pos, size, key, last, e):
     hk[size], hl[size], hi[size] = key, last, e
     _sift_up(hk, hl, hi, pos, size)
     return size + 1
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _remove(hk, hl, hi, pos, size, e):
     """Take ``e`` out of the heap; return the new size."""
     r = pos[e]
@@ -165,7 +166,7 @@ def _remove(hk, hl, hi, pos, size, e):
     return size
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _pop_victim(hk, hl, hi, pos, size, stamp, g, ak, al, ai):
     """Pop the smallest resident not requested by group ``g`` (``stamp[e] == g``); requested ones
     popped on the way go back. Return ``(victim, new size)``; the caller clears ``pos[victim]``."""
@@ -186,7 +187,7 @@ def _pop_victim(hk, hl, hi, pos, size, stamp, g, ak, al, ai):
 
 
 # ------------------------------------------------------------------------------ LRU list
-@nb.njit(cache=True)
+@njit(cache=True)
 def lru_loop(groups, starts, n_items, capacity):
     """LRU by a recency list. Members of a group are moved to the tail in ascending id order, so
     equal last use breaks ties by the smallest id."""
@@ -243,7 +244,7 @@ def lru_loop(groups, starts, n_items, capacity):
 
 
 # ------------------------------------------------------------------------------ heap
-@nb.njit(cache=True)
+@njit(cache=True)
 def static_key_loop(groups, keys, starts, n_items, capacity):
     """Evict the resident with the smallest ``(key, last use, id)``; ``keys[g, j]`` is the key the
     item of slot ``(g, j)`` holds from that access until its next one."""
@@ -297,7 +298,7 @@ def static_key_loop(groups, keys, starts, n_items, capacity):
 
 
 # ------------------------------------------------------------------------------ foresight
-@nb.njit(cache=True)
+@njit(cache=True)
 def foresight_loop(groups, nuse, starts, n_items, capacity, horizon):
     """Farthest-future eviction that sees ``horizon`` steps ahead.
 
@@ -403,17 +404,32 @@ MIX_M2 = np.uint64(0xBF58476D1CE4E5B9)
 MIX_M3 = np.uint64(0x94D049BB133111EB)
 
 
-@nb.njit(cache=True, inline="always")
-def mix64(seed, t, e):
-    """splitmix64 of ``seed * M1 + t * M2 + e * M3`` as a float in [0, 1) (see policies.randomized)."""
-    x = np.uint64(seed) * MIX_M1 + np.uint64(t) * MIX_M2 + np.uint64(e) * MIX_M3
-    x = (x ^ (x >> np.uint64(30))) * MIX_M2
-    x = (x ^ (x >> np.uint64(27))) * MIX_M3
-    x = x ^ (x >> np.uint64(31))
-    return float(x >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+if AVAILABLE:
+    @njit(cache=True, inline="always")
+    def mix64(seed, t, e):
+        """splitmix64 of ``seed * M1 + t * M2 + e * M3`` as a float in [0, 1) (see policies.randomized)."""
+        x = np.uint64(seed) * MIX_M1 + np.uint64(t) * MIX_M2 + np.uint64(e) * MIX_M3
+        x = (x ^ (x >> np.uint64(30))) * MIX_M2
+        x = (x ^ (x >> np.uint64(27))) * MIX_M3
+        x = x ^ (x >> np.uint64(31))
+        return float(x >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+else:
+    # Plain Python (see expertcache._jit): the same uint64 arithmetic modulo 2**64 on Python ints;
+    # numpy's uint64 scalars would wrap too, but warn at every overflowing multiplication.
+    _M64 = (1 << 64) - 1
+    _P1, _P2, _P3 = int(MIX_M1), int(MIX_M2), int(MIX_M3)
+
+    def mix64(seed, t, e):
+        """splitmix64 of ``seed * M1 + t * M2 + e * M3`` as a float in [0, 1) (see policies.randomized)."""
+        x = (int(seed) * _P1 + int(t) * _P2 + int(e) * _P3) & _M64
+        x = ((x ^ (x >> 30)) * _P2) & _M64
+        x = ((x ^ (x >> 27)) * _P3) & _M64
+        x = x ^ (x >> 31)
+        return float(x >> 11) * (1.0 / 9007199254740992.0)
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def random_loop(groups, starts, n_items, capacity, seed):
     """Evict the candidate with the smallest ``mix64(seed, step, item)``, scanning the residents."""
     G, k = groups.shape
@@ -519,7 +535,7 @@ class RandomPlan:
         return random_loop(layout.groups, layout.starts, layout.n_items, pool_slots(layout, capacity), self.seed)
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def local_steps(starts, G):
     """``[G]`` int64: each group's step within its stream."""
     out = np.empty(G, dtype=np.int64)
@@ -529,7 +545,7 @@ def local_steps(starts, G):
     return out
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def access_history(groups, starts, n_items):
     """Per access ``(g, j)``: its count among the stream's requests for that item (1-based) and the
     local step of the item's first request in the stream. Both int64 ``[G, k]``."""

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba as nb
 import numpy as np
 
+from .._jit import njit
 from ..errors import ConfigError
 from ..sim.layout import StreamLayout
 
@@ -99,7 +99,7 @@ def exact_stream_totals(layout: StreamLayout, capacity: int, *, max_states: int 
     return out
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _masks(local):
     """Per step: the requested items' mask, and the mask of items requested at a later step."""
     T, k = local.shape
@@ -117,7 +117,7 @@ def _masks(local):
     return req, live
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _popcount(x):
     c = 0
     while x:
@@ -126,7 +126,7 @@ def _popcount(x):
     return c
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _dp(req, live, n, capacity, max_states):
     """Forward DP; returns ``(optimal total, peak states, -1)`` or ``(-1, peak, failing step)``."""
     T = req.size

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -32,6 +33,20 @@ on the CPU), copy time, and whether the copies equal a replay of the run's own c
 seeds' harness); --mode forward runs one forward per sequence, in which every offloaded layer
 still serves its tokens one cache step at a time: both make the same copies. Clairvoyant policies
 (belady, foresight:h) read the future from the reference pass's trace, which --capture saves.
+
+Loading: the checkpoint is read into host memory and the offloaded layers' experts stay there
+(page-locked on a GPU); only the rest of the model goes to the device, so a model larger than the
+GPU can be evaluated. Peak device memory per policy is reported (CUDA). --reference resident
+moves the experts to the device for the reference pass only; --reference offloaded runs the
+reference offloaded under lru (lossless; for experts that do not fit the device); auto picks.
+
+--prefetch next-layer (decode mode) loads the next offloaded layer's predicted experts while this
+layer computes (lossless; counted apart: prefetch copies = used + wasted + pending); --prefetch
+oracle reads them from the reference trace (an upper bound). --batch B decodes B sequences of
+equal length together: one cache step per layer per position over the union of the rows' experts.
+--pool global shares CAPACITY slots among all offloaded layers (decode mode), as replay --pool global.
+Timing per step (ms/token) is compared with the blocking sum c + rho*tau and the overlapped bound
+max(c, rho*tau), c being the reference's time per step and tau the measured time of one copy.
 """
 
 
@@ -52,6 +67,14 @@ def add_parser(sub) -> None:
     p.add_argument("--mode", choices=("decode", "forward"), default="decode",
                    help="one token per forward with a KV cache (default), or one forward per sequence")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--prefetch", choices=("none", "next-layer", "oracle"), default="none",
+                   help="copy the next offloaded layer's experts ahead of demand (decode mode; default none)")
+    p.add_argument("--batch", type=positive_int, default=1, metavar="B",
+                   help="decode B equal-length sequences together, one cache step over their union (default 1)")
+    p.add_argument("--pool", choices=("layer", "global"), default="layer",
+                   help="CAPACITY slots per offloaded layer (default), or shared by all of them (decode mode)")
+    p.add_argument("--reference", choices=("auto", "resident", "offloaded"), default="auto",
+                   help="reference pass with every expert on the device, or offloaded under lru (default auto)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--capture", metavar="OUT.npz", help="save the reference pass's router trace (canonical .npz)")
@@ -65,17 +88,20 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     check_out(args.capture, "--capture")
     hf = _import_hf()
-    model = _load_model(args.model, args.device, args.dtype)
-    if args.tokens:
-        ids = _read_tokens(args.tokens)
-    else:
-        ids = _read_text(args.model, args.text)
+    if not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(f"--model {args.model}: not a checkpoint folder (no config.json)")
+    ids = _read_tokens(args.tokens) if args.tokens else _read_text(args.model, args.text)  # inputs first: cheap
+    model = hf.load_model(args.model, device=args.device, dtype=args.dtype, host_layers=args.layers)
     sequences = hf.split_tokens(ids, args.max_len, args.max_sequences)
     evaluation = hf.evaluate(
         model, sequences, args.capacity, args.policies or ["lru", "belady"], args.layers,
         mode=args.mode, tolerance=args.tolerance, router_probs=args.router_probs,
-        progress=sys.stderr.isatty() and not args.json,
+        progress=sys.stderr.isatty() and not args.json, batch=args.batch, prefetch=args.prefetch,
+        reference=args.reference, pool=args.pool,
     )
+    if evaluation.dropped:
+        print(f"expertcache eval: warning: --batch {args.batch} leaves out the last {evaluation.dropped} sequence(s): "
+              "they do not fill a batch of equal-length rows", file=sys.stderr)
     if args.capture:
         evaluation.trace.save(args.capture)
     records = [r.to_dict() | {"model": args.model, "needs_future": make_policy(r.policy).needs_future}
@@ -92,51 +118,49 @@ def run(args) -> int:
 
 def _print_table(args, evaluation, records) -> None:
     first = records[0]
+    layers = ",".join(map(str, first["layers"]))
     print(
         f"model {args.model}: {first['sequences']} sequence(s), {first['tokens']} tokens, mode {first['mode']}, "
-        f"device {first['device']}; capacity {args.capacity} of {evaluation.trace.num_experts} experts in layers "
-        f"{','.join(map(str, first['layers']))}"
+        f"device {first['device']}; " + (
+            f"capacity {args.capacity} of {evaluation.trace.num_experts} experts per layer in layers {layers}"
+            if args.pool == "layer" else
+            f"capacity {args.capacity} slots shared by layers {layers} ({evaluation.trace.num_experts} experts each)"
+        )
     )
-    print(f"reference (all experts resident): nll {evaluation.reference.nll:.5f}, {evaluation.reference.tokens_per_s:.1f} tokens/s")
+    ref = evaluation.reference
+    kind = "all experts resident" if evaluation.reference_kind == "resident" else evaluation.reference_kind
+    print(f"reference ({kind}): nll {ref.nll:.5f}, {ref.tokens_per_s:.1f} tokens/s, {ref.ms_per_step:.3f} ms/token")
+    agree = {True: "yes", False: "NO", None: "n/a"}
     rows = [
         (r["policy"], "yes" if r["needs_future"] else "", r["nll"], r["nll_delta"], "yes" if r["exact"] else "NO",
-         r["copies_per_token"], r["copies_steady"],
-         r["copies_total"], r["tokens_per_s"], r["speed_vs_reference"], r["copy_seconds"], "yes" if r["replay_agrees"] else "NO")
+         r["copies_per_token"], r["copies_steady"], r["copies_total"], r["tokens_per_s"], r["speed_vs_reference"],
+         r["ms_per_token"], r["ms_blocking"], r["ms_overlapped"], agree[r["replay_agrees"]])
         for r in records
     ]
-    table(rows, ["policy", "future", "nll", "delta", "exact", "copies/token", "steady", "total", "tok/s", "x ref", "copy s", "= replay"])
+    table(rows, ["policy", "future", "nll", "delta", "exact", "copies/token", "steady", "total", "tok/s", "x ref",
+                 "ms/token", "c+rho*tau", "max(c,rho*tau)", "= replay"])
+    if args.prefetch != "none":
+        table([(r["policy"], r["prefetch_copies"], r["prefetch_hits"], r["prefetch_wasted"], r["prefetch_pending"])
+               for r in records], [f"prefetch {args.prefetch}", "copies", "used", "wasted", "pending"])
+    mem = first["memory"]
+    line = (f"memory: {mem['host_expert_bytes'] / 1e6:.1f} MB of experts in {'pinned ' if mem['pinned'] else ''}host memory, "
+            f"{mem['slot_bytes'] / 1e6:.1f} MB of slots")
+    if mem["device_peak_bytes"] is not None:
+        line += (f", {mem['device_weight_bytes'] / 1e6:.1f} MB of other weights on the device, peak device memory "
+                 f"{max(r['memory']['device_peak_bytes'] for r in records) / 1e6:.1f} MB")
+    print(line)
     if args.capture:
         print(f"trace of the reference pass saved to {args.capture}")
 
 
 def _import_hf():
-    """The evaluation module; a missing or unsupported torch / transformers is a one-line user error."""
+    """The offload functions eval needs; a missing or unsupported torch / transformers is a one-line user error."""
     try:
-        from ..offload import evaluation as module
+        from .. import offload
+        from ..offload.passes import split_tokens
     except ImportError as exc:
         raise ConfigError(_first_line(exc)) from None
-    return module
-
-
-def _load_model(path: str, device: str | None, dtype: str):
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()  # errors reach the user as one line; no loading chatter
-    transformers.logging.disable_progress_bar()
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"--model {path}: not a checkpoint folder (no config.json)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"--model {path}: cannot load it ({_first_line(exc)})") from None
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return model.to(torch.device(device)).eval()
-    except (RuntimeError, AssertionError) as exc:
-        raise ConfigError(f"--device {device}: {_first_line(exc)}") from None
+    return SimpleNamespace(load_model=offload.load_model, evaluate=offload.evaluate, split_tokens=split_tokens)
 
 
 def _read_tokens(path: str) -> np.ndarray:

@@ -9,12 +9,17 @@ module          concept
 ==============  ===============================================================================
 ``model``       finding a model's MoE layers, checking their experts layout, reading a forward's
                 place in its sequence
+``loading``     :func:`load_offloaded`: a checkpoint whose offloaded experts never reach the device
 ``pool``        host-packed experts and device slots; the copies
-``experts``     the ``"expertcache"`` experts implementation: one cache step per token, the
-                model's own experts function run on slot weights
-``run``         :func:`offload`: attach / detach, streams, :class:`OffloadStats`
+``streams``     the copy stream and per-slot events that order copies against matmuls
+``experts``     the ``"expertcache"`` experts implementation registered in transformers' seam
+``layer``       one offloaded layer: a cache step per token (batch union), segments, prefetch;
+                the model's own experts function run on slot weights
+``run``         :func:`offload`: attach / detach, streams, devices
+``stats``       :class:`OffloadStats`, :class:`Memory`
 ``recorder``    :func:`capture`: router decisions into a canonical :class:`~expertcache.Trace`
-``evaluation``  teacher-forced NLL, tokens/s, copies, the exactness and replay checks
+``passes``      teacher-forced passes over sequences and batches: NLL and time
+``evaluation``  the reference and per-policy passes, the exactness and replay checks
 ``timing``      device-aware stopwatch (CUDA events or ``perf_counter``)
 ``toy``         small random-weight checkpoints of real families (tests, benchmarks)
 ==============  ===============================================================================
@@ -46,11 +51,14 @@ except ConfigError as exc:  # pragma: no cover - exercised only with another tra
 from .evaluation import Evaluation, ExactnessError, PolicyResult, evaluate  # noqa: E402
 from .experts import IMPLEMENTATION  # noqa: E402
 from .recorder import Capture, capture  # noqa: E402
-from .run import OffloadRun, OffloadStats, offload  # noqa: E402
+from .loading import Offloaded, load_model, load_offloaded  # noqa: E402
+from .run import OffloadRun, offload  # noqa: E402
+from .stats import Memory, OffloadStats  # noqa: E402
 
 __all__ = [
-    "IMPLEMENTATION", "TRANSFORMERS_RANGE", "Capture", "Evaluation", "ExactnessError", "OffloadRun",
-    "OffloadStats", "PolicyResult", "capture", "evaluate", "find_sites", "offload",
+    "IMPLEMENTATION", "TRANSFORMERS_RANGE", "Capture", "Evaluation", "ExactnessError", "Memory", "Offloaded",
+    "OffloadRun", "OffloadStats", "PolicyResult", "capture", "evaluate", "find_sites", "load_model",
+    "load_offloaded", "offload",
 ]
 
 

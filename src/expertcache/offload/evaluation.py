@@ -1,26 +1,35 @@
 """Teacher-forced evaluation of offloaded policies: NLL, tokens/s, copies, and the exactness check.
 
-Protocol (the seeds' harness): batch 1, every sequence teacher-forced, each policy's pools empty at
-the start of every sequence.
+Protocol (the seeds' harness, extended to batches): every sequence teacher-forced, batch b (default
+1) rows of equal length per forward, each policy's pools empty at the start of every batch.
 
-1. *Reference pass*, every expert resident (the stock model): next-token NLL and tokens/s, and a
-   capture of every position's router decisions (the trace ``--capture`` saves, and the recorded
-   future the clairvoyant policies read).
-2. *One pass per policy* under :func:`~expertcache.offload.offload`: NLL, tokens/s, copies (fill
-   and steady, per layer), copy time, and a capture of what the live run requested.
+1. *Reference pass*: next-token NLL and time, and a capture of every position's router decisions
+   (the trace ``--capture`` saves, and the recorded future clairvoyant policies and oracle
+   prefetch read). ``reference="resident"`` runs the stock model with every expert on the device
+   (the experts are moved there for this pass only); ``"offloaded"`` runs it offloaded at the same
+   capacity under ``lru`` (lossless, so the same NLL), for a model whose experts do not fit the
+   device; ``"auto"`` (default) is ``resident`` unless the host-held experts exceed 90% of the
+   device's free memory.
+2. *One pass per policy* under :func:`~expertcache.offload.offload` (a pool per layer, or one
+   global pool shared by all offloaded layers): NLL, time, copies (fill and steady, per layer),
+   copy time, prefetch counts, memory, and a capture of what the live run requested.
 
 Checks, per policy: ``exact`` = ``|nll - nll_reference| <= tolerance`` (5e-3): every policy here is
 lossless, so a miss is a bug and :meth:`Evaluation.check` raises; ``replay_agrees`` = the live copy
-counts equal :func:`expertcache.replay` of the live capture with the same policy, capacity and layers,
-layer by layer.
+counts equal :func:`expertcache.replay` of the live capture with the same policy, capacity and
+layers, layer by layer (``None`` with prefetching, which the simulator does not model).
 
-Modes: ``decode`` feeds one token per forward with a KV cache (the seeds' token-by-token decoding;
-tokens/s is decode throughput); ``forward`` runs one forward per sequence, in which each offloaded
-layer still steps its cache one token at a time (see :mod:`.experts`), so both modes make the same
-copies. Timing: CUDA events on a GPU, ``perf_counter`` on the CPU, around each forward; one
-untimed warm-up forward runs before each pass. NLL is the mean over all predicted positions
-(a sequence of n tokens predicts n - 1); ``tokens`` counts every position served (n per sequence),
-the T of ``copies_per_token``.
+Modes: ``decode`` feeds one token position per forward with a KV cache (the seeds' token-by-token
+decoding); ``forward`` runs one forward per batch, in which each offloaded layer still steps its
+cache one position at a time (see :mod:`.layer`), so both modes make the same copies. Prefetch
+and the global pool need ``decode``. Timing: CUDA events on a GPU, ``perf_counter`` on the CPU, around each forward;
+one untimed warm-up forward runs before each pass.
+
+Time per step (``ms_per_token``; a step is one token position, one token of each row) is compared
+with the cost model (DESIGN section 2): ``c_ms`` = the reference's ms per step, ``tau_ms`` = measured
+copy time per copy, ``rho_all`` = all copies made per step (demand, fill and prefetch), the
+blocking sum ``ms_blocking = c_ms + rho_all * tau_ms`` and the overlapped bound
+``ms_overlapped = max(c_ms, rho_all * tau_ms)``.
 """
 
 from __future__ import annotations
@@ -35,37 +44,21 @@ from ..errors import ConfigError, ExpertcacheError
 from ..policies import make_policy
 from ..sim import replay
 from ..trace import Trace
+from .loading import resident
+from .model import find_sites, select_sites
+from .passes import MODES, PassResult, check_sequences, make_batches, model_device, run_pass, vocab_size
 from .recorder import Capture
-from .model import cache_argument
-from .run import OffloadRun, OffloadStats
-from .timing import Stopwatch
+from .run import OffloadRun
+from .stats import OffloadStats
 
-MODES = ("decode", "forward")
 TOLERANCE = 5e-3
 WARMUP_TOKENS = 4
+REFERENCES = ("auto", "resident", "offloaded")
 
 
 class ExactnessError(ExpertcacheError):
     """A lossless policy's NLL left the tolerance around the all-resident reference, or its copies
     disagree with a replay of its own trace."""
-
-
-@dataclass
-class PassResult:
-    """NLL and time of one pass over the sequences."""
-
-    nll_sum: float
-    predictions: int
-    tokens: int
-    seconds: float
-
-    @property
-    def nll(self) -> float:
-        return self.nll_sum / self.predictions if self.predictions else float("nan")
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
 @dataclass
@@ -79,10 +72,11 @@ class PolicyResult:
     reference: PassResult
     run: PassResult
     stats: OffloadStats
-    replay_copies_total: int
-    replay_copies_steady: int
-    replay_agrees: bool
+    replay_copies_total: int | None
+    replay_copies_steady: int | None
+    replay_agrees: bool | None
     routing_changed: float
+    reference_kind: str = "resident"
 
     @property
     def nll_delta(self) -> float:
@@ -92,17 +86,35 @@ class PolicyResult:
     def exact(self) -> bool:
         return abs(self.nll_delta) <= self.tolerance
 
+    def timing(self) -> dict:
+        """Measured ms per step against the cost model's blocking sum and overlapped bound."""
+        s = self.stats
+        steps = self.run.steps or 1
+        copies = s.copies_total + s.prefetch_copies
+        c = self.reference.ms_per_step
+        tau = 1000.0 * s.copy_seconds / copies if copies else float("nan")
+        rho_all = copies / steps
+        load = rho_all * tau if copies else 0.0
+        return {
+            "ms_per_token": self.run.ms_per_step, "c_ms": c, "tau_ms": tau, "rho_all": rho_all,
+            "ms_blocking": c + load, "ms_overlapped": max(c, load),
+        }
+
     def to_dict(self) -> dict:
         s = self.stats
         return {
             "policy": self.policy,
             "capacity": self.capacity,
             "tokens": self.run.tokens,
+            "steps": self.run.steps,
+            "batch": s.batch,
             "nll": self.run.nll,
             "nll_reference": self.reference.nll,
             "nll_delta": self.nll_delta,
             "exact": self.exact,
             "tolerance": self.tolerance,
+            "reference": self.reference_kind,
+            "pool": s.pool,
             "copies_total": s.copies_total,
             "copies_fill": s.copies_fill,
             "copies_steady": s.copies_steady,
@@ -111,9 +123,15 @@ class PolicyResult:
             "tokens_per_s": self.run.tokens_per_s,
             "tokens_per_s_reference": self.reference.tokens_per_s,
             "speed_vs_reference": self.run.tokens_per_s / self.reference.tokens_per_s,
+            **self.timing(),
             "copy_seconds": s.copy_seconds,
             "copy_bytes_per_s": s.copy_bandwidth,
             "expert_bytes": s.expert_bytes,
+            "prefetch": s.prefetch,
+            "prefetch_copies": s.prefetch_copies,
+            "prefetch_hits": s.prefetch_hits,
+            "prefetch_wasted": s.prefetch_wasted,
+            "prefetch_pending": s.prefetch_pending,
             "replay_copies_total": self.replay_copies_total,
             "replay_copies_steady": self.replay_copies_steady,
             "replay_agrees": self.replay_agrees,
@@ -124,6 +142,7 @@ class PolicyResult:
             "layers": s.layers,
             "mode": self.mode,
             "device": s.device,
+            "memory": s.memory.to_dict(),
             "per_layer": [c.to_dict() for c in s.per_layer],
         }
 
@@ -135,6 +154,8 @@ class Evaluation:
     reference: PassResult
     trace: Trace
     results: list[PolicyResult] = field(default_factory=list)
+    reference_kind: str = "resident"
+    dropped: int = 0  # trailing sequences left out because they did not fill a batch
 
     def failures(self) -> list[str]:
         """One line per broken guarantee (empty when every policy is exact and agrees with replay)."""
@@ -142,10 +163,10 @@ class Evaluation:
         for r in self.results:
             if not r.exact:
                 out.append(
-                    f"policy {r.policy} at C={r.capacity}: NLL {r.run.nll:.6f} differs from the all-resident "
-                    f"reference {r.reference.nll:.6f} by {abs(r.nll_delta):.2e} > {r.tolerance:g} (a lossless policy must match)"
+                    f"policy {r.policy} at C={r.capacity}: NLL {r.run.nll:.6f} differs from the reference "
+                    f"{r.reference.nll:.6f} by {abs(r.nll_delta):.2e} > {r.tolerance:g} (a lossless policy must match)"
                 )
-            if not r.replay_agrees:
+            if r.replay_agrees is False:
                 out.append(
                     f"policy {r.policy} at C={r.capacity}: live copies (total {r.stats.copies_total}, steady "
                     f"{r.stats.copies_steady}) differ from the replay of its trace (total {r.replay_copies_total}, "
@@ -172,140 +193,103 @@ def evaluate(
     tolerance: float = TOLERANCE,
     router_probs: bool = False,
     progress: bool = False,
+    batch: int = 1,
+    prefetch: str = "none",
+    reference: str = "auto",
+    pool: str = "layer",
 ) -> Evaluation:
     """Run the protocol of the module docstring; ``sequences`` are token-id lists of length >= 2."""
     if mode not in MODES:
         raise ConfigError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
+    if reference not in REFERENCES:
+        raise ConfigError(f"reference: {reference!r} is not one of {', '.join(REFERENCES)}")
     if not tolerance >= 0:
         raise ConfigError(f"tolerance must be a non-negative number of nats, got {tolerance}")
-    seqs = check_sequences(sequences, _vocab_size(model))
+    if prefetch != "none" and mode != "decode":
+        raise ConfigError(
+            "prefetch needs mode decode: a teacher-forced forward runs every position of a layer before the next layer starts"
+        )
+    if pool == "global" and mode != "decode":
+        raise ConfigError("pool global needs mode decode: it serves one token position per forward, layer by layer")
+    if router_probs and batch > 1:
+        raise ConfigError("router_probs records batch-1 passes; use batch 1 to capture them")
+    seqs = check_sequences(sequences, vocab_size(model))
+    batches, dropped = make_batches(seqs, batch)
     specs = [make_policy(p).spec for p in policies]
     if not specs:
         raise ConfigError("policies: give at least one policy")
     layers = None if layers is None else list(layers)
     model.eval()
-    # validate capacity, layers and model support for every policy before the long reference pass
-    probes = [OffloadRun(model, capacity, spec, layers) for spec in specs]
+    device = model_device(model)
+    # validate capacity, layers, prefetch and model support for every policy before the long reference pass
+    probes = [OffloadRun(model, capacity, spec, layers, prefetch=prefetch, device=device, pool=pool) for spec in specs]
+    sites = select_sites(find_sites(model), probes[0].layer_ids)
+    kind = _reference_kind(reference, sites, device)
+    warmup = [b[:, :WARMUP_TOKENS] for b in batches[:1]]
 
-    run_pass(model, [seqs[0][:WARMUP_TOKENS]], mode)
-    with Capture(model, phase="all", router_probs=router_probs, label="teacher-forced") as cap:
-        reference = run_pass(model, seqs, mode, progress=_bar(progress, "reference (all resident)", len(seqs)))
+    if kind == "resident":
+        with resident(sites, device):
+            run_pass(model, warmup, mode)
+            with Capture(model, phase="all", router_probs=router_probs, label="teacher-forced") as cap:
+                ref = run_pass(model, batches, mode, progress=_bar(progress, "reference (all resident)", len(seqs)))
+    else:
+        with OffloadRun(model, capacity, "lru", probes[0].layer_ids, device=device):
+            run_pass(model, warmup, mode)
+            with Capture(model, phase="all", router_probs=router_probs, label="teacher-forced") as cap:
+                ref = run_pass(model, batches, mode, progress=_bar(progress, f"reference (lru at C={capacity})", len(seqs)))
     trace = cap.trace
-    evaluation = Evaluation(reference, trace)
+    evaluation = Evaluation(ref, trace, reference_kind=kind if kind == "resident" else f"lru at C={capacity}",
+                            dropped=dropped)
     for spec, probe in zip(specs, probes):
-        run = OffloadRun(model, capacity, spec, probe.layer_ids, future=trace)
+        run = OffloadRun(model, capacity, spec, probe.layer_ids, future=trace, prefetch=prefetch, device=device, pool=pool)
         with run:
-            run_pass(model, [seqs[0][:WARMUP_TOKENS]], mode)
+            run_pass(model, warmup, mode)
             run.restart()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             with Capture(model, phase="all", layers=run.layer_ids, label="teacher-forced") as live:
-                result = run_pass(model, seqs, mode, progress=_bar(progress, f"{spec} at C={capacity}", len(seqs)))
+                result = run_pass(model, batches, mode, progress=_bar(progress, f"{spec} at C={capacity}", len(seqs)))
         stats = run.stats()
-        evaluation.results.append(_policy_result(spec, capacity, mode, tolerance, reference, result, stats, live.trace, trace))
+        evaluation.results.append(
+            _policy_result(spec, capacity, mode, tolerance, ref, result, stats, live.trace, trace, evaluation.reference_kind)
+        )
     return evaluation
 
 
-def _policy_result(spec, capacity, mode, tolerance, reference, result, stats, live: Trace, ref_trace: Trace) -> PolicyResult:
-    replayed = replay(live, capacity, spec, layers=stats.layers)
-    agrees = (
-        replayed.copies_total == stats.copies_total
-        and replayed.copies_steady == stats.copies_steady
-        and [(c.copies_total, c.copies_steady) for c in replayed.per_layer]
-        == [(c.copies_total, c.copies_steady) for c in stats.per_layer]
+def _reference_kind(reference: str, sites, device: torch.device) -> str:
+    if reference != "auto":
+        return reference
+    if device.type != "cuda":
+        return "resident"
+    away = sum(
+        p.numel() * p.element_size()
+        for s in sites for p in (s.experts.gate_up_proj, s.experts.down_proj) if p.device != device
     )
+    free, _ = torch.cuda.mem_get_info(device)
+    return "resident" if away <= 0.9 * free else "offloaded"
+
+
+def _policy_result(spec, capacity, mode, tolerance, reference, result, stats, live: Trace, ref_trace: Trace,
+                   reference_kind: str) -> PolicyResult:
+    if stats.prefetch == "none":
+        replayed = replay(live, capacity, spec, layers=stats.layers, pool=stats.pool)
+        agrees = (
+            replayed.copies_total == stats.copies_total
+            and replayed.copies_steady == stats.copies_steady
+            and [(c.copies_total, c.copies_steady) for c in replayed.per_layer]
+            == [(c.copies_total, c.copies_steady) for c in stats.per_layer]
+        )
+        totals = (replayed.copies_total, replayed.copies_steady)
+    else:  # the simulator has no prefetch: nothing to compare the counts with
+        agrees, totals = None, (None, None)
     ref = np.sort(ref_trace.select_layers(stats.layers).experts, axis=2)
     changed = float(np.mean(np.any(np.sort(live.experts, axis=2) != ref, axis=2))) if ref.shape == live.experts.shape else 1.0
     return PolicyResult(
         policy=spec, capacity=capacity, mode=mode, tolerance=tolerance, reference=reference, run=result,
-        stats=stats, replay_copies_total=replayed.copies_total, replay_copies_steady=replayed.copies_steady,
-        replay_agrees=agrees, routing_changed=changed,
+        stats=stats, replay_copies_total=totals[0], replay_copies_steady=totals[1],
+        replay_agrees=agrees, routing_changed=changed, reference_kind=reference_kind,
     )
-
-
-# ---------------------------------------------------------------------- passes
-def run_pass(model: torch.nn.Module, sequences: Sequence[np.ndarray], mode: str, progress=None) -> PassResult:
-    """Teacher-force every sequence (``decode``: one token per forward with a KV cache;
-    ``forward``: one forward per sequence) and return summed NLL and timed seconds."""
-    device = _device(model)
-    watch = Stopwatch(device)
-    nll_sum, predictions, tokens = 0.0, 0, 0
-    with torch.inference_mode():
-        for ids in sequences:
-            x = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=device)[None]
-            if mode == "forward":
-                with watch.time():
-                    logits = model(input_ids=x, use_cache=False).logits[0]
-            else:
-                logits = _decode(model, x, watch)
-            if x.shape[1] > 1:
-                logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-                nll_sum += float(-logp.gather(1, x[0, 1:, None]).sum())
-            predictions += x.shape[1] - 1
-            tokens += x.shape[1]
-            if progress is not None:
-                progress.update(1)
-    if progress is not None:
-        progress.close()
-    return PassResult(nll_sum, predictions, tokens, watch.seconds)
-
-
-def _decode(model: torch.nn.Module, x: torch.Tensor, watch: Stopwatch) -> torch.Tensor:
-    key = cache_argument(model)
-    cache, rows = None, []
-    for i in range(x.shape[1]):
-        with watch.time():
-            out = model(input_ids=x[:, i : i + 1], use_cache=True, **{key: cache})
-        cache = out["cache"] if "cache" in out else out.get("past_key_values")
-        rows.append(out.logits[0, -1])
-    return torch.stack(rows)
-
-
-# ---------------------------------------------------------------------- inputs
-def check_sequences(sequences: Sequence[Sequence[int]], vocab: int | None) -> list[np.ndarray]:
-    """Validate token sequences: at least one, each >= 2 ids, ids in ``[0, vocab)``."""
-    out = []
-    for i, s in enumerate(sequences):
-        a = np.asarray(s)
-        if a.ndim != 1 or a.dtype.kind not in "iu":
-            raise ConfigError(f"sequence {i}: expected a 1-d array of integer token ids, got {a.dtype} {a.shape}")
-        if a.size < 2:
-            raise ConfigError(f"sequence {i}: needs at least 2 tokens to predict one, got {a.size}")
-        if vocab is not None and (a.min() < 0 or a.max() >= vocab):
-            bad = int(a[(a < 0) | (a >= vocab)][0])
-            raise ConfigError(f"sequence {i}: token id {bad} is outside the model's vocabulary [0, {vocab})")
-        out.append(a.astype(np.int64))
-    if not out:
-        raise ConfigError("no sequences to evaluate")
-    return out
-
-
-def split_tokens(ids: np.ndarray, max_len: int, max_sequences: int | None = None) -> list[np.ndarray]:
-    """Sequences from token ids: a 1-d stream is cut into chunks of ``max_len`` (a last chunk shorter
-    than 2 tokens is dropped); each row of a 2-d array is one sequence, truncated to ``max_len``."""
-    ids = np.asarray(ids)
-    if max_len < 2:
-        raise ConfigError(f"max-len must be at least 2, got {max_len}")
-    if ids.ndim == 1:
-        seqs = [ids[i : i + max_len] for i in range(0, ids.size, max_len)]
-        seqs = [s for s in seqs if s.size >= 2]
-    elif ids.ndim == 2:
-        seqs = [row[:max_len] for row in ids]
-    else:
-        raise ConfigError(f"token ids: expected a 1-d stream or a 2-d [sequences, tokens] array, got shape {ids.shape}")
-    if max_sequences is not None:
-        seqs = seqs[:max_sequences]
-    return seqs
-
-
-def _vocab_size(model) -> int | None:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return int(emb.num_embeddings) if emb is not None and hasattr(emb, "num_embeddings") else None
-
-
-def _device(model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:  # pragma: no cover
-        return torch.device("cpu")
 
 
 def _bar(enabled: bool, desc: str, total: int):
@@ -314,3 +298,5 @@ def _bar(enabled: bool, desc: str, total: int):
     from tqdm.auto import tqdm
 
     return tqdm(desc=desc, total=total, unit="seq", leave=False)
+
+

@@ -32,7 +32,7 @@ from .._text import id_ranges
 from ..errors import ConfigError
 
 #: The transformers releases this package was verified against (the ``hf`` extra pins the same).
-TRANSFORMERS_RANGE = (Version("5.24.0"), Version("6"))
+TRANSFORMERS_RANGE = (Version("5.17.0"), Version("6"))
 SUPPORTED_LAYOUT = "packed gate_up_proj [E, 2I, H] and down_proj [E, H, I] without biases"
 
 
@@ -94,6 +94,8 @@ def layout_problem(module: torch.nn.Module) -> str | None:
     gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor):
         return "have no gate_up_proj / down_proj tensors"
+    if "DTensor" in (type(gu).__name__, type(getattr(gu, "data", None)).__name__):
+        return "are sharded across devices (tensor or expert parallel)"
     if gu.dim() != 3 or dn.dim() != 3:
         return f"have gate_up_proj {tuple(gu.shape)} / down_proj {tuple(dn.shape)} (expected 3-d packed tensors)"
     E, two_i, H = gu.shape

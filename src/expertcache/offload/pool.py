@@ -2,80 +2,118 @@
 
 Layout (the seeds' harness): per projection one packed host tensor holding all E experts
 (``gate_up [E, 2I, H]``, ``down [E, H, I]``), page-locked when the slots live on a CUDA device so
-copies can run asynchronously, and one device tensor of C slots per projection
-(``[C, 2I, H]``, ``[C, H, I]``). Which expert sits in which slot is not this module's business:
-the :class:`~expertcache.cache.ExpertCache` decides, and :meth:`SlotPool.load` performs the
-copies it asks for.
+copies run asynchronously, and one device tensor of C slots per projection (``[C, 2I, H]``,
+``[C, H, I]``). Which expert sits in which slot is not this module's business: the
+:class:`~expertcache.cache.ExpertCache` decides, and :meth:`SlotPool.load` performs the copies.
 
 Invariants:
 
 * a copy writes exactly one slot of each projection from exactly one host expert, and nothing
   else; eviction is not an operation here (a load simply overwrites the victim's slot);
-* copies are issued on the current stream, the stream that then runs the expert matmuls, so a
-  matmul queued after a load always reads the new weights and a load queued after a matmul never
-  disturbs it; no other synchronisation is needed;
+* copies run on the pool's copy stream (:mod:`.streams`) and a matmul reads a slot only after
+  :meth:`SlotPool.before_read` (it waits for the copies into the slots it reads) and is declared
+  with :meth:`SlotPool.after_read` (a later copy into those slots waits for it);
+* each expert exists once in host memory: :meth:`SlotPool.from_weights` pins layer weights by
+  copying them into a page-locked buffer and the caller drops the unpinned original, and host
+  tensors that are already where they belong are used as they are (no copy);
 * slots start as NaN (floating dtypes), so reading a slot that was never loaded poisons the
   output instead of silently using stale weights.
 
-On the CPU (``device = cpu``) the same path runs: host and device memory are the same kind, and
-each load is a real ``memcpy`` into the slot buffers.
+On the CPU (``device = cpu``) the same path runs: host and device memory are the same kind, each
+load is a real ``memcpy`` into the slot buffers, and the stream calls are no-ops.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
+from .streams import SlotSync
 from .timing import Stopwatch
 
 
 class SlotPool:
-    """``capacity`` device slots over the ``E`` experts held by ``host`` (a pair of packed tensors)."""
+    """``capacity`` device slots over the experts held in host memory by one or more *sources*.
 
-    def __init__(self, host: Sequence[torch.Tensor], capacity: int, device: torch.device | str):
-        self.host = tuple(host)
+    A source is one layer's pair of packed host tensors (``gate_up [E, 2I, H]``, ``down [E, H, I]``).
+    A per-layer pool has one source and item ``e`` is expert ``e``; a global pool (every offloaded
+    layer sharing C slots) has one source per layer and item ``s * E + e`` is expert ``e`` of source
+    ``s``, the numbering of the simulator's global pool.
+    """
+
+    def __init__(self, host: Sequence[torch.Tensor], capacity: int, device: torch.device | str,
+                 *more_sources: Sequence[torch.Tensor]):
+        self.sources = [tuple(host), *(tuple(m) for m in more_sources)]
+        self.host = self.sources[0]
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         E = self.host[0].shape[0]
-        if any(h.shape[0] != E for h in self.host):
-            raise ValueError("host tensors must hold the same number of experts")
-        if any(h.device.type != "cpu" for h in self.host):
-            raise ValueError("host tensors must live in host memory")
+        shapes = [tuple(h.shape) for h in self.host]
+        for src in self.sources:
+            if [tuple(h.shape) for h in src] != shapes or any(h.dtype != self.host[0].dtype for h in src):
+                raise ValueError("every source must hold experts of the same shapes and dtype")
+            if any(h.device.type != "cpu" for h in src):
+                raise ValueError("host tensors must live in host memory")
         self.num_experts = int(E)
-        self.capacity = int(min(capacity, E))
+        self.num_items = int(E) * len(self.sources)
+        self.capacity = int(min(capacity, self.num_items))
         fill = float("nan") if self.host[0].dtype.is_floating_point else 0
         self.slots = tuple(
             torch.full((self.capacity, *h.shape[1:]), fill, dtype=h.dtype, device=self.device) for h in self.host
         )
         self.expert_bytes = sum(h[0].numel() * h.element_size() for h in self.host)
         self.copies = 0
-        self.stopwatch = Stopwatch(self.device)
-        self._non_blocking = self.device.type == "cuda" and all(h.is_pinned() for h in self.host)
+        self.sync = SlotSync(self.device, self.capacity)
+        self.stopwatch = Stopwatch(self.device, stream=self.sync.copy_stream)
+        self._non_blocking = self.device.type == "cuda" and all(h.is_pinned() for src in self.sources for h in src)
 
     @classmethod
-    def from_weights(cls, weights: Sequence[torch.Tensor], capacity: int, device: torch.device | str) -> "SlotPool":
-        """Pack ``weights`` (``[E, ...]`` each, on any device) into host memory, pinned for a CUDA pool."""
+    def from_weights(cls, weights: Sequence[torch.Tensor], capacity: int, device: torch.device | str,
+                     *more: Sequence[torch.Tensor]) -> "SlotPool":
+        """Host tensors for ``weights`` (``[E, ...]`` each, on any device), page-locked for a CUDA pool;
+        ``more``: the weights of further sources (a global pool).
+
+        A weight already in host memory (and pinned, for a CUDA pool) is used as it is; otherwise
+        it is copied once, straight into its final (pinned) host buffer.
+        """
         device = torch.device(device)
         pin = device.type == "cuda"
-        host = []
-        for w in weights:
-            h = w.detach().to("cpu")
-            host.append(h.pin_memory() if pin and not h.is_pinned() else h)
-        return cls(host, capacity, device)
+        sources = [[host_tensor(w, pin) for w in ws] for ws in (weights, *more)]
+        return cls(sources[0], capacity, device, *sources[1:])
+
+    def stopwatch_for_copies(self) -> Stopwatch:
+        """A new stopwatch timing on this pool's copy stream (one per layer of a shared pool)."""
+        return Stopwatch(self.device, stream=self.sync.copy_stream)
 
     @torch.no_grad()
-    def load(self, loads: Sequence[tuple[int, int]]) -> None:
-        """Copy expert ``e`` into slot ``s`` for each ``(e, s)``, on the current stream, timed."""
+    def load(self, loads: Sequence[tuple[int, int]], watch: Stopwatch | None = None) -> None:
+        """Copy item ``i`` into slot ``s`` for each ``(i, s)`` on the copy stream, timed there (by
+        ``watch`` when given, else the pool's own stopwatch)."""
         if not loads:
             return
-        with self.stopwatch.time():
-            for expert, slot in loads:
-                for h, d in zip(self.host, self.slots):
-                    d[slot].copy_(h[expert], non_blocking=self._non_blocking)
+        sync, E = self.sync, self.num_experts
+        with sync.copying():
+            for _, slot in loads:  # waits for the matmuls still reading these slots, outside the timed span
+                sync.before_overwrite(slot)
+            with (watch or self.stopwatch).time():
+                for item, slot in loads:
+                    source, expert = divmod(item, E)
+                    for h, d in zip(self.sources[source], self.slots):
+                        d[slot].copy_(h[expert], non_blocking=self._non_blocking)
+                    sync.copied(slot)
         self.copies += len(loads)
+
+    def before_read(self, slots: Iterable[int]) -> None:
+        self.sync.before_read(slots)
+
+    def after_read(self, slots: Iterable[int]) -> None:
+        self.sync.after_read(slots)
 
     @property
     def copy_seconds(self) -> float:
+        """Time the copies took on the copy stream (events on CUDA, ``perf_counter`` on the CPU)."""
         return self.stopwatch.seconds
 
     def clear_counters(self) -> None:
@@ -86,3 +124,18 @@ class SlotPool:
     def nbytes(self) -> int:
         """Device bytes held by the slots."""
         return sum(s.numel() * s.element_size() for s in self.slots)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held by the packed experts of every source."""
+        return sum(h.numel() * h.element_size() for src in self.sources for h in src)
+
+
+def host_tensor(weight: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``weight`` in host memory (page-locked when ``pin``), copied only when it is not already so."""
+    w = weight.detach()
+    if w.device.type == "cpu" and (not pin or w.is_pinned()):
+        return w
+    out = torch.empty(w.shape, dtype=w.dtype, device="cpu", pin_memory=pin)
+    out.copy_(w)
+    return out

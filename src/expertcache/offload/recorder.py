@@ -15,7 +15,13 @@ Which positions are kept (``phase``):
 * ``"decode"``: decode steps only, always;
 * ``"all"``: every position (phase ``teacher-forced`` when no decode step was seen, else ``mixed``).
 
-A forward with an empty KV cache starts a new sequence (``seq`` id). Batch size must be 1.
+A forward with an empty KV cache starts a new sequence (``seq`` id).
+
+Batches. A forward of b > 1 rows is recorded as the offloaded harness serves it: one position per
+token step holding the *union* of the b rows' experts at that step, sorted, padded with -1 to the
+trace's width (``min(b * k, E)`` for the largest batch seen); a batch is one sequence. Gate weights
+are per row, so a trace with any batched forward has no ``probs``, and ``router_probs`` needs
+batch 1. ``meta["batch"]`` holds the largest batch size seen.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class _Forward:
 
     sequence: int
     decode: bool
+    batch: int = 1
     experts: dict[int, torch.Tensor] = field(default_factory=dict)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     router: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -91,11 +98,11 @@ class Capture:
     # -- hooks --------------------------------------------------------------------------------
     def _on_forward(self, module, args, kwargs):
         info = forward_info(args, kwargs)
-        if info.batch != 1:
-            raise ConfigError(f"capture records batch-1 forwards; got a batch of {info.batch}")
+        if info.batch != 1 and self.router_probs:
+            raise ConfigError(f"capture: router_probs records batch-1 forwards; got a batch of {info.batch}")
         if info.starts_sequence or self._sequence < 0:
             self._sequence += 1
-        self.forwards.append(_Forward(self._sequence, decode=not info.starts_sequence))
+        self.forwards.append(_Forward(self._sequence, decode=not info.starts_sequence, batch=max(info.batch, 1)))
 
     def _current(self, layer: int, what: dict) -> _Forward:
         if not self.forwards or layer in getattr(self.forwards[-1], what):
@@ -138,9 +145,13 @@ class Capture:
             missing = [lid for lid in layer_ids if lid not in f.experts]
             if missing:
                 raise ConfigError(f"capture: a forward did not reach MoE layer {missing[0]}")
-        experts = _stack(kept, "experts", layer_ids, torch.int64)
-        probs = _stack(kept, "probs", layer_ids, torch.float32)
-        seq = np.concatenate([np.full(f.experts[layer_ids[0]].shape[0], f.sequence, dtype=np.int64) for f in kept])
+        batch = max(f.batch for f in kept)
+        if batch == 1:
+            experts = _stack(kept, "experts", layer_ids, torch.int64)
+            probs = _stack(kept, "probs", layer_ids, torch.float32)
+        else:
+            experts, probs = _stack_unions(kept, layer_ids, self.sites[0].num_experts), None
+        seq = np.concatenate([np.full(f.experts[layer_ids[0]].shape[0] // f.batch, f.sequence, dtype=np.int64) for f in kept])
         router = _stack(kept, "router", layer_ids, torch.float32) if self.router_probs else None
         if self.label:
             phase = self.label
@@ -166,6 +177,9 @@ class Capture:
         }
         if router is not None:
             meta["router_probs"] = "softmax of the router logits"
+        if batch > 1:
+            meta["batch"] = batch
+            meta["provenance"]["batch_rows"] = "union of the rows' experts per step, sorted, -1 padded"
         return Trace.from_arrays(
             experts, seq, probs=probs, router_probs=router, meta=meta, source=f"<capture of {model_label(self.model)}>"
         )
@@ -175,6 +189,25 @@ def _stack(forwards: list[_Forward], what: str, layer_ids: list[int], dtype: tor
     """``[T, L, ...]`` host array of one recorded quantity (the only device-to-host copy a capture makes)."""
     rows = [torch.stack([getattr(f, what)[l].to("cpu", dtype) for l in layer_ids], dim=1) for f in forwards]
     return torch.cat(rows).numpy()
+
+
+def _stack_unions(forwards: list[_Forward], layer_ids: list[int], num_experts: int) -> np.ndarray:
+    """``[T, L, W]`` unions of the batch rows' experts per step (sorted, -1 padded), W the widest union."""
+    k = forwards[0].experts[layer_ids[0]].shape[1]
+    width = min(max(f.batch for f in forwards) * k, num_experts)
+    blocks = []
+    for f in forwards:
+        rows = f.experts[layer_ids[0]].shape[0]
+        n = rows // f.batch
+        block = np.full((n, len(layer_ids), width), -1, dtype=np.int64)
+        for j, lid in enumerate(layer_ids):
+            ids = f.experts[lid].to("cpu", torch.int64).numpy().reshape(f.batch, n, k).transpose(1, 0, 2).reshape(n, -1)
+            for t in range(n):
+                union = np.unique(ids[t])
+                union = union[union >= 0]
+                block[t, j, : union.size] = union
+        blocks.append(block)
+    return np.concatenate(blocks)
 
 
 def capture(

@@ -6,16 +6,28 @@ deciding the copies through the same :class:`~expertcache.cache.ExpertCache` and
 the simulator replays. Leaving the block puts the weights back where they were and restores the
 model's experts implementation, so the model is exactly as before.
 
-Streams. As in the simulator (DESIGN section 2) each layer has its own pool and every pool starts
-empty at each sequence: with ``reset="sequence"`` (the default) a forward whose KV cache is empty
+Pools. As in the simulator (DESIGN section 2), ``pool="layer"`` (default) gives each offloaded
+layer C slots of its own; ``pool="global"`` shares C slots among all of them, one cache over items
+``layer index * E + expert`` stepped token by token, layer by layer (so it serves one token
+position per forward: decoding).
+
+Streams. Every pool starts empty at each sequence: with ``reset="sequence"`` (the default) a forward whose KV cache is empty
 (a prefill, or a teacher-forced pass) starts a new sequence; decode steps continue it. With
-``reset="none"`` the pools carry over until :meth:`OffloadRun.reset`. Rows of a batched forward are
-served in order as one stream; counts equal a replay of the captured trace for batch size 1.
+``reset="none"`` the pools carry over until :meth:`OffloadRun.reset`. A batched forward (b rows)
+makes one cache step per token position over the union of the rows' experts (see
+:mod:`.layer`); counts equal a replay of the trace :func:`~expertcache.capture` records, which
+holds that union per step.
 
 Clairvoyant policies (``belady``, ``foresight:h``) need ``future=``, a :class:`~expertcache.Trace`
 recorded in a first pass over the same sequences with every position captured (a lossless policy
-never changes routing, so the first pass's requests are this pass's). Sequence i of the run
-reads sequence i of the trace.
+never changes routing, so the first pass's requests are this pass's). With ``reset="sequence"``
+sequence i of the run reads sequence i of the trace; with ``reset="none"`` the whole trace is one
+stream, as the simulator replays it.
+
+Devices. The slots live on ``device`` (default: where the model's input embeddings are). The
+offloaded experts stay in host memory, page-locked when the slots are on a CUDA device; a model
+loaded with its experts already in (pinned) host memory, as :func:`~expertcache.offload.load_offloaded`
+does, is used as it is, so the device never holds more than the C slots of an offloaded layer.
 
 Offloaded experts are for inference: copies run under ``no_grad``.
 """
@@ -23,7 +35,6 @@ Offloaded experts are for inference: copies run under ``no_grad``.
 from __future__ import annotations
 
 import copy as _copy
-from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
@@ -31,78 +42,15 @@ import torch
 
 from ..errors import ConfigError
 from ..policies import Policy, make_policy
-from ..sim.replay import LayerCounts, ReplayResult
 from ..trace import Trace
-from .experts import IMPLEMENTATION, OffloadedLayer, implementation_of, set_fallback
+from .experts import IMPLEMENTATION, implementation_of, set_fallback
+from .layer import PREFETCH, OffloadedLayer, PoolState
+from .pool import SlotPool
 from .model import ExpertsSite, find_sites, forward_info, model_label, select_sites
+from .stats import LayerStats, Memory, OffloadStats
 
 RESETS = ("sequence", "none")
-
-
-@dataclass
-class LayerStats(LayerCounts):
-    """One offloaded layer's counts (as :class:`~expertcache.sim.LayerCounts`) and its copy time."""
-
-    copy_seconds: float = 0.0
-    future_mismatches: int = 0
-
-    @property
-    def copies_fill(self) -> int:
-        return self.copies_total - self.copies_steady
-
-    def to_dict(self) -> dict:
-        return {**super().to_dict(), "copies_fill": self.copies_fill}
-
-
-@dataclass
-class OffloadStats(ReplayResult):
-    """Counts of a live run: a :class:`~expertcache.sim.ReplayResult` (same fields, same definitions,
-    equal to the replay of the run's captured trace) plus what only a live run measures.
-
-    ``tokens`` is the number of positions served (cache steps of one layer); ``copies_steady``
-    counts loads that evicted a victim (a pool is filling until it first holds C experts);
-    ``copies_per_token`` = steady copies over all offloaded layers / tokens; ``copy_seconds`` is the
-    measured time of the copies (device events on CUDA, ``perf_counter`` on the CPU).
-    """
-
-    device: str = "cpu"
-    sequences: int = 0
-    copy_seconds: float = 0.0
-    expert_bytes: int = 0
-    future_mismatches: int = 0
-
-    @property
-    def copy_bandwidth(self) -> float:
-        """Bytes per second over all copies (NaN before the first copy)."""
-        moved = self.copies_total * self.expert_bytes
-        return moved / self.copy_seconds if self.copy_seconds > 0 else float("nan")
-
-    def to_dict(self) -> dict:
-        d = super().to_dict()
-        for replay_only in ("gap_recovered", "engine", "seconds", "warm"):
-            d.pop(replay_only)
-        d.update(
-            device=self.device, sequences=self.sequences, copy_seconds=self.copy_seconds,
-            copy_bytes_per_s=self.copy_bandwidth, expert_bytes=self.expert_bytes,
-            future_mismatches=self.future_mismatches,
-        )
-        return d
-
-    def __str__(self) -> str:
-        head = (
-            f"offload {self.policy} at C={self.capacity} on {self.device}, layers {','.join(map(str, self.layers))}: "
-            f"{self.tokens} tokens in {self.sequences} sequence(s); copies {self.copies_total} "
-            f"(fill {self.copies_fill}, steady {self.copies_steady}), {self.copies_per_token:.3f} steady copies/token, "
-            f"copy time {self.copy_seconds:.4f} s"
-        )
-        if self.future_mismatches:
-            head += f"; {self.future_mismatches} steps differed from the recorded future"
-        rows = ["layer  requests  copies  fill  steady  copy_s"]
-        for c in self.per_layer:
-            rows.append(
-                f"{c.layer:>5}  {c.requests:>8}  {c.copies_total:>6}  {c.copies_fill:>4}  {c.copies_steady:>6}  {c.copy_seconds:.4f}"
-            )
-        return "\n".join([head, *rows])
+POOLS = ("layer", "global")
 
 
 class OffloadRun:
@@ -117,11 +65,21 @@ class OffloadRun:
         *,
         future: Trace | None = None,
         reset: str = "sequence",
+        prefetch: str = "none",
+        device: "torch.device | str | None" = None,
+        pool: str = "layer",
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
             raise ConfigError(f"capacity must be an integer, got {capacity!r}")
         if reset not in RESETS:
             raise ConfigError(f"reset: {reset!r} is not one of {', '.join(RESETS)}")
+        if prefetch not in PREFETCH:
+            raise ConfigError(f"prefetch: {prefetch!r} is not one of {', '.join(PREFETCH)}")
+        if pool not in POOLS:
+            raise ConfigError(f"pool: {pool!r} is not one of {', '.join(POOLS)}")
+        if pool == "global" and prefetch != "none":
+            raise ConfigError("prefetch needs a pool per layer (pool='layer')")
+        self.pool = pool
         self.model = model
         self.capacity = int(capacity)
         self.policy = make_policy(policy)
@@ -130,6 +88,9 @@ class OffloadRun:
         self.sites: list[ExpertsSite] = select_sites(self._all_sites, layers, model_label(model))
         self.layer_ids = [s.layer for s in self.sites]
         top_k = _top_k(model)
+        self.top_k = max(top_k, 1)
+        self.prefetch = prefetch
+        self.device = torch.device(device) if device is not None else _model_device(model, self.sites)
         if self.capacity < max(top_k, 1):
             raise ConfigError(
                 f"capacity {self.capacity} is below the {top_k} experts one token requests at a layer: "
@@ -137,10 +98,12 @@ class OffloadRun:
             )
         self.future = future
         self.layers: list[OffloadedLayer] = []
+        self.states: list[PoolState] = []
         self._hooks: list = []
         self._saved: list = []
-        self._sequence = 0
-        self._finished = 0  # sequences served to the end since the counters were last cleared
+        self._stream = 0  # index of the current stream (the sequence of `future` it reads)
+        self._sequences = 0  # sequences started since the counters were last cleared
+        self._batch = 1
         self._final_stats: OffloadStats | None = None
 
     # -- context --------------------------------------------------------------------------------
@@ -162,8 +125,7 @@ class OffloadRun:
         self._check_future(self.future)
         previous = {id(s.experts): s.experts.config._experts_implementation for s in self._all_sites}
         try:
-            for site in self.sites:
-                self.layers.append(self._offload_site(site, previous[id(site.experts)]))
+            self._offload_sites(previous)
             for site in self._all_sites:
                 set_fallback(site.experts, previous[id(site.experts)])
             self._saved_impl = self.model.get_experts_implementation()
@@ -174,13 +136,15 @@ class OffloadRun:
                         f"{model_label(self.model)}: cannot switch the experts at layer {site.layer} to the "
                         f"{IMPLEMENTATION!r} implementation"
                     )
+            for layer, nxt in zip(self.layers, [*self.layers[1:], None]):
+                layer.prefetch_for(nxt, self.prefetch)
             for layer in self.layers:
                 layer.attach()
             self._hooks.append(self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         except BaseException:
             self.detach()
             raise
-        self._sequence = self._finished = 0
+        self._stream = self._sequences = 0
         self._start_streams()
 
     def detach(self) -> None:
@@ -202,38 +166,61 @@ class OffloadRun:
         if self.layers:
             self._final_stats = self.stats()
         self.layers = []
+        self.states = []
 
-    def _offload_site(self, site: ExpertsSite, previous: str | None) -> OffloadedLayer:
-        experts = site.experts
-        device = experts.gate_up_proj.device
-        layer = OffloadedLayer(
-            site, self.capacity, _copy.deepcopy(self.policy), implementation_of(experts, previous), device
-        )
-        for param, host in zip((experts.gate_up_proj, experts.down_proj), layer.pool.host):
-            self._saved.append((param, param.device, host))
-            if host.data_ptr() != param.data_ptr():
-                param.data = host  # the device copy is released; the model now holds host memory
-        return layer
+    def _offload_sites(self, previous: dict) -> None:
+        """A pool per layer (one layer's experts pinned at a time), or one global pool over all."""
+        def weights(site):
+            return (site.experts.gate_up_proj, site.experts.down_proj)
+
+        def compute(site):
+            return implementation_of(site.experts, previous[id(site.experts)])
+
+        if self.pool == "global":
+            slots = SlotPool.from_weights(weights(self.sites[0]), self.capacity, self.device,
+                                          *[weights(s) for s in self.sites[1:]])
+            state = PoolState(slots, self.capacity, _copy.deepcopy(self.policy), steps_per_token=len(self.sites))
+            self.states.append(state)
+            for i, site in enumerate(self.sites):
+                self._hold(site, slots.sources[i])
+                self.layers.append(OffloadedLayer(site, state, compute(site), self.top_k, offset=i * slots.num_experts))
+            return
+        for site in self.sites:
+            slots = SlotPool.from_weights(weights(site), self.capacity, self.device)
+            state = PoolState(slots, self.capacity, _copy.deepcopy(self.policy))
+            self.states.append(state)
+            self._hold(site, slots.host)
+            self.layers.append(OffloadedLayer(site, state, compute(site), self.top_k))
+
+    def _hold(self, site: ExpertsSite, host) -> None:
+        """Point the site's expert parameters at their host tensors (a device copy is released)."""
+        for param, h in zip((site.experts.gate_up_proj, site.experts.down_proj), host):
+            self._saved.append((param, param.device, h))
+            if h.data_ptr() != param.data_ptr():
+                param.data = h
 
     # -- streams --------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Start a new sequence: every pool empties (the next sequence of ``future`` is used)."""
+        """Start a new stream: every pool empties (with ``reset="sequence"``, the next sequence of
+        ``future`` is used; with ``"none"``, a stream after the first has no recorded future)."""
         if self._served():
-            self._sequence += 1
-            self._finished += 1
+            self._stream += 1
         self._start_streams()
 
     def clear_stats(self) -> None:
         """Zero the counters; pools keep what they hold (e.g. to time a warm pool)."""
         for layer in self.layers:
             layer.clear_counters()
-        self._finished = 0
+        for state in self.states:
+            state.clear_counters()
+        self._sequences = 0
+        self._batch = 1
 
     def restart(self) -> None:
-        """Forget everything served so far: counters cleared, back at sequence 0 with empty pools."""
-        self.clear_stats()
-        self._sequence = 0
+        """Forget everything served so far: back at sequence 0 with empty pools, counters cleared."""
+        self._stream = 0
         self._start_streams()
+        self.clear_stats()
 
     def _served(self) -> bool:
         """Whether the current sequence has served any token yet."""
@@ -241,27 +228,53 @@ class OffloadRun:
 
     def _start_streams(self) -> None:
         for layer in self.layers:
-            layer.start_stream(self._future_of(layer.layer, self._sequence))
+            layer.start_stream()
+        if self.pool == "global":
+            self.states[0].start(self._global_future(self._stream))
+        else:
+            for layer in self.layers:
+                layer.state.start(self._future_of(layer.layer, self._stream))
 
     def _on_forward(self, module, args, kwargs):
-        if self.reset_mode == "sequence" and forward_info(args, kwargs).starts_sequence:
-            self.reset()
+        info = forward_info(args, kwargs)
+        if info.starts_sequence:
+            if self.reset_mode == "sequence":
+                self.reset()
+            self._sequences += 1
+        self._batch = max(self._batch, info.batch)
+        for layer in self.layers:
+            layer.rows_per_step = info.batch
 
-    def _future_of(self, layer: int, sequence: int) -> np.ndarray | None:
-        if self.future is None or not self.policy.needs_future:
+    def _future_of(self, layer: int, stream: int) -> np.ndarray | None:
+        """The recorded requests of ``layer`` in stream ``stream`` (``[T, k]``), for clairvoyant
+        policies and oracle prefetch; ``None`` when neither needs it."""
+        if self.future is None or not (self.policy.needs_future or self.prefetch == "oracle"):
             return None
-        bounds = self.future.seq_bounds
-        if sequence >= len(bounds) - 1:
-            return np.zeros((0, self.future.top_k), dtype=np.int64)
         col = self.future.layer_ids.index(layer)
-        return self.future.experts[bounds[sequence] : bounds[sequence + 1], col]
+        empty = np.zeros((0, self.future.top_k), dtype=np.int64)
+        if self.reset_mode == "none":  # one stream over the whole trace, as the simulator replays it
+            return self.future.experts[:, col] if stream == 0 else empty
+        bounds = self.future.seq_bounds
+        if stream >= len(bounds) - 1:
+            return empty
+        return self.future.experts[bounds[stream] : bounds[stream + 1], col]
+
+    def _global_future(self, stream: int) -> np.ndarray | None:
+        """The global pool's recorded steps: token by token, layer by layer, items ``i * E + e``."""
+        parts = [self._future_of(layer.layer, stream) for layer in self.layers]
+        if parts[0] is None:
+            return None
+        ex = np.stack(parts, axis=1).astype(np.int64)  # [T, L, k]
+        offsets = np.array([layer.offset for layer in self.layers], dtype=np.int64)[None, :, None]
+        return np.where(ex >= 0, ex + offsets, -1).reshape(-1, ex.shape[2])
 
     def _check_future(self, future: Trace | None) -> None:
-        if not self.policy.needs_future:
+        if not (self.policy.needs_future or self.prefetch == "oracle"):
             return
         if future is None:
+            who = f"policy {self.policy.spec!r} is clairvoyant" if self.policy.needs_future else "prefetch 'oracle' reads the future"
             raise ConfigError(
-                f"policy {self.policy.spec!r} is clairvoyant: pass future=<a Trace recorded in a first pass "
+                f"{who}: pass future=<a Trace recorded in a first pass "
                 "over the same sequences> (e.g. with expertcache.capture)"
             )
         missing = [lid for lid in self.layer_ids if lid not in future.layer_ids]
@@ -281,21 +294,41 @@ class OffloadRun:
         per_layer = [
             LayerStats(
                 l.layer, l.requests, l.copies_total, l.copies_steady,
-                copy_seconds=l.pool.copy_seconds, future_mismatches=l.future_mismatches,
+                copy_seconds=l.copy_seconds, future_mismatches=l.future_mismatches, **l.prefetch_counts(),
             )
             for l in self.layers
         ]
         first = self.layers[0]
+        prefetched = {key: sum(getattr(c, key) for c in per_layer) for key in
+                      ("prefetch_copies", "prefetch_hits", "prefetch_wasted", "prefetch_pending")}
         return OffloadStats(
-            policy=self.policy.spec, capacity=self.capacity, pool="layer", reset=self.reset_mode, warm=0.0,
+            policy=self.policy.spec, capacity=self.capacity, pool=self.pool, reset=self.reset_mode, warm=0.0,
             layers=list(self.layer_ids), tokens=first.tokens,
             requests=sum(c.requests for c in per_layer),
             copies_total=sum(c.copies_total for c in per_layer),
             copies_steady=sum(c.copies_steady for c in per_layer),
-            per_layer=per_layer, engine="live",
-            device=str(first.pool.device), sequences=self._finished + int(self._served()),
+            per_layer=per_layer, engine="live", needs_future=self.policy.needs_future,
+            device=str(first.pool.device), sequences=max(self._sequences, int(first.tokens > 0)), batch=self._batch,
             copy_seconds=sum(c.copy_seconds for c in per_layer), expert_bytes=first.pool.expert_bytes,
-            future_mismatches=sum(c.future_mismatches for c in per_layer),
+            future_mismatches=sum(c.future_mismatches for c in per_layer), prefetch=self.prefetch, **prefetched,
+            memory=self.memory(),
+        )
+
+    def memory(self) -> Memory:
+        """Host bytes of the offloaded experts, device bytes of the slots and of the other weights,
+        and (CUDA) torch's peak allocated bytes on the device."""
+        host = {id(t): t for state in self.states for src in state.pool.sources for t in src}
+        on_device = {}
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if t.device.type == self.device.type and id(t) not in host and t.untyped_storage().data_ptr():
+                on_device[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        return Memory(
+            host_expert_bytes=sum(state.pool.host_bytes for state in self.states),
+            slot_bytes=sum(state.pool.nbytes for state in self.states),
+            device_weight_bytes=sum(on_device.values()) if self.device.type == "cuda" else 0,
+            device_peak_bytes=peak,
+            pinned=bool(self.states) and all(h.is_pinned() for st in self.states for src in st.pool.sources for h in src),
         )
 
 
@@ -305,8 +338,12 @@ def offload(model: torch.nn.Module, capacity: int, policy: "str | Policy" = "lru
 
     Use as a context manager; see the module docstring. ``policy`` is a spec such as ``"lru"``,
     ``"decayed:0.9"`` or ``"belady"``, or a policy object (each layer gets its own copy). Options:
-    ``future=`` (a recorded :class:`~expertcache.Trace`, required by clairvoyant policies) and
-    ``reset=`` (``"sequence"``, the default, or ``"none"``).
+    ``future=`` (a recorded :class:`~expertcache.Trace`, required by clairvoyant policies and by
+    ``prefetch="oracle"``), ``reset=`` (``"sequence"``, the default, or ``"none"``), ``prefetch=``
+    (``"none"``, the default, ``"next-layer"`` or ``"oracle"``; see :mod:`.layer`), ``device=``
+    (where the slots live; default: the device of the model's input embeddings) and ``pool=``
+    (``"layer"``, the default: ``capacity`` slots per layer; ``"global"``: ``capacity`` slots shared
+    by all offloaded layers, one token position per forward).
     """
     return OffloadRun(model, capacity, policy, layers, **options)
 
@@ -319,3 +356,16 @@ def _top_k(model: torch.nn.Module) -> int:
             if isinstance(value, int):
                 return value
     return 1
+
+
+def _model_device(model: torch.nn.Module, sites: list[ExpertsSite]) -> torch.device:
+    """Where the model computes: its input embeddings' device (else its first non-expert weight's)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.device
+    experts = {id(p) for s in sites for p in (s.experts.gate_up_proj, s.experts.down_proj)}
+    for p in model.parameters():
+        if id(p) not in experts:
+            return p.device
+    return sites[0].experts.gate_up_proj.device

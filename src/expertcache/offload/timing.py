@@ -1,8 +1,10 @@
 """Wall time of work queued on a device: CUDA events on a GPU, ``perf_counter`` on the CPU.
 
 A :class:`Stopwatch` sums intervals. On CUDA each interval is a pair of events recorded on the
-current stream, so it measures when the queued work ran, not when Python enqueued it; the events
-are read (one synchronisation) only when :attr:`Stopwatch.seconds` is asked for.
+stream that does the work (the given ``stream``, else the current stream of the watch's device),
+so it measures when the queued work ran, not when Python enqueued it. Finished intervals are
+folded into the sum as each new one starts (``Event.query`` does not block), so at most the
+intervals still in flight are held; :attr:`Stopwatch.seconds` waits for those.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 class Stopwatch:
     """Sum of timed intervals on ``device`` (``cuda`` devices use events, others ``perf_counter``)."""
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", stream=None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.stream = stream
         self.clear()
 
     def clear(self) -> None:
@@ -27,14 +30,19 @@ class Stopwatch:
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.intervals = 0
 
+    def _stream(self):
+        return self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
+
     @contextlib.contextmanager
     def time(self) -> Iterator[None]:
         """Time the work issued inside the block."""
         if self.cuda:
+            self._fold(block=False)
+            stream = self._stream()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._events.append((start, end))
         else:
             t0 = time.perf_counter()
@@ -42,11 +50,24 @@ class Stopwatch:
             self._seconds += time.perf_counter() - t0
         self.intervals += 1
 
+    def _fold(self, block: bool) -> None:
+        """Add finished intervals to the sum and release their events (all of them when ``block``)."""
+        done = 0
+        for start, end in self._events:
+            if not block and not end.query():
+                break
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1000.0
+            done += 1
+        del self._events[:done]
+
+    @property
+    def in_flight(self) -> int:
+        """Intervals recorded but not yet folded into the sum."""
+        return len(self._events)
+
     @property
     def seconds(self) -> float:
         """Total seconds of all intervals so far (waits for pending CUDA events)."""
-        if self._events:
-            self._events[-1][1].synchronize()
-            self._seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
-            self._events.clear()
+        self._fold(block=True)
         return self._seconds

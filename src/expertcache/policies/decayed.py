@@ -12,33 +12,33 @@ from __future__ import annotations
 
 import math
 
-import numba as nb
 import numpy as np
 
+from .._jit import njit
 from ..kernels import StaticKeyPlan
 from .base import Policy, parse_float
 from .registry import register
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _updated_score(score_at_last, elapsed, c):
     """Score right after a use, ``elapsed`` steps after the previous one."""
     return score_at_last * math.exp(-c * elapsed) + 1.0
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _order_key(score_at_last, last, c):
     return math.log(score_at_last) + c * last
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _access(score, updated, items, t, c):
     for e in items:
         score[e] = 1.0 if updated[e] < 0 else _updated_score(score[e], t - updated[e], c)
         updated[e] = t
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _keys(score, updated, candidates, c):
     out = np.empty(candidates.size, dtype=np.float64)
     for i in range(candidates.size):
@@ -46,7 +46,7 @@ def _keys(score, updated, candidates, c):
     return out
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def access_keys(groups, starts, n_items, c):
     """``[G, k]``: the order key each access leaves its item with (streams reset the scores)."""
     G, k = groups.shape

@@ -39,9 +39,9 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
-import numba as nb
 import numpy as np
 
+from .._jit import njit
 from ..errors import ConfigError
 from .core import Trace
 from .validate import MAX_EXPERTS, MAX_ITEMS, MAX_LAYERS
@@ -305,7 +305,7 @@ def _cdf(weights: np.ndarray) -> np.ndarray:
     return cdf
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _draw(cdf, u):
     """Index of the first ``cdf`` entry above ``u`` (inverse-CDF draw; binary search)."""
     lo, hi = 0, cdf.size - 1
@@ -318,7 +318,7 @@ def _draw(cdf, u):
     return lo
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _sample_layer(out, start_rank, rank_cdf, lag_cdf, reuse_prob, u_pick, u_slot, u_drift, swap_prob):
     """Fill ``out[S, T, k]`` for one layer from pre-drawn uniforms (see the module docstring).
 

@@ -43,11 +43,9 @@ group are ranked by counting (branch-free) rather than sorted. Altogether O(G * 
 
 from __future__ import annotations
 
-import numba as nb
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
+
+from ..._jit import AVAILABLE, njit
 
 _ONE = np.uint64(1)
 DIRECT_WORDS = 256
@@ -55,38 +53,54 @@ DIRECT_WORDS = 256
 larger ones keep a Fenwick tree over word counts (O(log) per request, larger constants)."""
 
 
-@intrinsic
-def _popcount(typingctx, x):
-    """Set bits of a uint64 (one ``ctpop`` instruction)."""
-    if not isinstance(x, types.Integer):
-        return None
+if AVAILABLE:
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
 
-    def codegen(context, builder, signature, args):
-        return builder.ctpop(args[0])
+    @intrinsic
+    def _popcount(typingctx, x):
+        """Set bits of a uint64 (one ``ctpop`` instruction)."""
+        if not isinstance(x, types.Integer):
+            return None
 
-    return types.int64(types.uint64), codegen
+        def codegen(context, builder, signature, args):
+            return builder.ctpop(args[0])
+
+        return types.int64(types.uint64), codegen
+
+    @intrinsic
+    def _lowest_bit(typingctx, x):
+        """Index of the lowest set bit of a nonzero uint64 (one ``cttz`` instruction)."""
+        if not isinstance(x, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+
+        return types.int64(types.uint64), codegen
+
+else:  # plain Python (see expertcache._jit): the same two functions on uint64 values
+    _MASK64 = (1 << 64) - 1
+
+    def _popcount(x):
+        """Set bits of a uint64 (its value modulo 2**64, as numba's cast to uint64 would take it)."""
+        return (int(x) & _MASK64).bit_count()
+
+    def _lowest_bit(x):
+        """Index of the lowest set bit of a nonzero uint64."""
+        x = int(x) & _MASK64
+        return (x & -x).bit_length() - 1
 
 
-@intrinsic
-def _lowest_bit(typingctx, x):
-    """Index of the lowest set bit of a nonzero uint64 (one ``cttz`` instruction)."""
-    if not isinstance(x, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
-
-    return types.int64(types.uint64), codegen
-
-
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _fenwick_add(tree, i, size, v):
     while i <= size:
         tree[i] += v
         i += i & -i
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _fenwick_prefix(tree, i):
     s = 0
     while i > 0:
@@ -95,7 +109,7 @@ def _fenwick_prefix(tree, i):
     return s
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _count_from(bits, tree, use_tree, live, top, st):
     """Live stamps at or after ``st``; ``top`` is the word of the newest stamp. Directly, the
     words from ``st``'s up to ``top`` are popcounted (cheap for recent items, which dominate);
@@ -110,7 +124,7 @@ def _count_from(bits, tree, use_tree, live, top, st):
     return c
 
 
-@nb.njit(cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _flip(bits, tree, use_tree, n_words, st, v):
     """Set (``v = 1``) or clear (``v = -1``) the bit of stamp ``st``."""
     w = st >> 6
@@ -123,7 +137,7 @@ def _flip(bits, tree, use_tree, n_words, st, v):
         _fenwick_add(tree, w + 1, n_words, v)
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def _renumber(bits, tree, use_tree, n_words, owner, stamp, clock):
     """Give the live stamps the numbers ``0..live-1`` in their order; returns ``live``."""
     live = 0
@@ -149,7 +163,7 @@ def _renumber(bits, tree, use_tree, n_words, owner, stamp, clock):
     return live
 
 
-@nb.njit(cache=True)
+@njit(cache=True)
 def stack_histograms(groups, starts, n_items, group_layer, group_scored, n_layers, direct_words=DIRECT_WORDS):
     """Stack-depth histograms of every stream's scored requests, by layer.
 

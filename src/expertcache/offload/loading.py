@@ -1,0 +1,150 @@
+"""Loading a checkpoint so that the device never holds the offloaded experts: ``load_offloaded``.
+
+How (transformers' own loading, then a placement pass): ``AutoModelForCausalLM.from_pretrained``
+reads the checkpoint into host memory (its weight conversions, dtypes and sharded safetensors
+files all apply; no device map, so no accelerate hooks). Then, layer by layer, each offloaded
+layer's packed expert tensors are copied once into page-locked host memory (a CUDA target) and
+the unpinned tensor is released before the next layer, so host memory holds one copy of each
+expert (at most one layer's experts twice, during its move). Finally every other parameter and
+buffer moves to the device. The device therefore holds the non-expert weights, the experts of
+layers that are not offloaded, and later the C slots per offloaded layer: never the full model.
+
+On the CPU nothing is pinned or moved and no expert is copied: the loaded tensors are the host
+memory the slots copy from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterable, Iterator, NamedTuple
+
+import torch
+
+from ..errors import ConfigError
+from .model import ExpertsSite, find_sites, model_label, require_transformers, select_sites
+from .pool import host_tensor
+from .run import OffloadRun
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class Offloaded(NamedTuple):
+    """What :func:`load_offloaded` returns: the model, ready to run, and its attached :class:`OffloadRun`."""
+
+    model: torch.nn.Module
+    run: OffloadRun
+
+
+def resolve_device(device: "str | torch.device | None") -> torch.device:
+    """``device`` as a torch device (default: cuda when available, else cpu), refused in one line if unusable."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r}: {_first_line(exc)}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device}: only cpu and cuda devices are supported")
+    return dev
+
+
+def load_model(
+    path: "str | Path",
+    *,
+    device: "str | torch.device | None" = None,
+    dtype: str = "auto",
+    host_layers: Iterable[int] | None = None,
+) -> torch.nn.Module:
+    """The checkpoint at ``path`` with the experts of ``host_layers`` (default: every MoE layer) in
+    host memory (pinned for a CUDA device) and everything else on ``device``; see the module docstring."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    require_transformers()
+    dev = resolve_device(device)
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"model {path}: not a checkpoint folder (no config.json)")
+    transformers.logging.set_verbosity_error()  # errors reach the user as one line; no loading chatter
+    transformers.logging.disable_progress_bar()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ConfigError(f"model {path}: cannot load it ({_first_line(exc)})") from None
+    sites = select_sites(find_sites(model), host_layers, model_label(model))
+    place(model, sites, dev)
+    return model.eval()
+
+
+@torch.no_grad()
+def place(model: torch.nn.Module, sites: list[ExpertsSite], device: torch.device) -> None:
+    """Experts of ``sites`` into (pinned, for CUDA) host memory, one layer at a time; the rest to ``device``."""
+    pin = device.type == "cuda"
+    held = set()
+    for site in sites:
+        for param in (site.experts.gate_up_proj, site.experts.down_proj):
+            param.data = host_tensor(param.data, pin)  # the unpinned original is released here
+            held.add(id(param))
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in held and param.device != device:
+                param.data = param.data.to(device)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+@contextlib.contextmanager
+def resident(sites: list[ExpertsSite], device: torch.device) -> Iterator[None]:
+    """Inside the block the experts of ``sites`` are on ``device`` (the stock, all-resident model);
+    afterwards they are back in the same host tensors. Nothing moves when they are already there."""
+    moved = []
+    try:
+        for site in sites:
+            for param in (site.experts.gate_up_proj, site.experts.down_proj):
+                if param.device != device:
+                    host = param.data
+                    param.data = host.to(device)
+                    moved.append((param, host))
+        yield
+    finally:
+        for param, host in moved:
+            param.data = host
+
+
+def load_offloaded(
+    path: "str | Path",
+    capacity: int,
+    layers: Iterable[int] | None = None,
+    policy="lru",
+    *,
+    device: "str | torch.device | None" = None,
+    dtype: str = "auto",
+    **options,
+) -> Offloaded:
+    """Load ``path`` with the experts of ``layers`` (default: every MoE layer) straight into host
+    memory and serve them from ``capacity`` device slots per layer under ``policy``.
+
+    Returns ``(model, run)``: the model is ready to run (``model(...)``, ``model.generate(...)``),
+    ``run`` is the attached :class:`OffloadRun` (``run.stats()``, ``run.memory()``). ``options`` are
+    :func:`~expertcache.offload.offload`'s (``future``, ``reset``, ``prefetch``). ``run.detach()``
+    leaves the experts in host memory, where they were loaded.
+    """
+    dev = resolve_device(device)
+    layers = None if layers is None else list(layers)
+    model = load_model(path, device=dev, dtype=dtype, host_layers=layers)
+    run = OffloadRun(model, capacity, policy, layers, device=dev, **options)
+    run.attach()
+    return Offloaded(model, run)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
