@@ -218,7 +218,7 @@ def main(argv=None) -> int:
             r = recs[p]
             info(f"{p} at C={C}", f"{r['tokens_per_s']:.1f} tokens/s ({r['speed_vs_reference']:.3f}x resident), "
                  f"{r['copies_per_token']:.2f} steady copies/token, ms/token {r['ms_per_token']:.3f} vs c+rho*tau "
-                 f"{r['ms_blocking']:.3f} and max(c,rho*tau) {r['ms_overlapped']:.3f} (c {r['c_ms']:.3f}, tau {r['tau_ms']:.4f})")
+                 f"{r['ms_blocking']:.3f} and max(c,rho*tau) {r['ms_overlapped']:.3f} (c {r['c_ms_reference']:.3f}, tau {r['tau_ms']:.4f})")
 
         # -- prefetch --------------------------------------------------------------------------
         for mode in ("next-layer", "oracle"):
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
             if mode == "next-layer":
                 target("prefetch ms/token <= 1.1 x max(c, rho*tau)", r["ms_per_token"] <= 1.1 * r["ms_overlapped"],
                        f"{r['ms_per_token'] / r['ms_overlapped']:.2f}x")
-                load = r["ms_overlapped"] if r["ms_overlapped"] > r["c_ms"] else 0.0
+                load = r["ms_overlapped"] if r["ms_overlapped"] > r["c_ms_reference"] else 0.0
                 if load:
                     gain = lru["ms_per_token"] / r["ms_per_token"]
                     target("prefetch >= 1.3x faster than blocking (rho*tau >= c)", gain >= 1.3, f"{gain:.2f}x")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import subprocess
 import sys
@@ -120,3 +122,15 @@ def test_demo_prints_the_table_and_writes_plots(tmp_path, capsys, monkeypatch):
     assert "expert 12.58 MB (12,582,912 bytes, trace meta expert_bytes)" in out
     assert (tmp_path / "out" / "mrc.png").stat().st_size > 10_000
     assert (tmp_path / "out" / "foresight.png").stat().st_size > 10_000
+    from expertcache.cli.demo_live import small_model
+
+    live = importlib.util.find_spec("torch") is not None and small_model() is not None
+    if live:  # set-holding against lossless rules on the small trained model, and the policy choice
+        assert "live: small-moe" in out and "choose --tolerance 0.15" in out and "at x50: predicted" in out
+        lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("lru ", "static:32 "))}
+        assert float(lines["lru"][1]) == 0.0 and float(lines["static:32"][1]) > 0  # dnll: lossless 0, held set > 0
+        assert float(lines["static:32"][3]) < float(lines["lru"][3])  # ... and fewer copies per token
+    else:
+        assert "live part skipped" in out
+    assert main(["demo", "--out", str(tmp_path / "out"), "--no-live"]) == 0
+    assert "live" not in capsys.readouterr().out

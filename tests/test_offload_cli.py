@@ -92,7 +92,7 @@ def test_eval_prefetch_batch_and_timing(capsys, ckpt, ids, tmp_path):
     for r in map(json.loads, out.splitlines()):
         assert r["exact"] and r["replay_agrees"] is None and r["prefetch"] == "next-layer"
         assert r["prefetch_copies"] == r["prefetch_hits"] + r["prefetch_wasted"] + r["prefetch_pending"] > 0
-        assert r["ms_blocking"] >= r["ms_overlapped"] >= r["c_ms"] > 0 and r["memory"]["host_expert_bytes"] > 0
+        assert r["ms_blocking"] >= r["ms_overlapped"] >= r["c_ms_reference"] > 0 and r["memory"]["host_expert_bytes"] > 0
     out_npz = tmp_path / "batch.npz"
     code, out, err = run_cli(capsys, "eval", "--model", ckpt, "--tokens", ids, "-c", 4, "-p", "lru", "--max-len", 20,
                              "--batch", 2, "--capture", out_npz)

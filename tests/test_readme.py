@@ -1,5 +1,6 @@
 """The README's examples run as written, in order, in a fresh folder: every ``sh`` block through
 bash and every ``python`` block as its own script, with the project's environment first on PATH.
+The folder holds what a clone carries that the examples read (``models/``, linked).
 
 Lines that set the environment up (``make``, ``pip install``, ``. .venv/bin/activate``) are the
 ones this test stands in for, and are skipped. Commands that read ``../shared/traces`` run when the
@@ -39,6 +40,7 @@ def test_readme_examples_run_as_written(tmp_path):
     pytest.importorskip("torch")  # the offload examples need the hf extra, which make test installs
     work = tmp_path / "checkout"
     work.mkdir()
+    (work / "models").symlink_to(REPO / "models", target_is_directory=True)  # committed in every clone
     have_shared = SHARED_TRACES.is_dir()
     if have_shared:
         (tmp_path / "shared").symlink_to(SHARED_TRACES.parent, target_is_directory=True)

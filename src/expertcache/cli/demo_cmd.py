@@ -6,7 +6,9 @@ Belady is from the optimum, and draws the miss-ratio and foresight curves. On th
 the copies with the eviction paper's L40S figures (expert 12.6 MB in bf16, tau = 0.51 ms per copy,
 c = 1000/49.0 ms per token with every expert resident): MB/token, GB/s, ms/token and tokens/s
 (docs/sizing.md); the sizing options override them. When the real traces in ``../shared/traces``
-are beside the checkout it also shows the policy table of a real one.
+are beside the checkout it also shows the policy table of a real one. Last (unless --no-live),
+where torch and ``models/small-moe`` are present: lossless and set-holding rules run live on the
+small trained MoE, and the policy ``expertcache choose`` picks, checked against slowed copies.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def add_parser(sub) -> None:
     p.add_argument("--capacity", "-c", type=positive_int, help="experts per layer (default 32, or E/2 with --trace)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the embedded default trace (default 0)")
     add_sizing_options(p)
+    p.add_argument("--no-live", action="store_true",
+                   help="skip the live part (eval of lossless and set-holding rules on models/small-moe, and choose)")
     p.add_argument("--json", action="store_true", help="print the policy records as JSON lines, no tables")
     p.set_defaults(func=run)
 
@@ -103,6 +107,10 @@ def run(args) -> int:
         real_results = replay_many(t, c, POLICIES)
         print(setup_line(real_results[0], f"capacity {c} per layer"))
         print_results(real_results, resolve_sizing(args, t))  # the paper's figures are OLMoE's, not this model's
+    if not args.trace and not args.no_live:
+        from .demo_live import live_section
+
+        live_section()
     return 0
 
 

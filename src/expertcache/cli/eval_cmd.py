@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..trace.npz import read_npy
-from ..policies import available_policies, make_policy
+from ..policies import available_policies
 from .common import add_json, add_layers, check_out, emit_json, nonnegative_float, positive_int, table
 
 HELP = """Teacher-force token sequences through a Hugging Face MoE checkpoint whose experts live in host
@@ -24,10 +24,13 @@ memory behind CAPACITY device slots per offloaded layer, once per policy, and co
 with the all-resident reference.
 
 Per policy: next-token NLL and the reference NLL (all experts resident), 'exact' when they agree
-within --tolerance (every policy here is lossless: a miss fails the command with exit status 1),
-copies (fill = those that first fill each sequence's empty pool, steady = the rest; copies/token =
-steady copies over all offloaded layers / tokens), tokens/s (CUDA events on a GPU, perf_counter
-on the CPU), copy time, and whether the copies equal a replay of the run's own captured trace.
+within --tolerance (a lossless policy that misses fails the command with exit status 1; the
+set-holding policies dwell:k[:w] and static:P restrict routing to the experts they hold and
+report their dNLL), copies (fill = those that first fill each sequence's empty pool, steady = the
+rest; copies/token = steady copies over all offloaded layers / tokens), the switch rate (token
+steps whose chosen expert set changed), tokens/s (CUDA events on a GPU, perf_counter on the CPU),
+copy time, and whether the copies equal a replay of the run's own captured trace. --json records
+carry c_ms, rho and dnll for 'expertcache choose'; --slow-copies N repeats every copy N times.
 
 --mode decode feeds one token per forward with a KV cache (token-by-token decoding, as in the
 seeds' harness); --mode forward runs one forward per sequence, in which every offloaded layer
@@ -60,7 +63,8 @@ def add_parser(sub) -> None:
     src.add_argument("--text", metavar="FILE", help="UTF-8 text, tokenized with the checkpoint's tokenizer")
     p.add_argument("--capacity", "-c", type=positive_int, required=True, help="device slots per offloaded layer")
     p.add_argument("--policy", "-p", action="append", dest="policies", metavar="POLICY",
-                   help=f"repeatable; one of {', '.join(available_policies())} (default: lru and belady)")
+                   help=f"repeatable; lossless: {', '.join(available_policies())}; set-holding (lossy): dwell:k[:w], "
+                        "static:P (default: lru and belady)")
     add_layers(p, "MoE layer ids to offload")
     p.add_argument("--max-len", type=positive_int, default=384, metavar="N", help="tokens per sequence (default 384)")
     p.add_argument("--max-sequences", type=positive_int, default=None, metavar="N", help="evaluate at most N sequences")
@@ -71,6 +75,8 @@ def add_parser(sub) -> None:
                    help="copy the next offloaded layer's experts ahead of demand (decode mode; default none)")
     p.add_argument("--batch", type=positive_int, default=1, metavar="B",
                    help="decode B equal-length sequences together, one cache step over their union (default 1)")
+    p.add_argument("--slow-copies", type=positive_int, default=1, metavar="N",
+                   help="make every copy N times, counted once: emulates an N times slower link (default 1)")
     p.add_argument("--pool", choices=("layer", "global"), default="layer",
                    help="CAPACITY slots per offloaded layer (default), or shared by all of them (decode mode)")
     p.add_argument("--reference", choices=("auto", "resident", "offloaded"), default="auto",
@@ -97,15 +103,14 @@ def run(args) -> int:
         model, sequences, args.capacity, args.policies or ["lru", "belady"], args.layers,
         mode=args.mode, tolerance=args.tolerance, router_probs=args.router_probs,
         progress=sys.stderr.isatty() and not args.json, batch=args.batch, prefetch=args.prefetch,
-        reference=args.reference, pool=args.pool,
+        reference=args.reference, pool=args.pool, slow_copies=args.slow_copies,
     )
     if evaluation.dropped:
         print(f"expertcache eval: warning: --batch {args.batch} leaves out the last {evaluation.dropped} sequence(s): "
               "they do not fill a batch of equal-length rows", file=sys.stderr)
     if args.capture:
         evaluation.trace.save(args.capture)
-    records = [r.to_dict() | {"model": args.model, "needs_future": make_policy(r.policy).needs_future}
-               for r in evaluation.results]
+    records = [r.to_dict() | {"model": args.model, "needs_future": r.stats.needs_future} for r in evaluation.results]
     if args.json:
         emit_json(records)
     else:
@@ -132,13 +137,14 @@ def _print_table(args, evaluation, records) -> None:
     print(f"reference ({kind}): nll {ref.nll:.5f}, {ref.tokens_per_s:.1f} tokens/s, {ref.ms_per_step:.3f} ms/token")
     agree = {True: "yes", False: "NO", None: "n/a"}
     rows = [
-        (r["policy"], "yes" if r["needs_future"] else "", r["nll"], r["nll_delta"], "yes" if r["exact"] else "NO",
-         r["copies_per_token"], r["copies_steady"], r["copies_total"], r["tokens_per_s"], r["speed_vs_reference"],
-         r["ms_per_token"], r["ms_blocking"], r["ms_overlapped"], agree[r["replay_agrees"]])
+        (r["policy"], "yes" if r["needs_future"] else "", r["nll"], r["nll_delta"],
+         ("yes" if r["exact"] else "NO") if r["lossless"] else "lossy",
+         r["copies_per_token"], r["copies_steady"], r["copies_total"], r["switch_rate"], r["tokens_per_s"],
+         r["speed_vs_reference"], r["ms_per_token"], r["ms_blocking"], r["ms_overlapped"], agree[r["replay_agrees"]])
         for r in records
     ]
-    table(rows, ["policy", "future", "nll", "delta", "exact", "copies/token", "steady", "total", "tok/s", "x ref",
-                 "ms/token", "c+rho*tau", "max(c,rho*tau)", "= replay"])
+    table(rows, ["policy", "future", "nll", "dnll", "exact", "copies/token", "steady", "total", "switch", "tok/s",
+                 "x ref", "ms/token", "c+rho*tau", "max(c,rho*tau)", "= replay"])
     if args.prefetch != "none":
         table([(r["policy"], r["prefetch_copies"], r["prefetch_hits"], r["prefetch_wasted"], r["prefetch_pending"])
                for r in records], [f"prefetch {args.prefetch}", "copies", "used", "wasted", "pending"])

@@ -42,6 +42,8 @@ COMMAND_MODULES = [
     "stats_cmd",
     "curves_cmd",
     "eval_cmd",
+    "choose_cmd",
+    "calibrate_cmd",
     "demo_cmd",
 ]
 

@@ -14,10 +14,13 @@ Protocol (the seeds' harness, extended to batches): every sequence teacher-force
    global pool shared by all offloaded layers): NLL, time, copies (fill and steady, per layer),
    copy time, prefetch counts, memory, and a capture of what the live run requested.
 
-Checks, per policy: ``exact`` = ``|nll - nll_reference| <= tolerance`` (5e-3): every policy here is
-lossless, so a miss is a bug and :meth:`Evaluation.check` raises; ``replay_agrees`` = the live copy
-counts equal :func:`expertcache.replay` of the live capture with the same policy, capacity and
-layers, layer by layer (``None`` with prefetching, which the simulator does not model).
+Checks, per policy: ``exact`` = ``|nll - nll_reference| <= tolerance`` (5e-3): for a lossless
+policy a miss is a bug and :meth:`Evaluation.check` raises; a set-holding (lossy) policy reports
+its ``dnll`` instead. ``replay_agrees`` = the live copy counts equal :func:`expertcache.replay` of the
+live capture with the same policy, capacity and layers, layer by layer (``None`` with prefetching
+or a set-holding policy, which the simulator does not model). ``switches`` / ``switch_rate``: token
+steps whose chosen expert set differs from the previous token's at the same layer (a switch is
+not a copy: a held set can switch without copying).
 
 Modes: ``decode`` feeds one token position per forward with a KV cache (the seeds' token-by-token
 decoding); ``forward`` runs one forward per batch, in which each offloaded layer still steps its
@@ -25,11 +28,15 @@ cache one position at a time (see :mod:`.layer`), so both modes make the same co
 and the global pool need ``decode``. Timing: CUDA events on a GPU, ``perf_counter`` on the CPU, around each forward;
 one untimed warm-up forward runs before each pass.
 
-Time per step (``ms_per_token``; a step is one token position, one token of each row) is compared
-with the cost model (DESIGN section 2): ``c_ms`` = the reference's ms per step, ``tau_ms`` = measured
-copy time per copy, ``rho_all`` = all copies made per step (demand, fill and prefetch), the
-blocking sum ``ms_blocking = c_ms + rho_all * tau_ms`` and the overlapped bound
-``ms_overlapped = max(c_ms, rho_all * tau_ms)``.
+Time per step (``ms_per_token``; a step is one token position, one token of each row) and the
+cost model (DESIGN section 2): ``c_ms`` = this run's compute per step (``ms_per_token`` minus its
+copy time per step), ``rho`` = steady copies per step over all offloaded layers (the seeds' rho,
+``copies_per_token``), ``dnll`` = ``nll - nll_reference``: the three fields ``expertcache choose``
+reads. ``tau_ms`` = measured copy time per copy (each counted copy, so N repeats under
+``slow_copies`` = N count as one, N times slower), ``rho_all`` = all copies made per step (demand,
+fill and prefetch), ``c_ms_reference`` = the reference pass's ms per step, the blocking sum
+``ms_blocking = c_ms_reference + rho_all * tau_ms`` and the overlapped bound
+``ms_overlapped = max(c_ms_reference, rho_all * tau_ms)``.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import torch
 
 from ..errors import ConfigError, ExpertcacheError
 from ..policies import make_policy
+from .holding import parse_holding
 from ..sim import replay
 from ..trace import Trace
 from .loading import resident
@@ -86,18 +94,24 @@ class PolicyResult:
     def exact(self) -> bool:
         return abs(self.nll_delta) <= self.tolerance
 
+    @property
+    def lossless(self) -> bool:
+        return self.stats.lossless
+
     def timing(self) -> dict:
-        """Measured ms per step against the cost model's blocking sum and overlapped bound."""
+        """Measured ms per step, its compute part, and the cost model's blocking sum and overlapped bound."""
         s = self.stats
         steps = self.run.steps or 1
         copies = s.copies_total + s.prefetch_copies
-        c = self.reference.ms_per_step
+        c_ref = self.reference.ms_per_step
+        copy_ms = 1000.0 * s.copy_seconds / steps
         tau = 1000.0 * s.copy_seconds / copies if copies else float("nan")
         rho_all = copies / steps
         load = rho_all * tau if copies else 0.0
         return {
-            "ms_per_token": self.run.ms_per_step, "c_ms": c, "tau_ms": tau, "rho_all": rho_all,
-            "ms_blocking": c + load, "ms_overlapped": max(c, load),
+            "ms_per_token": self.run.ms_per_step, "c_ms": self.run.ms_per_step - copy_ms, "rho": s.copies_per_token,
+            "dnll": self.nll_delta, "tau_ms": tau, "rho_all": rho_all, "c_ms_reference": c_ref,
+            "ms_blocking": c_ref + load, "ms_overlapped": max(c_ref, load), "slow_copies": s.slow_copies,
         }
 
     def to_dict(self) -> dict:
@@ -112,6 +126,7 @@ class PolicyResult:
             "nll_reference": self.reference.nll,
             "nll_delta": self.nll_delta,
             "exact": self.exact,
+            "lossless": self.lossless,
             "tolerance": self.tolerance,
             "reference": self.reference_kind,
             "pool": s.pool,
@@ -127,6 +142,9 @@ class PolicyResult:
             "copy_seconds": s.copy_seconds,
             "copy_bytes_per_s": s.copy_bandwidth,
             "expert_bytes": s.expert_bytes,
+            "switches": s.switches,
+            "switch_rate": s.switch_rate,
+            "refreshes": s.refreshes,
             "prefetch": s.prefetch,
             "prefetch_copies": s.prefetch_copies,
             "prefetch_hits": s.prefetch_hits,
@@ -161,7 +179,7 @@ class Evaluation:
         """One line per broken guarantee (empty when every policy is exact and agrees with replay)."""
         out = []
         for r in self.results:
-            if not r.exact:
+            if r.lossless and not r.exact:
                 out.append(
                     f"policy {r.policy} at C={r.capacity}: NLL {r.run.nll:.6f} differs from the reference "
                     f"{r.reference.nll:.6f} by {abs(r.nll_delta):.2e} > {r.tolerance:g} (a lossless policy must match)"
@@ -197,6 +215,7 @@ def evaluate(
     prefetch: str = "none",
     reference: str = "auto",
     pool: str = "layer",
+    slow_copies: int = 1,
 ) -> Evaluation:
     """Run the protocol of the module docstring; ``sequences`` are token-id lists of length >= 2."""
     if mode not in MODES:
@@ -215,14 +234,15 @@ def evaluate(
         raise ConfigError("router_probs records batch-1 passes; use batch 1 to capture them")
     seqs = check_sequences(sequences, vocab_size(model))
     batches, dropped = make_batches(seqs, batch)
-    specs = [make_policy(p).spec for p in policies]
+    specs = [(parse_holding(p) or make_policy(p)).spec for p in policies]
     if not specs:
         raise ConfigError("policies: give at least one policy")
     layers = None if layers is None else list(layers)
     model.eval()
     device = model_device(model)
     # validate capacity, layers, prefetch and model support for every policy before the long reference pass
-    probes = [OffloadRun(model, capacity, spec, layers, prefetch=prefetch, device=device, pool=pool) for spec in specs]
+    options = dict(prefetch=prefetch, device=device, pool=pool, slow_copies=slow_copies)
+    probes = [OffloadRun(model, capacity, spec, layers, **options) for spec in specs]
     sites = select_sites(find_sites(model), probes[0].layer_ids)
     kind = _reference_kind(reference, sites, device)
     warmup = [b[:, :WARMUP_TOKENS] for b in batches[:1]]
@@ -241,7 +261,7 @@ def evaluate(
     evaluation = Evaluation(ref, trace, reference_kind=kind if kind == "resident" else f"lru at C={capacity}",
                             dropped=dropped)
     for spec, probe in zip(specs, probes):
-        run = OffloadRun(model, capacity, spec, probe.layer_ids, future=trace, prefetch=prefetch, device=device, pool=pool)
+        run = OffloadRun(model, capacity, spec, probe.layer_ids, future=trace, **options)
         with run:
             run_pass(model, warmup, mode)
             run.restart()
@@ -272,7 +292,7 @@ def _reference_kind(reference: str, sites, device: torch.device) -> str:
 
 def _policy_result(spec, capacity, mode, tolerance, reference, result, stats, live: Trace, ref_trace: Trace,
                    reference_kind: str) -> PolicyResult:
-    if stats.prefetch == "none":
+    if stats.prefetch == "none" and stats.lossless:
         replayed = replay(live, capacity, spec, layers=stats.layers, pool=stats.pool)
         agrees = (
             replayed.copies_total == stats.copies_total
@@ -281,7 +301,7 @@ def _policy_result(spec, capacity, mode, tolerance, reference, result, stats, li
             == [(c.copies_total, c.copies_steady) for c in stats.per_layer]
         )
         totals = (replayed.copies_total, replayed.copies_steady)
-    else:  # the simulator has no prefetch: nothing to compare the counts with
+    else:  # the simulator has no prefetch and no set-holding rule: nothing to compare the counts with
         agrees, totals = None, (None, None)
     ref = np.sort(ref_trace.select_layers(stats.layers).experts, axis=2)
     changed = float(np.mean(np.any(np.sort(live.experts, axis=2) != ref, axis=2))) if ref.shape == live.experts.shape else 1.0

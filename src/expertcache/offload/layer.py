@@ -34,8 +34,10 @@ from ..cache import ExpertCache
 from ..errors import ConfigError
 from ..policies import Policy, StreamFuture
 from .experts import SlotView, attach_layer, detach_layer
+from .holding import HoldingSpec, SetHolder, SlotMap
 from .model import ExpertsSite
 from .pool import SlotPool
+from .routing import route_for
 
 PREFETCH = ("none", "next-layer", "oracle")
 
@@ -48,7 +50,7 @@ class PoolState:
     ``steps_per_token`` = number of layers steps per token, as the simulator's global pool does.
     """
 
-    def __init__(self, pool: SlotPool, capacity: int, policy: Policy, steps_per_token: int = 1):
+    def __init__(self, pool: SlotPool, capacity: int, policy: Policy | None, steps_per_token: int = 1):
         self.pool = pool
         self.capacity = int(capacity)
         self.policy = policy
@@ -60,6 +62,8 @@ class PoolState:
         """Empty the pool's map (a new stream); ``future`` is the stream's recorded ``[G, k]`` steps."""
         self.future = None if future is None else np.asarray(future)
         stream_future = None if future is None else StreamFuture(self.future)
+        if self.policy is None:  # a set-holding layer decides its set itself (no eviction cache)
+            return
         if self.cache is None:
             self.cache = ExpertCache(self.capacity, self.policy, self.pool.num_items, future=stream_future,
                                      steps_per_token=self.steps_per_token)
@@ -113,7 +117,18 @@ class OffloadedLayer:
         self.prefetch_mode = "none"
         self._router_weight: torch.Tensor | None = None
         self.stream_tokens = 0  # steps served since the pool last started empty
+        self._previous: list | None = None  # the last step's chosen experts (switch counting)
+        self.holder: SetHolder | None = None
+        self._route = None
+        self._plan: list | None = None  # per step (loads, steady, slot map), made by the router hook
+        self._hook = None
         self.clear_counters()
+
+    def hold_sets(self, spec: HoldingSpec) -> None:
+        """Serve this layer with a set-holding policy (see :mod:`.holding`): the router hook decides."""
+        self._route = route_for(self.site.router, self.layer, spec.spec)
+        self.holder = SetHolder(spec, self.pool.num_experts, self.capacity)
+        self.slot_map = SlotMap(self.pool.num_experts, self.pool.capacity)
 
     @property
     def cache(self) -> ExpertCache | None:
@@ -123,11 +138,24 @@ class OffloadedLayer:
     def start_stream(self) -> None:
         """This layer's part of a new stream (the run starts its pool's state)."""
         self.stream_tokens = 0
+        self._previous = None
+        if self.holder is not None:
+            self.holder.reset()
+            self.slot_map.reset()
 
     def clear_counters(self) -> None:
         self.tokens = self.requests = self.copies_total = self.copies_steady = 0
-        self.future_mismatches = 0
+        self.future_mismatches = self.switches = self.refreshes = 0
         self.copy_watch.clear()
+
+    def _count_step(self, union: np.ndarray) -> None:
+        self.tokens += 1
+        self.stream_tokens += 1
+        self.requests += union.size
+        chosen = union.tolist()
+        if self._previous is not None and chosen != self._previous:
+            self.switches += 1
+        self._previous = chosen
 
     @property
     def copy_seconds(self) -> float:
@@ -198,6 +226,9 @@ class OffloadedLayer:
             ids, predicted = both[:, :k], both[:, k:]
         # step-major order: step t holds rows t, n + t, 2n + t, ... of the forward
         by_step = ids.reshape(b, n, k).transpose(1, 0, 2).reshape(n, b * k)
+        plan, self._plan = self._plan, None
+        if self.holder is not None and (plan is None or len(plan) != n):
+            raise RuntimeError(f"layer {self.layer}: the experts ran without their router's decision")
         slot_ids = np.empty_like(by_step)
         segments: list[tuple[int, int, list[tuple[int, int]], set]] = []
         start, loads, read = 0, [], set()
@@ -209,19 +240,26 @@ class OffloadedLayer:
                     f"layer {self.layer}: a batch of {b} rows requests {union.size} distinct experts at one step, "
                     f"above the capacity of {self.capacity} slots (use a capacity >= {min(b * k, self.pool.num_experts)})"
                 )
-            self._check_future(union)
-            step = self.cache.prepare(union + self.offset)
-            self.tokens += 1
-            self.stream_tokens += 1
-            self.requests += step.items.size
-            self.copies_total += step.misses
-            self.copies_steady += len(step.evicted)
-            if read and any(slot in read for _, slot in step.loads):
+            self._count_step(union)
+            if plan is not None:  # set-holding: the router hook decided the copies and the slots
+                step_loads, steady, slot_of = plan[t]
+                self.copies_steady += steady
+                step_slots = slot_of[union]
+                slot_ids[t] = np.where(by_step[t] >= 0, slot_of[np.maximum(by_step[t], 0)], -1)
+                if (step_slots < 0).any():
+                    raise RuntimeError(f"layer {self.layer}: the router chose an expert outside the held set")
+            else:
+                self._check_future(union)
+                step = self.cache.prepare(union + self.offset)
+                step_loads, step_slots = step.loads, step.slots
+                self.copies_steady += len(step.evicted)
+                slot_ids[t] = self.cache.slots_of(np.where(by_step[t] >= 0, by_step[t] + self.offset, -1))
+            self.copies_total += len(step_loads)
+            if read and any(slot in read for _, slot in step_loads):
                 segments.append((start, t, loads, read))
                 start, loads, read = t, [], set()
-            loads.extend(step.loads)
-            read.update(step.slots.tolist())
-            slot_ids[t] = self.cache.slots_of(np.where(by_step[t] >= 0, by_step[t] + self.offset, -1))
+            loads.extend(step_loads)
+            read.update(step_slots.tolist())
         segments.append((start, n, loads, read))
         out = self._compute(hidden_states, slot_ids, top_k_weights, b, n, k, segments)
         if single and self.prefetch_mode != "none":
@@ -255,9 +293,36 @@ class OffloadedLayer:
         if row.size == 0 or union.tolist() != sorted(x - self.offset for x in row.tolist() if x >= 0):
             self.future_mismatches += 1
 
+    # -- set-holding: the router hook -----------------------------------------------------------
+    @torch.no_grad()
+    def _on_router(self, module, args, output):
+        """Step the held set over this forward's token positions and restrict the router's choice to it."""
+        logits, index = output[0], output[2]
+        rows, k = index.shape
+        b = self.rows_per_step if rows % self.rows_per_step == 0 else 1
+        n = rows // b
+        demand = index.detach().to("cpu", torch.int64).numpy().reshape(b, n, k).transpose(1, 0, 2).reshape(n, b * k)
+        allowed = np.zeros((n, self.pool.num_experts), dtype=bool)
+        plan = []
+        for t in range(n):
+            new = self.holder.step(demand[t])
+            loads, steady = ([], 0) if new is None else self.slot_map.refresh(new)
+            self.refreshes += new is not None
+            allowed[t, self.holder.current] = True
+            plan.append((loads, steady, self.slot_map.slot_of.copy()))
+        self._plan = plan
+        mask = torch.from_numpy(np.tile(allowed, (b, 1)))  # row i * n + t of the forward is position t
+        weights, chosen = self._route(module, logits, mask.to(logits.device))
+        return (logits, weights, chosen, *tuple(output[3:]))
+
     # -- attachment ---------------------------------------------------------------------------
     def attach(self) -> None:
         attach_layer(self.module, self)
+        if self.holder is not None:
+            self._hook = self.site.router.register_forward_hook(self._on_router)
 
     def detach(self) -> None:
         detach_layer(self.module)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None

@@ -65,6 +65,7 @@ class SlotPool:
         )
         self.expert_bytes = sum(h[0].numel() * h.element_size() for h in self.host)
         self.copies = 0
+        self.repeat = 1  # each copy made this many times and counted once (``slow_copies``: a slower link)
         self.sync = SlotSync(self.device, self.capacity)
         self.stopwatch = Stopwatch(self.device, stream=self.sync.copy_stream)
         self._non_blocking = self.device.type == "cuda" and all(h.is_pinned() for src in self.sources for h in src)
@@ -100,8 +101,9 @@ class SlotPool:
             with (watch or self.stopwatch).time():
                 for item, slot in loads:
                     source, expert = divmod(item, E)
-                    for h, d in zip(self.sources[source], self.slots):
-                        d[slot].copy_(h[expert], non_blocking=self._non_blocking)
+                    for _ in range(self.repeat):
+                        for h, d in zip(self.sources[source], self.slots):
+                            d[slot].copy_(h[expert], non_blocking=self._non_blocking)
                     sync.copied(slot)
         self.copies += len(loads)
 

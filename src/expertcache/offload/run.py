@@ -44,8 +44,10 @@ from ..errors import ConfigError
 from ..policies import Policy, make_policy
 from ..trace import Trace
 from .experts import IMPLEMENTATION, implementation_of, set_fallback
+from .holding import parse_holding
 from .layer import PREFETCH, OffloadedLayer, PoolState
 from .pool import SlotPool
+from .routing import route_for
 from .model import ExpertsSite, find_sites, forward_info, model_label, select_sites
 from .stats import LayerStats, Memory, OffloadStats
 
@@ -68,6 +70,7 @@ class OffloadRun:
         prefetch: str = "none",
         device: "torch.device | str | None" = None,
         pool: str = "layer",
+        slow_copies: int = 1,
     ):
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
             raise ConfigError(f"capacity must be an integer, got {capacity!r}")
@@ -79,14 +82,23 @@ class OffloadRun:
             raise ConfigError(f"pool: {pool!r} is not one of {', '.join(POOLS)}")
         if pool == "global" and prefetch != "none":
             raise ConfigError("prefetch needs a pool per layer (pool='layer')")
+        if isinstance(slow_copies, bool) or not isinstance(slow_copies, (int, np.integer)) or slow_copies < 1:
+            raise ConfigError(f"slow_copies must be a positive integer, got {slow_copies!r}")
         self.pool = pool
+        self.slow_copies = int(slow_copies)
         self.model = model
         self.capacity = int(capacity)
-        self.policy = make_policy(policy)
+        self.holding = parse_holding(policy)
+        self.policy = self.holding or make_policy(policy)
+        if self.holding and (pool != "layer" or prefetch != "none"):
+            raise ConfigError(f"policy {self.holding.spec} holds a set per layer: it needs pool='layer' and no prefetch")
         self.reset_mode = reset
         self._all_sites = find_sites(model)
         self.sites: list[ExpertsSite] = select_sites(self._all_sites, layers, model_label(model))
         self.layer_ids = [s.layer for s in self.sites]
+        if self.holding:
+            for site in self.sites:
+                route_for(site.router, site.layer, self.holding.spec)  # refuse unsupported routers up front
         top_k = _top_k(model)
         self.top_k = max(top_k, 1)
         self.prefetch = prefetch
@@ -179,6 +191,7 @@ class OffloadRun:
         if self.pool == "global":
             slots = SlotPool.from_weights(weights(self.sites[0]), self.capacity, self.device,
                                           *[weights(s) for s in self.sites[1:]])
+            slots.repeat = self.slow_copies
             state = PoolState(slots, self.capacity, _copy.deepcopy(self.policy), steps_per_token=len(self.sites))
             self.states.append(state)
             for i, site in enumerate(self.sites):
@@ -187,10 +200,14 @@ class OffloadRun:
             return
         for site in self.sites:
             slots = SlotPool.from_weights(weights(site), self.capacity, self.device)
-            state = PoolState(slots, self.capacity, _copy.deepcopy(self.policy))
+            slots.repeat = self.slow_copies
+            state = PoolState(slots, self.capacity, None if self.holding else _copy.deepcopy(self.policy))
             self.states.append(state)
             self._hold(site, slots.host)
-            self.layers.append(OffloadedLayer(site, state, compute(site), self.top_k))
+            layer = OffloadedLayer(site, state, compute(site), self.top_k)
+            if self.holding:
+                layer.hold_sets(self.holding)
+            self.layers.append(layer)
 
     def _hold(self, site: ExpertsSite, host) -> None:
         """Point the site's expert parameters at their host tensors (a device copy is released)."""
@@ -294,7 +311,8 @@ class OffloadRun:
         per_layer = [
             LayerStats(
                 l.layer, l.requests, l.copies_total, l.copies_steady,
-                copy_seconds=l.copy_seconds, future_mismatches=l.future_mismatches, **l.prefetch_counts(),
+                copy_seconds=l.copy_seconds, future_mismatches=l.future_mismatches, switches=l.switches,
+                refreshes=l.refreshes, **l.prefetch_counts(),
             )
             for l in self.layers
         ]
@@ -311,6 +329,8 @@ class OffloadRun:
             device=str(first.pool.device), sequences=max(self._sequences, int(first.tokens > 0)), batch=self._batch,
             copy_seconds=sum(c.copy_seconds for c in per_layer), expert_bytes=first.pool.expert_bytes,
             future_mismatches=sum(c.future_mismatches for c in per_layer), prefetch=self.prefetch, **prefetched,
+            slow_copies=self.slow_copies, lossless=self.holding is None,
+            switches=sum(c.switches for c in per_layer), refreshes=sum(c.refreshes for c in per_layer),
             memory=self.memory(),
         )
 
@@ -343,7 +363,9 @@ def offload(model: torch.nn.Module, capacity: int, policy: "str | Policy" = "lru
     (``"none"``, the default, ``"next-layer"`` or ``"oracle"``; see :mod:`.layer`), ``device=``
     (where the slots live; default: the device of the model's input embeddings) and ``pool=``
     (``"layer"``, the default: ``capacity`` slots per layer; ``"global"``: ``capacity`` slots shared
-    by all offloaded layers, one token position per forward).
+    by all offloaded layers, one token position per forward) and ``slow_copies=N`` (every copy
+    made N times and counted once: a slower link). ``policy`` may also be a set-holding (lossy)
+    rule, ``"dwell:k[:w]"`` or ``"static:P"`` (see :mod:`.holding`).
     """
     return OffloadRun(model, capacity, policy, layers, **options)
 

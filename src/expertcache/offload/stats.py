@@ -13,6 +13,8 @@ class LayerStats(LayerCounts):
 
     copy_seconds: float = 0.0
     future_mismatches: int = 0
+    switches: int = 0
+    refreshes: int = 0
     prefetch_copies: int = 0
     prefetch_hits: int = 0
     prefetch_wasted: int = 0
@@ -61,11 +63,22 @@ class OffloadStats(ReplayResult):
     expert_bytes: int = 0
     future_mismatches: int = 0
     prefetch: str = "none"
+    slow_copies: int = 1
+    lossless: bool = True
+    switches: int = 0
+    refreshes: int = 0
     prefetch_copies: int = 0
     prefetch_hits: int = 0
     prefetch_wasted: int = 0
     prefetch_pending: int = 0
     memory: Memory = field(default_factory=Memory)
+
+    @property
+    def switch_rate(self) -> float:
+        """Share of token steps (after each stream's first) whose chosen expert set differs from the
+        previous token's at the same layer, over all offloaded layers."""
+        pairs = (self.tokens - self.sequences) * len(self.layers)
+        return self.switches / pairs if pairs > 0 else float("nan")
 
     @property
     def copy_bandwidth(self) -> float:
@@ -80,7 +93,8 @@ class OffloadStats(ReplayResult):
         d.update(
             device=self.device, sequences=self.sequences, batch=self.batch, copy_seconds=self.copy_seconds,
             copy_bytes_per_s=self.copy_bandwidth, expert_bytes=self.expert_bytes,
-            future_mismatches=self.future_mismatches, prefetch=self.prefetch,
+            future_mismatches=self.future_mismatches, prefetch=self.prefetch, slow_copies=self.slow_copies,
+            lossless=self.lossless, switches=self.switches, switch_rate=self.switch_rate, refreshes=self.refreshes,
             prefetch_copies=self.prefetch_copies, prefetch_hits=self.prefetch_hits,
             prefetch_wasted=self.prefetch_wasted, prefetch_pending=self.prefetch_pending,
             memory=self.memory.to_dict(),

@@ -160,6 +160,54 @@ def plot_pools(comparisons: Sequence, path: str | os.PathLike, *, trace: str) ->
     return _save(fig, path, fmt)
 
 
+FACTOR_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def plot_frontier(points: Sequence[dict], path: str | os.PathLike, *, factors: Sequence[int], tau_ms: float,
+                  tolerance: float, winners: Sequence[str], model: str, title: str) -> Path:
+    """Quality against speed (:func:`expertcache.costmodel.choose.frontier`): dNLL (nats) against
+    predicted tokens/s at ``factor x tau`` for each factor, one colour per policy, one marker per
+    factor (hollow: a rule replayed from a trace); the tolerance as a dashed line and each factor's
+    winner ringed, as in the eviction paper's Figure 1. ``model``: ``"c + rho x tau"`` or
+    ``"max(c, rho x tau)"``."""
+    fmt = plot_format(path)
+    fig = _figure(1, width=10, height=5.6)
+    ax = fig.axes[0]
+    for i, p in enumerate(points):
+        color = _color(i)
+        label = policy_label(p["policy"], p["needs_future"]) + (" (replayed)" if p["replayed"] else "")
+        xs = p["tokens_per_s"]
+        ax.plot([x for x in xs if x is not None], [p["dnll"]] * sum(x is not None for x in xs), color=color,
+                linewidth=0.8, alpha=0.5, label=label)
+        for k, x in enumerate(xs):
+            if x is not None:
+                ax.plot([x], [p["dnll"]], linestyle="none", marker=FACTOR_MARKERS[k % len(FACTOR_MARKERS)],
+                        markersize=7, markeredgecolor=color, markerfacecolor="none" if p["replayed"] else color)
+                if p["policy"] == winners[k]:
+                    ax.plot([x], [p["dnll"]], linestyle="none", marker="o", markersize=16, markerfacecolor="none",
+                            markeredgecolor="black", markeredgewidth=1.2)
+    ax.axhline(tolerance, color="0.3", linestyle="--", linewidth=1)
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    keys = [Line2D([], [], linestyle="none", marker=FACTOR_MARKERS[k % len(FACTOR_MARKERS)], color="0.3",
+                   label=f"tau x{n:g} = {n * tau_ms:.3g} ms") for k, n in enumerate(factors)]
+    keys += [Line2D([], [], linestyle="none", marker="o", markersize=12, markerfacecolor="none", color="black",
+                    label="fastest admissible"),
+             Line2D([], [], color="0.3", linestyle="--", label=f"tolerance {tolerance:g} nats")]
+    fig.legend(handles=ax.get_legend_handles_labels()[0], title="policy", fontsize=8, loc="outside right upper")
+    fig.legend(handles=keys, title="copy time", fontsize=8, loc="outside right lower")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set(xlabel=f"predicted tokens/s = 1000 / ({model}), log scale",
+           ylabel="dNLL: NLL minus the all-resident NLL (nats)")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path, fmt)
+
+
 # ---------------------------------------------------------------------------------- helpers
 def _figure(panels: int, width: float = 6.4, height: float = 4.8):
     try:

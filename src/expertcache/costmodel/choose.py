@@ -1,0 +1,355 @@
+"""Choosing a policy: the fastest admissible one under the cost model (docs/choose.md).
+
+Each run ``i`` (:class:`~expertcache.costmodel.runs.Run`) gives compute ``c_i`` (ms/token), steady
+copies per token ``rho_i`` and quality loss ``dnll_i`` (nats). At a copy time ``tau`` (ms):
+
+* ``ms_i(tau) = c_i + rho_i * tau`` when copies block compute; ``max(c_i, rho_i * tau)`` when
+  they fully overlap it (``overlapped=True``); predicted tokens/s = ``1000 / ms``;
+* admissible: ``dnll_i <= tolerance`` (1e-12 nats of rounding allowed);
+* the winner: the admissible run with the smallest ``ms_i(tau)``. Runs within 1e-9 (relative) of
+  the smallest time tie, and a tie goes to the smaller ``dnll``, then the smaller ``rho`` (the one
+  that stays ahead as copies get slower), then the policy name (string order);
+* crossovers: the points ``tau > 0`` where the winner changes, ``{a: winner below, b: winner
+  above, tau_ms}``; for blocking copies ``tau_ab = (c_b - c_a) / (rho_a - rho_b)``, the breakpoints
+  of the lower envelope of the admissible runs' lines. Runs with the same ``c`` and ``rho`` are one
+  line, represented by the tie-break's pick. At a crossover itself both predict the same time and
+  the tie-break decides.
+
+Only runs with ``slow_copies == 1`` are chosen among; slowed runs (``slow_copies = N > 1``) check
+the prediction (:func:`validate`). :func:`replayed_runs` adds lossless rules from a replayed trace.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+from ..errors import ConfigError
+from .runs import Run
+
+LOSSLESS_NATS = 5e-3
+"""A run with ``|dnll| <= 5e-3`` nats is lossless (the harness's exactness check)."""
+FRONTIER_FACTORS = (1, 10, 50)
+"""Copy-time multiples of the frontier plot and the text report (the eviction paper's Figure 1)."""
+DEFAULT_REPLAY_POLICIES = ("belady", "foresight:16")
+TIE_REL = 1e-9
+ADMIT_SLACK = 1e-12
+
+
+def blocking_ms(run: Run, tau_ms: float) -> float:
+    """``c + rho * tau``: copies block compute."""
+    return run.c_ms + run.rho * tau_ms
+
+
+def overlapped_ms(run: Run, tau_ms: float) -> float:
+    """``max(c, rho * tau)``: copies fully overlap compute."""
+    return float(max(run.c_ms, run.rho * tau_ms))
+
+
+def cost_function(overlapped: bool) -> Callable[[Run, float], float]:
+    return overlapped_ms if overlapped else blocking_ms
+
+
+def tokens_per_s(ms: float) -> float | None:
+    """``1000 / ms``; ``None`` for 0 ms."""
+    return 1000.0 / ms if ms > 0 else None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted time of one run at one ``tau`` (the overlapped pair only when asked)."""
+
+    policy: str
+    ms_per_token: float
+    tokens_per_s: float | None
+    ms_per_token_overlapped: float | None = None
+    tokens_per_s_overlapped: float | None = None
+
+
+def predict(runs: Sequence[Run], tau_ms: float, overlapped: bool = False) -> list[Prediction]:
+    """Every run's predicted ms/token and tokens/s at ``tau_ms``, in the order given; with
+    ``overlapped`` also ``max(c, rho * tau)`` and its rate."""
+    out = []
+    for r in runs:
+        ms = blocking_ms(r, tau_ms)
+        ovl = overlapped_ms(r, tau_ms) if overlapped else None
+        out.append(Prediction(r.policy, ms, tokens_per_s(ms), ovl, tokens_per_s(ovl) if overlapped else None))
+    return out
+
+
+def admissible(runs: Sequence[Run], tolerance: float) -> list[Run]:
+    """The runs with ``dnll <= tolerance``, in the order given."""
+    return [r for r in runs if _admits(r, tolerance)]
+
+
+def _admits(run: Run, tolerance: float) -> bool:
+    return run.dnll <= tolerance + ADMIT_SLACK
+
+
+def _tie_key(run: Run) -> tuple:
+    return (run.dnll, run.rho, run.policy)
+
+
+def fastest(runs: Sequence[Run], cost: Callable[[Run], float]) -> Run | None:
+    """The run of smallest ``cost``, ties (1e-9 relative) broken by dnll, rho, then name; ``None``
+    when ``runs`` is empty."""
+    if not runs:
+        return None
+    costs = [cost(r) for r in runs]
+    best = min(costs)
+    near = [r for r, v in zip(runs, costs) if v <= best + TIE_REL * max(1.0, abs(best))]
+    return min(near, key=_tie_key)
+
+
+def winner(runs: Sequence[Run], tau_ms: float, tolerance: float, overlapped: bool = False) -> Run | None:
+    """The fastest admissible run at ``tau_ms`` (``None`` when no run is admissible)."""
+    cost = cost_function(overlapped)
+    return fastest(admissible(runs, tolerance), lambda r: cost(r, tau_ms))
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Below ``tau_ms`` ``a`` is the fastest, above it ``b``."""
+
+    a: str
+    b: str
+    tau_ms: float
+
+
+def crossovers(runs: Sequence[Run], overlapped: bool = False) -> list[Crossover]:
+    """Where the fastest of ``runs`` changes over ``tau > 0`` (pass the admissible runs), in
+    increasing ``tau``. Exact: every point where two cost functions can meet is a candidate, and
+    the winner is evaluated between consecutive candidates."""
+    cuts = _candidates(runs, overlapped)
+    if not cuts:
+        return []
+    probes = [cuts[0] / 2] + [(x + y) / 2 for x, y in zip(cuts, cuts[1:])] + [cuts[-1] * 2]
+    cost = cost_function(overlapped)
+    leaders = [fastest(runs, lambda r, t=t: cost(r, t)) for t in probes]
+    out = []
+    for cut, a, b in zip(cuts, leaders, leaders[1:]):
+        if a is b:
+            continue
+        if not overlapped and a.rho != b.rho:  # the pair's own crossing, as written by hand
+            cut = (b.c_ms - a.c_ms) / (a.rho - b.rho)
+        out.append(Crossover(a.policy, b.policy, cut))
+    return out
+
+
+def _candidates(runs: Sequence[Run], overlapped: bool) -> list[float]:
+    """Sorted distinct ``tau > 0`` where two runs' costs can meet (within 1e-9 relative: one)."""
+    pts = set()
+    for i in runs:
+        for j in runs:
+            if overlapped:  # a flat piece c_i meets a rising piece rho_j * tau
+                t = i.c_ms / j.rho if j.rho > 0 else 0.0
+            else:
+                t = (j.c_ms - i.c_ms) / (i.rho - j.rho) if i.rho != j.rho else 0.0
+            if t > 0 and math.isfinite(t):
+                pts.add(t)
+    merged: list[float] = []
+    for t in sorted(pts):
+        if not merged or t > merged[-1] * (1 + TIE_REL):
+            merged.append(t)
+    return merged
+
+
+def measured_tau(runs: Sequence[Run]) -> float | None:
+    """The median of the finite ``tau_ms`` of the measured ``slow_copies == 1`` runs (``None``
+    when none has one)."""
+    return _median([r.tau_ms for r in runs if r.slow_copies == 1 and not r.replayed and r.tau_ms is not None])
+
+
+def _median(xs: list) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+@dataclass
+class Choice:
+    """What ``choose`` reports (see the module docstring); ``winner`` and ``crossovers`` follow the
+    overlapped model when ``overlapped``, and the blocking ones are kept beside them."""
+
+    tau_ms: float
+    tolerance: float
+    overlapped: bool
+    runs: list[Run]
+    predictions: list[Prediction]
+    admissible: list[str]
+    winner: Run
+    crossovers: list[Crossover]
+    winner_blocking: Run
+    crossovers_blocking: list[Crossover]
+    winners_at: dict[int, Run] = field(default_factory=dict)
+
+    def to_dict(self, *, replayed: bool = False) -> dict:
+        """The JSON object of ``choose --json`` (docs/choose.md): ``tau_ms``, ``tolerance``,
+        ``admissible``, ``winner``, ``predicted``, ``crossovers``; with ``overlapped`` also
+        ``winner_blocking`` and ``crossovers_blocking``; ``replayed`` adds ``replayed`` and
+        ``needs_future`` to each prediction."""
+        predicted = []
+        for p, r in zip(self.predictions, self.runs):
+            item = {"policy": p.policy, "ms_per_token": p.ms_per_token, "tokens_per_s": p.tokens_per_s}
+            if self.overlapped:
+                item |= {"ms_per_token_overlapped": p.ms_per_token_overlapped,
+                         "tokens_per_s_overlapped": p.tokens_per_s_overlapped}
+            if replayed:
+                item |= {"replayed": r.replayed, "needs_future": r.needs_future}
+            predicted.append(item)
+        out = {"tau_ms": self.tau_ms, "tolerance": self.tolerance, "admissible": self.admissible,
+               "winner": self.winner.policy, "predicted": predicted,
+               "crossovers": [asdict(c) for c in self.crossovers]}
+        if self.overlapped:
+            out |= {"winner_blocking": self.winner_blocking.policy,
+                    "crossovers_blocking": [asdict(c) for c in self.crossovers_blocking]}
+        return out
+
+
+def frontier(choice: Choice, factors: Sequence[int] = FRONTIER_FACTORS) -> list[dict]:
+    """The points of the frontier plot: per run ``policy``, ``dnll``, ``needs_future``, ``replayed``,
+    ``admissible`` and ``tokens_per_s`` (a list, one per factor: the rate at ``factor x tau`` under
+    the choice's model, ``None`` at 0 ms)."""
+    cost = cost_function(choice.overlapped)
+    ok = set(choice.admissible)
+    return [{"policy": r.policy, "dnll": r.dnll, "needs_future": r.needs_future, "replayed": r.replayed,
+             "admissible": r.policy in ok, "tokens_per_s": [tokens_per_s(cost(r, n * choice.tau_ms)) for n in factors]}
+            for r in choice.runs]
+
+
+def choose(runs: Sequence[Run], tolerance: float, tau_ms: float | None = None, overlapped: bool = False,
+           factors: Sequence[int] = FRONTIER_FACTORS) -> Choice:
+    """Choose among the ``slow_copies == 1`` runs at ``tau_ms`` (default :func:`measured_tau`).
+    No such run, no tau, or no admissible run is a one-line ConfigError."""
+    base = [r for r in runs if r.slow_copies == 1]
+    if not base:
+        raise ConfigError("no runs with slow_copies 1 to choose among (slowed runs only check the choice)")
+    if tau_ms is None:
+        tau_ms = measured_tau(base)
+        if tau_ms is None:
+            raise ConfigError("no run records a measured tau_ms; give the copy time with --tau (e.g. 0.51ms)")
+    ok = admissible(base, tolerance)
+    if not ok:
+        best = min(base, key=_tie_key)
+        raise ConfigError(f"no admissible policy: every run's dnll exceeds the tolerance {tolerance:g} nats "
+                          f"(smallest: {best.policy} at {best.dnll:.4g})")
+    won = winner(ok, tau_ms, tolerance, overlapped)
+    blocking = winner(ok, tau_ms, tolerance) if overlapped else won
+    cross_blocking = crossovers(ok)
+    return Choice(
+        tau_ms, tolerance, overlapped, base, predict(base, tau_ms, overlapped), [r.policy for r in ok], won,
+        crossovers(ok, True) if overlapped else cross_blocking, blocking, cross_blocking,
+        {n: winner(ok, n * tau_ms, tolerance, overlapped) for n in factors},
+    )
+
+
+# ----------------------------------------------------------------------------- checking it
+@dataclass
+class Check:
+    """The predicted against the measured winner at one copy factor ``slow_copies``."""
+
+    slow_copies: int
+    tau_ms: float
+    """``slow_copies x`` the base tau: the tau the prediction uses (the paper's slowed link)."""
+    tau_ms_measured: float | None
+    """Median ``tau_ms`` the slowed runs record (``None`` when none does)."""
+    predicted: str
+    measured: str
+    rows: list[dict]
+    """Per policy run at this factor: ``policy``, ``admissible``, ``ms_predicted``, ``ms_measured``."""
+    unmatched: list[str]
+    """Slowed policies without a ``slow_copies == 1`` run: nothing to predict them from, left out."""
+
+    @property
+    def agree(self) -> bool:
+        return self.predicted == self.measured
+
+    def to_dict(self) -> dict:
+        return {"slow_copies": self.slow_copies, "tau_ms": self.tau_ms, "tau_ms_measured": self.tau_ms_measured,
+                "predicted": self.predicted, "measured": self.measured, "agree": self.agree,
+                "policies": self.rows, "unmatched": self.unmatched}
+
+
+def validate(runs: Sequence[Run], tolerance: float, tau_ms: float, overlapped: bool = False) -> list[Check]:
+    """For each factor ``N > 1`` among the runs' ``slow_copies``: among the policies run at N that
+    also have a ``slow_copies == 1`` run and are admissible there (its ``dnll``), the predicted
+    winner (smallest ``c + rho * N * tau`` from the base run's ``c`` and ``rho``; ``max(c, rho * N *
+    tau)`` with ``overlapped``) against the measured winner (smallest measured ``ms_per_token`` of
+    the slowed run), both with :func:`fastest`'s tie-break."""
+    base = {r.policy: r for r in runs if r.slow_copies == 1}
+    factors = sorted({r.slow_copies for r in runs if r.slow_copies > 1})
+    if not factors:
+        raise ConfigError("--validate: no slowed runs (slow_copies > 1) to compare the prediction with")
+    cost = cost_function(overlapped)
+    checks = []
+    for n in factors:
+        slowed = [r for r in runs if r.slow_copies == n]
+        for r in slowed:
+            if r.ms_per_token is None:
+                raise ConfigError(f"{r.where}: --validate needs the measured 'ms_per_token' of slowed runs")
+        pairs = [(base[r.policy], r) for r in slowed if r.policy in base]
+        ok = [(b, s) for b, s in pairs if _admits(b, tolerance)]
+        if not ok:
+            raise ConfigError(f"--validate: no admissible policy among the runs at slow_copies {n} "
+                              "that also have a slow_copies 1 run")
+        tau_slowed = _median([r.tau_ms for r in slowed if r.tau_ms is not None])
+        t = n * tau_ms
+        measured = {s.policy: s.ms_per_token for _, s in pairs}
+        predicted = fastest([b for b, _ in ok], lambda b: cost(b, t))
+        won = fastest([b for b, _ in ok], lambda b: measured[b.policy])
+        rows = [{"policy": b.policy, "admissible": _admits(b, tolerance), "ms_predicted": cost(b, t),
+                 "ms_measured": s.ms_per_token} for b, s in pairs]
+        checks.append(Check(n, t, tau_slowed,
+                            predicted.policy, won.policy, rows, [r.policy for r in slowed if r.policy not in base]))
+    return checks
+
+
+# ------------------------------------------------------------------------- replayed rules
+def is_lossless(run: Run) -> bool:
+    """The run's ``lossless`` field when it has one (eval writes it), else ``|dnll| <= 5e-3``."""
+    return run.lossless if run.lossless is not None else abs(run.dnll) <= LOSSLESS_NATS
+
+
+def replayed_runs(runs: Sequence[Run], trace, policies: Sequence[str] = DEFAULT_REPLAY_POLICIES, *,
+                  layers: Sequence[int] | None = None, source: str = "") -> tuple[list[Run], list[str]]:
+    """Lossless rules (``policies``) added from a replay of ``trace`` at the runs' capacity.
+
+    ``rho`` = the replay's steady copies per token over ``layers`` (default: the runs' ``layers``
+    when they all record the same, else every layer of the trace), pool = the runs' ``pool``
+    (default per-layer), pools emptied at each sequence, no warm window, as the live harness counts;
+    ``c`` = the median ``c_ms`` of the file's lossless runs (:func:`is_lossless`): a lossless rule
+    computes exactly what they compute; ``dnll`` = 0. Returns the new runs (``replayed=True``) and
+    the policies left out because the file already holds a measured run of them."""
+    from ..policies import make_policy
+    from ..sim.replay import replay
+
+    where = f"--add-replay {source}".rstrip()
+    base = [r for r in runs if r.slow_copies == 1 and not r.replayed]
+    caps = sorted({r.capacity for r in base if r.capacity is not None})
+    if any(r.capacity is None for r in base) or len(caps) != 1:
+        what = (f"{next(r for r in base if r.capacity is None).where} has no 'capacity'"
+                if any(r.capacity is None for r in base) else f"the runs use capacities {', '.join(map(str, caps))}")
+        raise ConfigError(f"{where}: {what}; replayed rules need the one capacity every run used")
+    pools = sorted({r.pool or "layer" for r in base})
+    if len(pools) != 1 or pools[0] not in ("layer", "global"):
+        raise ConfigError(f"{where}: the runs use pools {', '.join(pools)}; replayed rules need one, 'layer' or 'global'")
+    if layers is None and len({r.layers for r in base}) == 1:
+        layers = base[0].layers
+    lossless = [r.c_ms for r in base if is_lossless(r)]
+    if not lossless:
+        raise ConfigError(f"{where}: no lossless run (field 'lossless' true, or |dnll| <= {LOSSLESS_NATS:g} where "
+                          "the field is absent) in the file to take c from")
+    c_ms = statistics.median(lossless)
+    have = {r.policy for r in base}
+    added, skipped = [], []
+    for spec in dict.fromkeys(make_policy(p).spec for p in policies):
+        if spec in have:
+            skipped.append(spec)
+            continue
+        res = replay(trace, caps[0], spec, pool=pools[0], layers=None if layers is None else list(layers))
+        rho = res.copies_per_token
+        if not math.isfinite(rho):
+            raise ConfigError(f"{where}: the replay of {spec} scored no tokens")
+        added.append(Run(spec, c_ms, rho, 0.0, needs_future=res.needs_future, capacity=caps[0], pool=pools[0],
+                         layers=tuple(res.layers), replayed=True, where=where))
+    return added, skipped

@@ -1,0 +1,208 @@
+"""Measured runs, as ``expertcache eval --json`` writes them, read and checked for ``choose``.
+
+A file holds JSON lines (one object per line; blank lines are skipped) or one JSON list of
+objects (a single object is one run). Every record needs:
+
+* ``policy``: the policy's name (a non-empty string, e.g. ``"lru"``, ``"dwell:16:128"``);
+* ``c_ms``: compute milliseconds per token of that run (measured ms/token minus its copy time per
+  token), finite, ``>= 0`` (a slowed run may carry a negative one, see below);
+* ``rho``: steady copies per token, summed over the offloaded layers, finite, ``>= 0``;
+* ``dnll``: NLL minus the all-resident reference NLL, nats, finite (may be negative).
+
+Optional: ``tau_ms`` (measured ms of one copy; ``null``/NaN = the run made no copy), ``ms_per_token``
+(measured; ``null``/NaN = unknown), ``slow_copies`` (an integer ``N >= 1``: every copy was repeated
+N times; default 1), ``needs_future`` (bool; default: the registered policy's flag, false for names
+not registered here), ``lossless`` (bool: the policy never restricts routing; eval writes it),
+``capacity`` (int ``>= 1``), ``pool`` (string), ``layers`` (list of ints).
+Any other field is ignored. Where a number is given it must be finite and ``>= 0``.
+
+Runs of one ``slow_copies`` factor name each policy once: two records of the same policy and
+factor are an error (average repeated runs, or keep one, before choosing). A slowed run
+(``slow_copies > 1``) only ranks policies by its measured ``ms_per_token`` (``--validate``); its
+``c_ms`` is not used and may be negative (the copy and step timings of a slowed run cover different
+warm-up periods, so their difference can be).
+
+Mistakes are one-line :class:`~expertcache.errors.ConfigError` naming the file, the line (JSON
+lines) or the record number (JSON list, 1-based) and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, PolicyError
+
+MAX_RUNS_BYTES = 1 << 26
+"""A runs file larger than this (64 MiB) is refused: eval writes a few kB per run."""
+
+REQUIRED = ("policy", "c_ms", "rho", "dnll")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured (or replayed) run; see the module docstring for the fields."""
+
+    policy: str
+    c_ms: float
+    rho: float
+    dnll: float
+    tau_ms: float | None = None
+    ms_per_token: float | None = None
+    slow_copies: int = 1
+    needs_future: bool = False
+    capacity: int | None = None
+    pool: str | None = None
+    layers: tuple[int, ...] | None = None
+    lossless: bool | None = None
+    replayed: bool = False
+    where: str = ""
+    """Where the run came from, for messages: ``"runs.jsonl line 3"``, ``"--add-replay t.npz"``."""
+
+
+def read_runs(path: str | Path) -> list[Run]:
+    """The runs in ``path`` (``"-"``: standard input); see the module docstring."""
+    if str(path) == "-":
+        import sys
+
+        return parse_runs(sys.stdin.read(), "<stdin>")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{path}: " + ("is a folder, expected a runs file" if file.is_dir() else "no such file"))
+    if file.stat().st_size > MAX_RUNS_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_RUNS_BYTES:,} bytes; not a runs file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    return parse_runs(text, str(path))
+
+
+def parse_runs(text: str, name: str = "<runs>") -> list[Run]:
+    """Runs from the text of a runs file called ``name`` (used in messages)."""
+    stripped = text.lstrip()
+    if not stripped:
+        raise ConfigError(f"{name}: no runs (expected JSON lines or a JSON list of objects)")
+    if stripped[0] == "[":
+        items = _loads(text, name)
+        if not isinstance(items, list):  # pragma: no cover - a '[' starts a list or fails to parse
+            raise ConfigError(f"{name}: expected a JSON list of objects")
+        located = [(item, f"{name} record {i}") for i, item in enumerate(items, 1)]
+    else:
+        located = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                located.append((_loads(line, name, lineno), f"{name} line {lineno}"))
+    if not located:
+        raise ConfigError(f"{name}: no runs (the list is empty)")
+    runs = [run_from_record(item, where) for item, where in located]
+    check_unique(runs)
+    return runs
+
+
+def _loads(text: str, name: str, lineno: int | None = None) -> Any:
+    at = f" line {lineno}" if lineno is not None else ""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        line = lineno if lineno is not None else exc.lineno
+        raise ConfigError(f"{name} line {line}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # giant integers, nesting deeper than Python parses
+        raise ConfigError(f"{name}{at}: cannot be read as JSON ({type(exc).__name__})") from None
+
+
+def run_from_record(rec: Any, where: str) -> Run:
+    """A :class:`Run` from one decoded record, checked; ``where`` names it in messages."""
+    if not isinstance(rec, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    missing = [f for f in REQUIRED if f not in rec or rec[f] is None]
+    if missing:
+        raise ConfigError(f"{where}: missing field {missing[0]!r} (every run needs {', '.join(REQUIRED)})")
+    policy = rec["policy"]
+    if not isinstance(policy, str) or not policy.strip():
+        raise ConfigError(f"{where}: field 'policy' must be a non-empty string, got {_short(policy)}")
+    slow = rec.get("slow_copies", 1)
+    if slow is None:
+        slow = 1
+    if isinstance(slow, bool) or not isinstance(slow, int) or slow < 1:
+        raise ConfigError(f"{where}: field 'slow_copies' must be an integer >= 1, got {_short(slow)}")
+    c_ms = _number(rec, "c_ms", where, nonnegative=slow == 1)
+    rho = _number(rec, "rho", where)
+    dnll = _number(rec, "dnll", where, nonnegative=False)
+    tau = _optional(rec, "tau_ms", where)
+    ms = _optional(rec, "ms_per_token", where)
+    future = rec.get("needs_future")
+    if future is None:
+        future = _registered_needs_future(policy.strip())
+    elif not isinstance(future, bool):
+        raise ConfigError(f"{where}: field 'needs_future' must be true or false, got {_short(future)}")
+    lossless = rec.get("lossless")
+    if lossless is not None and not isinstance(lossless, bool):
+        raise ConfigError(f"{where}: field 'lossless' must be true or false, got {_short(lossless)}")
+    capacity = rec.get("capacity")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ConfigError(f"{where}: field 'capacity' must be a positive integer, got {_short(capacity)}")
+    pool = rec.get("pool")
+    if pool is not None and not isinstance(pool, str):
+        raise ConfigError(f"{where}: field 'pool' must be a string, got {_short(pool)}")
+    layers = rec.get("layers")
+    if layers is not None:
+        if not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                   for x in layers):
+            raise ConfigError(f"{where}: field 'layers' must be a list of layer ids (integers >= 0)")
+        layers = tuple(layers)
+    return Run(policy.strip(), c_ms, rho, dnll, tau, ms, slow, future, capacity, pool, layers, lossless, where=where)
+
+
+def _number(rec: dict, field: str, where: str, *, nonnegative: bool = True) -> float:
+    value = rec[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: field {field!r} must be a number, got {_short(value)}")
+    try:
+        x = float(value)
+    except OverflowError:  # an integer beyond any float
+        x = math.inf
+    if not math.isfinite(x):
+        raise ConfigError(f"{where}: field {field!r} must be a finite number, got {_short(value)}")
+    if nonnegative and x < 0:
+        raise ConfigError(f"{where}: field {field!r} must be >= 0, got {_short(value)}")
+    return x
+
+
+def _optional(rec: dict, field: str, where: str) -> float | None:
+    """An optional measured number: ``None`` when absent, ``null`` or NaN; else finite and >= 0."""
+    value = rec.get(field)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return _number(rec, field, where)
+
+
+def _registered_needs_future(spec: str) -> bool:
+    from ..policies import make_policy
+
+    try:
+        return bool(make_policy(spec).needs_future)
+    except PolicyError:  # a rule of the live harness only (dwell, static, ...): causal
+        return False
+
+
+def check_unique(runs: list[Run]) -> None:
+    """Each policy at most once per ``slow_copies`` factor, else a one-line error naming both runs."""
+    seen: dict[tuple[str, int], Run] = {}
+    for run in runs:
+        key = (run.policy, run.slow_copies)
+        if key in seen:
+            factor = "" if run.slow_copies == 1 else f" at slow_copies {run.slow_copies}"
+            raise ConfigError(f"{run.where}: policy {run.policy!r}{factor} again (first in {seen[key].where}); "
+                              "give one run per policy and copy factor (average repeated runs first)")
+        seen[key] = run
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, (list, dict)):
+        return f"a JSON {'list' if isinstance(value, list) else 'object'}"
+    text = json.dumps(value) if isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,0 +1,149 @@
+"""Set-holding (lossy) policies: hold a resident set, let the router choose only inside it.
+
+``dwell:k[:w]`` holds the resident set for k tokens, then refills it with the C experts requested
+most in the last w tokens (default w = 8k, the current token included), refreshing every token
+until the window first fills (the eviction paper's warm start). ``static:P`` refreshes every token
+for the first P tokens of a sequence, then keeps the set it has: ``dwell`` with k = infinity and
+w = P. Between refreshes nothing is copied and the router may choose only among resident experts
+(:mod:`.routing` masks the scores of the others before the router's own top-k).
+
+"Requests" in the window counts are the *unrestricted* demand: the experts the router would have
+chosen without the restriction (its own top-k), per token position (the union over a batch's
+rows). A refresh picks the experts with the most requests in the window, ties broken by the most
+recent request, then the smaller id; when fewer than C experts were requested in the window, the
+set keeps its current members (most recently requested first) to fill C. A refresh copies only
+experts not already resident (:math:`|R_{new} \\setminus R_{old}|`), each into the slot of an
+expert leaving the set, or a free slot while the pool is filling. Every pool starts empty at each
+stream, like the lossless rules'.
+
+``dwell:1:1`` refreshes every token to the current token's own demand, so routing is never
+restricted: it is lossless on-demand loading (the paper's exactness check).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import PolicyError
+from ..policies.base import parse_int
+
+HOLDING = ("dwell", "static")
+
+
+@dataclass(frozen=True)
+class HoldingSpec:
+    """A parsed ``dwell:k[:w]`` / ``static:P``; ``hold`` is None for static (never refreshed after the window)."""
+
+    name: str
+    hold: int | None
+    window: int
+    needs_future = False
+
+    @property
+    def spec(self) -> str:
+        return f"static:{self.window}" if self.name == "static" else f"dwell:{self.hold}:{self.window}"
+
+
+def parse_holding(spec) -> HoldingSpec | None:
+    """The set-holding spec ``spec`` names, ``None`` when it names another kind of policy."""
+    if not isinstance(spec, str):
+        return None
+    name, _, arg = spec.partition(":")
+    if name not in HOLDING:
+        return None
+    parts = arg.split(":") if arg else []
+    if name == "static":
+        if len(parts) != 1:
+            raise PolicyError(f"policy static takes one parameter, the prefix length P (static:P), got {spec!r}")
+        return HoldingSpec("static", None, parse_int(parts[0], "static: P", 1, 2**40))
+    if len(parts) not in (1, 2):
+        raise PolicyError(f"policy dwell takes dwell:k or dwell:k:w (k tokens held, window w), got {spec!r}")
+    hold = parse_int(parts[0], "dwell: k", 1, 2**40)
+    window = parse_int(parts[1], "dwell: w", 1, 2**40) if len(parts) == 2 else 8 * hold
+    return HoldingSpec("dwell", hold, window)
+
+
+class SetHolder:
+    """Which experts one layer holds, token by token (see the module docstring)."""
+
+    def __init__(self, spec: HoldingSpec, num_experts: int, capacity: int):
+        self.spec = spec
+        self.E = int(num_experts)
+        self.C = int(min(capacity, num_experts))
+        self.counts = np.zeros(self.E, dtype=np.int64)
+        self.last = np.full(self.E, -1, dtype=np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        self.t = 0
+        self.window: deque[np.ndarray] = deque()
+        self.counts.fill(0)
+        self.last.fill(-1)
+        self.current = np.zeros(0, dtype=np.int64)
+
+    def due(self) -> bool:
+        """Whether the set is refreshed at the current token."""
+        w, k = self.spec.window, self.spec.hold
+        return self.t < w or (k is not None and (self.t - (w - 1)) % k == 0)
+
+    def step(self, demand: np.ndarray) -> np.ndarray | None:
+        """Record token t's unrestricted demand; return the new set when refreshed at t, else None."""
+        demand = np.unique(np.asarray(demand, dtype=np.int64))
+        demand = demand[demand >= 0]
+        self.window.append(demand)
+        self.counts[demand] += 1
+        self.last[demand] = self.t
+        if len(self.window) > self.spec.window:
+            self.counts[self.window.popleft()] -= 1
+        new = self._choose() if self.due() else None
+        if new is not None:
+            self.current = new
+        self.t += 1
+        return new
+
+    def _choose(self) -> np.ndarray:
+        cand = np.flatnonzero(self.counts > 0)
+        order = np.lexsort((cand, -self.last[cand], -self.counts[cand]))
+        chosen = cand[order[: self.C]]
+        if chosen.size < self.C and self.current.size:
+            keep = np.setdiff1d(self.current, chosen)
+            keep = keep[np.lexsort((keep, -self.last[keep]))][: self.C - chosen.size]
+            chosen = np.concatenate([chosen, keep])
+        return np.sort(chosen)
+
+
+class SlotMap:
+    """Expert -> slot for a set-holding layer: a refresh moves entering experts into leaving ones' slots."""
+
+    def __init__(self, num_experts: int, capacity: int):
+        self.slot_of = np.full(num_experts, -1, dtype=np.int64)
+        self.capacity = int(capacity)
+        self.reset()
+
+    def reset(self) -> None:
+        self.slot_of.fill(-1)
+        self.free = list(range(self.capacity - 1, -1, -1))
+
+    def refresh(self, new: np.ndarray) -> tuple[list[tuple[int, int]], int]:
+        """Make ``new`` the resident set: the ``(expert, slot)`` copies and how many evicted a member."""
+        resident = np.flatnonzero(self.slot_of >= 0)
+        leaving = list(np.setdiff1d(resident, new))
+        entering = np.setdiff1d(new, resident)
+        loads, steady = [], 0
+        for e in entering.tolist():
+            if self.free:
+                slot = self.free.pop()
+            else:
+                gone = leaving.pop(0)
+                slot = int(self.slot_of[gone])
+                self.slot_of[gone] = -1
+                steady += 1
+            self.slot_of[e] = slot
+            loads.append((e, slot))
+        for gone in leaving:  # a smaller set than before (not produced by SetHolder): free the rest
+            self.free.append(int(self.slot_of[gone]))
+            self.slot_of[gone] = -1
+        return loads, steady
