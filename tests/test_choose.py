@@ -301,9 +301,12 @@ def test_validate_agreeing_and_disagreeing(tmp_path, capsys):
     path = write(tmp_path, THREE + SLOWED)
     out = run_json(capsys, ["choose", path, "--tolerance", "0.05", "--validate"])
     assert [(v["slow_copies"], v["agree"]) for v in out["validate"]] == [(10, True), (50, False)]
+    assert out["validate"][0]["margin_predicted"] == pytest.approx(12 / 35)
+    assert out["validate"][0]["margin_measured"] == pytest.approx(9 / 36)
     assert main(["choose", path, "--tolerance", "0.05", "--validate"]) == 0
     text = capsys.readouterr().out
-    assert "validate slow_copies 10: predicted C, measured C: agree\n" in text
+    assert ("validate slow_copies 10: predicted C, measured C: agree "
+            "(lead over the runner-up: predicted 34.3%, measured 25.0%)\n") in text  # (47-35)/35, (45-36)/36
     assert "  predicted at tau = 10 x 0.5 = 5 ms; these runs measured 5 ms (10 x the base)\n" in text
     assert "  predicted at tau = 50 x 0.5 = 25 ms\n" in text
     assert "predicted C, measured B: DISAGREE" in text and "left out (no slow_copies 1 run to predict from): X" in text

@@ -46,8 +46,10 @@ where absent), dnll = 0. Rules that need the future are an offline reference, no
 causal cache can run.
 --validate compares, for each slow_copies factor N > 1, the winner predicted at N x tau (from the
 slow_copies 1 runs' c and rho, and their measured tau when they have one) with the measured
-winner (least ms_per_token among those slowed runs); it also prints the tau the slowed runs
-measured, which on a CPU is well below N x tau (repeated copies of a cached expert are cheap). --plot draws dNLL against predicted
+winner (least ms_per_token among those slowed runs), with each winner's lead over the runner-up
+(a disagreement inside run-to-run noise is a tie, not a wrong model); it also prints the tau the
+slowed runs measured, which on a CPU is well below N x tau (repeated copies of a cached expert are
+cheap). --plot draws dNLL against predicted
 tokens/s at tau x1, x10 and x50.
 """
 
@@ -172,7 +174,10 @@ def _print(args, choice, added, skipped, checks, base_tau, n_slow: int) -> None:
         print(f"crossovers: none; {w.policy} is the fastest admissible policy at every tau > 0 ({model})")
     for c in checks:
         verdict = "agree" if c.agree else "DISAGREE"
-        print(f"\nvalidate slow_copies {c.slow_copies}: predicted {c.predicted}, measured {c.measured}: {verdict}")
+        margins = [(what, c.margin(key)) for what, key in (("predicted", "ms_predicted"), ("measured", "ms_measured"))]
+        margin = ", ".join(f"{what} {100 * m:.1f}%" for what, m in margins if m is not None)
+        print(f"\nvalidate slow_copies {c.slow_copies}: predicted {c.predicted}, measured {c.measured}: {verdict}"
+              + (f" (lead over the runner-up: {margin})" if margin else ""))
         base = c.tau_ms / c.slow_copies
         measured = (f"; these runs measured {c.tau_ms_measured:.4g} ms ({c.tau_ms_measured / base:.3g} x the base)"
                     if c.tau_ms_measured is not None and base > 0 else "")

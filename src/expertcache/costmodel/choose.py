@@ -264,9 +264,16 @@ class Check:
     def agree(self) -> bool:
         return self.predicted == self.measured
 
+    def margin(self, key: str) -> float | None:
+        """How much slower the second fastest admissible policy is than the fastest, relative
+        (``key``: ``"ms_predicted"`` or ``"ms_measured"``); None with fewer than two."""
+        ms = sorted(r[key] for r in self.rows if r["admissible"])
+        return (ms[1] - ms[0]) / ms[0] if len(ms) > 1 and ms[0] > 0 else None
+
     def to_dict(self) -> dict:
         return {"slow_copies": self.slow_copies, "tau_ms": self.tau_ms, "tau_ms_measured": self.tau_ms_measured,
                 "predicted": self.predicted, "measured": self.measured, "agree": self.agree,
+                "margin_predicted": self.margin("ms_predicted"), "margin_measured": self.margin("ms_measured"),
                 "policies": self.rows, "unmatched": self.unmatched}
 
 

@@ -129,21 +129,23 @@ class SlotMap:
 
     def refresh(self, new: np.ndarray) -> tuple[list[tuple[int, int]], int]:
         """Make ``new`` the resident set: the ``(expert, slot)`` copies and how many evicted a member."""
-        resident = np.flatnonzero(self.slot_of >= 0)
-        leaving = list(np.setdiff1d(resident, new))
-        entering = np.setdiff1d(new, resident)
+        slot_of = self.slot_of
+        keep = set(new.tolist())
+        leaving = [e for e in np.flatnonzero(slot_of >= 0).tolist() if e not in keep]
         loads, steady = [], 0
-        for e in entering.tolist():
+        for e in new.tolist():
+            if slot_of[e] >= 0:
+                continue
             if self.free:
                 slot = self.free.pop()
             else:
                 gone = leaving.pop(0)
-                slot = int(self.slot_of[gone])
-                self.slot_of[gone] = -1
+                slot = int(slot_of[gone])
+                slot_of[gone] = -1
                 steady += 1
-            self.slot_of[e] = slot
+            slot_of[e] = slot
             loads.append((e, slot))
         for gone in leaving:  # a smaller set than before (not produced by SetHolder): free the rest
-            self.free.append(int(self.slot_of[gone]))
-            self.slot_of[gone] = -1
+            self.free.append(int(slot_of[gone]))
+            slot_of[gone] = -1
         return loads, steady

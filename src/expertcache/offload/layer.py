@@ -301,7 +301,8 @@ class OffloadedLayer:
         rows, k = index.shape
         b = self.rows_per_step if rows % self.rows_per_step == 0 else 1
         n = rows // b
-        demand = index.detach().to("cpu", torch.int64).numpy().reshape(b, n, k).transpose(1, 0, 2).reshape(n, b * k)
+        own = index.detach().to("cpu", torch.int64).numpy()
+        demand = own.reshape(b, n, k).transpose(1, 0, 2).reshape(n, b * k)
         allowed = np.zeros((n, self.pool.num_experts), dtype=bool)
         plan = []
         for t in range(n):
@@ -311,8 +312,10 @@ class OffloadedLayer:
             allowed[t, self.holder.current] = True
             plan.append((loads, steady, self.slot_map.slot_of.copy()))
         self._plan = plan
-        mask = torch.from_numpy(np.tile(allowed, (b, 1)))  # row i * n + t of the forward is position t
-        weights, chosen = self._route(module, logits, mask.to(logits.device))
+        allowed_rows = np.tile(allowed, (b, 1))  # row i * n + t of the forward is position t
+        if allowed_rows[np.arange(rows)[:, None], own].all():
+            return output  # every row's own choice is held: the router's output, untouched
+        weights, chosen = self._route(module, logits, torch.from_numpy(allowed_rows).to(logits.device))
         return (logits, weights, chosen, *tuple(output[3:]))
 
     # -- attachment ---------------------------------------------------------------------------
