@@ -38,15 +38,19 @@ COMMANDS = {
               ("--summary", None)],
     "export": [("--order", ["router", "ascending", "x"]), ("--format", ["csv", "oracle", "x"]), ("--layers", LAYERS),
                ("--out", ["{root}/x.csv", "{root}/no/x.csv", "{root}"])],
+    "choose": [("--tolerance", NUMBERS), ("--tau", DURATIONS), ("--overlap", None), ("--validate", None),
+               ("--add-replay", ["{path}", "{root}/missing.npz", "{root}/good.jsonl", "{root}"]),
+               ("--replay-policy", POLICIES), ("--layers", LAYERS),
+               ("--plot", ["{root}/f.png", "{root}/f.jpg", "{root}/no/f.svg", "{root}"])],
 }
-NEEDS = {"replay": ["-c"], "foresight": ["-c"], "bounds": ["-c"], "export": ["--out"]}
+NEEDS = {"replay": ["-c"], "foresight": ["-c"], "bounds": ["-c"], "export": ["--out"], "choose": ["--tolerance"]}
 
 
 def args_case(rng: random.Random) -> Case:
     arrays, meta = random_trace(rng)
     command = rng.choice(sorted(COMMANDS))
     argv = ["export", "libcachesim"] if command == "export" else [command]
-    argv.append("{path}")
+    argv.append("{root}/" + rng.choice(sorted(RUNS)) if command == "choose" else "{path}")
     options = COMMANDS[command]
     chosen = rng.sample(options, rng.randint(1, min(4, len(options))))
     for name in NEEDS.get(command, []):
@@ -58,7 +62,7 @@ def args_case(rng: random.Random) -> Case:
             argv.append(rng.choice(pool))
     if rng.random() < 0.5:
         argv.append("--json")
-    files = {"t.npz": zip_bytes(trace_members(arrays, meta)), **CONFIGS}
+    files = {"t.npz": zip_bytes(trace_members(arrays, meta)), **CONFIGS, **RUNS}
     return Case("args", " ".join(argv), "any", files, argv=argv)
 
 
@@ -68,4 +72,22 @@ CONFIGS = {  # model configs for --model-config: hostile and valid
     "huge.json": b'{"hidden_size": 99999999999999999999, "intermediate_size": 99999999999, "torch_dtype": "float32"}',
     "good.json": b'{"hidden_size": 2048, "intermediate_size": 1024, "torch_dtype": "bfloat16"}',
     "bad.json": b'\xff\xfe{"hidden_size": true}',
+}
+
+
+_RUN = '{"policy": "%s", "c_ms": %s, "rho": %s, "dnll": %s, "tau_ms": 0.5, "ms_per_token": 30, "slow_copies": %s, "capacity": 4}'
+RUNS = {  # runs files for choose: valid, slowed, and hostile
+    "good.jsonl": "\n".join(_RUN % (p, c, r, d, 1) for p, c, r, d in
+                            [("lru", 20, 9, 0), ("decayed", 21, 8, 0.001), ("dwell:16:128", 20, 2, 0.07)]).encode(),
+    "slowed.jsonl": "\n".join(_RUN % (p, c, r, d, n) for n in (1, 10) for p, c, r, d in
+                              [("lru", 20, 9, 0), ("dwell:4", 20, 2, 0.03)]).encode(),
+    "nan.jsonl": (_RUN % ("lru", "NaN", 1, 0, 1)).encode(),
+    "huge.jsonl": (_RUN % ("lru", "1e999", "9" * 4000, 0, "99999999999999999999")).encode(),
+    "neg.jsonl": (_RUN % ("lru", -1, -2, 0, 0)).encode(),
+    "dup.jsonl": ((_RUN % ("lru", 1, 1, 0, 1)) + "\n" + (_RUN % ("lru", 2, 1, 0, 1))).encode(),
+    "deep.jsonl": b"[" * 100_000 + b"]" * 100_000,
+    "types.jsonl": b'{"policy": 7, "c_ms": "20", "rho": true, "dnll": null}',
+    "empty.jsonl": b"",
+    "binary.jsonl": b"\xff\xfe\x00\x01" * 1000,
+    "list.json": b'[{"policy": "lru", "c_ms": 1, "rho": 1, "dnll": 0}, 3]',
 }
