@@ -102,7 +102,9 @@ def test_group_limited_routers_are_refused_in_one_line():
     with pytest.raises(ConfigError) as err:
         expertcache.offload(model, 4, "dwell:4")
     msg = str(err.value)
-    assert "DeepseekV3TopkRouter" in msg and "group-limited" in msg and "\n" not in msg
+    # transformers 5.24 names the router; 5.17 does not declare DeepSeek-V3's router at all
+    assert ("DeepseekV3TopkRouter" in msg and "group-limited" in msg) or "router is not exposed" in msg
+    assert "\n" not in msg
     assert set(ROUTES) == {"OlmoeTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter"}
 
 
