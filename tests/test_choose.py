@@ -262,7 +262,7 @@ def test_hostile_paths_and_options(tmp_path, capsys):
     assert "does not exist" in one_line_error(capsys, ["choose", path, "--tolerance", "1",
                                                        "--plot", str(tmp_path / "no" / "f.png")])
     for argv in (["--tolerance", "nan"], ["--tolerance", "-1"], ["--tolerance", "1", "--tau", "0"],
-                 ["--tolerance", "1", "--tau", "-1ms"], ["--tolerance", "1", "--tau", "fast"], []):
+                 ["--tolerance", "1", "--tau", "-1ms"], ["--tolerance", "1", "--tau", "fast"]):
         with pytest.raises(SystemExit) as info:
             main(["choose", path] + argv)
         assert info.value.code == 2, argv
@@ -399,3 +399,9 @@ def test_docs_example_prints_what_the_docs_show(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert main(command.split()[1:]) == 0
     assert capsys.readouterr().out == shown
+
+
+def test_tolerance_defaults_to_five_hundredths(capsys):
+    """The issue's `choose runs.jsonl --add-replay T.npz` runs as written: --tolerance defaults to 0.05."""
+    out = run_json(capsys, ["choose", str(EXAMPLE)])
+    assert out["tolerance"] == 0.05

@@ -58,9 +58,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("choose", help="the fastest policy within a quality tolerance, from measured runs",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", metavar="RUNS", help="runs file: JSON lines or a JSON list ('-': standard input)")
-    p.add_argument("--tolerance", type=nonnegative_float, required=True, metavar="NATS",
-                   help="largest dnll a policy may show to be admissible, in nats, e.g. 0.05 (required: how much "
-                        "quality to trade is the deployment's decision)")
+    p.add_argument("--tolerance", type=nonnegative_float, default=0.05, metavar="NATS",
+                   help="largest dnll a policy may show to be admissible, in nats (default 0.05, the issue's "
+                        "example; how much quality to trade is the deployment's decision: set it)")
     p.add_argument("--tau", type=duration, default=None, metavar="DURATION",
                    help="time of one expert copy, e.g. 0.51ms, 510us, 0.00051s (bare number: ms); "
                         "default: the median measured tau_ms of the runs")
