@@ -23,8 +23,8 @@ import torch
 
 from ..errors import ConfigError
 from .loading import resident
-from .model import cache_argument, find_sites, select_sites
-from .passes import model_device, vocab_size
+from .model import cache_argument, find_sites, model_device, select_sites
+from .passes import vocab_size
 from .pool import SlotPool
 from .timing import Stopwatch
 

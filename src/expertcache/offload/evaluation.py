@@ -53,8 +53,8 @@ from .holding import parse_holding
 from ..sim import replay
 from ..trace import Trace
 from .loading import resident
-from .model import find_sites, select_sites
-from .passes import MODES, PassResult, check_sequences, make_batches, model_device, run_pass, vocab_size
+from .model import find_sites, model_device, select_sites
+from .passes import MODES, PassResult, check_sequences, make_batches, run_pass, vocab_size
 from .recorder import Capture
 from .run import OffloadRun
 from .stats import OffloadStats

@@ -110,6 +110,20 @@ def layout_problem(module: torch.nn.Module) -> str | None:
     return None
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model computes: its input embeddings' device, else its first weight outside an
+    experts module (offloaded experts live in host memory), else the CPU."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.device
+    experts = {id(p) for m in model.modules() if is_experts_module(m) for p in m.parameters()}
+    for p in model.parameters():
+        if id(p) not in experts:
+            return p.device
+    return torch.device("cpu")
+
+
 def model_label(model: torch.nn.Module) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     return f"{type(model).__name__} ({model_type})" if model_type else type(model).__name__

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .model import cache_argument
+from .model import cache_argument, model_device
 from .timing import Stopwatch
 
 MODES = ("decode", "forward")
@@ -153,14 +153,3 @@ def vocab_size(model) -> int | None:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     return int(emb.num_embeddings) if emb is not None and hasattr(emb, "num_embeddings") else None
 
-
-def model_device(model) -> torch.device:
-    """Where the model computes: its input embeddings' device (else its first weight's)."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    weight = getattr(emb, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return weight.device
-    try:
-        return next(model.parameters()).device
-    except StopIteration:  # pragma: no cover
-        return torch.device("cpu")

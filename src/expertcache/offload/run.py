@@ -48,7 +48,7 @@ from .holding import parse_holding
 from .layer import PREFETCH, OffloadedLayer, PoolState
 from .pool import SlotPool
 from .routing import route_for
-from .model import ExpertsSite, find_sites, forward_info, model_label, select_sites
+from .model import ExpertsSite, find_sites, forward_info, model_device, model_label, select_sites
 from .stats import LayerStats, Memory, OffloadStats
 
 RESETS = ("sequence", "none")
@@ -102,7 +102,7 @@ class OffloadRun:
         top_k = _top_k(model)
         self.top_k = max(top_k, 1)
         self.prefetch = prefetch
-        self.device = torch.device(device) if device is not None else _model_device(model, self.sites)
+        self.device = torch.device(device) if device is not None else model_device(model)
         if self.capacity < max(top_k, 1):
             raise ConfigError(
                 f"capacity {self.capacity} is below the {top_k} experts one token requests at a layer: "
@@ -379,15 +379,3 @@ def _top_k(model: torch.nn.Module) -> int:
                 return value
     return 1
 
-
-def _model_device(model: torch.nn.Module, sites: list[ExpertsSite]) -> torch.device:
-    """Where the model computes: its input embeddings' device (else its first non-expert weight's)."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    weight = getattr(emb, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return weight.device
-    experts = {id(p) for s in sites for p in (s.experts.gate_up_proj, s.experts.down_proj)}
-    for p in model.parameters():
-        if id(p) not in experts:
-            return p.device
-    return sites[0].experts.gate_up_proj.device
