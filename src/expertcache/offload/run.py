@@ -317,8 +317,6 @@ class OffloadRun:
             for l in self.layers
         ]
         first = self.layers[0]
-        prefetched = {key: sum(getattr(c, key) for c in per_layer) for key in
-                      ("prefetch_copies", "prefetch_hits", "prefetch_wasted", "prefetch_pending")}
         return OffloadStats(
             policy=self.policy.spec, capacity=self.capacity, pool=self.pool, reset=self.reset_mode, warm=0.0,
             layers=list(self.layer_ids), tokens=first.tokens,
@@ -327,10 +325,8 @@ class OffloadRun:
             copies_steady=sum(c.copies_steady for c in per_layer),
             per_layer=per_layer, engine="live", needs_future=self.policy.needs_future,
             device=str(first.pool.device), sequences=max(self._sequences, int(first.tokens > 0)), batch=self._batch,
-            copy_seconds=sum(c.copy_seconds for c in per_layer), expert_bytes=first.pool.expert_bytes,
-            future_mismatches=sum(c.future_mismatches for c in per_layer), prefetch=self.prefetch, **prefetched,
-            slow_copies=self.slow_copies, lossless=self.holding is None,
-            switches=sum(c.switches for c in per_layer), refreshes=sum(c.refreshes for c in per_layer),
+            expert_bytes=first.pool.expert_bytes, prefetch=self.prefetch, slow_copies=self.slow_copies,
+            lossless=self.holding is None,
             memory=self.memory(),
         )
 

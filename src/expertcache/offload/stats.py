@@ -59,19 +59,24 @@ class OffloadStats(ReplayResult):
     device: str = "cpu"
     sequences: int = 0
     batch: int = 1
-    copy_seconds: float = 0.0
     expert_bytes: int = 0
-    future_mismatches: int = 0
     prefetch: str = "none"
     slow_copies: int = 1
     lossless: bool = True
-    switches: int = 0
-    refreshes: int = 0
-    prefetch_copies: int = 0
-    prefetch_hits: int = 0
-    prefetch_wasted: int = 0
-    prefetch_pending: int = 0
     memory: Memory = field(default_factory=Memory)
+
+    def _total(self, name: str):
+        return sum(getattr(c, name) for c in self.per_layer)
+
+    # totals over the offloaded layers, derived from ``per_layer``
+    copy_seconds = property(lambda self: self._total("copy_seconds"))
+    future_mismatches = property(lambda self: self._total("future_mismatches"))
+    switches = property(lambda self: self._total("switches"))
+    refreshes = property(lambda self: self._total("refreshes"))
+    prefetch_copies = property(lambda self: self._total("prefetch_copies"))
+    prefetch_hits = property(lambda self: self._total("prefetch_hits"))
+    prefetch_wasted = property(lambda self: self._total("prefetch_wasted"))
+    prefetch_pending = property(lambda self: self._total("prefetch_pending"))
 
     @property
     def switch_rate(self) -> float:
