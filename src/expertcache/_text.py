@@ -16,3 +16,9 @@ def id_ranges(ids: Sequence[int]) -> str:
         parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
         i = j + 1
     return ",".join(parts)
+
+
+def first_line(exc: BaseException, limit: int | None = None) -> str:
+    """An exception's message as one line (its first, cut to ``limit`` characters), else its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__

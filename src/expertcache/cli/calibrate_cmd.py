@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._text import first_line
 from ..errors import ConfigError
 from .common import add_json, add_layers, emit_json, positive_int
 
@@ -43,7 +44,7 @@ def run(args) -> int:
         from ..offload import load_model
         from ..offload.calibrate import calibrate
     except ImportError as exc:
-        raise ConfigError(str(exc).strip().splitlines()[0]) from None
+        raise ConfigError(first_line(exc)) from None
     model = load_model(args.model, device=args.device, dtype=args.dtype, host_layers=args.layers)
     result = calibrate(model, repeats=args.repeats, tokens=args.tokens, layers=args.layers,
                        slow_copies=args.slow_copies)

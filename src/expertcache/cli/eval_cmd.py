@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .._text import first_line
 from ..errors import ConfigError
 from ..trace.npz import read_npy
 from ..policies import available_policies
@@ -94,8 +95,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     check_out(args.capture, "--capture")
     hf = _import_hf()
-    if not (Path(args.model) / "config.json").is_file():
-        raise ConfigError(f"--model {args.model}: not a checkpoint folder (no config.json)")
+    hf.check_checkpoint(args.model, "--model")
     ids = _read_tokens(args.tokens) if args.tokens else _read_text(args.model, args.text)  # inputs first: cheap
     model = hf.load_model(args.model, device=args.device, dtype=args.dtype, host_layers=args.layers)
     sequences = hf.split_tokens(ids, args.max_len, args.max_sequences)
@@ -165,8 +165,8 @@ def _import_hf():
         from .. import offload
         from ..offload.passes import split_tokens
     except ImportError as exc:
-        raise ConfigError(_first_line(exc)) from None
-    return SimpleNamespace(load_model=offload.load_model, evaluate=offload.evaluate, split_tokens=split_tokens)
+        raise ConfigError(first_line(exc)) from None
+    return SimpleNamespace(check_checkpoint=offload.check_checkpoint, load_model=offload.load_model, evaluate=offload.evaluate, split_tokens=split_tokens)
 
 
 def _read_tokens(path: str) -> np.ndarray:
@@ -185,15 +185,10 @@ def _read_text(model_dir: str, path: str) -> np.ndarray:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
-            f"--text needs a tokenizer saved in {model_dir} ({_first_line(exc)}); without one, pass --tokens ids.npy"
+            f"--text needs a tokenizer saved in {model_dir} ({first_line(exc)}); without one, pass --tokens ids.npy"
         ) from None
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--text {path}: not UTF-8 text (byte {exc.start})") from None
     return np.asarray(tokenizer(text)["input_ids"], dtype=np.int64)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -51,12 +51,13 @@ except ConfigError as exc:  # pragma: no cover - exercised only with another tra
 from .evaluation import Evaluation, ExactnessError, PolicyResult, evaluate  # noqa: E402
 from .experts import IMPLEMENTATION  # noqa: E402
 from .recorder import Capture, capture  # noqa: E402
-from .loading import Offloaded, load_model, load_offloaded  # noqa: E402
+from .loading import Offloaded, check_checkpoint, load_model, load_offloaded  # noqa: E402
 from .run import OffloadRun, offload  # noqa: E402
 from .stats import Memory, OffloadStats  # noqa: E402
 
 __all__ = [
     "IMPLEMENTATION", "TRANSFORMERS_RANGE", "Capture", "Evaluation", "ExactnessError", "Memory", "Offloaded",
+    "check_checkpoint",
     "OffloadRun", "OffloadStats", "PolicyResult", "capture", "evaluate", "find_sites", "load_model",
     "load_offloaded", "offload",
 ]

@@ -21,6 +21,7 @@ from typing import Iterable, Iterator, NamedTuple
 
 import torch
 
+from .._text import first_line
 from ..errors import ConfigError
 from .model import ExpertsSite, find_sites, model_label, require_transformers, select_sites
 from .pool import host_tensor
@@ -43,7 +44,7 @@ def resolve_device(device: "str | torch.device | None") -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device {device!r}: {_first_line(exc)}") from None
+        raise ConfigError(f"device {device!r}: {first_line(exc)}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device}: CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
@@ -67,9 +68,7 @@ def load_model(
     dev = resolve_device(device)
     if dtype not in DTYPES:
         raise ConfigError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"model {path}: not a checkpoint folder (no config.json)")
+    folder = check_checkpoint(path)
     transformers.logging.set_verbosity_error()  # errors reach the user as one line; no loading chatter
     transformers.logging.disable_progress_bar()
     if dev.type == "cuda":
@@ -77,10 +76,18 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ConfigError(f"model {path}: cannot load it ({_first_line(exc)})") from None
+        raise ConfigError(f"model {path}: cannot load it ({first_line(exc)})") from None
     sites = select_sites(find_sites(model), host_layers, model_label(model))
     place(model, sites, dev)
     return model.eval()
+
+
+def check_checkpoint(path: "str | Path", what: str = "model") -> Path:
+    """``path`` as a folder holding a ``config.json``, or a one-line refusal naming it as ``what``."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{what} {path}: not a checkpoint folder (no config.json)")
+    return folder
 
 
 @torch.no_grad()
@@ -143,8 +150,3 @@ def load_offloaded(
     run = OffloadRun(model, capacity, policy, layers, device=dev, **options)
     run.attach()
     return Offloaded(model, run)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

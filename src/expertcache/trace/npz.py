@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._text import first_line
 from ..errors import TraceError
 
 MAX_MEMBERS = 256
@@ -93,7 +94,7 @@ def read_npz(path: Path, src: str | None = None) -> dict[str, np.ndarray]:
         raise
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, NotImplementedError, ValueError,
             RuntimeError, OSError) as exc:
-        raise TraceError(f"{src}: not a readable .npz trace ({_first_line(exc)})") from None
+        raise TraceError(f"{src}: not a readable .npz trace ({first_line(exc, 200)})") from None
 
 
 def read_npy(path: str | os.PathLike, what: str) -> np.ndarray:
@@ -164,7 +165,7 @@ def _header(fh, size: int, where: str):
             raise ValueError(f"unknown format version {version}")
     except (ValueError, SyntaxError, TypeError, EOFError, OverflowError, MemoryError, RecursionError,
             tokenize.TokenError) as exc:  # numpy tokenizes version 1.0 headers: unbalanced brackets
-        raise TraceError(f"{where}: not a valid .npy header ({_first_line(exc)})") from None
+        raise TraceError(f"{where}: not a valid .npy header ({first_line(exc, 200)})") from None
     offset = fh.tell()
     if dtype.hasobject:
         raise TraceError(f"{where}: object (pickled) arrays are not allowed in a trace")
@@ -218,8 +219,3 @@ def _sniff(head: bytes) -> str:
     if all(32 <= b < 127 or b in (9, 10, 13) for b in head):
         return "it looks like text"
     return "unknown content"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
