@@ -53,7 +53,7 @@ from .holding import parse_holding
 from ..sim import replay
 from ..trace import Trace
 from .loading import resident
-from .model import find_sites, model_device, select_sites
+from .model import model_device
 from .passes import MODES, PassResult, check_sequences, make_batches, run_pass, vocab_size
 from .recorder import Capture
 from .run import OffloadRun
@@ -243,7 +243,7 @@ def evaluate(
     # validate capacity, layers, prefetch and model support for every policy before the long reference pass
     options = dict(prefetch=prefetch, device=device, pool=pool, slow_copies=slow_copies)
     probes = [OffloadRun(model, capacity, spec, layers, **options) for spec in specs]
-    sites = select_sites(find_sites(model), probes[0].layer_ids)
+    sites = probes[0].sites
     kind = _reference_kind(reference, sites, device)
     warmup = [b[:, :WARMUP_TOKENS] for b in batches[:1]]
 

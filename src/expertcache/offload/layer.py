@@ -37,7 +37,7 @@ from .experts import SlotView, attach_layer, detach_layer
 from .holding import HoldingSpec, SetHolder, SlotMap
 from .model import ExpertsSite
 from .pool import SlotPool
-from .routing import route_for
+from .routing import Route
 
 PREFETCH = ("none", "next-layer", "oracle")
 
@@ -124,9 +124,10 @@ class OffloadedLayer:
         self._hook = None
         self.clear_counters()
 
-    def hold_sets(self, spec: HoldingSpec) -> None:
-        """Serve this layer with a set-holding policy (see :mod:`.holding`): the router hook decides."""
-        self._route = route_for(self.site.router, self.layer, spec.spec)
+    def hold_sets(self, spec: HoldingSpec, route: Route) -> None:
+        """Serve this layer with a set-holding policy (see :mod:`.holding`): the router hook decides,
+        ``route`` (from :func:`.routing.route_for`) restricts the router's choice."""
+        self._route = route
         self.holder = SetHolder(spec, self.pool.num_experts, self.capacity)
         self.slot_map = SlotMap(self.pool.num_experts, self.pool.capacity)
 

@@ -96,9 +96,8 @@ class OffloadRun:
         self._all_sites = find_sites(model)
         self.sites: list[ExpertsSite] = select_sites(self._all_sites, layers, model_label(model))
         self.layer_ids = [s.layer for s in self.sites]
-        if self.holding:
-            for site in self.sites:
-                route_for(site.router, site.layer, self.holding.spec)  # refuse unsupported routers up front
+        # each held layer's restricted routing, checked here so unsupported routers are refused up front
+        self._routes = {s.layer: route_for(s.router, s.layer, self.holding.spec) for s in self.sites} if self.holding else {}
         top_k = _top_k(model)
         self.top_k = max(top_k, 1)
         self.prefetch = prefetch
@@ -206,7 +205,7 @@ class OffloadRun:
             self._hold(site, slots.host)
             layer = OffloadedLayer(site, state, compute(site), self.top_k)
             if self.holding:
-                layer.hold_sets(self.holding)
+                layer.hold_sets(self.holding, self._routes[site.layer])
             self.layers.append(layer)
 
     def _hold(self, site: ExpertsSite, host) -> None:
