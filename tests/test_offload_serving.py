@@ -169,6 +169,27 @@ def test_batch_union_live_equals_replay(olmoe, policy):
             assert counts(replayed) == counts(stats) and stats.copies_steady > 0
 
 
+def test_batch_command_union_equals_the_live_batch_capture(olmoe):
+    """``expertcache batch`` of b single-row captures = the live harness's batch-b capture, row for row."""
+    from expertcache.trace.batch import batch_union
+
+    x = ids(3, 16, seed=4)
+    with torch.no_grad():
+        with expertcache.capture(olmoe) as batched:
+            olmoe(input_ids=x)
+        singles = []
+        for r in range(3):
+            with expertcache.capture(olmoe) as one:
+                olmoe(input_ids=x[r : r + 1])
+            singles.append(one.trace)
+    live, union = batched.trace, batch_union(singles)
+    assert live.meta["batch"] == 3 and union.meta["batch"] == 3
+    np.testing.assert_array_equal(union.experts, live.experts)
+    np.testing.assert_array_equal(union.seq, live.seq)
+    assert union.extras["batch_rows"].tolist() == [[t, t, t] for t in range(16)]
+    assert counts(replay(union, 6, "lru")) == counts(replay(live, 6, "lru"))
+
+
 def test_batch_union_above_capacity_is_refused_in_one_line(olmoe):
     with torch.no_grad(), expertcache.offload(olmoe, 2):
         with pytest.raises(ConfigError, match=r"a batch of 4 rows requests \d+ distinct experts .* capacity >= 8"):

@@ -160,10 +160,22 @@ def _fmt(v: Any) -> str:
 
 
 def describe(trace: Trace) -> str:
+    rows = f"T={trace.num_tokens} tokens"
+    if "iteration" in trace.extras or "accepted" in trace.extras:  # an engine trace: rows are router passes
+        from ..trace.units import accepted_tokens, iterations
+
+        rows = (f"T={trace.num_tokens} passes ({iterations(trace)} engine iterations, "
+                f"{accepted_tokens(trace)} accepted tokens)")
     return (
-        f"trace {trace.name}: T={trace.num_tokens} tokens in {trace.num_sequences} sequence(s), "
-        f"L={trace.num_layers} layers, k={trace.top_k} of E={trace.num_experts}, phase {trace.meta.get('phase', 'unknown')}"
+        f"trace {trace.name}: {rows} in {trace.num_sequences} sequence(s), "
+        f"L={trace.num_layers} layers, k={_k(trace)} of E={trace.num_experts}, phase {trace.meta.get('phase', 'unknown')}"
     )
+
+
+def _k(trace: Trace) -> str:
+    """The router's k; rows wider than k (speculative or batch unions) say their width too."""
+    k = trace.meta.get("router_top_k")
+    return str(trace.top_k) if not isinstance(k, int) or k == trace.top_k else f"{k} (rows up to {trace.top_k} wide)"
 
 
 def require(cond: bool, message: str) -> None:
@@ -175,5 +187,7 @@ def setup_line(run, what: str) -> str:
     """``run``: a ReplayResult or MissRatioCurve (both carry layers, reset, tokens and warm)."""
     return (
         f"{what}, {len(run.layers)} layer(s), reset at {'each sequence' if run.reset == 'sequence' else 'no point'}, "
-        f"scored tokens {run.tokens}" + (f" (warm fraction {run.warm:g})" if run.warm else "")
+        f"scored tokens {run.tokens}"
+        + (f", scored engine iterations {run.iterations}" if getattr(run, "iterations", 0) not in (0, run.tokens) else "")
+        + (f" (warm fraction {run.warm:g})" if run.warm else "")
     )

@@ -30,6 +30,8 @@ from .common import (
     add_json, add_replay_options, check_out, describe, emit_json, nonnegative_float, open_trace, positive_int, setup_line,
     table,
 )
+from .budget_opts import (add_tier_options, attach_profile, budget_capacities, budget_range, per_unit,
+                          print_budget_sweep)
 from .replay_cmd import future_mark
 from .sizing_opts import add_sizing_options, resolve_sizing
 
@@ -41,9 +43,13 @@ CAPACITIES_HELP = "'LO:HI' or 'LO:HI:STEP' (HI included) or a comma list '8,16,3
 
 def add_parser(sub) -> None:
     p = _command(sub, "sweep", "miss-ratio curves: copies/token and hit rate against capacity", SWEEP_HELP)
-    p.add_argument("--capacities", type=capacity_list, default=None, metavar="SPEC",
-                   help=CAPACITIES_HELP + " (default: every capacity from the widest group to E, or L*E in a "
-                        "global pool; 1,024 evenly spaced ones when there are more)")
+    caps = p.add_mutually_exclusive_group()
+    caps.add_argument("--capacities", type=capacity_list, default=None, metavar="SPEC",
+                      help=CAPACITIES_HELP + " (default: every capacity from the widest group to E, or L*E in a "
+                           "global pool; 1,024 evenly spaced ones when there are more)")
+    caps.add_argument("--budgets", type=budget_range, default=None, metavar="RANGE",
+                      help="byte budgets over all layers instead: '0.5GB:16GB:x2' (doubling), '1GB:4GB:+1GB' or "
+                           "'0.5GB,1GB'; needs --expert-mb (or expert_bytes in the trace meta)")
     p.add_argument("--policy", "-p", action="append", dest="policies", metavar="POLICY",
                    help=POLICY_HELP + " (default: lru and belady)")
     p.add_argument("--replay-lru", action="store_true",
@@ -54,6 +60,7 @@ def add_parser(sub) -> None:
                    help="report, per policy, the smallest swept capacity with copies/token <= Y (Y >= 0); "
                         "with --target-hit-rate both must hold")
     add_replay_options(p)
+    add_tier_options(p)
     add_sizing_options(p)
     _outputs(p, "mrc.png", run_sweep)
 
@@ -203,35 +210,46 @@ def run_sweep(args) -> int:
     targeted = args.target_hit_rate is not None or args.target_copies is not None
     trace = open_trace(args.trace)
     setup = resolve_sizing(args, trace)
-    specs = [make_policy(s).spec for s in (args.policies or ["lru", "belady"])]
-    layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm)
+    policies = [make_policy(s) for s in (args.policies or ["lru", "belady"])]
+    attach_profile(policies, args.profile)
+    specs = [p if getattr(p, "takes_profile", False) else p.spec for p in policies]
+    layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm,
+                          admission=args.admission)
+    capacities, budgets = args.capacities, None
+    if args.budgets is not None:
+        budgets = budget_capacities(args.budgets, layout, setup, lossless=any(p.admits for p in policies))
+        capacities = sorted({c for _, c in budgets})
     lo, hi = capacity_bounds(layout)
-    n_caps = len(args.capacities) if args.capacities else hi - lo + 1
-    units = sum(1 if s == "lru" and not args.replay_lru else n_caps for s in specs)
+    n_caps = len(capacities) if capacities else hi - lo + 1
+    units = sum(1 if p.spec == "lru" and not args.replay_lru else n_caps for p in policies)
     with progress(units, "sweep") as tick:
-        curves = sweep_layout(layout, args.capacities, specs, one_pass=not args.replay_lru, progress=tick)
+        curves = sweep_layout(layout, capacities, specs, one_pass=not args.replay_lru, progress=tick)
     if args.plot:
         from ..report.plots import plot_mrc
 
-        wrote(plot_mrc(curves, args.plot, trace=trace.name))
+        per_cap = None if budgets is None else setup.sizing.expert_bytes * (1 if args.pool == "global" else len(layout.layer_ids))
+        wrote(plot_mrc(curves, args.plot, trace=trace.name, budget_bytes_per_capacity=per_cap))
+    if budgets is not None:
+        return print_budget_sweep(curves, budgets, layout, setup, trace, args)
     targets = [_target_record(c, curve_target(c, target_hit_rate=args.target_hit_rate,
                                                target_copies=args.target_copies), setup, trace.name)
                for c in curves] if targeted else []
     if args.json:
-        emit_json(r.to_dict() | {"trace": trace.name, "method": c.method} | setup.result_record(r)
+        emit_json(r.to_dict() | {"trace": trace.name, "method": c.method, "unit": args.unit} | setup.result_record(r)
                   for c in curves for r in c.results)
         emit_json(targets)
         return 0
     print(describe(trace))
     print(setup_line(curves[0], "capacity = experts " + ("in the global pool" if args.pool == "global" else "per layer")))
     with_gap = [c for c in curves if c.policy not in ("lru", "belady") and c.results[0].gap_recovered is not None]
-    headers = ["capacity"] + [f"{c.policy} {col}" for c in curves for col in ("copies/tok", "hit")]
+    per = "copies/iter" if args.unit == "iteration" else "copies/tok"
+    headers = ["capacity"] + [f"{c.policy} {col}" for c in curves for col in (per, "hit")]
     headers += [f"{c.policy} gap" for c in with_gap]
     rows = []
     for i, cap in enumerate(curves[0].capacities):
         row = [int(cap)]
         for c in curves:
-            row += [c.results[i].copies_per_token, c.results[i].hit_rate]
+            row += [per_unit(c.results[i], args.unit), c.results[i].hit_rate]
         row += [c.results[i].gap_recovered for c in with_gap]
         rows.append(row)
     table(rows, headers)

@@ -45,6 +45,9 @@ COMMAND_MODULES = [
     "choose_cmd",
     "calibrate_cmd",
     "demo_cmd",
+    "batch_cmd",
+    "tier_cmd",
+    "learn_cmd",
 ]
 
 

@@ -6,7 +6,9 @@ import argparse
 
 from ..policies import available_policies, make_policy
 from ..sim import build_layout, fill_gap, replay_layout
-from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, setup_line, table
+from .budget_opts import (add_capacity_or_budget, add_tier_options, attach_profile, budget_capacity, per_unit,
+                          per_unit_header)
+from .common import add_json, add_replay_options, describe, emit_json, open_trace, setup_line, table
 from .sizing_opts import SizingSetup, add_sizing_options, resolve_sizing
 
 HELP = """Replay a trace through eviction policies at one capacity (lossless, demand fetch).
@@ -19,6 +21,12 @@ sequences / scored tokens, hit rate = 1 - misses / requests. With both lru and b
 
 The sizing options turn copies/token into MB/token, GB/s, ms/token, tokens/s and cache memory
 (docs/sizing.md), e.g. --tau 0.51ms --c 20.41ms --expert-mb 12.6.
+
+The tiering paper's options (docs/semantics.md): --budget 12GB with --expert-mb 17.5 gives the
+capacity from bytes (split equally over layers for per-layer pools); -p static pins the top experts
+of the warm window (or of --profile TRACE) and streams every other request (bypass); --admission
+second streams an expert's first request instead of inserting it; --unit iteration divides by
+engine iterations instead of accepted tokens (engine traces with speculative decoding).
 """
 
 
@@ -26,11 +34,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("replay", help="replay a trace through eviction policies", description=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="canonical trace (.npz, or a folder holding routing.npz)")
-    p.add_argument("--capacity", "-c", type=positive_int, required=True, help="experts per pool")
+    add_capacity_or_budget(p)
     p.add_argument("--policy", "-p", action="append", dest="policies", metavar="POLICY",
                    help=f"repeatable; one of {', '.join(available_policies())}, with a parameter as in "
                         "'decayed:0.9', 'foresight:16', 'random:7' (default: lru and belady)")
     add_replay_options(p)
+    add_tier_options(p)
     add_sizing_options(p)
     add_json(p)
     p.set_defaults(func=run)
@@ -40,16 +49,26 @@ def run(args) -> int:
     trace = open_trace(args.trace)
     setup = resolve_sizing(args, trace)
     policies = [make_policy(s) for s in (args.policies or ["lru", "belady"])]
-    layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm)
-    results = [replay_layout(layout, args.capacity, p) for p in policies]
+    attach_profile(policies, args.profile)
+    layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm,
+                          admission=args.admission)
+    capacity, budget = budget_capacity(args, layout, setup)
+    results = [replay_layout(layout, capacity, p) for p in policies]
     fill_gap(results)
+    if budget is not None:
+        for r in results:
+            r.budget = budget.record(layout.pool, len(layout.layer_ids))
     if args.json:
-        emit_json(r.to_dict() | {"trace": trace.name} | setup.result_record(r) for r in results)
+        emit_json(r.to_dict() | {"trace": trace.name, "unit": args.unit} | setup.result_record(r) for r in results)
         return 0
     print(describe(trace))
-    unit = "in the global pool" if args.pool == "global" else "per layer"
-    print(setup_line(results[0], f"capacity {args.capacity} {unit}"))
-    print_results(results, setup)
+    where = "in the global pool" if args.pool == "global" else "per layer"
+    print(setup_line(results[0], f"capacity {capacity} {where}"))
+    if budget is not None:
+        print(budget.describe(layout.pool, len(layout.layer_ids)))
+    if args.admission != "all":
+        print("admission 'second': an expert's first request in each stream is streamed, not inserted")
+    print_results(results, setup, unit=args.unit)
     return 0
 
 
@@ -58,15 +77,17 @@ def future_mark(needs_future: bool) -> str:
     return "yes" if needs_future else ""
 
 
-def print_results(results, setup: SizingSetup | None = None) -> None:
-    """The policy table: copies/token, steady and total copies, hit rate, gap recovered, whether
-    the policy needs the future, and the sizing figures when ``setup`` is active."""
+def print_results(results, setup: SizingSetup | None = None, *, unit: str = "token") -> None:
+    """The policy table: copies per accepted token (or per engine iteration), steady and total
+    copies, hit rate, gap recovered, whether the policy needs the future, and the sizing figures
+    (per accepted token) when ``setup`` is active."""
     setup = setup or SizingSetup()
     if setup.active:
         print(setup.describe())
     rows = [
-        (r.policy, future_mark(r.needs_future), r.copies_per_token, r.copies_steady, r.copies_total, r.hit_rate,
+        (r.policy, future_mark(r.needs_future), per_unit(r, unit), r.copies_steady, r.copies_total, r.hit_rate,
          r.gap_recovered, *setup.result_cells(r))
         for r in results
     ]
-    table(rows, ["policy", "future", "copies/token", "steady", "total", "hit rate", "gap recovered", *setup.headers()])
+    table(rows, ["policy", "future", per_unit_header(unit), "steady", "total", "hit rate", "gap recovered",
+                 *setup.headers()])

@@ -17,6 +17,9 @@ drawn from a power law) or drawing by popularity (Zipf with an exponential tail 
 with depth, drifting by random rank swaps, reshuffled in part per sequence). Presets are
 calibrated to published statistics; 'expertcache synth --list' shows their targets. Any
 parameter can be overridden; the seed makes the output identical on every machine.
+
+'expertcache synth engine-jsonl' writes an engine-iteration routing log with speculative decoding
+instead (see 'expertcache synth engine-jsonl --help').
 """
 
 # Generator parameters with a flag of their own below; the rest get --<name-with-dashes>.
@@ -55,6 +58,9 @@ def add_parser(sub) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=kind, metavar="X", help=help_text)
     add_json(p)
     p.set_defaults(func=run)
+    from .synth_engine import add_parser as add_engine  # 'synth engine-jsonl': a routing log, not a trace
+
+    add_engine(p.add_subparsers(dest="synth_kind", metavar="KIND"))
 
 
 def run(args) -> int:

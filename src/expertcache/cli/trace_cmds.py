@@ -7,10 +7,13 @@ import os
 import sys
 
 from ..errors import ConfigError
+from ..trace import units
 from ..trace.exporters import FORMATS, ORDERS, export_libcachesim
 from ..trace.importers import (
     FORMATS as IMPORT_FORMATS,
+    PASS_KINDS,
     SEQUENCE_MODES,
+    EngineFields,
     JsonlFields,
     TokenFields,
     detect_format,
@@ -33,6 +36,13 @@ formats and their record shapes (default field names; rename with the --*-field 
                  {"problem_id": 0, "token_idx": 17, "experts": [[5, 1], [2, 7]], "layer_ids": [0, 3]}
                  {"problem_id": 0, "token_idx": 17, "experts": {"0": [5, 1], "3": [2, 7]}}
                gate weights ("gating_probs") in the same shape as the experts
+  engine-jsonl one record per engine iteration and layer, speculative decoding, no event tag:
+                 {"seq": 0, "iteration": 17, "layer": 3, "experts": [5, 1]}
+               typed per (seq, iteration): a layer routed once with k ids is a normal pass (1
+               accepted token), with 2k ids an accepted speculation (two positions, 2 tokens); a
+               layer routed twice is a failed speculation (0 tokens) then its fallback pass (k ids,
+               1 token). One trace row per pass, replayed as issued; the extras 'iteration',
+               'accepted' and 'pass_kind' keep both units (docs/importers.md)
   sglang       the torch.save dump SGLang's expert-distribution recorder writes in per_token mode
                (expert_distribution_recorder_<time>_<rank>.pt), or a folder of them; read without
                unpickling; physical expert ids are mapped to logical ones
@@ -55,7 +65,7 @@ and Belady misses equal 'expertcache replay --reset none' copies_total.
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("import", help="import routing logs from other engines (vllm-jsonl, token-jsonl, sglang)",
+    p = sub.add_parser("import", help="import routing logs from other engines (vllm-jsonl, token-jsonl, engine-jsonl, sglang)",
                        description=IMPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                        usage="expertcache import [FORMAT] PATH --out T.npz [options]")
     p.add_argument("source", nargs="+", metavar="[FORMAT] PATH",
@@ -69,14 +79,20 @@ def add_parser(sub) -> None:
                                    "(default decode for the JSONL formats, mixed for sglang)")
     p.add_argument("--drop-incomplete", action="store_true", help="drop tokens that lack some layer")
     p.add_argument("--pad", action="store_true", help="pad id lists shorter than the longest with -1 (default: an error)")
-    d, t = JsonlFields(), TokenFields()
-    g = p.add_argument_group("JSONL field names (vllm-jsonl, token-jsonl)")
-    g.add_argument("--seq-field", help=f"sequence id field (default {d.seq})")
+    d, t, e = JsonlFields(), TokenFields(), EngineFields()
+    g = p.add_argument_group("JSONL field names (vllm-jsonl, token-jsonl, engine-jsonl)")
+    g.add_argument("--seq-field", help=f"sequence id field (default {d.seq}; engine-jsonl: {e.seq}, read when present)")
     g.add_argument("--token-field", help=f"token index field (default {d.token})")
     g.add_argument("--experts-field", help=f"expert ids field (default {d.experts})")
     g.add_argument("--probs-field", help=f"gate weights field, '' for none (default {d.probs}, read when present)")
-    g.add_argument("--layer-field", help=f"vllm-jsonl: layer field (default {d.layer})")
+    g.add_argument("--layer-field", help=f"vllm-jsonl, engine-jsonl: layer field (default {d.layer})")
     g.add_argument("--layers-field", help=f"token-jsonl: layer ids of the per-layer lists (default {t.layers}, read when present)")
+    g = p.add_argument_group("engine-jsonl")
+    g.add_argument("--iteration-field", help=f"engine iteration field (default {e.iteration})")
+    g.add_argument("--top-k", type=positive_int, default=None, metavar="K",
+                   help="the router's k (default: the smallest record width, noted in the trace metadata)")
+    g.add_argument("--expect-tokens", type=positive_int, default=None, metavar="N",
+                   help="every sequence's accepted tokens must add up to N (an error naming the sequence otherwise)")
     g = p.add_argument_group("sglang")
     g.add_argument("--sequences", choices=SEQUENCE_MODES, default=None,
                    help="'positions': a new sequence wherever a position does not follow the previous one; "
@@ -102,9 +118,11 @@ def add_parser(sub) -> None:
 
 
 _APPLIES = {
-    "seq_field": ("vllm-jsonl", "token-jsonl"), "token_field": ("vllm-jsonl", "token-jsonl"),
-    "experts_field": ("vllm-jsonl", "token-jsonl"), "probs_field": ("vllm-jsonl", "token-jsonl"),
-    "layer_field": ("vllm-jsonl",), "layers_field": ("token-jsonl",), "sequences": ("sglang",), "rank": ("sglang",),
+    "seq_field": ("vllm-jsonl", "token-jsonl", "engine-jsonl"), "token_field": ("vllm-jsonl", "token-jsonl"),
+    "experts_field": ("vllm-jsonl", "token-jsonl", "engine-jsonl"), "probs_field": ("vllm-jsonl", "token-jsonl"),
+    "layer_field": ("vllm-jsonl", "engine-jsonl"), "layers_field": ("token-jsonl",), "sequences": ("sglang",),
+    "rank": ("sglang",), "iteration_field": ("engine-jsonl",), "top_k": ("engine-jsonl",),
+    "expect_tokens": ("engine-jsonl",),
 }
 
 
@@ -133,26 +151,37 @@ def _fields(args) -> tuple[JsonlFields, TokenFields]:
             TokenFields(layers=args.layers_field or t.layers, **common))
 
 
+def _engine_fields(args) -> EngineFields:
+    e = EngineFields()
+    return EngineFields(seq=args.seq_field or e.seq, iteration=args.iteration_field or e.iteration,
+                        layer=args.layer_field or e.layer, experts=args.experts_field or e.experts)
+
+
 def run_import(args) -> int:
     fmt, path = _source(args)
     check_out(args.out)
     vllm_fields, token_fields = _fields(args)
+    engine_fields = _engine_fields(args)
     if fmt == "auto":
-        fmt = detect_format(path, vllm_fields=vllm_fields, token_fields=token_fields)
+        fmt = detect_format(path, vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields)
     for name, formats in _APPLIES.items():
         if getattr(args, name) is not None and fmt not in formats:
             raise ConfigError(f"--{name.replace('_', '-')} does not apply to {fmt} (only to {', '.join(formats)})")
-    trace, fmt = import_trace(path, fmt, vllm_fields=vllm_fields, token_fields=token_fields,
+    trace, fmt = import_trace(path, fmt, vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields,
                               num_experts=args.num_experts, drop_incomplete=args.drop_incomplete, pad=args.pad,
-                              model=args.model, phase=args.phase, sequences=args.sequences or "auto", rank=args.rank)
+                              model=args.model, phase=args.phase, sequences=args.sequences or "auto", rank=args.rank,
+                              top_k=args.top_k, expect_tokens=args.expect_tokens)
     trace.save(args.out)
     dropped = trace.meta["validation"]["tokens_dropped"]
+    engine = _engine_summary(trace) if fmt == "engine-jsonl" else {}
     if args.json:
         emit_json([{"out": args.out, "format": fmt, "tokens": trace.num_tokens, "sequences": trace.num_sequences,
                     "layers": trace.layer_ids, "num_layers": trace.num_layers, "top_k": trace.top_k,
-                    "num_experts": trace.num_experts, "tokens_dropped": dropped}])
+                    "num_experts": trace.num_experts, "tokens_dropped": dropped, **engine}])
         return 0
     print(describe(trace) + f" (read as {fmt})")
+    if engine:
+        _print_engine(engine, args.expect_tokens)
     if trace.meta.get("num_experts_inferred"):
         print(f"note: E = {trace.num_experts} inferred from the largest id; pass --num-experts if the model has more", file=sys.stderr)
     if fmt == "sglang" and args.sequences in (None, "auto") and trace.meta["source"]["sequences"] == "stream":
@@ -162,6 +191,33 @@ def run_import(args) -> int:
         print(f"dropped {dropped} token(s) lacking a layer", file=sys.stderr)
     print(f"wrote {args.out}")
     return 0
+
+
+def _engine_summary(trace) -> dict:
+    """The units of an engine-jsonl import (docs/importers.md): rows are passes."""
+    m = trace.meta
+    names = [m["sequence_ids"][str(i)] for i in range(trace.num_sequences)]
+    return {"passes": m["passes"], "iterations": m["iterations"], "accepted_tokens": m["accepted_tokens"],
+            "pass_kinds": m["pass_kinds"], "router_top_k": m["router_top_k"], "top_k_inferred": m["top_k_inferred"],
+            "accepted_per_sequence": [{"sequence": s, "accepted_tokens": int(n)}
+                                      for s, n in zip(names, units.accepted_by_sequence(trace))]}
+
+
+def _print_engine(e: dict, expect: int | None, shown: int = 20) -> None:
+    kinds = ", ".join(f"{e['pass_kinds'][k]} {k}" for k in PASS_KINDS)
+    print(f"{e['passes']} passes (rows: {kinds}) in {e['iterations']} engine iterations; "
+          f"{e['accepted_tokens']} accepted tokens; router k = {e['router_top_k']}")
+    if e["top_k_inferred"]:
+        print(f"note: router k = {e['router_top_k']} inferred as the smallest record width; pass --top-k "
+              "if every record carries two positions", file=sys.stderr)
+    per = e["accepted_per_sequence"]
+    if expect is not None:
+        print(f"every sequence accounts for {expect} accepted tokens (--expect-tokens)")
+        return
+    text = ", ".join(f"{i if r['sequence'] is None else r['sequence']}: {r['accepted_tokens']}"
+                     for i, r in enumerate(per[:shown]))
+    more = f", ... ({len(per)} sequences)" if len(per) > shown else ""
+    print(f"accepted tokens per sequence: {text}{more}")
 
 
 def run_export(args) -> int:

@@ -10,11 +10,15 @@ name               rule (ties: least recently used, then smallest id)
 ``foresight:h``    belady seeing only h tokens ahead; beyond the horizon = farthest
 ``mean-interval``  farthest predicted next request (last use + mean interval)
 ``random[:seed]``  uniformly random, reproducible
+``router-logit``   lowest current router probability (needs router_probs; Python engine)
+``learned:PATH``   highest score of a trained scorer (docs/learn.md; Python engine)
+``static``         pin set with bypass: the top C experts of a profile window, never changed;
+                   other requests are streamed misses (replay only; :mod:`.static`)
 =================  ==========================================================================
 """
 
 from .base import NEVER, Policy, StreamFuture
 from .registry import available_policies, make_policy, register
-from . import belady, decayed, foresight, lfu, lru, mean_interval, randomized  # noqa: F401  (register)
+from . import belady, decayed, foresight, learned, lfu, lru, mean_interval, randomized, router_logit, static  # noqa: F401  (register)
 
 __all__ = ["NEVER", "Policy", "StreamFuture", "available_policies", "make_policy", "register"]

@@ -70,11 +70,24 @@ class Policy:
 
     name: ClassVar[str] = "?"
     needs_future: ClassVar[bool] = False
+    admits: ClassVar[bool] = True
+    """Whether every miss is inserted (the lossless rules). ``False`` for a pin set with bypass
+    (``static``): misses are streamed, the pool never changes, any capacity >= 1 is valid."""
+
+    wants_context: ClassVar[bool] = False
+    """Whether the policy reads the current step's side information (gate weights, router
+    probabilities): the driver then calls :meth:`set_context` with the stream's
+    :class:`~expertcache.policies.context.StreamContext` (or None) before each ``reset``."""
 
     def __init__(self) -> None:
         self.n_items = 0
         self.steps_per_token = 1
         self.future: StreamFuture | None = None
+        self.context = None
+
+    def set_context(self, context) -> None:
+        """Side information of the next stream (read by policies with ``wants_context``)."""
+        self.context = context
 
     # -- construction -------------------------------------------------------------------------
     @classmethod

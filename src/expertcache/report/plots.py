@@ -39,23 +39,29 @@ def policy_label(name: str, needs_future: bool) -> str:
     return f"{name} (needs future)" if needs_future else name
 
 
-def plot_mrc(curves: Sequence, path: str | os.PathLike, *, trace: str) -> Path:
+def plot_mrc(curves: Sequence, path: str | os.PathLike, *, trace: str, budget_bytes_per_capacity: float | None = None) -> Path:
     """Miss-ratio curves (:class:`~expertcache.sim.curves.MissRatioCurve`): steady copies per token
-    (left) and hit rate (right) against capacity, one line per policy."""
+    (left) and hit rate (right) against capacity, one line per policy. With
+    ``budget_bytes_per_capacity`` (bytes one unit of capacity costs over all layers: the expert size,
+    times L for per-layer pools) the x axis is the budget in GB, log2 scale."""
     fmt = plot_format(path)
     fig = _figure(2)
     ax_c, ax_h = fig.axes
     first = curves[0].results[0]
+    scale = None if budget_bytes_per_capacity is None else budget_bytes_per_capacity / 1e9
     for i, curve in enumerate(curves):
         style = dict(color=_color(i), marker="o" if len(curve.results) <= 40 else None, markersize=3, linewidth=1.6)
         label = policy_label(curve.policy, curve.needs_future)
-        ax_c.plot(curve.capacities, curve.copies_per_token, label=label, **style)
-        ax_h.plot(curve.capacities, 100 * curve.hit_rate, label=label, **style)
-    xlabel = _capacity_label(first.pool)
-    ax_c.set(xlabel=xlabel, ylabel="steady copies per token (all layers)", title="Copies per token")
+        x = curve.capacities if scale is None else curve.capacities * scale
+        ax_c.plot(x, curve.copies_per_token, label=label, **style)
+        ax_h.plot(x, 100 * curve.hit_rate, label=label, **style)
+    xlabel = _capacity_label(first.pool) if scale is None else "budget (GB over all layers, log2 scale)"
+    ax_c.set(xlabel=xlabel, ylabel="steady copies per accepted token (all layers)", title="Copies per token")
     ax_h.set(xlabel=xlabel, ylabel="hit rate (% of scored requests)", title="Hit rate")
     ax_c.set_ylim(bottom=0)
     for ax in fig.axes:
+        if scale is not None:
+            ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
         ax.legend(title="policy", fontsize=8)
     caps = curves[0].capacities

@@ -17,9 +17,11 @@ import numpy as np
 from ..errors import ConfigError
 from ..kernels import next_use
 from ..trace import Trace
+from ..trace.units import accepted_per_row, iteration_ids
 
 POOLS = ("layer", "global")
 RESETS = ("sequence", "none")
+ADMISSIONS = ("all", "second")
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,9 +34,19 @@ class StreamLayout:
         starts: int64 ``[S + 1]`` group offsets of the streams.
         n_items: size of the item space (E per-layer, ``L * E`` global).
         steps_per_token: groups per token in one stream (1 per-layer, ``L`` global).
-        token_scored: bool ``[T]`` whether each token is inside the scored window.
+        token_scored: bool ``[T]`` whether each row (token, or router pass of an engine trace) is
+            inside the scored window.
+        row_tokens: int64 ``[T]`` accepted tokens each row stands for (1 unless the trace carries
+            the ``accepted`` extra of an engine trace: :mod:`expertcache.trace.units`).
+        row_starts_iteration: bool ``[T]`` whether each row opens an engine iteration (every row,
+            unless the trace carries the ``iteration`` extra).
         layer_ids: model layer ids of the selected columns.
-        tokens: number of scored tokens (the ``T`` of copies per token).
+        tokens: scored accepted tokens (the ``T`` of copies per token).
+        iterations: scored engine iterations (the denominator of copies per iteration).
+        streamed: int32 ``[G]`` requests of each group served without admission (``admission``
+            other than ``"all"``; they are removed from ``groups`` and count as misses).
+        source, cols: the trace the layout came from and its selected layer columns (side
+            information for policies that read it: :mod:`expertcache.policies.context`).
     """
 
     groups: np.ndarray
@@ -46,6 +58,12 @@ class StreamLayout:
     pool: str
     reset: str
     warm: float
+    row_tokens: np.ndarray | None = None
+    row_starts_iteration: np.ndarray | None = None
+    admission: str = "all"
+    streamed: np.ndarray | None = None
+    source: Trace | None = None
+    cols: np.ndarray | None = None
 
     @property
     def num_streams(self) -> int:
@@ -53,7 +71,15 @@ class StreamLayout:
 
     @property
     def tokens(self) -> int:
-        return int(np.count_nonzero(self.token_scored))
+        if self.row_tokens is None:
+            return int(np.count_nonzero(self.token_scored))
+        return int(self.row_tokens[self.token_scored].sum())
+
+    @property
+    def iterations(self) -> int:
+        if self.row_starts_iteration is None:
+            return int(np.count_nonzero(self.token_scored))
+        return int(np.count_nonzero(self.row_starts_iteration & self.token_scored))
 
     @cached_property
     def next_use(self) -> np.ndarray:
@@ -62,8 +88,15 @@ class StreamLayout:
 
     @cached_property
     def requests(self) -> np.ndarray:
-        """int64 ``[G]``: requests (non-padding ids) of each group."""
-        return np.count_nonzero(self.groups >= 0, axis=1)
+        """int64 ``[G]``: requests of each group: the ids it holds (padding excluded), plus the
+        requests served without admission (:attr:`streamed`)."""
+        held = np.count_nonzero(self.groups >= 0, axis=1)
+        return held if self.streamed is None else held + self.streamed
+
+    @cached_property
+    def widest(self) -> int:
+        """The most items one group asks to hold at once (admitted requests only)."""
+        return int(np.count_nonzero(self.groups >= 0, axis=1).max()) if self.groups.shape[0] else 0
 
     def per_layer(self, x: np.ndarray) -> np.ndarray:
         """Sum a per-group quantity over each layer's scored groups: int64 ``[L]``."""
@@ -84,13 +117,18 @@ def build_layout(
     reset: str = "sequence",
     layers: Iterable[int] | None = None,
     warm: float = 0.0,
+    admission: str = "all",
 ) -> StreamLayout:
     """Lay out ``trace`` as streams.
 
     ``pool``: ``"layer"`` (one pool per layer, default) or ``"global"`` (one pool keyed by
     ``(layer, expert)``; a token visits its layers in order). ``reset``: ``"sequence"`` (every pool
     starts empty at each sequence, default) or ``"none"`` (carry over). ``layers``: layer ids to
-    keep. ``warm``: fraction of each stream's tokens (rounded down) that warms the pool unscored.
+    keep. ``warm``: fraction of each stream's tokens (rounded down) that warms the pool unscored;
+    on an engine trace (``iteration`` extra) the fraction counts engine iterations, so a failed
+    speculation and its fallback pass fall on the same side. ``admission``: ``"all"`` (every miss
+    is inserted: the default, DESIGN section 2) or ``"second"`` (an expert's first request in a
+    stream is streamed without insertion; it is admitted from its second request on).
     """
     if pool not in POOLS:
         raise ConfigError(f"--pool: {pool!r} is not one of {', '.join(POOLS)}")
@@ -98,6 +136,8 @@ def build_layout(
         raise ConfigError(f"--reset: {reset!r} is not one of {', '.join(RESETS)}")
     if not (0.0 <= warm < 1.0):
         raise ConfigError(f"--warm: {warm} is outside [0, 1)")
+    if admission not in ADMISSIONS:
+        raise ConfigError(f"--admission: {admission!r} is not one of {', '.join(ADMISSIONS)}")
     cols = trace.layer_index(layers)
     ex = trace.experts if layers is None else trace.experts[:, cols, :]
     ex = ex.astype(np.int32, copy=False)
@@ -105,10 +145,15 @@ def build_layout(
     E = trace.num_experts
     bounds = trace.seq_bounds if reset == "sequence" else np.array([0, T], dtype=np.int64)
 
+    row_tokens, iter_starts = row_units(trace)
     token_scored = np.ones(T, dtype=bool)
     if warm > 0:
         for a, b in zip(bounds[:-1], bounds[1:]):
-            token_scored[a : a + int(np.floor(warm * (b - a)))] = False
+            if iter_starts is None:
+                token_scored[a : a + int(np.floor(warm * (b - a)))] = False
+            else:  # whole iterations: the first floor(w * n) of the stream's n iterations
+                ordinal = np.cumsum(iter_starts[a:b]) - 1
+                token_scored[a:b] = ordinal >= int(np.floor(warm * (ordinal[-1] + 1 if b > a else 0)))
 
     if pool == "layer":
         groups = np.ascontiguousarray(ex.transpose(1, 0, 2)).reshape(L * T, k)
@@ -119,8 +164,12 @@ def build_layout(
         groups = np.where(ex >= 0, ex + offset, -1).reshape(T * L, k)
         starts = bounds * L
         n_items, spt = L * E, L
+    groups = np.ascontiguousarray(groups, dtype=np.int32)
+    streamed = None
+    if admission == "second":
+        groups, streamed = first_requests_streamed(groups, np.asarray(starts, dtype=np.int64), n_items)
     return StreamLayout(
-        groups=np.ascontiguousarray(groups, dtype=np.int32),
+        groups=groups,
         starts=np.asarray(starts, dtype=np.int64),
         n_items=n_items,
         steps_per_token=spt,
@@ -129,4 +178,43 @@ def build_layout(
         pool=pool,
         reset=reset,
         warm=float(warm),
+        row_tokens=row_tokens,
+        row_starts_iteration=iter_starts,
+        admission=admission,
+        streamed=streamed,
+        source=trace,
+        cols=np.asarray(cols, dtype=np.int64),
     )
+
+
+def row_units(trace: Trace) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(accepted tokens per row, whether each row opens an engine iteration)`` of an engine
+    trace; ``None`` for a trace without the ``accepted`` / ``iteration`` extras (one row = one
+    token = one iteration)."""
+    row_tokens = accepted_per_row(trace) if "accepted" in trace.extras else None
+    starts = None
+    if "iteration" in trace.extras:
+        ids = iteration_ids(trace)
+        starts = np.ones(ids.shape[0], dtype=bool)
+        starts[1:] = ids[1:] != ids[:-1]
+    return row_tokens, starts
+
+
+def first_requests_streamed(groups: np.ndarray, starts: np.ndarray, n_items: int) -> tuple[np.ndarray, np.ndarray]:
+    """Admission ``"second"``: remove every item's first request in each stream from ``groups``
+    (it is streamed, never inserted) and count those per group. Exact for every eviction rule: an
+    item never requested before in its stream cannot be resident, so its first request is a miss
+    whatever the rule, and leaving the cache untouched is what bypass means."""
+    out = groups.copy()
+    streamed = np.zeros(groups.shape[0], dtype=np.int64)
+    for s in range(starts.size - 1):
+        a, b = int(starts[s]), int(starts[s + 1])
+        block = out[a:b]
+        rows, cols = np.nonzero(block >= 0)
+        items = block[rows, cols]
+        # first occurrence of each item within this stream (rows are in step order)
+        _, first = np.unique(items, return_index=True)
+        block[rows[first], cols[first]] = -1
+        np.add.at(streamed, a + rows[first], 1)
+    return out, streamed
+

@@ -5,7 +5,10 @@ Counting, per stream (a pool's life from empty):
 * ``copies_total``: every insertion (= misses);
 * ``copies_steady``: insertions made once the pool is full, i.e. that evict a victim; equal to
   ``max(0, copies_total - C)`` per stream when the whole stream is scored;
-* ``copies_per_token``: ``copies_steady`` summed over layers and streams / scored tokens ``T``;
+* ``copies_per_token``: ``copies_steady`` summed over layers and streams / scored tokens ``T``
+  (accepted tokens on an engine trace: :mod:`expertcache.trace.units`);
+* ``copies_per_iteration``: the same over scored engine iterations (= rows, unless the trace
+  carries the ``iteration`` extra);
 * ``hit_rate``: ``1 - misses / requests`` over the scored window;
 * ``gap_recovered``: ``(steady(lru) - steady(p)) / (steady(lru) - steady(belady))`` when a run
   holds both ``lru`` and ``belady`` (undefined when they tie);
@@ -15,6 +18,10 @@ Counting, per stream (a pool's life from empty):
 
 With a warm fraction ``w`` every count covers only the scored tokens (the last ``1 - w`` of each
 stream); the warm part only fills and warms the pool.
+
+Requests served without insertion -- ``static``'s streamed misses (a pin set with bypass), or an
+expert's first request under ``admission="second"`` -- are misses and steady copies: a copy is
+made, nothing is evicted for it, and no pool fills with it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from ..cache import ExpertCache
 from ..kernels import pool_slots
 from ..errors import ConfigError
 from ..policies import Policy, StreamFuture, make_policy
+from ..policies.context import stream_context
 from ..trace import Trace
 from .layout import StreamLayout, build_layout
 
@@ -71,6 +79,11 @@ class ReplayResult:
     engine: str = "compiled"
     seconds: float = 0.0
     needs_future: bool = False
+    iterations: int = 0
+    admission: str = "all"
+    budget: dict | None = None
+    """``{"budget_bytes", "expert_bytes", "budget_experts"}`` when the capacity came from a byte
+    budget (:class:`~expertcache.sim.budget.Budget`)."""
 
     @property
     def copies_fill(self) -> int:
@@ -79,6 +92,10 @@ class ReplayResult:
     @property
     def copies_per_token(self) -> float:
         return self.copies_steady / self.tokens if self.tokens else float("nan")
+
+    @property
+    def copies_per_iteration(self) -> float:
+        return self.copies_steady / self.iterations if self.iterations else float("nan")
 
     @property
     def hit_rate(self) -> float:
@@ -96,8 +113,12 @@ class ReplayResult:
             "copies_steady": self.copies_steady,
             "copies_fill": self.copies_fill,
             "copies_per_token": self.copies_per_token,
+            "iterations": self.iterations,
+            "copies_per_iteration": self.copies_per_iteration,
             "hit_rate": self.hit_rate,
             "gap_recovered": self.gap_recovered,
+            **(self.budget or {}),
+            "admission": self.admission,
             "pool": self.pool,
             "reset": self.reset,
             "warm": self.warm,
@@ -117,6 +138,7 @@ def replay(
     reset: str = "sequence",
     layers: Iterable[int] | None = None,
     warm: float = 0.0,
+    admission: str = "all",
     engine: str = "auto",
 ) -> ReplayResult:
     """Replay ``trace`` through one policy at ``capacity`` experts per pool.
@@ -124,11 +146,12 @@ def replay(
     ``pool="layer"`` gives each layer its own pool of ``capacity``; ``pool="global"`` shares one
     pool of ``capacity`` ``(layer, expert)`` items among all layers. ``reset="sequence"`` empties
     the pools at each sequence; ``"none"`` carries them over. ``layers`` keeps a subset of layer
-    ids; ``warm`` is the unscored warm fraction of each stream. ``engine``: ``"compiled"`` (the
+    ids; ``warm`` is the unscored warm fraction of each stream; ``admission`` ``"all"`` (default)
+    or ``"second"`` (:func:`~expertcache.sim.layout.build_layout`). ``engine``: ``"compiled"`` (the
     policy's compiled plan), ``"python"`` (the reference :class:`~expertcache.cache.ExpertCache`
     driving the policy object) or ``"auto"`` (compiled when the policy has a plan).
     """
-    layout = build_layout(trace, pool=pool, reset=reset, layers=layers, warm=warm)
+    layout = build_layout(trace, pool=pool, reset=reset, layers=layers, warm=warm, admission=admission)
     return replay_layout(layout, capacity, policy, engine=engine)
 
 
@@ -141,11 +164,12 @@ def replay_many(
     reset: str = "sequence",
     layers: Iterable[int] | None = None,
     warm: float = 0.0,
+    admission: str = "all",
     engine: str = "auto",
 ) -> list[ReplayResult]:
     """Replay several policies on the same streams; fills ``gap_recovered`` when both ``lru`` and
     ``belady`` are among them."""
-    layout = build_layout(trace, pool=pool, reset=reset, layers=layers, warm=warm)
+    layout = build_layout(trace, pool=pool, reset=reset, layers=layers, warm=warm, admission=admission)
     results = [replay_layout(layout, capacity, p, engine=engine) for p in policies]
     fill_gap(results)
     return results
@@ -165,7 +189,7 @@ def replay_layout(layout: StreamLayout, capacity: int, policy: "str | Policy", *
     if engine not in ENGINES:
         raise ConfigError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
     policy = make_policy(policy)
-    capacity = check_capacity(layout, capacity)
+    capacity = check_capacity(layout, capacity) if policy.admits else check_positive(capacity)
     t0 = time.perf_counter()
     plan = policy.plan(layout) if engine != "python" else None
     if plan is None and engine == "compiled":
@@ -186,12 +210,19 @@ def check_capacity(layout: StreamLayout, capacity) -> int:
     """``capacity`` as an int, or a ConfigError if it is not one or cannot hold the widest group."""
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
         raise ConfigError(f"capacity must be an integer, got {capacity!r}")
-    widest = int(layout.requests.max()) if layout.requests.size else 0
+    widest = layout.widest
     if capacity < max(widest, 1):
         raise ConfigError(
             f"capacity {capacity} is below the {widest} experts one token requests at a layer: "
             "they could not all be resident at once"
         )
+    return int(capacity)
+
+
+def check_positive(capacity) -> int:
+    """``capacity`` as a positive int (a pin set with bypass holds any number of experts)."""
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        raise ConfigError(f"capacity must be a positive integer, got {capacity!r}")
     return int(capacity)
 
 
@@ -204,6 +235,8 @@ def _python_loop(layout: StreamLayout, capacity: int, policy: Policy) -> tuple[n
         a, b = layout.starts[s], layout.starts[s + 1]
         groups = layout.groups[a:b]
         future = StreamFuture(groups) if policy.needs_future else None
+        if policy.wants_context:
+            policy.set_context(stream_context(layout, s))
         if cache is None:
             cache = ExpertCache(capacity, policy, layout.n_items, future=future, steps_per_token=layout.steps_per_token)
         else:
@@ -216,6 +249,8 @@ def _python_loop(layout: StreamLayout, capacity: int, policy: Policy) -> tuple[n
 
 
 def _tally(layout, capacity, spec, misses, evictions, engine, seconds) -> ReplayResult:
+    if layout.streamed is not None:  # requests served without insertion: misses, steady copies
+        misses, evictions = misses + layout.streamed, evictions + layout.streamed
     r, m, e = layout.per_layer(layout.requests), layout.per_layer(misses), layout.per_layer(evictions)
     return ReplayResult(
         policy=spec,
@@ -231,4 +266,6 @@ def _tally(layout, capacity, spec, misses, evictions, engine, seconds) -> Replay
         per_layer=[LayerCounts(lid, int(r[i]), int(m[i]), int(e[i])) for i, lid in enumerate(layout.layer_ids)],
         engine=engine,
         seconds=seconds,
+        iterations=layout.iterations,
+        admission=layout.admission,
     )

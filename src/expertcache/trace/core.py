@@ -33,7 +33,7 @@ from .._io import atomic_open
 from .._text import id_ranges
 from ..errors import ConfigError, TraceError
 from .npz import read_npz, resolve_trace_path
-from .validate import MAX_LAYER_ID, MAX_LAYERS, PHASES, build, compact_dtype, parse_meta, seq_bounds
+from .validate import MAX_LAYER_ID, MAX_LAYERS, build, compact_dtype, parse_meta, seq_bounds
 
 CORE_ARRAYS = ("experts", "seq", "probs", "router_probs")
 

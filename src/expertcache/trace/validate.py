@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TraceError
+from .units import UNIT_EXTRAS, check_unit_extra
 
 PHASES = ("decode", "prefill", "teacher-forced", "mixed", "unknown")
 MAX_EXPERTS = 1 << 20
@@ -253,7 +254,10 @@ def _check_float(arr, shape, name, src, mask=None, upper=None) -> np.ndarray:
 
 
 def _check_extra(name: str, arr: np.ndarray, bounds: np.ndarray, T: int, L: int, src: str) -> np.ndarray:
-    """Extras are kept as they are, except the two with a documented meaning (``step``, ``aligned``)."""
+    """Extras are kept as they are, except those with a documented meaning (``step``, ``aligned``,
+    and the engine units ``iteration``, ``accepted``, ``pass_kind``: :mod:`.units`)."""
+    if name in UNIT_EXTRAS:
+        return check_unit_extra(name, arr, bounds, T, src)
     if name == "step":
         if arr.shape != (T,) or arr.dtype.kind not in "iu":
             raise TraceError(f"{src}: step: expected integer shape ({T},), got {arr.dtype} {arr.shape}")

@@ -58,6 +58,8 @@ class MissRatioCurve:
     engine: str = "compiled"
     gap_recovered: np.ndarray | None = None
     needs_future: bool = False
+    iterations: int = 0
+    admission: str = "all"
 
     @classmethod
     def from_results(cls, policy: str, results: Sequence[ReplayResult], seconds: float) -> "MissRatioCurve":
@@ -70,6 +72,7 @@ class MissRatioCurve:
             layer_copies_steady=np.array([[c.copies_steady for c in r.per_layer] for r in results], dtype=np.int64),
             tokens=r0.tokens, layers=list(r0.layers), pool=r0.pool, reset=r0.reset, warm=r0.warm,
             method="replay", seconds=seconds, engine=r0.engine, needs_future=r0.needs_future,
+            iterations=r0.iterations, admission=r0.admission,
         )
 
     @property
@@ -109,6 +112,7 @@ class MissRatioCurve:
                 ],
                 gap_recovered=None if gap is None or np.isnan(gap[i]) else float(gap[i]),
                 engine=self.engine, seconds=self.seconds / self.capacities.size, needs_future=self.needs_future,
+                iterations=self.iterations, admission=self.admission,
             )
             for i, c in enumerate(self.capacities)
         ]
@@ -123,7 +127,7 @@ class MissRatioCurve:
 
 def capacity_bounds(layout: StreamLayout) -> tuple[int, int]:
     """``(lowest, highest)`` capacities worth sweeping: the widest group and ``n_items``."""
-    widest = int(layout.requests.max()) if layout.requests.size else 1
+    widest = layout.widest
     return max(widest, 1), max(int(layout.n_items), widest, 1)
 
 
@@ -136,6 +140,7 @@ def sweep(
     reset: str = "sequence",
     layers: Iterable[int] | None = None,
     warm: float = 0.0,
+    admission: str = "all",
     engine: str = "auto",
     one_pass: bool = True,
     progress: Progress | None = None,
@@ -148,7 +153,7 @@ def sweep(
     ``one_pass=False`` to replay it at each capacity instead. When both ``lru`` and ``belady`` are
     swept, every curve carries ``gap_recovered`` at each capacity (as :func:`~expertcache.sim.fill_gap`).
     """
-    layout = build_layout(trace, pool=pool, reset=reset, layers=layers, warm=warm)
+    layout = build_layout(trace, pool=pool, reset=reset, layers=layers, warm=warm, admission=admission)
     return sweep_layout(layout, capacities, policies, engine=engine, one_pass=one_pass, progress=progress)
 
 
@@ -194,10 +199,14 @@ def lru_curve(layout: StreamLayout, capacities: Iterable[int] | None = None) -> 
     beyond = requests[:, None] - np.cumsum(depth, axis=1)  # [:, c]: requests of finite depth > c
     misses = (beyond[:, col] + depth[:, :1]).T  # [n, L]; depth[:, 0] = first requests
     steady = misses - np.cumsum(first, axis=1)[:, col].T  # minus the fill among the first c items
+    if layout.streamed is not None:  # first requests served without insertion (admission "second")
+        streamed = layout.per_layer(layout.streamed)
+        requests, misses, steady = requests + streamed, misses + streamed[None, :], steady + streamed[None, :]
     return MissRatioCurve(
         policy="lru", capacities=caps, layer_requests=requests, layer_copies_total=misses,
         layer_copies_steady=steady, tokens=layout.tokens, layers=list(layout.layer_ids), pool=layout.pool,
         reset=layout.reset, warm=layout.warm, method="stack", seconds=time.perf_counter() - t0, engine="stack",
+        iterations=layout.iterations, admission=layout.admission,
     )
 
 

@@ -5,6 +5,7 @@ format         input                                               module
 =============  ==================================================  ===========================
 vllm-jsonl     JSONL, one record per (sequence, token, layer)      :mod:`.vllm`
 token-jsonl    JSONL, one record per (sequence, token)             :mod:`.per_token`
+engine-jsonl   JSONL, one record per (iteration, layer) event      :mod:`.engine` (:mod:`.engine_passes`)
 sglang         SGLang's per-token expert-distribution dump (.pt)   :mod:`.sglang` (:mod:`.torchzip`)
 =============  ==================================================  ===========================
 
@@ -15,6 +16,8 @@ and line (or record) and the field. Nothing here unpickles or imports torch.
 """
 
 from .detect import DEFAULT_PHASE, FORMATS, detect_format, import_trace, shapes
+from .engine import EngineFields, import_engine_jsonl
+from .engine_passes import PASS_KINDS, EngineRecord, TypedPass, TypedPasses, pass_arrays, type_passes
 from .per_token import TokenFields, import_token_jsonl
 from .records import MAX_LINE_BYTES
 from .sglang import SEQUENCE_MODES, import_sglang
@@ -27,14 +30,22 @@ __all__ = [
     "FORMATS",
     "MAX_EXPERTS",
     "MAX_LINE_BYTES",
+    "PASS_KINDS",
     "SEQUENCE_MODES",
+    "EngineFields",
+    "EngineRecord",
     "JsonlFields",
     "TokenFields",
+    "TypedPass",
+    "TypedPasses",
     "detect_format",
+    "import_engine_jsonl",
     "import_sglang",
     "import_token_jsonl",
     "import_trace",
     "import_vllm_jsonl",
+    "pass_arrays",
     "read_torch_save",
     "shapes",
+    "type_passes",
 ]

@@ -4,8 +4,9 @@ one entry point, :func:`import_trace`, for every format.
 Rules: a folder or a zip archive holding ``data.pkl`` (a ``torch.save`` file) is ``sglang``;
 otherwise the first :data:`PROBE` records decide (after gzip/zstd decompression): an experts
 field holding a flat id list next to a layer field is ``vllm-jsonl``; one holding a list of id
-lists, or an object keyed by layer, is ``token-jsonl``. The probed records must agree; a file
-that fits no shape is a one-line error listing the shapes known.
+lists, or an object keyed by layer, is ``token-jsonl``; a flat id list next to a layer field and
+an iteration field, without a token field, is ``engine-jsonl``. The probed records must agree; a
+file that fits no shape is a one-line error listing the shapes known.
 """
 
 from __future__ import annotations
@@ -17,35 +18,39 @@ from pathlib import Path
 
 from ...errors import ConfigError, TraceError
 from ..core import Trace
+from .engine import EngineFields, import_engine_jsonl
 from .per_token import TokenFields, import_token_jsonl
 from .records import ZIP_MAGIC, iter_lines, open_regular, parse_record
 from .sglang import import_sglang
 from .vllm import JsonlFields, import_vllm_jsonl
 
-FORMATS = ("vllm-jsonl", "token-jsonl", "sglang")
+FORMATS = ("vllm-jsonl", "token-jsonl", "engine-jsonl", "sglang")
 PROBE = 8
-DEFAULT_PHASE = {"vllm-jsonl": "decode", "token-jsonl": "decode", "sglang": "mixed"}
+DEFAULT_PHASE = {"vllm-jsonl": "decode", "token-jsonl": "decode", "engine-jsonl": "decode", "sglang": "mixed"}
 
 
-def shapes(vf: JsonlFields = JsonlFields(), tf: TokenFields = TokenFields()) -> dict[str, str]:
+def shapes(vf: JsonlFields = JsonlFields(), tf: TokenFields = TokenFields(),
+           ef: EngineFields = EngineFields()) -> dict[str, str]:
     """One line per format: the record shape it reads, with the field names in force."""
     return {
         "vllm-jsonl": f"one JSON record per token and layer: {vf.seq}/{vf.layer}/{vf.token}/{vf.experts} with a flat id list",
         "token-jsonl": f"one JSON record per token: {tf.seq}/{tf.token}/{tf.experts} holding a list of id lists "
                        "or an object keyed by layer",
+        "engine-jsonl": f"one JSON record per engine iteration and layer: {ef.iteration}/{ef.layer}/{ef.experts} "
+                        f"with a flat id list and no {vf.token} (speculative decoding)",
         "sglang": "a torch.save dump of SGLang's expert-distribution recorder in per_token mode, or a folder of them",
     }
 
 
-def _fits_none(src: str, why: str, vf: JsonlFields, tf: TokenFields) -> TraceError:
-    known = ", ".join(f"{name} ({text})" for name, text in shapes(vf, tf).items())
+def _fits_none(src: str, why: str, vf: JsonlFields, tf: TokenFields, ef: EngineFields = EngineFields()) -> TraceError:
+    known = ", ".join(f"{name} ({text})" for name, text in shapes(vf, tf, ef).items())
     return TraceError(f"{src}: {why}; fits none of: {known}")
 
 
 def detect_format(path: str | os.PathLike, *, vllm_fields: JsonlFields = JsonlFields(),
-                  token_fields: TokenFields = TokenFields()) -> str:
+                  token_fields: TokenFields = TokenFields(), engine_fields: EngineFields = EngineFields()) -> str:
     """The format name of ``path`` (see the module rules)."""
-    src, vf, tf = str(path), vllm_fields, token_fields
+    src, vf, tf, ef = str(path), vllm_fields, token_fields, engine_fields
     if Path(path).is_dir():
         return "sglang"
     with open_regular(path) as fh:
@@ -57,7 +62,7 @@ def detect_format(path: str | os.PathLike, *, vllm_fields: JsonlFields = JsonlFi
                 names = []
             if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
                 return "sglang"
-            raise _fits_none(src, "a zip archive without data.pkl", vf, tf)
+            raise _fits_none(src, "a zip archive without data.pkl", vf, tf, ef)
     found: list[tuple[str, str]] = []
     with contextlib.closing(iter_lines(path)) as lines:
         for lineno, body in lines:
@@ -69,10 +74,10 @@ def detect_format(path: str | os.PathLike, *, vllm_fields: JsonlFields = JsonlFi
             except TraceError as exc:
                 if found:
                     raise
-                raise _fits_none(src, f"line {lineno} is no JSON record ({str(exc)[len(where) + 2:]})", vf, tf) from None
-            shape = _shape(rec, vf, tf)
+                raise _fits_none(src, f"line {lineno} is no JSON record ({str(exc)[len(where) + 2:]})", vf, tf, ef) from None
+            shape = _shape(rec, vf, tf, ef)
             if shape is None:
-                raise _fits_none(where, "this record has no known shape", vf, tf)
+                raise _fits_none(where, "this record has no known shape", vf, tf, ef)
             if found and shape != found[0][1]:
                 raise TraceError(f"{where}: a {shape} record, but {found[0][0]} is a {found[0][1]} record (one shape per file)")
             found.append((where, shape))
@@ -83,10 +88,14 @@ def detect_format(path: str | os.PathLike, *, vllm_fields: JsonlFields = JsonlFi
     return found[0][1]
 
 
-def _shape(rec: dict, vf: JsonlFields, tf: TokenFields) -> str | None:
+def _shape(rec: dict, vf: JsonlFields, tf: TokenFields, ef: EngineFields = EngineFields()) -> str | None:
     ex = rec.get(tf.experts)
     if isinstance(ex, dict) or (isinstance(ex, list) and ex and all(isinstance(x, list) for x in ex)):
         return "token-jsonl"
+    ex = rec.get(ef.experts)
+    if (ef.layer in rec and ef.iteration in rec and vf.token not in rec and isinstance(ex, list)
+            and not any(isinstance(x, (list, dict)) for x in ex)):
+        return "engine-jsonl"
     ex = rec.get(vf.experts)
     if vf.layer in rec and isinstance(ex, list) and not any(isinstance(x, (list, dict)) for x in ex):
         return "vllm-jsonl"
@@ -99,6 +108,7 @@ def import_trace(
     *,
     vllm_fields: JsonlFields = JsonlFields(),
     token_fields: TokenFields = TokenFields(),
+    engine_fields: EngineFields = EngineFields(),
     num_experts: int | None = None,
     drop_incomplete: bool = False,
     pad: bool = False,
@@ -106,14 +116,23 @@ def import_trace(
     phase: str | None = None,
     sequences: str = "auto",
     rank: int | None = None,
+    top_k: int | None = None,
+    expect_tokens: int | None = None,
 ) -> tuple[Trace, str]:
     """Import ``path`` in format ``fmt`` (``'auto'``: :func:`detect_format`); returns the trace and
     the format read. ``phase`` defaults to decode for the JSONL formats, mixed for sglang;
-    ``sequences`` and ``rank`` apply to sglang only."""
+    ``sequences`` and ``rank`` apply to sglang only; ``top_k`` and ``expect_tokens`` to
+    engine-jsonl only (which takes neither ``pad`` nor ``drop_incomplete``)."""
     if fmt == "auto":
-        fmt = detect_format(path, vllm_fields=vllm_fields, token_fields=token_fields)
+        fmt = detect_format(path, vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields)
     if fmt not in FORMATS:
         raise ConfigError(f"--format: {fmt!r} is not one of auto, {', '.join(FORMATS)}")
+    if fmt == "engine-jsonl":
+        if pad or drop_incomplete:
+            raise ConfigError(f"--{'pad' if pad else 'drop-incomplete'} does not apply to engine-jsonl "
+                              "(its typing needs every record)")
+        return import_engine_jsonl(path, fields=engine_fields, num_experts=num_experts, top_k=top_k,
+                                   expect_tokens=expect_tokens, model=model, phase=phase or DEFAULT_PHASE[fmt]), fmt
     common = dict(num_experts=num_experts, drop_incomplete=drop_incomplete, pad=pad, model=model,
                   phase=phase or DEFAULT_PHASE[fmt])
     if fmt == "vllm-jsonl":

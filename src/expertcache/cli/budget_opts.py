@@ -1,0 +1,140 @@
+"""Options of the tiering paper's trace side, shared by ``replay`` and ``sweep``.
+
+``--budget BYTES`` / ``--budgets RANGE`` (a capacity from a byte budget and the expert size:
+:mod:`expertcache.sim.budget`), ``--profile TRACE`` (the off-domain frequency table of ``static``),
+``--admission all|second`` and ``--unit token|iteration`` (the unit of the per-x column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from .._units import format_bytes, parse_byte_range, parse_bytes
+from ..errors import ConfigError
+from ..sim.budget import Budget
+from ..sim.layout import ADMISSIONS
+from .common import open_trace, positive_int
+
+UNITS = ("token", "iteration")
+
+
+def _arg(parse, text: str):
+    try:
+        return parse(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1]) from None
+
+
+budget_bytes = functools.partial(_arg, lambda t: parse_bytes(t, "--budget"))
+budget_range = functools.partial(_arg, lambda t: parse_byte_range(t, "--budgets"))
+
+
+def add_capacity_or_budget(p: argparse.ArgumentParser) -> None:
+    """``--capacity C`` or ``--budget BYTES`` (exactly one)."""
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--capacity", "-c", type=positive_int, help="experts per pool")
+    g.add_argument("--budget", type=budget_bytes, metavar="BYTES",
+                   help="memory for experts over all layers, e.g. 12GB (decimal; GiB binary): floor(B / expert size) "
+                        "experts, split equally over the layers for per-layer pools; needs --expert-mb or the trace "
+                        "meta's expert_bytes")
+
+
+def add_tier_options(p: argparse.ArgumentParser) -> None:
+    """``--profile``, ``--admission`` and ``--unit``."""
+    p.add_argument("--profile", metavar="TRACE", default=None,
+                   help="static's frequency table from this whole trace (off-domain) instead of the warm window")
+    p.add_argument("--admission", choices=ADMISSIONS, default="all",
+                   help="lossless rules: 'all' inserts every miss (default, the tiering paper's Rule 1); 'second' "
+                        "streams an expert's first request in a stream and admits it from its second on")
+    p.add_argument("--unit", choices=UNITS, default="token",
+                   help="denominator of the per-x column: accepted tokens (default) or engine iterations "
+                        "(they differ on engine traces with speculative decoding; docs/semantics.md)")
+
+
+def expert_bytes(setup, option: str) -> int:
+    """The expert size a byte budget divides by (``--expert-mb``, ``--model-config`` or the trace meta)."""
+    S = setup.sizing.expert_bytes
+    if S is None:
+        raise ConfigError(f"{option} needs the size of one expert: give --expert-mb MB (or --model-config, "
+                          "or a trace whose meta has expert_bytes)")
+    return int(S)
+
+
+def budget_capacity(args, layout, setup) -> tuple[int, Budget | None]:
+    """``(capacity per pool, the Budget or None)`` from ``--capacity`` or ``--budget``."""
+    if getattr(args, "budget", None) is None:
+        return args.capacity, None
+    budget = Budget(args.budget, expert_bytes(setup, "--budget"))
+    return budget.capacity(layout.pool, len(layout.layer_ids)), budget
+
+
+def budget_capacities(budgets: list[int], layout, setup, *, lossless: bool) -> list[tuple[int, int]]:
+    """``[(budget bytes, capacity per pool)]`` for ``--budgets``; a lossless rule needs each capacity
+    to hold the widest group."""
+    S = expert_bytes(setup, "--budgets")
+    L = len(layout.layer_ids)
+    out = [(b, Budget(b, S).capacity(layout.pool, L)) for b in budgets]
+    if lossless:
+        low = [(b, c) for b, c in out if c < layout.widest]
+        if low:
+            b, c = low[-1]
+            per = "" if layout.pool == "global" else " per layer"
+            raise ConfigError(f"--budgets: {format_bytes(b)} holds {c} experts{per}, fewer than the {layout.widest} "
+                              "one step requests at a layer (a lossless rule needs them resident at once): "
+                              "start the range higher")
+    return out
+
+
+def attach_profile(policies, path: str | None) -> None:
+    """Give ``--profile``'s trace to every policy that takes one (``static``); refuse it when none does."""
+    if path is None:
+        return
+    takers = [p for p in policies if getattr(p, "takes_profile", False)]
+    if not takers:
+        raise ConfigError("--profile: it is the frequency table of -p static, and no static policy is given")
+    profile = open_trace(path)
+    for p in takers:
+        p.use_profile(profile)
+
+
+def per_unit(r, unit: str) -> float:
+    """Copies per accepted token or per engine iteration."""
+    return r.copies_per_iteration if unit == "iteration" else r.copies_per_token
+
+
+def per_unit_header(unit: str) -> str:
+    return "copies/iter" if unit == "iteration" else "copies/token"
+
+
+def print_budget_sweep(curves, budgets, layout, setup, trace, args) -> int:
+    """``sweep --budgets``: one row per budget (bytes, capacity per pool), hit rate and copies per
+    unit per policy; ``--json``: one replay record per (budget, policy) with the budget fields."""
+    from .common import describe, emit_json, setup_line, table
+
+    if args.target_hit_rate is not None or args.target_copies is not None:
+        raise ConfigError("--target-hit-rate/--target-copies work on --capacities; with --budgets read the table")
+    L = len(layout.layer_ids)
+    S = expert_bytes(setup, "--budgets")
+    rows, records = [], []
+    for b, cap in budgets:
+        budget = Budget(b, S)
+        row = [b / 1e9, cap]
+        for c in curves:
+            r = c.at(cap)
+            row += [r.hit_rate, per_unit(r, args.unit)]
+            records.append(r.to_dict() | budget.record(layout.pool, L)
+                           | {"trace": trace.name, "method": c.method, "unit": args.unit} | setup.result_record(r))
+        rows.append(row)
+    if args.json:
+        emit_json(records)
+        return 0
+    print(describe(trace))
+    where = "capacity = experts in the global pool" if layout.pool == "global" else "capacity = experts per layer"
+    print(setup_line(curves[0], f"budget over all layers / {format_bytes(S)} per expert, {where}"))
+    headers = ["budget GB", "capacity"]
+    for c in curves:
+        mark = " (future)" if c.needs_future else ""
+        headers += [f"{c.policy}{mark} hit", f"{c.policy} {per_unit_header(args.unit)}"]
+    table(rows, headers)
+    return 0

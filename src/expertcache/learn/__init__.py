@@ -1,0 +1,2 @@
+"""Learned eviction: causal features, farthest-future labels, scorers and the held-out protocol
+(docs/learn.md)."""

@@ -1,0 +1,120 @@
+"""The scorer file: a small ``.npz`` (no pickle) read back by ``learned:PATH``.
+
+Fields: ``format_version`` (int, :data:`FORMAT_VERSION`), ``kind`` (``linear`` or ``mlp``),
+``features`` (feature names, :data:`expertcache.learn.features.FEATURES`), ``mean`` and ``scale``
+(the normalisation, one value per feature), ``w0``.. (the weights, shapes as in
+:class:`~expertcache.learn.models.Scorer`) and ``meta`` (a JSON string: how it was trained).
+Loading validates every field; any problem is one :class:`~expertcache.errors.ConfigError` line
+naming the file and the field. Each array is size-checked before it is read (bounded memory).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from .._io import atomic_open
+from ..errors import ConfigError
+from .features import FEATURES
+from .models import KINDS, Scorer
+
+FORMAT_VERSION = 1
+MAX_FIELD_BYTES = 16 << 20
+N_WEIGHTS = {"linear": 1, "mlp": 3}
+
+
+def save_scorer(scorer: Scorer, path, option: str = "--out") -> Path:
+    arrays = {
+        "format_version": np.array(FORMAT_VERSION, dtype=np.int64),
+        "kind": np.array(scorer.kind),
+        "features": np.array(list(scorer.features), dtype=str),
+        "mean": np.asarray(scorer.mean, dtype=np.float64),
+        "scale": np.asarray(scorer.scale, dtype=np.float64),
+        "meta": np.array(json.dumps(scorer.meta, sort_keys=True)),
+    }
+    for i, w in enumerate(scorer.weights):
+        arrays[f"w{i}"] = np.asarray(w, dtype=np.float64)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    with atomic_open(path, "wb", option=option) as fh:
+        fh.write(buf.getvalue())
+    return Path(path)
+
+
+def load_scorer(path) -> Scorer:
+    """Read and validate a scorer file (ConfigError naming the file and field on any problem)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"scorer {p}: no such file")
+    try:
+        npz = np.load(p, allow_pickle=False)
+    except Exception as err:  # truncated, not a zip, not numpy
+        raise ConfigError(f"scorer {p}: not a scorer file ({type(err).__name__}: {err})") from None
+    with npz:
+        def field(name: str, **kw) -> np.ndarray:
+            if name not in npz.files:
+                raise ConfigError(f"scorer {p}: field {name!r} is missing")
+            try:
+                info = npz.zip.getinfo(f"{name}.npy")
+                if info.file_size > MAX_FIELD_BYTES:
+                    raise ConfigError(f"scorer {p}: field {name!r} is {info.file_size} bytes (a scorer is small)")
+                return npz[name]
+            except ConfigError:
+                raise
+            except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as err:
+                raise ConfigError(f"scorer {p}: field {name!r} cannot be read ({err})") from None
+
+        version = field("format_version")
+        if version.shape != () or version.dtype.kind not in "iu":
+            raise ConfigError(f"scorer {p}: field 'format_version' is not an integer")
+        if int(version) != FORMAT_VERSION:
+            raise ConfigError(f"scorer {p}: field 'format_version' is {int(version)}; this expertcache reads "
+                              f"version {FORMAT_VERSION}")
+        kind = str(_text(field("kind"), p, "kind"))
+        if kind not in KINDS:
+            raise ConfigError(f"scorer {p}: field 'kind' is {kind!r}, expected one of {', '.join(KINDS)}")
+        feats = field("features")
+        if feats.ndim != 1 or feats.dtype.kind != "U" or feats.size == 0:
+            raise ConfigError(f"scorer {p}: field 'features' must be a non-empty list of names")
+        for name in feats:
+            if str(name) not in FEATURES:
+                raise ConfigError(f"scorer {p}: field 'features' names unknown feature {str(name)[:40]!r}")
+        F = feats.size
+        mean, scale = _floats(field("mean"), p, "mean", (F,)), _floats(field("scale"), p, "scale", (F,))
+        if np.any(scale <= 0):
+            raise ConfigError(f"scorer {p}: field 'scale' must be positive")
+        if kind == "linear":
+            weights = [_floats(field("w0"), p, "w0", (F,))]
+        else:
+            W1 = _floats(field("w0"), p, "w0", None)
+            if W1.ndim != 2 or W1.shape[0] != F:
+                raise ConfigError(f"scorer {p}: field 'w0' has shape {W1.shape}, expected ({F}, hidden)")
+            H = W1.shape[1]
+            weights = [W1, _floats(field("w1"), p, "w1", (H,)), _floats(field("w2"), p, "w2", (H,))]
+        try:
+            meta = json.loads(str(_text(field("meta"), p, "meta")))
+        except json.JSONDecodeError:
+            raise ConfigError(f"scorer {p}: field 'meta' is not JSON") from None
+    return Scorer(kind=kind, features=tuple(str(f) for f in feats), mean=mean, scale=scale, weights=weights,
+                  meta=meta if isinstance(meta, dict) else {})
+
+
+def _text(a: np.ndarray, p: Path, name: str) -> str:
+    if a.shape != () or a.dtype.kind != "U":
+        raise ConfigError(f"scorer {p}: field {name!r} is not a string")
+    return str(a)
+
+
+def _floats(a: np.ndarray, p: Path, name: str, shape) -> np.ndarray:
+    if a.dtype.kind not in "fiu":
+        raise ConfigError(f"scorer {p}: field {name!r} is not numeric")
+    if shape is not None and a.shape != shape:
+        raise ConfigError(f"scorer {p}: field {name!r} has shape {a.shape}, expected {shape}")
+    a = a.astype(np.float64)
+    if not np.all(np.isfinite(a)):
+        raise ConfigError(f"scorer {p}: field {name!r} holds a non-finite value")
+    return a

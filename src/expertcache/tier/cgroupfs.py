@@ -1,0 +1,181 @@
+"""This process's memory cgroup and the files of the cgroups expertcache makes under it.
+
+Invariants: the only cgroups written are children created by :mod:`expertcache.tier.capacity`
+(and a probe made and removed at once by :func:`probe_child`); the process's own cgroup and every
+other one are only read. v1 (the memory controller's hierarchy) and v2 (cgroup2 with memory
+enabled in the own cgroup's ``cgroup.subtree_control``) use the file names in :data:`FILES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import threading
+import time
+
+from .procfs import keyed_numbers, read_text
+
+SAMPLE_S = 0.05
+"""Interval (s) at which a cgroup's memory.stat is sampled during the run."""
+UNLIMITED = 2**60
+"""cgroup limits at or above this count as no limit (v1 reports 9223372036854771712)."""
+
+
+def mountinfo() -> list[tuple[str, str, str, list[str]]]:
+    """``(root, mount point, fstype, super options)`` of every mount."""
+    text, _ = read_text("/proc/self/mountinfo")
+    out = []
+    for line in (text or "").splitlines():
+        left, sep, right = line.partition(" - ")
+        f, r = left.split(), right.split()
+        if sep and len(f) >= 5 and len(r) >= 3:
+            out.append((f[3], f[4], r[0], r[2].split(",")))
+    return out
+
+
+def own_memory_cgroup() -> tuple[dict | None, str]:
+    """``({"version", "dir"}, "")`` for this process's memory cgroup directory, or ``(None, reason)``."""
+    text, why = read_text("/proc/self/cgroup")
+    if text is None:
+        return None, why or "/proc/self/cgroup unreadable"
+    v1_path = v2_path = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            if "memory" in parts[1].split(","):
+                v1_path = parts[2]
+            elif parts[0] == "0" and parts[1] == "":
+                v2_path = parts[2]
+    mounts = mountinfo()
+    for version, own, match in (("v2", v2_path, lambda fs, o: fs == "cgroup2"),
+                                ("v1", v1_path, lambda fs, o: fs == "cgroup" and "memory" in o)):
+        if own is None:
+            continue
+        for root, point, fstype, opts in mounts:
+            if not match(fstype, opts):
+                continue
+            rel = os.path.relpath(own, root)
+            if rel.startswith(".."):
+                continue
+            d = os.path.normpath(os.path.join(point, rel))
+            if version == "v2":
+                ctl, _ = read_text(os.path.join(d, "cgroup.subtree_control"))
+                if "memory" not in (ctl or "").split():
+                    why = (f"cgroup v2: memory is not enabled in {d}/cgroup.subtree_control "
+                           "(expertcache does not change it; run in a delegated cgroup or pass --cgroup)")
+                    break
+            return {"version": version, "dir": d}, ""
+    return None, why or "no memory cgroup controller is mounted for this process"
+
+
+def probe_child(parent: str) -> str | None:
+    """None if a child cgroup can be made (and removed) under ``parent``, else the reason."""
+    probe = os.path.join(parent, f"expertcache-probe-{os.getpid()}-{secrets.token_hex(3)}")
+    try:
+        os.mkdir(probe)
+    except OSError as exc:
+        return f"cannot create a child cgroup in {parent}: {exc.strerror or exc}"
+    rmdir_retry(probe)
+    return None
+
+
+
+FILES = {
+    "v1": {"limit": "memory.limit_in_bytes", "swap": "memory.memsw.limit_in_bytes",
+           "peak": "memory.max_usage_in_bytes", "failcnt": "memory.failcnt", "events": "memory.oom_control"},
+    "v2": {"limit": "memory.max", "swap": "memory.swap.max", "peak": "memory.peak",
+           "failcnt": None, "events": "memory.events"},
+}
+
+
+def read_int(path: str) -> int | None:
+    text, _ = read_text(path)
+    if text is None:
+        return None
+    text = text.strip()
+    if text == "max":
+        return UNLIMITED
+    return int(text) if text.isdigit() else None
+
+
+def write(path: str, value: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(value)
+
+
+def rmdir_retry(path: str, tries: int = 40) -> bool:
+    """Remove an empty cgroup, retrying for ``tries`` x 50 ms while the kernel lets go of it; True when gone."""
+    for _ in range(tries):
+        try:
+            os.rmdir(path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def cgroup_state(d: str, version: str) -> dict:
+    """Limit, swap limit, peak, failure count (v2: ``max`` events) and OOM events of cgroup ``d``;
+    each None where its file is absent or unreadable."""
+    f = FILES[version]
+    events_text, _ = read_text(os.path.join(d, f["events"]))
+    events = keyed_numbers(events_text or "")
+    swap = os.path.join(d, f["swap"])
+    return {"limit_bytes": read_int(os.path.join(d, f["limit"])),
+            "swap_limit_bytes": read_int(swap) if os.path.exists(swap) else None,
+            "peak_bytes": read_int(os.path.join(d, f["peak"])),
+            "failcnt": read_int(os.path.join(d, f["failcnt"])) if f["failcnt"] else events.get("max"),
+            "oom_events": events.get("oom", events.get("under_oom")),
+            "oom_kill": events.get("oom_kill")}
+
+
+def kill_members(d: str) -> None:
+    """SIGKILL what is left in a cgroup made here (only the child's own descendants can be there)."""
+    text, _ = read_text(os.path.join(d, "cgroup.procs"))
+    for tok in (text or "").split():
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(tok), signal.SIGKILL)
+
+
+
+class Sampler(threading.Thread):
+    """Samples a cgroup's memory.stat every :data:`SAMPLE_S` seconds while the child runs (same keys
+    on v1 and v2): the peaks of the page cache on the LRU lists (``active_file + inactive_file``),
+    of the worker's own unlocked memory (``active_anon + inactive_anon``), of locked pages
+    (``unevictable``: an mlocked arena, anonymous or file-backed), and of what the tier holds =
+    page cache + locked pages, per sample."""
+
+    def __init__(self, d: str, version: str):
+        super().__init__(daemon=True)
+        self.path = os.path.join(d, "memory.stat")
+        self.peaks = {"file_peak_bytes": None, "anon_peak_bytes": None, "unevictable_peak_bytes": None,
+                      "tier_peak_bytes": None, "samples": 0}
+        self._halt = threading.Event()
+
+    def sample(self) -> None:
+        text, _ = read_text(self.path)
+        if text is None:
+            return
+        st = keyed_numbers(text)
+        if not {"active_file", "inactive_file", "active_anon", "inactive_anon"} <= st.keys():
+            return
+        file = st["active_file"] + st["inactive_file"]
+        unev = st.get("unevictable", 0)
+        vals = {"file_peak_bytes": file, "anon_peak_bytes": st["active_anon"] + st["inactive_anon"],
+                "unevictable_peak_bytes": unev, "tier_peak_bytes": file + unev}
+        for k, v in vals.items():
+            self.peaks[k] = v if self.peaks[k] is None else max(self.peaks[k], v)
+        self.peaks["samples"] += 1
+
+    def run(self) -> None:
+        while not self._halt.wait(SAMPLE_S):
+            self.sample()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+        self.sample()  # charged page cache stays with the cgroup after the child exits

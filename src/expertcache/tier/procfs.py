@@ -1,0 +1,123 @@
+"""Bounded reads of /proc and /sys: each file is read up to :data:`READ_CAP` bytes, and a file that
+cannot be read gives ``(None, reason)``, never an exception or an invented value."""
+
+from __future__ import annotations
+
+import os
+
+READ_CAP = 1 << 20
+"""Most bytes read from one /proc or /sys file."""
+VMSTAT_PREFIXES = ("pgscan", "pgsteal", "workingset_", "pgpgin", "pgpgout", "pgmajfault", "pgfault",
+                   "pswpin", "pswpout", "allocstall", "pgrefill", "pgactivate", "pgdeactivate",
+                   "pgrotated", "drop_pagecache", "nr_file_pages", "nr_mlock", "nr_unevictable")
+"""/proc/vmstat counters kept in a snapshot (reclaim scan/steal, refaults, paging, locked pages)."""
+MEMINFO_KEYS = ("MemTotal", "MemFree", "MemAvailable", "Buffers", "Cached", "Active(file)",
+                "Inactive(file)", "Mlocked", "Unevictable", "Dirty", "Writeback", "AnonPages",
+                "Shmem", "SwapTotal", "SwapFree")
+"""/proc/meminfo fields kept in a snapshot, in bytes."""
+
+
+def read_text(path: str) -> tuple[str | None, str | None]:
+    """``(text, None)`` or ``(None, reason)``; at most :data:`READ_CAP` bytes."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(READ_CAP)
+    except OSError as exc:
+        return None, f"{path}: {exc.strerror or exc}"
+    return data.decode("utf-8", "replace"), None
+
+
+def keyed_numbers(text: str) -> dict[str, int]:
+    """``name value`` lines (vmstat, memory.events, oom_control) as a dict; other lines skipped."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            try:
+                out[parts[0]] = int(parts[1])
+            except ValueError:
+                continue
+    return out
+
+
+def read_vmstat() -> tuple[dict | None, str | None]:
+    text, why = read_text("/proc/vmstat")
+    if text is None:
+        return None, why
+    nums = keyed_numbers(text)
+    return {k: v for k, v in nums.items() if k.startswith(VMSTAT_PREFIXES)}, None
+
+
+def read_meminfo() -> tuple[dict | None, str | None]:
+    """Selected /proc/meminfo fields in bytes (the file says kB = 1024 bytes)."""
+    text, why = read_text("/proc/meminfo")
+    if text is None:
+        return None, why
+    out = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name in MEMINFO_KEYS:
+            parts = rest.split()
+            try:
+                out[name] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+            except (ValueError, IndexError):
+                continue
+    return out, None
+
+
+def read_pressure(resource: str) -> tuple[dict | None, str | None]:
+    """``{"some": {"avg10", "avg60", "avg300", "total"}, "full": {...}}``; total in microseconds."""
+    text, why = read_text(f"/proc/pressure/{resource}")
+    if text is None:
+        return None, why
+    out: dict = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts or parts[0] not in ("some", "full"):
+            continue
+        row = {}
+        for item in parts[1:]:
+            k, _, v = item.partition("=")
+            try:
+                row[k] = int(v) if k == "total" else float(v)
+            except ValueError:
+                continue
+        out[parts[0]] = row
+    return out, None
+
+
+def vmlck_bytes() -> int | None:
+    """This process's locked memory (VmLck of /proc/self/status) in bytes; None if unreadable."""
+    text, _ = read_text("/proc/self/status")
+    for line in (text or "").splitlines():
+        if line.startswith("VmLck:"):
+            parts = line.split()
+            try:
+                return int(parts[1]) * 1024
+            except (ValueError, IndexError):
+                return None
+    return None
+
+
+def cgroup_version() -> tuple[str | None, str | None]:
+    """``"v2"`` (memory controller on cgroup2), ``"v1"`` (on a v1 hierarchy), ``"hybrid"`` (v1 memory
+    beside a cgroup2 mount without it), or ``(None, reason)``."""
+    text, why = read_text("/proc/self/mounts")
+    if text is None:
+        return None, why
+    v1_memory = v2_memory = v2 = False
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        if parts[2] == "cgroup" and "memory" in parts[3].split(","):
+            v1_memory = True
+        elif parts[2] == "cgroup2":
+            v2 = True
+            ctl, _ = read_text(os.path.join(parts[1], "cgroup.controllers"))
+            v2_memory = v2_memory or "memory" in (ctl or "").split()
+    if v2_memory:
+        return "v2", None
+    if v1_memory:
+        return ("hybrid" if v2 else "v1"), None
+    return None, "no cgroup memory controller is mounted"

@@ -1,0 +1,193 @@
+"""The measured process: ``python -m expertcache.tier.worker SPEC.json`` -> one JSON object on stdout.
+
+It is what runs inside the capacity wall (:func:`expertcache.tier.capacity.run_walled`), following
+the tiering paper's Algorithm 1 in one process (warm-up and measurement share one scope):
+
+1. open the pool (manifest and sizes checked) and the trace;
+2. cold start: ``posix_fadvise(DONTNEED)`` on every pool file, residency checked with mincore;
+3. arena / hybrid: lock the arena (mlock; failure stops the run: exit 3, one line on stderr),
+   preload it;
+4. the warm pass (same mode, same advice);
+5. accounting snapshot at loop entry; the measured pass; snapshot at loop exit -- preload and
+   warm-up are outside the measured interval;
+6. print the result.
+
+SPEC keys: ``pool``, ``trace`` (paths); ``mode``; ``capacity_bytes``; ``threads``; ``mmap``;
+``arena_fraction`` (hybrid); ``profile_fraction`` or ``profile`` (a trace path); ``advice``
+(``oracle`` / ``plan:PATH`` / null); ``delivery``; ``verify_reads``; ``cold_start``;
+``drop_ipc_lock`` (tests: drop CAP_IPC_LOCK first, so RLIMIT_MEMLOCK binds even for root);
+``calibrate`` (open, allocate and read one access group per thread, then stop: the harness measures
+the worker's own memory this way to size the wall's headroom).
+Exit status: 0 ok, 2 a user error, 3 mlock failed (fail-stop).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from ..errors import ConfigError, ExpertcacheError
+from ..trace import load_trace
+from .advice import Advisor, load_plan, parse_advice
+from .arena import Arena, MlockError, drop_ipc_lock, top_experts
+from .loop import Replayer, iteration_starts
+from .pool import open_pool
+from .readers import MODES, FileReader
+
+
+def accounting():
+    """The accounting module, or a ConfigError saying it is missing."""
+    try:
+        from . import accounting as acc
+    except ImportError as exc:  # pragma: no cover - only while the module is being written
+        raise ConfigError(f"expertcache.tier.accounting is not available ({exc})") from None
+    return acc
+
+
+def check_trace_fits(trace, pool) -> None:
+    """The trace's layers and expert ids must exist in the pool (one line otherwise)."""
+    if trace.num_layers != pool.num_layers:
+        raise ConfigError(f"trace {trace.source} has {trace.num_layers} layers, pool {pool.root} has {pool.num_layers}")
+    if trace.num_experts > pool.num_experts:
+        raise ConfigError(f"trace {trace.source} has {trace.num_experts} experts per layer, pool {pool.root} has {pool.num_experts}")
+
+
+def arena_choice(spec: dict, trace, budget: int, expert_bytes: int) -> tuple[list, str]:
+    """The experts the arena preloads and a label of the profile window they come from."""
+    count = int(budget // expert_bytes)
+    if spec.get("profile"):
+        prof = load_trace(spec["profile"])
+        if prof.num_layers != trace.num_layers:
+            raise ConfigError(f"--profile {spec['profile']}: {prof.num_layers} layers, the trace has {trace.num_layers}")
+        return top_experts(prof.experts, max(prof.num_experts, trace.num_experts), count), f"profile {spec['profile']}"
+    frac = float(spec.get("profile_fraction", 0.6))
+    rows = max(1, int(np.floor(frac * trace.num_tokens)))
+    return top_experts(trace.experts[:rows], trace.num_experts, count), f"first {rows} of {trace.num_tokens} rows"
+
+
+def run(spec: dict) -> dict:
+    mode = spec.get("mode", "pagecache")
+    if mode not in MODES:
+        raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
+    if spec.get("drop_ipc_lock"):
+        drop_ipc_lock()
+    acc = accounting()
+    pool = open_pool(spec["pool"])
+    trace = load_trace(spec["trace"])
+    check_trace_fits(trace, pool)
+    experts = trace.experts.astype(np.int64)
+    starts = iteration_starts(trace.seq, trace.extras.get("iteration"))
+    capacity = int(spec["capacity_bytes"])
+    paths = pool.paths
+    out = {"mode": mode, "capacity_bytes": capacity, "threads": int(spec.get("threads", 1)),
+           "expert_bytes": pool.expert_bytes, "pool_bytes": pool.total_bytes, "layout": pool.layout}
+
+    out["cold_start"] = acc.evict_file_pages(paths) if spec.get("cold_start", True) else None
+    # arena: user space owns the cache, the rest is streamed without caching (the incumbent design);
+    # hybrid: the arena's share pinned, the rest of the capacity the page cache's
+    kind = {"nocache": "nocache", "direct": "direct", "arena": "nocache"}.get(mode, "pagecache")
+    reader = FileReader(pool, kind, use_mmap=bool(spec.get("mmap")))
+    out["mode_used"] = reader.kind if mode in ("pagecache", "nocache", "direct") else mode
+    out["mode_note"] = reader.fallback
+    arena = None
+    out["arena"] = None
+    t0 = time.perf_counter()
+    if mode in ("arena", "hybrid"):
+        share = 1.0 if mode == "arena" else float(spec.get("arena_fraction", 0.5))
+        budget = int(capacity * share)
+        chosen, window = arena_choice(spec, trace, budget, pool.expert_bytes)
+        arena = Arena(pool, budget, chosen)
+        arena.preload()
+        out["arena"] = {"budget_bytes": budget, "entries": len(arena.slots), "bytes": arena.bytes,
+                        "locked_bytes": arena.locked_bytes, "profile_window": window,
+                        "vmlck_bytes": acc.vmlck_bytes()}
+    out["preload_seconds"] = time.perf_counter() - t0
+
+    kind_src, plan_path = parse_advice(spec.get("advice"))
+    hints = None
+    if kind_src == "oracle":
+        hints = experts
+    elif kind_src == "plan":
+        hints = load_plan(plan_path, experts.shape, pool.num_experts)
+    skip = (lambda key: key in arena.slots) if arena is not None else None
+
+    rep = Replayer(pool, reader, threads=int(spec.get("threads", 1)), arena=arena, verify=bool(spec.get("verify_reads")))
+    if spec.get("calibrate"):  # headroom calibration: everything a pass holds, then one group per thread, no pass
+        try:
+            rows = experts[: max(1, rep.threads)]
+            rep.run_pass(rows, np.arange(rows.shape[0] + 1))
+        finally:
+            rep.close()
+            reader.close()
+        return out | {"calibrate": True}
+    try:
+        advisor = Advisor(pool, spec.get("delivery", "fadvise"), skip) if hints is not None else None
+        warm = rep.run_pass(experts, starts, advisor=advisor, hints=hints)
+        if advisor is not None:
+            advisor.close()
+            advisor = Advisor(pool, spec.get("delivery", "fadvise"), skip)
+        pre = acc.snapshot(paths)
+        measured = rep.run_pass(experts, starts, advisor=advisor, hints=hints)
+        post = acc.snapshot(paths)
+        out["advice"] = advisor.close() if advisor is not None else None
+    finally:
+        rep.close()
+        reader.close()
+    if arena is not None:
+        out["arena"]["vmlck_bytes_after"] = acc.vmlck_bytes()
+        arena.close()
+    out["accounting"] = acc.delta(pre, post)
+    secs = measured.seconds
+    out.update({
+        "iterations": len(secs), "accesses": measured.accesses, "bytes_read": measured.bytes_read,
+        "bytes_from_arena": measured.bytes_from_arena, "bytes_from_files": measured.bytes_from_files,
+        "seconds_measured": measured.wall_seconds, "seconds_warm": warm.wall_seconds,
+        "seconds_per_iteration_run_median": statistics.median(secs) if secs else None,
+        "seconds_per_iteration_min": min(secs) if secs else None,
+        "seconds_per_iteration_max": max(secs) if secs else None,
+        "verified_reads": measured.verified_reads + warm.verified_reads,
+        "verify_mismatches": measured.verify_mismatches + warm.verify_mismatches,
+        "first_mismatch": measured.first_mismatch or warm.first_mismatch,
+        "device_read_bytes": out["accounting"].get("device_read_bytes"),
+        "device_read_note": out["accounting"].get("device_read_note"),
+    })
+    accepted = trace.extras.get("accepted")
+    if accepted is not None:
+        out["accepted_tokens"] = int(np.sum(accepted))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m expertcache.tier.worker SPEC.json", file=sys.stderr)
+        return 2
+    try:
+        with open(argv[0], encoding="utf-8") as fh:
+            spec = json.load(fh)
+        result = run(spec)
+    except MlockError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    except ExpertcacheError as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: {err.filename + ': ' if err.filename else ''}{err.strerror or err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, default=_jsonable))
+    return 0
+
+
+def _jsonable(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not JSON-able: {type(x).__name__}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
