@@ -326,3 +326,17 @@ def test_default_headroom_is_calibrated_and_the_wall_proves_the_capacity(setup):
         assert rec["headroom_note"].startswith("headroom calibrated"), rec["headroom_note"]
         assert rec["proof_ok"], (rec["mode"], rec["wall_note"])
         assert rec["proof"]["tier_peak_bytes"] <= 16 * MB * 1.02 + 4 * 2**20
+
+
+def test_drop_caches_only_when_asked(setup):
+    d, _ = setup
+    r = cli("tier", "replay", d / "t.npz", "--pool", d / "pool", "--capacity", "64MB", "--wall", "none", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["cold_start"]["drop_caches"] is None
+    r = cli("tier", "replay", d / "t.npz", "--pool", d / "pool", "--capacity", "64MB", "--wall", "none",
+            "--drop-caches", "--json")
+    if os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.splitlines()[0])["cold_start"]["drop_caches"].startswith("sync; echo 3")
+    else:
+        one_line_error(r, "--drop-caches", "root")

@@ -136,6 +136,9 @@ def _add_common(p, *, runs: int) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="kill a run after S seconds")
     p.add_argument("--verify", action="store_true", help="hash every pool entry against the manifest before replaying")
     p.add_argument("--verify-reads", action="store_true", help="hash every byte read and count mismatches")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="also drop the whole machine's clean page cache before each run (sync; echo 3 > "
+                        "/proc/sys/vm/drop_caches; root only, system-wide: only when asked)")
     add_json(p)
 
 
@@ -176,7 +179,7 @@ def _prepare(args):
                        arena_fraction=args.arena_fraction, profile_fraction=args.profile_fraction,
                        profile=args.profile, advice=args.advice, delivery=args.delivery,
                        verify_reads=args.verify_reads, wall=args.wall, cgroup=args.cgroup,
-                       headroom_bytes=args.headroom, timeout=args.timeout)
+                       headroom_bytes=args.headroom, timeout=args.timeout, drop_caches=args.drop_caches)
     return trace, pool, opts, DemandCache(trace, pool.expert_bytes, hints)
 
 

@@ -46,6 +46,7 @@ class CellOptions:
     headroom_bytes: int | None = None
     timeout: float | None = None
     drop_ipc_lock: bool = False
+    drop_caches: bool = False
 
 
 def capacity_module():
@@ -98,7 +99,7 @@ def _spec(opts: CellOptions, mode: str, capacity_bytes: int) -> dict:
             "threads": opts.threads, "mmap": opts.mmap, "arena_fraction": opts.arena_fraction,
             "profile_fraction": opts.profile_fraction, "profile": opts.profile, "advice": opts.advice,
             "delivery": opts.delivery, "verify_reads": opts.verify_reads, "cold_start": True,
-            "drop_ipc_lock": opts.drop_ipc_lock}
+            "drop_ipc_lock": opts.drop_ipc_lock, "drop_caches": opts.drop_caches}
 
 
 def _walled(cap, opts: CellOptions, spec: dict, capacity_bytes: int, headroom):

@@ -15,6 +15,7 @@ the tiering paper's Algorithm 1 in one process (warm-up and measurement share on
 SPEC keys: ``pool``, ``trace`` (paths); ``mode``; ``capacity_bytes``; ``threads``; ``mmap``;
 ``arena_fraction`` (hybrid); ``profile_fraction`` or ``profile`` (a trace path); ``advice``
 (``oracle`` / ``plan:PATH`` / null); ``delivery``; ``verify_reads``; ``cold_start``;
+``drop_caches`` (also drop the machine's page cache before the cold start: root, system-wide);
 ``drop_ipc_lock`` (tests: drop CAP_IPC_LOCK first, so RLIMIT_MEMLOCK binds even for root);
 ``calibrate`` (open, allocate and read one access group per thread, then stop: the harness measures
 the worker's own memory this way to size the wall's headroom).
@@ -24,6 +25,7 @@ Exit status: 0 ok, 2 a user error, 3 mlock failed (fail-stop).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -69,6 +71,21 @@ def arena_choice(spec: dict, trace, budget: int, expert_bytes: int) -> tuple[lis
     return top_experts(trace.experts[:rows], trace.num_experts, count), f"first {rows} of {trace.num_tokens} rows"
 
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_caches() -> str:
+    """``sync`` then drop the whole machine's clean page cache, dentries and inodes (root only;
+    asked for with ``--drop-caches``). A refusal is a ConfigError: the cold start was requested."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w", encoding="ascii") as fh:
+            fh.write("3\n")
+    except OSError as exc:
+        raise ConfigError(f"--drop-caches: {DROP_CACHES}: {exc.strerror or exc} (it needs root)") from None
+    return "sync; echo 3 > " + DROP_CACHES
+
+
 def run(spec: dict) -> dict:
     mode = spec.get("mode", "pagecache")
     if mode not in MODES:
@@ -86,7 +103,10 @@ def run(spec: dict) -> dict:
     out = {"mode": mode, "capacity_bytes": capacity, "threads": int(spec.get("threads", 1)),
            "expert_bytes": pool.expert_bytes, "pool_bytes": pool.total_bytes, "layout": pool.layout}
 
+    dropped = drop_caches() if spec.get("drop_caches") and spec.get("cold_start", True) else None
     out["cold_start"] = acc.evict_file_pages(paths) if spec.get("cold_start", True) else None
+    if out["cold_start"] is not None:
+        out["cold_start"]["drop_caches"] = dropped
     # arena: user space owns the cache, the rest is streamed without caching (the incumbent design);
     # hybrid: the arena's share pinned, the rest of the capacity the page cache's
     kind = {"nocache": "nocache", "direct": "direct", "arena": "nocache"}.get(mode, "pagecache")
