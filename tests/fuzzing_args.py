@@ -18,18 +18,27 @@ SPECS = ["3:2", "1:8", "2,3,4", "1:100:0", "0:4", "2:4611686018427387904:1000000
          "4,4,4", ",", ":", "1:2:3:4"]
 LAYERS = ["all", "0-3", "5-2", "0,0", "-1", "9999999999-99999999999", "0-4095", "1,2,x", ""]
 POLICIES = ["lru", "belady", "foresight:4", "foresight:99999999999999", "decayed:0.5", "decayed:nan", "random:3",
-            "random:99999999999999999999", "nope", "", "lfu:1", "mean-interval"]
+            "random:99999999999999999999", "nope", "", "lfu:1", "mean-interval", "static", "static:3",
+            "router-logit", "learned:{root}/missing.npz", "learned:{root}/t.npz", "learned:{root}/good.json"]
+BYTES = ["12GB", "0.5GB", "1GiB", "17.5MB", "4096", "0", "-1GB", "1e30GB", "nanGB", "GB", "12XB", "", "1" * 400]
+BYTE_RANGES = ["1MB:64MB:x2", "1MB:64MB", "1MB:4MB:+1MB", "1MB,2MB", "64MB:1MB", "1MB:2MB:x1", "1MB:2MB:x0.5",
+               "1B:1TB:+1B", "1MB:2MB:+0", ":", ",", "1MB:2MB:3:4"]
 DURATIONS = ["0.51ms", "510us", "0.00051s", "0", "-1ms", "nanms", "1e400ms", "5tok/s", "0tok/s", "12", "ms", "1 h"]
 
 COMMANDS = {
     "replay": [("-c", NUMBERS), ("-p", POLICIES), ("--pool", ["layer", "global", "x"]), ("--reset", ["none", "x"]),
                ("--layers", LAYERS), ("--warm", NUMBERS), ("--expert-mb", NUMBERS), ("--tau", DURATIONS),
-               ("--c", DURATIONS), ("--tokens-per-s", NUMBERS),
+               ("--c", DURATIONS), ("--tokens-per-s", NUMBERS), ("--budget", BYTES),
+               ("--admission", ["all", "second", "x"]), ("--unit", ["token", "iteration", "x"]),
+               ("--profile", ["{path}", "{root}/missing.npz", "{root}/good.json", "{root}"]),
                ("--model-config", ["{root}/missing.json", "{root}/t.npz", "{root}/deep.json", "{root}/bigint.json",
                                    "{root}/huge.json", "{root}/good.json", "{root}/bad.json", "{root}"])],
     "sweep": [("--capacities", SPECS + NUMBERS[:4]), ("-p", POLICIES), ("--target-hit-rate", NUMBERS),
               ("--target-copies", NUMBERS), ("--plot", ["{root}/m.png", "{root}/m.jpg", "{root}/no/m.svg", "{root}"]),
-              ("--pool", ["global"]), ("--layers", LAYERS)],
+              ("--pool", ["global"]), ("--layers", LAYERS), ("--budgets", BYTE_RANGES), ("--expert-mb", NUMBERS),
+              ("--warm", NUMBERS), ("--admission", ["second", "x"]), ("--unit", ["iteration", "x"])],
+    "batch": [("--out", ["{root}/u.npz", "{root}/no/u.npz", "{root}"]),
+              ("{path}", None), ("{root}/missing.npz", None), ("{root}/good.json", None)],
     "foresight": [("-c", NUMBERS), ("--horizons", ["1,2", "0", "-1", "99999999999999999", "x", ""]), ("-p", POLICIES)],
     "compare-pools": [("--capacities", SPECS), ("-c", NUMBERS), ("-p", POLICIES), ("--warm", NUMBERS)],
     "bounds": [("-c", NUMBERS), ("--exact", None), ("--max-states", NUMBERS), ("--order", ["router", "x"]),
@@ -43,7 +52,7 @@ COMMANDS = {
                ("--replay-policy", POLICIES), ("--layers", LAYERS),
                ("--plot", ["{root}/f.png", "{root}/f.jpg", "{root}/no/f.svg", "{root}"])],
 }
-NEEDS = {"replay": ["-c"], "foresight": ["-c"], "bounds": ["-c"], "export": ["--out"], "choose": ["--tolerance"]}
+NEEDS = {"replay": ["-c"], "batch": ["--out"], "foresight": ["-c"], "bounds": ["-c"], "export": ["--out"], "choose": ["--tolerance"]}
 
 
 def args_case(rng: random.Random) -> Case:
