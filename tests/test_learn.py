@@ -256,3 +256,41 @@ def test_protocol_on_a_shared_trace():
     assert rows["lru"]["gap_recovered"] == 0 and rows["belady"]["gap_recovered"] == 1
     fs = [rows[f"foresight:{h}"]["copies_steady"] for h in (1, 2, 4)]
     assert rows["lru"]["copies_steady"] >= fs[0] >= fs[1] >= fs[2] >= rows["belady"]["copies_steady"]
+
+
+def test_replay_heldout_sequences_are_the_ones_the_scorer_never_saw(tmp_path, capsys):
+    """learn dataset --sequences 0-1 -> learn train -> replay --sequences heldout replays sequences 2, 3."""
+    import expertcache as ec
+    from expertcache.cli.main import main
+
+    rng = np.random.default_rng(5)
+    ex = np.stack([[rng.choice(12, 2, replace=False) for _ in range(2)] for _ in range(80)])
+    path = ec.Trace.from_arrays(ex, np.repeat([0, 1, 2, 3], 20), num_experts=12).save(tmp_path / "t.npz")
+    ev, sc = tmp_path / "ev.npz", tmp_path / "sc.npz"
+    assert main(["learn", "dataset", str(path), "-c", "4", "--sequences", "0-1", "--out", str(ev), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["sequences"] == [0, 1] and rec["trace_sequences"] == 4
+    assert main(["learn", "train", str(ev), "--out", str(sc)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(path), "-c", "4", "-p", f"learned:{sc}", "-p", "lru", "--sequences", "heldout",
+                 "--json"]) == 0
+    got = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    held = ec.load_trace(path).select_sequences([2, 3])
+    for r in got:
+        direct = ec.replay(held, 4, make_policy(r["policy"]))
+        assert (r["tokens"], r["copies_total"], r["copies_steady"]) == (40, direct.copies_total, direct.copies_steady)
+    for argv, message in ((["-p", "lru", "--sequences", "heldout"], "no learned policy"),
+                          (["-p", "lru", "--sequences", "7"], "beyond the 4 sequence"),
+                          (["-p", f"learned:{sc}", "--sequences", "heldout", "--layers", "0"], None)):
+        code = main(["replay", str(path), "-c", "4", *argv])
+        err = capsys.readouterr().err
+        if message is None:
+            assert code == 0
+        else:
+            assert code == 2 and message in err and err.count("\n") == 1
+    # a scorer trained on every sequence leaves nothing held out
+    assert main(["learn", "dataset", str(path), "-c", "4", "--out", str(ev)]) == 0
+    assert main(["learn", "train", str(ev), "--out", str(sc)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(path), "-c", "4", "-p", f"learned:{sc}", "--sequences", "heldout"]) == 2
+    assert "trained on every sequence" in capsys.readouterr().err

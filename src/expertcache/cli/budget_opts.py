@@ -138,3 +138,61 @@ def print_budget_sweep(curves, budgets, layout, setup, trace, args) -> int:
         headers += [f"{c.policy}{mark} hit", f"{c.policy} {per_unit_header(args.unit)}"]
     table(rows, headers)
     return 0
+
+
+# ------------------------------------------------------------------------------ sequence selection
+def sequence_positions(text: str):
+    """argparse type: ``'all'``, ``'heldout'`` or sequence positions such as ``'0-7'`` / ``'0,2,4'``."""
+    from ..trace import parse_layers
+
+    t = text.strip()
+    if t in ("all", "heldout"):
+        return t
+    try:
+        out = parse_layers(t)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("--layers: ", "").replace("layer", "sequence")) from None
+    if out is None:
+        return "all"
+    return out
+
+
+def check_positions(positions, trace) -> list[int]:
+    """Sequence positions, each below the trace's sequence count (one line otherwise)."""
+    if isinstance(positions, str):
+        raise ConfigError(f"--sequences: {positions!r} is not a list of positions here (e.g. '0-7')")
+    bad = [p for p in positions if p >= trace.num_sequences]
+    if bad:
+        raise ConfigError(f"--sequences: position {bad[0]} is beyond the {trace.num_sequences} sequence(s) of "
+                          f"{trace.source}")
+    return sorted(positions)
+
+
+def select_sequences(trace, spec, policies):
+    """The trace to replay for ``--sequences``: all of it, the given positions, or ``heldout``: the
+    sequences the ``learned:`` scorers among ``policies`` were not trained on (their files record the
+    positions and the trace they came from; all must agree)."""
+    if spec is None or spec == "all":
+        return trace
+    if spec != "heldout":
+        return trace.select_sequences(check_positions(spec, trace))
+    scorers = [p for p in policies if getattr(p, "scorer", None) is not None]
+    if not scorers:
+        raise ConfigError("--sequences heldout: it means the sequences a learned:PATH scorer was not trained on, "
+                          "and no learned policy is given")
+    trained = set()
+    for p in scorers:
+        meta = p.scorer.meta
+        seqs, total = meta.get("sequences"), meta.get("trace_sequences")
+        if not isinstance(seqs, list) or not isinstance(total, int):
+            raise ConfigError(f"--sequences heldout: scorer {p.path} does not record its training sequences "
+                              "(train it from 'learn dataset --sequences ...' with this version)")
+        if total != trace.num_sequences:
+            raise ConfigError(f"--sequences heldout: scorer {p.path} was trained on a trace of {total} sequence(s), "
+                              f"{trace.source} has {trace.num_sequences}")
+        trained |= {int(s) for s in seqs}
+    held = [s for s in range(trace.num_sequences) if s not in trained]
+    if not held:
+        raise ConfigError("--sequences heldout: the scorers were trained on every sequence of this trace; "
+                          "train on a subset ('learn dataset --sequences 0-7')")
+    return trace.select_sequences(held)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConfigError
+from .budget_opts import check_positions, sequence_positions
 from .common import _int_in, add_json, add_layers, add_out, check_out, emit_json, open_trace, positive_int, seed_int, table
 
 HELP = """Learned eviction: imitate the farthest-future victim from causal features (docs/learn.md).
@@ -36,6 +37,9 @@ def add_parser(sub) -> None:
     _add_common(d)
     d.add_argument("--rounds", type=_rounds, default=None, metavar="N",
                    help="DAgger rounds: N times, train on the events so far and add the learner's own states (default 0)")
+    d.add_argument("--sequences", type=sequence_positions, default=None, metavar="POS",
+                   help="train on these sequences only (positions in the trace, e.g. '0-7' or '0,2,4'; default all): "
+                        "'replay --sequences heldout' then replays the others")
     d.add_argument("--model", choices=("linear", "mlp"), default="linear", help="the learner of the rounds (default linear)")
     d.add_argument("--seed", type=seed_int, default=0, help="seed of the rounds' training (default 0)")
     add_out(d, "events file to write (.npz)")
@@ -115,8 +119,13 @@ def run_dataset(args) -> int:
     check_out(args.out)
     states, rounds = _split_self(args)
     trace = open_trace(args.trace)
+    n_source = trace.num_sequences
+    positions = check_positions(args.sequences, trace) if args.sequences is not None else list(range(n_source))
+    if args.sequences is not None:
+        trace = trace.select_sequences(positions)
     ev = build_dataset(trace, args.capacity, states=states, rounds=rounds, model=args.model, seed=args.seed,
                        pool=args.pool, layers=args.layers, features=args.features)
+    ev.meta["sequences"], ev.meta["trace_sequences"] = positions, n_source  # positions in the source trace
     save_events(ev, args.out)
     rec = {"out": args.out, "events": ev.num_events, "rows": int(ev.X.shape[0]), "features": list(ev.features),
            **ev.meta}
@@ -140,7 +149,8 @@ def run_train(args) -> int:
         raise ConfigError(f"events {args.events}: no eviction events (capacity not below the experts in use?)")
     sc = fit(ev.X, ev.victim, ev.offsets, ev.features, kind=args.model, seed=args.seed, shuffled=args.shuffle_labels)
     sc.meta.update({"events_file": str(args.events), "trace": ev.meta.get("trace"), "capacity": ev.meta.get("capacity"),
-                    "states": ev.meta.get("states")})
+                    "states": ev.meta.get("states"), "sequences": ev.meta.get("sequences"),
+                    "trace_sequences": ev.meta.get("trace_sequences")})
     save_scorer(sc, args.out)
     loss = mean_loss(sc, ev.X, ev.victim, ev.offsets)
     rec = {"out": args.out, "model": args.model, "seed": args.seed, "shuffled_labels": args.shuffle_labels,

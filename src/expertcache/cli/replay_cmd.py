@@ -7,7 +7,7 @@ import argparse
 from ..policies import available_policies, make_policy
 from ..sim import build_layout, fill_gap, replay_layout
 from .budget_opts import (add_capacity_or_budget, add_tier_options, attach_profile, budget_capacity, per_unit,
-                          per_unit_header)
+                          per_unit_header, select_sequences, sequence_positions)
 from .common import add_json, add_replay_options, describe, emit_json, open_trace, setup_line, table
 from .sizing_opts import SizingSetup, add_sizing_options, resolve_sizing
 
@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
                         "'decayed:0.9', 'foresight:16', 'random:7' (default: lru and belady)")
     add_replay_options(p)
     add_tier_options(p)
+    p.add_argument("--sequences", type=sequence_positions, default=None, metavar="POS",
+                   help="replay only these sequences: positions such as '0-7', or 'heldout': those the learned:PATH "
+                        "scorers were not trained on (default all)")
     add_sizing_options(p)
     add_json(p)
     p.set_defaults(func=run)
@@ -50,6 +53,7 @@ def run(args) -> int:
     setup = resolve_sizing(args, trace)
     policies = [make_policy(s) for s in (args.policies or ["lru", "belady"])]
     attach_profile(policies, args.profile)
+    trace = select_sequences(trace, args.sequences, policies)
     layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm,
                           admission=args.admission)
     capacity, budget = budget_capacity(args, layout, setup)
