@@ -48,6 +48,7 @@ COMMAND_MODULES = [
     "batch_cmd",
     "tier_cmd",
     "learn_cmd",
+    "grid_cmd",
 ]
 
 

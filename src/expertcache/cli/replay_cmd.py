@@ -8,7 +8,7 @@ from ..policies import available_policies, make_policy
 from ..sim import build_layout, fill_gap, replay_layout
 from .budget_opts import (add_capacity_or_budget, add_tier_options, attach_profile, budget_capacity, per_unit,
                           per_unit_header, select_sequences, sequence_positions)
-from .common import add_json, add_replay_options, describe, emit_json, open_trace, setup_line, table
+from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, setup_line, table
 from .sizing_opts import SizingSetup, add_sizing_options, resolve_sizing
 
 HELP = """Replay a trace through eviction policies at one capacity (lossless, demand fetch).
@@ -44,6 +44,8 @@ def add_parser(sub) -> None:
                    help="replay only these sequences: positions such as '0-7', or 'heldout': those the learned:PATH "
                         "scorers were not trained on (default all)")
     add_sizing_options(p)
+    p.add_argument("--jobs", "-j", type=positive_int, default=1, metavar="N",
+                   help="split the independent streams over N processes (default 1); same counts as serial")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -57,7 +59,12 @@ def run(args) -> int:
     layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm,
                           admission=args.admission)
     capacity, budget = budget_capacity(args, layout, setup)
-    results = [replay_layout(layout, capacity, p) for p in policies]
+    if args.jobs > 1:
+        from ..sim.parallel import replay_streams_parallel
+
+        results = replay_streams_parallel(layout, capacity, policies, args.jobs)
+    else:
+        results = [replay_layout(layout, capacity, p) for p in policies]
     fill_gap(results)
     if budget is not None:
         for r in results:

@@ -74,6 +74,11 @@ class Policy:
     """Whether every miss is inserted (the lossless rules). ``False`` for a pin set with bypass
     (``static``): misses are streamed, the pool never changes, any capacity >= 1 is valid."""
 
+    stream_local: ClassVar[bool] = True
+    """Whether the rule reads nothing but each stream's own requests (so streams may be replayed
+    apart, in parallel: :mod:`expertcache.sim.parallel`). ``False`` for rules that read a
+    trace-wide table or a scorer file."""
+
     wants_context: ClassVar[bool] = False
     """Whether the policy reads the current step's side information (gate weights, router
     probabilities): the driver then calls :meth:`set_context` with the stream's

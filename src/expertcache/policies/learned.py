@@ -21,6 +21,7 @@ from ..errors import PolicyError
 class Learned(Policy):
     name = "learned"
     wants_context = True
+    stream_local = False  # reads a scorer file by path: kept in the parent process
 
     def __init__(self, scorer, path: str):
         super().__init__()

@@ -35,6 +35,7 @@ class StaticPins(Policy):
     name = "static"
     admits = False
     takes_profile = True
+    stream_local = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,0 +1,138 @@
+"""``expertcache grid SPEC --out DIR`` and ``expertcache grid report DIR``: resumable grids of
+replays with results as Parquet parts (docs/grid.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import add_json, emit_json, positive_int, table
+
+HELP = """Run a grid of replays from a TOML spec, or report on its results (docs/grid.md).
+
+  expertcache grid grid.toml --out results/ [--jobs N] [--force] [--json]
+  expertcache grid report results/ [--plot DIR] [--json]
+
+The spec names traces (paths or globs, or synth = [{preset = "olmoe", seed = 0, tokens = 200}]),
+policies, capacities (experts per pool) or budgets (bytes, e.g. "1GB", with expert_mb or the trace
+meta's expert_bytes), pools, warm fractions, layers and reset. Every cell (trace x policy x size x
+pool x warm x reset) is one row of the results: every replay field (docs/semantics.md) plus the
+cell's inputs and its key (a hash of the inputs, the trace's checksum and the expertcache
+version). Rows are written as Parquet parts, one per finished batch, atomically; a rerun skips
+finished cells (--force recomputes them), so a killed run resumes losing nothing.
+
+'grid report' prints, per trace, pool, reset and warm fraction, a policy x size table of the hit
+rate and of copies/token, and with --plot writes one PNG per table into DIR.
+Needs pyarrow: pip install 'expertcache[grid]'.
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("grid", help="run a resumable grid of replays (or 'grid report DIR')", description=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", metavar="SPEC|report", help="the grid spec (.toml), or 'report'")
+    p.add_argument("results", nargs="?", metavar="DIR", help="with 'report': the results folder")
+    p.add_argument("--out", "-o", metavar="DIR", help="results folder (created when missing; its parent must exist)")
+    p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
+                   help="worker processes (default: the number of cores; 1 runs in this process)")
+    p.add_argument("--force", action="store_true", help="recompute cells already in the results")
+    p.add_argument("--plot", metavar="DIR", help="with 'report': write one PNG per table into DIR")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..errors import ConfigError
+
+    if args.spec == "report":
+        if args.results is None:
+            raise ConfigError("grid report: give the results folder, e.g. 'expertcache grid report results/'")
+        for opt, val in (("--out", args.out), ("--jobs", args.jobs), ("--force", args.force)):
+            if val:
+                raise ConfigError(f"grid report: {opt} belongs to running a grid, not to 'grid report'")
+        return run_report(args)
+    if args.results is not None:
+        raise ConfigError(f"grid: unexpected argument {args.results!r} (the results folder is --out)")
+    if args.plot is not None:
+        raise ConfigError("grid: --plot belongs to 'grid report'")
+    if args.out is None:
+        raise ConfigError("grid: --out DIR is required (the results folder)")
+    return run_grid_cmd(args)
+
+
+def run_grid_cmd(args) -> int:
+    from ..grid import load_spec
+    from ..grid.runner import run_grid
+    from ..grid.store import require_pyarrow
+
+    require_pyarrow()
+    spec = load_spec(args.spec)
+    bar = {}
+
+    with progress_for(bar) as advance:
+        def on_start(n):
+            bar["n"] = n
+            advance(0)  # opens the bar now that the number of cells is known
+
+        summary = run_grid(spec, args.out, jobs=args.jobs, force=args.force, on_start=on_start,
+                           on_cells=lambda n: advance(n))
+    if args.json:
+        emit_json([summary])
+    else:
+        print(f"grid {args.spec}: {summary['cells']} cells, {summary['skipped']} already done, "
+              f"{summary['computed']} computed in {summary['parts']} part(s) -> {summary['out']}")
+    return 0
+
+
+class progress_for:
+    """The sweep commands' progress bar (tqdm on a terminal, nothing otherwise), opened once the
+    number of cells to compute is known (``state["n"]``)."""
+
+    def __init__(self, state: dict):
+        self.state, self.cm, self.update = state, None, None
+
+    def __enter__(self):
+        return self.advance
+
+    def advance(self, n: int) -> None:
+        if self.cm is None:
+            from .curves_cmd import progress
+
+            self.cm = progress(self.state.get("n", 0), "grid cells")
+            self.update = self.cm.__enter__()
+        self.update(n)
+
+    def __exit__(self, *exc):
+        if self.cm is not None:
+            self.cm.__exit__(*exc)
+        return False
+
+
+def run_report(args) -> int:
+    from pathlib import Path
+
+    from ..errors import ConfigError
+    from ..grid.report import METRICS, json_records, panels, plot_panels, title
+    from ..grid.store import Store
+
+    if not Path(args.results).is_dir():
+        raise ConfigError(f"grid report: {args.results}: no such folder")
+    rows = Store(args.results).read_rows()
+    if not rows:
+        raise ConfigError(f"grid report: {args.results}: no results (run 'expertcache grid SPEC --out DIR' first)")
+    ps = panels(rows)
+    if args.json:
+        emit_json(json_records(ps))
+    else:
+        for i, p in enumerate(ps):
+            if i:
+                print()
+            print(title(p))
+            for m, label in METRICS:
+                print(f"{label} (rows: policy, columns: {p['unit']})")
+                table([(pol, *(p["values"][m][pol].get(s) for s in p["sizes"])) for pol in p["policies"]],
+                      ["policy", *p["sizes"]])
+    if args.plot is not None:
+        for path in plot_panels(ps, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

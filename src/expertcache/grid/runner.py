@@ -1,0 +1,130 @@
+"""Running a grid: skip finished cells, replay the rest on a local process pool, write one Parquet
+part per finished task (docs/grid.md).
+
+Invariants: a cell whose key is in the store is never replayed again unless ``force``; the rows
+a run writes do not depend on ``jobs`` or on the order tasks finish in (only the ``seconds``
+timing field differs between runs); a worker keeps the last trace it loaded, and tasks are
+submitted trace-major, so each worker loads each trace about once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from typing import Callable
+
+from ..costmodel.sizing import MB
+from ..errors import ConfigError, ExpertcacheError
+from ..sim import build_layout, fill_gap, replay_layout
+from ..sim.budget import Budget
+from .cells import Task, plan_tasks
+from .spec import GridSpec
+from .store import Store, make_row
+
+KILL_AFTER_ENV = "EXPERTCACHE_GRID_KILL_AFTER_PARTS"
+"""Internal, for tests only: SIGKILL the run itself right after writing this many parts."""
+
+_TRACES: dict = {}
+
+
+def run_grid(spec: GridSpec, out: str | os.PathLike, *, jobs: int | None = None, force: bool = False,
+             on_start: Callable[[int], None] | None = None,
+             on_cells: Callable[[int], None] | None = None) -> dict:
+    """Run every unfinished cell of ``spec`` into the results folder ``out``.
+
+    ``jobs``: worker processes (default ``os.cpu_count()``; 1 runs in this process).
+    ``on_start(n)`` is told the number of cells to compute, ``on_cells(n)`` each finished batch.
+    Returns a summary: ``cells`` (in the grid), ``skipped`` (already finished), ``computed``,
+    ``parts`` (written by this run) and ``out``.
+    """
+    jobs = jobs or os.cpu_count() or 1
+    store = Store(out)
+    tasks = plan_tasks(spec)
+    keys = {c.key for t in tasks for c in t.cells}
+    if force:
+        store.drop(keys)
+        done: set[str] = set()
+    else:
+        done = set(store.done_keys()) & keys
+    work = [(t, tuple(p for p in t.policies if t.cell(p).key not in done)) for t in tasks]
+    work = [(t, todo) for t, todo in work if todo]
+    summary = {"cells": len(keys), "skipped": len(done), "computed": 0, "parts": 0, "out": str(out)}
+    if on_start:
+        on_start(sum(len(todo) for _, todo in work))
+    kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
+
+    def finished(rows):
+        store.write(rows)
+        summary["computed"] += len(rows)
+        summary["parts"] += 1
+        if on_cells:
+            on_cells(len(rows))
+        if kill_after and summary["parts"] >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if jobs == 1 or len(work) <= 1:
+        for task, todo in work:
+            finished(run_task(task, todo))
+    else:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(work)), mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(run_task, task, todo) for task, todo in work]
+            try:
+                for fut in as_completed(futures):
+                    finished(fut.result())
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    return summary
+
+
+def run_task(task: Task, todo: tuple[str, ...]) -> list[dict]:
+    """Replay the cells of ``task`` whose policies are in ``todo``; their rows. The task's lru and
+    belady are replayed too when the grid has them, so ``gap_recovered`` is always filled alike."""
+    try:
+        trace = _load(task)
+        layout = build_layout(trace, pool=task.pool, reset=task.reset, warm=task.warm,
+                              layers=list(task.layers) if task.layers is not None else None)
+        capacity, budget = task.capacity, None
+        if task.budget is not None:
+            budget = Budget(task.budget[1], _expert_bytes(task, trace))
+            capacity = budget.capacity(task.pool, len(layout.layer_ids))
+        run = [p for p in task.policies if p in todo or p in ("lru", "belady")]
+        results = {p: replay_layout(layout, capacity, p) for p in run}
+        fill_gap(list(results.values()))
+    except ExpertcacheError as err:
+        size = f"budget {task.budget[0]}" if task.budget else f"capacity {task.capacity}"
+        raise ConfigError(f"grid cell {task.trace.label} pool={task.pool} reset={task.reset} warm={task.warm:g} "
+                          f"{size}: {err}") from None
+    rows = []
+    for p in todo:
+        r = results[p]
+        if budget is not None:
+            r.budget = budget.record(task.pool, len(layout.layer_ids))
+        rows.append(make_row(task.cell(p), r, trace.name))
+    return rows
+
+
+def _load(task: Task):
+    """The task's trace; each process keeps only the last one it loaded (bounded memory)."""
+    ident = task.trace.ident
+    if ident not in _TRACES:
+        _TRACES.clear()
+        _TRACES[ident] = task.trace.load()
+    return _TRACES[ident]
+
+
+def _expert_bytes(task: Task, trace) -> int:
+    if task.expert_mb is not None:
+        return max(1, round(task.expert_mb * MB))
+    S = trace.meta.get("expert_bytes")
+    if isinstance(S, bool) or not isinstance(S, int) or S < 1:
+        raise ConfigError("budgets: the trace meta has no expert_bytes; set expert_mb in the spec")
+    return S
+
+
+def default_jobs() -> int:
+    return os.cpu_count() or 1
+
