@@ -14,7 +14,7 @@ from .._units import format_bytes, parse_byte_range, parse_bytes
 from ..errors import ConfigError
 from ..sim.budget import Budget
 from ..sim.layout import ADMISSIONS
-from .common import open_trace, positive_int
+from .common import describe, emit_json, open_trace, positive_int, setup_line, table
 
 UNITS = ("token", "iteration")
 
@@ -110,8 +110,6 @@ def per_unit_header(unit: str) -> str:
 def print_budget_sweep(curves, budgets, layout, setup, trace, args) -> int:
     """``sweep --budgets``: one row per budget (bytes, capacity per pool), hit rate and copies per
     unit per policy; ``--json``: one replay record per (budget, policy) with the budget fields."""
-    from .common import describe, emit_json, setup_line, table
-
     if args.target_hit_rate is not None or args.target_copies is not None:
         raise ConfigError("--target-hit-rate/--target-copies work on --capacities; with --budgets read the table")
     L = len(layout.layer_ids)

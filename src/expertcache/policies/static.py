@@ -67,19 +67,22 @@ class PinPlan:
                               "--admission applies to the lossless rules")
         L = len(layout.layer_ids)
         E = layout.n_items // L if layout.pool == "global" else layout.n_items
-        keys = group_keys(layout)
         if self.profile is not None:
+            keys = group_keys(layout)
             pinned = pin_mask(self.profile_counts(layout, L, E), capacity, layout.pool)
             outside = (keys >= 0) & ~pinned[np.maximum(keys, 0)]
         else:
             if layout.warm <= 0:
                 raise ConfigError("policy 'static' pins the most requested experts of a profile window: give "
                                   "--warm W (the warm window is the profile) or --profile TRACE")
-            outside = np.zeros(keys.shape, dtype=bool)
-            unscored = ~group_scored(layout)
-            for a, b in zip(layout.starts[:-1], layout.starts[1:]):  # one table per stream, from its warm window
-                block = keys[a:b]
-                counts = _bincount(block[unscored[a:b]], L * E).reshape(L, E)
+            outside = np.zeros(layout.groups.shape, dtype=bool)
+            unscored = ~layout.group_scored
+            # one table per stream, from its warm window, over the stream's own items: a per-layer
+            # stream's are its layer's E expert ids (one row), a global stream's all L x E pairs
+            size = layout.n_items
+            for a, b in zip(layout.starts[:-1], layout.starts[1:]):
+                block = layout.groups[a:b]
+                counts = _bincount(block[unscored[a:b]], size).reshape(size // E, E)
                 pinned = pin_mask(counts, capacity, layout.pool)
                 outside[a:b] = (block >= 0) & ~pinned[np.maximum(block, 0)]
         misses = np.count_nonzero(outside, axis=1).astype(np.int32)
@@ -101,15 +104,7 @@ def group_keys(layout) -> np.ndarray:
     g = layout.groups.astype(np.int64)
     if layout.pool == "global":
         return g
-    L, T = len(layout.layer_ids), layout.token_scored.size
-    layer = np.repeat(np.arange(L, dtype=np.int64), T)[:, None]
-    return np.where(g >= 0, g + layer * layout.n_items, -1)
-
-
-def group_scored(layout) -> np.ndarray:
-    """bool ``[G]``: whether each group lies in the scored window."""
-    L = len(layout.layer_ids)
-    return np.tile(layout.token_scored, L) if layout.pool == "layer" else np.repeat(layout.token_scored, L)
+    return np.where(g >= 0, g + layout.group_layer[:, None] * layout.n_items, -1)
 
 
 def pin_mask(counts: np.ndarray, capacity: int, pool: str) -> np.ndarray:

@@ -98,6 +98,19 @@ class StreamLayout:
         """The most items one group asks to hold at once (admitted requests only)."""
         return int(np.count_nonzero(self.groups >= 0, axis=1).max()) if self.groups.shape[0] else 0
 
+    @cached_property
+    def group_layer(self) -> np.ndarray:
+        """int64 ``[G]``: the layer index (column of :attr:`layer_ids`) of each group."""
+        L, T = len(self.layer_ids), self.token_scored.size
+        rows = np.arange(L, dtype=np.int64)
+        return np.repeat(rows, T) if self.pool == "layer" else np.tile(rows, T)
+
+    @cached_property
+    def group_scored(self) -> np.ndarray:
+        """bool ``[G]``: whether each group lies in the scored window."""
+        L = len(self.layer_ids)
+        return np.tile(self.token_scored, L) if self.pool == "layer" else np.repeat(self.token_scored, L)
+
     def per_layer(self, x: np.ndarray) -> np.ndarray:
         """Sum a per-group quantity over each layer's scored groups: int64 ``[L]``."""
         L, T = len(self.layer_ids), self.token_scored.size

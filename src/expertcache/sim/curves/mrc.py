@@ -226,13 +226,8 @@ def _fill_gaps(curves: Sequence[MissRatioCurve]) -> None:
 
 def _histograms(layout: StreamLayout) -> tuple[np.ndarray, np.ndarray]:
     """Run :func:`.stack.stack_histograms` with each group's layer row and scored flag."""
-    L, T = len(layout.layer_ids), layout.token_scored.size
-    rows = np.arange(L, dtype=np.int64)
-    if layout.pool == "layer":  # groups layer-major: g = l * T + t
-        group_layer, group_scored = np.repeat(rows, T), np.tile(layout.token_scored, L)
-    else:  # global pool, token-major: g = t * L + l
-        group_layer, group_scored = np.tile(rows, T), np.repeat(layout.token_scored, L)
-    return stack_histograms(layout.groups, layout.starts, layout.n_items, group_layer, group_scored, L)
+    return stack_histograms(layout.groups, layout.starts, layout.n_items, layout.group_layer, layout.group_scored,
+                            len(layout.layer_ids))
 
 
 DEFAULT_GRID = 1024
