@@ -31,3 +31,33 @@ def seed_case():
     from expertcache import Trace
 
     return Trace.from_arrays(np.array([[0, 1], [2, 3], [0, 1]]), num_experts=4)
+
+
+GRID_SPEC = """
+traces = ["t*.npz"]
+synth = [{preset = "olmoe", seed = 1, tokens = 30, sequences = 2, num_layers = 4}]
+policies = ["lru", "belady", "decayed:0.9"]
+capacities = [8, 12]
+pools = ["layer", "global"]
+warm = [0.0, 0.5]
+"""
+"""The grid spec of tests/test_grid.py and tests/test_ray.py: two small files and a synth preset."""
+GRID_CELLS = 3 * 3 * 2 * 2 * 2
+
+
+@pytest.fixture
+def grid(tmp_path):
+    """A folder with two small traces (ta.npz, tb.npz) and grid.toml holding :data:`GRID_SPEC`."""
+    import expertcache as ec
+
+    rng = np.random.default_rng(0)
+    for name in ("ta", "tb"):
+        ex = np.stack([[rng.choice(16, 4, replace=False) for _ in range(3)] for _ in range(80)])
+        ec.Trace.from_arrays(ex, np.repeat([0, 1], 40), num_experts=16, meta={"name": name}).save(tmp_path / f"{name}.npz")
+    (tmp_path / "grid.toml").write_text(GRID_SPEC)
+    return tmp_path
+
+
+def strip_seconds(rows):
+    """Rows (dicts) without the timing field ``seconds``, the only one that differs between runs."""
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]

@@ -30,6 +30,8 @@ COMMANDS = {
                ("--layers", LAYERS), ("--warm", NUMBERS), ("--expert-mb", NUMBERS), ("--tau", DURATIONS),
                ("--c", DURATIONS), ("--tokens-per-s", NUMBERS), ("--budget", BYTES),
                ("--admission", ["all", "second", "x"]), ("--unit", ["token", "iteration", "x"]),
+               ("--jobs", ["1", "0", "-3", "x", "99999999999999999999"]),
+               ("--ray", ["nowhere", "ray://", "host:0", "host:99999", "", ":6379", "h:x"]),
                ("--profile", ["{path}", "{root}/missing.npz", "{root}/good.json", "{root}"]),
                ("--model-config", ["{root}/missing.json", "{root}/t.npz", "{root}/deep.json", "{root}/bigint.json",
                                    "{root}/huge.json", "{root}/good.json", "{root}/bad.json", "{root}"])],

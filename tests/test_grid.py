@@ -22,30 +22,7 @@ from expertcache.grid.runner import KILL_AFTER_ENV, run_grid  # noqa: E402
 from expertcache.grid.store import Store, schema  # noqa: E402
 from expertcache.cli.main import main  # noqa: E402
 
-SPEC = """
-traces = ["t*.npz"]
-synth = [{preset = "olmoe", seed = 1, tokens = 30, sequences = 2, num_layers = 4}]
-policies = ["lru", "belady", "decayed:0.9"]
-capacities = [8, 12]
-pools = ["layer", "global"]
-warm = [0.0, 0.5]
-"""
-N_CELLS = 3 * 3 * 2 * 2 * 2
-
-
-@pytest.fixture
-def grid(tmp_path):
-    rng = np.random.default_rng(0)
-    for name in ("ta", "tb"):
-        ex = np.stack([[rng.choice(16, 4, replace=False) for _ in range(3)] for _ in range(80)])
-        ec.Trace.from_arrays(ex, np.repeat([0, 1], 40), num_experts=16, meta={"name": name}).save(tmp_path / f"{name}.npz")
-    (tmp_path / "grid.toml").write_text(SPEC)
-    return tmp_path
-
-
-def strip(rows):
-    """Rows without the timing field (the only one that differs between runs)."""
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+from conftest import GRID_CELLS as N_CELLS, strip_seconds as strip  # noqa: E402
 
 
 def full_rows(tmp_path, spec):

@@ -50,3 +50,32 @@ def test_cli_jobs_matches_serial(tmp_path):
         return [strip(json.loads(line)) for line in proc.stdout.splitlines()]
 
     assert records("--jobs", "2") == records()
+
+
+def test_shared_memory_is_released_and_reused_across_replays():
+    import os
+    from pathlib import Path
+
+    from expertcache.sim.parallel import StreamReplayer
+
+    layout = build_layout(synthesize_preset("olmoe", 2, tokens=30, sequences=2, num_layers=3))
+    mine = lambda: sorted(p.name for p in Path("/dev/shm").glob(f"ec_{os.getpid()}_*"))  # noqa: E731
+    with StreamReplayer(layout, 2) as rp:
+        for capacity in (8, 16):  # one pool of workers, the groups mapped once, two replays
+            got = rp.replay(capacity, ["lru", "belady"])
+            assert [strip(r.to_dict()) for r in got] == [strip(replay_layout(layout, capacity, p).to_dict())
+                                                         for p in ("lru", "belady")]
+        assert len(mine()) == 2  # groups and starts
+    assert mine() == []
+
+
+def test_ray_option_without_ray_is_one_line(tmp_path, monkeypatch, capsys):
+    from expertcache.cli.main import main
+
+    path = synthesize_preset("olmoe", 1, tokens=20, sequences=2, num_layers=2).save(tmp_path / "t.npz")
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    assert main(["replay", str(path), "-c", "16", "--ray", "auto"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install 'expertcache[ray]'" in err
+    assert main(["replay", str(path), "-c", "16", "--ray", "nowhere"]) == 2
+    assert "expected 'auto' or a cluster address" in capsys.readouterr().err

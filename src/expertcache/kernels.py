@@ -245,18 +245,20 @@ def lru_loop(groups, starts, n_items, capacity):
 
 # ------------------------------------------------------------------------------ heap
 @njit(cache=True)
-def static_key_loop(groups, keys, starts, n_items, capacity):
+def static_key_loop(groups, keys, starts, n_items, capacity, negate):
     """Evict the resident with the smallest ``(key, last use, id)``; ``keys[g, j]`` is the key the
-    item of slot ``(g, j)`` holds from that access until its next one."""
+    item of slot ``(g, j)`` holds from that access until its next one (``-keys[g, j]`` when
+    ``negate``: belady passes the next-use array itself, so the farthest request is the smallest
+    key without a ``[G, k]`` temporary). ``keys`` may be float64 or int64; the heap holds that type."""
     G, k = groups.shape
     misses = np.zeros(G, dtype=np.int32)
     evictions = np.zeros(G, dtype=np.int32)
     pos = np.full(n_items, -1, dtype=np.int64)
     stamp = np.full(n_items, -1, dtype=np.int64)
-    hk = np.empty(capacity, dtype=np.float64)
+    hk = np.empty(capacity, dtype=keys.dtype)
     hl = np.empty(capacity, dtype=np.int64)
     hi = np.empty(capacity, dtype=np.int64)
-    ak = np.empty(k, dtype=np.float64)
+    ak = np.empty(k, dtype=keys.dtype)
     al = np.empty(k, dtype=np.int64)
     ai = np.empty(k, dtype=np.int64)
     for s in range(starts.size - 1):
@@ -270,7 +272,7 @@ def static_key_loop(groups, keys, starts, n_items, capacity):
                     stamp[e] = g
                     i = pos[e]
                     if i >= 0:
-                        kn = keys[g, j]
+                        kn = -keys[g, j] if negate else keys[g, j]
                         up = _lt(kn, t, e, hk[i], hl[i], e)
                         hk[i] = kn
                         hl[i] = t
@@ -289,7 +291,7 @@ def static_key_loop(groups, keys, starts, n_items, capacity):
                     v, size = _pop_victim(hk, hl, hi, pos, size, stamp, g, ak, al, ai)
                     pos[v] = -1
                     ev += 1
-                size = _push(hk, hl, hi, pos, size, keys[g, j], t, e)
+                size = _push(hk, hl, hi, pos, size, -keys[g, j] if negate else keys[g, j], t, e)
             misses[g] = m
             evictions[g] = ev
         for i in range(size):
@@ -504,14 +506,18 @@ class LRUPlan:
 
 
 class StaticKeyPlan:
-    """Run :func:`static_key_loop` with keys from ``make_keys(layout) -> float64 [G, k]``."""
+    """Run :func:`static_key_loop` with keys from ``make_keys(layout) -> [G, k]`` (int64 keys are
+    kept as they are, any other type becomes float64); ``negate`` evicts the largest key first."""
 
-    def __init__(self, make_keys):
+    def __init__(self, make_keys, negate: bool = False):
         self.make_keys = make_keys
+        self.negate = bool(negate)
 
     def run(self, layout, capacity):
-        keys = np.ascontiguousarray(self.make_keys(layout), dtype=np.float64)
-        return static_key_loop(layout.groups, keys, layout.starts, layout.n_items, pool_slots(layout, capacity))
+        keys = self.make_keys(layout)
+        keys = np.ascontiguousarray(keys, dtype=np.int64 if keys.dtype == np.int64 else np.float64)
+        return static_key_loop(layout.groups, keys, layout.starts, layout.n_items, pool_slots(layout, capacity),
+                               self.negate)
 
 
 class ForesightPlan:

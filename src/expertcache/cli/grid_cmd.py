@@ -10,7 +10,7 @@ from .common import add_json, emit_json, positive_int, table
 
 HELP = """Run a grid of replays from a TOML spec, or report on its results (docs/grid.md).
 
-  expertcache grid grid.toml --out results/ [--jobs N] [--force] [--json]
+  expertcache grid grid.toml --out results/ [--jobs N] [--ray auto|ADDRESS] [--force] [--json]
   expertcache grid report results/ [--plot DIR] [--json]
 
 The spec names traces (paths or globs, or synth = [{preset = "olmoe", seed = 0, tokens = 200}]),
@@ -19,7 +19,8 @@ meta's expert_bytes), pools, warm fractions, layers and reset. Every cell (trace
 pool x warm x reset) is one row of the results: every replay field (docs/semantics.md) plus the
 cell's inputs and its key (a hash of the inputs, the trace's checksum and the expertcache
 version). Rows are written as Parquet parts, one per finished batch, atomically; a rerun skips
-finished cells (--force recomputes them), so a killed run resumes losing nothing.
+finished cells (--force recomputes them), so a killed run resumes losing nothing. --ray runs the
+cells on Ray (each trace put once into its object store) with the same rows as the process pool.
 
 'grid report' prints, per trace, pool, reset and warm fraction, a policy x size table of the hit
 rate and of copies/token, and with --plot writes one PNG per table into DIR.
@@ -35,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", "-o", metavar="DIR", help="results folder (created when missing; its parent must exist)")
     p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
                    help="worker processes (default: the number of cores; 1 runs in this process)")
+    p.add_argument("--ray", metavar="auto|ADDRESS", default=None,
+                   help="run the cells as Ray tasks: 'auto' joins this machine's Ray or starts a local one with "
+                        "--jobs CPUs, ADDRESS joins a cluster (pip install 'expertcache[ray]')")
     p.add_argument("--force", action="store_true", help="recompute cells already in the results")
     p.add_argument("--plot", metavar="DIR", help="with 'report': write one PNG per table into DIR")
     add_json(p)
@@ -47,7 +51,7 @@ def run(args) -> int:
     if args.spec == "report":
         if args.results is None:
             raise ConfigError("grid report: give the results folder, e.g. 'expertcache grid report results/'")
-        for opt, val in (("--out", args.out), ("--jobs", args.jobs), ("--force", args.force)):
+        for opt, val in (("--out", args.out), ("--jobs", args.jobs), ("--force", args.force), ("--ray", args.ray)):
             if val:
                 raise ConfigError(f"grid report: {opt} belongs to running a grid, not to 'grid report'")
         return run_report(args)
@@ -74,7 +78,7 @@ def run_grid_cmd(args) -> int:
             bar["n"] = n
             advance(0)  # opens the bar now that the number of cells is known
 
-        summary = run_grid(spec, args.out, jobs=args.jobs, force=args.force, on_start=on_start,
+        summary = run_grid(spec, args.out, jobs=args.jobs, force=args.force, ray=args.ray, on_start=on_start,
                            on_cells=lambda n: advance(n))
     if args.json:
         emit_json([summary])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..policies import available_policies, make_policy
 from ..sim import build_layout, fill_gap, replay_layout
@@ -44,8 +45,12 @@ def add_parser(sub) -> None:
                    help="replay only these sequences: positions such as '0-7', or 'heldout': those the learned:PATH "
                         "scorers were not trained on (default all)")
     add_sizing_options(p)
-    p.add_argument("--jobs", "-j", type=positive_int, default=1, metavar="N",
-                   help="split the independent streams over N processes (default 1); same counts as serial")
+    p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
+                   help="split the independent streams over N processes (default 1; with --ray, the number of "
+                        "cores here); same counts as serial")
+    p.add_argument("--ray", metavar="auto|ADDRESS", default=None,
+                   help="run the split streams as Ray tasks: 'auto' joins this machine's Ray or starts a local "
+                        "one, ADDRESS joins a cluster (pip install 'expertcache[ray]'; docs/grid.md)")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -59,10 +64,11 @@ def run(args) -> int:
     layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm,
                           admission=args.admission)
     capacity, budget = budget_capacity(args, layout, setup)
-    if args.jobs > 1:
+    jobs = args.jobs or (os.cpu_count() or 1 if args.ray else 1)
+    if jobs > 1 or args.ray:
         from ..sim.parallel import replay_streams_parallel
 
-        results = replay_streams_parallel(layout, capacity, policies, args.jobs)
+        results = replay_streams_parallel(layout, capacity, policies, jobs, ray=args.ray)
     else:
         results = [replay_layout(layout, capacity, p) for p in policies]
     fill_gap(results)

@@ -2,7 +2,8 @@
 part per finished task (docs/grid.md).
 
 Invariants: a cell whose key is in the store is never replayed again unless ``force``; the rows
-a run writes do not depend on ``jobs`` or on the order tasks finish in (only the ``seconds``
+a run writes do not depend on ``jobs``, on the backend (process pool or Ray) or on the order
+tasks finish in (only the ``seconds``
 timing field differs between runs); a worker keeps the last trace it loaded, and tasks are
 submitted trace-major, so each worker loads each trace about once.
 """
@@ -30,11 +31,12 @@ _TRACES: dict = {}
 
 
 def run_grid(spec: GridSpec, out: str | os.PathLike, *, jobs: int | None = None, force: bool = False,
-             on_start: Callable[[int], None] | None = None,
+             ray: str | None = None, on_start: Callable[[int], None] | None = None,
              on_cells: Callable[[int], None] | None = None) -> dict:
     """Run every unfinished cell of ``spec`` into the results folder ``out``.
 
-    ``jobs``: worker processes (default ``os.cpu_count()``; 1 runs in this process).
+    ``jobs``: worker processes (default ``os.cpu_count()``; 1 runs in this process). ``ray``:
+    ``"auto"`` or a cluster address runs the tasks on Ray instead (:func:`run_on_ray`).
     ``on_start(n)`` is told the number of cells to compute, ``on_cells(n)`` each finished batch.
     Returns a summary: ``cells`` (in the grid), ``skipped`` (already finished), ``computed``,
     ``parts`` (written by this run) and ``out``.
@@ -64,7 +66,9 @@ def run_grid(spec: GridSpec, out: str | os.PathLike, *, jobs: int | None = None,
         if kill_after and summary["parts"] >= kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    if jobs == 1 or len(work) <= 1:
+    if ray is not None:
+        run_on_ray(ray, jobs, work, finished)
+    elif jobs == 1 or len(work) <= 1:
         for task, todo in work:
             finished(run_task(task, todo))
     else:
@@ -80,11 +84,55 @@ def run_grid(spec: GridSpec, out: str | os.PathLike, *, jobs: int | None = None,
     return summary
 
 
+def run_on_ray(address: str, jobs: int, work: list, finished: Callable[[list[dict]], None]) -> None:
+    """Run ``work`` (task, policies to do) as Ray tasks, handing each finished task's rows to ``finished``.
+
+    Each trace is loaded once, here, and put once into Ray's object store; every task of that
+    trace receives the same object (workers on one node share it without a copy; another node
+    fetches it once). A trace's object is released when its last task has finished. A task's
+    ExpertcacheError comes back as that error, one line.
+    """
+    from ..backends import ray_session
+
+    with ray_session(address, cpus=jobs) as rt:
+        remote = rt.remote(run_cells)
+        traces: dict = {}  # trace ident -> [object ref, tasks not finished]
+        pending = {}
+        for task, todo in work:
+            ident = task.trace.ident
+            if ident not in traces:
+                traces[ident] = [rt.put(task.trace.load()), 0]
+            traces[ident][1] += 1
+            pending[remote.remote(task, todo, traces[ident][0])] = ident
+        while pending:
+            ready, _ = rt.wait(list(pending), num_returns=1)
+            ident = pending.pop(ready[0])
+            try:
+                rows = rt.get(ready[0])
+            except rt.exceptions.RayTaskError as err:
+                if isinstance(err.cause, ExpertcacheError):
+                    raise err.cause from None
+                raise
+            finished(rows)
+            traces[ident][1] -= 1
+            if not traces[ident][1]:
+                del traces[ident]
+
+
 def run_task(task: Task, todo: tuple[str, ...]) -> list[dict]:
-    """Replay the cells of ``task`` whose policies are in ``todo``; their rows. The task's lru and
-    belady are replayed too when the grid has them, so ``gap_recovered`` is always filled alike."""
+    """:func:`run_cells` on the task's trace (each process keeps the last trace it loaded)."""
     try:
         trace = _load(task)
+    except ExpertcacheError as err:
+        raise ConfigError(f"grid trace {task.trace.label}: {err}") from None
+    return run_cells(task, todo, trace)
+
+
+def run_cells(task: Task, todo: tuple[str, ...], trace) -> list[dict]:
+    """Replay the cells of ``task`` whose policies are in ``todo`` on ``trace``; their rows. The
+    task's lru and belady are replayed too when the grid has them, so ``gap_recovered`` is always
+    filled alike."""
+    try:
         layout = build_layout(trace, pool=task.pool, reset=task.reset, warm=task.warm,
                               layers=list(task.layers) if task.layers is not None else None)
         capacity, budget = task.capacity, None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import StaticKeyPlan, local_steps
+from ..kernels import StaticKeyPlan
 from .base import NEVER, Policy
 from .registry import register
 
@@ -19,11 +19,6 @@ class Belady(Policy):
         return np.where(nu == NEVER, -np.inf, -nu.astype(np.float64))
 
     def plan(self, layout):
-        return StaticKeyPlan(_farthest_keys)
-
-
-def _farthest_keys(layout):
-    nu = layout.next_use
-    G = nu.shape[0]
-    start = (np.arange(G) - local_steps(layout.starts, G))[:, None]
-    return np.where(nu == NEVER, -np.inf, -(nu - start).astype(np.float64))
+        # Key -next_use (group index): within a stream it orders residents exactly as the Python
+        # keys above (-(distance), never = -inf: NEVER is larger than any group index).
+        return StaticKeyPlan(lambda lay: lay.next_use, negate=True)

@@ -87,16 +87,20 @@ class StreamLayout:
         return next_use(self.groups, self.starts, self.n_items)
 
     @cached_property
+    def held(self) -> np.ndarray:
+        """int64 ``[G]``: the ids each group asks to hold (padding excluded; admitted requests only)."""
+        return np.count_nonzero(self.groups >= 0, axis=1)
+
+    @cached_property
     def requests(self) -> np.ndarray:
         """int64 ``[G]``: requests of each group: the ids it holds (padding excluded), plus the
         requests served without admission (:attr:`streamed`)."""
-        held = np.count_nonzero(self.groups >= 0, axis=1)
-        return held if self.streamed is None else held + self.streamed
+        return self.held if self.streamed is None else self.held + self.streamed
 
     @cached_property
     def widest(self) -> int:
         """The most items one group asks to hold at once (admitted requests only)."""
-        return int(np.count_nonzero(self.groups >= 0, axis=1).max()) if self.groups.shape[0] else 0
+        return int(self.held.max()) if self.groups.shape[0] else 0
 
     @cached_property
     def group_layer(self) -> np.ndarray:

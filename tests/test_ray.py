@@ -1,0 +1,73 @@
+"""The Ray backend (``--ray``): grid rows and stream-parallel replay equal to the process pool's
+and to serial replay, on a local Ray of 2 CPUs (skipped, with the reason, where Ray can't start)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from expertcache.cli.main import main
+from expertcache.errors import ConfigError
+from expertcache.sim import build_layout, replay_layout
+from expertcache.sim.parallel import StreamReplayer
+from expertcache.trace.synth import synthesize_preset
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'expertcache[ray]')")
+pytest.importorskip("pyarrow")
+
+from expertcache.grid import load_spec  # noqa: E402
+from expertcache.grid.runner import run_grid  # noqa: E402
+from expertcache.grid.store import Store  # noqa: E402
+from conftest import GRID_CELLS, GRID_SPEC as SPEC, strip_seconds as strip  # noqa: E402
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray of 2 CPUs for the module; ``ray_session`` uses a connection already made."""
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    except Exception as err:  # noqa: BLE001 - any reason Ray can't start here is a skip, said
+        pytest.skip(f"a local Ray could not start here: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+    yield ray
+    ray.shutdown()
+
+
+def test_grid_on_ray_equals_the_process_pool(local_ray, grid):
+    spec = load_spec(grid / "grid.toml")
+    on_ray = run_grid(spec, grid / "ray", jobs=2, ray="auto")
+    run_grid(spec, grid / "pool", jobs=2)
+    rows = Store(grid / "ray").read_rows()
+    assert on_ray["computed"] == len(rows) == GRID_CELLS
+    assert strip(rows) == strip(Store(grid / "pool").read_rows())
+    again = run_grid(spec, grid / "ray", jobs=2, ray="auto")  # resumes: nothing left to compute
+    assert (again["skipped"], again["computed"]) == (on_ray["cells"], 0)
+
+
+def test_grid_cell_error_on_ray_is_one_line(local_ray, grid):
+    (grid / "grid.toml").write_text(SPEC.replace("capacities = [8, 12]", "capacities = [2]"))
+    with pytest.raises(ConfigError) as err:
+        run_grid(load_spec(grid / "grid.toml"), grid / "res", jobs=2, ray="auto")
+    assert "\n" not in str(err.value) and "capacity 2 is below" in str(err.value)
+
+
+@pytest.mark.parametrize("pool, reset, warm", [("layer", "sequence", 0.0), ("global", "sequence", 0.3),
+                                               ("layer", "none", 0.5)])
+def test_stream_parallel_replay_on_ray_equals_serial(local_ray, pool, reset, warm):
+    trace = synthesize_preset("olmoe", 0, tokens=50, sequences=3, num_layers=4)
+    layout = build_layout(trace, pool=pool, reset=reset, warm=warm)
+    policies = ["lru", "belady", "foresight:4", "decayed:0.9", "random:3"]
+    with StreamReplayer(layout, 2, ray="auto") as rp:
+        for capacity in (12, 20):
+            got = rp.replay(capacity, policies)
+            want = [replay_layout(layout, capacity, p) for p in policies]
+            assert [strip([r.to_dict()]) for r in got] == [strip([r.to_dict()]) for r in want]
+
+
+def test_cli_replay_ray_matches_serial(local_ray, tmp_path, capsys):
+    path = synthesize_preset("olmoe", 1, tokens=40, sequences=2, num_layers=4).save(tmp_path / "t.npz")
+
+    def records(*extra):
+        assert main(["replay", str(path), "-c", "16", "-p", "lru", "-p", "belady", "--json", *extra]) == 0
+        return strip([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+
+    assert records("--ray", "auto", "--jobs", "2") == records()
