@@ -79,3 +79,17 @@ def test_ray_option_without_ray_is_one_line(tmp_path, monkeypatch, capsys):
     assert err.count("\n") == 0 and "pip install 'expertcache[ray]'" in err
     assert main(["replay", str(path), "-c", "16", "--ray", "nowhere"]) == 2
     assert "expected 'auto' or a cluster address" in capsys.readouterr().err
+
+
+def test_sweep_jobs_matches_serial(tmp_path):
+    path = synthesize_preset("olmoe", 3, tokens=40, sequences=2, num_layers=3).save(tmp_path / "t.npz")
+
+    def records(*extra):
+        proc = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "sweep", str(path), "--capacities", "8,12,20",
+                               "-p", "lru", "-p", "belady", "-p", "decayed:0.9", "--replay-lru", "--json", *extra],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return [strip(json.loads(line)) for line in proc.stdout.splitlines()]
+
+    serial = records()
+    assert len(serial) >= 9 and records("--jobs", "2") == serial

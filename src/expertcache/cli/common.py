@@ -54,6 +54,24 @@ def _int_in(text: str, lo: int, hi: int, what: str, span: str) -> int:
     return x
 
 
+def add_parallel_options(p: argparse.ArgumentParser) -> None:
+    """``--jobs N`` and ``--ray auto|ADDRESS``: split one trace's independent streams over workers
+    (:mod:`expertcache.sim.parallel`); read them back with :func:`parallel_jobs`."""
+    p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
+                   help="split the independent streams over N processes (default 1; with --ray, the number of "
+                        "cores here); same counts as serial")
+    p.add_argument("--ray", metavar="auto|ADDRESS", default=None,
+                   help="run the split streams as Ray tasks: 'auto' joins this machine's Ray or starts a local "
+                        "one, ADDRESS joins a cluster (pip install 'expertcache[ray]'; docs/grid.md)")
+
+
+def parallel_jobs(args) -> int:
+    """The workers ``--jobs`` / ``--ray`` ask for (1: serial in this process)."""
+    import os
+
+    return args.jobs or ((os.cpu_count() or 1) if args.ray else 1)
+
+
 def positive_int(text: str) -> int:
     """A count or capacity: an integer in [1, 2**62]."""
     return _int_in(text, 1, MAX_INT, "a positive integer", "up to 2**62")

@@ -27,8 +27,8 @@ from ..sim.curves import (
     foresight_curve, sweep_layout,
 )
 from .common import (
-    add_json, add_replay_options, check_out, describe, emit_json, nonnegative_float, open_trace, positive_int, setup_line,
-    table,
+    add_json, add_parallel_options, add_replay_options, check_out, describe, emit_json, nonnegative_float, open_trace,
+    parallel_jobs, positive_int, setup_line, table,
 )
 from .budget_opts import (add_tier_options, attach_profile, budget_capacities, budget_range, per_unit,
                           print_budget_sweep)
@@ -62,6 +62,7 @@ def add_parser(sub) -> None:
     add_replay_options(p)
     add_tier_options(p)
     add_sizing_options(p)
+    add_parallel_options(p)
     _outputs(p, "mrc.png", run_sweep)
 
     p = _command(sub, "foresight", "share of the LRU-to-Belady gap recovered against the foresight horizon",
@@ -223,7 +224,8 @@ def run_sweep(args) -> int:
     n_caps = len(capacities) if capacities else hi - lo + 1
     units = sum(1 if p.spec == "lru" and not args.replay_lru else n_caps for p in policies)
     with progress(units, "sweep") as tick:
-        curves = sweep_layout(layout, capacities, specs, one_pass=not args.replay_lru, progress=tick)
+        curves = sweep_layout(layout, capacities, specs, one_pass=not args.replay_lru, progress=tick,
+                              jobs=parallel_jobs(args), ray=args.ray)
     if args.plot:
         from ..report.plots import plot_mrc
 

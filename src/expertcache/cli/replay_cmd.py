@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from ..policies import available_policies, make_policy
 from ..sim import build_layout, fill_gap, replay_layout
 from .budget_opts import (add_capacity_or_budget, add_tier_options, attach_profile, budget_capacity, per_unit,
                           per_unit_header, select_sequences, sequence_positions)
-from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, setup_line, table
+from .common import (add_json, add_parallel_options, add_replay_options, describe, emit_json, open_trace,
+                     parallel_jobs, setup_line, table)
 from .sizing_opts import SizingSetup, add_sizing_options, resolve_sizing
 
 HELP = """Replay a trace through eviction policies at one capacity (lossless, demand fetch).
@@ -45,12 +45,7 @@ def add_parser(sub) -> None:
                    help="replay only these sequences: positions such as '0-7', or 'heldout': those the learned:PATH "
                         "scorers were not trained on (default all)")
     add_sizing_options(p)
-    p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
-                   help="split the independent streams over N processes (default 1; with --ray, the number of "
-                        "cores here); same counts as serial")
-    p.add_argument("--ray", metavar="auto|ADDRESS", default=None,
-                   help="run the split streams as Ray tasks: 'auto' joins this machine's Ray or starts a local "
-                        "one, ADDRESS joins a cluster (pip install 'expertcache[ray]'; docs/grid.md)")
+    add_parallel_options(p)
     add_json(p)
     p.set_defaults(func=run)
 
@@ -64,7 +59,7 @@ def run(args) -> int:
     layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm,
                           admission=args.admission)
     capacity, budget = budget_capacity(args, layout, setup)
-    jobs = args.jobs or (os.cpu_count() or 1 if args.ray else 1)
+    jobs = parallel_jobs(args)
     if jobs > 1 or args.ray:
         from ..sim.parallel import replay_streams_parallel
 

@@ -14,6 +14,8 @@ pool) nothing changes any more.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -165,9 +167,22 @@ def sweep_layout(
     engine: str = "auto",
     one_pass: bool = True,
     progress: Progress | None = None,
+    jobs: int = 1,
+    ray: str | None = None,
 ) -> list[MissRatioCurve]:
-    """:func:`sweep` on prepared streams."""
-    caps = _capacities(layout, capacities)
+    """:func:`sweep` on prepared streams. ``jobs`` > 1 or ``ray`` replays each capacity with the
+    streams split over workers started once for the whole sweep (:class:`~expertcache.sim.parallel.StreamReplayer`;
+    the same numbers)."""
+    with contextlib.ExitStack() as stack:
+        replayer = None
+        if (jobs > 1 or ray is not None) and engine != "python":
+            from ..parallel import StreamReplayer
+
+            replayer = stack.enter_context(StreamReplayer(layout, jobs, ray=ray))
+        return _sweep(layout, _capacities(layout, capacities), policies, engine, one_pass, progress, replayer)
+
+
+def _sweep(layout, caps, policies, engine, one_pass, progress, replayer) -> list[MissRatioCurve]:
     tick = progress or (lambda n: None)
     curves = []
     for spec in policies:
@@ -182,7 +197,11 @@ def sweep_layout(
         t0 = time.perf_counter()
         results = []
         for c in caps:  # a fresh policy object per replay unless the caller handed one in
-            results.append(replay_layout(layout, c, make_policy(spec) if isinstance(spec, str) else policy, engine=engine))
+            each = make_policy(spec) if isinstance(spec, str) else policy
+            if replayer is not None:
+                results.append(replayer.replay(c, [each])[0])
+            else:
+                results.append(replay_layout(layout, c, each, engine=engine))
             tick(1)
         curves.append(MissRatioCurve.from_results(policy.spec, results, time.perf_counter() - t0))
     _fill_gaps(curves)
