@@ -195,3 +195,26 @@ def test_shared_traces_replay(shared_trace_path):
         assert res["belady"].copies_steady <= res["lru"].copies_steady
         py = ec.replay(trace, C, "decayed", engine="python")
         assert (py.copies_total, py.copies_steady) == (res["decayed:0.95"].copies_total, res["decayed:0.95"].copies_steady)
+
+
+def test_stream_options_checked_once_and_equal_to_keywords():
+    import numpy as _np
+
+    from expertcache.errors import ConfigError as _CE
+    from expertcache.sim import StreamOptions, build_layout
+    from expertcache.trace.synth import synthesize_preset
+
+    trace = synthesize_preset("olmoe", 0, tokens=30, sequences=2, num_layers=4)
+    opts = StreamOptions.of(pool="global", reset="none", layers=[1, 3], warm=0.5, admission="second")
+    a = build_layout(trace, opts)
+    b = build_layout(trace, pool="global", reset="none", layers=[1, 3], warm=0.5, admission="second")
+    assert _np.array_equal(a.groups, b.groups) and _np.array_equal(a.streamed, b.streamed)
+    assert (a.layer_ids, a.pool, a.reset, a.warm, a.admission) == ([1, 3], "global", "none", 0.5, "second")
+    for bad, text in [({"pool": "x"}, "--pool"), ({"reset": "x"}, "--reset"), ({"warm": 1.0}, "--warm"),
+                      ({"warm": float("nan")}, "--warm"), ({"warm": True}, "--warm"), ({"admission": "x"}, "--admission"),
+                      ({"layers": ["a"]}, "--layers")]:
+        with pytest.raises(_CE, match=text) as err:
+            StreamOptions.of(**bad)
+        assert "\n" not in str(err.value)
+    with pytest.raises(TypeError):
+        build_layout(trace, opts, pool="layer")

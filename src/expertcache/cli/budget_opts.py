@@ -13,7 +13,7 @@ import functools
 from .._units import format_bytes, parse_byte_range, parse_bytes
 from ..errors import ConfigError
 from ..sim.budget import Budget
-from ..sim.layout import ADMISSIONS
+from ..sim.options import ADMISSIONS
 from .common import describe, emit_json, open_trace, positive_int, setup_line, table
 
 UNITS = ("token", "iteration")

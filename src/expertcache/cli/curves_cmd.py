@@ -21,7 +21,7 @@ from typing import Iterator
 from ..costmodel import FIGURES, GB, cache_bytes
 from ..policies import available_policies, make_policy
 from ..report.plots import plot_format
-from ..sim import build_layout
+from ..sim import StreamOptions, build_layout
 from ..sim.curves import (
     CAUSAL_RULES, DEFAULT_HORIZONS, DEFAULT_POLICIES, FAIR_WARM, capacity_bounds, compare_pools, curve_target,
     foresight_curve, sweep_layout,
@@ -214,8 +214,7 @@ def run_sweep(args) -> int:
     policies = [make_policy(s) for s in (args.policies or ["lru", "belady"])]
     attach_profile(policies, args.profile)
     specs = [p if getattr(p, "takes_profile", False) else p.spec for p in policies]
-    layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm,
-                          admission=args.admission)
+    layout = build_layout(trace, StreamOptions.from_args(args))
     capacities, budgets = args.capacities, None
     if args.budgets is not None:
         budgets = budget_capacities(args.budgets, layout, setup, lossless=any(p.admits for p in policies))

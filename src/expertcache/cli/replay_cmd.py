@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..policies import available_policies, make_policy
-from ..sim import build_layout, fill_gap, replay_layout
+from ..sim import StreamOptions, build_layout, fill_gap, replay_layout
 from .budget_opts import (add_capacity_or_budget, add_tier_options, attach_profile, budget_capacity, per_unit,
                           per_unit_header, select_sequences, sequence_positions)
 from .common import (add_json, add_parallel_options, add_replay_options, describe, emit_json, open_trace,
@@ -56,8 +56,7 @@ def run(args) -> int:
     policies = [make_policy(s) for s in (args.policies or ["lru", "belady"])]
     attach_profile(policies, args.profile)
     trace = select_sequences(trace, args.sequences, policies)
-    layout = build_layout(trace, pool=args.pool, reset=args.reset, layers=args.layers, warm=args.warm,
-                          admission=args.admission)
+    layout = build_layout(trace, StreamOptions.from_args(args))
     capacity, budget = budget_capacity(args, layout, setup)
     jobs = parallel_jobs(args)
     if jobs > 1 or args.ray:

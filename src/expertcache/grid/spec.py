@@ -21,7 +21,7 @@ from typing import Any
 from .._units import parse_bytes
 from ..errors import ConfigError, ExpertcacheError
 from ..policies import make_policy
-from ..sim.layout import POOLS, RESETS
+from ..sim.options import POOLS, RESETS
 from ..trace import parse_layers
 from ..trace.npz import resolve_trace_path
 from ..trace.synth import PRESETS

@@ -10,18 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable
-
 import numpy as np
 
-from ..errors import ConfigError
 from ..kernels import next_use
 from ..trace import Trace
 from ..trace.units import accepted_per_row, iteration_ids
 
-POOLS = ("layer", "global")
-RESETS = ("sequence", "none")
-ADMISSIONS = ("all", "second")
+from .options import StreamOptions
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,16 +122,10 @@ class StreamLayout:
         return self.groups[self.starts[s] : self.starts[s + 1]]
 
 
-def build_layout(
-    trace: Trace,
-    *,
-    pool: str = "layer",
-    reset: str = "sequence",
-    layers: Iterable[int] | None = None,
-    warm: float = 0.0,
-    admission: str = "all",
-) -> StreamLayout:
-    """Lay out ``trace`` as streams.
+def build_layout(trace: Trace, options: StreamOptions | None = None, **kwargs) -> StreamLayout:
+    """Lay out ``trace`` as streams, shaped by ``options`` (a :class:`~expertcache.sim.options.StreamOptions`)
+    or by its fields given as keywords (``pool=``, ``reset=``, ``layers=``, ``warm=``, ``admission=``),
+    checked there once.
 
     ``pool``: ``"layer"`` (one pool per layer, default) or ``"global"`` (one pool keyed by
     ``(layer, expert)``; a token visits its layers in order). ``reset``: ``"sequence"`` (every pool
@@ -147,14 +136,10 @@ def build_layout(
     is inserted: the default, DESIGN section 2) or ``"second"`` (an expert's first request in a
     stream is streamed without insertion; it is admitted from its second request on).
     """
-    if pool not in POOLS:
-        raise ConfigError(f"--pool: {pool!r} is not one of {', '.join(POOLS)}")
-    if reset not in RESETS:
-        raise ConfigError(f"--reset: {reset!r} is not one of {', '.join(RESETS)}")
-    if not (0.0 <= warm < 1.0):
-        raise ConfigError(f"--warm: {warm} is outside [0, 1)")
-    if admission not in ADMISSIONS:
-        raise ConfigError(f"--admission: {admission!r} is not one of {', '.join(ADMISSIONS)}")
+    if options is not None and kwargs:
+        raise TypeError("build_layout: give StreamOptions or keywords, not both")
+    opts = options if options is not None else StreamOptions.of(**kwargs)
+    pool, reset, layers, warm, admission = opts.pool, opts.reset, opts.layers, opts.warm, opts.admission
     cols = trace.layer_index(layers)
     ex = trace.experts if layers is None else trace.experts[:, cols, :]
     ex = ex.astype(np.int32, copy=False)
