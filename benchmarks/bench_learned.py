@@ -1,24 +1,32 @@
 """Replay speed of ``learned:`` scorers against ``decayed``, measured in the same run.
 
-A synthetic olmoe-like trace (``--tokens`` per sequence, 4 sequences, 16 layers, E=64, k=8) at
-capacity 32 per layer. A linear and an MLP scorer are trained on its events (lru states), then the
-trace is replayed by: ``decayed`` (compiled plan), ``decayed`` through the Python engine (the
-reference cache driving the policy object: the path ``learned:`` takes), ``learned`` linear and
-``learned`` mlp (Python engine, one vectorised scoring call per eviction). Printed: seconds (best
-of ``--repeat`` after a warm-up), requests/s, and each row's slowdown relative to compiled decayed.
-Run: ``python benchmarks/bench_learned.py [--tokens N] [--repeat R]``.
+The trace: ``--trace PATH`` (default: the shared FLAME-MoE trace, ``../shared/traces/
+flame-moe-290m-teacher-forced/routing.npz``, when it is beside the checkout; otherwise a synthetic
+olmoe-like trace, ``--tokens`` per sequence, 4 sequences, 16 layers, E=64, k=8), at ``--capacity``
+per layer (default 32), ``--pool`` layer or global (a global pool gets ``capacity x layers``).
+A linear and an MLP scorer (reuse features, plus gate weights where the trace has ``probs``) are
+trained on its events in lru states, then the trace is replayed by ``decayed`` and both scorers,
+each through its compiled plan and through the Python engine (the reference cache driving the
+policy object). Printed per row: seconds (best of ``--repeat`` after a warm-up, which also
+compiles), requests/s, the ratio of its seconds to compiled ``decayed``'s, and steady copies (a
+compiled row and its Python row must print the same count).
+Run: ``python benchmarks/bench_learned.py [--trace PATH] [--capacity C] [--pool P] [--repeat R]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from expertcache.learn.dataset import build_dataset
 from expertcache.learn.models import fit
 from expertcache.policies.learned import Learned
 from expertcache.sim import build_layout, replay_layout
+from expertcache.trace import load_trace
 from expertcache.trace.synth import synthesize_preset
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces" / "flame-moe-290m-teacher-forced" / "routing.npz"
 
 
 def best_of(fn, repeat):
@@ -33,27 +41,31 @@ def best_of(fn, repeat):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=250)
+    ap.add_argument("--trace", default=str(SHARED) if SHARED.is_file() else None)
+    ap.add_argument("--tokens", type=int, default=250, help="synthetic trace only")
+    ap.add_argument("--capacity", type=int, default=32)
+    ap.add_argument("--pool", choices=("layer", "global"), default="layer")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    trace = synthesize_preset("olmoe", tokens=args.tokens, sequences=4, seed=0)
-    C = 32
-    ev = build_dataset(trace, C, states=("lru",))
-    scorers = {k: fit(ev.X, ev.victim, ev.offsets, ev.features, kind=k, seed=0) for k in ("linear", "mlp")}
-    layout = build_layout(trace)
-    runs = [("decayed (compiled)", lambda: replay_layout(layout, C, "decayed")),
-            ("decayed (python engine)", lambda: replay_layout(layout, C, "decayed", engine="python")),
-            ("learned linear (python)", lambda: replay_layout(layout, C, Learned(scorers["linear"], "linear"))),
-            ("learned mlp (python)", lambda: replay_layout(layout, C, Learned(scorers["mlp"], "mlp")))]
+    trace = load_trace(args.trace) if args.trace else synthesize_preset("olmoe", tokens=args.tokens, sequences=4, seed=0)
+    C = args.capacity * (trace.num_layers if args.pool == "global" else 1)
+    ev = build_dataset(trace, C, states=("lru",), pool=args.pool)
+    scorers = {k: Learned(fit(ev.X, ev.victim, ev.offsets, ev.features, kind=k, seed=0), k) for k in ("linear", "mlp")}
+    layout = build_layout(trace, pool=args.pool)
+    runs = [("decayed (compiled)", "decayed", "compiled"), ("decayed (python engine)", "decayed", "python")]
+    for kind, pol in scorers.items():
+        runs += [(f"learned {kind} (compiled)", pol, "compiled"), (f"learned {kind} (python engine)", pol, "python")]
     requests = int((layout.groups >= 0).sum())
-    print(f"trace: {trace.num_tokens} tokens x {trace.num_layers} layers, k={trace.top_k}, E={trace.num_experts}, "
-          f"C={C}; {requests} requests; {ev.X.shape[1]} features")
+    print(f"trace: {trace.name}, {trace.num_tokens} tokens x {trace.num_layers} layers, k={trace.top_k}, "
+          f"E={trace.num_experts}, {args.pool} pool C={C}; {requests} requests; {ev.X.shape[1]} features "
+          f"({', '.join(ev.features)})")
     base = None
-    print(f"{'policy':26s} {'seconds':>9s} {'requests/s':>12s} {'x decayed':>10s} {'steady copies':>14s}")
-    for name, fn in runs:
-        sec, res = best_of(fn, args.repeat)
+    print(f"{'policy':32s} {'seconds':>9s} {'requests/s':>12s} {'x decayed':>10s} {'steady copies':>14s}")
+    for name, pol, engine in runs:
+        sec, res = best_of(lambda: replay_layout(layout, C, pol, engine=engine), args.repeat)
+        assert res.engine == engine
         base = base or sec
-        print(f"{name:26s} {sec:9.3f} {requests / sec:12.0f} {sec / base:10.1f} {res.copies_steady:14d}")
+        print(f"{name:32s} {sec:9.4f} {requests / sec:12.0f} {sec / base:10.1f} {res.copies_steady:14d}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from expertcache import Trace
 from expertcache.cache import ExpertCache
 from expertcache.errors import ConfigError, PolicyError
 from expertcache.learn.dataset import build_dataset, collect, load_events, save_events
-from expertcache.learn.features import FEATURES, REUSE, FeatureState
+from expertcache.learn.features import FEATURES, REUSE, FeatureState, feature_group
+from expertcache.learn.signals import DEFAULT_OFF, fit_tables
 from expertcache.learn.models import Scorer, fit, listwise
 from expertcache.learn.scorer_io import load_scorer, save_scorer
 from expertcache.policies import make_policy
@@ -41,24 +42,41 @@ def perturbed(tr: Trace, t0: int, seed=1) -> Trace:
     return Trace.from_arrays(ex, num_experts=tr.num_experts, seq=tr.seq, probs=pr, router_probs=rp)
 
 
+def with_signals(tr: Trace, t0: int | None = None) -> Trace:
+    """``tr`` with model-side signal extras (token ids after ``t0``, next-token and hidden rows from ``t0``
+    on, drawn from another seed when ``t0`` is given: a causal feature reads neither)."""
+    T, rng, alt = tr.num_tokens, np.random.default_rng(3), np.random.default_rng(4)
+    ex = {"token_ids": rng.integers(0, 9, T), "next_top_ids": rng.integers(0, 9, (T, 3)),
+          "next_top_probs": rng.random((T, 3)).astype(np.float32) / 3, "hidden_summary": rng.normal(size=(T, 4))}
+    if t0 is not None:
+        for k, v in ex.items():
+            a = t0 + 1 if k == "token_ids" else t0
+            v[a:] = (alt.integers(0, 9, v[a:].shape) if v.dtype.kind == "i" else alt.random(v[a:].shape) / 3)
+    return Trace.from_arrays(tr.experts, num_experts=tr.num_experts, seq=tr.seq, probs=tr.probs,
+                             router_probs=tr.router_probs, extras=ex)
+
+
 # ------------------------------------------------------------------------------------ causality
 @pytest.mark.parametrize("pool", ["layer", "global"])
 def test_features_do_not_see_the_future(pool):
     tr = rich_trace()
     t0 = 70
-    pert = perturbed(tr, t0)
+    pert = with_signals(perturbed(tr, t0), t0)
+    tr = with_signals(tr)
+    tables = fit_tables(with_signals(rich_trace(seed=9)))  # model-side tables, fitted on another trace
+    causal = tuple(f for f in FEATURES if feature_group(f) not in DEFAULT_OFF)  # 'ahead'/'late' read later rows
     L = tr.num_layers
     out = []
     for trace in (tr, pert):
         lay = build_layout(trace, pool=pool)
         C = 5 if pool == "layer" else 5 * L
-        ev = collect(lay, C, make_policy("lru"), FEATURES)
+        ev = collect(lay, C, make_policy("lru"), causal, tables=tables)
         token = ev.step if pool == "layer" else ev.step // L
         out.append(ev.select(token <= t0))
     a, b = out
     assert a.num_events > 50
     assert np.array_equal(a.offsets, b.offsets) and np.array_equal(a.item, b.item)
-    assert np.array_equal(a.X, b.X)  # every feature, gate and router included
+    assert np.array_equal(a.X, b.X)  # every causal feature: gate, router and model-side signals included
     assert not np.array_equal(a.victim, b.victim)  # the labels do read the future: the test has teeth
 
 
@@ -159,7 +177,7 @@ def test_learned_reproduces_rules_in_both_pools(pool):
     lay = build_layout(tr, pool=pool)
     C = 5 if pool == "layer" else 14
     age = replay_layout(lay, C, Learned(_one_feature("age", 1.0), "age"))  # oldest goes first = lru
-    assert age.engine == "python"
+    assert age.engine == "compiled"  # kernels_learned; tests/test_learned_compiled.py checks it against python
     assert age.copies_steady == replay_layout(lay, C, "lru").copies_steady
     assert age.copies_total == replay_layout(lay, C, "lru", engine="python").copies_total
     dec = replay_layout(lay, C, Learned(_one_feature("decay_0.95", -1.0), "d"))  # lowest decayed count goes

@@ -79,8 +79,13 @@ def _add_common(p) -> None:
                    help="causal rules whose caches give the states (default lru,decayed); 'self' is the learner's "
                         "own (same as --rounds 2 when --rounds is not given)")
     p.add_argument("--features", default=None, metavar="GROUPS",
-                   help="feature groups: reuse, gate (needs probs), router (needs router_probs) (default: all the trace has)")
+                   help="feature groups: reuse, gate (needs probs), router (needs router_probs), token, next, hidden, "
+                        "ahead (need capture --record signals; ahead reads later input ids) (default: all the trace has, "
+                        "but ahead)")
     p.add_argument("--pool", choices=("layer", "global"), default="layer", help="per-layer pools (default) or one global pool")
+    p.add_argument("--tables-from", default=None, metavar="TRACE",
+                   help="fit the model-side routing tables on this capture (with token_ids; text disjoint from the "
+                        "evaluated sequences) instead of on the training sequences")
     add_layers(p, "layer ids to use")
 
 
@@ -124,7 +129,7 @@ def run_dataset(args) -> int:
     if args.sequences is not None:
         trace = trace.select_sequences(positions)
     ev = build_dataset(trace, args.capacity, states=states, rounds=rounds, model=args.model, seed=args.seed,
-                       pool=args.pool, layers=args.layers, features=args.features)
+                       pool=args.pool, layers=args.layers, features=args.features, tables=_tables_from(args))
     ev.meta["sequences"], ev.meta["trace_sequences"] = positions, n_source  # positions in the source trace
     save_events(ev, args.out)
     rec = {"out": args.out, "events": ev.num_events, "rows": int(ev.X.shape[0]), "features": list(ev.features),
@@ -148,6 +153,7 @@ def run_train(args) -> int:
     if ev.num_events == 0:
         raise ConfigError(f"events {args.events}: no eviction events (capacity not below the experts in use?)")
     sc = fit(ev.X, ev.victim, ev.offsets, ev.features, kind=args.model, seed=args.seed, shuffled=args.shuffle_labels)
+    sc.tables = ev.tables  # model-side routing tables, when the features need them
     sc.meta.update({"events_file": str(args.events), "trace": ev.meta.get("trace"), "capacity": ev.meta.get("capacity"),
                     "states": ev.meta.get("states"), "sequences": ev.meta.get("sequences"),
                     "trace_sequences": ev.meta.get("trace_sequences")})
@@ -172,6 +178,7 @@ def run_eval(args) -> int:
     if not paths:
         raise ConfigError("--traces: name at least one trace")
     traces = [(p, open_trace(p)) for p in paths]
+    tables_from = open_trace(args.tables_from) if args.tables_from else None
     results, notes = [], []
     for path, trace in traces:
         for c in args.capacity:
@@ -180,7 +187,8 @@ def run_eval(args) -> int:
                 notes.append({"trace": trace.name, "path": path, "capacity": c, "skipped": why})
                 continue
             res = evaluate(trace, c, folds=args.folds, seeds=args.seeds, states=states, rounds=rounds,
-                           pool=args.pool, layers=args.layers, features=args.features)
+                           pool=args.pool, layers=args.layers, features=args.features,
+                           tables_from=tables_from)
             res["path"] = path
             results.append(res)
     if args.json:
@@ -199,6 +207,12 @@ def run_eval(args) -> int:
     for n in notes:
         print(f"skipped {n['trace']} at C={n['capacity']}: {n['skipped']}")
     return 0
+
+
+def _tables_from(args):
+    from ..learn.signals import external_tables
+
+    return external_tables(open_trace(args.tables_from)) if args.tables_from else None
 
 
 def _unusable(trace, capacity: int) -> str | None:

@@ -29,7 +29,8 @@ from ..policies import Policy, StreamFuture, make_policy
 from ..policies.context import stream_context
 from ..sim.layout import StreamLayout, build_layout
 from ..sim.replay import check_capacity
-from .features import GROUPS, FeatureState, available_features
+from .features import GROUPS, MODEL, FeatureState, available_features
+from .signals import NEEDS, TABLE_FIELDS, FoldedTables, fit_folded, tables_from_arrays, tables_to_arrays
 from .models import TrainOptions, fit
 
 FORMAT_VERSION = 1
@@ -48,6 +49,7 @@ class Events:
     item: np.ndarray | None = None  # int64 [N] candidate item ids (not saved)
     features: tuple[str, ...] = ()
     meta: dict = field(default_factory=dict)
+    tables: object = None  # model-side routing tables (.signals), when the features need them
 
     @property
     def num_events(self) -> int:
@@ -60,7 +62,8 @@ class Events:
         sub = np.r_[0, np.cumsum(lens)]
         rows = np.repeat(self.offsets[idx] - sub[:-1], lens) + np.arange(sub[-1])
         return Events(self.X[rows], self.victim[rows], sub.astype(np.int64), self.seq[idx], self.step[idx],
-                      self.state[idx], None if self.item is None else self.item[rows], self.features, dict(self.meta))
+                      self.state[idx], None if self.item is None else self.item[rows], self.features, dict(self.meta),
+                      self.tables)
 
 
 def concat(parts: list[Events]) -> Events:
@@ -81,16 +84,16 @@ class _Recorder(Policy):
     name = "recorder"
     wants_context = True
 
-    def __init__(self, inner: Policy, names, future: StreamFuture, sink: list):
+    def __init__(self, inner: Policy, names, future: StreamFuture, sink: list, tables=None):
         super().__init__()
-        self.inner, self.names, self.fut, self.sink = inner, tuple(names), future, sink
+        self.inner, self.names, self.fut, self.sink, self.tables = inner, tuple(names), future, sink, tables
 
     def reset(self, n_items, future=None, steps_per_token=1):
         super().reset(n_items, future, steps_per_token)
         if self.inner.wants_context:
             self.inner.set_context(self.context)
         self.inner.reset(n_items, None, steps_per_token)
-        self.state = FeatureState(n_items, self.context, steps_per_token)
+        self.state = FeatureState(n_items, self.context, steps_per_token, self.tables)
 
     def keys(self, candidates, t):
         X = self.state.features(candidates, t, self.names)
@@ -114,7 +117,7 @@ def stream_sequences(layout: StreamLayout) -> np.ndarray:
     return np.searchsorted(trace.seq_bounds, rows, side="right") - 1
 
 
-def collect(layout: StreamLayout, capacity: int, policy: Policy, names, state_index: int = 0) -> Events:
+def collect(layout: StreamLayout, capacity: int, policy: Policy, names, state_index: int = 0, tables=None) -> Events:
     """Events met by ``policy``'s cache on every stream of ``layout`` (reset must be per sequence)."""
     if layout.reset != "sequence":
         raise ConfigError("learn: events need pools that start empty at each sequence (--reset sequence)")
@@ -128,7 +131,7 @@ def collect(layout: StreamLayout, capacity: int, policy: Policy, names, state_in
         a, b = int(layout.starts[s]), int(layout.starts[s + 1])
         groups = layout.groups[a:b]
         sink: list = []
-        rec = _Recorder(policy, names, StreamFuture(groups), sink)
+        rec = _Recorder(policy, names, StreamFuture(groups), sink, tables)
         rec.set_context(stream_context(layout, s))
         cache = ExpertCache(capacity, rec, layout.n_items, steps_per_token=layout.steps_per_token)
         for g in range(b - a):
@@ -154,15 +157,17 @@ def resolve_features(trace, groups: str | None = None) -> tuple[str, ...]:
     class _C:  # what the trace offers, in the shape available_features reads
         probs = trace.probs
         router = trace.router_probs
+        signals = type("S", (), {"extras": trace.extras})
     have = available_features(_C)
     if groups is None:
-        return have
+        return available_features(_C, lookahead=False)
     names: list[str] = []
     for g in [x.strip() for x in groups.split(",") if x.strip()]:
         if g not in GROUPS:
             raise ConfigError(f"--features: unknown group {g!r} (known: {', '.join(GROUPS)})")
         if not set(GROUPS[g]) <= set(have):
-            field_ = "probs" if g == "gate" else "router_probs"
+            field_ = {"gate": "probs", "router": "router_probs"}.get(g) or next(
+                n for n in NEEDS[g] if n not in trace.extras)
             raise ConfigError(f"--features: group {g!r} needs the trace's {field_}, which {trace.name} does not have")
         names += GROUPS[g]
     if not names:
@@ -172,25 +177,30 @@ def resolve_features(trace, groups: str | None = None) -> tuple[str, ...]:
 
 def build_dataset(trace, capacity: int, *, states=("lru", "decayed"), rounds: int = 0, model: str = "linear",
                   seed: int = 0, pool: str = "layer", layers=None, features: str | None = None,
-                  options: TrainOptions | None = None, base: tuple | None = None) -> Events:
+                  options: TrainOptions | None = None, base: tuple | None = None, tables=None) -> Events:
     """Events of ``trace`` from the ``states`` rules, then ``rounds`` rounds of the learner's own states.
 
     ``base``: ``(labels, parts)`` from :func:`rule_events` on the same arguments, to reuse the
-    rules' events across seeds (they do not depend on the seed)."""
+    rules' events across seeds (they do not depend on the seed). ``tables``: the model-side routing
+    tables (:mod:`.signals`); fitted here, two-fold, when the features need them and none are given."""
     from ..policies.learned import Learned
 
     layout = build_layout(trace, pool=pool, layers=layers)
     names = resolve_features(trace, features)
-    labels, parts = base if base is not None else rule_events(trace, capacity, states, pool, layers, features)
+    if tables is None and set(names) & set(MODEL):
+        tables = fit_folded(trace)
+    labels, parts = base if base is not None else rule_events(trace, capacity, states, pool, layers, features, tables)
     labels, parts = list(labels), list(parts)
     if not parts:
         raise ConfigError("--states: name at least one causal rule, e.g. lru,decayed")
     for r in range(1, rounds + 1):
         ev = concat(parts)
         scorer = fit(ev.X, ev.victim, ev.offsets, names, kind=model, seed=seed + r, options=options)
+        scorer.tables = tables
         labels.append(f"self-round{r}:{model}")
-        parts.append(collect(layout, capacity, Learned(scorer, f"<round {r}>"), names, len(labels) - 1))
+        parts.append(collect(layout, capacity, Learned(scorer, f"<round {r}>"), names, len(labels) - 1, tables))
     ev = concat(parts)
+    ev.tables = tables
     ev.meta = {
         "format_version": FORMAT_VERSION, "trace": trace.name, "capacity": int(capacity), "pool": pool,
         "layers": list(layout.layer_ids), "states": labels, "rounds": int(rounds), "round_model": model,
@@ -202,10 +212,12 @@ def build_dataset(trace, capacity: int, *, states=("lru", "decayed"), rounds: in
 
 
 def rule_events(trace, capacity: int, states=("lru", "decayed"), pool: str = "layer", layers=None,
-                features: str | None = None) -> tuple[list[str], list[Events]]:
+                features: str | None = None, tables=None) -> tuple[list[str], list[Events]]:
     """``(state labels, events per state)`` collected in the causal rules' caches."""
     layout = build_layout(trace, pool=pool, layers=layers)
     names = resolve_features(trace, features)
+    if tables is None and set(names) & set(MODEL):
+        tables = fit_folded(trace)
     labels, parts = [], []
     for i, spec in enumerate(states):
         try:
@@ -213,14 +225,16 @@ def rule_events(trace, capacity: int, states=("lru", "decayed"), pool: str = "la
         except PolicyError as err:
             raise ConfigError(f"--states: {err}") from None
         labels.append(pol.spec)
-        parts.append(collect(layout, capacity, pol, names, i))
+        parts.append(collect(layout, capacity, pol, names, i, tables))
     return labels, parts
 
 
 def save_events(ev: Events, path, option: str = "--out") -> Path:
     buf = io.BytesIO()
+    full = ev.tables.full if isinstance(ev.tables, FoldedTables) else ev.tables
     np.savez_compressed(buf, X=ev.X, victim=ev.victim, offsets=ev.offsets, seq=ev.seq, step=ev.step, state=ev.state,
-                        features=np.array(list(ev.features), dtype=str), meta=np.array(json.dumps(ev.meta)))
+                        features=np.array(list(ev.features), dtype=str), meta=np.array(json.dumps(ev.meta)),
+                        **(tables_to_arrays(full) if full is not None else {}))
     with atomic_open(path, "wb", option=option) as fh:
         fh.write(buf.getvalue())
     return Path(path)
@@ -237,6 +251,7 @@ def load_events(path) -> Events:
         raise ConfigError(f"events {p}: not an events file ({type(err).__name__}: {err})") from None
     with npz:
         got = {}
+        tables = tables_from_arrays(lambda n: _npz_field(npz, n, p), f"events {p}") if "sig_tok" in npz.files else None
         for name in ("X", "victim", "offsets", "seq", "step", "state", "features", "meta"):
             if name not in npz.files:
                 raise ConfigError(f"events {p}: field {name!r} is missing")
@@ -264,5 +279,16 @@ def load_events(path) -> Events:
         raise ConfigError(f"events {p}: field 'victim' has shape {got['victim'].shape}, expected ({X.shape[0]},)")
     if not np.all(np.isfinite(X)):
         raise ConfigError(f"events {p}: field 'X' holds a non-finite value")
+    if tables is None and set(feats) & set(MODEL):
+        raise ConfigError(f"events {p}: field {TABLE_FIELDS[0]!r} is missing (its model-side features need the tables)")
     return Events(X.astype(np.float32), got["victim"].astype(bool), off, got["seq"].astype(np.int64),
-                  got["step"].astype(np.int64), got["state"].astype(np.int64), None, feats, meta)
+                  got["step"].astype(np.int64), got["state"].astype(np.int64), None, feats, meta, tables)
+
+
+def _npz_field(npz, name: str, p: Path) -> np.ndarray:
+    if name not in npz.files:
+        raise ConfigError(f"events {p}: field {name!r} is missing")
+    try:
+        return npz[name]
+    except Exception as err:
+        raise ConfigError(f"events {p}: field {name!r} cannot be read ({err})") from None

@@ -15,32 +15,51 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels_learned import decayed, log1p_each
+from ..errors import ConfigError
 from ..policies.context import RouterView, StreamContext
+from .signals import DEFAULT_OFF, NEEDS, SIGNAL_GROUPS, SignalFeatures
 
 DECAY_RATES = (0.5, 0.8, 0.95, 0.99)
+LOGRATE = -np.log(np.asarray(DECAY_RATES))
+"""``-ln b`` per decay rate. ``exp`` and ``log1p`` below go through the scalar helpers of
+:mod:`expertcache.kernels_learned`, so the compiled replay computes the same bits."""
 
 REUSE = ("age", "log_age", "count", "log_count", "rate",
          *(f"decay_{b:g}" for b in DECAY_RATES),
          "last_gap", "mean_gap", "single_use", "since_load")
 GATE = ("gate_last", "gate_mean")
 ROUTER = ("router_now", "router_avg")
-FEATURES = REUSE + GATE + ROUTER
-GROUPS = {"reuse": REUSE, "gate": GATE, "router": ROUTER}
-"""Feature groups; ``gate`` needs the trace's ``probs``, ``router`` its ``router_probs``."""
+MODEL = tuple(n for names in SIGNAL_GROUPS.values() for n in names)
+FEATURES = REUSE + GATE + ROUTER + MODEL
+GROUPS = {"reuse": REUSE, "gate": GATE, "router": ROUTER, **SIGNAL_GROUPS}
+"""Feature groups; ``gate`` needs the trace's ``probs``, ``router`` its ``router_probs``; the model-side
+groups (:mod:`.signals`: token, next, hidden, ahead) the capture's signal extras and fitted tables."""
 
 
-def available_features(context: StreamContext | None) -> tuple[str, ...]:
-    """Names this context can supply: reuse always, gate with ``probs``, router with ``router_probs``."""
+def available_features(context: StreamContext | None, lookahead: bool = True) -> tuple[str, ...]:
+    """Names this context can supply: reuse always, gate with ``probs``, router with ``router_probs``,
+    a model-side group with its signal extras (``ahead``, which reads later input ids, only with ``lookahead``)."""
     names = list(REUSE)
     if context is not None and context.probs is not None:
         names += GATE
     if context is not None and context.router is not None:
         names += ROUTER
+    sig = getattr(context, "signals", None)
+    for g, need in NEEDS.items():
+        if sig is not None and all(n in sig.extras for n in need) and (lookahead or g not in DEFAULT_OFF):
+            names += GROUPS[g]
     return tuple(names)
 
 
 def feature_group(name: str) -> str:
     return next(g for g, names in GROUPS.items() if name in names)
+
+
+def feature_needs(name: str) -> str:
+    """The trace field a feature reads beyond the requests (``probs``, ``router_probs``, a signal extra)."""
+    g = feature_group(name)
+    return {"gate": "probs", "router": "router_probs"}.get(g) or NEEDS.get(g, ("",))[-1]
 
 
 class FeatureState:
@@ -56,7 +75,7 @@ class FeatureState:
     consistent; it is off when items are prefetched (the live harness's prefetcher).
     """
 
-    def __init__(self, n_items: int, context: StreamContext | None = None, steps_per_token: int = 1):
+    def __init__(self, n_items: int, context: StreamContext | None = None, steps_per_token: int = 1, tables=None):
         self.n = int(n_items)
         self.context = context
         self.spt = float(steps_per_token)
@@ -65,7 +84,7 @@ class FeatureState:
         self.prev = np.full(self.n, -1, dtype=np.int64)  # the use before the last one
         self.count = np.zeros(self.n, dtype=np.int64)
         self.decay = np.zeros((len(DECAY_RATES), self.n), dtype=np.float64)  # score right after the last use
-        self.lograte = -np.log(np.asarray(DECAY_RATES))[:, None]
+        self.lograte = LOGRATE
         self.gate_last = np.zeros(self.n, dtype=np.float64)
         self.gate_sum = np.zeros(self.n, dtype=np.float64)
         self.resident = np.zeros(self.n, dtype=bool)
@@ -74,6 +93,8 @@ class FeatureState:
         if context is not None and context.router is not None:
             self.router = RouterView(context, self.n)
         self._pending = None  # (t, candidates, keys) of the last eviction
+        sig = getattr(context, "signals", None)
+        self.signals = None if tables is None or sig is None else SignalFeatures(tables, sig, self.n)
 
     # -- updates ------------------------------------------------------------------------------
     def note_keys(self, candidates: np.ndarray, keys: np.ndarray, t: int) -> None:
@@ -96,7 +117,7 @@ class FeatureState:
         new = self.count[items] == 0
         self.first[items[new]] = t
         el = np.where(self.last[items] >= 0, (t - self.last[items]) / self.spt, 0.0)
-        self.decay[:, items] = np.where(new[None, :], 1.0, self.decay[:, items] * np.exp(-self.lograte * el[None, :]) + 1.0)
+        self.decay[:, items] = np.where(new[None, :], 1.0, decayed(self.decay[:, items], self.lograte, el) + 1.0)
         self.prev[items] = self.last[items]
         self.last[items] = t
         self.count[items] += 1
@@ -117,12 +138,12 @@ class FeatureState:
         cols = {}
         want = set(names)
         cols["age"] = age
-        cols["log_age"] = np.log1p(age)
+        cols["log_age"] = log1p_each(age)
         cols["count"] = count
-        cols["log_count"] = np.log1p(count)
+        cols["log_count"] = log1p_each(count)
         cols["rate"] = count / ((t - self.first[c]) / spt + 1.0)
         if want & {f"decay_{b:g}" for b in DECAY_RATES}:
-            now = self.decay[:, c] * np.exp(-self.lograte * age[None, :])
+            now = decayed(self.decay[:, c], self.lograte, age)
             for i, b in enumerate(DECAY_RATES):
                 cols[f"decay_{b:g}"] = now[i]
         two = self.prev[c] >= 0
@@ -137,4 +158,9 @@ class FeatureState:
             self.router.advance(t)
             cols["router_now"] = self.router.latest[c]
             cols["router_avg"] = self.router.ema[c]
+        if want & set(MODEL):
+            if self.signals is None:
+                raise ConfigError(f"feature {sorted(want & set(MODEL))[0]!r} needs the trace's signal extras and "
+                                  "routing tables fitted on training sequences (docs/learn.md, 'Model-side signals')")
+            cols.update(self.signals.columns(c, int(self.context.signals.rows[t]), want))
         return np.stack([cols[n] for n in names], axis=1) if names else np.zeros((c.size, 0))

@@ -19,8 +19,10 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..sim import build_layout, replay_layout
-from .dataset import build_dataset, rule_events
+from .dataset import build_dataset, resolve_features, rule_events
+from .features import MODEL
 from .models import TrainOptions, fit
+from .signals import external_tables, fit_folded
 
 BETA_GRID = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 FORESIGHT = (1, 2, 4)
@@ -42,8 +44,10 @@ def tune_beta(trace, capacity: int, pool: str = "layer", layers=None, grid=BETA_
 
 def evaluate(trace, capacity: int, *, folds: int = 2, seeds=(0, 1, 2), states=("lru", "decayed"), rounds: int = 1,
              pool: str = "layer", layers=None, features: str | None = None, options: TrainOptions | None = None,
-             progress=None) -> dict:
-    """Run the protocol; returns ``{"rows": [...], "folds": [...], ...}`` (see docs/learn.md)."""
+             progress=None, tables_from=None) -> dict:
+    """Run the protocol; returns ``{"rows": [...], "folds": [...], ...}`` (see docs/learn.md).
+    ``tables_from``: a trace (with ``token_ids``) whose rows fit the model-side tables instead of the
+    training sequences (text disjoint from ``trace``'s)."""
     from ..policies.learned import Learned
 
     parts = folds_of(trace.num_sequences, folds)
@@ -62,15 +66,20 @@ def evaluate(trace, capacity: int, *, folds: int = 2, seeds=(0, 1, 2), states=("
             steady.setdefault(name, np.zeros(len(seeds), dtype=np.int64))
             steady[name] += replay_layout(layout, capacity, spec).copies_steady
         info = {"fold": fi, "held_out": held.tolist(), "train": train_idx.tolist(), "beta": beta}
-        base = rule_events(train, capacity, states, pool, layers, features)
+        # model-side tables: fitted on the training sequences only (two-fold for their own events)
+        tables = None
+        if set(resolve_features(train, features)) & set(MODEL):
+            tables = external_tables(tables_from) if tables_from is not None else fit_folded(train)
+        base = rule_events(train, capacity, states, pool, layers, features, tables)
         for si, seed in enumerate(seeds):
             for kind in ("linear", "mlp"):
                 ev = build_dataset(train, capacity, states=states, rounds=rounds, model=kind, seed=seed, pool=pool,
-                                   layers=layers, features=features, options=options, base=base)
+                                   layers=layers, features=features, options=options, base=base, tables=tables)
                 runs = [(f"learned {kind}", False)] + ([("shuffled control (mlp)", True)] if kind == "mlp" else [])
                 for name, shuffled in runs:
                     sc = fit(ev.X, ev.victim, ev.offsets, ev.features, kind=kind, seed=seed, shuffled=shuffled,
                              options=options)
+                    sc.tables = None if tables is None else tables.full
                     r = replay_layout(layout, capacity, Learned(sc, name))
                     steady.setdefault(name, np.zeros(len(seeds), dtype=np.int64))[si] += r.copies_steady
                 if si == 0:

@@ -4,6 +4,8 @@ Fields: ``format_version`` (int, :data:`FORMAT_VERSION`), ``kind`` (``linear`` o
 ``features`` (feature names, :data:`expertcache.learn.features.FEATURES`), ``mean`` and ``scale``
 (the normalisation, one value per feature), ``w0``.. (the weights, shapes as in
 :class:`~expertcache.learn.models.Scorer`) and ``meta`` (a JSON string: how it was trained).
+Version 2 adds the model-side routing tables (``sig_*`` fields, :mod:`.signals`) a scorer of the
+token / next / hidden / ahead features replays with; a version-1 file (no tables) still loads.
 Loading validates every field; any problem is one :class:`~expertcache.errors.ConfigError` line
 naming the file and the field. Each array is size-checked before it is read (bounded memory).
 """
@@ -19,17 +21,21 @@ import numpy as np
 
 from .._io import atomic_open
 from ..errors import ConfigError
-from .features import FEATURES
+from .features import FEATURES, MODEL
 from .models import KINDS, Scorer
+from .signals import FoldedTables, tables_from_arrays, tables_to_arrays
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS = (1, 2)
 MAX_FIELD_BYTES = 16 << 20
 N_WEIGHTS = {"linear": 1, "mlp": 3}
 
 
 def save_scorer(scorer: Scorer, path, option: str = "--out") -> Path:
+    tables = getattr(scorer, "tables", None)
+    tables = tables.full if isinstance(tables, FoldedTables) else tables
     arrays = {
-        "format_version": np.array(FORMAT_VERSION, dtype=np.int64),
+        "format_version": np.array(FORMAT_VERSION if tables is not None else 1, dtype=np.int64),
         "kind": np.array(scorer.kind),
         "features": np.array(list(scorer.features), dtype=str),
         "mean": np.asarray(scorer.mean, dtype=np.float64),
@@ -38,6 +44,8 @@ def save_scorer(scorer: Scorer, path, option: str = "--out") -> Path:
     }
     for i, w in enumerate(scorer.weights):
         arrays[f"w{i}"] = np.asarray(w, dtype=np.float64)
+    if tables is not None:
+        arrays.update(tables_to_arrays(tables))
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     with atomic_open(path, "wb", option=option) as fh:
@@ -71,9 +79,9 @@ def load_scorer(path) -> Scorer:
         version = field("format_version")
         if version.shape != () or version.dtype.kind not in "iu":
             raise ConfigError(f"scorer {p}: field 'format_version' is not an integer")
-        if int(version) != FORMAT_VERSION:
+        if int(version) not in READS:
             raise ConfigError(f"scorer {p}: field 'format_version' is {int(version)}; this expertcache reads "
-                              f"version {FORMAT_VERSION}")
+                              f"versions {', '.join(map(str, READS))}")
         kind = str(_text(field("kind"), p, "kind"))
         if kind not in KINDS:
             raise ConfigError(f"scorer {p}: field 'kind' is {kind!r}, expected one of {', '.join(KINDS)}")
@@ -99,8 +107,15 @@ def load_scorer(path) -> Scorer:
             meta = json.loads(str(_text(field("meta"), p, "meta")))
         except json.JSONDecodeError:
             raise ConfigError(f"scorer {p}: field 'meta' is not JSON") from None
-    return Scorer(kind=kind, features=tuple(str(f) for f in feats), mean=mean, scale=scale, weights=weights,
-                  meta=meta if isinstance(meta, dict) else {})
+        tables = None
+        if set(str(f) for f in feats) & set(MODEL):
+            if int(version) < 2:
+                raise ConfigError(f"scorer {p}: version 1 cannot hold the routing tables its model-side features need")
+            tables = tables_from_arrays(field, f"scorer {p}")
+    sc = Scorer(kind=kind, features=tuple(str(f) for f in feats), mean=mean, scale=scale, weights=weights,
+                meta=meta if isinstance(meta, dict) else {})
+    sc.tables = tables
+    return sc
 
 
 def _text(a: np.ndarray, p: Path, name: str) -> str:

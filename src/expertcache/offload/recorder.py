@@ -3,7 +3,8 @@
 For every position a forward computes and every MoE layer, the capture stores the top-k expert ids
 and gate weights the layer's experts module receives (``mlp.experts(hidden_states, top_k_index,
 top_k_weights)``, the same seam the offloaded path serves) and, with ``router_probs=True``, the
-softmax of the router's logits over all E experts. It works with or without an offload run.
+softmax of the router's logits over all E experts; with ``record=`` (e.g. ``"token-ids,next-top:8,hidden:16"``)
+the model-side signals of :mod:`.signals` as extras, one row per position. It works with or without an offload run.
 Recorded tensors stay on their device until :attr:`Capture.trace` is read, so a capture adds no
 host synchronisation to the forwards it watches.
 
@@ -37,6 +38,7 @@ import transformers
 from ..errors import ConfigError
 from ..trace import Trace
 from .model import ExpertsSite, find_sites, forward_info, model_label, select_sites
+from .signals import SignalHooks, SignalSpec, parse_record, stack_signals
 
 PHASES = ("auto", "decode", "all")
 
@@ -51,6 +53,7 @@ class _Forward:
     experts: dict[int, torch.Tensor] = field(default_factory=dict)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     router: dict[int, torch.Tensor] = field(default_factory=dict)
+    signals: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Capture:
@@ -64,6 +67,7 @@ class Capture:
         router_probs: bool = False,
         layers: Iterable[int] | None = None,
         label: str | None = None,
+        record: SignalSpec | str | None = None,
     ):
         if phase not in PHASES:
             raise ConfigError(f"phase: {phase!r} is not one of {', '.join(PHASES)}")
@@ -79,6 +83,8 @@ class Capture:
                     f"router_probs: {model_label(model)} does not expose its router logits at layer {blind[0]}"
                 )
         self.forwards: list[_Forward] = []
+        self.record = record if isinstance(record, SignalSpec) else parse_record(record, "record")
+        self._signals = SignalHooks(model, self.record, lambda: self.forwards[-1].signals if self.forwards else {}) if self.record.any else None
         self._hooks: list = []
         self._sequence = -1
 
@@ -88,6 +94,8 @@ class Capture:
             self._hooks.append(site.experts.register_forward_pre_hook(self._experts_hook(site.layer), with_kwargs=True))
             if self.router_probs:
                 self._hooks.append(site.router.register_forward_hook(self._router_hook(site)))
+        if self._signals is not None:
+            self._hooks += self._signals.register()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -100,9 +108,13 @@ class Capture:
         info = forward_info(args, kwargs)
         if info.batch != 1 and self.router_probs:
             raise ConfigError(f"capture: router_probs records batch-1 forwards; got a batch of {info.batch}")
+        if info.batch != 1 and self._signals is not None:
+            raise ConfigError(f"capture: record (model-side signals) needs batch-1 forwards; got a batch of {info.batch}")
         if info.starts_sequence or self._sequence < 0:
             self._sequence += 1
         self.forwards.append(_Forward(self._sequence, decode=not info.starts_sequence, batch=max(info.batch, 1)))
+        if self._signals is not None:
+            self._signals.on_forward(args, kwargs)
 
     def _current(self, layer: int, what: dict) -> _Forward:
         if not self.forwards or layer in getattr(self.forwards[-1], what):
@@ -153,6 +165,9 @@ class Capture:
             experts, probs = _stack_unions(kept, layer_ids, self.sites[0].num_experts), None
         seq = np.concatenate([np.full(f.experts[layer_ids[0]].shape[0] // f.batch, f.sequence, dtype=np.int64) for f in kept])
         router = _stack(kept, "router", layer_ids, torch.float32) if self.router_probs else None
+        extras = {}
+        if self._signals is not None:
+            extras = stack_signals(kept, self.record, [f.experts[layer_ids[0]].shape[0] for f in kept])
         if self.label:
             phase = self.label
         elif keep_decode_only:
@@ -177,11 +192,14 @@ class Capture:
         }
         if router is not None:
             meta["router_probs"] = "softmax of the router logits"
+        if extras:
+            meta["signals"] = self.record.describe()
         if batch > 1:
             meta["batch"] = batch
             meta["provenance"]["batch_rows"] = "union of the rows' experts per step, sorted, -1 padded"
         return Trace.from_arrays(
-            experts, seq, probs=probs, router_probs=router, meta=meta, source=f"<capture of {model_label(self.model)}>"
+            experts, seq, probs=probs, router_probs=router, meta=meta, extras=extras,
+            source=f"<capture of {model_label(self.model)}>",
         )
 
 
@@ -216,6 +234,7 @@ def capture(
     phase: str = "auto",
     router_probs: bool = False,
     layers: Iterable[int] | None = None,
+    record: SignalSpec | str | None = None,
 ) -> Capture:
     """Record router decisions while the ``with`` block runs; ``cap.trace`` is the result."""
-    return Capture(model, phase=phase, router_probs=router_probs, layers=layers)
+    return Capture(model, phase=phase, router_probs=router_probs, layers=layers, record=record)

@@ -11,7 +11,7 @@ name               rule (ties: least recently used, then smallest id)
 ``mean-interval``  farthest predicted next request (last use + mean interval)
 ``random[:seed]``  uniformly random, reproducible
 ``router-logit``   lowest current router probability (needs router_probs; Python engine)
-``learned:PATH``   highest score of a trained scorer (docs/learn.md; Python engine)
+``learned:PATH``   highest score of a trained scorer (docs/learn.md; compiled unless model-side features)
 ``static``         pin set with bypass: the top C experts of a profile window, never changed;
                    other requests are streamed misses (replay only; :mod:`.static`)
 =================  ==========================================================================

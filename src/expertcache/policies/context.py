@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..trace.model_signals import SignalRows, signal_rows
+
 
 @dataclass(frozen=True)
 class StreamContext:
@@ -30,6 +32,8 @@ class StreamContext:
         offset: int64 ``[n]`` item id of expert 0 of each step's layer (0 per-layer; ``l * E`` in a
             global pool, where items are ``layer * E + expert``).
         steps_per_token: steps per token (1 per-layer; the number of layers in a global pool).
+        signals: the model-side signals the stream can read (token ids, next-token distributions,
+            hidden summaries: :class:`~expertcache.trace.model_signals.SignalRows`), or None.
     """
 
     groups: np.ndarray
@@ -37,6 +41,7 @@ class StreamContext:
     router: np.ndarray | None
     offset: np.ndarray
     steps_per_token: int = 1
+    signals: SignalRows | None = None
 
 
 def stream_context(layout, s: int) -> StreamContext | None:
@@ -57,8 +62,9 @@ def stream_context(layout, s: int) -> StreamContext | None:
         offset = lay * trace.num_experts
     probs = None if trace.probs is None else np.asarray(trace.probs[rows, cols[lay]], dtype=np.float32)
     router = None if trace.router_probs is None else np.asarray(trace.router_probs[rows, cols[lay]], dtype=np.float32)
+    signals = signal_rows(trace, rows, cols[lay[:1]] if layout.pool == "layer" else cols)
     return StreamContext(groups=layout.groups[a:b], probs=probs, router=router, offset=offset,
-                         steps_per_token=int(layout.steps_per_token))
+                         steps_per_token=int(layout.steps_per_token), signals=signals)
 
 
 class RouterView:

@@ -2,17 +2,31 @@
 
 The scorer file (:mod:`expertcache.learn.scorer_io`) names its features; the policy follows the
 stream with a :class:`~expertcache.learn.features.FeatureState` and, at each eviction, scores the
-candidates in one vectorised call. Key = minus the score, so the cache's usual order applies
-(highest score first, ties: least recently used, then smallest id). Features of the ``gate`` and
-``router`` groups need the trace's ``probs`` / ``router_probs``: they reach the policy through the
-stream context (:mod:`.context`), which the simulator's Python path provides; a cache without it
-(or a trace without the field) gets one PolicyError line at the start of the stream.
-There is no compiled plan: replay runs the Python engine (benchmarks/bench_learned.py).
+candidates (:func:`expertcache.kernels_learned.score_rows`). Key = minus the score, so the cache's
+usual order applies (highest score first, ties: least recently used, then smallest id). Features
+of the ``gate`` and ``router`` groups need the trace's ``probs`` / ``router_probs``: they reach the
+policy through the stream context (:mod:`.context`); a cache without it (the live harness, the
+tier) or a trace without the field gets one PolicyError line at the start of the stream.
+
+Compiled plan (:meth:`Learned.plan`): :class:`~expertcache.kernels_learned.LearnedPlan` runs every
+feature of the reuse, gate and router groups in one numba loop, with exactly the Python engine's
+counts (same features bit for bit, same scoring arithmetic, same residency inference; checked by
+``tests/test_learned_compiled.py``). A scorer naming a feature the loop does not compute, or
+needing context the layout cannot give (no trace attached, field absent), has no plan: replay
+runs the Python engine as before (and reports the missing field there).
+
+A scorer of reuse features only, loaded from a file, is :attr:`stream_local` (``replay --jobs``
+rebuilds it from its path in each worker) and asks for no context.
 """
 
 from __future__ import annotations
 
+import inspect
+
+import numpy as np
+
 from .base import Policy
+from .context import RouterView
 from .registry import register
 from ..errors import PolicyError
 
@@ -21,12 +35,20 @@ from ..errors import PolicyError
 class Learned(Policy):
     name = "learned"
     wants_context = True
-    stream_local = False  # reads a scorer file by path: kept in the parent process
+    stream_local = False  # a scorer made in memory has no path to rebuild it from
 
-    def __init__(self, scorer, path: str):
+    def __init__(self, scorer, path: str, from_file: bool = False):
         super().__init__()
+        from ..learn.features import REUSE
+
         self.scorer = scorer
         self.path = str(path)
+        reuse_only = set(scorer.features) <= set(REUSE)
+        self.wants_context = not reuse_only
+        self.stream_local = bool(from_file and reuse_only)
+        self._weights = _weights(scorer)
+        self._mean = np.ascontiguousarray(scorer.mean, dtype=np.float64)
+        self._scale = np.ascontiguousarray(scorer.scale, dtype=np.float64)
 
     @classmethod
     def from_arg(cls, arg):
@@ -34,28 +56,70 @@ class Learned(Policy):
             raise PolicyError("policy 'learned' needs a scorer file: learned:PATH (made by 'expertcache learn train')")
         from ..learn.scorer_io import load_scorer
 
-        return cls(load_scorer(arg), arg)
+        return cls(load_scorer(arg), arg, from_file=True)
 
     @property
     def spec(self):
         return f"learned:{self.path}"
 
     def reset(self, n_items, future=None, steps_per_token=1):
-        from ..learn.features import FeatureState, available_features, feature_group
+        from ..learn.features import FeatureState, available_features, feature_needs
 
         super().reset(n_items, future, steps_per_token)
         have = available_features(self.context)
         lacking = [f for f in self.scorer.features if f not in have]
         if lacking:
-            field = "probs" if feature_group(lacking[0]) == "gate" else "router_probs"
+            field = feature_needs(lacking[0])
             raise PolicyError(f"policy learned:{self.path}: its feature {lacking[0]!r} needs the trace's {field}, "
                               "which this trace (or this cache) does not provide")
-        self.state = FeatureState(self.n_items, self.context, self.steps_per_token)
+        self.state = FeatureState(self.n_items, self.context, self.steps_per_token, getattr(self.scorer, "tables", None))
 
     def keys(self, candidates, t):
-        k = -self.scorer.score(self.state.features(candidates, t, self.scorer.features))
+        from ..kernels_learned import score_rows
+
+        X = np.ascontiguousarray(self.state.features(candidates, t, self.scorer.features), dtype=np.float64)
+        k = -score_rows(X, self._mean, self._scale, *self._weights)
         self.state.note_keys(candidates, k, t)
         return k
 
     def on_access(self, items, t):
         self.state.on_access(items, t)
+
+    def plan(self, layout):
+        from ..kernels_learned import LearnedPlan, feature_codes
+        from ..learn.features import DECAY_RATES, GATE, LOGRATE, ROUTER
+
+        codes = feature_codes(DECAY_RATES)
+        feats = self.scorer.features
+        if any(f not in codes for f in feats):
+            return None
+        gate, router = bool(set(feats) & set(GATE)), bool(set(feats) & set(ROUTER))
+        context = None
+        if gate or router:
+            trace = getattr(layout, "source", None)
+            if trace is None or (gate and trace.probs is None) or (router and trace.router_probs is None):
+                return None  # the Python engine reports what is missing
+            context = _context_arrays(gate, router)
+        alpha = inspect.signature(RouterView).parameters["alpha"].default  # FeatureState's router average
+        return LearnedPlan([codes[f] for f in feats], self._mean, self._scale, self._weights, LOGRATE, alpha, context)
+
+
+def _weights(scorer):
+    """``(mlp, w, W1, b1, w2)`` as :func:`~expertcache.kernels_learned.score_row` takes them."""
+    F = len(scorer.features)
+    f64 = lambda a: np.ascontiguousarray(a, dtype=np.float64)  # noqa: E731
+    if scorer.kind == "linear":
+        return False, f64(scorer.weights[0]), np.zeros((F, 0)), np.zeros(0), np.zeros(0)
+    W1, b1, w2 = scorer.weights
+    return True, np.zeros(0), f64(W1), f64(b1), f64(w2)
+
+
+def _context_arrays(gate: bool, router: bool):
+    """``(layout, s) -> (probs, router, offset)`` of stream ``s``, from the trace's stream context."""
+    from .context import stream_context
+
+    def get(layout, s):
+        ctx = stream_context(layout, s)
+        return (ctx.probs if gate else None, ctx.router if router else None, ctx.offset if router else None)
+
+    return get

@@ -32,6 +32,7 @@ import numpy as np
 from .._io import atomic_open
 from .._text import id_ranges
 from ..errors import ConfigError, TraceError
+from .model_signals import SIGNAL_EXTRAS
 from .npz import read_npz, resolve_trace_path
 from .validate import MAX_LAYER_ID, MAX_LAYERS, build, compact_dtype, parse_meta, seq_bounds
 
@@ -166,7 +167,7 @@ class Trace:
         meta["layer_ids"] = [self.layer_ids[c] for c in cols]
         meta["num_layers"] = len(cols)
         extras = {
-            k: (v[:, cols] if v.ndim >= 2 and v.shape[:2] == self.experts.shape[:2] else v)
+            k: (v[:, cols] if v.ndim >= 2 and v.shape[:2] == self.experts.shape[:2] and k not in SIGNAL_EXTRAS else v)
             for k, v in self.extras.items()
         }
         return Trace(

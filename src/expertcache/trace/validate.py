@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TraceError
+from .model_signals import SIGNAL_EXTRAS, check_signal_extra, check_signal_pairs
 from .units import UNIT_EXTRAS, check_unit_extra
 
 PHASES = ("decode", "prefill", "teacher-forced", "mixed", "unknown")
@@ -143,6 +144,7 @@ def build(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: boo
         raise TraceError(f"{src}: meta: phase {meta['phase']!r} is not one of {', '.join(PHASES)}")
 
     extras = {name: _check_extra(name, arr, bounds, T, L, src) for name, arr in arrays.items()}
+    check_signal_pairs(extras, src)
     return Trace(
         experts=experts, seq=seq, meta=meta, probs=probs, router_probs=router_probs, extras=extras, source=src
     )
@@ -258,6 +260,8 @@ def _check_extra(name: str, arr: np.ndarray, bounds: np.ndarray, T: int, L: int,
     and the engine units ``iteration``, ``accepted``, ``pass_kind``: :mod:`.units`)."""
     if name in UNIT_EXTRAS:
         return check_unit_extra(name, arr, bounds, T, src)
+    if name in SIGNAL_EXTRAS:  # model-side signals (.model_signals)
+        return check_signal_extra(name, arr, T, src)
     if name == "step":
         if arr.shape != (T,) or arr.dtype.kind not in "iu":
             raise TraceError(f"{src}: step: expected integer shape ({T},), got {arr.dtype} {arr.shape}")
