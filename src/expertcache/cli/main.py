@@ -42,6 +42,7 @@ COMMAND_MODULES = [
     "stats_cmd",
     "curves_cmd",
     "eval_cmd",
+    "capture_cmd",
     "choose_cmd",
     "calibrate_cmd",
     "demo_cmd",
@@ -49,6 +50,8 @@ COMMAND_MODULES = [
     "tier_cmd",
     "learn_cmd",
     "grid_cmd",
+    "controller_cmd",
+    "router_tune_cmd",
 ]
 
 

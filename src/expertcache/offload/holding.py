@@ -48,10 +48,15 @@ class HoldingSpec:
 
 
 def parse_holding(spec) -> HoldingSpec | None:
-    """The set-holding spec ``spec`` names, ``None`` when it names another kind of policy."""
+    """The set-holding spec ``spec`` names, ``None`` when it names another kind of policy
+    (``controller:PATH:THR[:W]`` gives a :class:`~.controller.ControllerSpec`)."""
     if not isinstance(spec, str):
         return None
     name, _, arg = spec.partition(":")
+    if name == "controller":  # the learned controller (heads from a file): see .controller
+        from .controller import parse_controller
+
+        return parse_controller(spec)
     if name not in HOLDING:
         return None
     parts = arg.split(":") if arg else []

@@ -128,7 +128,9 @@ class OffloadedLayer:
         """Serve this layer with a set-holding policy (see :mod:`.holding`): the router hook decides,
         ``route`` (from :func:`.routing.route_for`) restricts the router's choice."""
         self._route = route
-        self.holder = SetHolder(spec, self.pool.num_experts, self.capacity)
+        make = getattr(spec, "holder", None)  # the learned controller brings its own holder
+        self.holder = make(self.layer, self.pool.num_experts, self.capacity) if make else SetHolder(
+            spec, self.pool.num_experts, self.capacity)
         self.slot_map = SlotMap(self.pool.num_experts, self.pool.capacity)
 
     @property
@@ -305,6 +307,8 @@ class OffloadedLayer:
         own = index.detach().to("cpu", torch.int64).numpy()
         demand = own.reshape(b, n, k).transpose(1, 0, 2).reshape(n, b * k)
         allowed = np.zeros((n, self.pool.num_experts), dtype=bool)
+        if hasattr(self.holder, "observe"):  # the learned controller's heads read the router's input
+            self.holder.observe(args[0], logits, own, b, n)
         plan = []
         for t in range(n):
             new = self.holder.step(demand[t])

@@ -98,6 +98,8 @@ class OffloadRun:
         self.layer_ids = [s.layer for s in self.sites]
         # each held layer's restricted routing, checked here so unsupported routers are refused up front
         self._routes = {s.layer: route_for(s.router, s.layer, self.holding.spec) for s in self.sites} if self.holding else {}
+        if hasattr(self.holding, "check_sites"):  # a learned controller's heads must fit these layers
+            self.holding.check_sites(self.sites, self.capacity)
         top_k = _top_k(model)
         self.top_k = max(top_k, 1)
         self.prefetch = prefetch
@@ -360,7 +362,8 @@ def offload(model: torch.nn.Module, capacity: int, policy: "str | Policy" = "lru
     (``"layer"``, the default: ``capacity`` slots per layer; ``"global"``: ``capacity`` slots shared
     by all offloaded layers, one token position per forward) and ``slow_copies=N`` (every copy
     made N times and counted once: a slower link). ``policy`` may also be a set-holding (lossy)
-    rule, ``"dwell:k[:w]"`` or ``"static:P"`` (see :mod:`.holding`).
+    rule, ``"dwell:k[:w]"``, ``"static:P"`` (see :mod:`.holding`) or the learned controller
+    ``"controller:heads.pt:THR[:W]"`` (see :mod:`.controller`).
     """
     return OffloadRun(model, capacity, policy, layers, **options)
 

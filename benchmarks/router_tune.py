@@ -1,0 +1,190 @@
+"""The eviction paper's Table 3 on the project's small trained MoE: does a router fine-tuned for
+cache hits (GRPO on a simulated LRU hit rate) copy fewer experts than the base model, and does it
+beat changing the eviction rule instead?
+
+Capacities. The paper trains at 16 slots of 64 experts, top-8 (C/E = 1/4, C/k = 2) and measures at
+C = 32 on 8 layers (C/E = 1/2, C/k = 4). ``models/small-moe`` has 16 experts, top-2, so 16 slots
+would hold every expert (nothing to gain); the same ratios give C = 4 for training (4/16, 4/2) and
+C = 8 on all 4 layers for the main operating point (8/16, 8/2).
+
+Steps (one thread, run it under ``nice``):
+
+1. prompts: the model's own training split (``tools/train_small_moe.build_corpus``), every 20th
+   training file, written to OUT/prompts.txt;
+2. ``expertcache router-tune`` at ``--layer 2 --cache 4``: GRPO, the SFT control (same steps, same
+   prompts, same seed), GRPO with the cache-size tag (``--variants grpo-lora``: rank-8 LoRA on the
+   layer's router, expert and attention projections, merged, as the paper);
+3. the training instrument on held-out prompts (windows of ``heldout_ids.npy``), the same seed for
+   every model: mean simulated LRU hit rate of their own generations at layer 2, C = 4; and the
+   expert load per layer on the held-out text (effective experts = 2 ** entropy of the shares);
+4. ``expertcache eval`` on ``heldout_ids.npy`` (16 x 128, teacher-forced) for base and each tuned
+   model, ``-p lru -p decayed``: at C = 8 on all layers (main) and at C = 4 on layer 2 alone (the
+   training setting). The tagged model is evaluated with its tag in front of every row, so its
+   NLL covers other tokens (not comparable, as in the paper).
+
+Run: ``OMP_NUM_THREADS=1 nice -n 5 python benchmarks/router_tune.py [--out DIR] [--steps 200]``.
+Writes DIR/results.json and prints the Table 3 analogue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from policy_frontier import run as cli_out  # noqa: E402  (runs one CLI command, exits on failure)
+from expertcache.offload.loading import load_model  # noqa: E402
+from expertcache.routetune import TuneConfig, cache_tag  # noqa: E402
+from expertcache.routetune.grpo import simulated_hit_rate  # noqa: E402
+from expertcache.routetune.rollout import make_prompts  # noqa: E402
+
+MODEL = ROOT / "models" / "small-moe"
+HELDOUT = MODEL / "heldout_ids.npy"
+VARIANTS = {"grpo": [], "sft": ["--sft-control"], "grpo+tag": ["--cache-tag"],
+            "grpo-lora": ["--lora-rank", "8", "--lora-targets", "router,experts,attention"]}
+DEFAULT_VARIANTS = "grpo,sft,grpo+tag"
+
+
+def write_prompts(path: Path) -> None:
+    from train_small_moe import build_corpus
+
+    train, _, _ = build_corpus(6.0, 128, 20)
+    path.write_text("\n".join(train[::20]), encoding="utf-8")
+
+
+def tagged_heldout(out: Path, capacity: int) -> Path:
+    from transformers import AutoTokenizer
+
+    tag = AutoTokenizer.from_pretrained(str(MODEL))(cache_tag(capacity), add_special_tokens=False)["input_ids"]
+    ids = np.load(HELDOUT)
+    path = out / "heldout_tagged.npy"
+    np.save(path, np.concatenate([np.broadcast_to(np.asarray(tag, dtype=ids.dtype), (ids.shape[0], len(tag))), ids], 1))
+    return path
+
+
+def expert_load(folder: Path) -> list[dict]:
+    """Per layer, on the held-out rows (teacher-forced): effective experts = 2 ** entropy (bits) of
+    the experts' shares of the selections, and the share of the 4 most used."""
+    from expertcache import capture
+
+    model = load_model(str(folder), device="cpu").float()
+    ids = torch.from_numpy(np.load(HELDOUT).astype(np.int64))
+    with torch.no_grad(), capture(model, phase="all") as cap:
+        for row in ids:
+            model(row[None])
+    out = []
+    for layer in range(cap.trace.num_layers):
+        share = np.bincount(cap.trace.experts[:, layer].ravel(), minlength=cap.trace.num_experts) / cap.trace.experts[:, layer].size
+        nz = share[share > 0]
+        out.append({"effective_experts": float(2 ** -(nz * np.log2(nz)).sum()), "top4_share": float(np.sort(share)[-4:].sum())})
+    return out
+
+
+def evaluate(model: Path, tokens: Path, capacity: int, layers: str | None, mode: str) -> dict:
+    argv = ["eval", "--model", model, "--tokens", tokens, "-c", capacity, "-p", "lru", "-p", "decayed",
+            "--max-len", 1024, "--mode", mode, "--json"]
+    if layers:
+        argv += ["--layers", layers]
+    return {r["policy"].split(":")[0]: r for r in map(json.loads, cli_out(argv).splitlines())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="router-tune-out")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--lr", default="5e-3")
+    ap.add_argument("--kl", default="0.04")
+    ap.add_argument("--layer", type=int, default=2)
+    ap.add_argument("--train-cache", type=int, default=4)
+    ap.add_argument("--main-cache", type=int, default=8)
+    ap.add_argument("--mode", choices=("decode", "forward"), default="decode")
+    ap.add_argument("--probe-prompts", type=int, default=32)
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {','.join(VARIANTS)}")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts_txt = out / "prompts.txt"
+    if not prompts_txt.is_file():
+        write_prompts(prompts_txt)
+    models = {"base": MODEL}
+    results: dict = {"args": vars(args), "train": {}, "probe": {}, "main": {}, "trained_setting": {}}
+    for name in args.variants.split(","):
+        folder = out / name.replace("+", "_")
+        if folder.exists():
+            shutil.rmtree(folder)
+        t0 = time.perf_counter()
+        line = cli_out(["router-tune", "--model", MODEL, "--text", prompts_txt, "--layer", args.layer,
+                        "--cache", args.train_cache, "--steps", args.steps, "--group", args.group,
+                        "--max-new-tokens", args.max_new_tokens, "--lr", args.lr, "--kl", args.kl,
+                        *VARIANTS[name], "--out", folder, "--json"])
+        results["train"][name] = json.loads(line) | {"wall_s": time.perf_counter() - t0}
+        models[name] = folder
+        print(f"trained {name}: {results['train'][name]}", flush=True)
+
+    # the training instrument: simulated hit rate on each model's own generations, held-out prompts
+    stream = np.load(HELDOUT).ravel()
+    probe = TuneConfig(layer=args.layer, cache=args.train_cache, group=args.group, max_new_tokens=args.max_new_tokens)
+    from transformers import AutoTokenizer
+
+    tag = AutoTokenizer.from_pretrained(str(MODEL))(cache_tag(args.train_cache), add_special_tokens=False)["input_ids"]
+    for name, folder in models.items():
+        prompts = make_prompts(stream, 1, args.probe_prompts, 16, 12345, tag if name == "grpo+tag" else None)[0]
+        model = load_model(str(folder), device="cpu").float()
+        results["probe"][name] = simulated_hit_rate(model, prompts, probe, seed=12345)
+        print(f"simulated hit rate {name}: {results['probe'][name]:.4f}", flush=True)
+        results.setdefault("load", {})[name] = expert_load(folder)
+        print(f"expert load {name}: " + "; ".join(f"layer {i}: {d['effective_experts']:.1f} effective, top-4 share "
+                                                  f"{d['top4_share']:.2f}" for i, d in enumerate(results["load"][name])))
+
+    tagged = tagged_heldout(out, args.train_cache)
+    for name, folder in models.items():
+        tokens = tagged if name == "grpo+tag" else HELDOUT
+        results["main"][name] = evaluate(folder, tokens, args.main_cache, None, args.mode)
+        results["trained_setting"][name] = evaluate(folder, tokens, args.train_cache, str(args.layer), args.mode)
+        print(f"evaluated {name}", flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    report(results, args)
+    return 0
+
+
+def report(results: dict, args) -> None:
+    base_nll = results["main"]["base"]["lru"]["nll_reference"]
+    print(f"\nTable 3 analogue: models/small-moe, held-out 16 x 128 teacher-forced ({args.mode}); main = C={args.main_cache} "
+          f"on all 4 layers, trained = C={args.train_cache} at layer {args.layer}; steady copies (lower is better)")
+    head = ("objective", "NLL", "dNLL vs base", "sim. hit (own gen.)", "lru steady", "lru copies/tok", "lru hit",
+            "decayed steady", "decayed copies/tok", "trained lru steady", "trained decayed steady", "lru tok/s")
+    rows = []
+    for name in results["main"]:
+        m, t = results["main"][name], results["trained_setting"][name]
+        nll = m["lru"]["nll_reference"]
+        rows.append((name, f"{nll:.4f}", "n/c (tag scored)" if name == "grpo+tag" else f"{nll - base_nll:+.4f}",
+                     f"{results['probe'][name]:.4f}", m["lru"]["copies_steady"], f"{m['lru']['copies_per_token']:.4f}",
+                     f"{m['lru']['hit_rate']:.4f}", m["decayed"]["copies_steady"],
+                     f"{m['decayed']['copies_per_token']:.4f}", t["lru"]["copies_steady"], t["decayed"]["copies_steady"],
+                     f"{m['lru']['tokens_per_s']:.1f}"))
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(head)]
+    print("  ".join(str(h).ljust(w) for h, w in zip(head, widths)))
+    for r in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+    b = results["main"]["base"]
+    for name in results["main"]:
+        m = results["main"][name]
+        print(f"{name}: lru steady {m['lru']['copies_steady']} ({m['lru']['copies_steady'] / b['lru']['copies_steady'] - 1:+.2%} "
+              f"vs base); decayed removes {1 - m['decayed']['copies_steady'] / m['lru']['copies_steady']:.1%} of its lru copies")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

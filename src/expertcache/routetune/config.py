@@ -1,0 +1,95 @@
+"""The fine-tune's configuration and its checks (no torch): what ``router-tune`` records in the
+output folder's ``routetune.json``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from ..errors import ConfigError
+from .reward import REWARDS
+
+TARGETS = ("router", "experts", "attention")
+CONFIG_FILE = "routetune.json"
+
+
+def cache_tag(capacity: int) -> str:
+    """The optional prompt prefix naming the cache size (tokenised with the model's tokenizer)."""
+    return f"<cache={capacity}>"
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """One fine-tune. Invariants (checked by :meth:`check`, against the model by
+    :meth:`check_model`): ``top_k <= cache <= num_experts`` at a MoE ``layer``; ``group >= 2``
+    (advantages compare generations of one prompt); every count positive; ``lora_rank = 0``
+    trains the router weights of ``layer`` directly, ``> 0`` trains rank-``r`` LoRA factors on
+    ``lora_targets`` of that layer, merged into the weights before saving.
+
+    ``objective``: ``"grpo"`` (reward-weighted, clipped policy gradient with a KL penalty to the
+    frozen starting model) or ``"sft"`` (the control: plain next-token loss on the same kind of
+    self-generated data, same steps, same parameters trained, no reward in the loss).
+    """
+
+    layer: int
+    cache: int
+    reward: str = "lru-hit"
+    objective: str = "grpo"
+    steps: int = 50
+    group: int = 8
+    max_new_tokens: int = 32
+    prompt_len: int = 16
+    prompts_per_step: int = 1
+    seed: int = 0
+    lr: float = 1e-3
+    clip: float = 0.2
+    kl: float = 0.04
+    inner: int = 1
+    temperature: float = 1.0
+    cache_tag: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = field(default=("router",))
+
+    def check(self) -> "TuneConfig":
+        if self.reward not in REWARDS:
+            raise ConfigError(f"--reward {self.reward!r} is not one of {', '.join(REWARDS)}")
+        if self.objective not in ("grpo", "sft"):
+            raise ConfigError(f"objective {self.objective!r} is not grpo or sft")
+        for name in ("steps", "max_new_tokens", "prompt_len", "prompts_per_step", "inner", "cache"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.group < 2:
+            raise ConfigError(f"--group must be at least 2 (GRPO compares generations of one prompt), got {self.group}")
+        if self.layer < 0:
+            raise ConfigError(f"--layer must be a layer id >= 0, got {self.layer}")
+        for name in ("lr", "clip", "kl", "temperature", "lora_alpha"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+        if not self.temperature > 0:
+            raise ConfigError("--temperature must be > 0")
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be >= 0, got {self.lora_rank}")
+        bad = [t for t in self.lora_targets if t not in TARGETS]
+        if bad or not self.lora_targets:
+            raise ConfigError(f"--lora-targets: {','.join(bad) or '(empty)'} not among {','.join(TARGETS)}")
+        if self.lora_rank == 0 and tuple(self.lora_targets) != ("router",):
+            raise ConfigError("--lora-targets needs --lora-rank R > 0 (rank 0 trains the router weights directly)")
+        return self
+
+    def check_model(self, moe_layers: list[int], num_experts: int, top_k: int) -> None:
+        """One-line errors for a layer the model does not route at or a cache it cannot have."""
+        if self.layer not in moe_layers:
+            raise ConfigError(f"--layer {self.layer} is not an MoE layer of this model (MoE layers: "
+                              f"{', '.join(map(str, moe_layers))})")
+        if self.cache > num_experts:
+            raise ConfigError(f"--cache {self.cache} exceeds the {num_experts} experts of layer {self.layer}")
+        if self.cache < top_k:
+            raise ConfigError(f"--cache {self.cache} is below top-k {top_k}: one token's experts must fit")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["lora_targets"] = list(self.lora_targets)
+        d["cache_tag_text"] = cache_tag(self.cache) if self.cache_tag else None
+        return d
