@@ -101,7 +101,7 @@ def run_on_ray(address: str, jobs: int, work: list, finished: Callable[[list[dic
         for task, todo in work:
             ident = task.trace.ident
             if ident not in traces:
-                traces[ident] = [rt.put(task.trace.load()), 0]
+                traces[ident] = [rt.put(_loaded(task, task.trace.load)), 0]
             traces[ident][1] += 1
             pending[remote.remote(task, todo, traces[ident][0])] = ident
         while pending:
@@ -121,11 +121,15 @@ def run_on_ray(address: str, jobs: int, work: list, finished: Callable[[list[dic
 
 def run_task(task: Task, todo: tuple[str, ...]) -> list[dict]:
     """:func:`run_cells` on the task's trace (each process keeps the last trace it loaded)."""
+    return run_cells(task, todo, _loaded(task, lambda: _load(task)))
+
+
+def _loaded(task: Task, load: Callable[[], object]):
+    """``load()``, a trace error naming the grid's trace (the same line on every backend)."""
     try:
-        trace = _load(task)
+        return load()
     except ExpertcacheError as err:
         raise ConfigError(f"grid trace {task.trace.label}: {err}") from None
-    return run_cells(task, todo, trace)
 
 
 def run_cells(task: Task, todo: tuple[str, ...], trace) -> list[dict]:
