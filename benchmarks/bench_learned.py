@@ -4,13 +4,13 @@ The trace: ``--trace PATH`` (default: the shared FLAME-MoE trace, ``../shared/tr
 flame-moe-290m-teacher-forced/routing.npz``, when it is beside the checkout; otherwise a synthetic
 olmoe-like trace, ``--tokens`` per sequence, 4 sequences, 16 layers, E=64, k=8), at ``--capacity``
 per layer (default 32), ``--pool`` layer or global (a global pool gets ``capacity x layers``).
-A linear and an MLP scorer (reuse features, plus gate weights where the trace has ``probs``) are
-trained on its events in lru states, then the trace is replayed by ``decayed`` and both scorers,
+A linear and an MLP scorer (``--features``, default every group the trace has: reuse, the routing
+priors, gate weights where the trace has ``probs``) are trained on its events in lru states, then the trace is replayed by ``decayed`` and both scorers,
 each through its compiled plan and through the Python engine (the reference cache driving the
 policy object). Printed per row: seconds (best of ``--repeat`` after a warm-up, which also
 compiles), requests/s, the ratio of its seconds to compiled ``decayed``'s, and steady copies (a
 compiled row and its Python row must print the same count).
-Run: ``python benchmarks/bench_learned.py [--trace PATH] [--capacity C] [--pool P] [--repeat R]``.
+Run: ``python benchmarks/bench_learned.py [--trace PATH] [--capacity C] [--pool P] [--repeat R] [--features GROUPS]``.
 """
 
 from __future__ import annotations
@@ -46,11 +46,16 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=32)
     ap.add_argument("--pool", choices=("layer", "global"), default="layer")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--features", default=None, help="feature groups, e.g. reuse or reuse,prior (default: all the trace has)")
     args = ap.parse_args()
     trace = load_trace(args.trace) if args.trace else synthesize_preset("olmoe", tokens=args.tokens, sequences=4, seed=0)
     C = args.capacity * (trace.num_layers if args.pool == "global" else 1)
-    ev = build_dataset(trace, C, states=("lru",), pool=args.pool)
-    scorers = {k: Learned(fit(ev.X, ev.victim, ev.offsets, ev.features, kind=k, seed=0), k) for k in ("linear", "mlp")}
+    ev = build_dataset(trace, C, states=("lru",), pool=args.pool, features=args.features)
+    scorers = {}
+    for kind in ("linear", "mlp"):
+        sc = fit(ev.X, ev.victim, ev.offsets, ev.features, kind=kind, seed=0)
+        sc.tables = None if ev.tables is None else ev.tables.full  # the routing tables the prior group reads
+        scorers[kind] = Learned(sc, kind)
     layout = build_layout(trace, pool=args.pool)
     runs = [("decayed (compiled)", "decayed", "compiled"), ("decayed (python engine)", "decayed", "python")]
     for kind, pol in scorers.items():

@@ -61,3 +61,19 @@ def grid(tmp_path):
 def strip_seconds(rows):
     """Rows (dicts) without the timing field ``seconds``, the only one that differs between runs."""
     return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+def assert_bad_fields(path, cases, load, tmp_path):
+    """Each ``(field, value, match)``: ``path``'s npz with that field dropped (value None) or replaced
+    makes ``load`` raise one ConfigError matching ``match``."""
+    from expertcache.errors import ConfigError
+
+    with np.load(path) as z:
+        arrays = dict(z)
+    for name, value, match in cases:
+        bad = {k: v for k, v in arrays.items() if k != name}
+        if value is not None:
+            bad[name] = value(arrays[name]) if callable(value) else value
+        np.savez(tmp_path / "bad.npz", **bad)
+        with pytest.raises(ConfigError, match=match):
+            load(tmp_path / "bad.npz")

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import assert_bad_fields
 
 from expertcache import Trace
 from expertcache.cache import ExpertCache
@@ -205,6 +206,11 @@ def test_scorer_file_round_trip_and_errors(tmp_path):
     tr = rich_trace(T=60, seed=2)
     ev = build_dataset(tr, 5)
     sc = fit(ev.X, ev.victim, ev.offsets, ev.features, kind="mlp", seed=0)
+    assert "trans_h4" in sc.features  # the default features include the routing priors
+    with pytest.raises(ConfigError, match="carries no tables"):
+        save_scorer(sc, tmp_path / "s.npz")
+    assert not list(tmp_path.iterdir())
+    sc.tables = ev.tables.full  # the tables of every training sequence (ev.tables: out of fold per sequence)
     path = save_scorer(sc, tmp_path / "s.npz")
     back = load_scorer(path)
     assert back.features == sc.features and all(np.array_equal(a, b) for a, b in zip(back.weights, sc.weights))
@@ -215,18 +221,9 @@ def test_scorer_file_round_trip_and_errors(tmp_path):
     (tmp_path / "t.npz").write_bytes(path.read_bytes()[:100])
     with pytest.raises(ConfigError, match="t.npz"):
         load_scorer(tmp_path / "t.npz")
-    with np.load(path) as z:
-        arrays = dict(z)
-    for field, value, match in (("format_version", np.array(7), "format_version"), ("w1", None, "'w1' is missing"),
-                                ("features", np.array(["age", "nope"] + list(sc.features[2:])), "unknown feature")):
-        bad = dict(arrays)
-        if value is None:
-            del bad[field]
-        else:
-            bad[field] = value
-        np.savez(tmp_path / "bad.npz", **bad)
-        with pytest.raises(ConfigError, match=match):
-            load_scorer(tmp_path / "bad.npz")
+    assert_bad_fields(path, [("format_version", np.array(7), "format_version"), ("w1", None, "'w1' is missing"),
+                             ("features", np.array(["age", "nope"] + list(sc.features[2:])), "unknown feature")],
+                      load_scorer, tmp_path)
     # a scorer with gate features on a trace without probs: one PolicyError at the stream's start
     plain = Trace.from_arrays(tr.experts, num_experts=tr.num_experts, seq=tr.seq)
     with pytest.raises(PolicyError, match="probs"):

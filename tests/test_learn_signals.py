@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, assert_bad_fields
 from expertcache import Trace, load_trace
 from expertcache.cli.main import main
 from expertcache.errors import ConfigError, PolicyError, TraceError
@@ -131,15 +131,8 @@ def test_scorer_round_trip_with_tables_and_errors(tmp_path, capsys):
     assert np.array_equal(back.tables.tok, ev.tables.full.tok) and np.allclose(back.tables.hid, ev.tables.full.hid)
     lay = build_layout(tr)
     assert replay_layout(lay, 5, f"learned:{path}").copies_steady == replay_layout(lay, 5, Learned(back, "x")).copies_steady
-    with np.load(path) as z:
-        arrays = dict(z)
-    cases = {"sig_tok": (None, "'sig_tok' is missing"), "format_version": (np.array(1), "version 1"),
-             "sig_succ": (arrays["sig_succ"][:1], "'sig_succ' has shape")}
-    for name, (value, match) in cases.items():  # a field dropped (None) or replaced
-        np.savez(tmp_path / "bad.npz", **{k: v for k, v in arrays.items() if k != name},
-                 **({} if value is None else {name: value}))
-        with pytest.raises(ConfigError, match=match):
-            load_scorer(tmp_path / "bad.npz")
+    assert_bad_fields(path, [("sig_tok", None, "'sig_tok' is missing"), ("format_version", np.array(1), "version 1"),
+                             ("sig_succ", lambda a: a[:1], "'sig_succ' has shape")], load_scorer, tmp_path)
     # a trace without the signals: one line naming the missing extra, at the stream's start
     plain = Trace.from_arrays(tr.experts, num_experts=tr.num_experts, seq=tr.seq)
     with pytest.raises(PolicyError, match="token_ids"):

@@ -18,7 +18,8 @@ import pytest
 from expertcache import Trace
 from expertcache.errors import PolicyError
 from expertcache.learn.dataset import build_dataset
-from expertcache.learn.features import GATE, REUSE, ROUTER, FeatureState
+from expertcache.learn.features import GATE, PRIOR, REUSE, ROUTER, FeatureState
+from expertcache.learn.signals import fit_folded, fit_tables
 from expertcache.learn.models import Scorer, fit
 from expertcache.learn.scorer_io import save_scorer
 from expertcache.kernels_learned import decayed, log1p_each, score_rows
@@ -61,7 +62,8 @@ def assert_same(layout, capacity, policy):
 
 FEATURE_SETS = {
     "reuse": REUSE,
-    "all": REUSE + GATE + ROUTER,
+    "all": REUSE + GATE + ROUTER + PRIOR,
+    "prior": ("age",) + PRIOR,  # transition rows averaged over each layer's latest group
     "gate": REUSE[:3] + GATE,
     "router": ("age",) + ROUTER,
     "since_load": ("since_load",),  # the counts then hang on the residency inference alone
@@ -78,6 +80,7 @@ def test_compiled_equals_python_on_synth(kind, fset):
         tr = routed_trace(seed=seed)
         L = tr.num_layers
         scorer = random_scorer(names, kind, rng)
+        scorer.tables = fit_tables(routed_trace(seed=seed + 5)) if seed == 0 else fit_folded(tr)
         pol = Learned(scorer, f"{kind}-{fset}-{seed}")
         for pool, reset, warm, adm in (("layer", "sequence", 0.0, "all"), ("global", "sequence", 0.3, "all"),
                                        ("layer", "none", 0.25, "all"), ("global", "none", 0.0, "second"),
@@ -107,8 +110,10 @@ def test_ties_and_trained_scorers():
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     for pool, C in (("layer", 5), ("global", 12)):
         ev = build_dataset(tr, C, states=("lru", "decayed"), rounds=1, pool=pool)
+        assert set(PRIOR) <= set(ev.features)
         for kind in ("linear", "mlp"):
             sc = fit(ev.X, ev.victim, ev.offsets, ev.features, kind=kind, seed=1)
+            sc.tables = ev.tables.full
             assert_same(build_layout(tr, pool=pool), C, Learned(sc, kind))
 
 
@@ -126,13 +131,15 @@ def test_compiled_equals_python_on_a_shared_trace():
             tr = tr.select_sequences([0, 1])
         if tr.num_layers > 3:
             tr = tr.select_layers(list(tr.layer_ids[:3]))
-        names = REUSE + (GATE if tr.probs is not None else ())
+        names = REUSE + (GATE if tr.probs is not None else ()) + PRIOR
         k, E, L = tr.top_k, tr.num_experts, tr.num_layers
         caps = [c for c in (k + 1, (k + E) // 2, E - 1) if k <= c < E]
+        tables = fit_tables(tr)
         for seed in range(2):
-            ev = build_dataset(tr, caps[0], states=("lru",), features="reuse")
+            ev = build_dataset(tr, caps[0], states=("lru",), features="reuse,prior")
             trained = fit(ev.X, ev.victim, ev.offsets, ev.features, kind="linear", seed=seed)
             for sc in (trained, random_scorer(names, "mlp", rng), random_scorer(names, "linear", rng)):
+                sc.tables = tables
                 pol = Learned(sc, "shared")
                 for C in caps:
                     assert_same(build_layout(tr), C, pol)

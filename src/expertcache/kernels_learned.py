@@ -21,7 +21,10 @@ numba without Intel SVML (``numba -s``), which would vectorise ``math.exp`` loop
 ``tests/test_learned_compiled.py`` checks counts against the Python engine group for group.
 
 Feature codes (:func:`feature_codes`): the reuse group, then ``gate_last``, ``gate_mean``
-(``probs``), ``router_now``, ``router_avg`` (``router_probs``). A scorer naming any other feature
+(``probs``), ``router_now``, ``router_avg`` (``router_probs``), then the ``prior`` group (``pop``,
+``trans_hH``: tables fitted on training sequences, :mod:`expertcache.learn.prior`; the loop keeps
+the latest group served at each layer, as :class:`~expertcache.learn.prior.PriorFeatures` does, and
+both paths average the transition rows through :func:`trans_at`). A scorer naming any other feature
 has no compiled plan (the policy falls back to the Python engine).
 """
 
@@ -41,10 +44,16 @@ DECAY0 = 5
 """Code of the first ``decay_b`` feature; ``decay_b`` number i (in ``DECAY_RATES`` order) is ``DECAY0 + i``."""
 
 
-def feature_codes(decay_rates) -> dict:
-    """Name -> code of every feature the loop computes (``decay_rates``: learn.features.DECAY_RATES)."""
+POP = 13
+"""Code of ``pop`` once the decay codes are folded out (:func:`_describe`); ``trans_hH`` number i is ``POP + 1 + i``."""
+
+
+def feature_codes(decay_rates, horizons=()) -> dict:
+    """Name -> code of every feature the loop computes (``decay_rates``: learn.features.DECAY_RATES;
+    ``horizons``: learn.signals.HORIZONS, the ``trans_hH`` features in that order)."""
     names = ["age", "log_age", "count", "log_count", "rate", *(f"decay_{b:g}" for b in decay_rates),
-             "last_gap", "mean_gap", "single_use", "since_load", "gate_last", "gate_mean", "router_now", "router_avg"]
+             "last_gap", "mean_gap", "single_use", "since_load", "gate_last", "gate_mean", "router_now", "router_avg",
+             "pop", *(f"trans_h{h}" for h in horizons)]
     return {n: i for i, n in enumerate(names)}
 
 
@@ -111,6 +120,28 @@ def score_rows(X, mean, scale, mlp, w, W1, b1, w2):
     return out
 
 
+@njit(cache=True, inline="always")
+def trans_at(trans, succp, h, li, e, lat, latn):
+    """Mean of ``trans[h, li, a, e]`` over the experts ``a = lat[li, :latn[li]]`` of the latest group
+    served at layer ``li`` (summed in that order from 0.0); ``succp[h, li, e]`` before any group."""
+    n = latn[li]
+    if n == 0:
+        return succp[h, li, e]
+    s = 0.0
+    for j in range(n):
+        s += trans[h, li, lat[li, j], e]
+    return s / n
+
+
+@njit(cache=True)
+def trans_column(c_li, c_e, trans, succp, h, lat, latn):
+    """float64 ``[C]``: :func:`trans_at` of each candidate (the Python engine's ``trans_hH`` columns)."""
+    out = np.empty(c_li.size, dtype=np.float64)
+    for i in range(c_li.size):
+        out[i] = trans_at(trans, succp, h, c_li[i], c_e[i], lat, latn)
+    return out
+
+
 # ------------------------------------------------------------------------------ the loop
 @njit(cache=True)
 def _tables(n, spt, lograte):
@@ -137,9 +168,11 @@ def _exp_at(ex, lograte, r, d, spt):
 
 @njit(cache=True)
 def _describe(X, cand, nc, codes, t, spt, last, first, prev, count, decay, lograte, ex, lage, lcount, loaded,
-              gate_last, gate_sum, latest, ema):
+              gate_last, gate_sum, latest, ema, item_li, item_e, pop, trans, succp, lat, latn):
     """``X[i, f]`` = feature ``codes[f]`` of candidate ``cand[i]`` at step ``t`` (FeatureState.features,
-    the same operations); ``ex``, ``lage``, ``lcount``: :func:`_tables` of the stream."""
+    the same operations); ``ex``, ``lage``, ``lcount``: :func:`_tables` of the stream; ``item_li``,
+    ``item_e``: each item's layer (index into the prior tables) and expert; ``lat``, ``latn``: the
+    latest group served at each layer (experts, count)."""
     R = ex.shape[0]
     for f in range(codes.size):
         code = codes[f]
@@ -178,20 +211,25 @@ def _describe(X, cand, nc, codes, t, spt, last, first, prev, count, decay, logra
                 v = gate_sum[c] / max(float(count[c]), 1.0)
             elif code == 11:
                 v = latest[c]
-            else:
+            elif code == 12:
                 v = ema[c]
+            elif code == POP:
+                v = pop[item_li[c], item_e[c]]
+            else:
+                v = trans_at(trans, succp, code - POP - 1, item_li[c], item_e[c], lat, latn)
             X[i, f] = v
 
 
 @njit(cache=True)
 def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp, w, W1, b1, w2, lograte,
-                 probs, router, roffset, alpha, table_max):
+                 probs, router, roffset, alpha, table_max, item_li, item_e, pop, trans, succp):
     """Evict the candidates with the smallest ``(-score, last use, id)``; returns misses, evictions.
 
     ``probs`` float32 ``[G, k]`` (gate weights aligned with ``groups``) or ``[0, 0]``; ``router``
     float32 ``[G, E]`` with ``roffset [G]`` (item id of expert 0 of each group's layer) or
     ``[0, 0]``; ``alpha``: the router average's rate per observation (RouterView); ``table_max``:
-    the longest :func:`_tables` (:data:`TABLE_MAX`)."""
+    the longest :func:`_tables` (:data:`TABLE_MAX`); prior tables (``pop [L, E]``, ``trans [H, L,
+    E, E]``, ``succp [H, L, E]`` float64, ``item_li``/``item_e [n_items]``) or empty arrays."""
     G, k = groups.shape
     R = lograte.size
     F = codes.size
@@ -219,6 +257,9 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
     z = np.empty(F, dtype=np.float64)
     hid = np.empty(b1.size, dtype=np.float64)
     E = router.shape[1]
+    use_prior = pop.shape[0] > 0
+    lat = np.empty((pop.shape[0], k), dtype=np.int64)  # latest group served at each layer
+    latn = np.zeros(pop.shape[0], dtype=np.int64)
     for s in range(starts.size - 1):
         a = starts[s]
         ex, lage, lcount = _tables(min(starts[s + 1] - a + 1, table_max), spt, lograte)
@@ -228,10 +269,12 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
         decay[:, :] = 0.0
         values[:, :] = 0.0
         inferred[:] = False
+        latn[:] = 0
         for g in range(a, starts[s + 1]):
             t = g - a
             m = 0
             m_inf = 0
+            n_lat = 0
             for j in range(k):
                 e = groups[g, j]
                 if e >= 0:
@@ -240,6 +283,11 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
                         m += 1
                     if not inferred[e]:
                         m_inf += 1
+                    if use_prior:  # PriorFeatures.advance(t): the current group is known
+                        li = item_li[e]
+                        lat[li, n_lat] = item_e[e]
+                        n_lat += 1
+                        latn[li] = n_lat
             if use_router:  # RouterView.advance(t): the current step's row is known
                 o = roffset[g]
                 for i in range(E):
@@ -257,7 +305,7 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
                         taken[nc] = False
                         nc += 1
                 _describe(X, cand, nc, codes, t, spt, last, first, prev, count, decay, lograte, ex, lage, lcount,
-                          loaded, gate_last, gate_sum, latest, ema)
+                          loaded, gate_last, gate_sum, latest, ema, item_li, item_e, pop, trans, succp, lat, latn)
                 for i in range(nc):
                     ckey[i] = -score_row(X[i], mean, scale, z, hid, mlp, w, W1, b1, w2)
                 n_sel = min(max(m_inf, need), nc)
@@ -321,8 +369,12 @@ class LearnedPlan:
 
     ``codes``: int64 feature codes (:func:`feature_codes`) in the scorer's column order;
     ``weights``: ``(mlp, w, W1, b1, w2)`` as :func:`score_row` takes them; ``context(layout, s)``
-    -> ``(probs, router, offset)`` of stream ``s``, or None when the scorer reads no context (then
-    all streams run in one call)."""
+    -> a dict of stream ``s``'s arrays (any of ``probs``, ``router``, ``offset``, and for the prior
+    group ``item_li``, ``item_e``, ``pop``, ``trans``, ``succp``; :func:`learned_loop`), or None
+    when the scorer reads no context (then all streams run in one call)."""
+
+    ARGS = {"probs": (np.float32, 2), "router": (np.float32, 2), "offset": (np.int64, 1), "item_li": (np.int64, 1),
+            "item_e": (np.int64, 1), "pop": (np.float64, 2), "trans": (np.float64, 4), "succp": (np.float64, 3)}
 
     def __init__(self, codes, mean, scale, weights, lograte, alpha, context=None):
         self.codes = np.ascontiguousarray(codes, dtype=np.int64)
@@ -334,27 +386,25 @@ class LearnedPlan:
         self.context = context
         self.table_max = TABLE_MAX
 
-    def _run(self, groups, starts, n_items, slots, spt, probs, router, offset):
+    def _run(self, groups, starts, n_items, slots, spt, arrays):
         mlp, w, W1, b1, w2 = self.weights
+        a = {}
+        for name, (dt, nd) in self.ARGS.items():
+            v = arrays.get(name)
+            a[name] = np.zeros((0,) * nd, dtype=dt) if v is None else np.ascontiguousarray(v, dtype=dt)
         return learned_loop(groups, starts, n_items, slots, float(spt), self.codes, self.mean, self.scale, mlp,
-                            w, W1, b1, w2, self.lograte, probs, router, offset, self.alpha, self.table_max)
+                            w, W1, b1, w2, self.lograte, a["probs"], a["router"], a["offset"], self.alpha,
+                            self.table_max, a["item_li"], a["item_e"], a["pop"], a["trans"], a["succp"])
 
     def run(self, layout, capacity):
         slots = pool_slots(layout, capacity)
-        none32 = np.zeros((0, 0), dtype=np.float32)
-        none64 = np.zeros(0, dtype=np.int64)
         if self.context is None:
-            return self._run(layout.groups, layout.starts, layout.n_items, slots, layout.steps_per_token,
-                             none32, none32, none64)
+            return self._run(layout.groups, layout.starts, layout.n_items, slots, layout.steps_per_token, {})
         G = layout.groups.shape[0]
         misses, evictions = np.zeros(G, dtype=np.int32), np.zeros(G, dtype=np.int32)
         for s in range(layout.num_streams):  # one call per stream: context arrays stay per stream
             a, b = int(layout.starts[s]), int(layout.starts[s + 1])
-            probs, router, offset = self.context(layout, s)
             starts = np.array([0, b - a], dtype=np.int64)
-            misses[a:b], evictions[a:b] = self._run(
-                layout.groups[a:b], starts, layout.n_items, slots, layout.steps_per_token,
-                none32 if probs is None else np.ascontiguousarray(probs, dtype=np.float32),
-                none32 if router is None else np.ascontiguousarray(router, dtype=np.float32),
-                none64 if offset is None else np.ascontiguousarray(offset, dtype=np.int64))
+            misses[a:b], evictions[a:b] = self._run(layout.groups[a:b], starts, layout.n_items, slots,
+                                                    layout.steps_per_token, self.context(layout, s))
         return misses, evictions

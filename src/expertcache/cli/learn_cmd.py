@@ -63,12 +63,15 @@ def add_parser(sub) -> None:
                                     "for each fold, collect events and train on the other sequences (decayed's beta "
                                     "is tuned there too), then replay the held-out ones. Steady copies are summed over "
                                     "folds; learned rows give mean and sd over --seeds. Capacities a trace cannot use "
-                                    "(below top-k, or not below E) and traces with one sequence are skipped with a note.")
+                                    "(below top-k, or not below E) are skipped with a note; a trace of one sequence is cut "
+                                    "into --folds contiguous parts (pools restart at each cut).")
     e.add_argument("--traces", required=True, metavar="A,B,...", help="comma-separated traces")
     e.add_argument("--capacity", "-c", type=_capacities, required=True, metavar="C[,C...]", help="experts per pool")
     _add_common(e)
     e.add_argument("--rounds", type=_rounds, default=None, metavar="N", help="DAgger rounds per learner (default 1)")
-    e.add_argument("--folds", type=positive_int, default=2, help="sequence folds (default 2)")
+    e.add_argument("--folds", type=_folds, default=2,
+                   help="sequence folds, at least 2 (default 2); a trace of one sequence is cut into this many "
+                        "contiguous parts")
     e.add_argument("--seeds", type=_seeds, default=[0, 1, 2], metavar="S,S,...", help="training seeds (default 0,1,2)")
     add_json(e)
     e.set_defaults(func=run_eval, default_rounds=1)
@@ -79,9 +82,9 @@ def _add_common(p) -> None:
                    help="causal rules whose caches give the states (default lru,decayed); 'self' is the learner's "
                         "own (same as --rounds 2 when --rounds is not given)")
     p.add_argument("--features", default=None, metavar="GROUPS",
-                   help="feature groups: reuse, gate (needs probs), router (needs router_probs), token, next, hidden, "
-                        "ahead (need capture --record signals; ahead reads later input ids) (default: all the trace has, "
-                        "but ahead)")
+                   help="feature groups: reuse, gate (needs probs), router (needs router_probs), prior (routing "
+                        "tables fitted on training sequences; any trace), token, next, hidden, ahead (need capture "
+                        "--record signals; ahead reads later input ids) (default: all the trace has, but ahead and late)")
     p.add_argument("--pool", choices=("layer", "global"), default="layer", help="per-layer pools (default) or one global pool")
     p.add_argument("--tables-from", default=None, metavar="TRACE",
                    help="fit the model-side routing tables on this capture (with token_ids; text disjoint from the "
@@ -91,6 +94,10 @@ def _add_common(p) -> None:
 
 def _rounds(text: str) -> int:
     return _int_in(text, 0, 20, "an integer", "from 0 to 20 (rounds)")
+
+
+def _folds(text: str) -> int:
+    return _int_in(text, 2, 1000, "an integer", "from 2 to 1000 (each fold is held out while the others train)")
 
 
 def _states(text: str) -> tuple[str, ...]:
@@ -182,7 +189,7 @@ def run_eval(args) -> int:
     results, notes = [], []
     for path, trace in traces:
         for c in args.capacity:
-            why = _unusable(trace, c)
+            why = _unusable(trace, c, args.folds)
             if why:
                 notes.append({"trace": trace.name, "path": path, "capacity": c, "skipped": why})
                 continue
@@ -193,13 +200,14 @@ def run_eval(args) -> int:
             results.append(res)
     if args.json:
         emit_json([{"trace": r["trace"], "path": r["path"], "capacity": r["capacity"], "tokens": r["tokens"],
-                    "seeds": r["seed_list"], "rounds": r["rounds"], "folds": r["folds"], **row}
+                    "seeds": r["seed_list"], "rounds": r["rounds"], "cut": r["cut"], "folds": r["folds"], **row}
                    for r in results for row in r["rows"]] + notes)
         return 0
     for r in results:
         betas = ",".join(f"{f['beta']:g}" for f in r["folds"])
-        print(f"{r['trace']}  C={r['capacity']}  {len(r['folds'])} folds, seeds {r['seed_list']}, rounds {r['rounds']}, "
-              f"held-out tokens {r['tokens']}, decayed beta per fold {betas}")
+        cut = f" (its one sequence cut into {r['cut']} contiguous parts)" if r["cut"] else ""
+        print(f"{r['trace']}  C={r['capacity']}  {len(r['folds'])} folds{cut}, seeds {r['seed_list']}, "
+              f"rounds {r['rounds']}, held-out tokens {r['tokens']}, decayed beta per fold {betas}")
         rows = [(x["policy"], x["copies_steady"], x["copies_steady_sd"] if x["seeds"] else None, x["copies_per_token"],
                  x["gap_recovered"], x["gap_recovered_sd"] if x["seeds"] else None) for x in r["rows"]]
         table(rows, ["policy", "steady copies", "sd", "copies/token", "gap recovered", "sd"])
@@ -215,9 +223,10 @@ def _tables_from(args):
     return external_tables(open_trace(args.tables_from)) if args.tables_from else None
 
 
-def _unusable(trace, capacity: int) -> str | None:
-    if trace.num_sequences < 2:
-        return f"{trace.num_sequences} sequence; holding sequences out needs at least 2"
+def _unusable(trace, capacity: int, folds: int) -> str | None:
+    if trace.num_sequences < 2 and trace.num_tokens < 2 * max(folds, 2):
+        return (f"{trace.num_sequences} sequence of {trace.num_tokens} tokens; holding out needs 2 sequences, "
+                f"or one of at least {2 * max(folds, 2)} tokens to cut into {max(folds, 2)} parts")
     if capacity >= trace.num_experts:
         return f"capacity {capacity} is not below E={trace.num_experts}: nothing is ever evicted"
     if capacity < trace.top_k:

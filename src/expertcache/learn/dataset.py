@@ -29,8 +29,8 @@ from ..policies import Policy, StreamFuture, make_policy
 from ..policies.context import stream_context
 from ..sim.layout import StreamLayout, build_layout
 from ..sim.replay import check_capacity
-from .features import GROUPS, MODEL, FeatureState, available_features
-from .signals import NEEDS, TABLE_FIELDS, FoldedTables, fit_folded, tables_from_arrays, tables_to_arrays
+from .features import GROUPS, PRIOR, TABLED, FeatureState, available_features
+from .signals import NEEDS, TABLE_FIELDS, FoldedTables, fit_folded, halved, tables_from_arrays, tables_to_arrays
 from .models import TrainOptions, fit
 
 FORMAT_VERSION = 1
@@ -154,10 +154,15 @@ def collect(layout: StreamLayout, capacity: int, policy: Policy, names, state_in
 def resolve_features(trace, groups: str | None = None) -> tuple[str, ...]:
     """Feature names for ``trace``: the named groups (``reuse,gate,router``; default: every group the
     trace can supply). A group the trace cannot supply is a ConfigError."""
+    from .prior import TRANS_MAX_BYTES, trans_bytes
+
+    fits = trans_bytes(trace.num_layers, trace.num_experts) <= TRANS_MAX_BYTES
+
     class _C:  # what the trace offers, in the shape available_features reads
         probs = trace.probs
         router = trace.router_probs
         signals = type("S", (), {"extras": trace.extras})
+        item_layer = () if fits else None
     have = available_features(_C)
     if groups is None:
         return available_features(_C, lookahead=False)
@@ -166,6 +171,10 @@ def resolve_features(trace, groups: str | None = None) -> tuple[str, ...]:
         if g not in GROUPS:
             raise ConfigError(f"--features: unknown group {g!r} (known: {', '.join(GROUPS)})")
         if not set(GROUPS[g]) <= set(have):
+            if g == "prior":
+                raise ConfigError(f"--features: group 'prior' needs a transition table of at most {TRANS_MAX_BYTES >> 20} MB; "
+                                  f"{trace.name} (L={trace.num_layers}, E={trace.num_experts}) needs "
+                                  f"{trans_bytes(trace.num_layers, trace.num_experts) / 1e6:.0f} MB")
             field_ = {"gate": "probs", "router": "router_probs"}.get(g) or next(
                 n for n in NEEDS[g] if n not in trace.extras)
             raise ConfigError(f"--features: group {g!r} needs the trace's {field_}, which {trace.name} does not have")
@@ -182,13 +191,15 @@ def build_dataset(trace, capacity: int, *, states=("lru", "decayed"), rounds: in
 
     ``base``: ``(labels, parts)`` from :func:`rule_events` on the same arguments, to reuse the
     rules' events across seeds (they do not depend on the seed). ``tables``: the model-side routing
-    tables (:mod:`.signals`); fitted here, two-fold, when the features need them and none are given."""
+    tables (:mod:`.signals`); fitted here, two-fold, when the features need them and none are given
+    (a single sequence is then :func:`~.signals.halved` first)."""
     from ..policies.learned import Learned
 
-    layout = build_layout(trace, pool=pool, layers=layers)
     names = resolve_features(trace, features)
-    if tables is None and set(names) & set(MODEL):
+    if tables is None and set(names) & set(TABLED):
+        trace = halved(trace)
         tables = fit_folded(trace)
+    layout = build_layout(trace, pool=pool, layers=layers)
     labels, parts = base if base is not None else rule_events(trace, capacity, states, pool, layers, features, tables)
     labels, parts = list(labels), list(parts)
     if not parts:
@@ -214,10 +225,11 @@ def build_dataset(trace, capacity: int, *, states=("lru", "decayed"), rounds: in
 def rule_events(trace, capacity: int, states=("lru", "decayed"), pool: str = "layer", layers=None,
                 features: str | None = None, tables=None) -> tuple[list[str], list[Events]]:
     """``(state labels, events per state)`` collected in the causal rules' caches."""
-    layout = build_layout(trace, pool=pool, layers=layers)
     names = resolve_features(trace, features)
-    if tables is None and set(names) & set(MODEL):
+    if tables is None and set(names) & set(TABLED):
+        trace = halved(trace)
         tables = fit_folded(trace)
+    layout = build_layout(trace, pool=pool, layers=layers)
     labels, parts = [], []
     for i, spec in enumerate(states):
         try:
@@ -251,7 +263,8 @@ def load_events(path) -> Events:
         raise ConfigError(f"events {p}: not an events file ({type(err).__name__}: {err})") from None
     with npz:
         got = {}
-        tables = tables_from_arrays(lambda n: _npz_field(npz, n, p), f"events {p}") if "sig_tok" in npz.files else None
+        tables = (tables_from_arrays(lambda n: _npz_field(npz, n, p), f"events {p}", npz.files)
+                  if "sig_tok" in npz.files else None)
         for name in ("X", "victim", "offsets", "seq", "step", "state", "features", "meta"):
             if name not in npz.files:
                 raise ConfigError(f"events {p}: field {name!r} is missing")
@@ -279,8 +292,10 @@ def load_events(path) -> Events:
         raise ConfigError(f"events {p}: field 'victim' has shape {got['victim'].shape}, expected ({X.shape[0]},)")
     if not np.all(np.isfinite(X)):
         raise ConfigError(f"events {p}: field 'X' holds a non-finite value")
-    if tables is None and set(feats) & set(MODEL):
-        raise ConfigError(f"events {p}: field {TABLE_FIELDS[0]!r} is missing (its model-side features need the tables)")
+    if tables is None and set(feats) & set(TABLED):
+        raise ConfigError(f"events {p}: field {TABLE_FIELDS[0]!r} is missing (its features need the fitted tables)")
+    if set(feats) & set(PRIOR) and tables.trans is None:
+        raise ConfigError(f"events {p}: field 'sig_trans' is missing (its prior features need the transitions)")
     return Events(X.astype(np.float32), got["victim"].astype(bool), off, got["seq"].astype(np.int64),
                   got["step"].astype(np.int64), got["state"].astype(np.int64), None, feats, meta, tables)
 

@@ -18,6 +18,7 @@ import numpy as np
 from ..kernels_learned import decayed, log1p_each
 from ..errors import ConfigError
 from ..policies.context import RouterView, StreamContext
+from .prior import PRIOR, PriorFeatures
 from .signals import DEFAULT_OFF, NEEDS, SIGNAL_GROUPS, SignalFeatures
 
 DECAY_RATES = (0.5, 0.8, 0.95, 0.99)
@@ -31,20 +32,26 @@ REUSE = ("age", "log_age", "count", "log_count", "rate",
 GATE = ("gate_last", "gate_mean")
 ROUTER = ("router_now", "router_avg")
 MODEL = tuple(n for names in SIGNAL_GROUPS.values() for n in names)
-FEATURES = REUSE + GATE + ROUTER + MODEL
-GROUPS = {"reuse": REUSE, "gate": GATE, "router": ROUTER, **SIGNAL_GROUPS}
-"""Feature groups; ``gate`` needs the trace's ``probs``, ``router`` its ``router_probs``; the model-side
-groups (:mod:`.signals`: token, next, hidden, ahead) the capture's signal extras and fitted tables."""
+FEATURES = REUSE + GATE + ROUTER + PRIOR + MODEL
+GROUPS = {"reuse": REUSE, "gate": GATE, "router": ROUTER, "prior": PRIOR, **SIGNAL_GROUPS}
+"""Feature groups; ``gate`` needs the trace's ``probs``, ``router`` its ``router_probs``; ``prior``
+(:mod:`.prior`) routing tables fitted on training sequences; the model-side groups (:mod:`.signals`:
+token, next, hidden, ahead) the capture's signal extras and fitted tables."""
+TABLED = PRIOR + MODEL
+"""Features that read tables fitted on training sequences (the scorer file carries them)."""
 
 
 def available_features(context: StreamContext | None, lookahead: bool = True) -> tuple[str, ...]:
     """Names this context can supply: reuse always, gate with ``probs``, router with ``router_probs``,
-    a model-side group with its signal extras (``ahead``, which reads later input ids, only with ``lookahead``)."""
+    prior with the pool's item map (any trace), a model-side group with its signal extras (``ahead``,
+    which reads later input ids, only with ``lookahead``)."""
     names = list(REUSE)
     if context is not None and context.probs is not None:
         names += GATE
     if context is not None and context.router is not None:
         names += ROUTER
+    if getattr(context, "item_layer", None) is not None:
+        names += PRIOR
     sig = getattr(context, "signals", None)
     for g, need in NEEDS.items():
         if sig is not None and all(n in sig.extras for n in need) and (lookahead or g not in DEFAULT_OFF):
@@ -59,7 +66,8 @@ def feature_group(name: str) -> str:
 def feature_needs(name: str) -> str:
     """The trace field a feature reads beyond the requests (``probs``, ``router_probs``, a signal extra)."""
     g = feature_group(name)
-    return {"gate": "probs", "router": "router_probs"}.get(g) or NEEDS.get(g, ("",))[-1]
+    return {"gate": "probs", "router": "router_probs", "prior": "layer/expert item map (a stream context)"}.get(g) \
+        or NEEDS.get(g, ("",))[-1]
 
 
 class FeatureState:
@@ -95,6 +103,7 @@ class FeatureState:
         self._pending = None  # (t, candidates, keys) of the last eviction
         sig = getattr(context, "signals", None)
         self.signals = None if tables is None or sig is None else SignalFeatures(tables, sig, self.n)
+        self.tables, self._prior = tables, None
 
     # -- updates ------------------------------------------------------------------------------
     def note_keys(self, candidates: np.ndarray, keys: np.ndarray, t: int) -> None:
@@ -158,9 +167,23 @@ class FeatureState:
             self.router.advance(t)
             cols["router_now"] = self.router.latest[c]
             cols["router_avg"] = self.router.ema[c]
+        if want & set(PRIOR):
+            cols.update(self.prior.columns(c, t, want))
         if want & set(MODEL):
             if self.signals is None:
                 raise ConfigError(f"feature {sorted(want & set(MODEL))[0]!r} needs the trace's signal extras and "
                                   "routing tables fitted on training sequences (docs/learn.md, 'Model-side signals')")
             cols.update(self.signals.columns(c, int(self.context.signals.rows[t]), want))
         return np.stack([cols[n] for n in names], axis=1) if names else np.zeros((c.size, 0))
+
+    @property
+    def prior(self) -> PriorFeatures:
+        """The prior columns' state (built at the first prior feature asked for)."""
+        if self._prior is None:
+            ctx = self.context
+            if self.tables is None or getattr(ctx, "item_layer", None) is None:
+                raise ConfigError("the prior features need routing tables fitted on training sequences and a stream "
+                                  "context with the pool's item map (docs/learn.md, 'Routing priors')")
+            tables = self.tables.for_stream(ctx.seq_id) if hasattr(self.tables, "for_stream") else self.tables
+            self._prior = PriorFeatures(tables, ctx)
+        return self._prior

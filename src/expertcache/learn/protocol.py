@@ -9,6 +9,9 @@ sequence is held out exactly once); ``gap`` = ``(lru - p) / (lru - belady)`` on 
 rows are repeated per seed (initial weights, minibatch order and the learner's own rounds change)
 and reported as mean and standard deviation over seeds; the rules do not depend on the seed.
 
+A trace of one sequence is :func:`~.signals.cut` into ``folds`` contiguous parts first (pools restart
+at each cut, for every policy alike), and those parts are held out in turn.
+
 Invariant: no held-out sequence contributes an event, a normalisation statistic or a tuning
 decision to the policy it is scored with.
 """
@@ -20,9 +23,9 @@ import numpy as np
 from ..errors import ConfigError
 from ..sim import build_layout, replay_layout
 from .dataset import build_dataset, resolve_features, rule_events
-from .features import MODEL
+from .features import MODEL, TABLED
 from .models import TrainOptions, fit
-from .signals import external_tables, fit_folded
+from .signals import cut, external_tables, fit_folded, halved
 
 BETA_GRID = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 FORESIGHT = (1, 2, 4)
@@ -50,6 +53,8 @@ def evaluate(trace, capacity: int, *, folds: int = 2, seeds=(0, 1, 2), states=("
     training sequences (text disjoint from ``trace``'s)."""
     from ..policies.learned import Learned
 
+    single = trace.num_sequences == 1
+    trace = cut(trace, max(folds, 2)) if single else trace  # one sequence: contiguous parts held out in turn
     parts = folds_of(trace.num_sequences, folds)
     steady: dict[str, np.ndarray] = {}
     fold_info = []
@@ -66,10 +71,15 @@ def evaluate(trace, capacity: int, *, folds: int = 2, seeds=(0, 1, 2), states=("
             steady.setdefault(name, np.zeros(len(seeds), dtype=np.int64))
             steady[name] += replay_layout(layout, capacity, spec).copies_steady
         info = {"fold": fi, "held_out": held.tolist(), "train": train_idx.tolist(), "beta": beta}
-        # model-side tables: fitted on the training sequences only (two-fold for their own events)
+        # fitted tables: on the training sequences only (two-fold for their own events)
         tables = None
-        if set(resolve_features(train, features)) & set(MODEL):
-            tables = external_tables(tables_from) if tables_from is not None else fit_folded(train)
+        names = set(resolve_features(train, features))
+        if names & set(TABLED):  # from another capture only where the model-side tables need it
+            if tables_from is not None and names & set(MODEL):
+                tables = external_tables(tables_from)
+            else:  # out of fold for every training event, also when one sequence trains
+                train = halved(train)
+                tables = fit_folded(train)
         base = rule_events(train, capacity, states, pool, layers, features, tables)
         for si, seed in enumerate(seeds):
             for kind in ("linear", "mlp"):
@@ -104,4 +114,5 @@ def evaluate(trace, capacity: int, *, folds: int = 2, seeds=(0, 1, 2), states=("
             "gap_recovered": float(gaps.mean()), "gap_recovered_sd": float(gaps.std()) if per_seed else 0.0,
         })
     return {"trace": trace.name, "capacity": int(capacity), "pool": pool, "folds": fold_info, "tokens": tokens,
+            "cut": len(parts) if single else 0,
             "seed_list": seeds, "rounds": int(rounds), "states": list(states), "rows": rows}

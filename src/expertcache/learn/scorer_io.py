@@ -5,7 +5,8 @@ Fields: ``format_version`` (int, :data:`FORMAT_VERSION`), ``kind`` (``linear`` o
 (the normalisation, one value per feature), ``w0``.. (the weights, shapes as in
 :class:`~expertcache.learn.models.Scorer`) and ``meta`` (a JSON string: how it was trained).
 Version 2 adds the model-side routing tables (``sig_*`` fields, :mod:`.signals`) a scorer of the
-token / next / hidden / ahead features replays with; a version-1 file (no tables) still loads.
+token / next / hidden / ahead features replays with; version 3 the prior group's transitions
+(``sig_trans``, :mod:`.prior`). Files of versions 1 (no tables) and 2 still load.
 Loading validates every field; any problem is one :class:`~expertcache.errors.ConfigError` line
 naming the file and the field. Each array is size-checked before it is read (bounded memory).
 """
@@ -21,12 +22,12 @@ import numpy as np
 
 from .._io import atomic_open
 from ..errors import ConfigError
-from .features import FEATURES, MODEL
+from .features import FEATURES, PRIOR, TABLED
 from .models import KINDS, Scorer
 from .signals import FoldedTables, tables_from_arrays, tables_to_arrays
 
-FORMAT_VERSION = 2
-READS = (1, 2)
+FORMAT_VERSION = 3
+READS = (1, 2, 3)
 MAX_FIELD_BYTES = 16 << 20
 N_WEIGHTS = {"linear": 1, "mlp": 3}
 
@@ -34,6 +35,9 @@ N_WEIGHTS = {"linear": 1, "mlp": 3}
 def save_scorer(scorer: Scorer, path, option: str = "--out") -> Path:
     tables = getattr(scorer, "tables", None)
     tables = tables.full if isinstance(tables, FoldedTables) else tables
+    need = sorted(set(scorer.features) & set(TABLED))
+    if tables is None and need:
+        raise ConfigError(f"{option} {path}: the scorer's feature {need[0]!r} reads fitted tables, and it carries no tables")
     arrays = {
         "format_version": np.array(FORMAT_VERSION if tables is not None else 1, dtype=np.int64),
         "kind": np.array(scorer.kind),
@@ -108,10 +112,13 @@ def load_scorer(path) -> Scorer:
         except json.JSONDecodeError:
             raise ConfigError(f"scorer {p}: field 'meta' is not JSON") from None
         tables = None
-        if set(str(f) for f in feats) & set(MODEL):
+        names = set(str(f) for f in feats)
+        if names & set(TABLED):
             if int(version) < 2:
-                raise ConfigError(f"scorer {p}: version 1 cannot hold the routing tables its model-side features need")
-            tables = tables_from_arrays(field, f"scorer {p}")
+                raise ConfigError(f"scorer {p}: version 1 cannot hold the routing tables its features need")
+            tables = tables_from_arrays(field, f"scorer {p}", npz.files)
+            if names & set(PRIOR) and tables.trans is None:
+                raise ConfigError(f"scorer {p}: field 'sig_trans' is missing (its prior features need the transitions)")
     sc = Scorer(kind=kind, features=tuple(str(f) for f in feats), mean=mean, scale=scale, weights=weights,
                 meta=meta if isinstance(meta, dict) else {})
     sc.tables = tables

@@ -72,6 +72,7 @@ class Tables:
     succ: np.ndarray  # float32 [H, L, V, E]
     hid: np.ndarray  # float64 [H, L, D+1, E]
     meta: dict = field(default_factory=dict)
+    trans: np.ndarray | None = None  # float32 [H, L, E, E] (.prior), None when too large or not stored
 
     @property
     def num_experts(self) -> int:
@@ -99,21 +100,27 @@ def _windows(used: np.ndarray, bounds: np.ndarray, h: int) -> tuple[np.ndarray, 
 
 
 def fit_tables(trace, alpha: float = ALPHA, ridge: float = RIDGE) -> Tables:
-    """Tables from every row of ``trace`` (its training sequences); needs ``token_ids``."""
-    if "token_ids" not in trace.extras:
-        raise ConfigError(f"{trace.name}: model-side features need the trace's token_ids (expertcache capture --record token-ids)")
-    tok = np.asarray(trace.extras["token_ids"], dtype=np.int64)
+    """Tables from every row of ``trace`` (its training sequences). Without ``token_ids`` the token
+    tables are empty (V = 0) and only the routing priors (:mod:`.prior`) and the hidden ridge are fitted;
+    ``trans`` is None when it would exceed :data:`~.prior.TRANS_MAX_BYTES`."""
+    from .prior import TRANS_MAX_BYTES, fit_transitions, trans_bytes
+
     T, L, E = trace.num_tokens, trace.num_layers, trace.num_experts
+    tok = np.asarray(trace.extras.get("token_ids", np.zeros(T, dtype=np.int64)), dtype=np.int64)
     used = np.zeros((T, L, E), dtype=bool)
     t_idx, l_idx, j_idx = np.nonzero(trace.experts >= 0)
     used[t_idx, l_idx, trace.experts[t_idx, l_idx, j_idx].astype(np.int64)] = True
     vocab, inv = np.unique(tok, return_inverse=True)
+    if "token_ids" not in trace.extras:
+        vocab, inv = vocab[:0], np.zeros(T, dtype=np.int64)
     V = vocab.size
     bounds = trace.seq_bounds
 
     def table(target: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         y = target[rows].astype(np.float64)  # [n, L, E]
         prior = y.mean(axis=0) if rows.size else np.zeros((L, E))
+        if V == 0:
+            return prior, np.zeros((L, 0, E), dtype=np.float32)
         counts = np.zeros((V, L, E))
         np.add.at(counts, inv[rows], y)
         n = np.bincount(inv[rows], minlength=V).astype(np.float64)
@@ -121,13 +128,16 @@ def fit_tables(trace, alpha: float = ALPHA, ridge: float = RIDGE) -> Tables:
         return prior, p.transpose(1, 0, 2).astype(np.float32)
 
     prior, ptok = table(used, np.arange(T))
-    succ_prior, succ, hid = [], [], []
+    succ_prior, succ, hid, trans = [], [], [], []
     hs = trace.extras.get("hidden_summary")
+    with_trans = trans_bytes(L, E, len(HORIZONS)) <= TRANS_MAX_BYTES
     for h in HORIZONS:
         target, ok = _windows(used, bounds, h)
         sp, s = table(target, np.flatnonzero(ok))
         succ_prior.append(sp)
         succ.append(s)
+        if with_trans:
+            trans.append(fit_transitions(used, target, ok, sp, alpha))
         if hs is not None:
             hid.append(_ridge(np.asarray(hs, dtype=np.float64), target, ok, bounds, ridge))
     D = 0 if hs is None else int(hs.shape[1])
@@ -135,7 +145,7 @@ def fit_tables(trace, alpha: float = ALPHA, ridge: float = RIDGE) -> Tables:
     return Tables(np.asarray(trace.layer_ids, dtype=np.int64), vocab.astype(np.int64), prior, ptok,
                   np.stack(succ_prior), np.stack(succ), hid_arr,
                   {"rows": int(T), "sequences": int(trace.num_sequences), "alpha": alpha, "ridge": ridge,
-                   "hidden_dims": D, "horizons": list(HORIZONS)})
+                   "hidden_dims": D, "horizons": list(HORIZONS)}, np.stack(trans) if with_trans else None)
 
 
 def _ridge(hs: np.ndarray, target: np.ndarray, ok: np.ndarray, bounds: np.ndarray, lam: float) -> np.ndarray:
@@ -168,8 +178,30 @@ class FoldedTables:
 
 def external_tables(trace) -> FoldedTables:
     """Tables fitted on every row of ``trace``, a capture of text none of the evaluated sequences is
-    drawn from (e.g. the model's training text): used as they are for every stream."""
+    drawn from (e.g. the model's training text): used as they are for every stream; needs ``token_ids``."""
+    if "token_ids" not in trace.extras:
+        raise ConfigError(f"{trace.name}: model-side features need the trace's token_ids (expertcache capture --record token-ids)")
     return FoldedTables(fit_tables(trace), {})
+
+
+def cut(trace, parts: int = 2):
+    """``trace`` with a single sequence cut into ``parts`` contiguous pieces (ids ``seq, seq + 1, ..``),
+    pools restarting at each cut; any other trace, or one shorter than ``2 * parts`` rows, as it is."""
+    import dataclasses
+
+    T = trace.num_tokens
+    if trace.num_sequences != 1 or parts < 2 or T < 2 * parts:
+        return trace
+    seq = trace.seq.astype(np.int64)
+    for i, part in enumerate(np.array_split(np.arange(T), parts)):
+        seq[part] = seq[0] + i if i else seq[0]
+    return dataclasses.replace(trace, seq=seq, meta={**trace.meta, "sequences": parts})
+
+
+def halved(trace):
+    """:func:`cut` in two, so that :func:`fit_folded` can give each half's events tables fitted on the
+    other half. Pools restart at the cut: use it for training events only, never for a held-out replay."""
+    return cut(trace, 2)
 
 
 def fit_folded(trace, folds: int = 2) -> FoldedTables:
@@ -186,6 +218,18 @@ def fit_folded(trace, folds: int = 2) -> FoldedTables:
     return FoldedTables(full, by_seq)
 
 
+def item_index(tables: Tables, item_layer, item_expert, num_experts: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(layer index into tables, expert)`` of each item of a pool whose items have layer ids
+    ``item_layer``; a trace with another E, or a layer the tables lack, is one ConfigError."""
+    if tables.num_experts != num_experts:
+        raise ConfigError(f"{what}: the tables are for E={tables.num_experts} experts, the trace has E={num_experts}")
+    lids = {int(x): i for i, x in enumerate(tables.layer_ids)}
+    missing = [int(x) for x in np.unique(item_layer) if int(x) not in lids]
+    if missing:
+        raise ConfigError(f"{what}: the tables have no layer {missing[0]} (fitted on layers {tables.layer_ids.tolist()})")
+    return np.array([lids[int(x)] for x in item_layer], dtype=np.int64), np.asarray(item_expert, dtype=np.int64)
+
+
 class SignalFeatures:
     """The model-side feature columns of one stream (context ``signals``: :class:`~expertcache.trace.
     model_signals.SignalRows`)."""
@@ -193,16 +237,7 @@ class SignalFeatures:
     def __init__(self, tables, rows, n_items: int):
         tables = tables.for_stream(rows.seq_id) if isinstance(tables, FoldedTables) else tables
         self.t, self.rows = tables, rows
-        if tables.num_experts != rows.num_experts:
-            raise ConfigError(f"model-side features: the tables are for E={tables.num_experts} experts, "
-                              f"the trace has E={rows.num_experts}")
-        lids = {int(x): i for i, x in enumerate(tables.layer_ids)}
-        missing = [int(x) for x in np.unique(rows.item_layer) if int(x) not in lids]
-        if missing:
-            raise ConfigError(f"model-side features: the tables have no layer {missing[0]} "
-                              f"(fitted on layers {tables.layer_ids.tolist()})")
-        self.li = np.array([lids[int(x)] for x in rows.item_layer], dtype=np.int64)
-        self.e = np.asarray(rows.item_expert, dtype=np.int64)
+        self.li, self.e = item_index(tables, rows.item_layer, rows.item_expert, rows.num_experts, "model-side features")
         ex = rows.extras
         a, b = rows.first_row, rows.last_row + 1
         self.a, self.b = a, b
@@ -273,15 +308,17 @@ def tables_to_arrays(t: Tables) -> dict[str, np.ndarray]:
 
     return {"sig_layer_ids": t.layer_ids, "sig_vocab": t.vocab, "sig_prior": t.prior, "sig_tok": t.tok,
             "sig_succ_prior": t.succ_prior, "sig_succ": t.succ, "sig_hid": t.hid,
-            "sig_meta": np.array(json.dumps(t.meta, sort_keys=True))}
+            "sig_meta": np.array(json.dumps(t.meta, sort_keys=True)),
+            **({} if t.trans is None else {"sig_trans": t.trans})}
 
 
 TABLE_FIELDS = ("sig_layer_ids", "sig_vocab", "sig_prior", "sig_tok", "sig_succ_prior", "sig_succ", "sig_hid")
 
 
-def tables_from_arrays(get, where: str) -> Tables:
-    """Read and check the table fields; ``get(name)`` returns an array or raises; errors name ``where`` and the field."""
-    a = {n: get(n) for n in TABLE_FIELDS}
+def tables_from_arrays(get, where: str, present=()) -> Tables:
+    """Read and check the table fields; ``get(name)`` returns an array or raises; errors name ``where`` and the field.
+    ``present``: the file's field names (``sig_trans``, the prior group's transitions, is read when there)."""
+    a = {n: get(n) for n in TABLE_FIELDS + (("sig_trans",) if "sig_trans" in present else ())}
 
     def bad(name, why):
         raise ConfigError(f"{where}: field {name!r} {why}")
@@ -308,5 +345,12 @@ def tables_from_arrays(get, where: str) -> Tables:
     hid = a["sig_hid"]
     if hid.ndim != 4 or hid.shape[:2] != (H, L) or hid.shape[3] != E or hid.shape[2] < 1:
         bad("sig_hid", f"has shape {hid.shape}, expected ({H}, {L}, D+1, {E})")
+    trans = a.get("sig_trans")
+    if trans is not None and trans.shape != (H, L, E, E):
+        bad("sig_trans", f"has shape {trans.shape}, expected {(H, L, E, E)}")
+    for n in ("sig_prior", "sig_tok", "sig_succ_prior", "sig_succ", "sig_trans"):
+        if n in a and a[n].size and (a[n].min() < 0 or a[n].max() > 1):
+            bad(n, "holds a probability outside [0, 1]")
     return Tables(lids.astype(np.int64), vocab.astype(np.int64), prior.astype(np.float64), a["sig_tok"].astype(np.float32),
-                  a["sig_succ_prior"].astype(np.float64), a["sig_succ"].astype(np.float32), hid.astype(np.float64))
+                  a["sig_succ_prior"].astype(np.float64), a["sig_succ"].astype(np.float32), hid.astype(np.float64),
+                  trans=None if trans is None else trans.astype(np.float32))

@@ -34,6 +34,10 @@ class StreamContext:
         steps_per_token: steps per token (1 per-layer; the number of layers in a global pool).
         signals: the model-side signals the stream can read (token ids, next-token distributions,
             hidden summaries: :class:`~expertcache.trace.model_signals.SignalRows`), or None.
+        item_layer: int64 ``[n_items]`` the layer id of each item of the stream's pool, or None.
+        item_expert: int64 ``[n_items]`` the expert of each item, or None.
+        seq_id: the trace's sequence id of the stream (-1 when unknown).
+        num_experts: E of the trace (0 when unknown).
     """
 
     groups: np.ndarray
@@ -42,6 +46,10 @@ class StreamContext:
     offset: np.ndarray
     steps_per_token: int = 1
     signals: SignalRows | None = None
+    item_layer: np.ndarray | None = None
+    item_expert: np.ndarray | None = None
+    seq_id: int = -1
+    num_experts: int = 0
 
 
 def stream_context(layout, s: int) -> StreamContext | None:
@@ -62,9 +70,14 @@ def stream_context(layout, s: int) -> StreamContext | None:
         offset = lay * trace.num_experts
     probs = None if trace.probs is None else np.asarray(trace.probs[rows, cols[lay]], dtype=np.float32)
     router = None if trace.router_probs is None else np.asarray(trace.router_probs[rows, cols[lay]], dtype=np.float32)
-    signals = signal_rows(trace, rows, cols[lay[:1]] if layout.pool == "layer" else cols)
+    pool_cols = cols[lay[:1]] if layout.pool == "layer" else cols
+    signals = signal_rows(trace, rows, pool_cols)
+    E = trace.num_experts
+    lids = np.asarray(trace.layer_ids, dtype=np.int64)[pool_cols]
     return StreamContext(groups=layout.groups[a:b], probs=probs, router=router, offset=offset,
-                         steps_per_token=int(layout.steps_per_token), signals=signals)
+                         steps_per_token=int(layout.steps_per_token), signals=signals,
+                         item_layer=np.repeat(lids, E), item_expert=np.tile(np.arange(E, dtype=np.int64), lids.size),
+                         seq_id=int(trace.seq[int(rows[0])]) if rows.size else -1, num_experts=E)
 
 
 class RouterView:

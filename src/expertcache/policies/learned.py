@@ -6,10 +6,11 @@ candidates (:func:`expertcache.kernels_learned.score_rows`). Key = minus the sco
 usual order applies (highest score first, ties: least recently used, then smallest id). Features
 of the ``gate`` and ``router`` groups need the trace's ``probs`` / ``router_probs``: they reach the
 policy through the stream context (:mod:`.context`); a cache without it (the live harness, the
-tier) or a trace without the field gets one PolicyError line at the start of the stream.
+tier) or a trace without the field gets one PolicyError line at the start of the stream. The
+``prior`` group reads the scorer's fitted tables and the context's item map (any trace).
 
 Compiled plan (:meth:`Learned.plan`): :class:`~expertcache.kernels_learned.LearnedPlan` runs every
-feature of the reuse, gate and router groups in one numba loop, with exactly the Python engine's
+feature of the reuse, gate, router and prior groups in one numba loop, with exactly the Python engine's
 counts (same features bit for bit, same scoring arithmetic, same residency inference; checked by
 ``tests/test_learned_compiled.py``). A scorer naming a feature the loop does not compute, or
 needing context the layout cannot give (no trace attached, field absent), has no plan: replay
@@ -87,19 +88,23 @@ class Learned(Policy):
 
     def plan(self, layout):
         from ..kernels_learned import LearnedPlan, feature_codes
-        from ..learn.features import DECAY_RATES, GATE, LOGRATE, ROUTER
+        from ..learn.features import DECAY_RATES, GATE, LOGRATE, PRIOR, ROUTER
+        from ..learn.signals import HORIZONS
 
-        codes = feature_codes(DECAY_RATES)
+        codes = feature_codes(DECAY_RATES, HORIZONS)
         feats = self.scorer.features
         if any(f not in codes for f in feats):
             return None
-        gate, router = bool(set(feats) & set(GATE)), bool(set(feats) & set(ROUTER))
+        gate, router, prior = (bool(set(feats) & set(g)) for g in (GATE, ROUTER, PRIOR))
         context = None
-        if gate or router:
+        if gate or router or prior:
             trace = getattr(layout, "source", None)
             if trace is None or (gate and trace.probs is None) or (router and trace.router_probs is None):
                 return None  # the Python engine reports what is missing
-            context = _context_arrays(gate, router)
+            tables = getattr(self.scorer, "tables", None)
+            if prior and (tables is None or getattr(tables, "trans", 0) is None):
+                return None
+            context = _context_arrays(gate, router, tables if prior else None)
         alpha = inspect.signature(RouterView).parameters["alpha"].default  # FeatureState's router average
         return LearnedPlan([codes[f] for f in feats], self._mean, self._scale, self._weights, LOGRATE, alpha, context)
 
@@ -114,12 +119,19 @@ def _weights(scorer):
     return True, np.zeros(0), f64(W1), f64(b1), f64(w2)
 
 
-def _context_arrays(gate: bool, router: bool):
-    """``(layout, s) -> (probs, router, offset)`` of stream ``s``, from the trace's stream context."""
+def _context_arrays(gate: bool, router: bool, tables=None):
+    """``(layout, s) ->`` the arrays of stream ``s`` :class:`~expertcache.kernels_learned.LearnedPlan`
+    reads, from the trace's stream context; ``tables``: the prior group's (Tables or FoldedTables)."""
+    from ..learn.prior import PriorFeatures
     from .context import stream_context
 
     def get(layout, s):
         ctx = stream_context(layout, s)
-        return (ctx.probs if gate else None, ctx.router if router else None, ctx.offset if router else None)
+        out = {"probs": ctx.probs if gate else None, "router": ctx.router if router else None,
+               "offset": ctx.offset if router else None}
+        if tables is not None:  # the Python engine's own lookups: one item map and one set of float64 tables
+            pf = PriorFeatures(tables.for_stream(ctx.seq_id) if hasattr(tables, "for_stream") else tables, ctx)
+            out.update(item_li=pf.li, item_e=pf.e, pop=pf.pop, trans=pf.trans, succp=pf.succp)
+        return out
 
     return get
