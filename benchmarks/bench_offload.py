@@ -76,10 +76,10 @@ def main(argv=None) -> int:
         with expertcache.offload(model, capacity=capacity, policy="lru", reset="none" if warm_pools else "sequence") as run:
             if warm_pools:
                 run_pass(model, seqs, args.mode)  # fills the pools with every expert these sequences use
-                run.clear_stats()
+                run.clear_counters()
             else:
                 run_pass(model, seqs[:1], args.mode)  # warm-up: code paths, first copies
-                run.restart()
+                run.rewind()
             result = run_pass(model, seqs, args.mode)
         return result, run.stats()
 

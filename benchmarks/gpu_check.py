@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         check("C=E equals stock", dn <= 5e-3,
               f"bitwise {'yes' if torch.equal(full, ref_logits) else 'no'}, max |dlogit| {diff:.3g}, |dNLL| {dn:.2e}")
         run_pass(model, seqs, "decode")  # warm: every expert these sequences use is resident
-        run.clear_stats()
+        run.clear_counters()
         warm = run_pass(model, seqs, "decode")
         ratio = warm.tokens_per_s / stock_pass.tokens_per_s
         info("tokens/s", f"stock {stock_pass.tokens_per_s:.1f}, C=E warm {warm.tokens_per_s:.1f} ({ratio:.3f}x), "

@@ -273,6 +273,36 @@ def test_live_equals_replay_for_every_reset_mode_and_pool(olmoe, policy, reset, 
     assert counts(replay(cap.trace, capacity, policy, reset=reset, pool=pool)) == counts(stats)
 
 
+@pytest.mark.parametrize("pool", ["layer", "global"])
+def test_live_learned_scorer_with_routing_priors_equals_replay(olmoe, pool, tmp_path):
+    """A scorer of reuse and prior features reads the live stream context (the groups served so far and the
+    item map) and decides exactly as in replay of the run's capture."""
+    from expertcache.learn.dataset import build_dataset
+    from expertcache.learn.models import fit
+    from expertcache.learn.scorer_io import save_scorer
+
+    train, test = [ids(1, 24, s) for s in (1, 2, 3)], [ids(1, 16, s) for s in (7, 8)]
+    C = 3 if pool == "layer" else 3 * 2
+
+    def serve(xs):
+        for x in xs:
+            decode(olmoe, x) if pool == "global" else olmoe(input_ids=x)
+
+    with torch.no_grad():
+        with expertcache.capture(olmoe, phase="all") as cap:
+            serve(train)
+        ev = build_dataset(cap.trace, C, states=("lru", "decayed"), pool=pool, features="reuse,prior")
+        sc = fit(ev.X, ev.victim, ev.offsets, ev.features, kind="linear", seed=0)
+        sc.tables = ev.tables.full
+        spec = f"learned:{save_scorer(sc, tmp_path / 'sc.npz')}"
+        with expertcache.capture(olmoe, phase="all") as cap, expertcache.offload(olmoe, C, spec, pool=pool) as run:
+            serve(test)
+    stats = run.stats()
+    assert stats.copies_steady > 0
+    assert counts(replay(cap.trace, C, spec, pool=pool)) == counts(stats)
+    assert counts(replay(cap.trace, C, spec, pool=pool)) != counts(replay(cap.trace, C, "lru", pool=pool))
+
+
 def test_global_pool_shares_slots_and_refuses_multi_token_forwards(olmoe):
     x = ids(1, 20, seed=5)
     with torch.no_grad():

@@ -264,7 +264,7 @@ def evaluate(
         run = OffloadRun(model, capacity, spec, probe.layer_ids, future=trace, **options)
         with run:
             run_pass(model, warmup, mode)
-            run.restart()
+            run.rewind()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)

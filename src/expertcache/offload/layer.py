@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..cache import ExpertCache
+from ..policies.context import LiveGroups, live_context
 from ..errors import ConfigError
 from ..policies import Policy, StreamFuture
 from .experts import SlotView, attach_layer, detach_layer
@@ -50,13 +51,16 @@ class PoolState:
     ``steps_per_token`` = number of layers steps per token, as the simulator's global pool does.
     """
 
-    def __init__(self, pool: SlotPool, capacity: int, policy: Policy | None, steps_per_token: int = 1):
+    def __init__(self, pool: SlotPool, capacity: int, policy: Policy | None, steps_per_token: int = 1,
+                 layer_ids=()):
         self.pool = pool
         self.capacity = int(capacity)
         self.policy = policy
         self.steps_per_token = int(steps_per_token)
+        self.layer_ids = list(layer_ids)  # the model layers whose experts the pool holds, in item order
         self.cache: ExpertCache | None = None  # made by the first start (a clairvoyant policy needs its future)
         self.future: np.ndarray | None = None
+        self.live: LiveGroups | None = None  # the stream's groups so far, for a policy that reads a context
 
     def start(self, future: np.ndarray | None = None) -> None:
         """Empty the pool's map (a new stream); ``future`` is the stream's recorded ``[G, k]`` steps."""
@@ -64,6 +68,9 @@ class PoolState:
         stream_future = None if future is None else StreamFuture(self.future)
         if self.policy is None:  # a set-holding layer decides its set itself (no eviction cache)
             return
+        if self.policy.wants_context:  # before the cache resets the policy
+            self.live = LiveGroups(self.capacity)
+            self.policy.set_context(live_context(self.live, self.layer_ids, self.pool.num_experts, self.steps_per_token))
         if self.cache is None:
             self.cache = ExpertCache(self.capacity, self.policy, self.pool.num_items, future=stream_future,
                                      steps_per_token=self.steps_per_token)
@@ -253,6 +260,8 @@ class OffloadedLayer:
                     raise RuntimeError(f"layer {self.layer}: the router chose an expert outside the held set")
             else:
                 self._check_future(union)
+                if self.state.live is not None:
+                    self.state.live.append(union + self.offset)  # the step has begun: its request is known
                 step = self.cache.prepare(union + self.offset)
                 step_loads, step_slots = step.loads, step.slots
                 self.copies_steady += len(step.evicted)

@@ -193,7 +193,8 @@ class OffloadRun:
             slots = SlotPool.from_weights(weights(self.sites[0]), self.capacity, self.device,
                                           *[weights(s) for s in self.sites[1:]])
             slots.repeat = self.slow_copies
-            state = PoolState(slots, self.capacity, _copy.deepcopy(self.policy), steps_per_token=len(self.sites))
+            state = PoolState(slots, self.capacity, _copy.deepcopy(self.policy), steps_per_token=len(self.sites),
+                              layer_ids=[s.layer for s in self.sites])
             self.states.append(state)
             for i, site in enumerate(self.sites):
                 self._hold(site, slots.sources[i])
@@ -202,7 +203,8 @@ class OffloadRun:
         for site in self.sites:
             slots = SlotPool.from_weights(weights(site), self.capacity, self.device)
             slots.repeat = self.slow_copies
-            state = PoolState(slots, self.capacity, None if self.holding else _copy.deepcopy(self.policy))
+            state = PoolState(slots, self.capacity, None if self.holding else _copy.deepcopy(self.policy),
+                              layer_ids=[site.layer])
             self.states.append(state)
             self._hold(site, slots.host)
             layer = OffloadedLayer(site, state, compute(site), self.top_k)
@@ -225,8 +227,9 @@ class OffloadRun:
             self._stream += 1
         self._start_streams()
 
-    def clear_stats(self) -> None:
-        """Zero the counters; pools keep what they hold (e.g. to time a warm pool)."""
+    def clear_counters(self) -> None:
+        """Zero the counters (as each layer's and pool's ``clear_counters``); pools keep what they hold
+        and the stream goes on (e.g. to time a warm pool)."""
         for layer in self.layers:
             layer.clear_counters()
         for state in self.states:
@@ -234,11 +237,12 @@ class OffloadRun:
         self._sequences = 0
         self._batch = 1
 
-    def restart(self) -> None:
-        """Forget everything served so far: back at sequence 0 with empty pools, counters cleared."""
+    def rewind(self) -> None:
+        """Forget everything served so far: back at sequence 0 of ``future`` with empty pools, counters
+        cleared (:meth:`reset` only starts the next stream; :meth:`clear_counters` only zeroes counts)."""
         self._stream = 0
         self._start_streams()
-        self.clear_stats()
+        self.clear_counters()
 
     def _served(self) -> bool:
         """Whether the current sequence has served any token yet."""

@@ -79,6 +79,11 @@ class Policy:
     apart, in parallel: :mod:`expertcache.sim.parallel`). ``False`` for rules that read a
     trace-wide table or a scorer file."""
 
+    stack_curve: ClassVar[bool] = False
+    """Whether the rule is a stack algorithm (inclusion property) whose whole miss-ratio curve one
+    pass computes (:func:`expertcache.sim.curves.mrc.lru_curve`): LRU only. A subclass that changes
+    the rule must set it back to ``False``."""
+
     wants_context: ClassVar[bool] = False
     """Whether the policy reads the current step's side information (gate weights, router
     probabilities): the driver then calls :meth:`set_context` with the stream's

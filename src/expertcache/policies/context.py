@@ -5,6 +5,9 @@ A policy that sets ``wants_context = True`` receives a :class:`StreamContext` th
 (:func:`expertcache.sim.replay_layout` with no compiled plan) builds one per stream from the trace
 the layout came from. Every other policy is called exactly as before.
 
+The live harness (:mod:`expertcache.offload`) gives a :func:`live_context`: its groups grow as the
+steps are served (:class:`LiveGroups`), with the item map but no gate weights or router rows.
+
 Invariant (causality): a context holds rows for every step of the stream, but a policy may read
 row ``t`` only once step ``t`` has begun: the router has run for that step (its probabilities are
 known before the experts are needed), the steps after it have not. :class:`RouterView` enforces
@@ -78,6 +81,43 @@ def stream_context(layout, s: int) -> StreamContext | None:
                          steps_per_token=int(layout.steps_per_token), signals=signals,
                          item_layer=np.repeat(lids, E), item_expert=np.tile(np.arange(E, dtype=np.int64), lids.size),
                          seq_id=int(trace.seq[int(rows[0])]) if rows.size else -1, num_experts=E)
+
+
+class LiveGroups:
+    """The access groups of a live stream (the offload harness), appended as steps are served: row ``t``
+    exists once step ``t`` has begun (its request is known), later rows do not exist yet. Indexable
+    like a ``[n, width]`` array of item ids (-1 pads)."""
+
+    def __init__(self, width: int):
+        self._rows = np.full((64, max(int(width), 1)), -1, dtype=np.int64)
+        self.n = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self._rows.shape[1])
+
+    def append(self, items) -> None:
+        items = np.asarray(items, dtype=np.int64)
+        if self.n == self._rows.shape[0]:
+            self._rows = np.concatenate([self._rows, np.full_like(self._rows, -1)])
+        self._rows[self.n, : items.size] = items
+        self.n += 1
+
+    def __getitem__(self, t):
+        if not 0 <= t < self.n:
+            raise IndexError(f"live step {t} has not begun (steps so far: {self.n})")
+        return self._rows[t]
+
+
+def live_context(groups: LiveGroups, layer_ids, num_experts: int, steps_per_token: int = 1) -> StreamContext:
+    """The context of a live stream over the experts of ``layer_ids`` (one per-layer pool, or a global pool
+    numbering items ``layer index * E + expert``): the groups as they are served and the item map; no
+    gate weights, router rows or model-side signals (policies needing them stop with one line)."""
+    lids = np.asarray(list(layer_ids), dtype=np.int64)
+    E = int(num_experts)
+    return StreamContext(groups=groups, probs=None, router=None, offset=np.zeros(0, dtype=np.int64),
+                         steps_per_token=int(steps_per_token), item_layer=np.repeat(lids, E),
+                         item_expert=np.tile(np.arange(E, dtype=np.int64), lids.size), num_experts=E)
 
 
 class RouterView:

@@ -5,9 +5,10 @@ stream with a :class:`~expertcache.learn.features.FeatureState` and, at each evi
 candidates (:func:`expertcache.kernels_learned.score_rows`). Key = minus the score, so the cache's
 usual order applies (highest score first, ties: least recently used, then smallest id). Features
 of the ``gate`` and ``router`` groups need the trace's ``probs`` / ``router_probs``: they reach the
-policy through the stream context (:mod:`.context`); a cache without it (the live harness, the
-tier) or a trace without the field gets one PolicyError line at the start of the stream. The
-``prior`` group reads the scorer's fitted tables and the context's item map (any trace).
+policy through the stream context (:mod:`.context`); a cache without them (the live harness's
+context has neither; the tier passes none) or a trace without the field gets one PolicyError line
+at the start of the stream. The ``prior`` group reads the scorer's fitted tables, the context's
+item map and the groups served so far (any trace, and the live harness).
 
 Compiled plan (:meth:`Learned.plan`): :class:`~expertcache.kernels_learned.LearnedPlan` runs every
 feature of the reuse, gate, router and prior groups in one numba loop, with exactly the Python engine's

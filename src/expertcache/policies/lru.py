@@ -12,6 +12,7 @@ from .registry import register
 @register
 class LRU(Policy):
     name = "lru"
+    stack_curve = True
 
     def reset(self, n_items, future=None, steps_per_token=1):
         super().reset(n_items, future, steps_per_token)

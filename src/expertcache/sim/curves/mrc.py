@@ -188,7 +188,7 @@ def _sweep(layout, caps, policies, engine, one_pass, progress, replayer) -> list
     for spec in policies:
         policy = make_policy(spec)
         stack_fits = len(layout.layer_ids) * (layout.n_items + 1) <= MAX_STACK_CELLS
-        if policy.spec == "lru" and one_pass and engine == "auto" and stack_fits:
+        if policy.stack_curve and one_pass and engine == "auto" and stack_fits:
             curve = lru_curve(layout, caps)
             curve.needs_future = bool(policy.needs_future)
             curves.append(curve)
