@@ -203,10 +203,10 @@ def test_router_logit_evicts_lowest_current_probability():
 
 
 def test_scorer_file_round_trip_and_errors(tmp_path):
-    tr = rich_trace(T=60, seed=2)
+    tr = rich_trace(T=60, seqs=2, seed=2)
     ev = build_dataset(tr, 5)
     sc = fit(ev.X, ev.victim, ev.offsets, ev.features, kind="mlp", seed=0)
-    assert "trans_h4" in sc.features  # the default features include the routing priors
+    assert "trans_h4" in sc.features  # the default features of two sequences include the routing priors
     with pytest.raises(ConfigError, match="carries no tables"):
         save_scorer(sc, tmp_path / "s.npz")
     assert not list(tmp_path.iterdir())

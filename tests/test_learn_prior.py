@@ -1,4 +1,5 @@
-"""The ``prior`` feature group: routing popularity and transition tables fitted on training sequences."""
+"""The ``prior`` feature group (routing popularity and transition tables fitted on training sequences)
+and the ``online`` group (transitions counted on the stream's own past)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from expertcache import Trace
 from expertcache.cli.main import main
 from expertcache.errors import ConfigError
 from expertcache.learn.dataset import build_dataset, collect, load_events, resolve_features, save_events
-from expertcache.learn.features import FEATURES, PRIOR, feature_group
+from expertcache.learn.features import FEATURES, ONLINE, PRIOR, feature_group
 from expertcache.learn.models import fit
 from expertcache.learn.prior import TRANS_MAX_BYTES, trans_bytes
 from expertcache.learn.scorer_io import load_scorer, save_scorer
@@ -60,9 +61,23 @@ def test_global_pool_reads_each_layers_latest_group():
     assert np.allclose(got["pop"], [t.prior[0, 0], t.prior[1, 1]])
 
 
-def test_prior_is_causal_and_in_the_leakage_test():
+def test_online_transitions_hand_computed():
+    # one layer, E=4, k=1: 0 1 0 1 2 0 in one sequence; LRU with C=2 evicts at t=4 (group [2]) and t=5 ([0])
+    tr = Trace.from_arrays(np.array([[0], [1], [0], [1], [2], [0]]), num_experts=4)
+    ev = collect(build_layout(tr), 2, make_policy("lru"), ONLINE)
+    assert ev.step.tolist() == [4, 5] and ev.item.tolist() == [0, 1, 1, 2]
+    # at t=4 (steps 0..4 counted): pairs 0>1, 1>0, 0>1, 1>2; N[2] = 0; q = use / 5 steps
+    q4 = {0: 2 / 5, 1: 2 / 5}
+    want4 = [(0 + q4[0]) / (0 + 1), (0 + q4[1]) / (0 + 1)]  # a = 2 has no successor yet
+    # at t=5: pair 2>0 added; latest group [0]: M[0,1] = 2, N[0] = 2; M[0,2] = 0
+    q5 = {1: 2 / 6, 2: 1 / 6}
+    want5 = [(2 + q5[1]) / (2 + 1), (0 + q5[2]) / (2 + 1)]
+    assert np.allclose(ev.X[:, 0], want4 + want5, rtol=1e-6)  # events store float32
+
+
+def test_prior_and_online_are_causal_and_in_the_leakage_test():
     causal = [f for f in FEATURES if feature_group(f) not in ("ahead", "late")]
-    assert set(PRIOR) <= set(causal)  # tests/test_learn.py::test_features_do_not_see_the_future covers them
+    assert set(PRIOR + ONLINE) <= set(causal)  # tests/test_learn.py::test_features_do_not_see_the_future covers them
 
 
 def test_halved_gives_single_sequences_out_of_fold_tables():
@@ -80,12 +95,19 @@ def test_halved_gives_single_sequences_out_of_fold_tables():
 
 
 def test_default_features_and_size_limit():
-    small = Trace.from_arrays(np.zeros((4, 2, 1), dtype=np.int64), num_experts=8)
-    assert set(PRIOR) <= set(resolve_features(small))
+    small = Trace.from_arrays(np.zeros((4, 2, 1), dtype=np.int64), num_experts=8, seq=[0, 0, 1, 1])
+    assert set(PRIOR + ONLINE) <= set(resolve_features(small))
+    one = small.select_sequences([0])  # one sequence: no out-of-fold tables by default (halves transfer too well)
+    assert set(ONLINE) <= set(resolve_features(one)) and not set(PRIOR) & set(resolve_features(one))
+    assert set(PRIOR) <= set(resolve_features(one, "reuse,prior"))
+    huge = Trace.from_arrays(np.zeros((2, 33, 1), dtype=np.int64), num_experts=512)  # 8 * 33 * 512^2 > 64 MB
+    assert not set(ONLINE) & set(resolve_features(huge))
+    with pytest.raises(ConfigError, match="group 'online' needs a table of at most 64 MB"):
+        resolve_features(huge, "reuse,online")
     L = TRANS_MAX_BYTES // trans_bytes(1, 512) + 1
-    big = Trace.from_arrays(np.zeros((2, L, 1), dtype=np.int64), num_experts=512)
+    big = Trace.from_arrays(np.zeros((2, L, 1), dtype=np.int64), num_experts=512, seq=[0, 1])
     assert not set(PRIOR) & set(resolve_features(big))  # the default leaves it out
-    with pytest.raises(ConfigError, match="group 'prior' needs a transition table of at most 16 MB"):
+    with pytest.raises(ConfigError, match="group .prior. needs a table of at most 16 MB"):
         resolve_features(big, "reuse,prior")
     assert fit_tables(big).trans is None
 

@@ -18,7 +18,7 @@ import pytest
 from expertcache import Trace
 from expertcache.errors import PolicyError
 from expertcache.learn.dataset import build_dataset
-from expertcache.learn.features import GATE, PRIOR, REUSE, ROUTER, FeatureState
+from expertcache.learn.features import GATE, ONLINE, PRIOR, REUSE, ROUTER, FeatureState
 from expertcache.learn.signals import fit_folded, fit_tables
 from expertcache.learn.models import Scorer, fit
 from expertcache.learn.scorer_io import save_scorer
@@ -62,8 +62,9 @@ def assert_same(layout, capacity, policy):
 
 FEATURE_SETS = {
     "reuse": REUSE,
-    "all": REUSE + GATE + ROUTER + PRIOR,
+    "all": REUSE + GATE + ROUTER + ONLINE + PRIOR,
     "prior": ("age",) + PRIOR,  # transition rows averaged over each layer's latest group
+    "online": ("age",) + ONLINE,  # the stream's own pair counts
     "gate": REUSE[:3] + GATE,
     "router": ("age",) + ROUTER,
     "since_load": ("since_load",),  # the counts then hang on the residency inference alone
@@ -131,12 +132,12 @@ def test_compiled_equals_python_on_a_shared_trace():
             tr = tr.select_sequences([0, 1])
         if tr.num_layers > 3:
             tr = tr.select_layers(list(tr.layer_ids[:3]))
-        names = REUSE + (GATE if tr.probs is not None else ()) + PRIOR
+        names = REUSE + (GATE if tr.probs is not None else ()) + ONLINE + PRIOR
         k, E, L = tr.top_k, tr.num_experts, tr.num_layers
         caps = [c for c in (k + 1, (k + E) // 2, E - 1) if k <= c < E]
         tables = fit_tables(tr)
         for seed in range(2):
-            ev = build_dataset(tr, caps[0], states=("lru",), features="reuse,prior")
+            ev = build_dataset(tr, caps[0], states=("lru",), features="reuse,online,prior")
             trained = fit(ev.X, ev.victim, ev.offsets, ev.features, kind="linear", seed=seed)
             for sc in (trained, random_scorer(names, "mlp", rng), random_scorer(names, "linear", rng)):
                 sc.tables = tables

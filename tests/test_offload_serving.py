@@ -274,8 +274,8 @@ def test_live_equals_replay_for_every_reset_mode_and_pool(olmoe, policy, reset, 
 
 
 @pytest.mark.parametrize("pool", ["layer", "global"])
-def test_live_learned_scorer_with_routing_priors_equals_replay(olmoe, pool, tmp_path):
-    """A scorer of reuse and prior features reads the live stream context (the groups served so far and the
+def test_live_learned_scorer_with_priors_and_online_counts_equals_replay(olmoe, pool, tmp_path):
+    """A scorer of reuse, online and prior features reads the live stream context (the groups served so far and the
     item map) and decides exactly as in replay of the run's capture."""
     from expertcache.learn.dataset import build_dataset
     from expertcache.learn.models import fit
@@ -291,7 +291,7 @@ def test_live_learned_scorer_with_routing_priors_equals_replay(olmoe, pool, tmp_
     with torch.no_grad():
         with expertcache.capture(olmoe, phase="all") as cap:
             serve(train)
-        ev = build_dataset(cap.trace, C, states=("lru", "decayed"), pool=pool, features="reuse,prior")
+        ev = build_dataset(cap.trace, C, states=("lru", "decayed"), pool=pool, features="reuse,online,prior")
         sc = fit(ev.X, ev.victim, ev.offsets, ev.features, kind="linear", seed=0)
         sc.tables = ev.tables.full
         spec = f"learned:{save_scorer(sc, tmp_path / 'sc.npz')}"

@@ -36,6 +36,10 @@ import numpy as np
 
 from ._jit import njit
 from .kernels import pool_slots
+from .kernels_features import decayed, log1p_each, online_at, online_observe, score_row, score_rows, trans_at, trans_column
+
+__all__ = ["LearnedPlan", "decayed", "feature_codes", "learned_loop", "log1p_each", "score_row", "score_rows",
+           "trans_at", "trans_column"]
 
 TABLE_MAX = 1 << 16
 """Longest table of :func:`_tables` (bounded memory on long streams; larger values are computed)."""
@@ -44,8 +48,10 @@ DECAY0 = 5
 """Code of the first ``decay_b`` feature; ``decay_b`` number i (in ``DECAY_RATES`` order) is ``DECAY0 + i``."""
 
 
-POP = 13
-"""Code of ``pop`` once the decay codes are folded out (:func:`_describe`); ``trans_hH`` number i is ``POP + 1 + i``."""
+ONLINE = 13
+"""Code of ``online_h1`` once the decay codes are folded out (:func:`_describe`)."""
+POP = 14
+"""Code of ``pop`` once the decay codes are folded out; ``trans_hH`` number i is ``POP + 1 + i``."""
 
 
 def feature_codes(decay_rates, horizons=()) -> dict:
@@ -53,93 +59,8 @@ def feature_codes(decay_rates, horizons=()) -> dict:
     ``horizons``: learn.signals.HORIZONS, the ``trans_hH`` features in that order)."""
     names = ["age", "log_age", "count", "log_count", "rate", *(f"decay_{b:g}" for b in decay_rates),
              "last_gap", "mean_gap", "single_use", "since_load", "gate_last", "gate_mean", "router_now", "router_avg",
-             "pop", *(f"trans_h{h}" for h in horizons)]
+             "online_h1", "pop", *(f"trans_h{h}" for h in horizons)]
     return {n: i for i, n in enumerate(names)}
-
-
-# ------------------------------------------------------------------------------ shared arithmetic
-@njit(cache=True)
-def log1p_each(x):
-    """``log1p`` of each element of a float64 vector (scalar ``math.log1p``)."""
-    out = np.empty(x.size, dtype=np.float64)
-    for i in range(x.size):
-        out[i] = math.log1p(x[i])
-    return out
-
-
-@njit(cache=True)
-def decayed(d, lograte, elapsed):
-    """``[R, n]``: ``d[r, i] * exp(-lograte[r] * elapsed[i])`` (scalar ``math.exp``)."""
-    R, n = d.shape
-    out = np.empty((R, n), dtype=np.float64)
-    for r in range(R):
-        for i in range(n):
-            out[r, i] = d[r, i] * math.exp(-lograte[r] * elapsed[i])
-    return out
-
-
-@njit(cache=True, inline="always")
-def score_row(x, mean, scale, z, hid, mlp, w, W1, b1, w2):
-    """Score of one feature row ``x``: ``z = (x - mean) / scale``; linear ``sum_f z_f w_f``; mlp
-    ``sum_j relu(sum_f z_f W1[f, j] + b1_j) w2_j``. Every sum runs in index order from 0.0, float64
-    (the hidden sums side by side, each still over f in order); ``z [F]``, ``hid [H]`` are scratch."""
-    F = x.size
-    for f in range(F):
-        z[f] = (x[f] - mean[f]) / scale[f]
-    s = 0.0
-    if not mlp:
-        for f in range(F):
-            s += z[f] * w[f]
-        return s
-    H = b1.size
-    for j in range(H):
-        hid[j] = 0.0
-    for f in range(F):
-        zf = z[f]
-        for j in range(H):
-            hid[j] += zf * W1[f, j]
-    for j in range(H):
-        h = hid[j] + b1[j]
-        if h > 0.0:
-            s += h * w2[j]
-    return s
-
-
-@njit(cache=True)
-def score_rows(X, mean, scale, mlp, w, W1, b1, w2):
-    """float64 ``[N]``: :func:`score_row` of each row of ``X [N, F]`` (the Python engine's scoring)."""
-    N, F = X.shape
-    out = np.empty(N, dtype=np.float64)
-    z = np.empty(F, dtype=np.float64)
-    hid = np.empty(b1.size, dtype=np.float64)
-    x = np.empty(F, dtype=np.float64)
-    for i in range(N):
-        for f in range(F):
-            x[f] = X[i, f]
-        out[i] = score_row(x, mean, scale, z, hid, mlp, w, W1, b1, w2)
-    return out
-
-
-@njit(cache=True, inline="always")
-def trans_at(trans, succp, h, li, e, lat, latn):
-    """Mean of ``trans[h, li, a, e]`` over the experts ``a = lat[li, :latn[li]]`` of the latest group
-    served at layer ``li`` (summed in that order from 0.0); ``succp[h, li, e]`` before any group."""
-    n = latn[li]
-    if n == 0:
-        return succp[h, li, e]
-    s = 0.0
-    for j in range(n):
-        s += trans[h, li, lat[li, j], e]
-    return s / n
-
-
-@njit(cache=True)
-def trans_column(c_li, c_e, trans, succp, h, lat, latn):
-    """float64 ``[C]``: :func:`trans_at` of each candidate (the Python engine's ``trans_hH`` columns)."""
-    out = np.empty(c_li.size, dtype=np.float64)
-    for i in range(c_li.size):
-        out[i] = trans_at(trans, succp, h, c_li[i], c_e[i], lat, latn)
-    return out
 
 
 # ------------------------------------------------------------------------------ the loop
@@ -168,11 +89,13 @@ def _exp_at(ex, lograte, r, d, spt):
 
 @njit(cache=True)
 def _describe(X, cand, nc, codes, t, spt, last, first, prev, count, decay, lograte, ex, lage, lcount, loaded,
-              gate_last, gate_sum, latest, ema, item_li, item_e, pop, trans, succp, lat, latn):
+              gate_last, gate_sum, latest, ema, item_li, item_e, pop, trans, succp, lat, latn,
+              item_ll, M, N, use, osteps, olat, olatn):
     """``X[i, f]`` = feature ``codes[f]`` of candidate ``cand[i]`` at step ``t`` (FeatureState.features,
     the same operations); ``ex``, ``lage``, ``lcount``: :func:`_tables` of the stream; ``item_li``,
     ``item_e``: each item's layer (index into the prior tables) and expert; ``lat``, ``latn``: the
-    latest group served at each layer (experts, count)."""
+    latest group served at each layer (experts, count); ``item_ll``, ``M`` .. ``olatn``: the online
+    counts per local layer (:mod:`expertcache.learn.online`)."""
     R = ex.shape[0]
     for f in range(codes.size):
         code = codes[f]
@@ -213,6 +136,8 @@ def _describe(X, cand, nc, codes, t, spt, last, first, prev, count, decay, logra
                 v = latest[c]
             elif code == 12:
                 v = ema[c]
+            elif code == ONLINE:
+                v = online_at(M, N, use, osteps, item_ll[c], item_e[c], olat, olatn)
             elif code == POP:
                 v = pop[item_li[c], item_e[c]]
             else:
@@ -222,14 +147,15 @@ def _describe(X, cand, nc, codes, t, spt, last, first, prev, count, decay, logra
 
 @njit(cache=True)
 def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp, w, W1, b1, w2, lograte,
-                 probs, router, roffset, alpha, table_max, item_li, item_e, pop, trans, succp):
+                 probs, router, roffset, alpha, table_max, item_li, item_e, pop, trans, succp, item_ll):
     """Evict the candidates with the smallest ``(-score, last use, id)``; returns misses, evictions.
 
     ``probs`` float32 ``[G, k]`` (gate weights aligned with ``groups``) or ``[0, 0]``; ``router``
     float32 ``[G, E]`` with ``roffset [G]`` (item id of expert 0 of each group's layer) or
     ``[0, 0]``; ``alpha``: the router average's rate per observation (RouterView); ``table_max``:
     the longest :func:`_tables` (:data:`TABLE_MAX`); prior tables (``pop [L, E]``, ``trans [H, L,
-    E, E]``, ``succp [H, L, E]`` float64, ``item_li``/``item_e [n_items]``) or empty arrays."""
+    E, E]``, ``succp [H, L, E]`` float64, ``item_li``/``item_e [n_items]``) or empty arrays;
+    ``item_ll [n_items]`` each item's local layer for the online counts, or empty."""
     G, k = groups.shape
     R = lograte.size
     F = codes.size
@@ -260,6 +186,16 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
     use_prior = pop.shape[0] > 0
     lat = np.empty((pop.shape[0], k), dtype=np.int64)  # latest group served at each layer
     latn = np.zeros(pop.shape[0], dtype=np.int64)
+    use_online = item_ll.size > 0
+    LO = item_ll.max() + 1 if use_online else 0  # the online counts (learn.online)
+    EO = item_e.max() + 1 if use_online else 0
+    M = np.zeros((LO, EO, EO), dtype=np.float64)
+    N = np.zeros((LO, EO), dtype=np.float64)
+    ouse = np.zeros((LO, EO), dtype=np.float64)
+    osteps = np.zeros(LO, dtype=np.float64)
+    olat = np.empty((LO, k), dtype=np.int64)
+    olatn = np.zeros(LO, dtype=np.int64)
+    es = np.empty(k, dtype=np.int64)
     for s in range(starts.size - 1):
         a = starts[s]
         ex, lage, lcount = _tables(min(starts[s + 1] - a + 1, table_max), spt, lograte)
@@ -270,6 +206,12 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
         values[:, :] = 0.0
         inferred[:] = False
         latn[:] = 0
+        if use_online:
+            M[:, :, :] = 0.0
+            N[:, :] = 0.0
+            ouse[:, :] = 0.0
+            osteps[:] = 0.0
+            olatn[:] = 0
         for g in range(a, starts[s + 1]):
             t = g - a
             m = 0
@@ -286,8 +228,12 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
                     if use_prior:  # PriorFeatures.advance(t): the current group is known
                         li = item_li[e]
                         lat[li, n_lat] = item_e[e]
-                        n_lat += 1
-                        latn[li] = n_lat
+                        latn[li] = n_lat + 1
+                    if use_online:
+                        es[n_lat] = item_e[e]
+                    n_lat += 1
+            if use_online and n_lat > 0:  # OnlineFeatures.advance(t)
+                online_observe(M, N, ouse, osteps, olat, olatn, item_ll[groups[g, first_valid(groups, g)]], es, n_lat)
             if use_router:  # RouterView.advance(t): the current step's row is known
                 o = roffset[g]
                 for i in range(E):
@@ -305,7 +251,8 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
                         taken[nc] = False
                         nc += 1
                 _describe(X, cand, nc, codes, t, spt, last, first, prev, count, decay, lograte, ex, lage, lcount,
-                          loaded, gate_last, gate_sum, latest, ema, item_li, item_e, pop, trans, succp, lat, latn)
+                          loaded, gate_last, gate_sum, latest, ema, item_li, item_e, pop, trans, succp, lat, latn,
+                          item_ll, M, N, ouse, osteps, olat, olatn)
                 for i in range(nc):
                     ckey[i] = -score_row(X[i], mean, scale, z, hid, mlp, w, W1, b1, w2)
                 n_sel = min(max(m_inf, need), nc)
@@ -364,17 +311,28 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
     return misses, evictions
 
 
+@njit(cache=True, inline="always")
+def first_valid(groups, g):
+    """Index of the first item of group ``g`` (not -1)."""
+    for j in range(groups.shape[1]):
+        if groups[g, j] >= 0:
+            return j
+    return 0
+
+
 class LearnedPlan:
     """Run :func:`learned_loop` for one scorer.
 
     ``codes``: int64 feature codes (:func:`feature_codes`) in the scorer's column order;
     ``weights``: ``(mlp, w, W1, b1, w2)`` as :func:`score_row` takes them; ``context(layout, s)``
-    -> a dict of stream ``s``'s arrays (any of ``probs``, ``router``, ``offset``, and for the prior
-    group ``item_li``, ``item_e``, ``pop``, ``trans``, ``succp``; :func:`learned_loop`), or None
+    -> a dict of stream ``s``'s arrays (any of ``probs``, ``router``, ``offset``, for the prior
+    group ``item_li``, ``item_e``, ``pop``, ``trans``, ``succp``, for the online group ``item_ll``
+    and ``item_e``; :func:`learned_loop`), or None
     when the scorer reads no context (then all streams run in one call)."""
 
     ARGS = {"probs": (np.float32, 2), "router": (np.float32, 2), "offset": (np.int64, 1), "item_li": (np.int64, 1),
-            "item_e": (np.int64, 1), "pop": (np.float64, 2), "trans": (np.float64, 4), "succp": (np.float64, 3)}
+            "item_e": (np.int64, 1), "pop": (np.float64, 2), "trans": (np.float64, 4), "succp": (np.float64, 3),
+            "item_ll": (np.int64, 1)}
 
     def __init__(self, codes, mean, scale, weights, lograte, alpha, context=None):
         self.codes = np.ascontiguousarray(codes, dtype=np.int64)
@@ -394,7 +352,7 @@ class LearnedPlan:
             a[name] = np.zeros((0,) * nd, dtype=dt) if v is None else np.ascontiguousarray(v, dtype=dt)
         return learned_loop(groups, starts, n_items, slots, float(spt), self.codes, self.mean, self.scale, mlp,
                             w, W1, b1, w2, self.lograte, a["probs"], a["router"], a["offset"], self.alpha,
-                            self.table_max, a["item_li"], a["item_e"], a["pop"], a["trans"], a["succp"])
+                            self.table_max, a["item_li"], a["item_e"], a["pop"], a["trans"], a["succp"], a["item_ll"])
 
     def run(self, layout, capacity):
         slots = pool_slots(layout, capacity)

@@ -82,9 +82,11 @@ def _add_common(p) -> None:
                    help="causal rules whose caches give the states (default lru,decayed); 'self' is the learner's "
                         "own (same as --rounds 2 when --rounds is not given)")
     p.add_argument("--features", default=None, metavar="GROUPS",
-                   help="feature groups: reuse, gate (needs probs), router (needs router_probs), prior (routing "
-                        "tables fitted on training sequences; any trace), token, next, hidden, ahead (need capture "
-                        "--record signals; ahead reads later input ids) (default: all the trace has, but ahead and late)")
+                   help="feature groups: reuse, gate (needs probs), router (needs router_probs), online (the "
+                        "stream's own transitions; any trace), prior (routing tables fitted on training sequences; any "
+                        "trace), token, next, hidden, ahead (need capture --record signals; ahead reads later input "
+                        "ids) (default: all the trace has, but ahead and late, and the fitted-table groups only with "
+                        "two sequences or more)")
     p.add_argument("--pool", choices=("layer", "global"), default="layer", help="per-layer pools (default) or one global pool")
     p.add_argument("--tables-from", default=None, metavar="TRACE",
                    help="fit the model-side routing tables on this capture (with token_ids; text disjoint from the "

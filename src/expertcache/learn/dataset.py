@@ -153,28 +153,34 @@ def collect(layout: StreamLayout, capacity: int, policy: Policy, names, state_in
 
 def resolve_features(trace, groups: str | None = None) -> tuple[str, ...]:
     """Feature names for ``trace``: the named groups (``reuse,gate,router``; default: every group the
-    trace can supply). A group the trace cannot supply is a ConfigError."""
+    trace can supply, and those that read fitted tables only when it has two sequences or more). A
+    group the trace cannot supply is a ConfigError."""
+    from .online import ONLINE_MAX_BYTES
     from .prior import TRANS_MAX_BYTES, trans_bytes
 
-    fits = trans_bytes(trace.num_layers, trace.num_experts) <= TRANS_MAX_BYTES
+    L, E = trace.num_layers, trace.num_experts
+    limits = {"prior": (trans_bytes(L, E), TRANS_MAX_BYTES), "online": (8 * L * E * E, ONLINE_MAX_BYTES)}
 
-    class _C:  # what the trace offers, in the shape available_features reads
+    class _C:  # what the trace offers, in the shape available_features reads (a global pool's item map)
         probs = trace.probs
         router = trace.router_probs
         signals = type("S", (), {"extras": trace.extras})
-        item_layer = () if fits else None
-    have = available_features(_C)
-    if groups is None:
-        return available_features(_C, lookahead=False)
+        item_layer = range(L * E)
+        num_experts = E
+    too_big = {n for g, (need, cap) in limits.items() if need > cap for n in GROUPS[g]}
+    have = [n for n in available_features(_C) if n not in too_big]
+    if groups is None:  # fitted tables need two sequences: halves of one transfer too well to be trusted
+        return tuple(n for n in available_features(_C, lookahead=False)
+                     if n not in too_big and (trace.num_sequences > 1 or n not in TABLED))
     names: list[str] = []
     for g in [x.strip() for x in groups.split(",") if x.strip()]:
         if g not in GROUPS:
             raise ConfigError(f"--features: unknown group {g!r} (known: {', '.join(GROUPS)})")
         if not set(GROUPS[g]) <= set(have):
-            if g == "prior":
-                raise ConfigError(f"--features: group 'prior' needs a transition table of at most {TRANS_MAX_BYTES >> 20} MB; "
-                                  f"{trace.name} (L={trace.num_layers}, E={trace.num_experts}) needs "
-                                  f"{trans_bytes(trace.num_layers, trace.num_experts) / 1e6:.0f} MB")
+            if g in limits:
+                need, cap = limits[g]
+                raise ConfigError(f"--features: group {g!r} needs a table of at most {cap >> 20} MB; {trace.name} "
+                                  f"(L={L}, E={E}) needs {need / 1e6:.0f} MB")
             field_ = {"gate": "probs", "router": "router_probs"}.get(g) or next(
                 n for n in NEEDS[g] if n not in trace.extras)
             raise ConfigError(f"--features: group {g!r} needs the trace's {field_}, which {trace.name} does not have")

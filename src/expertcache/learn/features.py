@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels_learned import decayed, log1p_each
+from ..kernels_features import decayed, log1p_each
 from ..errors import ConfigError
 from ..policies.context import RouterView, StreamContext
+from .online import ONLINE, OnlineFeatures, online_fits
 from .prior import PRIOR, PriorFeatures
 from .signals import DEFAULT_OFF, NEEDS, SIGNAL_GROUPS, SignalFeatures
 
@@ -32,25 +33,29 @@ REUSE = ("age", "log_age", "count", "log_count", "rate",
 GATE = ("gate_last", "gate_mean")
 ROUTER = ("router_now", "router_avg")
 MODEL = tuple(n for names in SIGNAL_GROUPS.values() for n in names)
-FEATURES = REUSE + GATE + ROUTER + PRIOR + MODEL
-GROUPS = {"reuse": REUSE, "gate": GATE, "router": ROUTER, "prior": PRIOR, **SIGNAL_GROUPS}
-"""Feature groups; ``gate`` needs the trace's ``probs``, ``router`` its ``router_probs``; ``prior``
-(:mod:`.prior`) routing tables fitted on training sequences; the model-side groups (:mod:`.signals`:
-token, next, hidden, ahead) the capture's signal extras and fitted tables."""
+FEATURES = REUSE + GATE + ROUTER + ONLINE + PRIOR + MODEL
+GROUPS = {"reuse": REUSE, "gate": GATE, "router": ROUTER, "online": ONLINE, "prior": PRIOR, **SIGNAL_GROUPS}
+"""Feature groups; ``gate`` needs the trace's ``probs``, ``router`` its ``router_probs``; ``online``
+(:mod:`.online`) the stream's own transitions; ``prior`` (:mod:`.prior`) routing tables fitted on
+training sequences; the model-side groups (:mod:`.signals`: token, next, hidden, ahead) the
+capture's signal extras and fitted tables."""
 TABLED = PRIOR + MODEL
 """Features that read tables fitted on training sequences (the scorer file carries them)."""
 
 
 def available_features(context: StreamContext | None, lookahead: bool = True) -> tuple[str, ...]:
     """Names this context can supply: reuse always, gate with ``probs``, router with ``router_probs``,
-    prior with the pool's item map (any trace), a model-side group with its signal extras (``ahead``,
-    which reads later input ids, only with ``lookahead``)."""
+    online (within its size limit) and prior with the pool's item map (any trace), a model-side group
+    with its signal extras (``ahead``, which reads later input ids, only with ``lookahead``)."""
     names = list(REUSE)
     if context is not None and context.probs is not None:
         names += GATE
     if context is not None and context.router is not None:
         names += ROUTER
-    if getattr(context, "item_layer", None) is not None:
+    items = getattr(context, "item_layer", None)
+    if items is not None:
+        if online_fits(len(items), getattr(context, "num_experts", 0)):
+            names += ONLINE
         names += PRIOR
     sig = getattr(context, "signals", None)
     for g, need in NEEDS.items():
@@ -66,7 +71,8 @@ def feature_group(name: str) -> str:
 def feature_needs(name: str) -> str:
     """The trace field a feature reads beyond the requests (``probs``, ``router_probs``, a signal extra)."""
     g = feature_group(name)
-    return {"gate": "probs", "router": "router_probs", "prior": "layer/expert item map (a stream context)"}.get(g) \
+    item_map = "layer/expert item map (a stream context)"
+    return {"gate": "probs", "router": "router_probs", "prior": item_map, "online": item_map}.get(g) \
         or NEEDS.get(g, ("",))[-1]
 
 
@@ -103,7 +109,7 @@ class FeatureState:
         self._pending = None  # (t, candidates, keys) of the last eviction
         sig = getattr(context, "signals", None)
         self.signals = None if tables is None or sig is None else SignalFeatures(tables, sig, self.n)
-        self.tables, self._prior = tables, None
+        self.tables, self._prior, self._online = tables, None, None
 
     # -- updates ------------------------------------------------------------------------------
     def note_keys(self, candidates: np.ndarray, keys: np.ndarray, t: int) -> None:
@@ -167,6 +173,12 @@ class FeatureState:
             self.router.advance(t)
             cols["router_now"] = self.router.latest[c]
             cols["router_avg"] = self.router.ema[c]
+        if want & set(ONLINE):
+            if self._online is None:  # built at the first eviction; it counts the groups so far then
+                if getattr(self.context, "item_layer", None) is None:
+                    raise ConfigError("the online features need a stream context with the pool's item map")
+                self._online = OnlineFeatures(self.context)
+            cols.update(self._online.columns(c, t))
         if want & set(PRIOR):
             cols.update(self.prior.columns(c, t, want))
         if want & set(MODEL):

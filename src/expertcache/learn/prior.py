@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError
-from ..kernels_learned import trans_column
+from ..kernels_features import trans_column
+from .online import LatestGroups
 from .signals import HORIZONS, item_index
 
 PRIOR = ("pop", *(f"trans_h{h}" for h in HORIZONS))
@@ -50,7 +51,7 @@ def fit_transitions(used: np.ndarray, target: np.ndarray, ok: np.ndarray, succ_p
     return p.astype(np.float32)
 
 
-class PriorFeatures:
+class PriorFeatures(LatestGroups):
     """The prior columns of one stream; ``context`` is its :class:`~expertcache.policies.context.StreamContext`
     (groups and the pool's item map), ``tables`` a :class:`~.signals.Tables` with ``trans``."""
 
@@ -58,27 +59,11 @@ class PriorFeatures:
         if tables.trans is None:
             raise ConfigError("prior features: the routing tables hold no transitions (fitted with E too large, "
                               f"over {TRANS_MAX_BYTES >> 20} MB, or read from a version-2 file)")
-        self.li, self.e = item_index(tables, context.item_layer, context.item_expert, context.num_experts,
-                                     "prior features")
-        self.groups = context.groups
+        li, e = item_index(tables, context.item_layer, context.item_expert, context.num_experts, "prior features")
         self.pop = np.ascontiguousarray(tables.prior, dtype=np.float64)
         self.trans = np.ascontiguousarray(tables.trans, dtype=np.float64)
         self.succp = np.ascontiguousarray(tables.succ_prior, dtype=np.float64)
-        L = self.pop.shape[0]
-        self.lat = np.zeros((L, max(self.groups.shape[1], 1)), dtype=np.int64)
-        self.latn = np.zeros(L, dtype=np.int64)
-        self.seen = -1
-
-    def advance(self, t: int) -> None:
-        """Observe the groups of steps ``seen + 1 .. t`` (never beyond ``t``): each becomes its layer's latest."""
-        while self.seen < t:
-            self.seen += 1
-            row = self.groups[self.seen]
-            row = row[row >= 0]
-            if row.size:
-                li = self.li[row[0]]
-                self.lat[li, : row.size] = self.e[row]
-                self.latn[li] = row.size
+        super().__init__(context.groups, li, e, self.pop.shape[0])
 
     def columns(self, c: np.ndarray, t: int, names) -> dict[str, np.ndarray]:
         self.advance(t)

@@ -77,7 +77,7 @@ class Learned(Policy):
         self.state = FeatureState(self.n_items, self.context, self.steps_per_token, getattr(self.scorer, "tables", None))
 
     def keys(self, candidates, t):
-        from ..kernels_learned import score_rows
+        from ..kernels_features import score_rows
 
         X = np.ascontiguousarray(self.state.features(candidates, t, self.scorer.features), dtype=np.float64)
         k = -score_rows(X, self._mean, self._scale, *self._weights)
@@ -89,23 +89,23 @@ class Learned(Policy):
 
     def plan(self, layout):
         from ..kernels_learned import LearnedPlan, feature_codes
-        from ..learn.features import DECAY_RATES, GATE, LOGRATE, PRIOR, ROUTER
+        from ..learn.features import DECAY_RATES, GATE, LOGRATE, ONLINE, PRIOR, ROUTER
         from ..learn.signals import HORIZONS
 
         codes = feature_codes(DECAY_RATES, HORIZONS)
         feats = self.scorer.features
         if any(f not in codes for f in feats):
             return None
-        gate, router, prior = (bool(set(feats) & set(g)) for g in (GATE, ROUTER, PRIOR))
+        gate, router, prior, online = (bool(set(feats) & set(g)) for g in (GATE, ROUTER, PRIOR, ONLINE))
         context = None
-        if gate or router or prior:
+        if gate or router or prior or online:
             trace = getattr(layout, "source", None)
             if trace is None or (gate and trace.probs is None) or (router and trace.router_probs is None):
                 return None  # the Python engine reports what is missing
             tables = getattr(self.scorer, "tables", None)
             if prior and (tables is None or getattr(tables, "trans", 0) is None):
                 return None
-            context = _context_arrays(gate, router, tables if prior else None)
+            context = _context_arrays(gate, router, tables if prior else None, online)
         alpha = inspect.signature(RouterView).parameters["alpha"].default  # FeatureState's router average
         return LearnedPlan([codes[f] for f in feats], self._mean, self._scale, self._weights, LOGRATE, alpha, context)
 
@@ -120,9 +120,11 @@ def _weights(scorer):
     return True, np.zeros(0), f64(W1), f64(b1), f64(w2)
 
 
-def _context_arrays(gate: bool, router: bool, tables=None):
+def _context_arrays(gate: bool, router: bool, tables=None, online: bool = False):
     """``(layout, s) ->`` the arrays of stream ``s`` :class:`~expertcache.kernels_learned.LearnedPlan`
-    reads, from the trace's stream context; ``tables``: the prior group's (Tables or FoldedTables)."""
+    reads, from the trace's stream context; ``tables``: the prior group's (Tables or FoldedTables);
+    ``online``: the online group's item map."""
+    from ..learn.online import local_layers, online_fits
     from ..learn.prior import PriorFeatures
     from .context import stream_context
 
@@ -130,6 +132,11 @@ def _context_arrays(gate: bool, router: bool, tables=None):
         ctx = stream_context(layout, s)
         out = {"probs": ctx.probs if gate else None, "router": ctx.router if router else None,
                "offset": ctx.offset if router else None}
+        if online:
+            if not online_fits(ctx.item_layer.size, ctx.num_experts):
+                raise PolicyError(f"policy learned: its feature 'online_h1' needs pair counts over {ctx.item_layer.size} "
+                                  f"items x E={ctx.num_experts}, above the limit (docs/learn.md, 'Online transitions')")
+            out.update(item_ll=local_layers(ctx.item_layer), item_e=ctx.item_expert)
         if tables is not None:  # the Python engine's own lookups: one item map and one set of float64 tables
             pf = PriorFeatures(tables.for_stream(ctx.seq_id) if hasattr(tables, "for_stream") else tables, ctx)
             out.update(item_li=pf.li, item_e=pf.e, pop=pf.pop, trans=pf.trans, succp=pf.succp)
