@@ -97,7 +97,10 @@ def test_nocache_pays_the_device_pagecache_does_not(all_modes, setup):
     assert rec["accounting"]["residency_before"]["resident_bytes"] == 0  # nocache kept nothing
     pc = all_modes["pagecache"]
     res = pc["accounting"]["residency_before"]
-    assert res["resident_bytes"] == working_set > 0  # the warm pass left the working set cached (mincore)
+    # the warm pass left the working set cached (mincore). Not always every page: the kernel may reclaim a
+    # cold page in between without any memory pressure (this VM runs DAMON's proactive reclaim, kdamond;
+    # seen once: 4,096 of 46,000,000 bytes gone), and the accounting reports what mincore says.
+    assert 0.99 * working_set <= res["resident_bytes"] <= working_set and working_set > 0
     # and the block layer agrees (diskstats count every reader of the device: run this suite alone)
     assert pc["device_read_bytes"] <= 0.05 * pc["bytes_read"]
     # the demand model at 128 experts >= 64 distinct: the measured pass misses nothing

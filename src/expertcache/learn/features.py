@@ -2,10 +2,11 @@
 
 :class:`FeatureState` follows one stream the way a policy does (``on_access`` once per step, after
 any evictions) and describes the candidates of an eviction at step ``t`` from what happened at
-steps ``< t`` plus the current step's router row. Invariant (no leakage): the features of an
-eviction at step ``t`` are a function of the stream's groups ``0..t-1`` (and, for ``since_load``,
-the victims the cache chose at those steps), gate weights of steps ``< t`` and router rows
-``0..t``; nothing later. ``tests/test_learn.py`` perturbs a trace's future and checks this.
+steps ``< t`` plus the current step's router row and request. Invariant (no leakage): the features
+of an eviction at step ``t`` are a function of the stream's groups ``0..t-1`` (and, for
+``since_load``, the victims the cache chose at those steps), group ``t`` (the request being served;
+``online`` and ``prior`` read it), gate weights of steps ``< t``, router rows ``0..t`` and tables
+fitted on training sequences; nothing later. ``tests/test_learn.py`` perturbs a trace's future and checks this.
 
 Times are in tokens: step differences divided by ``steps_per_token`` (1 per-layer; the number of
 layers in a global pool), so a rate means the same thing in both pools.
