@@ -431,6 +431,18 @@ else:
         return float(x >> 11) * (1.0 / 9007199254740992.0)
 
 
+@njit(cache=True, inline="always")
+def swap_remove(res, rpos, size, v):
+    """Remove resident ``v`` from the list ``res[:size]`` (``rpos[item]`` = its index, -1 when absent)
+    by moving the last resident into its place; returns the new size."""
+    i = rpos[v]
+    size -= 1
+    res[i] = res[size]
+    rpos[res[i]] = i
+    rpos[v] = -1
+    return size
+
+
 @njit(cache=True)
 def random_loop(groups, starts, n_items, capacity, seed):
     """Evict the candidate with the smallest ``mix64(seed, step, item)``, scanning the residents."""
@@ -468,11 +480,7 @@ def random_loop(groups, starts, n_items, capacity, seed):
                         if best < 0 or kc < bk or (kc == bk and (last[c] < last[best] or (last[c] == last[best] and c < best))):
                             best = c
                             bk = kc
-                    i = rpos[best]
-                    size -= 1
-                    res[i] = res[size]
-                    rpos[res[i]] = i
-                    rpos[best] = -1
+                    size = swap_remove(res, rpos, size, best)
                     ev += 1
                 res[size] = e
                 rpos[e] = size

@@ -35,7 +35,7 @@ import math
 import numpy as np
 
 from ._jit import njit
-from .kernels import pool_slots
+from .kernels import pool_slots, swap_remove
 from .kernels_features import decayed, log1p_each, online_at, online_observe, score_row, score_rows, trans_at, trans_column
 
 __all__ = ["LearnedPlan", "decayed", "feature_codes", "learned_loop", "log1p_each", "score_row", "score_rows",
@@ -273,11 +273,7 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
                     if r < m_inf:  # FeatureState takes the first m_inf as evicted
                         inferred[v] = False
                     if r < need:  # evicted for real
-                        i = rpos[v]
-                        size -= 1
-                        res[i] = res[size]
-                        rpos[res[i]] = i
-                        rpos[v] = -1
+                        size = swap_remove(res, rpos, size, v)
                         ev += 1
             for j in range(k):  # insert the misses; FeatureState.on_access
                 e = groups[g, j]
