@@ -196,6 +196,7 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
     olat = np.empty((LO, k), dtype=np.int64)
     olatn = np.zeros(LO, dtype=np.int64)
     es = np.empty(k, dtype=np.int64)
+    lo = 0
     for s in range(starts.size - 1):
         a = starts[s]
         ex, lage, lcount = _tables(min(starts[s + 1] - a + 1, table_max), spt, lograte)
@@ -230,10 +231,11 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
                         lat[li, n_lat] = item_e[e]
                         latn[li] = n_lat + 1
                     if use_online:
+                        lo = item_ll[e]  # every item of a group is of one layer
                         es[n_lat] = item_e[e]
                     n_lat += 1
             if use_online and n_lat > 0:  # OnlineFeatures.advance(t)
-                online_observe(M, N, ouse, osteps, olat, olatn, item_ll[groups[g, first_valid(groups, g)]], es, n_lat)
+                online_observe(M, N, ouse, osteps, olat, olatn, lo, es, n_lat)
             if use_router:  # RouterView.advance(t): the current step's row is known
                 o = roffset[g]
                 for i in range(E):
@@ -305,15 +307,6 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
         for i in range(size):
             rpos[res[i]] = -1
     return misses, evictions
-
-
-@njit(cache=True, inline="always")
-def first_valid(groups, g):
-    """Index of the first item of group ``g`` (not -1)."""
-    for j in range(groups.shape[1]):
-        if groups[g, j] >= 0:
-            return j
-    return 0
 
 
 class LearnedPlan:

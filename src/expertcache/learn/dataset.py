@@ -155,11 +155,11 @@ def resolve_features(trace, groups: str | None = None) -> tuple[str, ...]:
     """Feature names for ``trace``: the named groups (``reuse,gate,router``; default: every group the
     trace can supply, and those that read fitted tables only when it has two sequences or more). A
     group the trace cannot supply is a ConfigError."""
-    from .online import ONLINE_MAX_BYTES
+    from .online import ONLINE_MAX_BYTES, online_bytes
     from .prior import TRANS_MAX_BYTES, trans_bytes
 
-    L, E = trace.num_layers, trace.num_experts
-    limits = {"prior": (trans_bytes(L, E), TRANS_MAX_BYTES), "online": (8 * L * E * E, ONLINE_MAX_BYTES)}
+    L, E = trace.num_layers, trace.num_experts  # sized for a global pool, the larger
+    limits = {"prior": (trans_bytes(L, E), TRANS_MAX_BYTES), "online": (online_bytes(L * E, E), ONLINE_MAX_BYTES)}
 
     class _C:  # what the trace offers, in the shape available_features reads (a global pool's item map)
         probs = trace.probs

@@ -30,9 +30,14 @@ ONLINE_MAX_BYTES = 64 << 20
 pool over many layers of many experts leaves the group out (E = 384: up to 56 layers)."""
 
 
+def online_bytes(n_items: int, num_experts: int) -> int:
+    """Bytes of the pair counts of a pool of ``n_items`` items (layers x E)."""
+    return 8 * int(n_items) * int(num_experts)
+
+
 def online_fits(n_items: int, num_experts: int) -> bool:
     """Whether a pool of ``n_items`` items (layers x E) keeps its pair counts within the limit."""
-    return 8 * int(n_items) * int(num_experts) <= ONLINE_MAX_BYTES
+    return online_bytes(n_items, num_experts) <= ONLINE_MAX_BYTES
 
 
 def local_layers(item_layer) -> np.ndarray:

@@ -61,7 +61,7 @@ class PriorFeatures(LatestGroups):
                               f"over {TRANS_MAX_BYTES >> 20} MB, or read from a version-2 file)")
         li, e = item_index(tables, context.item_layer, context.item_expert, context.num_experts, "prior features")
         self.pop = np.ascontiguousarray(tables.prior, dtype=np.float64)
-        self.trans = np.ascontiguousarray(tables.trans, dtype=np.float64)
+        self.trans = tables.trans64
         self.succp = np.ascontiguousarray(tables.succ_prior, dtype=np.float64)
         super().__init__(context.groups, li, e, self.pop.shape[0])
 

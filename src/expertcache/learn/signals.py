@@ -73,6 +73,14 @@ class Tables:
     hid: np.ndarray  # float64 [H, L, D+1, E]
     meta: dict = field(default_factory=dict)
     trans: np.ndarray | None = None  # float32 [H, L, E, E] (.prior), None when too large or not stored
+    _trans64: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def trans64(self) -> np.ndarray | None:
+        """:attr:`trans` as contiguous float64 (what both replay paths add up), converted once."""
+        if self._trans64 is None and self.trans is not None:
+            self._trans64 = np.ascontiguousarray(self.trans, dtype=np.float64)
+        return self._trans64
 
     @property
     def num_experts(self) -> int:
@@ -106,13 +114,13 @@ def fit_tables(trace, alpha: float = ALPHA, ridge: float = RIDGE) -> Tables:
     from .prior import TRANS_MAX_BYTES, fit_transitions, trans_bytes
 
     T, L, E = trace.num_tokens, trace.num_layers, trace.num_experts
-    tok = np.asarray(trace.extras.get("token_ids", np.zeros(T, dtype=np.int64)), dtype=np.int64)
     used = np.zeros((T, L, E), dtype=bool)
     t_idx, l_idx, j_idx = np.nonzero(trace.experts >= 0)
     used[t_idx, l_idx, trace.experts[t_idx, l_idx, j_idx].astype(np.int64)] = True
-    vocab, inv = np.unique(tok, return_inverse=True)
-    if "token_ids" not in trace.extras:
-        vocab, inv = vocab[:0], np.zeros(T, dtype=np.int64)
+    if "token_ids" in trace.extras:
+        vocab, inv = np.unique(np.asarray(trace.extras["token_ids"], dtype=np.int64), return_inverse=True)
+    else:
+        vocab, inv = np.zeros(0, dtype=np.int64), np.zeros(T, dtype=np.int64)
     V = vocab.size
     bounds = trace.seq_bounds
 
