@@ -77,3 +77,13 @@ def assert_bad_fields(path, cases, load, tmp_path):
         np.savez(tmp_path / "bad.npz", **bad)
         with pytest.raises(ConfigError, match=match):
             load(tmp_path / "bad.npz")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one CPU thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    toy-sized matmuls run fastest and steadiest on a shared machine that way (offload.toy.single_thread)."""
+    from expertcache.offload.toy import single_thread
+
+    with single_thread():
+        yield

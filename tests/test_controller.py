@@ -27,16 +27,10 @@ from expertcache.offload.controller import ControllerSpec, parse_controller  # n
 from expertcache.offload.controller_heads import Heads, init_heads, load_heads, save_heads  # noqa: E402
 from expertcache.offload.controller_train import TrainOptions, train_controller  # noqa: E402
 from expertcache.offload.holding import parse_holding  # noqa: E402
-from expertcache.offload.toy import single_thread  # noqa: E402
 
 FOLDER = Path(__file__).resolve().parents[1] / "models" / "small-moe"
-pytestmark = pytest.mark.skipif(not (FOLDER / "config.json").is_file(), reason="models/small-moe is not in this checkout")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    with single_thread():
-        yield
+pytestmark = [pytest.mark.skipif(not (FOLDER / "config.json").is_file(), reason="models/small-moe is not in this checkout"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

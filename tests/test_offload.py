@@ -26,15 +26,12 @@ from expertcache.offload.evaluation import ExactnessError, evaluate  # noqa: E40
 from expertcache.offload.passes import split_tokens  # noqa: E402
 from expertcache.offload.layer import OffloadedLayer  # noqa: E402
 from expertcache.offload.model import cache_argument  # noqa: E402
-from expertcache.offload.toy import FAMILIES, save_toy_checkpoint, single_thread  # noqa: E402
+from expertcache.offload.toy import FAMILIES, save_toy_checkpoint  # noqa: E402
 
 E, K = 8, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from expertcache import load_trace, replay  # noqa: E402
 from expertcache.cli.main import main  # noqa: E402
-from expertcache.offload.toy import save_toy_checkpoint, single_thread  # noqa: E402
+from expertcache.offload.toy import save_toy_checkpoint  # noqa: E402
 
 REQUIRED = {"policy", "capacity", "tokens", "nll", "nll_reference", "exact", "copies_total", "copies_steady",
             "copies_per_token", "tokens_per_s", "copy_seconds"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -23,15 +23,12 @@ from expertcache.cli.main import main  # noqa: E402
 from expertcache.offload import find_sites  # noqa: E402
 from expertcache.offload.holding import SetHolder, parse_holding  # noqa: E402
 from expertcache.offload.routing import ROUTES, route_for  # noqa: E402
-from expertcache.offload.toy import save_toy_checkpoint, single_thread, toy_model  # noqa: E402
+from expertcache.offload.toy import save_toy_checkpoint, toy_model  # noqa: E402
 
 SOFTMAX_FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def ids(b, n, seed=1):

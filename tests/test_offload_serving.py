@@ -24,17 +24,14 @@ from expertcache import ConfigError, ExpertCache, replay  # noqa: E402
 from expertcache.offload import find_sites, load_offloaded  # noqa: E402
 from expertcache.offload.evaluation import evaluate  # noqa: E402
 from expertcache.offload.model import cache_argument  # noqa: E402
-from expertcache.offload.toy import save_toy_checkpoint, single_thread, toy_model  # noqa: E402
+from expertcache.offload.toy import save_toy_checkpoint, toy_model  # noqa: E402
 from expertcache.offload.timing import Stopwatch  # noqa: E402
 
 E, K = 8, 2
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,13 @@ MAX_INT = 2**62
 """Largest integer an option takes (counts, capacities): beyond it no array could be indexed."""
 
 
+def add_subcommands(p: argparse.ArgumentParser, dest: str, metavar: str = "SUBCOMMAND"):
+    """A group of subcommands under ``p`` that one of must be named (argparse makes them optional)."""
+    sub = p.add_subparsers(dest=dest, metavar=metavar)
+    sub.required = True
+    return sub
+
+
 def add_json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (one object per line) instead of a table")
 

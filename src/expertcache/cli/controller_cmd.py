@@ -11,7 +11,8 @@ import sys
 import numpy as np
 
 from ..errors import ConfigError
-from .common import add_json, add_layers, add_out, check_out, emit_json, nonnegative_float, positive_int, seed_int
+from .common import (add_json, add_layers, add_out, add_subcommands, check_out, emit_json, nonnegative_float, positive_int,
+                     seed_int)
 from .sizing_opts import duration
 
 HELP = """The learned set controller (the eviction paper's reimplementation of an option-critic
@@ -31,8 +32,7 @@ of the frozen model; evaluate them with 'expertcache eval -p controller:heads.pt
 def add_parser(sub) -> None:
     p = sub.add_parser("controller", help="learned set controller: train termination/selection heads", description=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    csub = p.add_subparsers(dest="controller_command", metavar="SUBCOMMAND")
-    csub.required = True
+    csub = add_subcommands(p, "controller_command")
     t = csub.add_parser("train", help="train the heads on a frozen model (CPU)",
                         description="Train the controller's heads on --model (frozen) over windows of the training "
                                     "text; see docs/controller.md for the objectives and the heads file.")

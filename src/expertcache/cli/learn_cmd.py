@@ -6,7 +6,8 @@ import argparse
 
 from ..errors import ConfigError
 from .budget_opts import check_positions, sequence_positions
-from .common import _int_in, add_json, add_layers, add_out, check_out, emit_json, open_trace, positive_int, seed_int, table
+from .common import (_int_in, add_json, add_layers, add_out, add_subcommands, check_out, emit_json, open_trace, positive_int,
+                     seed_int, table)
 
 HELP = """Learned eviction: imitate the farthest-future victim from causal features (docs/learn.md).
 
@@ -24,8 +25,7 @@ HELP = """Learned eviction: imitate the farthest-future victim from causal featu
 def add_parser(sub) -> None:
     p = sub.add_parser("learn", help="learned eviction: events, scorers, held-out protocol", description=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    lsub = p.add_subparsers(dest="learn_command", metavar="SUBCOMMAND")
-    lsub.required = True
+    lsub = add_subcommands(p, "learn_command")
 
     d = lsub.add_parser("dataset", help="eviction events (features + farthest-future victims) of a trace",
                         description="Collect eviction events of TRACE at --capacity: per eviction, every candidate's "

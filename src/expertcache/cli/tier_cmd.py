@@ -7,7 +7,7 @@ import sys
 
 from .._units import parse_byte_range, parse_bytes
 from ..errors import ConfigError
-from .common import add_json, emit_json, open_trace, positive_int, seed_int, table
+from .common import add_json, add_subcommands, emit_json, open_trace, positive_int, seed_int, table
 
 HELP = """File-backed expert tier (the tiering paper's harness): write an expert pool to files, replay a
 trace against it through the page cache, without it, with O_DIRECT, from a locked arena or a hybrid,
@@ -38,8 +38,7 @@ def _unit_fraction(text: str) -> float:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("tier", help="file-backed expert pools: write, replay, sweep, plan", description=HELP)
-    tsub = p.add_subparsers(dest="tier_command", metavar="SUBCOMMAND")
-    tsub.required = True
+    tsub = add_subcommands(p, "tier_command")
     _add_write(tsub)
     _add_replay(tsub)
     _add_sweep(tsub)

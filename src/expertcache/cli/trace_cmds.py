@@ -19,7 +19,7 @@ from ..trace.importers import (
     detect_format,
     import_trace,
 )
-from .common import add_json, add_layers, add_out, check_out, describe, emit_json, open_trace, positive_int
+from .common import add_json, add_subcommands, add_layers, add_out, check_out, describe, emit_json, open_trace, positive_int
 
 IMPORT_HELP = """Convert a routing log from another engine into a canonical trace (.npz).
 
@@ -104,8 +104,7 @@ def add_parser(sub) -> None:
 
     exp = sub.add_parser("export", help="export a trace for other tools",
                          description="Export a trace for other cache simulators.")
-    esub = exp.add_subparsers(dest="format", metavar="FORMAT")
-    esub.required = True
+    esub = add_subcommands(exp, "format", "FORMAT")
     p = esub.add_parser("libcachesim", help="libCacheSim csv or oracleGeneral trace", description=EXPORT_HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="canonical trace (.npz)")
