@@ -2,7 +2,8 @@
 
 Every command gets random options drawn from a pool of values a user might type by mistake or on
 purpose: zero, negatives, huge integers, ``nan``/``inf``, empty strings, backwards ranges, unknown
-policies, plots with unknown extensions or in missing folders. Refusing is fine; what is judged
+policies, plots with unknown extensions or in missing folders, an option given twice, an output
+that is the input trace. Refusing is fine; what is judged
 is how: one line, exit 2, no traceback, no hang, bounded memory.
 """
 
@@ -40,7 +41,7 @@ COMMANDS = {
               ("--pool", ["global"]), ("--layers", LAYERS), ("--budgets", BYTE_RANGES), ("--expert-mb", NUMBERS),
               ("--warm", NUMBERS), ("--admission", ["second", "x"]), ("--unit", ["iteration", "x"]),
               ("--jobs", ["1", "0", "x"]), ("--ray", ["nowhere", "host:0", ""])],
-    "batch": [("--out", ["{root}/u.npz", "{root}/no/u.npz", "{root}"]),
+    "batch": [("--out", ["{root}/u.npz", "{root}/no/u.npz", "{root}", "{path}"]),
               ("{path}", None), ("{root}/missing.npz", None), ("{root}/good.json", None)],
     "foresight": [("-c", NUMBERS), ("--horizons", ["1,2", "0", "-1", "99999999999999999", "x", ""]), ("-p", POLICIES)],
     "compare-pools": [("--capacities", SPECS), ("-c", NUMBERS), ("-p", POLICIES), ("--warm", NUMBERS)],
@@ -49,7 +50,7 @@ COMMANDS = {
     "stats": [("--top", NUMBERS), ("--windows", ["1,8", "0", "99999999999999999999", "x", "4611686018427387904"]),
               ("--summary", None)],
     "export": [("--order", ["router", "ascending", "x"]), ("--format", ["csv", "oracle", "x"]), ("--layers", LAYERS),
-               ("--out", ["{root}/x.csv", "{root}/no/x.csv", "{root}"])],
+               ("--out", ["{root}/x.csv", "{root}/no/x.csv", "{root}", "{path}"])],
     "choose": [("--tolerance", NUMBERS), ("--tau", DURATIONS), ("--overlap", None), ("--validate", None),
                ("--add-replay", ["{path}", "{root}/missing.npz", "{root}/good.jsonl", "{root}"]),
                ("--replay-policy", POLICIES), ("--layers", LAYERS),
@@ -68,6 +69,8 @@ def args_case(rng: random.Random) -> Case:
     for name in NEEDS.get(command, []):
         if name not in [c[0] for c in chosen] and rng.random() < 0.9:
             chosen.append(next(o for o in options if o[0] == name))
+    if rng.random() < 0.15:  # an option given twice: refused, whatever the values
+        chosen.append(rng.choice(chosen))
     for name, pool in chosen:
         argv.append(name)
         if pool is not None:

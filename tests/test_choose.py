@@ -405,3 +405,84 @@ def test_tolerance_defaults_to_five_hundredths(capsys):
     """The issue's `choose runs.jsonl --add-replay T.npz` runs as written: --tolerance defaults to 0.05."""
     out = run_json(capsys, ["choose", str(EXAMPLE)])
     assert out["tolerance"] == 0.05
+
+
+# ------------------------------------------------------------------------------ trace-only choose
+def test_replay_json_is_a_runs_file_with_tau_and_c(tmp_path, capsys, synthetic):
+    """replay --json rows are lossless runs: rho = copies_per_token, c = --c, dnll 0."""
+    trace, path = synthetic
+    assert main(["replay", str(path), "-c", "32", "-p", "lru", "-p", "decayed", "-p", "belady", "--json"]) == 0
+    replayed = tmp_path / "replay.jsonl"
+    replayed.write_text(capsys.readouterr().out)
+    ref = {p: ec.sim.replay(trace, 32, p).copies_per_token for p in ("lru", "decayed:0.95", "belady")}
+    out = run_json(capsys, ["choose", str(replayed), "--tau", "0.51ms", "--c", "20ms"])
+    pred = {p["policy"]: p["ms_per_token"] for p in out["predicted"]}
+    assert pred == pytest.approx({p: 20 + rho * 0.51 for p, rho in ref.items()})
+    assert out["admissible"] == ["lru", "decayed:0.95", "belady"]
+    # the winner is the fastest causal-or-not admissible rule, as for eval rows; fewest copies wins here
+    assert out["winner"] == min(ref, key=ref.get)
+    err = one_line_error(capsys, ["choose", str(replayed), "--tau", "0.51ms"])
+    assert "--c" in err and "replay" in err
+
+
+def test_sweep_json_needs_one_capacity(tmp_path, capsys, synthetic):
+    trace, path = synthetic
+    assert main(["sweep", str(path), "--capacities", "16,32", "-p", "lru", "--json"]) == 0
+    swept = tmp_path / "sweep.jsonl"
+    swept.write_text(capsys.readouterr().out)
+    err = one_line_error(capsys, ["choose", str(swept), "--tau", "1", "--c", "10"])
+    assert "capacities 16, 32" in err and "--capacity" in err
+    out = run_json(capsys, ["choose", str(swept), "--tau", "1", "--c", "10", "--capacity", "16"])
+    assert out["predicted"][0]["ms_per_token"] == pytest.approx(10 + ec.sim.replay(trace, 16, "lru").copies_per_token)
+
+
+def test_replay_rows_mix_with_eval_rows(tmp_path, capsys, synthetic):
+    trace, path = synthetic
+    assert main(["replay", str(path), "-c", "8", "-p", "lru", "-p", "belady", "--json"]) == 0
+    lines = capsys.readouterr().out
+    evals = [{"policy": "lru", "c_ms": 20, "rho": 9.0, "dnll": 0.0, "tau_ms": 0.5, "capacity": 8, "lossless": True},
+             {"policy": "dwell:4:32", "c_ms": 21, "rho": 2.0, "dnll": 0.03, "tau_ms": 0.5, "capacity": 8}]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in evals) + lines)
+    out = run_json(capsys, ["choose", str(mixed)])
+    # c of the replay rows: the median c_ms of the lossless eval runs (20); lru is measured, not replayed
+    names = [p["policy"] for p in out["predicted"]]
+    assert names == ["lru", "dwell:4:32", "belady"]
+    belady = ec.sim.replay(trace, 8, "belady").copies_per_token
+    assert out["predicted"][2]["ms_per_token"] == pytest.approx(20 + belady * 0.5)
+    assert main(["choose", str(mixed)]) == 0
+    text = capsys.readouterr().out
+    assert "not replayed (the file measures them): lru" in text and "replayed" in text
+
+
+# ------------------------------------------------------------------------------ noise called noise
+def test_validate_lead_inside_the_spread_is_a_tie(tmp_path, capsys):
+    """At x10 C leads B by (45 - 36) / 36 = 25% measured; with a 30% spread that is a tie, with 10% not."""
+    def with_spread(spread):
+        return [dict(r, ms_per_token_spread=spread, repeats=3) if r.get("slow_copies") == 10 else r
+                for r in THREE + SLOWED[:5]]
+    checks = validate(runs_of(with_spread(0.30)), 0.05, 0.5)
+    assert checks[0].verdict == "tie (within noise)" and checks[0].to_dict()["verdict"] == "tie (within noise)"
+    assert validate(runs_of(with_spread(0.10)), 0.05, 0.5)[0].verdict == "agree"
+    assert main(["choose", write(tmp_path, with_spread(0.30)), "--tolerance", "0.05", "--validate"]) == 0
+    text = capsys.readouterr().out
+    assert "predicted C, measured C: tie (within noise)" in text and "spread 30.0%" in text
+    # a disagreement inside the spread is a tie too: at x50 B is measured 50, C 56 -> C is 12% slower
+    slowed50 = [dict(r, ms_per_token_spread=0.2) for r in SLOWED[5:]]
+    (c50,) = validate(runs_of(THREE + slowed50), 0.05, 0.5)
+    assert (c50.predicted, c50.measured, c50.verdict) == ("C", "B", "tie (within noise)")
+
+
+def test_demo_live_says_what_this_cpu_can_and_cannot_show():
+    """At x1 copies take 2 x 0.01 / 10 = 0.2% (lru) and 1 x 0.01 / 11 = 0.09% (dwell) of a step: median 0.15%."""
+    from expertcache.cli.demo_live import cpu_note, verdict_line
+
+    recs = [{"policy": "lru", "slow_copies": 1, "rho": 2.0, "tau_ms": 0.01, "ms_per_token": 10.0},
+            {"policy": "dwell:1:1", "slow_copies": 1, "rho": 1.0, "tau_ms": 0.01, "ms_per_token": 11.0},
+            {"policy": "lru", "slow_copies": 50, "rho": 2.0, "tau_ms": 0.5, "ms_per_token": 12.0}]
+    note = cpu_note(recs)
+    assert "0.15% at x1, 8.3% at x50 of a step" in note  # x50: (2 x 0.5) / 12
+    assert "can show" in note and "cannot show" in note
+    checks = validate(runs_of(THREE + [dict(r, ms_per_token_spread=0.3) for r in SLOWED[:5]]), 0.05, 0.5)
+    line = verdict_line(checks[0])
+    assert line.startswith("  at x10: predicted C, measured C: tie (within noise)") and "spread 30%" in line

@@ -134,3 +134,105 @@ def test_demo_prints_the_table_and_writes_plots(tmp_path, capsys, monkeypatch):
         assert "live part skipped" in out
     assert main(["demo", "--out", str(tmp_path / "out"), "--no-live"]) == 0
     assert "live" not in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------ options (issue 24, item 7)
+def _refusal(argv, capsys) -> str:
+    """Run ``argv`` in this process; it must exit 2 with exactly one line on stderr, which is returned."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's error path
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["replay", "{t}", "-c", "8", "-c", "16"], "--capacity/-c given twice (-c 8 and -c 16): give it once"),
+    (["replay", "{t}", "-c", "8", "--capacity", "8"], "given twice (-c 8 and --capacity 8)"),
+    (["replay", "{t}", "-c", "8", "--warm", "0.1", "--warm", "0.2"], "--warm given twice"),
+    (["sweep", "{t}", "--capacities", "4:8", "--capacities", "4:9"], "--capacities given twice"),
+    (["learn", "dataset", "{t}", "-c", "8", "-c", "9", "--out", "x.npz"], "given twice (-c 8 and -c 9)"),
+    (["replay", "{t}", "-c", "8", "-p", "lru", "-p", "lru"], "-p lru given twice: give each value once"),
+    (["replay", "{t}", "-c", "8", "-p", "lru", "--policy", "lru"], "--policy lru given twice"),
+    (["sweep", "{t}", "--capacities", "4:8", "-p", "belady", "-p", "belady"], "-p belady given twice"),
+])
+def test_a_repeated_option_or_a_duplicate_policy_is_refused(trace_file, capsys, argv, message):
+    assert message in _refusal([a.format(t=trace_file) for a in argv], capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["replay", "{t}", "--budget", "-4GB"], "argument --budget: cannot read '-4GB' as a size"),
+    (["replay", "{t}", "-c", "8", "--c", "-1ms"], "argument --c: expected a positive duration, got '-1ms'"),
+    (["replay", "{t}", "-c", "-3"], "expected a positive integer up to 2**62, got '-3'"),
+    (["replay", "{t}", "-c", "8", "--warm", "-.5"], "-.5 is outside [0, 1)"),
+    (["learn", "eval", "--traces", "{t}", "-c", "-4"], "argument --capacity/-c: expected a positive integer"),
+])
+def test_negative_values_say_what_is_wrong(trace_file, capsys, argv, message):
+    err = _refusal([a.format(t=trace_file) for a in argv], capsys)
+    assert message in err and "expected one argument" not in err
+
+
+def test_numpy_pickle_advice_never_reaches_the_user(tmp_path, capsys, trace_file):
+    import pickle
+
+    from expertcache.tier.advice import load_plan
+
+    np.savez(tmp_path / "obj.npz", X=np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    (tmp_path / "pick.npz").write_bytes(pickle.dumps({"a": 1}))
+    np.savez(tmp_path / "plan.npz", experts=np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    errors = []
+    for name in ("obj.npz", "obj.npy", "pick.npz"):
+        f = str(tmp_path / name)
+        errors.append(_refusal(["learn", "train", f, "--out", str(tmp_path / "s.npz")], capsys))
+        errors.append(_refusal(["replay", str(trace_file), "-c", "8", "-p", f"learned:{f}"], capsys))
+    with pytest.raises(ec.ConfigError) as info:
+        load_plan(tmp_path / "plan.npz", (120, 2, 4), 16)
+    errors.append(str(info.value))
+    for err in errors:
+        assert "allow_pickle" not in err and "unsafe" not in err and "pickle.load" not in err, err
+    assert sum("pickled (object) data, which expertcache never loads" in e for e in errors) >= 5
+
+
+def test_foresight_0_is_lru_and_not_marked_as_needing_the_future(trace_file, capsys):
+    assert main(["replay", str(trace_file), "-c", "8", "-p", "foresight:0", "-p", "lru", "-p", "foresight:1", "--json"]) == 0
+    f0, lru, f1 = (json.loads(x) for x in capsys.readouterr().out.splitlines())
+    assert f0["copies_total"] == lru["copies_total"] and not f0["needs_future"] and f1["needs_future"]
+    cache = ec.ExpertCache(8, "foresight:0", 16)  # the step-by-step engine, and no future given
+    ref = ec.ExpertCache(8, "lru", 16)
+    trace = ec.load_trace(trace_file)
+    for row in trace.experts[:60, 0]:
+        assert cache.prepare(row).loads == ref.prepare(row).loads
+
+
+def test_an_unknown_policy_lists_every_policy_string(capsys, trace_file):
+    err = _refusal(["replay", str(trace_file), "-c", "8", "-p", "nosuch"], capsys)
+    for word in ("lru", "belady", "foresight", "learned", "dwell:k[:w]", "static:P", "controller:HEADS.pt:THR[:W]"):
+        assert word in err
+    with pytest.raises(ec.PolicyError, match=r"dwell:k\[:w\], static:P, controller"):
+        ec.make_policy("nosuch")
+
+
+def test_load_trace_on_a_path_with_a_nul_byte_raises_the_projects_error(tmp_path, capsys):
+    from expertcache.trace.npz import read_npy
+
+    with pytest.raises(ec.TraceError, match="NUL byte"):
+        ec.load_trace(str(tmp_path / "a\0b.npz"))
+    with pytest.raises(ec.TraceError, match="NUL byte"):
+        read_npy("x\0.npy", "--tokens")
+    assert "NUL byte" in _refusal(["replay", "a\0b.npz", "-c", "8"], capsys)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
+                    reason="needs torch and transformers")
+@pytest.mark.parametrize("argv", [
+    ["capture", "--model", "{m}", "--tokens", "{t}", "--out", "x.npz"],
+    ["eval", "--model", "{m}", "--tokens", "{t}", "-c", "4"],
+])
+def test_a_missing_model_folder_says_so(tmp_path, capsys, argv):
+    m = tmp_path / "nonexist"
+    np.save(tmp_path / "ids.npy", np.arange(10))
+    err = _refusal([a.format(m=m, t=tmp_path / "ids.npy") for a in argv], capsys)
+    assert f"--model {m}: no such folder" in err

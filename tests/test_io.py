@@ -116,3 +116,57 @@ def test_machine_errors_and_bugs_are_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("EXPERTCACHE_DEBUG", "1")
     with pytest.raises(KeyError):
         main(["stats", "t.npz"])
+
+
+# ------------------------------------------------------------------------------------ progress
+class _Terminal:
+    """A stand-in stderr that says it is a terminal and keeps what is written to it."""
+
+    def __init__(self, tty: bool = True):
+        self.tty, self.text = tty, []
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text.append(s)
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("tty,disable,shown", [(True, False, True), (True, True, False), (False, False, False)])
+def test_progress_is_on_stderr_only_on_a_terminal_and_not_when_disabled(monkeypatch, capsys, tty, disable, shown):
+    from expertcache._progress import progress
+
+    term = _Terminal(tty)
+    monkeypatch.setattr(sys, "stderr", term)
+    assert list(progress(range(4), desc="work", disable=disable)) == [0, 1, 2, 3]
+    with progress(total=3, desc="manual", disable=disable) as bar:
+        bar.update(2)
+        bar.update(1)
+    text = "".join(term.text)
+    assert ("work" in text and "/4" in text and "manual" in text and "/3" in text) == shown
+    assert shown or text == ""
+    assert capsys.readouterr().out == ""  # never on stdout
+
+
+def test_verify_greedy_and_learn_eval_show_progress_on_a_terminal_and_not_with_json(monkeypatch, capsys, tmp_path):
+    from expertcache.cli.main import main
+    from test_learn import rich_trace
+
+    term = _Terminal(True)
+    monkeypatch.setattr(sys, "stderr", term)
+    assert main(["verify-greedy", "-n", "300", "-j", "1"]) == 0
+    assert "verify-greedy" in "".join(term.text) and "/300" in "".join(term.text)
+    term.text.clear()
+    assert main(["verify-greedy", "-n", "300", "-j", "1", "--json"]) == 0
+    assert term.text == []
+    capsys.readouterr()
+    t = tmp_path / "t.npz"
+    rich_trace(T=80, L=1, E=8, k=2, seqs=2, seed=3).save(t)
+    assert main(["learn", "eval", "--traces", str(t), "-c", "4", "--seeds", "0", "--rounds", "0"]) == 0
+    text = "".join(term.text)
+    assert "learn eval" in text and "/2 " in text  # 2 folds x 1 seed
+    assert "learn eval" not in capsys.readouterr().out

@@ -119,7 +119,7 @@ def bad_inputs(tmp_path_factory, ckpt, ids):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--model", "{missing}", "--tokens", "{ids}"], "not a checkpoint folder"),
+        (["--model", "{missing}", "--tokens", "{ids}"], "no such folder"),
         (["--model", "{gpt}", "--tokens", "{ids}"], "not supported by expertcache.offload"),
         (["--model", "{ckpt}", "--tokens", "{ids}", "--layers", "7-9"], "not MoE layers"),
         (["--model", "{ckpt}", "--tokens", "{big}"], "outside the model's vocabulary"),

@@ -211,7 +211,8 @@ def test_bad_options_are_one_line(argv, message, tmp_path, capsys):
 def test_missing_model_existing_out_and_missing_text_are_one_line(tmp_path, capsys):
     (tmp_path / "exists").mkdir()
     cases = [
-        (["--model", str(tmp_path / "nope"), "--tokens", str(HELDOUT), "--out", str(tmp_path / "a")], "not a checkpoint"),
+        (["--model", str(tmp_path / "nope"), "--tokens", str(HELDOUT), "--out", str(tmp_path / "a")], "no such folder"),
+        (["--model", str(tmp_path), "--tokens", str(HELDOUT), "--out", str(tmp_path / "a")], "not a checkpoint"),
         (["--model", str(MODEL), "--tokens", str(HELDOUT), "--out", str(tmp_path / "exists")], "already exists"),
         (["--model", str(MODEL), "--text", str(tmp_path / "none.txt"), "--out", str(tmp_path / "b")], "no such file"),
         (["--model", str(MODEL), "--tokens", str(HELDOUT), "--out", str(tmp_path / "no" / "c")], "does not exist"),

@@ -336,3 +336,54 @@ def test_plot_api_refuses_other_formats_and_labels_future(tmp_path):
     with pytest.raises(ConfigError, match="'.jpg'"):
         plot_mrc(sweep(tiny_trace(), [1, 2], ["lru"]), tmp_path / "x.jpg", trace="t")
     assert policy_label("belady", True) == "belady (needs future)" and policy_label("lru", False) == "lru"
+
+
+# ------------------------------------------------------------------------------ plots (issue 24, item 9)
+def test_mrc_title_names_the_layers_and_the_target_is_drawn():
+    pytest.importorskip("matplotlib")
+    from expertcache.report.plots import mrc_figure
+    from expertcache.trace.synth import synthesize_preset
+
+    trace = synthesize_preset("olmoe", 0, tokens=32, sequences=2)
+    curves = sweep(trace, [8, 16, 32], ["lru"], layers=[0, 2, 4, 6, 8, 10, 12, 14])
+    fig = mrc_figure(curves, trace="t", target_hit_rate=0.9, target_copies=2.0)
+    assert "8 layers replayed: 0,2,4,6,8,10,12,14" in fig._suptitle.get_text()
+    ax_c, ax_h = fig.axes
+    assert any(line.get_label().startswith("target: hit rate >= 90%") and list(line.get_ydata()) == [90, 90]
+               for line in ax_h.lines)
+    assert any(line.get_label().startswith("target: copies/token <= 2") for line in ax_c.lines)
+    whole = sweep(trace, [8, 16], ["lru"])
+    assert "16 layers replayed: 0-15" in mrc_figure(whole, trace="t")._suptitle.get_text()
+
+
+def test_budget_axis_reads_gigabytes():
+    """Budgets 1, 2, 4, 8 GB: the ticks say 1, 2, 4, 8 (GB), not 2^0 .. 2^3."""
+    pytest.importorskip("matplotlib")
+    from expertcache.report.plots import mrc_figure
+    from expertcache.trace.synth import synthesize_preset
+
+    trace = synthesize_preset("olmoe", 0, tokens=32, sequences=1, num_layers=2)
+    budgets = [(1e9, 8), (2e9, 16), (4e9, 32), (8e9, 64)]  # 62.5 MB experts over two layers, say
+    curves = sweep(trace, [8, 16, 32, 64], ["lru"])
+    fig = mrc_figure(curves, trace="t", budgets=budgets)
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels == ["1", "2", "4", "8"] and "GB" in fig.axes[0].get_xlabel()
+    assert list(fig.axes[0].lines[0].get_xdata()) == [1, 2, 4, 8]
+
+
+def test_frontier_dodges_policies_on_the_same_dnll():
+    pytest.importorskip("matplotlib")
+    from expertcache.report.plots import dodge_points, frontier_figure
+
+    pts = [{"policy": p, "dnll": d, "needs_future": False, "replayed": False, "tokens_per_s": [40.0, 30.0]}
+           for p, d in (("lru", 0.0), ("decayed", 0.0), ("dwell", 0.03), ("belady", 1e-9))]
+    assert dodge_points(pts) == [-6.0, 0.0, 0.0, 6.0]  # in dNLL order: lru 0, decayed 0, belady 1e-9
+    near = [dict(pts[0], dnll=0.001), dict(pts[1], dnll=0.002), dict(pts[2], dnll=0.11)]
+    assert dodge_points(near) == [-3.0, 3.0, 0.0]  # 0.001 apart on a 0.11 range: drawn apart
+    fig = frontier_figure(pts, factors=(1, 10), tau_ms=0.5, tolerance=0.05, winners=["lru", "dwell"], model="m", title="x")
+    ax = fig.axes[0]
+    # the three lossless rules' lines sit at distinct heights on screen, the true dNLL on the axis
+    heights = {line.get_label(): line.get_transform().transform((40.0, 0.0))[1] for line in ax.lines
+               if line.get_label() in ("lru", "decayed", "belady")}
+    assert len(set(round(h, 3) for h in heights.values())) == 3
+    assert "drawn a few points apart" in ax.get_title()

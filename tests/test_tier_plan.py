@@ -168,8 +168,18 @@ def _parser():
 
 
 def _argv(trace_path, *extra):
-    return ["tier", "plan", "--trace", str(trace_path), "--hbm-gbps", "2938", "--host-gbps", "327",
-            "--pcie-gbps", "23", "--nvme-gbps", "27", "--expert-mb", "17.5", "--target-iters-per-s", "2", *extra]
+    """The paper's rates; an option in ``extra`` that is one of them replaces it (options are given once)."""
+    base = {"--hbm-gbps": "2938", "--host-gbps": "327", "--pcie-gbps": "23", "--nvme-gbps": "27",
+            "--expert-mb": "17.5", "--target-iters-per-s": "2"}
+    rest, i = [], 0
+    while i < len(extra):
+        if extra[i] in base and i + 1 < len(extra):
+            base[extra[i]] = extra[i + 1]
+            i += 2
+        else:
+            rest.append(extra[i])
+            i += 1
+    return ["tier", "plan", "--trace", str(trace_path), *[x for kv in base.items() for x in kv], *rest]
 
 
 def test_cli_text_and_json(tmp_path, capsys):
@@ -220,3 +230,75 @@ def test_through_main_one_line_errors(tmp_path, capsys):
         main(_argv(tp, "--hbm-gbps", "-1"))
     assert exc.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ issue 22, item 6: plan checks its inputs
+def _sweep_line(cap, sec, **extra):
+    return json.dumps({"summary": True, "mode": "pagecache", "capacity_bytes": cap, "seconds_per_iteration_median": sec,
+                       **extra})
+
+
+def test_curve_from_another_pool_or_trace_is_refused(tmp_path):
+    tp = tmp_path / "t.npz"
+    _trace().save(tp)
+    from expertcache.trace import load_trace
+    name = load_trace(tp).name
+    other_size = _curve(tmp_path, [_sweep_line(10**9, 1.0, expert_bytes=64_000, trace=name)])
+    args = _parser().parse_args(_argv(tp, "--curve", other_size))
+    with pytest.raises(ConfigError, match="experts of 64000 bytes, the plan's are 17500000"):
+        args.func(args)
+    other_trace = _curve(tmp_path, [_sweep_line(10**9, 1.0, expert_bytes=17_500_000, trace="elsewhere")])
+    args = _parser().parse_args(_argv(tp, "--curve", other_trace))
+    with pytest.raises(ConfigError, match="measured on trace elsewhere"):
+        args.func(args)
+    same = _curve(tmp_path, [_sweep_line(10**9, 1.0, expert_bytes=17_500_000, trace=name)])
+    assert tier_plan.compute(_parser().parse_args(_argv(tp, "--curve", same)))["capacity_note"] is None
+    bare = _curve(tmp_path, [_sweep_line(10**9, 1.0)])
+    assert "not checked" in tier_plan.compute(_parser().parse_args(_argv(tp, "--curve", bare)))["capacity_note"]
+
+
+def test_expert_size_from_the_pool(tmp_path):
+    from expertcache.tier.pool import pool_from_trace
+    tp = tmp_path / "t.npz"
+    _trace().save(tp)
+    pool_from_trace(tmp_path / "pool", _trace(), expert_bytes=12_345)
+    argv = [x for x in _argv(tp) if x not in ("--expert-mb", "17.5")] + ["--pool", str(tmp_path / "pool")]
+    assert tier_plan.compute(_parser().parse_args(argv))["expert_bytes"] == 12_345
+    with pytest.raises(ConfigError, match="holds experts of 12345 bytes"):
+        tier_plan.compute(_parser().parse_args(argv + ["--expert-mb", "1"]))
+
+
+def test_only_the_rates_a_question_needs(tmp_path):
+    tp = tmp_path / "t.npz"
+    _trace().save(tp)
+    argv = ["tier", "plan", "--trace", str(tp), "--hbm-gbps", "2938", "--host-gbps", "327", "--copy-gbps", "346",
+            "--expert-mb", "1"]
+    out = tier_plan.compute(_parser().parse_args(argv))
+    assert [p["link"] for p in out["tier_pairs"]] == ["coherent"] and round(out["tier_pairs"][0]["k_star"], 2) == 1.06
+    assert len(out["pairs_left_out"]) == 2 and out["iters_per_s_all_from_nvme"] is None and out["capacity"] is None
+    curve = _curve(tmp_path, [_sweep_line(10**9, 1.0), _sweep_line(2 * 10**9, 0.5)])
+    only_curve = ["tier", "plan", "--trace", str(tp), "--expert-mb", "1", "--curve", curve, "--target-iters-per-s", "1.5"]
+    out = tier_plan.compute(_parser().parse_args(only_curve))
+    assert out["tier_pairs"] == [] and out["capacity"][0]["measured_capacity_bytes"] == 2 * 10**9
+    with pytest.raises(ConfigError, match="nothing to answer"):
+        tier_plan.compute(_parser().parse_args(["tier", "plan", "--trace", str(tp), "--expert-mb", "1"]))
+    with pytest.raises(ConfigError, match="--target-iters-per-s"):
+        tier_plan.compute(_parser().parse_args(only_curve[:-2]))
+
+
+def test_non_monotone_and_noisy_curves_are_flagged():
+    pts = [{"mode": "pagecache", "capacity_bytes": c, "seconds_per_iteration_median": s, "proof_ok": True,
+            "summary": True, "spread": sp} for c, s, sp in ((1000, 1.0, 0.05), (2000, 1.25, 0.5), (4000, 0.5, 0.01))]
+    row = P.capacity_for_target(pts, 1.5)[0]
+    assert any(f.startswith("non-monotone") for f in row["flags"]) and any(f.startswith("noisy") for f in row["flags"])
+    assert "non-monotone" in row["note"]
+    clean = [dict(p, spread=0.01) for p in pts if p["capacity_bytes"] != 2000]
+    assert P.capacity_for_target(clean, 1.5)[0]["flags"] == []
+
+
+def test_readme_plan_example_reproduces_the_papers_k_star():
+    from conftest import REPO
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("expertcache tier plan --trace tiny.npz"):]
+    block = block[:block.index("```")]
+    assert "--copy-gbps 346" in block and "--hbm-gbps 2938" in block and "--host-gbps 327" in block

@@ -48,7 +48,9 @@ import sys
 import sysconfig
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -215,14 +217,15 @@ def train(args, model, stream: np.ndarray, log) -> dict:
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     rng = np.random.default_rng(args.seed)
     budget = args.minutes * 60.0
+    cap = (getattr(args, "cap_minutes", None) or 0) * 60.0  # with --steps: stop early at this wall time
     start = time.perf_counter()
     step, seen, ema = 0, 0, None
     while True:
         elapsed = time.perf_counter() - start
         if args.steps is not None:
-            if step >= args.steps:
+            if step >= args.steps or (cap and elapsed >= cap):
                 break
-            progress = step / args.steps
+            progress = max(step / args.steps, elapsed / cap if cap else 0.0)
         else:
             if elapsed >= budget:
                 break
@@ -300,6 +303,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder (default models/small-moe)")
     ap.add_argument("--steps", type=int, default=None, help="train exactly N steps (deterministic); overrides --minutes")
     ap.add_argument("--minutes", type=float, default=5.0, help="wall-time budget when --steps is not given (default 5)")
+    ap.add_argument("--cap-minutes", type=float, default=None,
+                    help="with --steps: stop at this wall time if the steps are not done (the schedule follows whichever "
+                         "fraction, steps or time, is further along); a run that stops early is not step-reproducible")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--corpus-mb", type=float, default=6.0)
@@ -316,6 +322,8 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--aux-pooled", action="store_true",
                     help="balance experts over all layers pooled, as OlmoeForCausalLM's own loss does (default: per layer)")
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--experts-impl", choices=("eager", "grouped_mm", "batched_mm"), default="eager",
+                    help="transformers experts implementation used for training (the saved model is the same class)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=30)
@@ -329,8 +337,35 @@ def make_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+@dataclass(frozen=True)
+class Recipe:
+    """What differs between the checkpoints this trainer builds; ``main`` does the rest the same way.
+
+    ``corpus(args)`` -> (train_docs, heldout_docs, info); ``heldout(held_stream, tokenizer, heldout_docs, info, args)``
+    -> (heldout_ids, eval_ids, extra files {name: bytes} saved beside the model); ``readme(facts, report, args)`` -> text;
+    ``measure(train_ids, heldout_ids, eval_ids, vocab, args)`` -> extra facts (or None).
+    """
+
+    script: str
+    parser: Callable[[], argparse.ArgumentParser]
+    corpus: Callable
+    heldout: Callable
+    readme: Callable
+    measure: Callable | None = None
+
+
+def small_moe_corpus(args):
+    return build_corpus(args.corpus_mb, args.max_file_kb, args.holdout_every)
+
+
+def small_moe_heldout(held_stream, tokenizer, heldout_docs, info, args):
+    """16 x 128 rows (committed: tests and the demo) and 64 x 256 windows for the README figure."""
+    return windows(held_stream, 16, 128), windows(held_stream, 64, 256), {}
+
+
+def main(argv: list[str] | None = None, recipe: Recipe | None = None) -> int:
+    recipe = recipe or SMALL_MOE
+    args = recipe.parser().parse_args(argv)
     if args.report_only:
         build = json.loads((args.out / "build.json").read_text())
         kept = {"out": args.out, "no_report": args.no_report, "report_only": True}
@@ -349,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
 
     # corpus and tokenizer
-    train_docs, heldout_docs, corpus = build_corpus(args.corpus_mb, args.max_file_kb, args.holdout_every)
+    train_docs, heldout_docs, corpus = recipe.corpus(args)
     log(f"corpus: {corpus['files']} files ({corpus['train_files']} train, {corpus['heldout_files']} held out), "
         f"{corpus['bytes']:,} bytes ({corpus['first']} .. {corpus['last']}), sha256 {corpus['sha256']}")
     seed_all(args.seed)
@@ -360,8 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = len(tokenizer)
     log(f"tokenizer: vocab {vocab}, {len(train_ids):,} train ids, {len(held_stream):,} held-out ids "
         f"({corpus['bytes'] / (len(train_ids) + len(held_stream)):.2f} bytes/id), ids sha256 {token_digest[:16]}")
-    heldout_ids = windows(held_stream, 16, 128)       # committed: tests and the demo
-    eval_ids = windows(held_stream, 64, 256)          # larger held-out set for the README figure
+    heldout_ids, eval_ids, extra_files = recipe.heldout(held_stream, tokenizer, heldout_docs, corpus, args)
     if build:
         if corpus["sha256"] != build["corpus"]["sha256"] or token_digest != build["ids_sha256"]:
             log("warning: this machine's corpus or token ids differ from the build's; figures are for this corpus")
@@ -373,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         # model
         seed_all(args.seed)
         model = AutoModelForCausalLM.from_config(make_config(args, vocab, tokenizer.eos_token_id))
-        model.set_experts_implementation("eager")
+        model.set_experts_implementation(args.experts_impl)
         log(f"model: OlmoeForCausalLM, {sum(p.numel() for p in model.parameters()):,} parameters, "
             f"{args.experts} experts top-{args.top_k}, hidden {args.hidden}, {args.layers} layers")
         run = train(args, model, train_ids, log)
@@ -388,8 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         model.to(getattr(torch, args.dtype)).save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         np.save(out / "heldout_ids.npy", heldout_ids)
+        for name, data in extra_files.items():
+            (out / name).write_bytes(data)
         build = {
-            "command": "nice -n 5 .venv/bin/python tools/train_small_moe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": f"nice -n {os.nice(0)} .venv/bin/python {recipe.script} " + " ".join(argv if argv is not None else sys.argv[1:]),
             "steps": run["steps"], "train_seconds": run["seconds"], "train_tokens": run["tokens"],
             "total_seconds": round(time.perf_counter() - t0, 1),
             "corpus": corpus, "ids_sha256": token_digest, "nll_fp32": nll32,
@@ -437,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         "nll_untrained": nll_untrained, "nll_unigram": nll_unigram, "nll_saved": nll_saved, "dtype": args.dtype,
         "sizes": sizes, "measured_with": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
-    (out / "README.md").write_text(readme(facts, report, args))
+    if recipe.measure is not None:
+        facts.update(recipe.measure(train_ids, heldout_ids, eval_ids, vocab, args))
+    (out / "README.md").write_text(recipe.readme(facts, report, args))
     log(f"{out}: {sum(sizes.values()) / 1e6:.2f} MB without README; script {time.perf_counter() - t0:.1f}s")
     return 0
 
@@ -598,6 +636,10 @@ def readme(f: dict, report: dict | None, args) -> str:
             lines += ["", f"`expertcache replay -c {half} -p lru -p belady`, {n}:", "", "```", report[n]["replay_text"].rstrip(), "```"]
         lines.append("")
     return "\n".join(lines)
+
+
+SMALL_MOE = Recipe(script="tools/train_small_moe.py", parser=make_parser, corpus=small_moe_corpus,
+                   heldout=small_moe_heldout, readme=readme)
 
 
 if __name__ == "__main__":

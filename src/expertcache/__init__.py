@@ -9,9 +9,23 @@ from .trace import Trace, load_trace
 __version__ = "0.1.0"
 
 
+def capture(model, **options):
+    """Record a model's router decisions while the ``with`` block runs; ``cap.trace`` is the result.
+    ``model``: a torch MoE model (:func:`expertcache.offload.capture`, needs torch) or a llama.cpp
+    :class:`expertcache.llama.engine.Engine` (:class:`expertcache.llama.capture.LlamaCapture`;
+    options ``phase`` and ``label``)."""
+    if type(model).__module__ == "expertcache.llama.engine":
+        from .llama.capture import LlamaCapture
+
+        return LlamaCapture(model, **options)
+    import importlib
+
+    return importlib.import_module(f"{__name__}.offload").capture(model, **options)
+
+
 def __getattr__(name: str):
-    """``offload``, ``capture`` and ``load_offloaded`` need torch and transformers, so they load on first use."""
-    if name in ("offload", "capture", "load_offloaded"):
+    """``offload`` and ``load_offloaded`` need torch and transformers, so they load on first use."""
+    if name in ("offload", "load_offloaded"):
         import importlib
 
         package = importlib.import_module(f"{__name__}.offload")  # callable: expertcache.offload(model, ...)

@@ -12,12 +12,22 @@ import contextlib
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 from typing import IO, Iterator
 
 from .errors import ConfigError
 
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
+
+
+def numpy_reason(err: BaseException) -> str:
+    """Why numpy refused a user's file, in one line; never numpy's advice to unpickle it
+    (``allow_pickle=``): expertcache does not load pickled data, whoever made the file."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    if "pickle" in text.lower():
+        return "it holds pickled (object) data, which expertcache never loads"
+    return text
 
 
 def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:
@@ -29,6 +39,49 @@ def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:
     if path.is_dir():
         raise ConfigError(f"{option} {path}: is a folder, expected a file name")
     return path
+
+
+_FOLDER_INPUT_NAMES = ("routing.npz", "config.json")
+_FOLDER_INPUT_SUFFIXES = (".safetensors", ".bin")
+"""Files of an input folder that an output may not replace: a trace folder's routing.npz, a
+checkpoint's config and weights (other files of an input folder, e.g. earlier outputs, may be)."""
+
+
+def overwritten_input(path: str | os.PathLike, inputs) -> str | None:
+    """Which input writing the file ``path`` would replace ('the input X', 'a file of the input
+    folder X'), else None.
+
+    An existing ``path`` that is one of ``inputs`` (the same file: equal, a hard link or a
+    symbolic link), or the routing.npz, config.json or weights file of an input folder. A path
+    that does not exist yet replaces nothing; so does a folder (the commands that write folders
+    check them themselves).
+    """
+    try:
+        out = os.stat(path)
+    except (OSError, ValueError):  # missing, or not a valid path (a NUL byte): nothing to destroy
+        return None
+    if stat.S_ISDIR(out.st_mode):
+        return None
+    target = Path(path)
+    for inp in inputs:
+        try:
+            st = os.stat(inp)
+        except (OSError, ValueError, TypeError):
+            continue
+        if (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino):
+            return f"the input {os.fspath(inp)}" + ("" if os.fspath(inp) == os.fspath(path) else " (the same file)")
+        if stat.S_ISDIR(st.st_mode) and (target.name in _FOLDER_INPUT_NAMES or target.suffix in _FOLDER_INPUT_SUFFIXES):
+            with contextlib.suppress(OSError):
+                if os.path.samefile(target.parent if str(target.parent) else ".", inp):
+                    return f"a file of the input folder {os.fspath(inp)}"
+    return None
+
+
+def check_not_input(path: str | os.PathLike, inputs, option: str = "--out") -> None:
+    """Refuse (a ConfigError) to write ``path`` when that would replace one of ``inputs``."""
+    hit = overwritten_input(path, inputs)
+    if hit is not None:
+        raise ConfigError(f"{option} {path}: is {hit}; refusing to overwrite an input, choose another path")
 
 
 @contextlib.contextmanager

@@ -20,7 +20,6 @@ number of workers because instance ``i`` depends only on ``(seed, i)``.
 from __future__ import annotations
 
 import multiprocessing
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -164,22 +163,8 @@ def verify_greedy(instances: int, *, seed: int = 0, jobs: int = 1, progress: boo
 
 
 def _progress_bar(total: int, enabled: bool):
-    """A callback ``advance(n)``; ``advance(None)`` closes. tqdm when installed, else plain text."""
-    if not enabled:
-        return lambda n: None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is optional
-        done = [0]
+    """A callback ``advance(n)``; ``advance(None)`` closes (:func:`expertcache._progress.progress`)."""
+    from .._progress import progress
 
-        def plain(n):
-            if n is None:
-                sys.stderr.write("\n")
-                return
-            done[0] += n
-            sys.stderr.write(f"\rverify-greedy: {done[0]:,}/{total:,} instances")
-            sys.stderr.flush()
-
-        return plain
-    bar = tqdm(total=total, unit="inst", desc="verify-greedy", file=sys.stderr, smoothing=0.1)
+    bar = progress(total=total, desc="verify-greedy", disable=not enabled)
     return lambda n: bar.close() if n is None else bar.update(n)

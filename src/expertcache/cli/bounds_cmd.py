@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from ..bounds import DEFAULT_MAX_STATES, ORDERS, compute_bounds, verify_greedy
+from .budget_opts import clamp_capacity
 from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, seed_int, table
 
 BOUNDS_HELP = """Bound the fewest copies any lossless schedule needs, per stream (docs/bounds.md).
@@ -56,12 +56,17 @@ def add_parser(sub) -> None:
 
 def run_bounds(args) -> int:
     trace = open_trace(args.trace)
-    report = compute_bounds(trace, args.capacity, pool=args.pool, reset=args.reset, layers=args.layers,
+    layers = trace.num_layers if args.layers is None else len(set(args.layers))
+    n_items = trace.num_experts * (layers if args.pool == "global" else 1)
+    capacity, note = clamp_capacity(args.capacity, n_items, args.pool)
+    report = compute_bounds(trace, capacity, pool=args.pool, reset=args.reset, layers=args.layers,
                             orders=args.orders or ORDERS, exact=args.exact, max_states=args.max_states)
     if args.json:
         emit_json([report.to_dict()])
         return 0
     print(describe(trace))
+    if note:
+        print(note)
     by = "layer" if report.pool == "layer" else "sequence"
     print(f"capacity {report.capacity} per {'layer' if report.pool == 'layer' else 'pool shared by all layers'}, "
           f"{len(report.layers)} layer(s), {len(report.streams)} stream(s); steady copies per {by}:")
@@ -90,7 +95,7 @@ def _row(key, streams, exact):
 
 
 def run_verify(args) -> int:
-    progress = not args.no_progress and sys.stderr.isatty()
+    progress = not (args.no_progress or args.json)  # and only on a terminal (expertcache._progress)
     report = verify_greedy(args.instances, seed=args.seed, jobs=args.jobs, progress=progress)
     failed = bool(report.mismatches or report.violations)
     if args.json:

@@ -61,12 +61,41 @@ def expert_bytes(setup, option: str) -> int:
     return int(S)
 
 
-def budget_capacity(args, layout, setup) -> tuple[int, Budget | None]:
-    """``(capacity per pool, the Budget or None)`` from ``--capacity`` or ``--budget``."""
+def pool_items_text(pool: str, n_items: int) -> str:
+    """``'E=64 per layer'`` or ``'L x E = 256 (layer, expert) items in the global pool'``."""
+    return f"E={n_items} per layer" if pool != "global" else f"L x E = {n_items} (layer, expert) items in the global pool"
+
+
+def clamp_capacity(capacity: int, n_items: int, pool: str = "layer", option: str = "capacity") -> tuple[int, str]:
+    """``(capacity, note)``: a capacity at or above the pool's ``n_items`` holds every expert, so it
+    is clamped to ``n_items`` and the note says so in one line (empty note when below)."""
+    if capacity < n_items:
+        return capacity, ""
+    if capacity == n_items:
+        return capacity, f"{option} {capacity} = {pool_items_text(pool, n_items)}: every expert fits, zero steady copies"
+    return n_items, (f"{option} {capacity} is above {pool_items_text(pool, n_items)}: every expert fits; clamped to "
+                     f"{n_items}, zero steady copies")
+
+
+def clip_capacities(capacities: list[int], n_items: int, pool: str = "layer") -> tuple[list[int], str]:
+    """``(capacities, note)``: those above ``n_items`` dropped, ``n_items`` kept in their place (every
+    expert fits there and beyond); the note says how many were clipped (empty when none)."""
+    above = [c for c in capacities if c > n_items]
+    if not above:
+        return capacities, ""
+    kept = sorted({c for c in capacities if c <= n_items} | {n_items})
+    return kept, (f"capacities above {pool_items_text(pool, n_items)} clipped ({len(above):,} of them, up to "
+                  f"{above[-1]:,}): every expert fits from {n_items} on, with zero steady copies")
+
+
+def budget_capacity(args, layout, setup) -> tuple[int, Budget | None, str]:
+    """``(capacity per pool, the Budget or None, a note)`` from ``--capacity`` or ``--budget``; a
+    capacity or budget beyond the whole pool is clamped to it and the note says so."""
     if getattr(args, "budget", None) is None:
-        return args.capacity, None
-    budget = Budget(args.budget, expert_bytes(setup, "--budget"))
-    return budget.capacity(layout.pool, len(layout.layer_ids)), budget
+        capacity, note = clamp_capacity(args.capacity, int(layout.n_items), layout.pool)
+        return capacity, None, note
+    budget = Budget(args.budget, expert_bytes(setup, "--budget"), int(layout.n_items))
+    return budget.capacity(layout.pool, len(layout.layer_ids)), budget, ""
 
 
 def budget_capacities(budgets: list[int], layout, setup, *, lossless: bool) -> list[tuple[int, int]]:
@@ -74,7 +103,7 @@ def budget_capacities(budgets: list[int], layout, setup, *, lossless: bool) -> l
     to hold the widest group."""
     S = expert_bytes(setup, "--budgets")
     L = len(layout.layer_ids)
-    out = [(b, Budget(b, S).capacity(layout.pool, L)) for b in budgets]
+    out = [(b, Budget(b, S, int(layout.n_items)).capacity(layout.pool, L)) for b in budgets]
     if lossless:
         low = [(b, c) for b, c in out if c < layout.widest]
         if low:
@@ -116,7 +145,7 @@ def print_budget_sweep(curves, budgets, layout, setup, trace, args) -> int:
     S = expert_bytes(setup, "--budgets")
     rows, records = [], []
     for b, cap in budgets:
-        budget = Budget(b, S)
+        budget = Budget(b, S, int(layout.n_items))
         row = [b / 1e9, cap]
         for c in curves:
             r = c.at(cap)
@@ -135,6 +164,10 @@ def print_budget_sweep(curves, budgets, layout, setup, trace, args) -> int:
         mark = " (future)" if c.needs_future else ""
         headers += [f"{c.policy}{mark} hit", f"{c.policy} {per_unit_header(args.unit)}"]
     table(rows, headers)
+    full = [b for b, _ in budgets if Budget(b, S, int(layout.n_items)).holds_everything(layout.pool, L)]
+    if full:
+        print(f"from {format_bytes(full[0])} on the budget holds every expert ({pool_items_text(layout.pool, layout.n_items)}): "
+              "capacity clamped there, zero steady copies")
     return 0
 
 

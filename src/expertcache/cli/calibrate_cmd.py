@@ -19,6 +19,10 @@ Each is printed as the median and the 10th-90th percentile spread over --repeats
 milliseconds; copy GB/s = expert bytes / median tau. Pass them to 'expertcache choose --tau' or
 to the sizing options (--tau, --c) of replay / sweep. --slow-copies N times N repeated copies, as
 'eval --slow-copies N' makes them.
+
+--host (as 'eval --host') times the copy from where the experts live: memory (a copy out of
+host memory), mmap (a copy out of the checkpoint's mapped file, every sampled expert read once
+first: a page-cache hit) or direct (an O_DIRECT read of the file, then the copy: a device read).
 """
 
 
@@ -35,6 +39,8 @@ def add_parser(sub) -> None:
                    help="tokens per decode sequence for c (default 16)")
     p.add_argument("--slow-copies", type=positive_int, default=1, metavar="N",
                    help="time copies made N times each, as eval --slow-copies does (default 1)")
+    p.add_argument("--host", choices=("memory", "mmap", "direct"), default="memory",
+                   help="where the experts live between copies, as eval --host (default memory)")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -45,7 +51,7 @@ def run(args) -> int:
         from ..offload.calibrate import calibrate
     except ImportError as exc:
         raise ConfigError(first_line(exc)) from None
-    model = load_model(args.model, device=args.device, dtype=args.dtype, host_layers=args.layers)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, host_layers=args.layers, host=args.host)
     result = calibrate(model, repeats=args.repeats, tokens=args.tokens, layers=args.layers,
                        slow_copies=args.slow_copies)
     record = {"model": args.model, **result.to_dict()}
@@ -53,7 +59,9 @@ def run(args) -> int:
         emit_json([record])
         return 0
     r = result
-    print(f"model {args.model} on {r.device} ({r.dtype}), expert {r.expert_bytes / 1e6:.2f} MB")
+    print(f"model {args.model} on {r.device} ({r.dtype}), expert {r.expert_bytes / 1e6:.2f} MB, host {r.host}"
+          + (f" (samples served by the page cache {r.tau_tiers['page_cache']}, the device {r.tau_tiers['device']})"
+             if r.tau_tiers else ""))
     print(f"tau  {r.tau_ms:.4f} ms per expert copy (p10 {r.tau_ms_p10:.4f}, p90 {r.tau_ms_p90:.4f}; "
           f"{r.tau_samples} copies{'' if r.slow_copies == 1 else f', each made {r.slow_copies} times'}): "
           f"{r.copy_gbps:.1f} GB/s")

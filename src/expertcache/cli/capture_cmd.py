@@ -10,6 +10,7 @@ import argparse
 
 import numpy as np
 
+from .._progress import progress
 from .._text import first_line
 from ..errors import ConfigError
 from .common import add_json, add_layers, add_out, check_out, emit_json, positive_int
@@ -33,7 +34,8 @@ e.g. --record token-ids,next-top:8,hidden:16.
 def add_parser(sub) -> None:
     p = sub.add_parser("capture", help="record a Hugging Face MoE model's router trace (and model-side signals)",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (save_pretrained layout)")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="checkpoint folder (save_pretrained layout), or a .gguf file: captured from llama.cpp (docs/llama.md)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", metavar="IDS.npy",
                      help="token ids: a 1-d stream cut into --max-len sequences, or a 2-d [sequences, tokens] array")
@@ -45,6 +47,8 @@ def add_parser(sub) -> None:
     p.add_argument("--record", default=None, metavar="SIGNALS",
                    help="model-side signals: token-ids, next-top:M, hidden:D[:SEED] (comma-separated)")
     add_layers(p, "MoE layer ids to record (default all)")
+    p.add_argument("--generate", type=positive_int, default=None, metavar="N",
+                   help="with a .gguf model: greedy-decode N tokens after each sequence, keep the decode steps only")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32",
                    help="weights dtype (default float32)")
@@ -54,6 +58,12 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     check_out(args.out)
+    if str(args.model).lower().endswith(".gguf"):
+        from .llama_cmd import run_capture
+        return run_capture(args)
+    if args.generate is not None:
+        raise ConfigError("--generate: supported with a .gguf model (llama.cpp); for a checkpoint use "
+                          "expertcache.capture around model.generate")
     try:
         import torch
 
@@ -78,7 +88,7 @@ def run(args) -> int:
     dev = model_device(model)
     with torch.no_grad(), resident(find_sites(model), dev), \
             offload.capture(model, phase="all", router_probs=args.router_probs, layers=args.layers, record=spec) as cap:
-        for s in sequences:
+        for s in progress(sequences, desc="capture", disable=args.json):
             model(torch.as_tensor(np.asarray(s, dtype=np.int64)[None, :], device=dev))
     trace = cap.trace
     trace.save(args.out)

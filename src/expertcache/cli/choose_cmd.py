@@ -10,15 +10,18 @@ from __future__ import annotations
 import argparse
 
 from ..costmodel import (
-    DEFAULT_REPLAY_POLICIES, FRONTIER_FACTORS, frontier, measured_tau, read_runs, replayed_runs, validate,
+    DEFAULT_REPLAY_POLICIES, FRONTIER_FACTORS, frontier, measured_tau, replayed_runs, validate,
 )
-from ..costmodel.choose import choose
+import statistics
+
+from ..costmodel.choose import choose, is_lossless
+from ..costmodel.runs import check_unique, is_replay_record, read_records, replay_rows, run_from_record
 from ..errors import ConfigError, PolicyError
 from ..policies import make_policy
-from .common import add_json, emit_json, layer_ids, nonnegative_float, open_trace, table
+from .common import add_json, emit_json, layer_ids, nonnegative_float, open_trace, positive_int, table
 from .curves_cmd import check_plot, future_note, wrote
 from .replay_cmd import future_mark
-from .sizing_opts import duration
+from .sizing_opts import compute_time, duration
 
 HELP = """Choose the fastest policy within a quality tolerance, from measured runs (docs/choose.md).
 
@@ -28,6 +31,11 @@ rho (steady expert copies per token, summed over the offloaded layers) and dnll 
 all-resident NLL, nats). Optional: tau_ms (measured ms of one copy), ms_per_token (measured),
 slow_copies (N: every copy repeated N times; default 1), needs_future, lossless, capacity, pool
 and layers. Policies are chosen among the slow_copies 1 runs; one run per policy and factor.
+RUNS may also hold 'replay --json' or 'sweep --json' records (copies_per_token, no rho), alone
+or beside eval runs: each is a lossless run with rho = copies_per_token, dnll = 0 and c = --c
+(default: the median c_ms of the file's lossless eval runs), at --capacity (default: the eval
+runs' capacity, or the one capacity the records hold); a policy the file also measures keeps
+its measured run. Trace-only: 'choose replay.jsonl --tau 0.51ms --c 49tok/s'.
 
   admissible        dnll <= --tolerance
   ms/token          c + rho x tau (copies block compute); with --overlap also max(c, rho x tau)
@@ -47,7 +55,9 @@ causal cache can run.
 --validate compares, for each slow_copies factor N > 1, the winner predicted at N x tau (from the
 slow_copies 1 runs' c and rho, and their measured tau when they have one) with the measured
 winner (least ms_per_token among those slowed runs), with each winner's lead over the runner-up
-(a disagreement inside run-to-run noise is a tie, not a wrong model); it also prints the tau the
+(runs timed with 'eval --repeats' carry their spread, (max - min) / median: a verdict whose
+measured lead is inside the larger spread of the two runs it compares reads "tie (within
+noise)", neither agree nor DISAGREE); it also prints the tau the
 slowed runs measured, which on a CPU is well below N x tau (repeated copies of a cached expert are
 cheap). --plot draws dNLL against predicted
 tokens/s at tau x1, x10 and x50.
@@ -74,6 +84,12 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", type=layer_ids, default=None, metavar="IDS",
                    help="with --add-replay: the trace's layer ids to replay, the offloaded ones, e.g. '4-8,11-13' "
                         "(default: the runs' layers when they record them, else all)")
+    p.add_argument("--c", type=compute_time, default=None, metavar="DURATION",
+                   help="with replay/sweep records in RUNS: compute ms/token with every expert resident, e.g. 20ms or "
+                        "49tok/s (default: the median c_ms of the file's lossless eval runs)")
+    p.add_argument("--capacity", type=positive_int, default=None, metavar="C",
+                   help="with sweep records in RUNS: the capacity to choose at (default: the eval runs' capacity, or "
+                        "the one capacity the records hold)")
     p.add_argument("--validate", action="store_true",
                    help="compare the predicted with the measured winner of the slowed runs (slow_copies > 1)")
     p.add_argument("--plot", metavar="FILE", default=None,
@@ -92,25 +108,59 @@ def run(args) -> int:
             make_policy(spec)
         except PolicyError as err:
             raise ConfigError(f"--replay-policy: {err}") from None
-    runs = read_runs(args.runs)
-    added, skipped = [], []
+    runs, rows, skipped, rows_note = _file_runs(args)
+    added = []
     if args.add_replay:
         trace = open_trace(args.add_replay)
-        added, skipped = replayed_runs(runs, trace, args.replay_policies or DEFAULT_REPLAY_POLICIES,
-                                       layers=args.layers, source=args.add_replay)
+        added, skipped_replay = replayed_runs(runs + rows, trace, args.replay_policies or DEFAULT_REPLAY_POLICIES,
+                                              layers=args.layers, source=args.add_replay)
+        skipped += skipped_replay
     base_tau = measured_tau(runs)
-    choice = choose(runs + added, args.tolerance, args.tau, args.overlap)
+    choice = choose(runs + rows + added, args.tolerance, args.tau, args.overlap)
     checks = validate(runs, args.tolerance, choice.tau_ms if base_tau is None else base_tau, args.overlap) if args.validate else []
     if args.plot:
         _plot(args, choice)
     if args.json:
-        out = choice.to_dict(replayed=bool(args.add_replay))
+        out = choice.to_dict(replayed=bool(args.add_replay or rows))
         if args.validate:
             out["validate"] = [c.to_dict() for c in checks]
         emit_json([out])
         return 0
-    _print(args, choice, added, skipped, checks, base_tau, sum(r.slow_copies > 1 for r in runs))
+    _print(args, choice, added, rows, skipped, checks, base_tau, sum(r.slow_copies > 1 for r in runs), rows_note)
     return 0
+
+
+def _file_runs(args) -> tuple[list, list, list[str], str]:
+    """``(eval runs, lossless rows from replay/sweep records, policies left out)`` of RUNS: replay
+    and sweep records (copies_per_token, no rho) become runs with ``c`` = ``--c`` (default: the
+    median c_ms of the file's lossless eval runs), ``dnll`` 0; a policy the file also measures keeps
+    its measured run."""
+    records = read_records(args.runs)
+    replays = [(r, w) for r, w in records if is_replay_record(r)]
+    runs = [run_from_record(r, w) for r, w in records if not is_replay_record(r)
+            and not (isinstance(r, dict) and r.get("record") == "target")]
+    check_unique(runs)
+    if not replays:
+        if args.c is not None or args.capacity is not None:
+            raise ConfigError(f"--c and --capacity apply to replay or sweep records, and {args.runs} holds none")
+        return runs, [], [], ""
+    c_ms, c_from = args.c, "--c"
+    if c_ms is None:
+        lossless = [r.c_ms for r in runs if r.slow_copies == 1 and is_lossless(r)]
+        if not lossless:
+            raise ConfigError(f"{replays[0][1]}: a replay/sweep record (copies_per_token, no rho): give --c, the "
+                              "compute ms/token with every expert resident (e.g. 20ms or 49tok/s), to choose from it")
+        c_ms, c_from = statistics.median(lossless), "median c_ms of the lossless eval runs"
+    capacity = args.capacity
+    if capacity is None:
+        caps = {r.capacity for r in runs if r.slow_copies == 1 and r.capacity is not None}
+        capacity = caps.pop() if len(caps) == 1 else None
+    rows = replay_rows(replays, c_ms=c_ms, capacity=capacity, name=args.runs)
+    measured = {r.policy for r in runs if r.slow_copies == 1}
+    skipped = [r.policy for r in rows if r.policy in measured]
+    note = (f"replay/sweep rows: rho = copies_per_token at capacity {rows[0].capacity if rows else capacity}, "
+            f"c = {c_ms:.4g} ms ({c_from}), dnll = 0 (lossless rules compute what the all-resident model computes)")
+    return runs, [r for r in rows if r.policy not in measured], skipped, note
 
 
 def _plot(args, choice) -> None:
@@ -124,8 +174,9 @@ def _plot(args, choice) -> None:
                               f"tau = {choice.tau_ms:.4g} ms per copy, ms/token = {model}"))
 
 
-def _print(args, choice, added, skipped, checks, base_tau, n_slow: int) -> None:
-    print(f"{args.runs}: {len(choice.runs) - len(added)} run(s) at slow_copies 1"
+def _print(args, choice, added, file_rows, skipped, checks, base_tau, n_slow: int, rows_note: str) -> None:
+    print(f"{args.runs}: {len(choice.runs) - len(added) - len(file_rows)} run(s) at slow_copies 1"
+          + (f", {len(file_rows)} lossless row(s) from its replay/sweep records" if file_rows else "")
           + (f", {len(added)} replayed from {args.add_replay}" if added else "")
           + (f", {n_slow} slowed run(s) (for --validate)" if n_slow else ""))
     source = "--tau" if args.tau is not None else "median tau_ms of the slow_copies 1 runs"
@@ -136,7 +187,8 @@ def _print(args, choice, added, skipped, checks, base_tau, n_slow: int) -> None:
     headers = ["policy", "future", "c ms", "rho", "dnll", "admissible", "ms/tok", "tok/s"]
     if args.overlap:
         headers += ["ovl ms/tok", "ovl tok/s"]
-    if added:
+    sourced = bool(added or file_rows)
+    if sourced:
         headers.append("source")
     rows = []
     for r, p in zip(choice.runs, choice.predictions):
@@ -144,7 +196,7 @@ def _print(args, choice, added, skipped, checks, base_tau, n_slow: int) -> None:
                p.ms_per_token, p.tokens_per_s]
         if args.overlap:
             row += [p.ms_per_token_overlapped, p.tokens_per_s_overlapped]
-        if added:
+        if sourced:
             row.append("replayed" if r.replayed else "measured")
         rows.append(row)
     table(rows, headers)
@@ -155,6 +207,8 @@ def _print(args, choice, added, skipped, checks, base_tau, n_slow: int) -> None:
         r = added[0]
         print(f"replayed: rho from {args.add_replay} at capacity {r.capacity} ({r.pool} pool, layers "
               f"{','.join(map(str, r.layers))}), c = {r.c_ms:.4g} ms (median c_ms of the lossless runs), dnll = 0")
+    if rows_note:
+        print(rows_note)
     if skipped:
         print(f"not replayed (the file measures them): {', '.join(skipped)}")
     model = "max(c, rho x tau)" if args.overlap else "c + rho x tau"
@@ -173,11 +227,11 @@ def _print(args, choice, added, skipped, checks, base_tau, n_slow: int) -> None:
     else:
         print(f"crossovers: none; {w.policy} is the fastest admissible policy at every tau > 0 ({model})")
     for c in checks:
-        verdict = "agree" if c.agree else "DISAGREE"
         margins = [(what, c.margin(key)) for what, key in (("predicted", "ms_predicted"), ("measured", "ms_measured"))]
         margin = ", ".join(f"{what} {100 * m:.1f}%" for what, m in margins if m is not None)
-        print(f"\nvalidate slow_copies {c.slow_copies}: predicted {c.predicted}, measured {c.measured}: {verdict}"
-              + (f" (lead over the runner-up: {margin})" if margin else ""))
+        noise = f"; run-to-run spread {100 * c.noise:.1f}%" if c.noise is not None else ""
+        print(f"\nvalidate slow_copies {c.slow_copies}: predicted {c.predicted}, measured {c.measured}: {c.verdict}"
+              + (f" (lead over the runner-up: {margin}{noise})" if margin else ""))
         base = c.tau_ms / c.slow_copies
         measured = (f"; these runs measured {c.tau_ms_measured:.4g} ms ({c.tau_ms_measured / base:.3g} x the base)"
                     if c.tau_ms_measured is not None and base > 0 else "")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Any, Iterable, Sequence
 
-from .._io import check_writable
+from .._io import check_not_input, check_writable
 from ..errors import ConfigError
 from ..trace import Trace, load_trace, parse_layers
 
@@ -89,6 +90,19 @@ def seed_int(text: str) -> int:
     return _int_in(text, 0, 2**63 - 1, "a non-negative integer", "below 2**63")
 
 
+def byte_size(what: str):
+    """An argparse type for a byte size (``400MB``, ``1.5GiB``; expertcache._units.parse_bytes),
+    its errors in one line naming ``what``."""
+    from .._units import parse_bytes
+
+    def parse(text: str) -> int:
+        try:
+            return parse_bytes(text, what)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{what}: ")) from None
+    return parse
+
+
 def nonnegative_float(text: str) -> float:
     """A finite number >= 0 (no nan, no inf)."""
     try:
@@ -123,6 +137,36 @@ def check_out(path: str | None, option: str = "--out") -> None:
     """Refuse an output path whose folder does not exist before any work is done."""
     if path is not None:
         check_writable(path, option)
+
+
+OUTPUT_OPTIONS = ("out", "plot", "capture")
+"""The options (argparse dests) naming a file a command writes; every other string is a possible input."""
+
+
+def refuse_overwriting_inputs(args: argparse.Namespace) -> None:
+    """Before any command runs: none of its outputs (``--out``, ``--plot``, ``--capture``) may be
+    a file it was given (the same path, a hard link, a symbolic link; also a trace folder's
+    routing.npz or a checkpoint's config and weights). Inputs are every other string option:
+    paths, comma lists (``--traces A,B``) and ``NAME:PATH`` values (``-p learned:PATH``)."""
+    values = vars(args)
+    inputs = list(dict.fromkeys(s for k, v in values.items() if k not in OUTPUT_OPTIONS for s in _paths_in(v)))
+    for dest in OUTPUT_OPTIONS:
+        if isinstance(values.get(dest), str):
+            check_not_input(values[dest], inputs, "--" + dest)
+
+
+def _paths_in(value) -> Iterable[str]:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _paths_in(v)
+        return
+    if not isinstance(value, (str, os.PathLike)) or not isinstance(text := os.fspath(value), str):
+        return
+    yield text
+    for part in text.split(","):
+        yield part.strip()
+        if ":" in part:
+            yield part.split(":", 1)[1].strip()
 
 
 def open_trace(path: str) -> Trace:

@@ -18,22 +18,23 @@ import contextlib
 import sys
 from typing import Iterator
 
-from ..costmodel import FIGURES, GB, cache_bytes
+from ..costmodel import FIGURES
+from ..errors import ConfigError
 from ..policies import available_policies, make_policy
 from ..report.plots import plot_format
 from ..sim import StreamOptions, build_layout
 from ..sim.curves import (
-    CAUSAL_RULES, DEFAULT_HORIZONS, DEFAULT_POLICIES, FAIR_WARM, capacity_bounds, compare_pools, curve_target,
+    CAUSAL_RULES, DEFAULT_HORIZONS, DEFAULT_POLICIES, FAIR_WARM, capacity_bounds, compare_pools,
     foresight_curve, sweep_layout,
 )
 from .common import (
     add_json, add_parallel_options, add_replay_options, check_out, describe, emit_json, nonnegative_float, open_trace,
     parallel_jobs, positive_int, setup_line, table,
 )
-from .budget_opts import (add_tier_options, attach_profile, budget_capacities, budget_range, per_unit,
-                          print_budget_sweep)
+from .budget_opts import (add_tier_options, attach_profile, budget_capacities, budget_range, clamp_capacity,
+                          clip_capacities, per_unit, print_budget_sweep)
 from .replay_cmd import future_mark
-from .sizing_opts import add_sizing_options, resolve_sizing
+from .sizing_opts import add_sizing_options, print_targets, resolve_sizing, target_records
 
 POLICY_HELP = (
     f"repeatable; one of {', '.join(available_policies())}, with a parameter as in 'decayed:0.9', 'foresight:16'"
@@ -209,13 +210,19 @@ def future_note(names: list[str]) -> str:
 def run_sweep(args) -> int:
     check_plot(args.plot)
     targeted = args.target_hit_rate is not None or args.target_copies is not None
+    if targeted and args.budgets is not None:  # before any work or output
+        raise ConfigError("--target-hit-rate/--target-copies work on --capacities; with --budgets read the table")
     trace = open_trace(args.trace)
     setup = resolve_sizing(args, trace)
     policies = [make_policy(s) for s in (args.policies or ["lru", "belady"])]
     attach_profile(policies, args.profile)
     specs = [p if getattr(p, "takes_profile", False) else p.spec for p in policies]
     layout = build_layout(trace, StreamOptions.from_args(args))
-    capacities, budgets = args.capacities, None
+    capacities, budgets, clipped = args.capacities, None, ""
+    if capacities is not None:
+        capacities, clipped = clip_capacities(capacities, int(layout.n_items), layout.pool)
+        if clipped and args.json:
+            print(f"expertcache sweep: note: {clipped}", file=sys.stderr)
     if args.budgets is not None:
         budgets = budget_capacities(args.budgets, layout, setup, lossless=any(p.admits for p in policies))
         capacities = sorted({c for _, c in budgets})
@@ -228,13 +235,11 @@ def run_sweep(args) -> int:
     if args.plot:
         from ..report.plots import plot_mrc
 
-        per_cap = None if budgets is None else setup.sizing.expert_bytes * (1 if args.pool == "global" else len(layout.layer_ids))
-        wrote(plot_mrc(curves, args.plot, trace=trace.name, budget_bytes_per_capacity=per_cap))
+        wrote(plot_mrc(curves, args.plot, trace=trace.name, budgets=budgets,
+                       target_hit_rate=args.target_hit_rate, target_copies=args.target_copies))
     if budgets is not None:
         return print_budget_sweep(curves, budgets, layout, setup, trace, args)
-    targets = [_target_record(c, curve_target(c, target_hit_rate=args.target_hit_rate,
-                                               target_copies=args.target_copies), setup, trace.name)
-               for c in curves] if targeted else []
+    targets = target_records(curves, layout, trace, args, setup) if targeted else []
     if args.json:
         emit_json(r.to_dict() | {"trace": trace.name, "method": c.method, "unit": args.unit} | setup.result_record(r)
                   for c in curves for r in c.results)
@@ -242,6 +247,8 @@ def run_sweep(args) -> int:
         return 0
     print(describe(trace))
     print(setup_line(curves[0], "capacity = experts " + ("in the global pool" if args.pool == "global" else "per layer")))
+    if clipped:
+        print(clipped)
     with_gap = [c for c in curves if c.policy not in ("lru", "belady") and c.results[0].gap_recovered is not None]
     per = "copies/iter" if args.unit == "iteration" else "copies/tok"
     headers = ["capacity"] + [f"{c.policy} {col}" for c in curves for col in (per, "hit")]
@@ -263,58 +270,8 @@ def run_sweep(args) -> int:
                 for i, cap in enumerate(curves[0].capacities) for c in curves]
         table(rows, ["capacity", "policy", "future", *setup.headers()])
     if targets:
-        _print_targets(targets)
+        print_targets(targets)
     return 0
-
-
-def _target_record(curve, target, setup, trace_name: str) -> dict:
-    """The ``"record": "target"`` JSON object of one policy (see docs/sizing.md)."""
-    r = curve.at(target.capacity) if target.reached else None
-    S = setup.sizing.expert_bytes
-    memory = (cache_bytes(target.capacity, S, pool=curve.pool, num_layers=len(curve.layers))
-              if r is not None and S is not None else None)
-    rec = {
-        "record": "target", "policy": curve.policy, "needs_future": curve.needs_future,
-        "target_hit_rate": target.target_hit_rate, "target_copies": target.target_copies,
-        "capacity": target.capacity, "reached": target.reached, "cache_bytes": memory,
-        "hit_rate": r.hit_rate if r else None, "copies_per_token": r.copies_per_token if r else None,
-        "max_capacity": target.max_capacity, "misses_again_at": list(target.misses_again_at),
-        "pool": curve.pool, "layers": list(curve.layers), "trace": trace_name,
-    }
-    if setup.active:
-        sized = setup.result_record(r) if r is not None else setup.sizing.inputs() | dict.fromkeys(FIGURES)
-        rec |= sized | {"cache_bytes": memory}
-    return rec
-
-
-def _print_targets(records: list[dict]) -> None:
-    """The target lines, one per policy, from the ``"record": "target"`` objects."""
-    r0 = records[0]
-    want = []
-    if r0["target_hit_rate"] is not None:
-        want.append(f"hit rate >= {r0['target_hit_rate']:g}")
-    if r0["target_copies"] is not None:
-        want.append(f"copies/token <= {r0['target_copies']:g}")
-    unit = "in the global pool" if r0["pool"] == "global" else "per layer"
-    print(f"\nsmallest swept capacity with {' and '.join(want)} (experts {unit}):")
-    width = max(len(r["policy"]) for r in records)
-    for r in records:
-        mark = " (needs future)" if r["needs_future"] else ""
-        if not r["reached"]:
-            print(f"  {r['policy']:<{width}}  not reached up to C={r['max_capacity']}{mark}")
-            continue
-        line = (f"  {r['policy']:<{width}}  C={r['capacity']}: hit rate {r['hit_rate']:.4f}, "
-                f"{r['copies_per_token']:.4f} copies/token")
-        if r["cache_bytes"] is not None:
-            line += f", cache {r['cache_bytes'] / GB:.4g} GB"
-        if r.get("ms_per_token") is not None:
-            line += f", {r['ms_per_token']:.4g} ms/token ({r['tokens_per_s_predicted']:.4g} tok/s)"
-        line += mark
-        again = r["misses_again_at"]
-        if again:
-            shown = ", ".join(map(str, again[:8])) + (", ..." if len(again) > 8 else "")
-            line += f"; not monotone: misses the target again at C={shown}"
-        print(line)
 
 
 def run_foresight(args) -> int:
@@ -345,7 +302,7 @@ def run_pools(args) -> int:
     trace = open_trace(args.trace)
     setup = resolve_sizing(args, trace)
     specs = [make_policy(s).spec for s in (args.policies or DEFAULT_POLICIES)]
-    capacities = [args.capacity] if args.capacity is not None else args.capacities
+    capacities, note = _pool_capacities(args, trace)
     with progress(2 * len(specs) * len(capacities), "compare-pools") as tick:
         comps = compare_pools(trace, capacities, specs, warm=args.warm, reset=args.reset, layers=args.layers,
                               progress=tick)
@@ -358,6 +315,8 @@ def run_pools(args) -> int:
         return 0
     L = len(comps[0].split.layers)
     print(describe(trace))
+    if note:
+        print(note)
     print(f"{L} layer(s); split = one pool of C per layer, global = one pool of {L} x C; scored tokens "
           f"{comps[0].split.tokens}" + (f" (warm fraction {args.warm:g})" if args.warm else ""))
     rows = [
@@ -374,6 +333,15 @@ def run_pools(args) -> int:
                 for c in comps for name, r in (("split", c.split), ("global", c.shared))]
         table(rows, ["C/layer", "policy", "future", "pool", *setup.headers()])
     return 0
+
+
+def _pool_capacities(args, trace) -> tuple[list[int], str]:
+    """Per-layer capacities of compare-pools, clamped or clipped at E with a note."""
+    E = trace.num_experts
+    if args.capacity is not None:
+        capacity, note = clamp_capacity(args.capacity, E)
+        return [capacity], note
+    return clip_capacities(args.capacities, E)
 
 
 def _pools_sizing(setup, comp) -> dict:

@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
     p.add_argument("--capacity", "-c", type=positive_int, help="experts per layer (default 32, or E/2 with --trace)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the embedded default trace (default 0)")
     add_sizing_options(p)
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+                   help="live part: time every run N times, interleaved; the median is shown and a lead inside "
+                        "the spread is a tie (default 3)")
     p.add_argument("--no-live", action="store_true",
                    help="skip the live part (eval of lossless and set-holding rules on models/small-moe, and choose)")
     p.add_argument("--json", action="store_true", help="print the policy records as JSON lines, no tables")
@@ -68,6 +71,7 @@ def run(args) -> int:
         trace = synthesize_preset("olmoe", seed=args.seed)
         layers, capacity = list(preset.replay_layers), args.capacity or preset.replay_capacity
         setup = resolve_sizing(args, trace, defaults=L40S, default_source=L40S_SOURCE)
+    _check_capacity(capacity, trace)  # before anything is printed
     results = replay_many(trace, capacity, POLICIES, layers=layers)
     if args.json:
         emit_json(r.to_dict() | {"trace": trace.name} | setup.result_record(r) for r in results)
@@ -96,8 +100,10 @@ def run(args) -> int:
         print("\nplots skipped: matplotlib is not installed (pip install 'expertcache[plot]')")
     else:
         mrc = plot_mrc(curves, out / "mrc.png", trace=trace.name)
-        fs = plot_foresight(curve, out / "foresight.png", trace=trace.name)
-        print(f"\nwrote {mrc} and {fs}")
+        if any(g is not None for g in curve.gap):
+            print(f"\nwrote {mrc} and {plot_foresight(curve, out / 'foresight.png', trace=trace.name)}")
+        else:
+            print(f"\nwrote {mrc}; foresight plot skipped: LRU and Belady tie at capacity {capacity}, no gap to share")
 
     real = _shared_trace()
     if real is not None and not args.trace:
@@ -110,8 +116,19 @@ def run(args) -> int:
     if not args.trace and not args.no_live:
         from .demo_live import live_section
 
-        live_section()
+        live_section(args.repeats)
     return 0
+
+
+def _check_capacity(capacity: int, trace) -> None:
+    """The demo compares policies: at or above E every expert fits and none matters, below k none
+    can serve a token. Refused in one line before the report starts."""
+    E, k = trace.num_experts, trace.top_k
+    if capacity >= E:
+        raise ConfigError(f"-c {capacity}: at or above E={E} every expert fits and no policy makes a copy, so there "
+                          f"is nothing to compare; give a capacity from {k} to {E - 1} (default {max(k, E // 2)})")
+    if capacity < k:
+        raise ConfigError(f"-c {capacity}: below the {k} experts one token requests at a layer; give {k} to {E - 1}")
 
 
 def _make_folder(out: Path) -> None:

@@ -18,7 +18,10 @@ from .._text import first_line
 from ..errors import ConfigError
 from ..trace.npz import read_npy
 from ..policies import available_policies
-from .common import add_json, add_layers, check_out, emit_json, nonnegative_float, positive_int, table
+
+HOSTS = ("memory", "mmap", "direct")
+  # expertcache.offload.host.HOSTS (kept here: --help needs no torch)
+from .common import add_json, add_layers, byte_size, check_out, emit_json, nonnegative_float, positive_int, table
 
 HELP = """Teacher-force token sequences through a Hugging Face MoE checkpoint whose experts live in host
 memory behind CAPACITY device slots per offloaded layer, once per policy, and compare each run
@@ -51,6 +54,15 @@ equal length together: one cache step per layer per position over the union of t
 --pool global shares CAPACITY slots among all offloaded layers (decode mode), as replay --pool global.
 Timing per step (ms/token) is compared with the blocking sum c + rho*tau and the overlapped bound
 max(c, rho*tau), c being the reference's time per step and tau the measured time of one copy.
+
+--host says where the offloaded experts live between copies: memory (default: loaded into host
+memory), mmap (left in the checkpoint's safetensors files, copied on a miss from a read-only
+mapping: the page cache is the host tier) or direct (read on a miss with O_DIRECT: every miss
+pays the device). Each record reports where each request was served (tier_hits: slot, host
+memory, page cache, device) and this process's own read_bytes from /proc/self/io.
+--repeats N runs the reference and every policy N times, interleaved, and reports the median
+round's timings with each round's ms/token and the spread (max - min) / median.
+A capacity at or above the experts per layer holds every expert: it is clamped (a note says so).
 """
 
 
@@ -86,6 +98,18 @@ def add_parser(sub) -> None:
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--capture", metavar="OUT.npz", help="save the reference pass's router trace (canonical .npz)")
     p.add_argument("--router-probs", action="store_true", help="include the full router softmax in --capture")
+    p.add_argument("--host", choices=HOSTS, default="memory",
+                   help="where offloaded experts live between copies: memory (default), mmap (the checkpoint's "
+                        "files through the page cache) or direct (O_DIRECT reads: every miss pays the device)")
+    p.add_argument("--repeats", type=positive_int, default=1, metavar="N",
+                   help="run the reference and each policy N times, interleaved; timings: the median round, "
+                        "with each round's ms/token and the spread (default 1)")
+    p.add_argument("--memory-wall", type=byte_size("--memory-wall"), default=None, metavar="SIZE",
+                   help="run behind the tier's memory wall (a memory cgroup): the page cache holding experts "
+                        "(--host mmap) gets at most SIZE, e.g. 400MB; the record carries the wall's proof")
+    p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
+                   help="with --memory-wall: the process's own memory above SIZE (default: calibrated by a "
+                        "short run: its anonymous peak + 8 MB)")
     p.add_argument("--tolerance", type=nonnegative_float, default=5e-3, metavar="NATS",
                    help="largest |nll - nll_reference| a lossless policy may show (default 5e-3)")
     add_json(p)
@@ -94,23 +118,33 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     check_out(args.capture, "--capture")
+    if args.headroom is not None and args.memory_wall is None:
+        raise ConfigError("--headroom needs --memory-wall")
     hf = _import_hf()
     hf.check_checkpoint(args.model, "--model")
+    if args.memory_wall is not None:
+        return _run_walled(args)
     ids = _read_tokens(args.tokens) if args.tokens else _read_text(args.model, args.text)  # inputs first: cheap
-    model = hf.load_model(args.model, device=args.device, dtype=args.dtype, host_layers=args.layers)
+    model = hf.load_model(args.model, device=args.device, dtype=args.dtype, host_layers=args.layers, host=args.host)
     sequences = hf.split_tokens(ids, args.max_len, args.max_sequences)
+    fits = hf.fitting_capacity(model, args.capacity, args.layers, args.pool)
+    if fits < args.capacity:  # before the long passes, on stderr so --json stays a clean stream
+        what = "experts of each offloaded layer" if args.pool == "layer" else "experts of the offloaded layers together"
+        print(f"expertcache eval: note: capacity {args.capacity} is at or above the {fits} {what}: every expert fits; "
+              f"clamped to {fits} (no steady copies, only each sequence's fill)", file=sys.stderr)
     evaluation = hf.evaluate(
         model, sequences, args.capacity, args.policies or ["lru", "belady"], args.layers,
         mode=args.mode, tolerance=args.tolerance, router_probs=args.router_probs,
         progress=sys.stderr.isatty() and not args.json, batch=args.batch, prefetch=args.prefetch,
-        reference=args.reference, pool=args.pool, slow_copies=args.slow_copies,
+        reference=args.reference, pool=args.pool, slow_copies=args.slow_copies, repeats=args.repeats,
     )
     if evaluation.dropped:
         print(f"expertcache eval: warning: --batch {args.batch} leaves out the last {evaluation.dropped} sequence(s): "
               "they do not fill a batch of equal-length rows", file=sys.stderr)
     if args.capture:
         evaluation.trace.save(args.capture)
-    records = [r.to_dict() | {"model": args.model, "needs_future": r.stats.needs_future} for r in evaluation.results]
+    records = [r.to_dict() | {"model": args.model, "needs_future": r.stats.needs_future,
+                              "capacity_requested": args.capacity} for r in evaluation.results]
     if args.json:
         emit_json(records)
     else:
@@ -127,10 +161,10 @@ def _print_table(args, evaluation, records) -> None:
     print(
         f"model {args.model}: {first['sequences']} sequence(s), {first['tokens']} tokens, mode {first['mode']}, "
         f"device {first['device']}; " + (
-            f"capacity {args.capacity} of {evaluation.trace.num_experts} experts per layer in layers {layers}"
+            f"capacity {first['capacity']} of {evaluation.trace.num_experts} experts per layer in layers {layers}"
             if args.pool == "layer" else
-            f"capacity {args.capacity} slots shared by layers {layers} ({evaluation.trace.num_experts} experts each)"
-        )
+            f"capacity {first['capacity']} slots shared by layers {layers} ({evaluation.trace.num_experts} experts each)"
+        ) + f"; host {first['host']}" + (f"; {first['repeats']} interleaved rounds" if first["repeats"] > 1 else "")
     )
     ref = evaluation.reference
     kind = "all experts resident" if evaluation.reference_kind == "resident" else evaluation.reference_kind
@@ -145,18 +179,83 @@ def _print_table(args, evaluation, records) -> None:
     ]
     table(rows, ["policy", "future", "nll", "dnll", "exact", "copies/token", "steady", "total", "switch", "tok/s",
                  "x ref", "ms/token", "c+rho*tau", "max(c,rho*tau)", "= replay"])
+    _print_tiers(args, records)
     if args.prefetch != "none":
         table([(r["policy"], r["prefetch_copies"], r["prefetch_hits"], r["prefetch_wasted"], r["prefetch_pending"])
                for r in records], [f"prefetch {args.prefetch}", "copies", "used", "wasted", "pending"])
     mem = first["memory"]
     line = (f"memory: {mem['host_expert_bytes'] / 1e6:.1f} MB of experts in {'pinned ' if mem['pinned'] else ''}host memory, "
-            f"{mem['slot_bytes'] / 1e6:.1f} MB of slots")
+            + (f"{mem['file_expert_bytes'] / 1e6:.1f} MB left in the checkpoint's files, " if mem["file_expert_bytes"] else "")
+            + f"{mem['slot_bytes'] / 1e6:.1f} MB of slots")
     if mem["device_peak_bytes"] is not None:
         line += (f", {mem['device_weight_bytes'] / 1e6:.1f} MB of other weights on the device, peak device memory "
                  f"{max(r['memory']['device_peak_bytes'] for r in records) / 1e6:.1f} MB")
     print(line)
     if args.capture:
         print(f"trace of the reference pass saved to {args.capture}")
+
+
+def _child_argv(args, **override) -> list[str]:
+    """The same ``eval`` for the walled child (JSON out; ``override``: options to change)."""
+    v = vars(args) | override
+    argv = ["eval", "--model", v["model"], "--capacity", str(v["capacity"])]
+    argv += ["--tokens", v["tokens"]] if v["tokens"] else ["--text", v["text"]]
+    for spec in v["policies"] or ["lru", "belady"]:
+        argv += ["--policy", spec]
+    if v["layers"] is not None:
+        argv += ["--layers", ",".join(map(str, v["layers"]))]
+    for opt in ("max_len", "max_sequences", "mode", "device", "prefetch", "batch", "slow_copies", "pool",
+                "reference", "dtype", "capture", "host", "repeats", "tolerance"):
+        if v[opt] is not None:
+            argv += ["--" + opt.replace("_", "-"), str(v[opt])]
+    return argv + (["--router-probs"] if v["router_probs"] else []) + ["--json"]
+
+
+def _run_walled(args) -> int:
+    """``eval`` as a child behind the memory wall (see expertcache.offload.wall); its records + the proof."""
+    from ..offload.wall import walled_eval
+
+    reference = "offloaded" if args.reference == "auto" else args.reference  # all resident would fill the wall
+    child = _child_argv(args, reference=reference)
+    calibration = _child_argv(args, reference=reference, policies=(args.policies or ["lru"])[:1],
+                              max_sequences=1, repeats=1, capture=None, router_probs=False)
+    records, wall, stderr = walled_eval(child, calibration, args.memory_wall, headroom_bytes=args.headroom)
+    for line in stderr.splitlines():
+        if line.startswith("expertcache eval:"):
+            print(line, file=sys.stderr)  # the child's notes and failed checks
+    if args.json:
+        emit_json(records)
+    else:
+        r0 = records[0]
+        print(f"model {args.model}: {r0['sequences']} sequence(s), {r0['tokens']} tokens, capacity {r0['capacity']}, "
+              f"host {r0['host']}, behind a memory wall of {args.memory_wall / 1e6:.0f} MB ({wall['enforced_by']})")
+        table([(r["policy"], r["nll"], r["dnll"], "yes" if r["exact"] else ("NO" if r["lossless"] else "lossy"),
+                r["copies_per_token"], r["ms_per_token"]) for r in records],
+              ["policy", "nll", "dnll", "exact", "copies/token", "ms/token"])
+        _print_tiers(args, records)
+        pr = wall["proof"]
+        print(f"wall: limit {pr.get('limit_bytes')} bytes (capacity {args.memory_wall} + headroom {wall['headroom_bytes']}; "
+              f"{wall['headroom_note']}); tier peak {pr.get('tier_peak_bytes')} bytes, anonymous peak "
+              f"{pr.get('anon_peak_bytes')}; proof {'ok' if wall['proof_ok'] else 'FAILED: ' + (wall['note'] or 'incomplete')}")
+    if not wall["proof_ok"]:
+        print(f"expertcache eval: warning: the memory wall's proof does not hold ({wall['note'] or 'incomplete'}): "
+              "the page cache was not bounded by --memory-wall", file=sys.stderr)
+    bad = [r for r in records if (r["lossless"] and not r["exact"]) or r["replay_agrees"] is False]
+    return 1 if bad else 0
+
+
+def _print_tiers(args, records) -> None:
+    """Where the requests were served (slot, host memory, page cache, device), this process's own
+    read bytes, and with --repeats each policy's spread of ms/token."""
+    rows = []
+    for r in records:
+        t = r["tier_hits"]
+        read = r["read_bytes_self"]
+        rows.append((r["policy"], t["slot"], t["host_memory"], t["page_cache"], t["device"],
+                     t["device_bytes"] / 1e6, "n/a" if read is None else f"{read / 1e6:.1f}",
+                     f"{100 * r['ms_per_token_spread']:.1f}%"))
+    table(rows, ["policy", "slot hits", "host memory", "page cache", "device", "device MB", "read MB (self)",
+                 f"ms/token spread ({records[0]['repeats']} runs)"])
 
 
 def _import_hf():
@@ -166,7 +265,10 @@ def _import_hf():
         from ..offload.passes import split_tokens
     except ImportError as exc:
         raise ConfigError(first_line(exc)) from None
-    return SimpleNamespace(check_checkpoint=offload.check_checkpoint, load_model=offload.load_model, evaluate=offload.evaluate, split_tokens=split_tokens)
+    from ..offload.evaluation import fitting_capacity
+
+    return SimpleNamespace(check_checkpoint=offload.check_checkpoint, load_model=offload.load_model,
+                           evaluate=offload.evaluate, split_tokens=split_tokens, fitting_capacity=fitting_capacity)
 
 
 def _read_tokens(path: str) -> np.ndarray:

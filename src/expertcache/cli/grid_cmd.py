@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .._progress import progress
 from .common import add_json, emit_json, positive_int, table
 
 HELP = """Run a grid of replays from a TOML spec, or report on its results (docs/grid.md).
@@ -39,7 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ray", metavar="auto|ADDRESS", default=None,
                    help="run the cells as Ray tasks: 'auto' joins this machine's Ray or starts a local one with "
                         "--jobs CPUs, ADDRESS joins a cluster (pip install 'expertcache[ray]')")
-    p.add_argument("--force", action="store_true", help="recompute cells already in the results")
+    p.add_argument("--force", action="store_true", help="recompute cells already in the results; also: write into an existing folder that holds "
+                        "no grid results")
     p.add_argument("--plot", metavar="DIR", help="with 'report': write one PNG per table into DIR")
     add_json(p)
     p.set_defaults(func=run)
@@ -70,16 +72,11 @@ def run_grid_cmd(args) -> int:
     from ..grid.store import require_pyarrow
 
     require_pyarrow()
+    _check_results_folder(args.out, args.force)
     spec = load_spec(args.spec)
-    bar = {}
-
-    with progress_for(bar) as advance:
-        def on_start(n):
-            bar["n"] = n
-            advance(0)  # opens the bar now that the number of cells is known
-
-        summary = run_grid(spec, args.out, jobs=args.jobs, force=args.force, ray=args.ray, on_start=on_start,
-                           on_cells=lambda n: advance(n))
+    with progress(desc="grid cells", disable=args.json) as bar:  # its total is known once run_grid starts
+        summary = run_grid(spec, args.out, jobs=args.jobs, force=args.force, ray=args.ray,
+                           on_start=lambda n: bar.reset(total=n), on_cells=bar.update)
     if args.json:
         emit_json([summary])
     else:
@@ -88,28 +85,21 @@ def run_grid_cmd(args) -> int:
     return 0
 
 
-class progress_for:
-    """The sweep commands' progress bar (tqdm on a terminal, nothing otherwise), opened once the
-    number of cells to compute is known (``state["n"]``)."""
+def _check_results_folder(out: str, force: bool) -> None:
+    """A grid writes into a new or empty folder, or resumes one holding its results (part-*.parquet);
+    writing into any other existing folder needs --force."""
+    from pathlib import Path
 
-    def __init__(self, state: dict):
-        self.state, self.cm, self.update = state, None, None
+    from ..errors import ConfigError
 
-    def __enter__(self):
-        return self.advance
-
-    def advance(self, n: int) -> None:
-        if self.cm is None:
-            from .curves_cmd import progress
-
-            self.cm = progress(self.state.get("n", 0), "grid cells")
-            self.update = self.cm.__enter__()
-        self.update(n)
-
-    def __exit__(self, *exc):
-        if self.cm is not None:
-            self.cm.__exit__(*exc)
-        return False
+    folder = Path(out)
+    if force or not folder.is_dir() or any(folder.glob("part-*.parquet")):
+        return
+    others = sorted(p.name for p in folder.iterdir())
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise ConfigError(f"--out {out}: an existing folder holding no grid results ({shown}); name a new or empty "
+                          "folder, or pass --force to write into it")
 
 
 def run_report(args) -> int:

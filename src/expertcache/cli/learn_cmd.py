@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from .._progress import progress
 from ..errors import ConfigError
+from ..learn.split_eval import add_split_arguments, run_split
 from .budget_opts import check_positions, sequence_positions
 from .common import (_int_in, add_json, add_layers, add_out, add_subcommands, check_out, emit_json, open_trace, positive_int,
                      seed_int, table)
@@ -73,6 +75,7 @@ def add_parser(sub) -> None:
                    help="sequence folds, at least 2 (default 2); a trace of one sequence is cut into this many "
                         "contiguous parts")
     e.add_argument("--seeds", type=_seeds, default=[0, 1, 2], metavar="S,S,...", help="training seeds (default 0,1,2)")
+    add_split_arguments(e)
     add_json(e)
     e.set_defaults(func=run_eval, default_rounds=1)
 
@@ -188,16 +191,23 @@ def run_eval(args) -> int:
         raise ConfigError("--traces: name at least one trace")
     traces = [(p, open_trace(p)) for p in paths]
     tables_from = open_trace(args.tables_from) if args.tables_from else None
-    results, notes = [], []
+    if args.split is not None or args.bootstrap:
+        return run_split(args, traces, states, rounds, tables_from)
+    results, notes, todo = [], [], []
     for path, trace in traces:
         for c in args.capacity:
             why = _unusable(trace, c, args.folds)
             if why:
                 notes.append({"trace": trace.name, "path": path, "capacity": c, "skipped": why})
-                continue
+            else:
+                todo.append((path, trace, c))
+    steps = sum(_fold_count(t, args.folds) * len(args.seeds) for _, t, _ in todo)
+    with progress(total=steps, desc="learn eval", disable=args.json) as bar:
+        for path, trace, c in todo:
+            bar.set_postfix_str(f"{trace.name} C={c}", refresh=False)
             res = evaluate(trace, c, folds=args.folds, seeds=args.seeds, states=states, rounds=rounds,
                            pool=args.pool, layers=args.layers, features=args.features,
-                           tables_from=tables_from)
+                           tables_from=tables_from, progress=lambda _msg: bar.update(1))
             res["path"] = path
             results.append(res)
     if args.json:
@@ -217,6 +227,11 @@ def run_eval(args) -> int:
     for n in notes:
         print(f"skipped {n['trace']} at C={n['capacity']}: {n['skipped']}")
     return 0
+
+
+def _fold_count(trace, folds: int) -> int:
+    """The folds :func:`~expertcache.learn.protocol.evaluate` makes of ``trace`` (progress steps = this x seeds)."""
+    return max(folds, 2) if trace.num_sequences == 1 else min(folds, trace.num_sequences)
 
 
 def _tables_from(args):

@@ -17,22 +17,80 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import warnings
 
 from .. import __version__
 from ..errors import ExpertcacheError
+from .common import refuse_overwriting_inputs
 
 EXIT_USAGE = 2
 EXIT_BUG = 70
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line: ``expertcache replay: error: ... (see --help)``."""
+    """An ArgumentParser whose errors are one line: ``expertcache replay: error: ... (see --help)``.
+
+    Every command's parser (subparsers are of this class too) also: refuses a single-value option
+    given twice (``-c 8 -c 16``) and a repeatable one given the same value twice (``-p lru -p lru``),
+    instead of keeping the last or running it twice; and reads an argument that starts with a minus
+    and a digit (``--budget -4GB``, ``--c -1ms``) as a value, so that its type says what is wrong
+    rather than argparse's "expected one argument".
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+        self.register("action", "append", _AppendDistinct)
+        self._negative_number_matcher = _NEGATIVE_VALUE
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: D102 (argparse API)
+        namespace, rest = super().parse_known_args(args, namespace)
+        vars(namespace).pop(_SEEN, None)
+        return namespace, rest
 
     def error(self, message: str):  # noqa: D102 (argparse API)
         first = message.strip().splitlines()[0] if message.strip() else "invalid arguments"
         self.exit(EXIT_USAGE, f"{self.prog}: error: {first} (see '{self.prog} --help')\n")
+
+
+_NEGATIVE_VALUE = re.compile(r"^-\.?\d")
+"""Arguments argparse takes as values, not options: a minus then a digit (-4GB, -1ms, -0.5, -.5)."""
+
+_SEEN = "_expertcache_options_seen"
+
+
+class _StoreOnce(argparse._StoreAction):
+    """``store``, refusing a second occurrence of the option (or of another spelling of it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.option_strings:
+            seen = vars(namespace).setdefault(_SEEN, {})
+            if self.dest in seen:
+                parser.error(f"{_spelling(self)} given twice ({seen[self.dest]} and {option_string} {_shown(values)}): "
+                             "give it once")
+            seen[self.dest] = f"{option_string} {_shown(values)}"
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _AppendDistinct(argparse._AppendAction):
+    """``append``, refusing the same value twice (a duplicate policy would be a duplicate row)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values in (getattr(namespace, self.dest, None) or ()):
+            parser.error(f"{option_string} {_shown(values)} given twice: give each value once")
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _spelling(action) -> str:
+    return "/".join(action.option_strings)
+
+
+def _shown(values) -> str:
+    text = values if isinstance(values, str) else " ".join(map(str, values)) if isinstance(values, list) else str(values)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 COMMAND_MODULES = [
     "replay_cmd",
@@ -52,6 +110,9 @@ COMMAND_MODULES = [
     "grid_cmd",
     "controller_cmd",
     "router_tune_cmd",
+    "size_cmd",
+    "llama_cmd",
+    "convert_cmd",
 ]
 
 
@@ -75,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning
         try:
+            refuse_overwriting_inputs(args)  # every command: no output may replace an input
             return int(args.func(args) or 0)
         except ExpertcacheError as err:
             print(f"{name}: error: {_one_line(err)}", file=sys.stderr)

@@ -57,7 +57,7 @@ def run(args) -> int:
     attach_profile(policies, args.profile)
     trace = select_sequences(trace, args.sequences, policies)
     layout = build_layout(trace, StreamOptions.from_args(args))
-    capacity, budget = budget_capacity(args, layout, setup)
+    capacity, budget, note = budget_capacity(args, layout, setup)
     jobs = parallel_jobs(args)
     if jobs > 1 or args.ray:
         from ..sim.parallel import replay_streams_parallel
@@ -77,6 +77,9 @@ def run(args) -> int:
     print(setup_line(results[0], f"capacity {capacity} {where}"))
     if budget is not None:
         print(budget.describe(layout.pool, len(layout.layer_ids)))
+    if note:
+        print(note + (" (admission 'second' still streams each expert's first request)"
+                      if args.admission != "all" else ""))
     if args.admission != "all":
         print("admission 'second': an expert's first request in each stream is streamed, not inserted")
     print_results(results, setup, unit=args.unit)

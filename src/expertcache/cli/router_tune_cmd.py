@@ -8,10 +8,10 @@ torch and transformers are imported only when the command runs.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
+from .._progress import progress
 from .._text import first_line
 from ..errors import ConfigError
 from ..routetune.config import TARGETS, TuneConfig
@@ -98,8 +98,12 @@ def run(args) -> int:
     stream = (_read_tokens(args.tokens) if args.tokens else _read_text(args.model, args.text)).ravel()
     if stream.size and (stream.min() < 0):
         raise ConfigError(f"--tokens {args.tokens}: negative token id {int(stream.min())}")
-    progress = None if args.json or not sys.stderr.isatty() else _progress(config.steps)
-    result, record = router_tune(args.model, np.asarray(stream, dtype=np.int64), config, args.out, progress)
+    with progress(total=config.steps, desc="router-tune", disable=args.json) as bar:
+        def show(log) -> None:
+            bar.set_postfix_str(f"reward {log.reward:.4f}, kl {log.kl:.2e}", refresh=False)
+            bar.update(1)
+
+        result, record = router_tune(args.model, np.asarray(stream, dtype=np.int64), config, args.out, show)
     summary = {"out": args.out, "model": args.model, **record["summary"], "reward": config.reward,
                "cache_tag": config.cache_tag, "lora_rank": config.lora_rank, "seed": config.seed}
     if args.json:
@@ -114,11 +118,3 @@ def run(args) -> int:
     print(f"checkpoint written to {args.out} (training record in {args.out}/routetune.json)")
     return 0
 
-
-def _progress(steps: int):
-    def show(log) -> None:
-        print(f"\rstep {log.step + 1}/{steps}: reward {log.reward:.4f}, kl {log.kl:.2e}", end="", file=sys.stderr,
-              flush=True)
-        if log.step + 1 == steps:
-            print(file=sys.stderr)
-    return show

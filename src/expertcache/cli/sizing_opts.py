@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..costmodel import GB, LIMITS, MB, Sizing, SizingFigures, expert_bytes_from_config, parse_duration_ms
+from ..costmodel import FIGURES, GB, LIMITS, MB, Sizing, SizingFigures, cache_bytes, expert_bytes_from_config, parse_duration_ms
 from ..errors import ConfigError
 
 SIZING_OPTIONS = ("expert_mb", "model_config", "tau", "c", "tokens_per_s")
@@ -194,3 +194,83 @@ def resolve_sizing(args, trace=None, *, defaults: Sizing | None = None, default_
                 values[name], sources[name] = value, default_source
     return SizingSetup(Sizing(**values), sources, active=active)
 
+
+# ------------------------------------------------------------------------ sweep --target-*
+def target_records(curves, layout, trace, args, setup) -> list[dict]:
+    """One ``"record": "target"`` object per curve; with ``--target-hit-rate``, one not reached carries
+    the ceiling every lossless rule shares (``hit_rate_ceiling``: every expert resident, only cold
+    fills miss) and the same on a fair window (``hit_rate_ceiling_fair``, ``null`` when the sweep
+    already warms at least that much)."""
+    from dataclasses import replace
+
+    from ..sim import StreamOptions, build_layout
+    from ..sim.curves import FAIR_WARM, curve_target
+    from ..sim.curves.targets import hit_rate_ceiling
+
+    ceiling = None
+    if args.target_hit_rate is not None and layout.admission == "all":
+        opts = StreamOptions.from_args(args)
+        fair = build_layout(trace, replace(opts, warm=FAIR_WARM)) if opts.warm < FAIR_WARM else None
+        ceiling = hit_rate_ceiling(layout, fair_layout=fair)
+    out = []
+    for c in curves:
+        rec = target_record(c, curve_target(c, target_hit_rate=args.target_hit_rate, target_copies=args.target_copies),
+                            setup, trace.name)
+        if ceiling is not None and not rec["reached"]:  # why not: the ceiling every lossless rule shares
+            rec |= {"hit_rate_ceiling": ceiling.hit_rate, "hit_rate_ceiling_fair": ceiling.fair,
+                    "note": ceiling.note(args.target_hit_rate)}
+        out.append(rec)
+    return out
+
+
+def target_record(curve, target, setup, trace_name: str) -> dict:
+    """The ``"record": "target"`` JSON object of one policy (see docs/sizing.md)."""
+    r = curve.at(target.capacity) if target.reached else None
+    S = setup.sizing.expert_bytes
+    memory = (cache_bytes(target.capacity, S, pool=curve.pool, num_layers=len(curve.layers))
+              if r is not None and S is not None else None)
+    rec = {
+        "record": "target", "policy": curve.policy, "needs_future": curve.needs_future,
+        "target_hit_rate": target.target_hit_rate, "target_copies": target.target_copies,
+        "capacity": target.capacity, "reached": target.reached, "cache_bytes": memory,
+        "hit_rate": r.hit_rate if r else None, "copies_per_token": r.copies_per_token if r else None,
+        "max_capacity": target.max_capacity, "misses_again_at": list(target.misses_again_at),
+        "pool": curve.pool, "layers": list(curve.layers), "trace": trace_name,
+    }
+    if setup.active:
+        sized = setup.result_record(r) if r is not None else setup.sizing.inputs() | dict.fromkeys(FIGURES)
+        rec |= sized | {"cache_bytes": memory}
+    return rec
+
+
+def print_targets(records: list[dict]) -> None:
+    """The target lines, one per policy, from the ``"record": "target"`` objects."""
+    r0 = records[0]
+    want = []
+    if r0["target_hit_rate"] is not None:
+        want.append(f"hit rate >= {r0['target_hit_rate']:g}")
+    if r0["target_copies"] is not None:
+        want.append(f"copies/token <= {r0['target_copies']:g}")
+    unit = "in the global pool" if r0["pool"] == "global" else "per layer"
+    print(f"\nsmallest swept capacity with {' and '.join(want)} (experts {unit}):")
+    width = max(len(r["policy"]) for r in records)
+    for r in records:
+        mark = " (needs future)" if r["needs_future"] else ""
+        if not r["reached"]:
+            print(f"  {r['policy']:<{width}}  not reached up to C={r['max_capacity']}{mark}")
+            continue
+        line = (f"  {r['policy']:<{width}}  C={r['capacity']}: hit rate {r['hit_rate']:.4f}, "
+                f"{r['copies_per_token']:.4f} copies/token")
+        if r["cache_bytes"] is not None:
+            line += f", cache {r['cache_bytes'] / GB:.4g} GB"
+        if r.get("ms_per_token") is not None:
+            line += f", {r['ms_per_token']:.4g} ms/token ({r['tokens_per_s_predicted']:.4g} tok/s)"
+        line += mark
+        again = r["misses_again_at"]
+        if again:
+            shown = ", ".join(map(str, again[:8])) + (", ..." if len(again) > 8 else "")
+            line += f"; not monotone: misses the target again at C={shown}"
+        print(line)
+    notes = {r.get("note") for r in records if r.get("note")}
+    for note in notes:
+        print("  " + note)

@@ -260,9 +260,42 @@ class Check:
     unmatched: list[str]
     """Slowed policies without a ``slow_copies == 1`` run: nothing to predict them from, left out."""
 
+    spreads: dict = field(default_factory=dict)
+    """Per policy run at this factor: its ``ms_per_token_spread`` (``None``: timed once)."""
+
     @property
     def agree(self) -> bool:
         return self.predicted == self.measured
+
+    @property
+    def lead(self) -> float | None:
+        """How the measurement separates the verdict, relative to the measured winner: when the
+        predicted winner won, its lead over the runner-up; otherwise how much slower it measured."""
+        if self.agree:
+            return self.margin("ms_measured")
+        ms = {r["policy"]: r["ms_measured"] for r in self.rows}
+        best = ms[self.measured]
+        return (ms[self.predicted] - best) / best if best > 0 else None
+
+    @property
+    def noise(self) -> float | None:
+        """The larger spread of the two runs the verdict compares (``None`` when neither was repeated)."""
+        if self.agree:
+            ranked = sorted((r["ms_measured"], r["policy"]) for r in self.rows if r["admissible"])
+            pair = [p for _, p in ranked[:2]]
+        else:
+            pair = [self.predicted, self.measured]
+        known = [self.spreads[p] for p in pair if self.spreads.get(p) is not None]
+        return max(known) if known else None
+
+    @property
+    def verdict(self) -> str:
+        """``"tie (within noise)"`` when the measured lead is inside the runs' spread, else
+        ``"agree"`` or ``"DISAGREE"`` (runs timed once have no spread: plain agree/DISAGREE)."""
+        lead, noise = self.lead, self.noise
+        if noise is not None and lead is not None and lead <= noise:
+            return "tie (within noise)"
+        return "agree" if self.agree else "DISAGREE"
 
     def margin(self, key: str) -> float | None:
         """How much slower the second fastest admissible policy is than the fastest, relative
@@ -273,6 +306,7 @@ class Check:
     def to_dict(self) -> dict:
         return {"slow_copies": self.slow_copies, "tau_ms": self.tau_ms, "tau_ms_measured": self.tau_ms_measured,
                 "predicted": self.predicted, "measured": self.measured, "agree": self.agree,
+                "verdict": self.verdict, "lead": self.lead, "noise": self.noise,
                 "margin_predicted": self.margin("ms_predicted"), "margin_measured": self.margin("ms_measured"),
                 "policies": self.rows, "unmatched": self.unmatched}
 
@@ -306,8 +340,9 @@ def validate(runs: Sequence[Run], tolerance: float, tau_ms: float, overlapped: b
         won = fastest([b for b, _ in ok], lambda b: measured[b.policy])
         rows = [{"policy": b.policy, "admissible": _admits(b, tolerance), "ms_predicted": cost(b, t),
                  "ms_measured": s.ms_per_token} for b, s in pairs]
-        checks.append(Check(n, t, tau_slowed,
-                            predicted.policy, won.policy, rows, [r.policy for r in slowed if r.policy not in base]))
+        checks.append(Check(n, t, tau_slowed, predicted.policy, won.policy, rows,
+                            [r.policy for r in slowed if r.policy not in base],
+                            {s.policy: s.ms_per_token_spread for _, s in pairs}))
     return checks
 
 

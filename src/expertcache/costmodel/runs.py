@@ -10,7 +10,8 @@ objects (a single object is one run). Every record needs:
 * ``dnll``: NLL minus the all-resident reference NLL, nats, finite (may be negative).
 
 Optional: ``tau_ms`` (measured ms of one copy; ``null``/NaN = the run made no copy), ``ms_per_token``
-(measured; ``null``/NaN = unknown), ``slow_copies`` (an integer ``N >= 1``: every copy was repeated
+(measured; ``null``/NaN = unknown), ``ms_per_token_spread`` (``eval --repeats``: (max - min) / median
+of the rounds' ms/token), ``slow_copies`` (an integer ``N >= 1``: every copy was repeated
 N times; default 1), ``needs_future`` (bool; default: the registered policy's flag, false for names
 not registered here), ``lossless`` (bool: the policy never restricts routing; eval writes it),
 ``capacity`` (int ``>= 1``), ``pool`` (string), ``layers`` (list of ints).
@@ -60,6 +61,9 @@ class Run:
     lossless: bool | None = None
     replayed: bool = False
     where: str = ""
+    ms_per_token_spread: float | None = None
+    """``(max - min) / median`` of ``ms_per_token`` over the run's repeats (``eval --repeats``);
+    ``None`` when it was timed once: its noise is then unknown."""
     """Where the run came from, for messages: ``"runs.jsonl line 3"``, ``"--add-replay t.npz"``."""
 
 
@@ -69,20 +73,39 @@ def read_runs(path: str | Path) -> list[Run]:
         import sys
 
         return parse_runs(sys.stdin.read(), "<stdin>")
+    return parse_runs(_read_text(path), str(path))
+
+
+def _read_text(path: str | Path) -> str:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{path}: " + ("is a folder, expected a runs file" if file.is_dir() else "no such file"))
     if file.stat().st_size > MAX_RUNS_BYTES:
         raise ConfigError(f"{path}: larger than {MAX_RUNS_BYTES:,} bytes; not a runs file")
     try:
-        text = file.read_text(encoding="utf-8")
+        return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    return parse_runs(text, str(path))
 
 
 def parse_runs(text: str, name: str = "<runs>") -> list[Run]:
     """Runs from the text of a runs file called ``name`` (used in messages)."""
+    runs = [run_from_record(item, where) for item, where in parse_records(text, name)]
+    check_unique(runs)
+    return runs
+
+
+def read_records(path: str | Path) -> list[tuple[Any, str]]:
+    """The decoded records of a runs file (``"-"``: standard input), each with where it was."""
+    if str(path) == "-":
+        import sys
+
+        return parse_records(sys.stdin.read(), "<stdin>")
+    return parse_records(_read_text(path), str(path))
+
+
+def parse_records(text: str, name: str = "<runs>") -> list[tuple[Any, str]]:
+    """``[(record, where)]`` from the text of a runs file: JSON lines or one JSON list."""
     stripped = text.lstrip()
     if not stripped:
         raise ConfigError(f"{name}: no runs (expected JSON lines or a JSON list of objects)")
@@ -98,9 +121,7 @@ def parse_runs(text: str, name: str = "<runs>") -> list[Run]:
                 located.append((_loads(line, name, lineno), f"{name} line {lineno}"))
     if not located:
         raise ConfigError(f"{name}: no runs (the list is empty)")
-    runs = [run_from_record(item, where) for item, where in located]
-    check_unique(runs)
-    return runs
+    return located
 
 
 def _loads(text: str, name: str, lineno: int | None = None) -> Any:
@@ -154,7 +175,9 @@ def run_from_record(rec: Any, where: str) -> Run:
                                                    for x in layers):
             raise ConfigError(f"{where}: field 'layers' must be a list of layer ids (integers >= 0)")
         layers = tuple(layers)
-    return Run(policy.strip(), c_ms, rho, dnll, tau, ms, slow, future, capacity, pool, layers, lossless, where=where)
+    spread = _optional(rec, "ms_per_token_spread", where)
+    return Run(policy.strip(), c_ms, rho, dnll, tau, ms, slow, future, capacity, pool, layers, lossless, where=where,
+               ms_per_token_spread=spread)
 
 
 def _number(rec: dict, field: str, where: str, *, nonnegative: bool = True) -> float:
@@ -206,3 +229,38 @@ def _short(value: Any) -> str:
         return f"a JSON {'list' if isinstance(value, list) else 'object'}"
     text = json.dumps(value) if isinstance(value, str) else repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+# ----------------------------------------------------------------------- replay and sweep records
+def is_replay_record(rec: Any) -> bool:
+    """A ``replay`` / ``sweep`` JSON record (``copies_per_token``, no ``rho``): a lossless rule's
+    counts, no timing or quality; a sweep's ``"record": "target"`` lines are not runs at all."""
+    return isinstance(rec, dict) and "copies_per_token" in rec and "rho" not in rec and "dnll" not in rec
+
+
+def replay_rows(records: list[tuple[dict, str]], *, c_ms: float, capacity: int | None, name: str) -> list[Run]:
+    """Runs from replay/sweep records: ``rho = copies_per_token``, ``c = c_ms`` (every lossless rule
+    computes what the all-resident model computes), ``dnll = 0``, ``lossless``; at ``capacity``
+    (default: the one capacity the records hold; several need it named)."""
+    rows = [(rec, where) for rec, where in records if rec.get("record") != "target"]
+    caps = sorted({rec.get("capacity") for rec, _ in rows if isinstance(rec.get("capacity"), int)})
+    if capacity is None:
+        if len(caps) != 1:
+            shown = ", ".join(map(str, caps[:6])) + (", ..." if len(caps) > 6 else "")
+            raise ConfigError(f"{name}: the replay/sweep records hold capacities {shown}; choose at one with --capacity C")
+        capacity = caps[0]
+    elif capacity not in caps:
+        raise ConfigError(f"{name}: no replay/sweep record at capacity {capacity} (they hold {', '.join(map(str, caps[:6]))})")
+    out = []
+    for rec, where in rows:
+        if rec.get("capacity") != capacity:
+            continue
+        fields = {"policy": rec.get("policy"), "c_ms": c_ms, "rho": rec.get("copies_per_token"), "dnll": 0.0,
+                  "needs_future": rec.get("needs_future"), "lossless": True, "capacity": capacity,
+                  "pool": rec.get("pool"), "layers": rec.get("layers")}
+        if fields["rho"] is None:
+            raise ConfigError(f"{where}: copies_per_token is null (the replay scored no tokens)")
+        run = run_from_record(fields, where)
+        out.append(Run(**{**run.__dict__, "replayed": True}))
+    check_unique(out)
+    return out

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._io import atomic_open
+from .._io import atomic_open, numpy_reason
 from ..cache import ExpertCache
 from ..errors import ConfigError, PolicyError
 from ..kernels import pool_slots
@@ -266,18 +266,13 @@ def load_events(path) -> Events:
     try:
         npz = np.load(p, allow_pickle=False)
     except Exception as err:
-        raise ConfigError(f"events {p}: not an events file ({type(err).__name__}: {err})") from None
+        raise ConfigError(f"events {p}: not an events file ({numpy_reason(err)})") from None
     with npz:
         got = {}
         tables = (tables_from_arrays(lambda n: _npz_field(npz, n, p), f"events {p}", npz.files)
                   if "sig_tok" in npz.files else None)
         for name in ("X", "victim", "offsets", "seq", "step", "state", "features", "meta"):
-            if name not in npz.files:
-                raise ConfigError(f"events {p}: field {name!r} is missing")
-            try:
-                got[name] = npz[name]
-            except Exception as err:
-                raise ConfigError(f"events {p}: field {name!r} cannot be read ({err})") from None
+            got[name] = _npz_field(npz, name, p)
     try:
         meta = json.loads(str(got["meta"]))
     except json.JSONDecodeError:
@@ -312,4 +307,4 @@ def _npz_field(npz, name: str, p: Path) -> np.ndarray:
     try:
         return npz[name]
     except Exception as err:
-        raise ConfigError(f"events {p}: field {name!r} cannot be read ({err})") from None
+        raise ConfigError(f"events {p}: field {name!r} cannot be read ({numpy_reason(err)})") from None

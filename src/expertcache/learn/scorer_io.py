@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._io import atomic_open
+from .._io import atomic_open, numpy_reason
 from ..errors import ConfigError
 from .features import FEATURES, PRIOR, TABLED
 from .models import KINDS, Scorer
@@ -65,7 +65,7 @@ def load_scorer(path) -> Scorer:
     try:
         npz = np.load(p, allow_pickle=False)
     except Exception as err:  # truncated, not a zip, not numpy
-        raise ConfigError(f"scorer {p}: not a scorer file ({type(err).__name__}: {err})") from None
+        raise ConfigError(f"scorer {p}: not a scorer file ({numpy_reason(err)})") from None
     with npz:
         def field(name: str, **kw) -> np.ndarray:
             if name not in npz.files:
@@ -78,7 +78,7 @@ def load_scorer(path) -> Scorer:
             except ConfigError:
                 raise
             except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as err:
-                raise ConfigError(f"scorer {p}: field {name!r} cannot be read ({err})") from None
+                raise ConfigError(f"scorer {p}: field {name!r} cannot be read ({numpy_reason(err)})") from None
 
         version = field("format_version")
         if version.shape != () or version.dtype.kind not in "iu":

@@ -10,6 +10,9 @@ module          concept
 ``model``       finding a model's MoE layers, checking their experts layout, reading a forward's
                 place in its sequence
 ``loading``     :func:`load_offloaded`: a checkpoint whose offloaded experts never reach the device
+``host``        the host tier under the slots: host memory, or the checkpoint's files (mmap, O_DIRECT)
+``pagecache``   mincore residency, dropping a file's cached pages, /proc/self/io read bytes
+``wall``        ``eval --memory-wall``: the harness as a child behind the tier's memory wall
 ``pool``        host-packed experts and device slots; the copies
 ``streams``     the copy stream and per-slot events that order copies against matmuls
 ``experts``     the ``"expertcache"`` experts implementation registered in transformers' seam

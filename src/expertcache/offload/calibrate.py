@@ -5,6 +5,12 @@
   on the copy stream; host memory to the slot buffers on the CPU, ``perf_counter``), one copy per
   sample, cycling through the experts of the first offloaded layer so no sample re-reads a cache
   line the previous one left warm more than the machine's caches would;
+* with the experts left in the checkpoint's files (``load_model(host=...)``, :mod:`.host`), the
+  copy is the harness's file read: ``mmap`` copies from the mapping after one untimed read of
+  every expert, so each sample is a page-cache hit (the host tier holding the expert; on a
+  machine whose page cache holds the experts, every miss of an ``eval --host mmap`` run); ``direct``
+  reads with O_DIRECT, so each sample pays the device. ``tau_tiers`` counts where the samples
+  were served (page cache, device);
 * ``c``: one decode step (one token, KV cache) of the stock model with every expert resident,
   per sample, after a warm-up; the median over the steps of a sequence of ``tokens`` tokens,
   repeated until ``repeats`` samples are taken.
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from .host import host_of
 from .loading import resident
 from .model import cache_argument, find_sites, model_device, select_sites
 from .passes import vocab_size
@@ -46,6 +53,8 @@ class Calibration:
     c_samples: int
     copy_gbps: float
     slow_copies: int = 1
+    host: str = "memory"
+    tau_tiers: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,15 +74,22 @@ def calibrate(model: torch.nn.Module, *, repeats: int = 30, tokens: int = 16, la
     device = model_device(model)
     sites = select_sites(find_sites(model), layers)
     site = sites[0]
-    pool = SlotPool.from_weights((site.experts.gate_up_proj, site.experts.down_proj), 2, device)
+    files = host_of(site.experts)
+    pool = SlotPool.from_weights((site.experts.gate_up_proj, site.experts.down_proj), 2, device, files=[files])
     pool.repeat = int(slow_copies)
     E = pool.num_experts
+    if files is not None and files.mode == "mmap":  # every sampled expert in the page cache: the host tier's hit
+        for e in range(min(E, repeats + 2)):
+            files.copy_into(e, [d[0] for d in pool.slots], count=False)
     taus = []
     for i in range(repeats + 2):  # the first two copies warm the path up and are not kept
         watch = pool.stopwatch_for_copies()
         pool.load([(i % E, i % 2)], watch)
         if i >= 2:
             taus.append(watch.seconds)
+        if i == 1:
+            pool.clear_counters()
+    tiers = None if files is None else {"page_cache": files.page_cache, "device": files.device_loads}
     del pool
     steps = []
     vocab = vocab_size(model) or 2
@@ -99,4 +115,5 @@ def calibrate(model: torch.nn.Module, *, repeats: int = 30, tokens: int = 16, la
         tau_ms=tau, tau_ms_p10=tau10, tau_ms_p90=tau90, tau_samples=len(taus),
         c_ms=c, c_ms_p10=c10, c_ms_p90=c90, c_samples=min(len(steps), repeats),
         copy_gbps=expert_bytes / (tau / 1000.0) / 1e9 if tau > 0 else float("nan"), slow_copies=int(slow_copies),
+        host=files.mode if files is not None else "memory", tau_tiers=tiers,
     )

@@ -53,7 +53,8 @@ from .holding import parse_holding
 from ..sim import replay
 from ..trace import Trace
 from .loading import resident
-from .model import model_device
+from .pagecache import read_bytes_self
+from .model import find_sites, model_device, model_label, select_sites
 from .passes import MODES, PassResult, check_sequences, make_batches, run_pass, vocab_size
 from .recorder import Capture
 from .run import OffloadRun
@@ -85,6 +86,10 @@ class PolicyResult:
     replay_agrees: bool | None
     routing_changed: float
     reference_kind: str = "resident"
+    read_bytes_self: int | None = None  # /proc/self/io read_bytes during the timed pass (this process only)
+    ms_runs: list = field(default_factory=list)  # ms per step of each round (--repeats), in round order
+    ms_runs_reference: list = field(default_factory=list)
+    counts_repeat: bool = True  # every round made the same copies
 
     @property
     def nll_delta(self) -> float:
@@ -113,6 +118,17 @@ class PolicyResult:
             "dnll": self.nll_delta, "tau_ms": tau, "rho_all": rho_all, "c_ms_reference": c_ref,
             "ms_blocking": c_ref + load, "ms_overlapped": max(c_ref, load), "slow_copies": s.slow_copies,
         }
+
+    def spread(self) -> dict:
+        """The rounds of ``repeats``: each round's ms per step (this policy and the reference) and the
+        spread (max - min) / median; the record's timings are those of the median round."""
+        def rel(xs):
+            xs = [x for x in xs if x == x]
+            return (max(xs) - min(xs)) / float(np.median(xs)) if len(xs) > 1 and np.median(xs) > 0 else 0.0
+
+        return {"repeats": len(self.ms_runs) or 1, "ms_per_token_runs": list(self.ms_runs),
+                "ms_per_token_spread": rel(self.ms_runs), "ms_per_token_reference_runs": list(self.ms_runs_reference),
+                "ms_per_token_reference_spread": rel(self.ms_runs_reference)}
 
     def to_dict(self) -> dict:
         s = self.stats
@@ -160,6 +176,10 @@ class PolicyResult:
             "layers": s.layers,
             "mode": self.mode,
             "device": s.device,
+            "host": s.host,
+            "tier_hits": s.tier_hits(),
+            "read_bytes_self": self.read_bytes_self,
+            **self.spread(),
             "memory": s.memory.to_dict(),
             "per_layer": [c.to_dict() for c in s.per_layer],
         }
@@ -174,6 +194,9 @@ class Evaluation:
     results: list[PolicyResult] = field(default_factory=list)
     reference_kind: str = "resident"
     dropped: int = 0  # trailing sequences left out because they did not fill a batch
+    capacity_requested: int | None = None  # the capacity asked for, before clamping to what can be held
+    capacity: int | None = None
+    repeats: int = 1
 
     def failures(self) -> list[str]:
         """One line per broken guarantee (empty when every policy is exact and agrees with replay)."""
@@ -190,6 +213,8 @@ class Evaluation:
                     f"{r.stats.copies_steady}) differ from the replay of its trace (total {r.replay_copies_total}, "
                     f"steady {r.replay_copies_steady})"
                 )
+            if not r.counts_repeat:
+                out.append(f"policy {r.policy} at C={r.capacity}: the rounds of --repeats made different copies")
         return out
 
     def check(self) -> None:
@@ -216,6 +241,7 @@ def evaluate(
     reference: str = "auto",
     pool: str = "layer",
     slow_copies: int = 1,
+    repeats: int = 1,
 ) -> Evaluation:
     """Run the protocol of the module docstring; ``sequences`` are token-id lists of length >= 2."""
     if mode not in MODES:
@@ -232,6 +258,8 @@ def evaluate(
         raise ConfigError("pool global needs mode decode: it serves one token position per forward, layer by layer")
     if router_probs and batch > 1:
         raise ConfigError("router_probs records batch-1 passes; use batch 1 to capture them")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
     seqs = check_sequences(sequences, vocab_size(model))
     batches, dropped = make_batches(seqs, batch)
     specs = [(parse_holding(p) or make_policy(p)).spec for p in policies]
@@ -242,39 +270,91 @@ def evaluate(
     device = model_device(model)
     # validate capacity, layers, prefetch and model support for every policy before the long reference pass
     options = dict(prefetch=prefetch, device=device, pool=pool, slow_copies=slow_copies)
+    requested = capacity
+    capacity = fitting_capacity(model, capacity, layers, pool)
     probes = [OffloadRun(model, capacity, spec, layers, **options) for spec in specs]
     sites = probes[0].sites
     kind = _reference_kind(reference, sites, device)
     warmup = [b[:, :WARMUP_TOKENS] for b in batches[:1]]
-
-    if kind == "resident":
-        with resident(sites, device):
-            run_pass(model, warmup, mode)
-            with Capture(model, phase="all", router_probs=router_probs, label="teacher-forced") as cap:
-                ref = run_pass(model, batches, mode, progress=_bar(progress, "reference (all resident)", len(seqs)))
-    else:
-        with OffloadRun(model, capacity, "lru", probes[0].layer_ids, device=device):
-            run_pass(model, warmup, mode)
-            with Capture(model, phase="all", router_probs=router_probs, label="teacher-forced") as cap:
-                ref = run_pass(model, batches, mode, progress=_bar(progress, f"reference (lru at C={capacity})", len(seqs)))
-    trace = cap.trace
-    evaluation = Evaluation(ref, trace, reference_kind=kind if kind == "resident" else f"lru at C={capacity}",
-                            dropped=dropped)
-    for spec, probe in zip(specs, probes):
-        run = OffloadRun(model, capacity, spec, probe.layer_ids, future=trace, **options)
-        with run:
-            run_pass(model, warmup, mode)
-            run.rewind()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            with Capture(model, phase="all", layers=run.layer_ids, label="teacher-forced") as live:
-                result = run_pass(model, batches, mode, progress=_bar(progress, f"{spec} at C={capacity}", len(seqs)))
-        stats = run.stats()
-        evaluation.results.append(
-            _policy_result(spec, capacity, mode, tolerance, ref, result, stats, live.trace, trace, evaluation.reference_kind)
-        )
+    label = kind if kind == "resident" else f"lru at C={capacity}"
+    bar = _bar(progress, repeats * (1 + len(specs)) * len(seqs))
+    refs, runs = [], {spec: [] for spec in specs}
+    trace = None
+    for round_ in range(repeats):  # interleaved: the reference, then every policy, once per round
+        bar.set_description(f"reference ({label})" + (f", round {round_ + 1}/{repeats}" if repeats > 1 else ""))
+        refs.append(_reference_pass(model, batches, warmup, mode, kind, sites, device, capacity, probes[0].layer_ids,
+                                    router_probs and trace is None, bar))
+        if trace is None:
+            trace = refs[0][1]
+        for spec, probe in zip(specs, probes):
+            bar.set_description(f"{spec} at C={capacity}" + (f", round {round_ + 1}/{repeats}" if repeats > 1 else ""))
+            runs[spec].append(_policy_pass(model, batches, warmup, mode, spec, capacity, probe.layer_ids, trace,
+                                           options, device, bar))
+    bar.close()
+    ref = _median_round([r[0] for r in refs])
+    evaluation = Evaluation(ref, trace, reference_kind=label, dropped=dropped, capacity_requested=requested,
+                            capacity=capacity, repeats=repeats)
+    for spec in specs:
+        rounds = runs[spec]
+        result, stats, live, read = rounds[_median_index([r[0] for r in rounds])]
+        res = _policy_result(spec, capacity, mode, tolerance, ref, result, stats, live, trace, label)
+        res.read_bytes_self = read
+        res.ms_runs = [r[0].ms_per_step for r in rounds]
+        res.ms_runs_reference = [r[0].ms_per_step for r in refs]
+        res.counts_repeat = all(_counts(r[1]) == _counts(stats) for r in rounds)
+        evaluation.results.append(res)
     return evaluation
+
+
+def fitting_capacity(model: torch.nn.Module, capacity: int, layers, pool: str) -> int:
+    """``capacity`` clamped to what can be held at all: E per layer (``pool="layer"``), E times the
+    offloaded layers (``"global"``). At or above it every expert fits and no steady copy is made."""
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        raise ConfigError(f"capacity must be an integer, got {capacity!r}")
+    sites = select_sites(find_sites(model), layers, model_label(model))
+    most = sites[0].num_experts * (len(sites) if pool == "global" else 1)
+    return int(min(capacity, most))
+
+
+def _reference_pass(model, batches, warmup, mode, kind, sites, device, capacity, layer_ids, router_probs, bar):
+    """One timed reference pass (all resident, or lru offloaded) with a capture: (PassResult, Trace)."""
+    ctx = resident(sites, device) if kind == "resident" else OffloadRun(model, capacity, "lru", layer_ids, device=device)
+    with ctx:
+        run_pass(model, warmup, mode)
+        with Capture(model, phase="all", router_probs=router_probs, label="teacher-forced") as cap:
+            ref = run_pass(model, batches, mode, progress=bar)
+    return ref, cap.trace
+
+
+def _policy_pass(model, batches, warmup, mode, spec, capacity, layer_ids, trace, options, device, bar):
+    """One timed pass of ``spec``: (PassResult, OffloadStats, live Trace, this process's read bytes)."""
+    run = OffloadRun(model, capacity, spec, layer_ids, future=trace, **options)
+    with run:
+        run_pass(model, warmup, mode)
+        run.rewind()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        before = read_bytes_self()
+        with Capture(model, phase="all", layers=run.layer_ids, label="teacher-forced") as live:
+            result = run_pass(model, batches, mode, progress=bar)
+        after = read_bytes_self()
+    read = after - before if before is not None and after is not None else None
+    return result, run.stats(), live.trace, read
+
+
+def _median_index(passes) -> int:
+    """Index of the round whose time is the median (the lower one for an even count)."""
+    order = sorted(range(len(passes)), key=lambda i: passes[i].seconds)
+    return order[(len(order) - 1) // 2]
+
+
+def _median_round(passes):
+    return passes[_median_index(passes)]
+
+
+def _counts(stats) -> list:
+    return [(c.copies_total, c.copies_steady) for c in stats.per_layer]
 
 
 def _reference_kind(reference: str, sites, device: torch.device) -> str:
@@ -312,11 +392,10 @@ def _policy_result(spec, capacity, mode, tolerance, reference, result, stats, li
     )
 
 
-def _bar(enabled: bool, desc: str, total: int):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
+def _bar(enabled: bool, total: int):
+    """A progress bar over every sequence of every pass (stderr; silent unless ``enabled`` and a TTY)."""
+    from .._progress import progress
 
-    return tqdm(desc=desc, total=total, unit="seq", leave=False)
+    return progress(total=total, desc="eval", disable=not enabled)
 
 

@@ -178,6 +178,20 @@ class OffloadedLayer:
         return {"prefetch_copies": c.prefetch_copies, "prefetch_hits": c.prefetch_hits,
                 "prefetch_wasted": c.prefetch_wasted, "prefetch_pending": c.prefetch_pending}
 
+    def tier_counts(self) -> dict:
+        """Where this layer's loads (demand and prefetch) were served from: host memory, the page
+        cache (mmap, every page resident) or the device (mmap with a page missing; direct: always)."""
+        files = self.pool.files[self.offset // self.pool.num_experts]
+        if files is None:
+            return {"host_loads": self.pool_loads(), "page_cache_loads": 0, "device_loads": 0,
+                    "page_cache_bytes": 0, "device_bytes": 0}
+        return {"host_loads": 0, "page_cache_loads": files.page_cache, "device_loads": files.device_loads,
+                "page_cache_bytes": files.page_cache_bytes, "device_bytes": files.device_bytes}
+
+    def pool_loads(self) -> int:
+        """Loads made for this layer's experts: demand copies and prefetched ones."""
+        return self.copies_total + self.prefetch_counts()["prefetch_copies"]
+
     # -- prefetch -----------------------------------------------------------------------------
     def prefetch_for(self, nxt: "OffloadedLayer | None", mode: str) -> None:
         """Prefetch for ``nxt`` (the next offloaded layer) with ``mode`` (see :data:`PREFETCH`)."""

@@ -69,10 +69,8 @@ def run_pass(model: torch.nn.Module, batches: Sequence[np.ndarray], mode: str, p
             predictions += b * (n - 1)
             tokens += b * n
             steps += n
-            if progress is not None:
+            if progress is not None:  # the caller's bar (it closes it)
                 progress.update(b)
-    if progress is not None:
-        progress.close()
     return PassResult(nll_sum, predictions, tokens, watch.seconds, steps)
 
 

@@ -43,8 +43,10 @@ class SlotPool:
     """
 
     def __init__(self, host: Sequence[torch.Tensor], capacity: int, device: torch.device | str,
-                 *more_sources: Sequence[torch.Tensor]):
+                 *more_sources: Sequence[torch.Tensor], files: Sequence | None = None):
         self.sources = [tuple(host), *(tuple(m) for m in more_sources)]
+        # per source: a FileExperts (.host) serving its experts from the checkpoint's files, or None (host memory)
+        self.files = list(files) if files is not None else [None] * len(self.sources)
         self.host = self.sources[0]
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -68,21 +70,26 @@ class SlotPool:
         self.repeat = 1  # each copy made this many times and counted once (``slow_copies``: a slower link)
         self.sync = SlotSync(self.device, self.capacity)
         self.stopwatch = Stopwatch(self.device, stream=self.sync.copy_stream)
-        self._non_blocking = self.device.type == "cuda" and all(h.is_pinned() for src in self.sources for h in src)
+        self._non_blocking = self.device.type == "cuda" and all(
+            h.is_pinned() for src, f in zip(self.sources, self.files) if f is None for h in src)
 
     @classmethod
     def from_weights(cls, weights: Sequence[torch.Tensor], capacity: int, device: torch.device | str,
-                     *more: Sequence[torch.Tensor]) -> "SlotPool":
+                     *more: Sequence[torch.Tensor], files: Sequence | None = None) -> "SlotPool":
         """Host tensors for ``weights`` (``[E, ...]`` each, on any device), page-locked for a CUDA pool;
-        ``more``: the weights of further sources (a global pool).
+        ``more``: the weights of further sources (a global pool); ``files``: per source, the
+        :class:`~.host.FileExperts` serving it from the checkpoint's files (its weights are then
+        placeholders, used as they are), or ``None``.
 
         A weight already in host memory (and pinned, for a CUDA pool) is used as it is; otherwise
         it is copied once, straight into its final (pinned) host buffer.
         """
         device = torch.device(device)
         pin = device.type == "cuda"
-        sources = [[host_tensor(w, pin) for w in ws] for ws in (weights, *more)]
-        return cls(sources[0], capacity, device, *sources[1:])
+        files = list(files) if files is not None else [None] * (1 + len(more))
+        sources = [[w.detach() if f is not None else host_tensor(w, pin) for w in ws]
+                   for ws, f in zip((weights, *more), files)]
+        return cls(sources[0], capacity, device, *sources[1:], files=files)
 
     def stopwatch_for_copies(self) -> Stopwatch:
         """A new stopwatch timing on this pool's copy stream (one per layer of a shared pool)."""
@@ -101,7 +108,11 @@ class SlotPool:
             with (watch or self.stopwatch).time():
                 for item, slot in loads:
                     source, expert = divmod(item, E)
-                    for _ in range(self.repeat):
+                    files = self.files[source]
+                    for r in range(self.repeat):
+                        if files is not None:  # read from the checkpoint's files (mmap or O_DIRECT)
+                            files.copy_into(expert, [d[slot] for d in self.slots], count=r == 0)
+                            continue
                         for h, d in zip(self.sources[source], self.slots):
                             d[slot].copy_(h[expert], non_blocking=self._non_blocking)
                     sync.copied(slot)
@@ -121,6 +132,9 @@ class SlotPool:
     def clear_counters(self) -> None:
         self.copies = 0
         self.stopwatch.clear()
+        for f in self.files:
+            if f is not None:
+                f.clear_counters()
 
     @property
     def nbytes(self) -> int:
@@ -129,8 +143,13 @@ class SlotPool:
 
     @property
     def host_bytes(self) -> int:
-        """Host bytes held by the packed experts of every source."""
-        return sum(h.numel() * h.element_size() for src in self.sources for h in src)
+        """Host bytes held by the packed experts of every source (sources served from files hold none)."""
+        return sum(h.numel() * h.element_size() for src, f in zip(self.sources, self.files) if f is None for h in src)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the experts left in the checkpoint's files (host ``mmap`` / ``direct``)."""
+        return sum(f.file_bytes for f in self.files if f is not None)
 
 
 def host_tensor(weight: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -45,6 +45,7 @@ from ..policies import Policy, make_policy
 from ..trace import Trace
 from .experts import IMPLEMENTATION, implementation_of, set_fallback
 from .holding import parse_holding
+from .host import host_of
 from .layer import PREFETCH, OffloadedLayer, PoolState
 from .pool import SlotPool
 from .routing import route_for
@@ -96,6 +97,10 @@ class OffloadRun:
         self._all_sites = find_sites(model)
         self.sites: list[ExpertsSite] = select_sites(self._all_sites, layers, model_label(model))
         self.layer_ids = [s.layer for s in self.sites]
+        hosts = {host_of(s.experts).mode if host_of(s.experts) else "memory" for s in self.sites}
+        if len(hosts) > 1:
+            raise ConfigError(f"the offloaded layers' experts are held in several ways ({', '.join(sorted(hosts))})")
+        self.host = hosts.pop()  # where the experts live between copies: memory, mmap or direct (see .host)
         # each held layer's restricted routing, checked here so unsupported routers are refused up front
         self._routes = {s.layer: route_for(s.router, s.layer, self.holding.spec) for s in self.sites} if self.holding else {}
         if hasattr(self.holding, "check_sites"):  # a learned controller's heads must fit these layers
@@ -191,7 +196,8 @@ class OffloadRun:
 
         if self.pool == "global":
             slots = SlotPool.from_weights(weights(self.sites[0]), self.capacity, self.device,
-                                          *[weights(s) for s in self.sites[1:]])
+                                          *[weights(s) for s in self.sites[1:]],
+                                          files=[host_of(s.experts) for s in self.sites])
             slots.repeat = self.slow_copies
             state = PoolState(slots, self.capacity, _copy.deepcopy(self.policy), steps_per_token=len(self.sites),
                               layer_ids=[s.layer for s in self.sites])
@@ -201,7 +207,7 @@ class OffloadRun:
                 self.layers.append(OffloadedLayer(site, state, compute(site), self.top_k, offset=i * slots.num_experts))
             return
         for site in self.sites:
-            slots = SlotPool.from_weights(weights(site), self.capacity, self.device)
+            slots = SlotPool.from_weights(weights(site), self.capacity, self.device, files=[host_of(site.experts)])
             slots.repeat = self.slow_copies
             state = PoolState(slots, self.capacity, None if self.holding else _copy.deepcopy(self.policy),
                               layer_ids=[site.layer])
@@ -317,7 +323,7 @@ class OffloadRun:
             LayerStats(
                 l.layer, l.requests, l.copies_total, l.copies_steady,
                 copy_seconds=l.copy_seconds, future_mismatches=l.future_mismatches, switches=l.switches,
-                refreshes=l.refreshes, **l.prefetch_counts(),
+                refreshes=l.refreshes, **l.prefetch_counts(), **l.tier_counts(),
             )
             for l in self.layers
         ]
@@ -331,6 +337,7 @@ class OffloadRun:
             per_layer=per_layer, engine="live", needs_future=self.policy.needs_future,
             device=str(first.pool.device), sequences=max(self._sequences, int(first.tokens > 0)), batch=self._batch,
             expert_bytes=first.pool.expert_bytes, prefetch=self.prefetch, slow_copies=self.slow_copies,
+            host=self.host,
             lossless=self.holding is None,
             memory=self.memory(),
         )
@@ -346,10 +353,13 @@ class OffloadRun:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return Memory(
             host_expert_bytes=sum(state.pool.host_bytes for state in self.states),
+            file_expert_bytes=sum(state.pool.file_bytes for state in self.states),
             slot_bytes=sum(state.pool.nbytes for state in self.states),
             device_weight_bytes=sum(on_device.values()) if self.device.type == "cuda" else 0,
             device_peak_bytes=peak,
-            pinned=bool(self.states) and all(h.is_pinned() for st in self.states for src in st.pool.sources for h in src),
+            pinned=any(f is None for st in self.states for f in st.pool.files) and all(
+                h.is_pinned() for st in self.states for src, f in zip(st.pool.sources, st.pool.files) if f is None
+                for h in src),
         )
 
 

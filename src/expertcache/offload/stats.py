@@ -19,6 +19,11 @@ class LayerStats(LayerCounts):
     prefetch_hits: int = 0
     prefetch_wasted: int = 0
     prefetch_pending: int = 0
+    host_loads: int = 0
+    page_cache_loads: int = 0
+    device_loads: int = 0
+    page_cache_bytes: int = 0
+    device_bytes: int = 0
 
     @property
     def copies_fill(self) -> int:
@@ -34,6 +39,7 @@ class Memory:
     the figure was last reset (``None`` on the CPU, where host and device are the same memory)."""
 
     host_expert_bytes: int = 0
+    file_expert_bytes: int = 0
     slot_bytes: int = 0
     device_weight_bytes: int = 0
     device_peak_bytes: int | None = None
@@ -63,6 +69,7 @@ class OffloadStats(ReplayResult):
     prefetch: str = "none"
     slow_copies: int = 1
     lossless: bool = True
+    host: str = "memory"
     memory: Memory = field(default_factory=Memory)
 
     def _total(self, name: str):
@@ -77,6 +84,14 @@ class OffloadStats(ReplayResult):
     prefetch_hits = property(lambda self: self._total("prefetch_hits"))
     prefetch_wasted = property(lambda self: self._total("prefetch_wasted"))
     prefetch_pending = property(lambda self: self._total("prefetch_pending"))
+
+    def tier_hits(self) -> dict:
+        """Where each request was served: ``slot`` (already resident: requests minus demand copies),
+        then per load (demand and prefetch) ``host_memory``, ``page_cache`` or ``device``, with the
+        bytes of the resident and the missing pages (docs/offload.md, "Host tiers")."""
+        return {"slot": self.requests - self.copies_total, "host_memory": self._total("host_loads"),
+                "page_cache": self._total("page_cache_loads"), "device": self._total("device_loads"),
+                "page_cache_bytes": self._total("page_cache_bytes"), "device_bytes": self._total("device_bytes")}
 
     @property
     def switch_rate(self) -> float:
@@ -99,7 +114,7 @@ class OffloadStats(ReplayResult):
             device=self.device, sequences=self.sequences, batch=self.batch, copy_seconds=self.copy_seconds,
             copy_bytes_per_s=self.copy_bandwidth, expert_bytes=self.expert_bytes,
             future_mismatches=self.future_mismatches, prefetch=self.prefetch, slow_copies=self.slow_copies,
-            lossless=self.lossless, switches=self.switches, switch_rate=self.switch_rate, refreshes=self.refreshes,
+            lossless=self.lossless, host=self.host, tier_hits=self.tier_hits(), switches=self.switches, switch_rate=self.switch_rate, refreshes=self.refreshes,
             prefetch_copies=self.prefetch_copies, prefetch_hits=self.prefetch_hits,
             prefetch_wasted=self.prefetch_wasted, prefetch_pending=self.prefetch_pending,
             memory=self.memory.to_dict(),

@@ -2,7 +2,8 @@
 
 Candidates whose next request lies more than h tokens ahead (or never comes) are equal and go
 first, least recently used first; among the visible ones the farthest goes. In a global pool the
-horizon is ``h * steps_per_token`` steps.
+horizon is ``h * steps_per_token`` steps. ``foresight:0`` sees nothing: it is LRU, and does not
+need (is not marked as reading) the future.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class Foresight(Policy):
     def __init__(self, horizon: int = 16):
         super().__init__()
         self.horizon = int(horizon)
+        if self.horizon == 0:  # sees nothing ahead: exactly LRU, so it does not need the future
+            self.needs_future = False
 
     @classmethod
     def from_arg(cls, arg):
@@ -34,6 +37,8 @@ class Foresight(Policy):
         return f"foresight:{self.horizon}"
 
     def keys(self, candidates, t):
+        if self.horizon == 0:  # every next request lies beyond the horizon: all equal, LRU breaks the tie
+            return np.full(len(candidates), -np.inf)
         nu = self.future.next_use(candidates, t)
         return np.where(nu - t > self.horizon * self.steps_per_token, -np.inf, -nu.astype(np.float64))
 

@@ -16,6 +16,11 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
+SET_HOLDING = ("dwell:k[:w]", "static:P", "controller:HEADS.pt:THR[:W]")
+"""The set-holding policies, parsed by :mod:`expertcache.offload.holding` (``expertcache eval`` and
+the offloaded runtime, not replays): named in the unknown-policy message so it lists every spec."""
+
+
 def available_policies() -> list[str]:
     """Registered policy names."""
     return sorted(_REGISTRY)
@@ -33,6 +38,7 @@ def make_policy(spec: "str | Policy") -> Policy:
     name, _, arg = spec.strip().partition(":")
     cls = _REGISTRY.get(name.lower())
     if cls is None:
-        raise PolicyError(f"unknown policy {name!r} (known: {', '.join(available_policies())})")
+        raise PolicyError(f"unknown policy {name!r} (known: {', '.join(available_policies())}; set-holding, "
+                          f"in eval and the offloaded runtime: {', '.join(SET_HOLDING)})")
     return cls.from_arg(arg if _ else None)
 

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import numpy as np
 from typing import Sequence
 
 from .._io import atomic_open
+from .._text import id_ranges
 from ..errors import ConfigError
 
 DPI = 120
@@ -39,34 +42,60 @@ def policy_label(name: str, needs_future: bool) -> str:
     return f"{name} (needs future)" if needs_future else name
 
 
-def plot_mrc(curves: Sequence, path: str | os.PathLike, *, trace: str, budget_bytes_per_capacity: float | None = None) -> Path:
-    """Miss-ratio curves (:class:`~expertcache.sim.curves.MissRatioCurve`): steady copies per token
-    (left) and hit rate (right) against capacity, one line per policy. With
-    ``budget_bytes_per_capacity`` (bytes one unit of capacity costs over all layers: the expert size,
-    times L for per-layer pools) the x axis is the budget in GB, log2 scale."""
+def plot_mrc(curves: Sequence, path: str | os.PathLike, *, trace: str, budgets: Sequence[tuple[int, int]] | None = None,
+             target_hit_rate: float | None = None, target_copies: float | None = None) -> Path:
+    """Miss-ratio curves (:class:`~expertcache.sim.curves.MissRatioCurve`) drawn by :func:`mrc_figure`
+    into ``path``."""
     fmt = plot_format(path)
+    fig = mrc_figure(curves, trace=trace, budgets=budgets, target_hit_rate=target_hit_rate,
+                     target_copies=target_copies)
+    return _save(fig, path, fmt)
+
+
+def mrc_figure(curves: Sequence, *, trace: str, budgets: Sequence[tuple[int, int]] | None = None,
+               target_hit_rate: float | None = None, target_copies: float | None = None):
+    """Steady copies per token (left) and hit rate (right) against capacity, one line per policy;
+    the title names the trace, the capacities, the layers replayed and the window. With
+    ``budgets`` (``[(budget bytes, capacity per pool)]`` of a ``--budgets`` sweep) each point sits
+    at its budget: the x axis is the budget in GB on a log2 scale, its ticks the budgets in GB. A target (``target_hit_rate`` in (0, 1], ``target_copies``) is a
+    dashed horizontal line on its panel."""
     fig = _figure(2)
     ax_c, ax_h = fig.axes
     first = curves[0].results[0]
-    scale = None if budget_bytes_per_capacity is None else budget_bytes_per_capacity / 1e9
+    scale = None if budgets is None else [b / 1e9 for b, _ in budgets]
     for i, curve in enumerate(curves):
         style = dict(color=_color(i), marker="o" if len(curve.results) <= 40 else None, markersize=3, linewidth=1.6)
         label = policy_label(curve.policy, curve.needs_future)
-        x = curve.capacities if scale is None else curve.capacities * scale
-        ax_c.plot(x, curve.copies_per_token, label=label, **style)
-        ax_h.plot(x, 100 * curve.hit_rate, label=label, **style)
-    xlabel = _capacity_label(first.pool) if scale is None else "budget (GB over all layers, log2 scale)"
+        if scale is None:
+            x, copies, hit = curve.capacities, curve.copies_per_token, curve.hit_rate
+        else:
+            rows = [curve.at(cap) for _, cap in budgets]
+            x, copies, hit = scale, [r.copies_per_token for r in rows], np.array([r.hit_rate for r in rows])
+        ax_c.plot(x, copies, label=label, **style)
+        ax_h.plot(x, 100 * hit, label=label, **style)
+    if target_copies is not None:
+        ax_c.axhline(target_copies, color="0.2", linestyle="--", linewidth=1, label=f"target: copies/token <= {target_copies:g}")
+    if target_hit_rate is not None:
+        ax_h.axhline(100 * target_hit_rate, color="0.2", linestyle="--", linewidth=1,
+                     label=f"target: hit rate >= {100 * target_hit_rate:g}%")
+    xlabel = _capacity_label(first.pool) if scale is None else "budget (GB over all layers, decimal; log2 scale)"
     ax_c.set(xlabel=xlabel, ylabel="steady copies per accepted token (all layers)", title="Copies per token")
     ax_h.set(xlabel=xlabel, ylabel="hit rate (% of scored requests)", title="Hit rate")
     ax_c.set_ylim(bottom=0)
     for ax in fig.axes:
         if scale is not None:
             ax.set_xscale("log", base=2)
+            ticks = sorted(set(scale))
+            if len(ticks) > 12:
+                ticks = ticks[:: -(-len(ticks) // 12)]
+            ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
+            ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend(title="policy", fontsize=8)
     caps = curves[0].capacities
-    fig.suptitle(f"{trace}: miss-ratio curves, capacity {caps.min()}..{caps.max()} ({_setup(first)})")
-    return _save(fig, path, fmt)
+    fig.suptitle(f"{trace}: miss-ratio curves, capacity {caps.min()}..{caps.max()} ({_setup(first)}; "
+                 f"{_layers(first.layers)})")
+    return fig
 
 
 def plot_foresight(curve, path: str | os.PathLike, *, trace: str) -> Path:
@@ -177,21 +206,56 @@ def plot_frontier(points: Sequence[dict], path: str | os.PathLike, *, factors: S
     winner ringed, as in the eviction paper's Figure 1. ``model``: ``"c + rho x tau"`` or
     ``"max(c, rho x tau)"``."""
     fmt = plot_format(path)
+    fig = frontier_figure(points, factors=factors, tau_ms=tau_ms, tolerance=tolerance, winners=winners, model=model,
+                          title=title)
+    return _save(fig, path, fmt)
+
+
+def dodge_points(points: Sequence[dict], step: float = 6.0, close: float = 0.015) -> list[float]:
+    """Vertical offsets in points, one per policy, that spread the policies whose dNLL lie within
+    ``close`` of the plotted dNLL range of each other (chained in dNLL order: e.g. every lossless
+    rule near 0) symmetrically around their place, ``step`` apart and in dNLL order; 0 for a policy
+    alone. Only the drawing moves: the axis still reads each true dNLL."""
+    order = sorted(range(len(points)), key=lambda i: (float(points[i]["dnll"]), i))
+    values = [float(points[i]["dnll"]) for i in order]
+    span = (max(values) - min(min(values), 0.0)) if values else 0.0
+    gap = close * span if span > 0 else 0.0
+    groups, out = [], [0.0] * len(points)
+    for i, v in zip(order, values):
+        if groups and v - groups[-1][-1][1] <= gap:
+            groups[-1].append((i, v))
+        else:
+            groups.append([(i, v)])
+    for members in groups:
+        for j, (i, _) in enumerate(members):
+            out[i] = (j - (len(members) - 1) / 2) * step
+    return out
+
+
+def frontier_figure(points: Sequence[dict], *, factors: Sequence[int], tau_ms: float, tolerance: float,
+                    winners: Sequence[str], model: str, title: str):
+    """The figure of :func:`plot_frontier`; policies on the same dNLL are drawn a few points apart
+    (:func:`dodge_points`) so their markers do not hide each other."""
+    from matplotlib.transforms import offset_copy
+
     fig = _figure(1, width=10, height=5.6)
     ax = fig.axes[0]
+    offsets = dodge_points(points)
     for i, p in enumerate(points):
         color = _color(i)
+        shift = offset_copy(ax.transData, fig=fig, x=0, y=offsets[i], units="points")
         label = policy_label(p["policy"], p["needs_future"]) + (" (replayed)" if p["replayed"] else "")
         xs = p["tokens_per_s"]
         ax.plot([x for x in xs if x is not None], [p["dnll"]] * sum(x is not None for x in xs), color=color,
-                linewidth=0.8, alpha=0.5, label=label)
+                linewidth=0.8, alpha=0.5, label=label)[0].set_transform(shift)
         for k, x in enumerate(xs):
             if x is not None:
                 ax.plot([x], [p["dnll"]], linestyle="none", marker=FACTOR_MARKERS[k % len(FACTOR_MARKERS)],
-                        markersize=7, markeredgecolor=color, markerfacecolor="none" if p["replayed"] else color)
+                        markersize=6, alpha=0.9, markeredgecolor=color,
+                        markerfacecolor="none" if p["replayed"] else color)[0].set_transform(shift)
                 if p["policy"] == winners[k]:
-                    ax.plot([x], [p["dnll"]], linestyle="none", marker="o", markersize=16, markerfacecolor="none",
-                            markeredgecolor="black", markeredgewidth=1.2)
+                    ax.plot([x], [p["dnll"]], linestyle="none", marker="o", markersize=15, markerfacecolor="none",
+                            markeredgecolor="black", markeredgewidth=1.2)[0].set_transform(shift)
     ax.axhline(tolerance, color="0.3", linestyle="--", linewidth=1)
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -210,8 +274,8 @@ def plot_frontier(points: Sequence[dict], path: str | os.PathLike, *, factors: S
     ax.set(xlabel=f"predicted tokens/s = 1000 / ({model}), log scale",
            ylabel="dNLL: NLL minus the all-resident NLL (nats)")
     ax.grid(True, alpha=0.3)
-    ax.set_title(title, fontsize=10)
-    return _save(fig, path, fmt)
+    ax.set_title(title + ("\n(policies of nearly equal dNLL drawn a few points apart)" if any(offsets) else ""), fontsize=10)
+    return fig
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -248,6 +312,15 @@ def _capacity_label(pool: str) -> str:
 
 def _pct(share: float) -> str:
     return f"{round(100 * share)}%"  # an int: no "-0%"
+
+
+def _layers(layers: Sequence[int]) -> str:
+    """``'8 layers replayed: 0,2,4,6,8,10,12,14'``, runs as ranges (``0-15``), long lists cut."""
+    ids = sorted(int(x) for x in layers)
+    text = id_ranges(ids)
+    if len(text) > 40:
+        text = text[:37].rsplit(",", 1)[0] + ",..."
+    return f"{len(ids)} layer{'s' if len(ids) != 1 else ''} replayed: {text}"
 
 
 def _setup(r) -> str:

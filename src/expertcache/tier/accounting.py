@@ -25,7 +25,9 @@ import stat
 import time
 from typing import Sequence
 
-from .procfs import cgroup_version, read_meminfo, read_pressure, read_text, read_vmstat, vmlck_bytes
+from . import cgroupfs
+from .procfs import (cgroup_version, read_meminfo, read_memcg, read_pressure, read_self_io, read_text, read_vmstat,
+                     vmlck_bytes)
 
 __all__ = ["snapshot", "delta", "residency", "evict_file_pages", "reclaim_setup", "vmlck_bytes", "block_device",
            "diskstats_row", "read_meminfo", "read_text"]
@@ -38,6 +40,9 @@ PAGE = mmap.PAGESIZE
 
 RECLAIMERS = ("kswapd", "direct", "khugepaged", "proactive")
 """Who scans: pgscan_<who> / pgsteal_<who> partition the reclaim work (pgscan_anon/_file split it again)."""
+OTHER_READERS_SLACK = 0.03
+"""A device that read more than the process's own ``read_bytes`` by this fraction (plus 1 MiB) had
+other readers in the interval: the cell is flagged (``device_other_readers``)."""
 DISKSTATS_FIELDS = ("reads", "reads_merged", "sectors_read", "ms_reading",
                     "writes", "writes_merged", "sectors_written", "ms_writing")
 
@@ -204,7 +209,9 @@ def snapshot(paths: Sequence[str]) -> dict:
     """Counters at this instant, JSON-able. Keys: ``time_monotonic``, ``block_device`` (+``_note``),
     ``diskstats`` (the device's row, +``_note``), ``vmstat`` (+``_note``), ``pressure`` (io and memory,
     each null with a note where unreadable), ``meminfo`` (bytes, +``_note``), ``vmlck_bytes``,
-    ``residency`` (``{"resident_bytes", "total_bytes"}``, +``_note``)."""
+    ``residency`` (``{"resident_bytes", "total_bytes"}``, +``_note``), ``self_io`` (/proc/self/io,
+    +``_note``), ``memcg`` (the counters of this process's memory cgroup: the wall's, when run in
+    one; +``_note``)."""
     paths = [os.fspath(p) for p in paths]
     snap: dict = {"time_monotonic": time.monotonic(), "files": len(paths)}
     dev, why = block_device(paths[0]) if paths else (None, "no pool files given")
@@ -219,6 +226,10 @@ def snapshot(paths: Sequence[str]) -> dict:
             snap["pressure_note"][res] = note
     snap["meminfo"], snap["meminfo_note"] = read_meminfo()
     snap["vmlck_bytes"] = vmlck_bytes()
+    snap["self_io"], snap["self_io_note"] = read_self_io()
+    loc, why = cgroupfs.locate_memory_cgroup()
+    snap["memcg"] = read_memcg(loc["dir"], loc["version"], dev and f"{dev['major']}:{dev['minor']}") if loc else None
+    snap["memcg_note"] = why or None
     try:
         r, t = residency(paths)
         snap["residency"], snap["residency_note"] = {"resident_bytes": r, "total_bytes": t}, None
@@ -259,8 +270,7 @@ def delta(pre: dict, post: dict) -> dict:
     vm_pre, vm_post = pre.get("vmstat"), post.get("vmstat")
     if vm_pre is not None and vm_post is not None:
         vm = {k: vm_post[k] - vm_pre[k] for k in vm_post if k in vm_pre and not k.startswith("nr_")}
-        scan = sum(vm.get(f"pgscan_{who}", 0) for who in RECLAIMERS)
-        steal = sum(vm.get(f"pgsteal_{who}", 0) for who in RECLAIMERS)
+        scan, steal = reclaim_totals(vm)
         out.update(vmstat=vm, vmstat_note=None, pgscan_total=scan, pgsteal_total=steal,
                    reclaim_scan_per_steal=(scan / steal) if steal > 0 else None)
     else:
@@ -277,10 +287,57 @@ def delta(pre: dict, post: dict) -> dict:
             pnote[res] = (pre.get("pressure_note") or {}).get(res) or (post.get("pressure_note") or {}).get(res) \
                 or "unreadable"
     out.update(pressure=pressure, pressure_note=pnote)
+    out.update(_self_and_memcg(pre, post, read_bytes))
     out.update(meminfo_at_entry=pre.get("meminfo"), meminfo_note=pre.get("meminfo_note"),
                vmlck_bytes_at_entry=pre.get("vmlck_bytes"),
                residency_before=pre.get("residency"), residency_after=post.get("residency"),
                residency_note=pre.get("residency_note") or post.get("residency_note"))
+    return out
+
+
+def reclaim_totals(vm: dict) -> tuple[int, int]:
+    """(pgscan, pgsteal) of a vmstat (or v2 memory.stat) delta. ``pgscan_anon + pgscan_file`` when the
+    kernel has them: they count every reclaim, while ``pgscan_kswapd/_direct/...`` leave out reclaim
+    forced by a cgroup limit (it is charged to the memcg only); else the sum over the reclaimers."""
+    if "pgscan_file" in vm or "pgscan_anon" in vm:
+        return (vm.get("pgscan_anon", 0) + vm.get("pgscan_file", 0), vm.get("pgsteal_anon", 0) + vm.get("pgsteal_file", 0))
+    return (sum(vm.get(f"pgscan_{who}", 0) for who in RECLAIMERS), sum(vm.get(f"pgsteal_{who}", 0) for who in RECLAIMERS))
+
+
+def _self_and_memcg(pre: dict, post: dict, device_bytes: int | None) -> dict:
+    """The process's own read bytes (and the other-readers flag), and its memory cgroup's deltas."""
+    a, b = pre.get("self_io"), post.get("self_io")
+    own = b["read_bytes"] - a["read_bytes"] if a and b else None
+    out: dict = {"read_bytes_self": own, "read_bytes_self_note": None if own is not None else
+                 (pre.get("self_io_note") or post.get("self_io_note") or "unreadable"),
+                 "device_other_readers": None, "device_other_bytes": None}
+    if own is not None and device_bytes is not None:
+        out["device_other_bytes"] = device_bytes - own
+        out["device_other_readers"] = device_bytes - own > OTHER_READERS_SLACK * own + (1 << 20)
+    ma, mb = pre.get("memcg"), post.get("memcg")
+    if not (ma and mb and ma.get("stat") is not None and mb.get("stat") is not None and ma["path"] == mb["path"]):
+        out["memcg"] = None
+        out["memcg_note"] = pre.get("memcg_note") or "the memory cgroup's memory.stat is unreadable or changed"
+        return out
+    counters = {k: mb["stat"][k] - ma["stat"][k] for k in mb["stat"]
+                if k in ma["stat"] and k.startswith(("pg", "workingset_"))}
+    m: dict = {"path": mb["path"], "version": mb["version"], "stat": counters, "stat_at_entry": ma["stat"]}
+    if "pgscan" in mb["stat"] or "pgscan_file" in mb["stat"]:  # v2
+        scan = counters.get("pgscan", sum(counters.get(f"pgscan_{w}", 0) for w in ("anon", "file")))
+        steal = counters.get("pgsteal", sum(counters.get(f"pgsteal_{w}", 0) for w in ("anon", "file")))
+        m.update(pgscan=scan, pgsteal=steal, reclaim_scan_per_steal=scan / steal if steal > 0 else None, reclaim_note=None)
+    else:
+        m.update(pgscan=None, pgsteal=None, reclaim_scan_per_steal=None,
+                 reclaim_note="cgroup v1 memory.stat has no pgscan/pgsteal: the global pgscan_file/pgsteal_file "
+                              "(which count reclaim forced by a cgroup limit) stand in")
+    pa, pb = ma.get("pressure"), mb.get("pressure")
+    m["pressure"] = ({f"{k}_us": pb[k]["total"] - pa[k]["total"] for k in ("some", "full")
+                      if "total" in pa.get(k, {}) and "total" in pb.get(k, {})} if pa and pb else None)
+    m["pressure_note"] = mb.get("pressure_note") or ma.get("pressure_note")
+    ia, ib = ma.get("io_read_bytes"), mb.get("io_read_bytes")
+    m["io_read_bytes"] = ib - ia if ia is not None and ib is not None else None
+    m["io_read_note"] = mb.get("io_read_note") or ma.get("io_read_note")
+    out["memcg"], out["memcg_note"] = m, None
     return out
 
 

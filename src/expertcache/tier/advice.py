@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._io import numpy_reason
 from ..errors import ConfigError
 
 DELIVERIES = ("fadvise", "pread")
@@ -55,7 +56,7 @@ def load_plan(path: str | os.PathLike, shape: tuple[int, int, int], num_experts:
                 raise ConfigError(f"--advice plan:{path}: no 'experts' array (found: {', '.join(z.files) or 'none'})")
             arr = z["experts"]
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"--advice plan:{path}: not a readable npz ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"--advice plan:{path}: not a readable npz ({numpy_reason(exc)})") from None
     if arr.dtype.kind not in "iu":
         raise ConfigError(f"--advice plan:{path}: 'experts' must be integers, got {arr.dtype}")
     T, L, _ = shape

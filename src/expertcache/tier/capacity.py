@@ -1,84 +1,87 @@
 """Enforced capacity: run a measured child process behind a memory wall and prove the wall held.
 
-Walls, in order of preference (``wall="auto"``):
+Walls (``wall="auto"`` takes a cgroup wall, else runs unenforced and says why; it never builds a
+balloon on its own, since a balloon locks MemAvailable - C of a possibly shared host):
 
-* ``cgroup``: a child memory cgroup created under this process's OWN memory cgroup (cgroup v2, or
-  v1's memory controller), limit = capacity + headroom, swap excluded; the child writes its own
-  pid into it before exec, so every page it touches (anonymous and page cache) is charged there.
+* ``cgroup``: a memory cgroup made for the run, limit = capacity + headroom, swap excluded: a child
+  of this process's OWN memory cgroup (v1's memory controller, or cgroup v2 when the own cgroup
+  enables memory for its children); on cgroup v2 where it does not (the no-internal-process rule
+  of systemd hosts), a sibling leaf beside the own cgroup when the parent enables memory, else a
+  transient ``systemd-run --scope -p MemoryMax=`` unit where systemd runs. The child writes its own
+  pid into the cgroup before exec (or systemd moves it), so every page it touches (anonymous and
+  page cache) is charged there.
   Afterwards the peak, the failure count and the OOM events are read and the cgroup is removed.
   A cgroup the user names (``cgroup=PATH``) is used as it is: its limit is read and recorded,
   never changed.
-* ``balloon``: a helper process mlocks anonymous memory until MemAvailable is about capacity +
-  headroom; refused when that would leave the machine under :data:`MIN_LEFT` bytes.
+* ``balloon`` (only when asked): a helper process mlocks anonymous memory until MemAvailable is
+  about capacity + headroom; refused when that would leave the machine under :data:`MIN_LEFT` bytes.
 * ``none``: nothing enforced; the run is marked unproven.
 
 Invariants: no cgroup other than the one created here is ever written (a named one only receives
 the child's pid); every :class:`WallRun` says what enforced the capacity (``enforced_by``) and
 carries the proof; ``proof_ok`` is False whenever a piece of the proof is missing or shows the wall
 failed (limit not read back, the tier's page cache + locked memory above or squeezed below the
-capacity, OOM kill, balloon not fully locked or dead, timeout, cgroup not removed). The cgroup
-files and the memory.stat sampler live in :mod:`expertcache.tier.cgroupfs`.
+capacity by more than :func:`proof_slack`, OOM kill, balloon not fully locked or dead, timeout,
+cgroup not removed); a capacity + headroom above what the machine can hold
+(:func:`enforceable_bytes`) is refused, since a wall there enforces nothing. The cgroup files and
+the memory.stat sampler live in :mod:`expertcache.tier.cgroupfs`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import secrets
-import signal
 import subprocess
 import sys
 import warnings
-from dataclasses import asdict, dataclass, field
 
-from ..errors import ConfigError, ExpertcacheError
+from ..errors import ConfigError
 from . import cgroupfs as cg
+from .cgroupwall import (CAPACITY_SLACK, SLACK_BYTES, WallRun, WallUnavailable, cgroup_target, child_result,
+                         proof_slack, read_limit_chain, run_cgroup, run_scope)
+from .cgroupwall import spawn as _spawn
 from .procfs import read_meminfo, read_text
+
+__all__ = ["WALLS", "DEFAULT_HEADROOM", "MIN_LEFT", "CAPACITY_SLACK", "SLACK_BYTES", "WallRun", "WallUnavailable",
+           "proof_slack", "enforceable_bytes", "detect_walls", "balloon_plan", "run_walled", "cgroup_target",
+           "child_result"]
 
 WALLS = ("auto", "cgroup", "balloon", "none")
 DEFAULT_HEADROOM = 64 * 10**6
-"""Default headroom (bytes) above the capacity: the measured worker's own anonymous memory. A
-Python worker with numpy peaked at about 42 MB here; a caller with read buffers (threads x expert
-size) must add them. Too much headroom lets the page cache grow past the capacity, too little
-squeezes it below; either fails the proof. The paper used C + 6 GiB for a large native engine."""
+"""Headroom (bytes) above the capacity when the caller gives none: about the measured worker's own
+memory. A Python worker with numpy peaked at about 42-46 MB here; a caller with read buffers
+(threads x expert size) must add them. Too much headroom lets the page cache grow past the
+capacity, too little squeezes it below; either fails the proof. The paper used C + 6 GiB for a
+large native engine. (``tier replay``/``sweep`` measure it instead: a calibration run per mode.)"""
 MIN_LEFT = 2 * 10**9
 """A balloon never leaves the machine with less than this much available memory (bytes)."""
-CAPACITY_SLACK = 0.02
-"""The tier (page cache + locked memory) may exceed the capacity by this fraction (plus 4 MiB)
-before the proof fails: the headroom was then larger than what the worker used for itself."""
 
 
-class WallUnavailable(ExpertcacheError):
-    """The wall asked for cannot be built on this machine (the message says why)."""
-
-
-@dataclass
-class WallRun:
-    """One child run behind a wall: its exit status and output, what enforced its capacity, the
-    proof (JSON-able) and whether the proof is complete and clean (``proof_ok``)."""
-
-    returncode: int | None
-    stdout: str
-    stderr: str
-    enforced_by: str
-    proof: dict = field(default_factory=dict)
-    proof_ok: bool = False
-    note: str = ""
-    timed_out: bool = False
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+def enforceable_bytes() -> tuple[int | None, str]:
+    """The most memory a wall here can hand a run, and what sets it: MemAvailable, lowered by the
+    limit of this process's own memory cgroup (v1 ``hierarchical_memory_limit``; v2 the smallest
+    ``memory.max`` from the own cgroup up). ``(None, reason)`` when MemAvailable is unreadable."""
+    mem, why = read_meminfo()
+    avail = (mem or {}).get("MemAvailable")
+    if avail is None:
+        return None, f"MemAvailable unreadable ({why})"
+    best, what = avail, f"MemAvailable {avail}"
+    loc, _ = cg.locate_memory_cgroup()
+    if loc is not None:
+        for d, lim in read_limit_chain(loc):
+            if lim is not None and lim < best:
+                best, what = lim, f"the memory limit {lim} of {d}"
+    return best, what
 
 
 def detect_walls() -> dict:
     """What this machine can enforce: ``{"cgroup": {"ok", "version", "parent", "reason"},
     "balloon": {"ok", "mem_available_bytes", "memlock_limit", "reason"}, "none": {...}}``. The cgroup
     answer is tested, not guessed: an empty child cgroup is created and removed at once."""
-    own, why = cg.own_memory_cgroup()
-    group = {"ok": False, "version": own and own["version"], "parent": own and own["dir"], "reason": why}
-    if own:
-        why = cg.probe_child(own["dir"])
-        group.update(ok=why is None, reason=why or f"child cgroups can be made under {own['dir']}")
+    target, why = cgroup_target()
+    group = {"ok": target is not None, "version": target and target["version"], "parent": target and target["dir"],
+             "placement": target and target["placement"],
+             "reason": why or f"{target['placement']} cgroups can be made under {target['dir']}"}
     mem, _ = read_meminfo()
     avail = (mem or {}).get("MemAvailable")
     try:
@@ -95,98 +98,6 @@ def detect_walls() -> dict:
     return {"cgroup": group,
             "balloon": {"ok": bal_ok, "mem_available_bytes": avail, "memlock_limit": lim, "reason": bal_reason},
             "none": {"ok": True, "reason": "always possible; nothing is enforced"}}
-
-
-def _spawn(argv: list[str], procs_file: str | None, timeout: float | None,
-           sampler: "cg.Sampler | None" = None) -> tuple[int | None, str, str, bool]:
-    """Run ``argv``; with ``procs_file`` the child joins that cgroup before exec; ``sampler`` runs
-    while the child does. Returns (returncode, stdout, stderr, timed_out); a timeout kills the
-    child's whole session."""
-    def join():
-        with open(procs_file, "w") as fh:
-            fh.write(str(os.getpid()))
-
-    try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, preexec_fn=join if procs_file else None)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise WallUnavailable(f"cannot start {argv[0]!r}" + (f" inside {os.path.dirname(procs_file)}" if procs_file
-                              else "") + f": {getattr(exc, 'strerror', None) or exc}") from None
-    if sampler is not None:
-        sampler.start()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err, False
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return proc.returncode, out, err, True
-    finally:
-        if sampler is not None:
-            sampler.stop()
-
-
-def _run_cgroup(argv, limit, timeout, own: dict, named: str | None, capacity: int) -> WallRun:
-    version = own["version"]
-    f = cg.FILES[version]
-    made = named is None
-    d = named or os.path.join(own["dir"], f"expertcache-{os.getpid()}-{secrets.token_hex(4)}")
-    if made:
-        try:
-            os.mkdir(d)
-        except OSError as exc:
-            raise WallUnavailable(f"cannot create cgroup {d}: {exc.strerror or exc}") from None
-    proof: dict = {"mechanism": f"cgroup-{version}", "path": d, "created_here": made, "requested_limit_bytes": limit,
-                   "capacity_bytes": capacity, "headroom_bytes": limit - capacity}
-    try:
-        if made:
-            try:
-                cg.write(os.path.join(d, f["limit"]), str(limit))
-                swap = os.path.join(d, f["swap"])
-                if os.path.exists(swap):  # v1: memory+swap = limit; v2: no swap at all
-                    cg.write(swap, str(limit) if version == "v1" else "0")
-            except OSError as exc:
-                raise WallUnavailable(f"cannot set the limit of {d}: {exc.strerror or exc}") from None
-        proof["at_start"] = cg.cgroup_state(d, version)
-        proof["meminfo_at_entry"], _ = read_meminfo()
-        sampler = cg.Sampler(d, version)
-        rc, out, err, timed_out = _spawn(argv, os.path.join(d, "cgroup.procs"), timeout, sampler)
-        proof.update(cg.cgroup_state(d, version))
-        proof.update(sampler.peaks)
-    finally:
-        if made:
-            cg.kill_members(d)
-            proof["removed"] = cg.rmdir_retry(d)
-    problems = []
-    lim = proof["limit_bytes"]
-    if lim is None or lim >= cg.UNLIMITED:
-        problems.append("the cgroup has no memory limit")
-    elif made and not (0 <= limit - lim < 1 << 16):
-        problems.append(f"limit read back as {lim}, asked {limit}")
-    elif not made and lim > limit:
-        problems.append(f"the named cgroup's limit {lim} is above capacity + headroom {limit}")
-    if proof["peak_bytes"] is None:
-        problems.append(f"no peak ({f['peak']} unreadable)")
-    tier = proof["tier_peak_bytes"]
-    if tier is None:
-        problems.append("memory.stat was never sampled: the tier's size is unknown")
-    elif tier > capacity * (1 + CAPACITY_SLACK) + (4 << 20):
-        problems.append(f"the tier held up to {tier} bytes (page cache + locked), above the capacity {capacity}: "
-                        f"the headroom {limit - capacity} exceeds the worker's own memory (anonymous peak "
-                        f"{proof['anon_peak_bytes']} bytes); lower the headroom")
-    elif (proof["peak_bytes"] is not None and lim is not None and proof["peak_bytes"] >= lim - (1 << 20)
-          and tier < capacity * (1 - CAPACITY_SLACK) - (4 << 20)):
-        problems.append(f"the wall was reached while the tier held at most {tier} bytes, below the capacity "
-                        f"{capacity}: the worker's own memory (anonymous peak {proof['anon_peak_bytes']} bytes) "
-                        f"outgrew the headroom {limit - capacity}; raise the headroom")
-    if proof["oom_kill"]:
-        problems.append(f"the wall OOM-killed {proof['oom_kill']} process(es): raise the headroom")
-    if timed_out:
-        problems.append(f"timed out after {timeout} s")
-    if made and not proof.get("removed"):
-        problems.append(f"could not remove {d}")
-    return WallRun(rc, out, err, f"cgroup-{version}:{d}", proof, not problems, "; ".join(problems), timed_out)
 
 
 # ---------------------------------------------------------------------- balloon
@@ -282,47 +193,50 @@ def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgro
                headroom_bytes: int | None = None, timeout: float | None = None) -> WallRun:
     """Run ``argv`` as a child process behind a memory wall of ``capacity_bytes + headroom_bytes``.
 
-    ``wall``: one of :data:`WALLS`; ``auto`` takes a cgroup, else a balloon, else none (the reasons
-    are kept in ``note``). An explicit wall that cannot be built raises :class:`WallUnavailable`
-    (one line). ``cgroup`` names an existing cgroup directory to use as it is. ``timeout`` (s) kills
-    the child and still cleans up.
+    ``wall``: one of :data:`WALLS`; ``auto`` takes a cgroup wall (child, v2 sibling or systemd
+    scope: :func:`cgroup_target`), else runs with nothing enforced (``none``, the reasons in
+    ``note``): it never builds a balloon on its own. An explicit wall that cannot be built raises
+    :class:`WallUnavailable` (one line). ``cgroup`` names an existing cgroup directory to use as it
+    is. ``timeout`` (s, > 0) kills the child and still cleans up. A wall of more than the machine
+    can hold (:func:`enforceable_bytes`) is refused (ConfigError): it would enforce nothing.
     """
     if wall not in WALLS:
         raise ConfigError(f"--wall: {wall!r} is not one of {', '.join(WALLS)}")
-    if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+    if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes < 1:
         raise ConfigError(f"--capacity: {capacity_bytes!r} is not a positive number of bytes")
     headroom = DEFAULT_HEADROOM if headroom_bytes is None else headroom_bytes
-    if not isinstance(headroom, int) or headroom < 0:
+    if not isinstance(headroom, int) or isinstance(headroom, bool) or headroom < 0:
         raise ConfigError(f"--headroom: {headroom!r} is not a non-negative number of bytes")
+    if timeout is not None and not timeout > 0:
+        raise ConfigError(f"--timeout: {timeout!r} is not a positive number of seconds")
     if not argv:
         raise ConfigError("run_walled: empty command")
     limit = capacity_bytes + headroom
+    if wall != "none" or cgroup is not None:
+        most, what = enforceable_bytes()
+        if most is not None and limit > most:
+            raise ConfigError(f"--capacity {capacity_bytes}: capacity + headroom = {limit} bytes is more than this "
+                              f"machine can give a run ({what}): a wall there would enforce nothing")
     if cgroup is not None:
         version = "v2" if os.path.exists(os.path.join(cgroup, "memory.max")) else \
             "v1" if os.path.exists(os.path.join(cgroup, "memory.limit_in_bytes")) else None
         if version is None or not os.path.exists(os.path.join(cgroup, "cgroup.procs")):
             raise ConfigError(f"--cgroup {cgroup}: not a memory cgroup directory (no memory.max or memory.limit_in_bytes)")
-        return _run_cgroup(argv, limit, timeout, {"version": version, "dir": os.path.dirname(cgroup)}, cgroup,
-                           capacity_bytes)
+        return run_cgroup(argv, limit, timeout, {"version": version, "dir": os.path.dirname(cgroup)}, cgroup,
+                          capacity_bytes)
     reasons = []
     if wall in ("auto", "cgroup"):
-        own, why = cg.own_memory_cgroup()
-        why = why if own is None else cg.probe_child(own["dir"])
-        if why is None:
-            return _run_cgroup(argv, limit, timeout, own, None, capacity_bytes)
+        target, why = cgroup_target()
+        if target is not None and target["placement"] == "systemd-scope":
+            return run_scope(argv, limit, timeout, target, capacity_bytes)
+        if target is not None:
+            return run_cgroup(argv, limit, timeout, target, None, capacity_bytes)
         if wall == "cgroup":
             raise WallUnavailable(f"cgroup wall: {why}")
-        reasons.append(f"cgroup: {why}")
-    if wall in ("auto", "balloon"):
-        try:
-            run = _run_balloon(argv, capacity_bytes, headroom, timeout)
-            run.note = "; ".join(reasons + [run.note]).strip("; ")
-            return run
-        except WallUnavailable as exc:
-            if wall == "balloon":
-                raise
-            reasons.append(str(exc))
+        reasons.append(f"cgroup: {why}; a balloon is built only when asked (--wall balloon)")
+    if wall == "balloon":
+        return _run_balloon(argv, capacity_bytes, headroom, timeout)
     mem, _ = read_meminfo()
     rc, out, err, timed_out = _spawn(argv, None, timeout)
-    note = "; ".join(["capacity not enforced"] + reasons)
+    note = "; ".join(["capacity not enforced"] + reasons + ([f"timed out after {timeout:g} s"] if timed_out else []))
     return WallRun(rc, out, err, "none", {"mechanism": "none", "meminfo_at_entry": mem}, False, note, timed_out)

@@ -35,11 +35,13 @@ def mountinfo() -> list[tuple[str, str, str, list[str]]]:
     return out
 
 
-def own_memory_cgroup() -> tuple[dict | None, str]:
-    """``({"version", "dir"}, "")`` for this process's memory cgroup directory, or ``(None, reason)``."""
-    text, why = read_text("/proc/self/cgroup")
+def locate_memory_cgroup(proc_cgroup: str = "/proc/self/cgroup") -> tuple[dict | None, str]:
+    """``({"version", "dir", "mount"}, "")`` for the memory cgroup of the process whose
+    ``/proc/<pid>/cgroup`` is ``proc_cgroup`` (v2 when cgroup2 carries it, else v1's memory
+    hierarchy), whether or not it may have children; ``(None, reason)`` otherwise."""
+    text, why = read_text(proc_cgroup)
     if text is None:
-        return None, why or "/proc/self/cgroup unreadable"
+        return None, why or f"{proc_cgroup} unreadable"
     v1_path = v2_path = None
     for line in text.splitlines():
         parts = line.split(":", 2)
@@ -61,13 +63,43 @@ def own_memory_cgroup() -> tuple[dict | None, str]:
                 continue
             d = os.path.normpath(os.path.join(point, rel))
             if version == "v2":
-                ctl, _ = read_text(os.path.join(d, "cgroup.subtree_control"))
-                if "memory" not in (ctl or "").split():
-                    why = (f"cgroup v2: memory is not enabled in {d}/cgroup.subtree_control "
-                           "(expertcache does not change it; run in a delegated cgroup or pass --cgroup)")
-                    break
-            return {"version": version, "dir": d}, ""
-    return None, why or "no memory cgroup controller is mounted for this process"
+                ctl, _ = read_text(os.path.join(d, "cgroup.controllers"))
+                if v1_path is not None and "memory" not in (ctl or "").split():
+                    break  # hybrid host: the memory controller lives on the v1 hierarchy
+            return {"version": version, "dir": d, "mount": point}, ""
+    return None, "no memory cgroup controller is mounted for this process"
+
+
+def own_memory_cgroup() -> tuple[dict | None, str]:
+    """``({"version", "dir"}, "")`` for this process's memory cgroup directory when children with a
+    memory limit can be made under it (v1 always; v2 when its ``cgroup.subtree_control`` enables
+    memory), or ``(None, reason)``."""
+    loc, why = locate_memory_cgroup()
+    if loc is None:
+        return None, why
+    if loc["version"] == "v2":
+        ctl, _ = read_text(os.path.join(loc["dir"], "cgroup.subtree_control"))
+        if "memory" not in (ctl or "").split():
+            return None, (f"cgroup v2: memory is not enabled in {loc['dir']}/cgroup.subtree_control "
+                          "(expertcache does not change it; run in a delegated cgroup or pass --cgroup)")
+    return {"version": loc["version"], "dir": loc["dir"]}, ""
+
+
+def v2_sibling_parent(own_dir: str, mount: str) -> tuple[str | None, str]:
+    """cgroup v2's no-internal-process rule keeps ``memory`` out of the subtree_control of a cgroup
+    that holds processes, but a cgroup whose ``cgroup.controllers`` lists memory has a parent that
+    enables it for its children: a sibling leaf made there can carry ``memory.max`` without
+    changing any existing cgroup. ``(parent dir, "")`` or ``(None, reason)``."""
+    ctl, why = read_text(os.path.join(own_dir, "cgroup.controllers"))
+    if ctl is None:
+        return None, why or f"{own_dir}/cgroup.controllers unreadable"
+    if "memory" not in ctl.split():
+        return None, f"cgroup v2: the memory controller is not enabled for {own_dir} (its parent's subtree_control)"
+    if os.path.normpath(own_dir) == os.path.normpath(mount):
+        return None, "cgroup v2: this process is in the root cgroup, which has no parent to hold a sibling"
+    parent = os.path.dirname(os.path.normpath(own_dir))
+    why = probe_child(parent)
+    return (parent, "") if why is None else (None, why)
 
 
 def probe_child(parent: str) -> str | None:
@@ -84,9 +116,10 @@ def probe_child(parent: str) -> str | None:
 
 FILES = {
     "v1": {"limit": "memory.limit_in_bytes", "swap": "memory.memsw.limit_in_bytes",
-           "peak": "memory.max_usage_in_bytes", "failcnt": "memory.failcnt", "events": "memory.oom_control"},
+           "peak": "memory.max_usage_in_bytes", "failcnt": "memory.failcnt", "events": "memory.oom_control",
+           "usage": "memory.usage_in_bytes"},
     "v2": {"limit": "memory.max", "swap": "memory.swap.max", "peak": "memory.peak",
-           "failcnt": None, "events": "memory.events"},
+           "failcnt": None, "events": "memory.events", "usage": "memory.current"},
 }
 
 
@@ -142,18 +175,35 @@ def kill_members(d: str) -> None:
 
 
 
+def own_bytes(d: str, version: str) -> tuple[int | None, str | None]:
+    """What cgroup ``d`` is charged for beyond the tier at this instant: usage (``memory.usage_in_bytes``
+    / ``memory.current``) minus page cache on the LRU lists minus locked pages = the worker's anonymous
+    memory, its kernel memory (page tables, slab, sockets) and whatever else is not the tier."""
+    usage = read_int(os.path.join(d, FILES[version]["usage"]))
+    text, why = read_text(os.path.join(d, "memory.stat"))
+    st = keyed_numbers(text or "")
+    if usage is None or not {"active_file", "inactive_file"} <= st.keys():
+        return None, why or f"{d}: usage or memory.stat unreadable"
+    return max(0, usage - st["active_file"] - st["inactive_file"] - st.get("unevictable", 0)), None
+
+
 class Sampler(threading.Thread):
-    """Samples a cgroup's memory.stat every :data:`SAMPLE_S` seconds while the child runs (same keys
-    on v1 and v2): the peaks of the page cache on the LRU lists (``active_file + inactive_file``),
-    of the worker's own unlocked memory (``active_anon + inactive_anon``), of locked pages
-    (``unevictable``: an mlocked arena, anonymous or file-backed), and of what the tier holds =
-    page cache + locked pages, per sample."""
+    """Samples a cgroup's memory.stat (and usage) every :data:`SAMPLE_S` seconds while the child runs
+    (same keys on v1 and v2): the peaks of the page cache on the LRU lists (``active_file +
+    inactive_file``), of the worker's own unlocked memory (``active_anon + inactive_anon``), of locked
+    pages (``unevictable``: an mlocked arena, anonymous or file-backed), of what the tier holds = page
+    cache + locked pages, and of everything else charged (``own_peak_bytes`` = usage - tier: anonymous
+    and kernel memory), per sample. ``last_state`` keeps the latest limit/peak/events read (a
+    systemd scope's cgroup is gone once its process exits)."""
 
     def __init__(self, d: str, version: str):
         super().__init__(daemon=True)
+        self.dir, self.version = d, version
         self.path = os.path.join(d, "memory.stat")
         self.peaks = {"file_peak_bytes": None, "anon_peak_bytes": None, "unevictable_peak_bytes": None,
-                      "tier_peak_bytes": None, "samples": 0}
+                      "tier_peak_bytes": None, "own_peak_bytes": None, "samples": 0}
+        self.last_state: dict | None = None
+        self.keep_state = False
         self._halt = threading.Event()
 
     def sample(self) -> None:
@@ -165,11 +215,18 @@ class Sampler(threading.Thread):
             return
         file = st["active_file"] + st["inactive_file"]
         unev = st.get("unevictable", 0)
+        usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
         vals = {"file_peak_bytes": file, "anon_peak_bytes": st["active_anon"] + st["inactive_anon"],
-                "unevictable_peak_bytes": unev, "tier_peak_bytes": file + unev}
+                "unevictable_peak_bytes": unev, "tier_peak_bytes": file + unev,
+                "own_peak_bytes": None if usage is None else max(0, usage - file - unev)}
         for k, v in vals.items():
-            self.peaks[k] = v if self.peaks[k] is None else max(self.peaks[k], v)
+            if v is not None:
+                self.peaks[k] = v if self.peaks[k] is None else max(self.peaks[k], v)
         self.peaks["samples"] += 1
+        if self.keep_state:
+            state = cgroup_state(self.dir, self.version)
+            if state["limit_bytes"] is not None:
+                self.last_state = state
 
     def run(self) -> None:
         while not self._halt.wait(SAMPLE_S):

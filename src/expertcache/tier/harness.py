@@ -77,21 +77,36 @@ class DemandCache:
 CALIBRATION_HEADROOM = 512 * 10**6
 """Headroom of the calibration run (generous: it only measures the worker's own memory)."""
 CALIBRATION_MARGIN = 4 * 10**6
-"""Added to the measured anonymous peak: allocator slack between the calibration and a pass."""
+"""Added to the measured own memory: allocator slack between the calibration and a pass. Headroom
+the worker does not use goes to the page cache, so it must stay within the proof's slack."""
+ARENA_MARGIN = 16 * 10**6
+"""The margin in ``arena`` mode, where the page cache keeps nothing (the arena is locked, misses are
+O_DIRECT), so unused headroom cannot inflate the tier, while a pass's transient allocations above
+the calibration's reading (about 4-5 MB here) would hit the wall and OOM-kill the worker."""
 
 
-def calibrate_headroom(opts: CellOptions, capacity_bytes: int) -> tuple[int | None, str]:
-    """The wall's headroom when ``--headroom`` is not given: the worker's own anonymous memory,
-    measured by a calibration run (pagecache mode, same trace, pool and threads, no pass) inside a
-    wall, plus :data:`CALIBRATION_MARGIN`. ``(None, why)`` when the wall cannot measure it (no
-    cgroup: the capacity module's default then applies)."""
+def calibrate_headroom(opts: CellOptions, capacity_bytes: int, mode: str = "pagecache") -> tuple[int | None, str]:
+    """The wall's headroom for ``mode`` when ``--headroom`` is not given: what the worker's cgroup is
+    charged for beyond the tier (anonymous and kernel memory), measured by a calibration run of that
+    mode (same trace, pool, threads and advice; arena/hybrid lock and preload their arena, no pass)
+    inside a wall with :data:`CALIBRATION_HEADROOM`, plus :data:`CALIBRATION_MARGIN` (:data:`ARENA_MARGIN` in arena mode). The worker's
+    own reading at the end counts; in the page-cache modes the sampled anonymous and non-tier
+    peaks count too (in arena modes they include mlocked pages not yet on the unevictable list).
+    ``(None, why)`` when the wall cannot measure it (no cgroup: the capacity module's default applies)."""
     cap = capacity_module()
-    spec = _spec(opts, "pagecache", capacity_bytes) | {"calibrate": True, "cold_start": False}
+    spec = _spec(opts, mode, capacity_bytes) | {"calibrate": True, "cold_start": False, "verify_reads": False}
     wall = _walled(cap, opts, spec, capacity_bytes, CALIBRATION_HEADROOM)
-    anon = (wall.proof or {}).get("anon_peak_bytes") if isinstance(wall.proof, dict) else None
-    if wall.returncode != 0 or not isinstance(anon, int) or anon <= 0:
-        return None, f"headroom not calibrated ({wall.enforced_by}: no anonymous peak measured); default used"
-    return anon + CALIBRATION_MARGIN, f"headroom calibrated: worker's own memory {anon} bytes + {CALIBRATION_MARGIN}"
+    proof = wall.proof if isinstance(wall.proof, dict) else {}
+    try:
+        own = json.loads(wall.stdout.strip().splitlines()[-1])["calibration"]["own_bytes"]
+    except (ValueError, IndexError, KeyError, TypeError):
+        own = None
+    seen = [own] + ([proof.get("anon_peak_bytes"), proof.get("own_peak_bytes")] if mode not in ("arena", "hybrid") else [])
+    seen = [x for x in seen if isinstance(x, int) and x > 0]
+    if wall.returncode != 0 or not seen or not str(wall.enforced_by).startswith("cgroup"):
+        return None, f"headroom not calibrated for {mode} ({wall.enforced_by}: nothing measured); default used"
+    margin = ARENA_MARGIN if mode == "arena" else CALIBRATION_MARGIN
+    return max(seen) + margin, f"headroom calibrated for {mode}: worker's own memory {max(seen)} bytes + {margin}"
 
 
 def _spec(opts: CellOptions, mode: str, capacity_bytes: int) -> dict:
@@ -114,71 +129,102 @@ def _walled(cap, opts: CellOptions, spec: dict, capacity_bytes: int, headroom):
         os.unlink(spec_path)
 
 
-def run_once(opts: CellOptions, mode: str, capacity_bytes: int, run: int, demand: dict) -> dict:
-    """One run of one cell: the worker inside the wall, plus the parent's fields."""
+def run_once(opts: CellOptions, mode: str, capacity_bytes: int, run: int, demand: dict,
+             headroom_bytes: int | None = None) -> dict:
+    """One run of one cell: the worker inside the wall, plus the parent's fields. ``headroom_bytes``
+    overrides ``opts.headroom_bytes`` (the calibrated headroom of this mode)."""
     cap = capacity_module()
     spec = _spec(opts, mode, capacity_bytes)
-    wall = _walled(cap, opts, spec, capacity_bytes, opts.headroom_bytes)
+    wall = _walled(cap, opts, spec, capacity_bytes, opts.headroom_bytes if headroom_bytes is None else headroom_bytes)
     where = f"--mode {mode} --capacity {capacity_bytes} (run {run})"
-    if wall.returncode != 0:
-        lines = [ln for ln in (wall.stderr or "").splitlines() if ln.strip()]
-        why = lines[-1].removeprefix("error: ") if lines else f"exit status {wall.returncode}"
-        if wall.returncode < 0:
-            why = f"the measured process was killed by signal {-wall.returncode} inside the {wall.enforced_by} wall ({wall.note or 'no note'})"
-        raise ConfigError(f"{where}: {why}")
-    try:
-        rec = json.loads(wall.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise ConfigError(f"{where}: the measured process printed no JSON result") from None
+    rec = cap.child_result(wall, where, opts.timeout)
     rec["run"] = run
+    rec["failed"] = False
     rec["capacity_enforced_by"] = wall.enforced_by
     rec["proof"] = wall.proof if isinstance(wall.proof, dict) else {}
     rec["proof_ok"] = bool(wall.proof_ok) and bool(rec["proof"])
     rec["wall_note"] = wall.note
     rec.update({k: demand.get(k) for k in ("capacity_experts", "demand_misses", "demand_miss_bytes", "demand_note",
                                            "advice_addressable_misses", "advice_addressable_share")})
-    dev, dem = rec.get("device_read_bytes"), rec.get("demand_miss_bytes")
-    rec["amplification"] = dev / dem if isinstance(dev, int) and dev > 0 and dem else None
+    own, dev, dem = rec.get("read_bytes_self"), rec.get("device_read_bytes"), rec.get("demand_miss_bytes")
+    rec["amplification"] = own / dem if isinstance(own, int) and own > 0 and dem else None
+    rec["amplification_device"] = dev / dem if isinstance(dev, int) and dev > 0 and dem else None
+    if rec.get("device_other_readers"):
+        rec["device_read_note"] = (f"other readers on the device: it read {dev} bytes, this process {own} "
+                                   "(amplification uses the process's own bytes)")
     its = rec.get("iterations") or 0
     rec["seconds_per_iteration_median"] = rec.get("seconds_per_iteration_run_median")
     rec["device_read_bytes_per_iteration"] = dev / its if isinstance(dev, int) and its else None
+    rec["read_bytes_self_per_iteration"] = own / its if isinstance(own, int) and its else None
     if "accepted_tokens" in rec:
         acc = rec["accepted_tokens"]
         rec["seconds_per_accepted_token"] = rec["seconds_measured"] / acc if acc else None
     return rec
 
 
+def failed_record(mode: str, capacity_bytes: int, run: int, error: str) -> dict:
+    """The record of a run that did not finish: marked ``failed`` with its one-line error."""
+    return {"mode": mode, "capacity_bytes": int(capacity_bytes), "run": run, "failed": True, "error": error,
+            "proof_ok": False, "seconds_per_iteration_median": None, "device_read_bytes_per_iteration": None,
+            "read_bytes_self_per_iteration": None, "amplification": None}
+
+
 def finish_cell(records: list[dict]) -> None:
-    """Set ``seconds_per_iteration_spread`` and the cell medians on every run record of one cell."""
-    meds = [r["seconds_per_iteration_median"] for r in records if r.get("seconds_per_iteration_median") is not None]
-    devs = [r["device_read_bytes_per_iteration"] for r in records if r.get("device_read_bytes_per_iteration") is not None]
+    """Set ``seconds_per_iteration_spread`` and the cell medians on every run record of one cell
+    (failed runs count in ``runs`` and ``runs_failed`` but not in the medians)."""
+    ok = [r for r in records if not r.get("failed")]
+    meds = [r["seconds_per_iteration_median"] for r in ok if r.get("seconds_per_iteration_median") is not None]
+    devs = [r["device_read_bytes_per_iteration"] for r in ok if r.get("device_read_bytes_per_iteration") is not None]
     mid = statistics.median(meds) if meds else None
     spread = (max(meds) - min(meds)) / mid if meds and mid else None
     for r in records:
         r["runs"] = len(records)
+        r["runs_failed"] = len(records) - len(ok)
         r["seconds_per_iteration_spread"] = spread
         r["seconds_per_iteration_cell_median"] = mid
+        r["seconds_per_iteration_cell_range"] = [min(meds), max(meds)] if meds else None
         r["device_read_bytes_per_iteration_cell_median"] = statistics.median(devs) if devs else None
 
 
+def headrooms(opts: CellOptions, modes: list[str], capacities: list[int]) -> dict[str, tuple[int | None, str]]:
+    """The headroom of each mode: ``--headroom`` when given; else calibrated per mode (arena and
+    hybrid at the largest capacity, whose arena needs the most page tables; the others at the smallest)."""
+    if opts.headroom_bytes is not None or opts.wall == "none":
+        note = "headroom given (--headroom)" if opts.headroom_bytes is not None else None
+        return {m: (opts.headroom_bytes, note) for m in modes}
+    return {m: calibrate_headroom(opts, max(capacities) if m in ("arena", "hybrid") else min(capacities), m)
+            for m in dict.fromkeys(modes)}
+
+
 def replay_cells(opts: CellOptions, modes: list[str], capacities: list[int], runs: int, demand: DemandCache,
-                 *, order=None, progress=None) -> list[dict]:
-    """Every (mode, capacity) cell ``runs`` times; ``order(run, capacities)`` gives each run's capacity
-    order (default: as given). Returns the run records, cells finished."""
+                 *, order=None, progress=None, keep=None) -> list[dict]:
+    """Every (mode, capacity) cell ``runs`` times, interleaved (each run visits every cell once);
+    ``order(run, capacities)`` gives each run's capacity order (default: as given). A run that fails
+    becomes a :func:`failed_record` and the others go on; when every run failed, the first error is
+    raised. ``keep(records)`` is called after each run with every record so far (to write them as
+    they finish). Returns the run records, cells finished."""
     cells: dict[tuple[str, int], list[dict]] = {}
-    total, done = runs * len(capacities) * len(modes), 0
-    headroom_note = "headroom given (--headroom)" if opts.headroom_bytes is not None else None
-    if opts.headroom_bytes is None and opts.wall != "none":
-        opts.headroom_bytes, headroom_note = calibrate_headroom(opts, min(capacities))
+    total, done, done_records, errors = runs * len(capacities) * len(modes), 0, [], []
+    rooms = headrooms(opts, modes, capacities)
     for r in range(runs):
         for c in (order(r, capacities) if order else capacities):
             for m in modes:
-                rec = run_once(opts, m, c, r, demand.at(c))
-                rec["headroom_note"] = headroom_note
+                room, note = rooms[m]
+                try:
+                    rec = run_once(opts, m, c, r, demand.at(c), headroom_bytes=room)
+                except ConfigError as err:
+                    errors.append(err)
+                    rec = failed_record(m, c, r, str(err))
+                rec["headroom_note"] = note
                 cells.setdefault((m, c), []).append(rec)
+                done_records.append(rec)
                 done += 1
                 if progress:
                     progress(done, total, rec)
+                if keep:
+                    keep(done_records)
+    if errors and len(errors) == len(done_records):
+        raise errors[0]
     for recs in cells.values():
         finish_cell(recs)
-    return [rec for m in modes for c in capacities for rec in cells.get((m, c), [])]
+    return [rec for m in dict.fromkeys(modes) for c in capacities for rec in cells.get((m, c), [])]

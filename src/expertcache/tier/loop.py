@@ -54,13 +54,14 @@ class Replayer:
     """Serves passes of ``experts[T, L, k]`` (ids per row and layer index) from ``reader`` and an
     optional ``arena``; ``advisor``/``hints`` post the hints for the next access group."""
 
-    def __init__(self, pool, reader, *, threads: int = 1, arena=None, verify: bool = False):
+    def __init__(self, pool, reader, *, threads: int = 1, arena=None, verify: bool = False, widest: int = 1 << 30):
         self.pool = pool
         self.reader = reader
         self.arena = arena
         self.threads = max(1, int(threads))
         self.verify = verify
         size = reader.buffer_bytes()
+        self.threads = min(self.threads, max(1, int(widest)))  # a group never splits into more chunks than ids
         self.buffers = [aligned_buffer(size) for _ in range(self.threads)]
         self.executor = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
 
@@ -106,6 +107,9 @@ class Replayer:
                             advisor.post([(nl, int(x)) for x in row if x >= 0])
                     self._group(li, experts[t, li], res)
             res.seconds.append(time.perf_counter() - t0)
+        end_pass = getattr(self.reader, "end_pass", None)
+        if end_pass is not None:
+            end_pass()
         res.wall_seconds = time.perf_counter() - t_pass
         return res
 

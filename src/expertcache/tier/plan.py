@@ -40,25 +40,26 @@ DEFAULT_TIE_BAND = 0.10
 
 @dataclass(frozen=True)
 class Rates:
-    """Bandwidths in GB/s. ``copy`` is the overlapped host-to-HBM copy rate (``copy_given`` False
-    when it defaulted to ``host``)."""
+    """Bandwidths in GB/s; None where not given (the rows that need it are left out). ``copy`` is
+    the overlapped host-to-HBM copy rate (``copy_given`` False when it defaulted to ``host``)."""
 
-    hbm: float
-    host: float
-    pcie: float
-    nvme: float
-    copy: float
+    hbm: float | None
+    host: float | None
+    pcie: float | None
+    nvme: float | None
+    copy: float | None
     copy_given: bool = True
 
     def check(self) -> "Rates":
         for name in ("hbm", "host", "pcie", "nvme", "copy"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"--{name}-gbps: {v!r} is not a positive finite bandwidth")
         for fast, slow in (("hbm", "host"), ("hbm", "pcie"), ("host", "nvme")):
-            if getattr(self, fast) <= getattr(self, slow):
-                raise ConfigError(f"--{fast}-gbps {getattr(self, fast):g} is not faster than --{slow}-gbps "
-                                  f"{getattr(self, slow):g}: the faster tier must read faster than the slower one")
+            f, s = getattr(self, fast), getattr(self, slow)
+            if f is not None and s is not None and f <= s:
+                raise ConfigError(f"--{fast}-gbps {f:g} is not faster than --{slow}-gbps "
+                                  f"{s:g}: the faster tier must read faster than the slower one")
         return self
 
 
@@ -72,15 +73,29 @@ def breakeven(copy: float, slow: float, fast: float) -> float:
     return (1.0 / copy) / (1.0 / slow - 1.0 / fast)
 
 
+PAIR_NEEDS = {("hbm<-host", "coherent"): ("hbm", "host"), ("hbm<-host", "pcie"): ("hbm", "pcie"),
+              ("host<-nvme", "storage"): ("host", "nvme")}
+"""The rates each tier pair's k* needs (the coherent pair's copy rate defaults to --host-gbps)."""
+
+
 def tier_pairs(r: Rates) -> list[dict]:
-    """One row per adjacent tier pair: ``pair``, ``link``, ``copy_gbps``, ``slow_gbps``, ``fast_gbps``, ``k_star``."""
+    """One row per adjacent tier pair whose rates were given: ``pair``, ``link``, ``copy_gbps``,
+    ``slow_gbps``, ``fast_gbps``, ``k_star``."""
     rows = [("hbm<-host", "coherent", r.copy, r.host, r.hbm),
             ("hbm<-host", "pcie", r.pcie, r.pcie, r.hbm),
             ("host<-nvme", "storage", r.nvme, r.nvme, r.host)]
     out = [{"pair": p, "link": link, "copy_gbps": c, "slow_gbps": s, "fast_gbps": f, "k_star": breakeven(c, s, f)}
-           for p, link, c, s, f in rows]
-    out[-1]["k_star_admission_on_miss"] = 0.0  # the page cache admits on the miss read itself (Rule 1)
+           for p, link, c, s, f in rows if all(getattr(r, k) is not None for k in PAIR_NEEDS[(p, link)])]
+    for row in out:
+        if row["pair"] == "host<-nvme":
+            row["k_star_admission_on_miss"] = 0.0  # the page cache admits on the miss read itself (Rule 1)
     return out
+
+
+def missing_pairs(r: Rates) -> list[str]:
+    """One line per tier pair left out, naming the options it needs."""
+    return [f"{p} ({link}): needs " + " and ".join(f"--{k}-gbps" for k in need)
+            for (p, link), need in PAIR_NEEDS.items() if any(getattr(r, k) is None for k in need)]
 
 
 def adopt_or_stream(host: float, copy: float, tie_band: float = DEFAULT_TIE_BAND) -> dict:
@@ -173,9 +188,12 @@ def read_curve(path: str) -> tuple[list[dict], dict]:
                 raise ConfigError(f"{where}: capacity_bytes {cap!r} is not a positive number")
             if not _positive(sec):
                 raise ConfigError(f"{where}: seconds_per_iteration_median {sec!r} is not a positive number")
+            spread = rec.get("seconds_per_iteration_spread")
             points.append({"mode": str(rec.get("mode", "unknown")), "capacity_bytes": int(cap),
                            "seconds_per_iteration_median": float(sec), "proof_ok": rec.get("proof_ok"),
-                           "summary": rec.get("summary") is True, "line": lineno})
+                           "summary": rec.get("summary") is True, "line": lineno,
+                           "expert_bytes": rec.get("expert_bytes"), "trace": rec.get("trace"),
+                           "spread": spread if _positive(spread) else None})
             if len(points) > MAX_POINTS:
                 raise ConfigError(f"{where}: more than {MAX_POINTS} points")
     if not points:
@@ -187,31 +205,65 @@ def _positive(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
+NOISY_SPREAD = 0.2
+"""A curve point whose runs spread by more than this ((max - min) / median) is flagged noisy."""
+
+
+def check_curve(points: list[dict], expert_bytes: int, trace_name: str, path: str) -> str | None:
+    """Refuse a curve measured on another workload: records carrying ``expert_bytes`` or ``trace``
+    (``tier sweep --json`` writes both) must match the plan's. Returns a note when the curve carries
+    neither (a hand-made curve: not checkable)."""
+    sizes = {p["expert_bytes"] for p in points if p.get("expert_bytes") is not None}
+    traces = {p["trace"] for p in points if p.get("trace") is not None}
+    if sizes and sizes != {expert_bytes}:
+        raise ConfigError(f"--curve {path}: measured with experts of {', '.join(map(str, sorted(sizes)))} bytes, "
+                          f"the plan's are {expert_bytes} bytes (another pool: its capacities do not transfer)")
+    if traces and traces != {trace_name}:
+        raise ConfigError(f"--curve {path}: measured on trace {', '.join(sorted(map(str, traces)))}, the plan's "
+                          f"trace is {trace_name} (another workload: its capacities do not transfer)")
+    if not sizes and not traces:
+        return "the curve names no expert size or trace (not 'tier sweep --json' output): not checked against the plan"
+    return None
+
+
+def _curve_flags(caps: list[int], ips: list[float], spreads: dict[int, float]) -> list[str]:
+    """Notes on a curve that should not be read as a clean T(C): non-monotone steps, noisy points."""
+    flags = [f"non-monotone: {ips[i]:.4g} it/s at {format_bytes(caps[i])} but {ips[i + 1]:.4g} at "
+             f"{format_bytes(caps[i + 1])}" for i in range(len(ips) - 1) if ips[i + 1] < ips[i]]
+    noisy = [c for c in caps if spreads.get(c) is not None and spreads[c] > NOISY_SPREAD]
+    if noisy:
+        flags.append(f"noisy: run spread above {NOISY_SPREAD:.0%} at {', '.join(format_bytes(c) for c in noisy)}")
+    return flags
+
+
 def capacity_for_target(points: list[dict], target_ips: float) -> list[dict]:
     """Per mode: the smallest measured capacity whose iterations/s (1 / median seconds per iteration;
     the median over records at the same capacity; where a mode has ``summary`` records, as ``tier sweep
     --json`` prints after the per-run ones, only those are used) meets ``target_ips``, and the capacity where the
     straight line through it and the next smaller measured capacity crosses the target
     (``interpolated_capacity_bytes``; None when the smallest measured capacity already meets it or
-    none does)."""
+    none does). ``flags`` lists non-monotone steps and noisy points (also appended to ``note``)."""
     if not _positive(target_ips):
         raise ConfigError(f"--target-iters-per-s: {target_ips!r} is not a positive number")
     out = []
     for mode in sorted({p["mode"] for p in points}):
         by_cap: dict[int, list[float]] = {}
-        unproven = set()
+        unproven, spreads = set(), {}
         summarised = any(p["summary"] for p in points if p["mode"] == mode)
         for p in points:
             if p["mode"] == mode and p["summary"] == summarised:
                 by_cap.setdefault(p["capacity_bytes"], []).append(p["seconds_per_iteration_median"])
                 if p["proof_ok"] is False:
                     unproven.add(p["capacity_bytes"])
+                if p.get("spread") is not None:
+                    spreads[p["capacity_bytes"]] = max(spreads.get(p["capacity_bytes"], 0.0), p["spread"])
         caps = sorted(by_cap)
         ips = [1.0 / float(np.median(by_cap[c])) for c in caps]
         row = {"mode": mode, "target_iters_per_s": target_ips,
                "curve": [{"capacity_bytes": c, "iters_per_s": v, "records": len(by_cap[c]),
                           "proof_ok": c not in unproven} for c, v in zip(caps, ips)],
-               "measured_capacity_bytes": None, "interpolated_capacity_bytes": None, "note": ""}
+               "measured_capacity_bytes": None, "interpolated_capacity_bytes": None, "note": "",
+               "flags": _curve_flags(caps, ips, spreads)}
         meet = next((i for i, v in enumerate(ips) if v >= target_ips), None)
         if meet is None:
             best = int(np.argmax(ips))
@@ -228,5 +280,7 @@ def capacity_for_target(points: list[dict], target_ips: float) -> list[dict]:
                                f"and {format_bytes(c1)} ({v1:.4g} it/s)")
             if caps[meet] in unproven:
                 row["note"] += "; the meeting point's capacity proof is missing or failed"
+        if row["flags"]:
+            row["note"] += "; " + "; ".join(row["flags"])
         out.append(row)
     return out

@@ -20,6 +20,7 @@ also hashes every entry. A missing, truncated or altered file is refused with on
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -163,12 +164,12 @@ def _check_manifest(root: Path, man) -> None:
     if man.get("layout") not in LAYOUTS:
         bad(f"'layout' {man.get('layout')!r} is not one of {', '.join(LAYOUTS)}")
     for key in ("expert_bytes", "num_experts"):
-        if not isinstance(man.get(key), int) or man[key] <= 0:
+        if not _int(man.get(key)) or man[key] <= 0:
             bad(f"'{key}' must be a positive integer")
     if not isinstance(man.get("layers"), list) or not man["layers"]:
         bad("'layers' must be a non-empty list")
     files = man.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, int) and v >= 0 for v in files.values()):
+    if not isinstance(files, dict) or not all(_int(v) and v >= 0 for v in files.values()):
         bad("'files' must map file names to sizes")
     for name in files:
         if not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts:
@@ -178,27 +179,69 @@ def _check_manifest(root: Path, man) -> None:
     if not isinstance(entries, list) or len(entries) != n or n > MAX_ENTRIES:
         bad(f"'entries' must list {n} (layer, expert) entries")
     for i, ent in enumerate(entries):
-        ok = (isinstance(ent, list) and len(ent) == 4 and ent[0] in files and isinstance(ent[1], int)
-              and isinstance(ent[2], int) and ent[1] >= 0 and 0 < ent[2] <= man["expert_bytes"]
+        ok = (isinstance(ent, list) and len(ent) == 4 and isinstance(ent[0], str) and ent[0] in files
+              and _int(ent[1]) and _int(ent[2]) and ent[1] >= 0 and 0 < ent[2] <= man["expert_bytes"]
               and isinstance(ent[3], str))
         if not ok or ent[1] + ent[2] > files[ent[0]]:
             bad(f"entries[{i}] is not [file, offset, size, checksum] inside its file")
+    largest = max(ent[2] for ent in entries)
+    if largest != man["expert_bytes"]:
+        bad(f"'expert_bytes' is {man['expert_bytes']}, but the largest entry holds {largest} bytes")
+    _check_no_overlap(entries, bad)
+
+
+def _int(v) -> bool:
+    """An integer that is not a bool (JSON true would otherwise pass as 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_no_overlap(entries: list, bad) -> None:
+    """No two entries may share bytes of a file (an aliased entry would read another expert's bytes)."""
+    order = sorted(range(len(entries)), key=lambda i: (entries[i][0], entries[i][1]))
+    for a, b in zip(order, order[1:]):
+        fa, oa, sa, _ = entries[a]
+        fb, ob, _, _ = entries[b]
+        if fa == fb and oa + sa > ob:
+            bad(f"entries[{a}] and entries[{b}] overlap in {fa} (bytes {ob}..{oa + sa})")
 
 
 # ---------------------------------------------------------------------------------------- writing
+def check_pool_target(root: Path, force: bool, inputs=()) -> None:
+    """Refuse to write a pool into ``root`` when it already holds one (or other files) unless
+    ``force``, when it is one of ``inputs`` (a checkpoint folder), or when a file the pool would
+    replace is one of ``inputs`` (equal, or a hard or symbolic link)."""
+    from .._io import check_not_input
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--pool {root}: exists and is not a folder")
+    for inp in inputs:
+        with contextlib.suppress(OSError):
+            if os.path.isdir(inp) and root.exists() and os.path.samefile(root, inp):
+                raise ConfigError(f"--pool {root}: is the input folder {inp}; write the pool elsewhere")
+    if not root.is_dir():
+        return
+    if not force and any(root.iterdir()):
+        what = "a pool (manifest.json)" if (root / MANIFEST).exists() else "files"
+        raise ConfigError(f"--pool {root}: already holds {what}; pass --force to rewrite it")
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            check_not_input(os.path.join(dirpath, name), inputs, "--pool")
+
+
 def write_pool(root: str | os.PathLike, *, layers: list[int], num_experts: int,
                source: Callable[[int, int], bytes], layout: str = "files", dtype: str = "uint8",
-               description: str = "", progress: Callable[[int, int], None] | None = None) -> Pool:
+               description: str = "", progress: Callable[[int, int], None] | None = None,
+               force: bool = True, inputs=()) -> Pool:
     """Write a pool whose entry (layer index l, expert e) holds ``source(l, e)``; returns it opened.
 
-    Every data file is written atomically and the manifest last. An existing manifest is replaced
-    (and its data files overwritten) only after the new files are complete.
+    Every data file is written atomically and the manifest last. A folder that already holds files
+    is written only with ``force`` (then an existing manifest is replaced, and its data files
+    overwritten, only after the new files are complete); no file that is one of ``inputs`` is ever
+    replaced (:func:`check_pool_target`).
     """
     if layout not in LAYOUTS:
         raise ConfigError(f"--layout: {layout!r} is not one of {', '.join(LAYOUTS)}")
     root = Path(root)
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"--pool {root}: exists and is not a folder")
+    check_pool_target(root, force, inputs)
     root.mkdir(parents=True, exist_ok=True)
     L, E = len(layers), int(num_experts)
     entries, files, largest, done = [], {}, 0, 0
@@ -248,10 +291,11 @@ def write_pool(root: str | os.PathLike, *, layers: list[int], num_experts: int,
 
 
 def pool_from_trace(root, trace, *, expert_bytes: int, layout: str = "files", seed: int = 0,
-                    progress=None) -> Pool:
+                    progress=None, force: bool = True, inputs=()) -> Pool:
     """A pool for ``trace``'s layers and experts with pseudo-random entries of ``expert_bytes``."""
     if expert_bytes <= 0:
         raise ConfigError("--expert-mb must be positive")
     return write_pool(root, layers=trace.layer_ids, num_experts=trace.num_experts,
                       source=lambda li, e: synthetic_bytes(seed, li, e, expert_bytes), layout=layout,
-                      description=f"synthetic: seed {seed}, trace {trace.name}", progress=progress)
+                      description=f"synthetic: seed {seed}, trace {trace.name}", progress=progress,
+                      force=force, inputs=inputs)

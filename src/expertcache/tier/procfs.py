@@ -70,20 +70,7 @@ def read_pressure(resource: str) -> tuple[dict | None, str | None]:
     text, why = read_text(f"/proc/pressure/{resource}")
     if text is None:
         return None, why
-    out: dict = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if not parts or parts[0] not in ("some", "full"):
-            continue
-        row = {}
-        for item in parts[1:]:
-            k, _, v = item.partition("=")
-            try:
-                row[k] = int(v) if k == "total" else float(v)
-            except ValueError:
-                continue
-        out[parts[0]] = row
-    return out, None
+    return parse_pressure(text), None
 
 
 def vmlck_bytes() -> int | None:
@@ -121,3 +108,64 @@ def cgroup_version() -> tuple[str | None, str | None]:
     if v1_memory:
         return ("hybrid" if v2 else "v1"), None
     return None, "no cgroup memory controller is mounted"
+
+
+SELF_IO = "/proc/self/io"
+
+
+def read_self_io() -> tuple[dict | None, str | None]:
+    """This process's own I/O counters (/proc/self/io: every thread of it): ``read_bytes`` (bytes it
+    caused to be read from storage: its reads, their readahead, its O_DIRECT reads), ``rchar``
+    (bytes returned by read calls, cache hits included), ``syscr``; ``(None, reason)`` if unreadable."""
+    text, why = read_text(SELF_IO)
+    if text is None:
+        return None, why
+    nums = {k.rstrip(":"): v for k, v in keyed_numbers(text.replace(":", " ")).items()}
+    if "read_bytes" not in nums:
+        return None, f"{SELF_IO}: no read_bytes field (task I/O accounting is off in this kernel)"
+    return {k: nums[k] for k in ("read_bytes", "rchar", "syscr", "write_bytes") if k in nums}, None
+
+
+MEMCG_STAT_PREFIXES = ("pgscan", "pgsteal", "pgrefill", "pgpgin", "pgpgout", "pgmajfault", "workingset_",
+                       "file", "anon", "unevictable", "cache", "rss")
+"""memory.stat keys kept from the wall's memory cgroup (v2 has pgscan/pgsteal; v1 has no reclaim counters)."""
+
+
+def parse_pressure(text: str) -> dict:
+    """PSI text (``some avg10=.. total=..`` lines) as ``{"some": {...}, "full": {...}}``; total in us."""
+    out: dict = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts or parts[0] not in ("some", "full"):
+            continue
+        row = {}
+        for item in parts[1:]:
+            k, _, v = item.partition("=")
+            try:
+                row[k] = int(v) if k == "total" else float(v)
+            except ValueError:
+                continue
+        out[parts[0]] = row
+    return out
+
+
+def read_memcg(d: str, version: str, device: str | None = None) -> dict:
+    """The counters of memory cgroup ``d`` at this instant: ``stat`` (selected memory.stat keys),
+    ``pressure`` (v2 memory.pressure, else None), ``io_read_bytes`` (v2 io.stat ``rbytes`` of
+    ``device`` "MAJ:MIN", else None); ``*_note`` says why a value is missing."""
+    out: dict = {"path": d, "version": version}
+    text, why = read_text(os.path.join(d, "memory.stat"))
+    out["stat"] = None if text is None else {k: v for k, v in keyed_numbers(text).items() if k.startswith(MEMCG_STAT_PREFIXES)}
+    out["stat_note"] = why
+    if version == "v2":
+        text, why = read_text(os.path.join(d, "memory.pressure"))
+        out["pressure"], out["pressure_note"] = (None, why) if text is None else (parse_pressure(text), None)
+        text, why = read_text(os.path.join(d, "io.stat"))
+        row = next((ln.split()[1:] for ln in (text or "").splitlines() if device and ln.split()[:1] == [device]), None)
+        rb = next((int(x[7:]) for x in (row or []) if x.startswith("rbytes=") and x[7:].isdigit()), None)
+        out["io_read_bytes"], out["io_read_note"] = rb, None if rb is not None else (
+            why or f"io.stat has no row for {device}")
+    else:
+        out["pressure"], out["pressure_note"] = None, "cgroup v1 has no per-cgroup memory.pressure"
+        out["io_read_bytes"], out["io_read_note"] = None, "cgroup v1: no io.stat (the process's own read_bytes is used)"
+    return out

@@ -17,8 +17,10 @@ SPEC keys: ``pool``, ``trace`` (paths); ``mode``; ``capacity_bytes``; ``threads`
 (``oracle`` / ``plan:PATH`` / null); ``delivery``; ``verify_reads``; ``cold_start``;
 ``drop_caches`` (also drop the machine's page cache before the cold start: root, system-wide);
 ``drop_ipc_lock`` (tests: drop CAP_IPC_LOCK first, so RLIMIT_MEMLOCK binds even for root);
-``calibrate`` (open, allocate and read one access group per thread, then stop: the harness measures
-the worker's own memory this way to size the wall's headroom).
+``calibrate`` (open, lock and preload the arena in arena/hybrid modes, allocate, read one access
+group per thread, post one hint, then stop and report ``calibration.own_bytes``: what the wall's
+cgroup is charged for beyond the tier (anonymous and kernel memory), read by the worker itself;
+the harness sizes the wall's headroom from it, per mode).
 Exit status: 0 ok, 2 a user error, 3 mlock failed (fail-stop).
 """
 
@@ -58,14 +60,24 @@ def check_trace_fits(trace, pool) -> None:
         raise ConfigError(f"trace {trace.source} has {trace.num_experts} experts per layer, pool {pool.root} has {pool.num_experts}")
 
 
-def arena_choice(spec: dict, trace, budget: int, expert_bytes: int) -> tuple[list, str]:
+def check_profile(path: str, trace, pool):
+    """The ``--profile`` trace, checked against the replayed trace (layers) and the pool (expert ids)."""
+    prof = load_trace(path)
+    if prof.num_layers != trace.num_layers:
+        raise ConfigError(f"--profile {path}: {prof.num_layers} layers, the trace has {trace.num_layers}")
+    top = int(prof.experts.max()) if prof.experts.size else -1
+    if top >= pool.num_experts:
+        raise ConfigError(f"--profile {path}: expert id {top} is outside the pool {pool.root}'s "
+                          f"{pool.num_experts} experts per layer")
+    return prof
+
+
+def arena_choice(spec: dict, trace, budget: int, pool) -> tuple[list, str]:
     """The experts the arena preloads and a label of the profile window they come from."""
-    count = int(budget // expert_bytes)
+    count = int(budget // pool.expert_bytes)
     if spec.get("profile"):
-        prof = load_trace(spec["profile"])
-        if prof.num_layers != trace.num_layers:
-            raise ConfigError(f"--profile {spec['profile']}: {prof.num_layers} layers, the trace has {trace.num_layers}")
-        return top_experts(prof.experts, max(prof.num_experts, trace.num_experts), count), f"profile {spec['profile']}"
+        prof = check_profile(spec["profile"], trace, pool)
+        return top_experts(prof.experts, pool.num_experts, count), f"profile {spec['profile']}"
     frac = float(spec.get("profile_fraction", 0.6))
     rows = max(1, int(np.floor(frac * trace.num_tokens)))
     return top_experts(trace.experts[:rows], trace.num_experts, count), f"first {rows} of {trace.num_tokens} rows"
@@ -107,9 +119,9 @@ def run(spec: dict) -> dict:
     out["cold_start"] = acc.evict_file_pages(paths) if spec.get("cold_start", True) else None
     if out["cold_start"] is not None:
         out["cold_start"]["drop_caches"] = dropped
-    # arena: user space owns the cache, the rest is streamed without caching (the incumbent design);
-    # hybrid: the arena's share pinned, the rest of the capacity the page cache's
-    kind = {"nocache": "nocache", "direct": "direct", "arena": "nocache"}.get(mode, "pagecache")
+    # arena: user space owns the cache, the rest is streamed with direct I/O, nothing cached (the
+    # incumbent design); hybrid: the arena's share pinned, the rest of the capacity the page cache's
+    kind = {"nocache": "nocache", "direct": "direct", "arena": "direct"}.get(mode, "pagecache")
     reader = FileReader(pool, kind, use_mmap=bool(spec.get("mmap")))
     out["mode_used"] = reader.kind if mode in ("pagecache", "nocache", "direct") else mode
     out["mode_note"] = reader.fallback
@@ -119,11 +131,12 @@ def run(spec: dict) -> dict:
     if mode in ("arena", "hybrid"):
         share = 1.0 if mode == "arena" else float(spec.get("arena_fraction", 0.5))
         budget = int(capacity * share)
-        chosen, window = arena_choice(spec, trace, budget, pool.expert_bytes)
+        chosen, window = arena_choice(spec, trace, budget, pool)
         arena = Arena(pool, budget, chosen)
         arena.preload()
         out["arena"] = {"budget_bytes": budget, "entries": len(arena.slots), "bytes": arena.bytes,
                         "locked_bytes": arena.locked_bytes, "profile_window": window,
+                        "preload_note": arena.preload_note,
                         "vmlck_bytes": acc.vmlck_bytes()}
     out["preload_seconds"] = time.perf_counter() - t0
 
@@ -135,15 +148,10 @@ def run(spec: dict) -> dict:
         hints = load_plan(plan_path, experts.shape, pool.num_experts)
     skip = (lambda key: key in arena.slots) if arena is not None else None
 
-    rep = Replayer(pool, reader, threads=int(spec.get("threads", 1)), arena=arena, verify=bool(spec.get("verify_reads")))
-    if spec.get("calibrate"):  # headroom calibration: everything a pass holds, then one group per thread, no pass
-        try:
-            rows = experts[: max(1, rep.threads)]
-            rep.run_pass(rows, np.arange(rows.shape[0] + 1))
-        finally:
-            rep.close()
-            reader.close()
-        return out | {"calibrate": True}
+    rep = Replayer(pool, reader, threads=int(spec.get("threads", 1)), arena=arena, verify=bool(spec.get("verify_reads")),
+                   widest=experts.shape[2])
+    if spec.get("calibrate"):
+        return out | _calibrate(spec, pool, experts, rep, reader, arena, hints, skip)
     try:
         advisor = Advisor(pool, spec.get("delivery", "fadvise"), skip) if hints is not None else None
         warm = rep.run_pass(experts, starts, advisor=advisor, hints=hints)
@@ -157,6 +165,7 @@ def run(spec: dict) -> dict:
     finally:
         rep.close()
         reader.close()
+    out["own_bytes_end"] = _own_bytes()[0]
     if arena is not None:
         out["arena"]["vmlck_bytes_after"] = acc.vmlck_bytes()
         arena.close()
@@ -175,10 +184,42 @@ def run(spec: dict) -> dict:
         "device_read_bytes": out["accounting"].get("device_read_bytes"),
         "device_read_note": out["accounting"].get("device_read_note"),
     })
+    a = out["accounting"]
+    out.update({k: a.get(k) for k in ("read_bytes_self", "read_bytes_self_note", "device_other_readers",
+                                      "device_other_bytes", "reclaim_scan_per_steal", "pgscan_total", "pgsteal_total")})
+    memcg = a.get("memcg") or {}
+    out["memcg_reclaim_scan_per_steal"] = memcg.get("reclaim_scan_per_steal")
+    out["memcg_pressure"] = memcg.get("pressure")
     accepted = trace.extras.get("accepted")
     if accepted is not None:
         out["accepted_tokens"] = int(np.sum(accepted))
     return out
+
+
+def _calibrate(spec, pool, experts, rep, reader, arena, hints, skip) -> dict:
+    """Headroom calibration: everything a pass holds (the arena locked and preloaded, the buffers,
+    the advisor), one access group per thread and one hint, no pass; then what the cgroup is charged
+    for beyond the tier, read here (kernel memory included)."""
+    advisor = Advisor(pool, spec.get("delivery", "fadvise"), skip) if hints is not None else None
+    try:
+        rows = experts[: max(1, rep.threads)]
+        rep.run_pass(rows, np.arange(rows.shape[0] + 1), advisor=advisor, hints=hints)
+    finally:
+        if advisor is not None:
+            advisor.close()
+        rep.close()
+        reader.close()
+    own, note = _own_bytes()
+    if arena is not None:
+        arena.close()
+    return {"calibrate": True, "calibration": {"own_bytes": own, "note": note}}
+
+
+def _own_bytes() -> tuple[int | None, str | None]:
+    """What this process's memory cgroup is charged for beyond the tier, now (None where unreadable)."""
+    from . import cgroupfs
+    loc, why = cgroupfs.locate_memory_cgroup()
+    return cgroupfs.own_bytes(loc["dir"], loc["version"]) if loc else (None, why)
 
 
 def main(argv: list[str] | None = None) -> int:

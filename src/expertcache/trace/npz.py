@@ -63,6 +63,8 @@ def resolve_trace_path(path: str | os.PathLike) -> Path:
         raise TraceError(f"{src}: no such file or folder") from None
     except OSError as exc:
         raise TraceError(f"{src}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError:  # a NUL byte: no file can have this name
+        raise TraceError(f"{src!r}: not a valid path (it holds a NUL byte)") from None
     if stat.S_ISDIR(st.st_mode):
         inner = p / "routing.npz"
         if not inner.exists():
@@ -104,6 +106,8 @@ def read_npy(path: str | os.PathLike, what: str) -> np.ndarray:
         st = os.stat(path)
     except OSError:
         raise TraceError(f"{where}: no such file") from None
+    except ValueError:  # a NUL byte
+        raise TraceError(f"{what} {str(path)!r}: not a valid path (it holds a NUL byte)") from None
     if not stat.S_ISREG(st.st_mode):
         raise TraceError(f"{where}: not a regular file")
     try:

@@ -85,3 +85,46 @@ def curve_target(curve, *, target_hit_rate: float | None = None, target_copies: 
     """:func:`smallest_capacity` on a :class:`~expertcache.sim.curves.MissRatioCurve`."""
     return smallest_capacity(curve.capacities, curve.hit_rate, curve.copies_per_token,
                              target_hit_rate=target_hit_rate, target_copies=target_copies)
+
+
+# ----------------------------------------------------------------------------- the ceiling
+@dataclass(frozen=True)
+class HitRateCeiling:
+    """The highest hit rate any lossless rule reaches on a layout: every expert resident
+    (capacity ``n_items``), so the only misses are the cold fills of empty pools (after each
+    sequence reset, and at the start). ``warm`` is the layout's warm fraction; ``fair`` the same
+    ceiling on a fair window (the first :data:`~expertcache.sim.curves.pools.FAIR_WARM` of each
+    stream warms unscored), ``None`` when not computed."""
+
+    hit_rate: float
+    capacity: int
+    warm: float
+    fair: float | None = None
+    fair_warm: float | None = None
+
+    def note(self, target: float) -> str:
+        """One line saying why ``target`` is out of reach, or ``""`` when it is within the ceiling."""
+        if target <= self.hit_rate + TOLERANCE:
+            return ""
+        window = f"warm fraction {self.warm:g}" if self.warm else "every request scored"
+        line = (f"hit rate {target:g} is above the ceiling {self.hit_rate:.4f}: even with every expert resident "
+                f"(C={self.capacity}) the cold fills of empty pools ({window}) miss")
+        if self.fair is not None:
+            line += (f"; on a fair window (--warm {self.fair_warm:g}: the first {self.fair_warm:.0%} of each stream "
+                     f"warms unscored) the ceiling is {self.fair:.4f}: target the warm hit rate with --warm "
+                     f"{self.fair_warm:g}")
+        return line
+
+
+def hit_rate_ceiling(layout, *, fair_layout=None) -> HitRateCeiling:
+    """:class:`HitRateCeiling` of ``layout`` (and of ``fair_layout``, the same streams on a fair
+    window, when given), from LRU's one-pass curve at ``n_items``: with every item resident all
+    lossless rules make exactly the same copies, the first request of each item in each stream."""
+    from .mrc import lru_curve
+
+    def top(lay) -> float:
+        return float(lru_curve(lay, [int(lay.n_items)]).hit_rate[0])
+
+    fair = top(fair_layout) if fair_layout is not None else None
+    return HitRateCeiling(top(layout), int(layout.n_items), float(layout.warm), fair,
+                          float(fair_layout.warm) if fair_layout is not None else None)

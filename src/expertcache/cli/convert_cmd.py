@@ -1,0 +1,40 @@
+"""``expertcache convert``: a Hugging Face MoE checkpoint to a GGUF for llama.cpp (docs/llama.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import add_json, add_out, check_out, emit_json
+
+HELP = """Convert a Hugging Face MoE checkpoint (OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral classes; the
+per-expert safetensors layout transformers saves) to GGUF with the gguf package's writer. --dtype
+f32 keeps every tensor float32 (llama.cpp then routes exactly as transformers does); f16 and q8_0
+store the matrices so, routers and vectors stay float32. A GPT-2-style byte-level BPE tokenizer is
+written as gpt2 / gpt-2; a checkpoint without one gets a tokenizer-free GGUF that runs on token ids.
+Needs the llama extra (the gguf package)."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("convert", help="Hugging Face MoE checkpoint -> GGUF (for llama.cpp)", description=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="HF_DIR", help="checkpoint folder (config.json + *.safetensors)")
+    add_out(p, "GGUF file to write")
+    p.add_argument("--dtype", choices=("f32", "f16", "q8_0"), default="f32", help="matrix type (default f32)")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..llama.convert import convert
+    from ..llama.geometry import read_geometry
+
+    check_out(args.out)
+    rec = convert(args.model, args.out, args.dtype)
+    rec.update(read_geometry(args.out, "--out").summary())
+    if args.json:
+        emit_json([rec])
+    else:
+        print(f"{rec['out']}: {rec['architecture']} {rec['dtype']}, {rec['bytes']} bytes, {rec['moe_layers']} MoE "
+              f"layers of E={rec['num_experts']} k={rec['top_k']}, expert {rec['expert_bytes']} bytes, "
+              f"tokenizer {rec['tokenizer']}")
+    return 0

@@ -1,0 +1,283 @@
+"""``expertcache size``: does every expert fit on the device, and if not, what cache meets a target?
+
+The logic lives in :mod:`expertcache.costmodel.plan` (definitions) and
+:mod:`expertcache.costmodel.model` (reading the model); this module reads the options, picks the
+trace (the one given, or a synthetic preset matched to the model, labelled as such) and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .._units import format_bytes
+from ..costmodel import MB, Sizing
+from ..costmodel.model import ModelSpec, read_model
+from ..costmodel.plan import Fit, copies_for_rate, record, recommended, search, synthetic_trace
+from ..errors import ConfigError
+from ..policies import make_policy
+from .budget_opts import budget_bytes
+from .common import add_json, emit_json, fraction, open_trace, positive_int, seed_int, table
+from .sizing_opts import compute_time, duration, positive_number
+
+DEFAULT_POLICIES = ("lru", "lfu", "decayed", "mean-interval", "belady")
+
+HELP = """Size the expert cache of one model on one device (docs/sizing.md, "expertcache size").
+
+The model: --model-config (a Hugging Face config.json, a checkpoint folder with config.json and
+*.safetensors, or a .gguf file) gives E, k, the MoE layers, the bytes of one expert and of the other
+weights; or give --expert-mb with --experts, --top-k and --moe-layers (or a --trace for them).
+
+  available          --device-memory - non-expert weights - --reserve
+  fits entirely      E x MoE layers x expert bytes <= available: keep every expert resident,
+                     zero copies, nothing else to decide
+  otherwise          per lossless rule, the smallest capacity per layer meeting the target
+                     (--target-hit-rate, --target-copies or --target-tokens-per-s), or without a
+                     target the rule at the largest capacity that fits; the recommended rule is the
+                     causal one needing the least capacity (then the fewest copies)
+
+The copies come from --trace, or, without one, from a synthetic trace matched to the model's E, k
+and layers (labelled SYNTHETIC: give your own trace for your workload). Hit rates count the cold
+fills after each sequence reset, which cap them below 1 even with every expert resident; --warm
+0.6 scores the warm (fair-window) hit rate instead. --host-memory with --tier-pool (or a GGUF
+model) adds the page-cache tier: whether the experts fit in the host's page cache.
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("size", help="does every expert fit, and if not, the capacity that meets a target",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model-config", metavar="PATH", default=None,
+                   help="config.json, a checkpoint folder (config.json + *.safetensors) or a .gguf file")
+    m.add_argument("--expert-mb", type=positive_number, default=None, metavar="MB",
+                   help="bytes of one expert in decimal MB instead of --model-config (non-expert weights then unknown)")
+    m.add_argument("--experts", type=positive_int, default=None, metavar="E", help="routed experts per layer")
+    m.add_argument("--top-k", type=positive_int, default=None, metavar="K", help="experts each token uses per layer")
+    m.add_argument("--moe-layers", type=positive_int, default=None, metavar="L", help="layers with routed experts")
+    p.add_argument("--device-memory", type=budget_bytes, required=True, metavar="BYTES",
+                   help="device memory, e.g. 24GB (decimal; GiB binary); the non-expert weights are taken off it")
+    p.add_argument("--reserve", type=budget_bytes, default=None, metavar="BYTES",
+                   help="device memory kept for the KV cache and activations (default none)")
+    p.add_argument("--trace", default=None, help="router trace to count copies on (default: synthetic, matched)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the synthetic trace (default 0)")
+    p.add_argument("--warm", type=fraction, default=0.0, metavar="W",
+                   help="unscored warm-up fraction of each stream (default 0; 0.6 = the fair window)")
+    p.add_argument("--policy", "-p", action="append", dest="policies", metavar="POLICY",
+                   help=f"lossless rule, repeatable (default: {', '.join(DEFAULT_POLICIES)})")
+    p.add_argument("--tau", type=duration, default=None, metavar="DURATION", help="time of one expert copy, e.g. 0.51ms")
+    p.add_argument("--c", type=compute_time, default=None, metavar="DURATION",
+                   help="compute per token with every expert resident, e.g. 20.4ms or 49tok/s")
+    t = p.add_argument_group("target (default: the largest capacity that fits)")
+    t.add_argument("--target-hit-rate", type=positive_number, default=None, metavar="X", help="hit rate >= X, in (0, 1]")
+    t.add_argument("--target-copies", type=_nonnegative, default=None, metavar="Y", help="copies/token <= Y")
+    t.add_argument("--target-tokens-per-s", type=positive_number, default=None, metavar="N",
+                   help="blocking decode rate >= N tok/s (needs --tau and --c)")
+    h = p.add_argument_group("page-cache tier")
+    h.add_argument("--host-memory", type=budget_bytes, default=None, metavar="BYTES", help="host memory for the page cache")
+    h.add_argument("--tier-pool", metavar="DIR", default=None, help="pool written by 'expertcache tier write'")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def _nonnegative(text: str) -> float:
+    from .common import nonnegative_float
+
+    return nonnegative_float(text)
+
+
+def run(args) -> int:
+    _check(args)
+    trace = open_trace(args.trace) if args.trace else None
+    model = _model(args, trace)
+    sizing = Sizing(model.expert_bytes, args.tau, args.c)
+    fit = Fit(model.expert_bytes, model.num_experts, model.moe_layers, args.device_memory, model.other_bytes or 0,
+              args.reserve or 0)
+    if fit.available <= 0:
+        raise ConfigError(f"--device-memory {format_bytes(args.device_memory)}: the non-expert weights "
+                          f"({format_bytes(fit.other_bytes)}) and --reserve leave nothing for experts")
+    if fit.fits_entirely:
+        if args.json:
+            emit_json([record(fit, sizing, None, None)])
+            return 0
+        print(_fit_line(model, fit, args))
+        return 0
+    return _size(args, model, fit, sizing, trace)
+
+
+def _check(args) -> None:
+    if args.model_config is not None and args.expert_mb is not None:
+        raise ConfigError("--model-config and --expert-mb both give the expert size: give one")
+    if args.model_config is None and args.expert_mb is None:
+        raise ConfigError("give the model: --model-config PATH, or --expert-mb MB (with --experts, --top-k and "
+                          "--moe-layers, or a --trace)")
+    if args.model_config is not None and any(v is not None for v in (args.experts, args.top_k, args.moe_layers)):
+        raise ConfigError("--experts/--top-k/--moe-layers come from --model-config; leave them out")
+    if args.target_hit_rate is not None and not 0 < args.target_hit_rate <= 1:
+        raise ConfigError(f"--target-hit-rate: {args.target_hit_rate:g} is outside (0, 1]")
+    if args.tier_pool is not None and args.host_memory is None:
+        raise ConfigError("--tier-pool needs --host-memory (the page cache it would sit in)")
+    if args.tier_pool is not None and not Path(args.tier_pool).is_dir():
+        raise ConfigError(f"--tier-pool {args.tier_pool}: no such folder (write one with 'expertcache tier write')")
+    if args.host_memory is not None and args.tier_pool is None and not _is_gguf(args.model_config):
+        raise ConfigError("--host-memory needs --tier-pool DIR or a GGUF --model-config (the file the page cache holds)")
+    for spec in args.policies or []:
+        if not make_policy(spec).admits:
+            raise ConfigError(f"--policy {spec}: not a lossless rule (size counts copies of lossless caches)")
+    if len(set(args.policies or [])) != len(args.policies or []):
+        raise ConfigError("--policy: a rule is given twice")
+
+
+def _is_gguf(path) -> bool:
+    return path is not None and str(path).lower().endswith(".gguf")
+
+
+def _model(args, trace) -> ModelSpec:
+    if args.model_config is not None:
+        model = read_model(args.model_config)
+    else:
+        dims = [args.experts, args.top_k, args.moe_layers]
+        if trace is not None:
+            dims = [d if d is not None else t for d, t in zip(dims, (trace.num_experts, trace.top_k, trace.num_layers))]
+        if None in dims:
+            missing = [o for o, d in zip(("--experts", "--top-k", "--moe-layers"), dims) if d is None]
+            raise ConfigError(f"--expert-mb: also give {', '.join(missing)} (or a --trace that has them)")
+        if dims[1] > dims[0]:
+            raise ConfigError(f"--top-k {dims[1]} is above --experts {dims[0]}")
+        model = ModelSpec(dims[0], dims[1], dims[2], round(args.expert_mb * MB), None, "--expert-mb and dimensions")
+    if trace is not None and trace.num_experts != model.num_experts:
+        raise ConfigError(f"--trace {args.trace}: E={trace.num_experts}, the model has E={model.num_experts}")
+    return model
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB"
+
+
+def _fit_line(model: ModelSpec, fit: Fit, args) -> str:
+    other = (f" - {_gb(fit.other_bytes)} non-expert weights, {model.other_source}" if model.other_bytes is not None
+             else "; non-expert weights not counted: give --model-config")
+    reserve = f" - {_gb(fit.reserve_bytes)} reserve" if fit.reserve_bytes else ""
+    rate = f"; {1000 / args.c:.4g} tok/s at c = {args.c:.4g} ms/token" if args.c else ""
+    return (f"fits entirely: {model.num_experts} experts x {model.moe_layers} layers x {model.expert_bytes / MB:.4g} MB "
+            f"= {_gb(fit.all_experts_bytes)} <= {fit.available / 1e9:.4g} GB available ({format_bytes(fit.device_bytes)}"
+            f"{other}{reserve}): keep every expert resident, zero copies, no cache to size{rate}")
+
+
+def _size(args, model, fit, sizing, trace) -> int:
+    from ..sim import build_layout
+    from ..sim.curves import FAIR_WARM
+    from ..sim.curves.targets import hit_rate_ceiling
+
+    label = f"trace {args.trace}"
+    if trace is None:
+        trace, label = synthetic_trace(model, args.seed)
+    layout = build_layout(trace, warm=args.warm)
+    scale = model.moe_layers / len(layout.layer_ids)
+    target_copies = args.target_copies
+    if args.target_tokens_per_s is not None:
+        rate = copies_for_rate(args.target_tokens_per_s, args.tau, args.c)
+        target_copies = rate if target_copies is None else min(rate, target_copies)
+    targeted = args.target_hit_rate is not None or target_copies is not None
+    cap = fit.memory_capacity
+    if not targeted and cap < layout.widest:
+        raise ConfigError(f"--device-memory: {_gb(fit.available)} for experts holds {cap} per layer, fewer than the "
+                          f"{layout.widest} one token needs at a layer: a lossless cache cannot serve a token")
+    policies = [make_policy(s).spec for s in (args.policies or DEFAULT_POLICIES)]
+    answers = search(layout, policies, target_hit_rate=args.target_hit_rate,
+                     target_copies=None if target_copies is None else target_copies / scale, at_capacity=cap)
+    if scale != 1:
+        from dataclasses import replace
+
+        answers = [replace(a, copies_per_token=None if a.copies_per_token is None else a.copies_per_token * scale)
+                   for a in answers]
+    best = recommended(answers)
+    records = [record(fit, sizing, a, best) for a in answers]
+    if args.json:
+        emit_json(records)
+        return 0
+    ceiling = None
+    if args.target_hit_rate is not None:
+        fair = build_layout(trace, warm=FAIR_WARM) if args.warm < FAIR_WARM else None
+        ceiling = hit_rate_ceiling(layout, fair_layout=fair)
+    print_size(args, model, fit, sizing, label, layout, scale, target_copies, records, answers, best, ceiling, trace)
+    return 0
+
+
+def print_size(args, model, fit, sizing, label, layout, scale, target_copies, records, answers, best, ceiling,
+               trace) -> None:
+    """The text report of a model that does not fit entirely."""
+    other = (f"{_gb(model.other_bytes)} non-expert weights ({model.other_source})" if model.other_bytes is not None
+             else "non-expert weights not counted (give --model-config)")
+    print(f"model: {model.source}: E={model.num_experts}, k={model.top_k}, {model.moe_layers} MoE layers, "
+          f"expert {model.expert_bytes / MB:.4g} MB; {other}")
+    print(f"does not fit entirely: all {model.num_experts * model.moe_layers:,} experts need "
+          f"{_gb(fit.all_experts_bytes)}, {format_bytes(fit.device_bytes)} leaves {_gb(fit.available)} for experts: "
+          f"at most {fit.memory_capacity} per layer ({_gb(fit.memory_capacity * model.moe_layers * model.expert_bytes)})")
+    print(f"copies from {label}: {trace.num_tokens} tokens in {trace.num_sequences} sequence(s), "
+          f"{len(layout.layer_ids)} layer(s) replayed"
+          + (f", copies/token scaled by {model.moe_layers}/{len(layout.layer_ids)} to the model's layers" if scale != 1 else "")
+          + (f", warm fraction {args.warm:g}" if args.warm else ", pools emptied at each sequence"))
+    want = []
+    if args.target_hit_rate is not None:
+        want.append(f"hit rate >= {args.target_hit_rate:g}")
+    if target_copies is not None:
+        src = f" (= {args.target_tokens_per_s:g} tok/s)" if args.target_tokens_per_s is not None else ""
+        want.append(f"copies/token <= {target_copies:.4g}{src}")
+    print("target: " + (" and ".join(want) + ": the smallest capacity per layer meeting it" if want
+                        else f"none: each rule at the largest capacity that fits ({fit.memory_capacity} per layer)"))
+    rows = []
+    for a, r in zip(answers, records):
+        gbps = (r["copies_per_token"] * model.expert_bytes * r["tokens_per_s"] / 1e9
+                if r["tokens_per_s"] is not None and r["copies_per_token"] is not None else None)
+        fits = None if a.capacity is None else ("yes" if a.capacity <= fit.memory_capacity else "no")
+        rows.append([a.policy, "yes" if a.needs_future else "", r["capacity_per_layer"], r["hit_rate"],
+                     r["copies_per_token"], r["ms_per_token"], r["ms_per_token_overlapped"], r["tokens_per_s"],
+                     gbps, None if r["cache_bytes"] is None else r["cache_bytes"] / 1e9, fits])
+    table(rows, ["policy", "future", "C/layer", "hit rate", "copies/tok", "ms/tok", "ms/tok ovl", "tok/s", "GB/s",
+                 "cache GB", "fits"])
+    if sizing.tau_ms is None or sizing.c_ms is None:
+        print("  (add --tau and --c for ms/token, tok/s and GB/s)")
+    else:
+        print("  ms/tok = c + copies/token x tau (copies block), ovl = max(c, copies/token x tau), "
+              "GB/s = copies/token x expert bytes x tok/s")
+    for a in answers:
+        if a.capacity is None and ceiling is not None and ceiling.note(args.target_hit_rate):
+            print("  " + ceiling.note(args.target_hit_rate))
+            break
+    if any(a.capacity is None for a in answers):
+        print(f"  '-': no capacity up to E={model.num_experts} meets the target")
+    if best is None:
+        print("recommended: none (no causal rule meets the target)")
+    else:
+        where = "fits" if best.capacity <= fit.memory_capacity else \
+            f"needs {_gb(best.capacity * model.moe_layers * model.expert_bytes)}, more than the {_gb(fit.available)} available"
+        print(f"recommended: {best.policy} at {best.capacity} experts per layer ({where}); rules marked 'future' "
+              "read the recorded future: an offline reference, not a rule a cache can run")
+    if args.host_memory is not None:
+        print(tier_line(args, model, trace))
+
+
+def tier_line(args, model, trace) -> str:
+    """The page-cache tier: do the experts of the pool (or GGUF) fit in --host-memory?"""
+    if args.tier_pool is not None:
+        from ..tier.pool import open_pool
+
+        pool = open_pool(args.tier_pool)
+        total, S, what = pool.total_bytes, pool.expert_bytes, f"pool {args.tier_pool}"
+    else:
+        total, S, what = model.all_experts_bytes, model.expert_bytes, f"GGUF {args.model_config}"
+    H = args.host_memory
+    if total <= H:
+        return (f"page-cache tier: the {_gb(total)} of experts in {what} fit in {format_bytes(H)} of host memory: "
+                "after the first read every miss is a host-to-device copy from the page cache, no disk read")
+    from ..sim import replay
+
+    n = H // S
+    if n < trace.top_k:
+        return f"page-cache tier: {format_bytes(H)} holds {n} experts of {what}: nearly every miss reads the disk"
+    r = replay(trace, int(n), "lru", pool="global", reset="none")
+    return (f"page-cache tier: {format_bytes(H)} holds {n:,} of the {total // S:,} experts of {what} "
+            f"({H / total:.0%}); a global LRU of that size over the trace (page cache kept across sequences) reads "
+            f"{r.copies_per_token:.4g} experts/token from disk: an estimate, the kernel's page cache is not exactly "
+            "LRU; measure with 'expertcache tier replay'")

@@ -1,0 +1,253 @@
+"""What a sizing needs to know about a model: E, k, its MoE layers and the bytes of its weights.
+
+:func:`read_model` takes a Hugging Face ``config.json`` (or a folder holding one), a checkpoint
+folder (``config.json`` beside ``*.safetensors``) or a GGUF file and returns a :class:`ModelSpec`:
+
+* ``num_experts`` E (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``; GGUF
+  ``<arch>.expert_count``), ``top_k`` k (``num_experts_per_tok``; GGUF ``<arch>.expert_used_count``),
+  ``moe_layers`` (layers with routed experts: ``num_hidden_layers`` minus DeepSeek's
+  ``first_k_dense_replace`` and Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``; GGUF: the
+  blocks holding ``ffn_*_exps`` tensors);
+* ``expert_bytes`` S: one routed expert (:func:`~expertcache.costmodel.sizing.expert_bytes_from_config`
+  for a config; the routed-expert tensors' bytes / (E x MoE layers) for a checkpoint or a GGUF);
+* ``other_bytes``: every weight that is not a routed expert (embeddings, attention, routers, norms,
+  shared experts, dense MLPs), which must stay on the device beside the cache. Exact for a
+  checkpoint (the safetensors headers) and a GGUF (its tensor table); from a config alone it is
+  estimated from the shapes (``other_source`` says which).
+
+Only headers are read (the safetensors JSON header, the GGUF metadata via the ``gguf`` package);
+no weight is loaded. Every mistake is a one-line ConfigError naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+from .sizing import LIMITS, MAX_CONFIG_BYTES, _dtype_bytes, _weight_bytes, expert_bytes_from_config
+
+MAX_HEADER_BYTES = 100 * 2**20
+"""A safetensors JSON header larger than this is refused (real ones are a few MB at most)."""
+SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                     "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+EXPERT_MARK = ".experts."
+"""A checkpoint tensor whose name holds this is a routed expert's (``mlp.experts.3.w1``,
+``block_sparse_moe.experts.0.w2``, fused ``mlp.experts.gate_up_proj``); ``shared_experts`` is not."""
+GGUF_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """See the module docstring; ``other_bytes`` is ``None`` when unknown."""
+
+    num_experts: int
+    top_k: int
+    moe_layers: int
+    expert_bytes: int
+    other_bytes: int | None
+    source: str
+    other_source: str = ""
+
+    @property
+    def all_experts_bytes(self) -> int:
+        """``E x MoE layers x S``: every routed expert of the model."""
+        return self.num_experts * self.moe_layers * self.expert_bytes
+
+
+def read_model(path: str | Path) -> ModelSpec:
+    """A :class:`ModelSpec` from a config.json, a checkpoint folder or a ``.gguf`` file."""
+    path = Path(path)
+    where = f"--model-config {path}"
+    if not path.exists():
+        raise ConfigError(f"{where}: no such file or folder")
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _from_gguf(path, where)
+    config = _load_config(path, where)
+    spec = _from_config(config, path, where)
+    shards = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not shards:
+        return spec
+    experts, other = _safetensors_bytes(shards)
+    if experts == 0:
+        raise ConfigError(f"{where}: no tensor named '*{EXPERT_MARK}*' in the safetensors files; not a MoE checkpoint")
+    per = experts // (spec.num_experts * spec.moe_layers)
+    return ModelSpec(spec.num_experts, spec.top_k, spec.moe_layers, per, other, f"checkpoint {path}",
+                     "safetensors headers (exact)")
+
+
+def _load_config(path: Path, where: str) -> dict:
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"{where}: the folder holds no config.json")
+    expert_bytes_from_config(file)  # its checks and messages for the file and the expert keys
+    if file.stat().st_size > MAX_CONFIG_BYTES:  # pragma: no cover - refused above
+        raise ConfigError(f"{where}: config too large")
+    return json.loads(file.read_text(encoding="utf-8"))
+
+
+def _scopes(config: dict) -> list[Mapping]:
+    return [config] + ([config["text_config"]] if isinstance(config.get("text_config"), Mapping) else [])
+
+
+def _get(config: dict, where: str, *keys: str, default: Any = ...) -> Any:
+    for key in keys:
+        for scope in _scopes(config):
+            if scope.get(key) is not None:
+                value = scope[key]
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ConfigError(f"{where}: {key} = {value!r} is not a non-negative integer")
+                return value
+    if default is not ...:
+        return default
+    raise ConfigError(f"{where}: config has no {' or '.join(repr(k) for k in keys)}; not a mixture-of-experts config")
+
+
+def moe_layer_ids(config: dict, where: str = "config") -> list[int]:
+    """Layers with routed experts: all ``num_hidden_layers`` but DeepSeek's first
+    ``first_k_dense_replace`` (and those off ``moe_layer_freq``) and Qwen's ``mlp_only_layers`` (and
+    those off ``decoder_sparse_step``)."""
+    n = _get(config, where, "num_hidden_layers")
+    dense_first = _get(config, where, "first_k_dense_replace", default=0)
+    freq = max(1, _get(config, where, "moe_layer_freq", default=1))
+    step = max(1, _get(config, where, "decoder_sparse_step", default=1))
+    listed = next((s["mlp_only_layers"] for s in _scopes(config) if isinstance(s.get("mlp_only_layers"), list)), [])
+    mlp_only = {i for i in listed if isinstance(i, int)}
+    return [i for i in range(n) if i >= dense_first and i % freq == 0 and (i + 1) % step == 0 and i not in mlp_only]
+
+
+def _from_config(config: dict, path: Path, where: str) -> ModelSpec:
+    E = _get(config, where, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    k = _get(config, where, "num_experts_per_tok", "moe_topk", "top_k")
+    moe = moe_layer_ids(config, where)
+    if E < 1 or k < 1 or k > E or not moe:
+        raise ConfigError(f"{where}: E = {E}, k = {k}, {len(moe)} MoE layer(s): not a mixture-of-experts config")
+    S = expert_bytes_from_config(path)
+    other = estimate_other_params(config, where, len(moe)) * _width(config, where)
+    return ModelSpec(E, k, len(moe), S, other, f"config {path}", "estimated from the config's shapes")
+
+
+def _width(config: dict, where: str) -> int:
+    quant = next((s["quantization_config"] for s in _scopes(config) if isinstance(s.get("quantization_config"), Mapping)), None)
+    if quant is not None:
+        return _weight_bytes(where, quant)
+    for scope in _scopes(config):
+        for key in ("torch_dtype", "dtype"):
+            if scope.get(key) is not None:
+                return _dtype_bytes(where, key, scope[key])
+    raise ConfigError(f"{where}: config has no torch_dtype")  # pragma: no cover - expert_bytes_from_config refused it
+
+
+def estimate_other_params(config: dict, where: str, moe_layers: int) -> int:
+    """Parameters outside the routed experts, from the shapes: embeddings (twice unless
+    ``tie_word_embeddings``), attention per layer (q, k, v, o; MLA's low-rank projections when
+    ``kv_lora_rank`` is set), two norms per layer, a router of ``hidden x E`` per MoE layer, shared
+    experts and the dense layers' MLPs (``3 x hidden x intermediate_size`` each)."""
+    g = lambda *keys, default=0: _get(config, where, *keys, default=default)  # noqa: E731
+    h, n = g("hidden_size", default=...), g("num_hidden_layers", default=...)
+    heads = g("num_attention_heads", default=...)
+    kv = g("num_key_value_heads", default=heads)
+    hd = g("head_dim", default=h // max(heads, 1))
+    tied = any(s.get("tie_word_embeddings") is True for s in _scopes(config))
+    embed = g("vocab_size", default=...) * h * (1 if tied else 2)
+    if g("kv_lora_rank"):
+        q_rank, kv_rank = g("q_lora_rank"), g("kv_lora_rank")
+        nope, rope, v = g("qk_nope_head_dim"), g("qk_rope_head_dim"), g("v_head_dim")
+        q = h * q_rank + q_rank * heads * (nope + rope) if q_rank else h * heads * (nope + rope)
+        attn = q + h * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * h
+    else:
+        attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
+    E = g("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    moe_inter = g("moe_intermediate_size", "intermediate_size")
+    shared = g("n_shared_experts") * 3 * h * moe_inter + (3 * h * g("shared_expert_intermediate_size") + h
+                                                          if g("shared_expert_intermediate_size") else 0)
+    dense = (n - moe_layers) * 3 * h * g("intermediate_size")
+    return embed + n * (attn + 2 * h) + h + moe_layers * (h * E + shared) + dense
+
+
+def _safetensors_bytes(shards: list[Path]) -> tuple[int, int]:
+    """``(routed-expert bytes, other bytes)`` summed over the tensors of ``shards`` (headers only)."""
+    experts = other = 0
+    for shard in shards:
+        for name, info in _safetensors_header(shard).items():
+            if name == "__metadata__":
+                continue
+            try:
+                start, stop = info["data_offsets"]
+                size = int(stop) - int(start)
+            except (TypeError, KeyError, ValueError):
+                raise ConfigError(f"{shard}: tensor {name[:60]!r} has no valid data_offsets") from None
+            if size < 0:
+                raise ConfigError(f"{shard}: tensor {name[:60]!r} has negative size")
+            if EXPERT_MARK in name:
+                experts += size
+            else:
+                other += size
+    return experts, other
+
+
+def _safetensors_header(shard: Path) -> dict:
+    try:
+        with open(shard, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ConfigError(f"{shard}: shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or n > shard.stat().st_size - 8:
+                raise ConfigError(f"{shard}: header of {n:,} bytes is not plausible; not a safetensors file")
+            header = json.loads(fh.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise ConfigError(f"{shard}: the header is not JSON; not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{shard}: the header is not a JSON object; not a safetensors file")
+    return header
+
+
+def _from_gguf(path: Path, where: str) -> ModelSpec:
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError(f"{where}: reading a GGUF needs the gguf package: pip install 'expertcache[llama]'") from None
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as exc:  # the package raises ValueError, struct errors, ... on a bad file
+        raise ConfigError(f"{where}: cannot read it as GGUF ({type(exc).__name__}: {str(exc)[:80]})") from None
+    fields = {name: _gguf_value(f) for name, f in reader.fields.items()}
+    arch = fields.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ConfigError(f"{where}: no general.architecture in its metadata")
+    E, k = fields.get(f"{arch}.expert_count"), fields.get(f"{arch}.expert_used_count")
+    if not isinstance(E, int) or not isinstance(k, int) or E < 1 or not 1 <= k <= E:
+        raise ConfigError(f"{where}: {arch}.expert_count / expert_used_count missing or invalid ({E}, {k}); "
+                          "not a mixture-of-experts GGUF")
+    experts, other, blocks = 0, 0, set()
+    for t in reader.tensors:
+        size = int(t.n_bytes)
+        if any(mark in t.name for mark in GGUF_EXPERT_TENSORS):
+            experts += size
+            blocks.add(t.name.split(".")[1] if t.name.startswith("blk.") else t.name)
+        else:
+            other += size
+    if not blocks:
+        raise ConfigError(f"{where}: no {'/'.join(GGUF_EXPERT_TENSORS)} tensors; not a mixture-of-experts GGUF")
+    per = experts // (E * len(blocks))
+    if not 1 <= per <= LIMITS["expert_bytes"]:
+        raise ConfigError(f"{where}: experts of {per} bytes are not plausible")
+    return ModelSpec(E, k, len(blocks), per, other, f"GGUF {path}", "GGUF tensor table (exact)")
+
+
+def _gguf_value(field) -> Any:
+    """A scalar or string metadata value (``None`` for arrays and anything else)."""
+    try:
+        if len(field.data) != 1:
+            return None
+        part = field.parts[field.data[0]]
+        if field.types and field.types[0].name == "STRING":
+            return bytes(part).decode("utf-8", "replace")
+        value = part.tolist()
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None

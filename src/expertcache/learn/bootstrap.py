@@ -1,0 +1,58 @@
+"""Bootstrap confidence intervals over test sequences (``expertcache learn eval --bootstrap``; docs/learn.md).
+
+Input: each policy's steady copies on each test sequence (pools restart at each sequence, so a
+policy's copies on a set of sequences are the sum of its per-sequence copies; a learned policy's are
+the mean over its training seeds). One resample draws ``n`` of the ``n`` test sequences with
+replacement (``numpy.random.default_rng(seed).integers``, all resamples drawn at once, so the same
+seed gives the same intervals); on it, every policy's gap recovered is ``(lru - p) / (lru - belady)``
+of the resampled sums, and the difference to the reference policy (tuned decayed) is taken on the
+same resample (paired). The interval is the percentile interval: the ``(1 - level) / 2`` and
+``(1 + level) / 2`` quantiles (numpy's linear interpolation) of the resampled values. Resamples in
+which LRU and Belady make the same copies have no gap and are left out (``resamples_used`` says how
+many remained).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+REFERENCE = "decayed (tuned)"
+
+
+def gap_of(copies, lru, belady):
+    """``(lru - copies) / (lru - belady)``, elementwise; NaN where ``lru == belady``."""
+    copies, lru, belady = (np.asarray(a, dtype=np.float64) for a in (copies, lru, belady))
+    den = lru - belady
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den != 0, (lru - copies) / np.where(den != 0, den, 1.0), np.nan)
+
+
+def intervals(per_sequence: dict[str, np.ndarray], resamples: int, seed: int = 0, level: float = 0.95,
+              reference: str = REFERENCE) -> dict:
+    """``{"gap": {policy: [lo, hi]}, "diff": {policy: [lo, hi]}, "resamples_used": int}``.
+
+    ``per_sequence`` maps each policy (it must hold ``lru`` and ``belady``, and ``reference`` for the
+    differences) to its copies on each test sequence, all of one length ``n``.
+    """
+    names = list(per_sequence)
+    M = np.stack([np.asarray(per_sequence[p], dtype=np.float64) for p in names])  # [P, n]
+    n = M.shape[1]
+    if n < 1 or resamples < 1:
+        raise ValueError("bootstrap needs at least one test sequence and one resample")
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    sums = np.stack([M[:, row].sum(axis=1) for row in idx], axis=1)  # [P, B], row by row: bounded memory
+    lru, bel = sums[names.index("lru")], sums[names.index("belady")]
+    gaps = gap_of(sums, lru, bel)
+    ok = np.isfinite(gaps[0])
+    q = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
+
+    def ci(values):
+        v = values[ok]
+        return [float(x) for x in np.percentile(v, q)] if v.size else None
+
+    out = {"gap": {p: ci(gaps[i]) for i, p in enumerate(names)}, "diff": {}, "resamples_used": int(ok.sum()),
+           "level": level}
+    if reference in names:
+        ref = gaps[names.index(reference)]
+        out["diff"] = {p: ci(gaps[i] - ref) for i, p in enumerate(names)}
+    return out

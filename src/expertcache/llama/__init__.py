@@ -1,0 +1,12 @@
+"""llama.cpp as an expertcache engine (docs/llama.md): GGUF expert geometry, HF -> GGUF conversion,
+routing capture through llama.cpp's eval callback, and decode under a memory wall with the kernel
+page cache as the expert tier, optionally advised by the router.
+
+Modules, one concept each: ``geometry`` (the GGUF header and each expert's byte ranges, no
+third-party reader), ``convert`` (HF checkpoint -> GGUF with the ``gguf`` package), ``ggml``
+(the ctypes mirror of ``struct ggml_tensor``, its layout asserted against the loaded library),
+``engine`` (a llama.cpp model and context driven through the low-level bindings), ``capture``
+(router trace from the eval callback), ``advice`` (the page-cache modes), ``runner`` (one measured
+run, in or out of a wall), ``sweep`` (tokens/s against the wall). ``llama_cpp`` (the ``llama``
+extra) is imported only by ``ggml``, ``engine`` and what uses them.
+"""

@@ -1,0 +1,157 @@
+"""Router traces from llama.cpp: the experts each MoE layer selects, read in the eval callback.
+
+llama.cpp names the selected experts of layer N ``ffn_moe_topk-N``: an int32 view ``[k, n_tokens]``
+(row stride E) of the argsort of the router probabilities, best first, so the order equals the
+Hugging Face router's ``topk`` order. The gate weights the experts' outputs are multiplied by are
+the last of ``ffn_moe_weights-N``, ``ffn_moe_weights_softmax-N``, ``ffn_moe_weights_norm-N``,
+``ffn_moe_weights_scaled-N`` the graph computes (graph order is evaluation order).
+
+:class:`RoutingRecorder` is the observer: one :class:`Forward` per ``llama_decode``, the rows of
+each layer in token order. :class:`LlamaCapture` turns the forwards into a canonical
+:class:`~expertcache.Trace` with the Hugging Face capture's phase rules (``auto``: decode steps
+only if any was seen; ``decode``; ``all``). Invariant: a forward whose rows are kept was computed
+with every row's logits, otherwise llama.cpp's last layer routed only the last row and the trace
+would be short there; such a forward in a kept phase is refused, never silently padded.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..trace import Trace
+from .ggml import read_2d
+
+PHASES = ("auto", "decode", "all")
+_TOPK = b"ffn_moe_topk-"
+_WEIGHTS = (b"ffn_moe_weights-", b"ffn_moe_weights_softmax-", b"ffn_moe_weights_norm-", b"ffn_moe_weights_scaled-")
+
+
+def layer_of(name: bytes, prefixes) -> int | None:
+    """N of ``<prefix>N`` for one of ``prefixes``; None for other names (views carry a suffix)."""
+    for p in prefixes:
+        if name.startswith(p) and name[len(p):].isdigit():
+            return int(name[len(p):])
+    return None
+
+
+@dataclass
+class Forward:
+    """What one forward routed: per layer ``[rows, k]`` experts (int64) and gate weights."""
+
+    n_tokens: int
+    starts_sequence: bool
+    all_logits: bool
+    experts: dict[int, np.ndarray] = field(default_factory=dict)
+    weights: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+class RoutingRecorder:
+    """The engine observer that keeps every forward's routing (see the module docstring)."""
+
+    def __init__(self, weights: bool = True):
+        self.forwards: list[Forward] = []
+        self.keep_weights = weights
+
+    def begin(self, n_tokens: int, starts_sequence: bool, all_logits: bool) -> None:
+        self.forwards.append(Forward(n_tokens, starts_sequence, all_logits))
+
+    def wants(self, name: bytes) -> bool:
+        return layer_of(name, (_TOPK,)) is not None or (self.keep_weights and layer_of(name, _WEIGHTS) is not None)
+
+    def seen(self, name: bytes, ptr: int) -> None:
+        if not self.forwards:
+            return  # outside a forward the engine started (nothing of ours)
+        f = self.forwards[-1]
+        layer = layer_of(name, (_TOPK,))
+        if layer is not None:
+            f.experts[layer] = read_2d(ptr, np.int32).astype(np.int64)
+            return
+        layer = layer_of(name, _WEIGHTS)
+        if layer is not None:
+            f.weights[layer] = read_2d(ptr, np.float32, drop_leading_one=True)
+
+
+class LlamaCapture:
+    """``with LlamaCapture(engine) as cap: ...`` then ``cap.trace`` (phase rules in the module docstring)."""
+
+    def __init__(self, engine, *, phase: str = "auto", label: str | None = None):
+        if phase not in PHASES:
+            raise ConfigError(f"phase: {phase!r} is not one of {', '.join(PHASES)}")
+        self.engine, self.phase, self.label = engine, phase, label
+        self.recorder = RoutingRecorder()
+
+    def __enter__(self) -> "LlamaCapture":
+        self.engine.attach(self.recorder)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.detach(self.recorder)
+
+    @property
+    def trace(self) -> Trace:
+        g = self.engine.geometry
+        forwards = [f for f in self.recorder.forwards if f.experts]
+        saw_decode = any(not f.starts_sequence for f in forwards)
+        decode_only = self.phase == "decode" or (self.phase == "auto" and saw_decode)
+        kept = {id(f) for f in forwards if not (decode_only and f.starts_sequence)}
+        if not kept:
+            raise ConfigError("capture: no positions recorded" + (" (decode steps only are kept)" if decode_only else ""))
+        layers = g.moe_layers
+        seq, experts, weights, s = [], [], [], -1
+        for f in forwards:
+            s += f.starts_sequence
+            if id(f) not in kept:
+                continue
+            if f.n_tokens > 1 and not f.all_logits:
+                raise ConfigError("capture: a forward computed only its last row's logits, so llama.cpp's last "
+                                  "layer routed 1 of its rows; forward with logits='all'")
+            missing = [lid for lid in layers if lid not in f.experts]
+            if missing:
+                raise ConfigError(f"capture: a forward did not reach MoE layer {missing[0]}")
+            experts.append(np.stack([f.experts[lid] for lid in layers], axis=1))
+            have_w = all(lid in f.weights for lid in layers)
+            weights.append(np.stack([f.weights[lid] for lid in layers], axis=1) if have_w else None)
+            seq.append(np.full(f.n_tokens, max(s, 0), dtype=np.int64))
+        probs = np.concatenate(weights).astype(np.float32) if all(w is not None for w in weights) else None
+        phase = self.label or ("decode" if decode_only else "mixed" if saw_decode else "teacher-forced")
+        meta = {"model": g.path, "model_type": g.architecture, "num_experts": g.num_experts, "layer_ids": layers,
+                "phase": phase, "engine": "llama.cpp", "gguf": g.path, "expert_bytes": g.expert_bytes,
+                "provenance": {"tool": "expertcache.llama.capture", "llama_cpp_python": self.engine.bindings,
+                               "python": platform.python_version(),
+                               "prefill": "excluded" if decode_only else "included",
+                               "source": "eval callback: ffn_moe_topk (experts), ffn_moe_weights* (gate weights)"}}
+        return Trace.from_arrays(np.concatenate(experts), np.concatenate(seq), probs=probs, meta=meta,
+                                 source=f"<llama.cpp capture of {g.path}>")
+
+
+def sequences(ids: np.ndarray, max_len: int, max_sequences: int | None) -> list[np.ndarray]:
+    """Rows of a 2-d id array, or ``max_len`` chunks of a 1-d stream (chunks under 2 ids dropped)."""
+    ids = np.asarray(ids)
+    if ids.ndim not in (1, 2):
+        raise ConfigError(f"token ids: expected a 1-d stream or a 2-d [sequences, tokens] array, got shape {ids.shape}")
+    rows = [r[:max_len] for r in ids] if ids.ndim == 2 else [ids[i:i + max_len] for i in range(0, ids.size, max_len)]
+    return [r for r in rows if r.size >= 2][:max_sequences]
+
+
+def capture_gguf(path: str, ids: np.ndarray, *, max_len: int = 384, max_sequences: int | None = None,
+                 generate: int = 0, threads: int = 1) -> Trace:
+    """Teacher-force each sequence (every row's logits, so every row routes in every layer), or with
+    ``generate`` > 0 greedy-decode that many tokens after each sequence and keep the decode steps."""
+    from .engine import Engine
+
+    seqs = sequences(ids, max_len, max_sequences)
+    if not seqs:
+        raise ConfigError("no sequence of at least 2 tokens to capture")
+    need = max(s.size for s in seqs) + max(generate, 0)
+    with Engine(path, n_ctx=max(need, 8), threads=threads) as eng, LlamaCapture(eng) as cap:
+        for s in seqs:
+            if generate > 0:
+                eng.generate(s, generate)
+            else:
+                eng.reset()
+                eng.forward(s, logits="all")
+        return cap.trace

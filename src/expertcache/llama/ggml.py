@@ -1,0 +1,116 @@
+"""A ctypes mirror of ``struct ggml_tensor`` (ggml.h of the llama.cpp that llama-cpp-python 0.3.36
+vendors), with its layout asserted against the loaded library before any callback reads a tensor.
+
+The bindings expose the scheduler's eval callback (``cb_eval``) but no tensor accessor, so the
+callback reads the tensor through this mirror. :func:`check_layout` is the guard: the library's
+``ggml_tensor_overhead()`` minus ``sizeof(struct ggml_object)`` must equal the mirror's size, and
+``ggml_get_name``, ``ggml_get_data`` and ``ggml_nelements`` called on a mirror instance must return
+the mirror's own ``name`` and ``data`` addresses and the product of its ``ne``. Any difference (a
+bindings version whose struct differs) is refused in one line before a model is loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+from ..errors import ConfigError
+
+GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME = 4, 10, 64, 64
+GGML_OBJECT_SIZE = 32
+"""sizeof(struct ggml_object): offs, size, next (8 bytes each), type (4) and 4 bytes of padding."""
+GGML_TYPE_F32, GGML_TYPE_I32 = 0, 26
+
+
+class GGMLTensor(ctypes.Structure):
+    """``struct ggml_tensor`` field for field (ggml.h)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * GGML_MAX_NAME),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+NAME_OFFSET = GGMLTensor.name.offset
+_checked: str | None = None
+
+
+def _libggml_base():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ConfigError("llama.cpp bindings are not installed (pip install 'expertcache[llama]')") from None
+    libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        path = os.path.join(libdir, name)
+        if os.path.exists(path):
+            return ctypes.CDLL(path), llama_cpp.__version__
+    raise ConfigError(f"llama-cpp-python {llama_cpp.__version__}: no ggml-base library under {libdir}")
+
+
+def check_layout() -> str:
+    """Assert the mirror against the library (see the module docstring); returns the bindings' version."""
+    global _checked
+    if _checked is not None:
+        return _checked
+    lib, version = _libggml_base()
+    where = f"llama-cpp-python {version}: struct ggml_tensor"
+    try:
+        lib.ggml_tensor_overhead.restype = ctypes.c_size_t
+        for fn in (lib.ggml_get_name, lib.ggml_get_data):
+            fn.restype, fn.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        lib.ggml_nelements.restype, lib.ggml_nelements.argtypes = ctypes.c_int64, [ctypes.c_void_p]
+    except AttributeError as exc:
+        raise ConfigError(f"{where}: the library lacks {exc}; this bindings version is not supported") from None
+    size = lib.ggml_tensor_overhead() - GGML_OBJECT_SIZE
+    if size != ctypes.sizeof(GGMLTensor):
+        raise ConfigError(f"{where} is {size} bytes, the mirror {ctypes.sizeof(GGMLTensor)}: this bindings version "
+                          "has another layout (supported: 0.3.36)")
+    probe = GGMLTensor()
+    probe.ne[:] = (3, 5, 7, 2)
+    probe.data = ctypes.addressof(probe)
+    base = ctypes.addressof(probe)
+    if lib.ggml_get_name(base) != base + NAME_OFFSET or lib.ggml_get_data(base) != probe.data \
+            or lib.ggml_nelements(base) != 210:
+        raise ConfigError(f"{where}: the offsets of name/data/ne differ from the mirror; this bindings version is "
+                          "not supported (supported: 0.3.36)")
+    _checked = version
+    return version
+
+
+def tensor_name(ptr: int) -> bytes:
+    """The tensor's name (bytes up to the first NUL) without building the whole struct."""
+    return ctypes.string_at(ptr + NAME_OFFSET)
+
+
+def read_2d(ptr: int, dtype, drop_leading_one: bool = False) -> np.ndarray:
+    """A copy of the tensor's first two dimensions as ``[ne1, ne0]`` (rows of ``ne0``), following
+    its byte strides ``nb`` (views such as ``ffn_moe_topk`` are strided). ``drop_leading_one``: a
+    ``[1, a, b]`` tensor (ggml order, e.g. gate weights ``[1, k, n_tokens]``) reads as ``[b, a]``."""
+    t = GGMLTensor.from_address(ptr)
+    want = GGML_TYPE_I32 if np.dtype(dtype) == np.int32 else GGML_TYPE_F32
+    if t.type != want:
+        raise ConfigError(f"tensor {t.name.decode(errors='replace')}: ggml type {t.type}, expected {want}")
+    ne0, ne1 = int(t.ne[0]), int(t.ne[1]) * int(t.ne[2]) * int(t.ne[3])
+    nb0, nb1 = int(t.nb[0]), int(t.nb[1])
+    if drop_leading_one and int(t.ne[0]) == 1:  # [1, k, n] weights: collapse to [n, k]
+        ne0, ne1, nb0, nb1 = int(t.ne[1]), int(t.ne[2]) * int(t.ne[3]), int(t.nb[1]), int(t.nb[2])
+    itemsize = np.dtype(dtype).itemsize
+    span = (ne1 - 1) * nb1 + (ne0 - 1) * nb0 + itemsize if ne0 and ne1 else 0
+    raw = np.frombuffer((ctypes.c_char * span).from_address(t.data), dtype=np.uint8) if span else np.zeros(0, np.uint8)
+    view = np.lib.stride_tricks.as_strided(raw.view(np.uint8), shape=(ne1, ne0, itemsize), strides=(nb1, nb0, 1))
+    return np.array(view, copy=True).view(dtype).reshape(ne1, ne0)  # a copy: the buffer is reused

@@ -1,0 +1,244 @@
+"""One measured llama.cpp run: greedy decode of a prompt in one page-cache mode, optionally behind
+a memory wall (``expertcache llama run``; numbers defined in docs/llama.md).
+
+The parent (:func:`run_one`) evicts the GGUF from the page cache (cgroup v1 charges a page to
+whoever touched it first, so the measured process must be the first), then runs this module as a
+child (``python -m expertcache.llama.runner SPEC.json``) through
+:func:`expertcache.tier.capacity.run_walled` (``wall="none"`` without a wall: the same path,
+marked unproven). The child (:func:`measure`) loads the engine, applies the mode
+(:class:`~.advice.PageAdvisor`), prefills the prompt (one forward, last logits), decodes, and
+prints one JSON line: timings, its own ``/proc/self/io`` ``read_bytes`` and major faults per
+phase, the generated ids and the routing it computed (per forward and MoE layer, the experts).
+The parent adds the wall's proof and the demand model (:func:`demand`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from ..errors import ConfigError, ExpertcacheError
+from ..tier import accounting as acc, capacity as cap
+from .advice import MODES, PageAdvisor
+from .capture import RoutingRecorder
+from .geometry import Geometry, read_geometry
+
+DEFAULT_HEADROOM_MARGIN = 16 * 10**6
+"""Added to the calibrated own-memory peak of the llama worker, or a quarter of that peak where
+larger (:func:`headroom_margin`): allocator slack between runs, and a calibration of 2 tokens
+against runs of more (a 4 MB margin let a 16-token run on models/small-moe outgrow it by 4 MB)."""
+
+
+def headroom_margin(own: int) -> int:
+    """Slack above the calibrated own-memory peak ``own``: relative, with a floor."""
+    return max(DEFAULT_HEADROOM_MARGIN, own // 4)
+
+
+def io_counters() -> dict:
+    """This process's own ``read_bytes`` (/proc/self/io) and major faults (getrusage)."""
+    out = {"read_bytes": None, "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt}
+    try:
+        with open("/proc/self/io") as fh:
+            for line in fh:
+                k, _, v = line.partition(":")
+                if k == "read_bytes":
+                    out["read_bytes"] = int(v)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def rss_anon() -> int | None:
+    """This process's anonymous resident bytes (RssAnon of /proc/self/status)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def ballast(n: int):
+    """``n`` bytes of touched anonymous memory (an ``mmap``; ``close()`` returns it), or None."""
+    if n <= 0:
+        return None
+    import mmap
+
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: anonymous, not shmem (page cache)
+    for off in range(0, n, mmap.PAGESIZE):
+        m[off] = 1
+    return m
+
+
+def _diff(a: dict, b: dict) -> dict:
+    return {k: (b[k] - a[k] if a[k] is not None and b[k] is not None else None) for k in a}
+
+
+def measure(spec: dict) -> dict:
+    """The child's run (see the module docstring)."""
+    from .engine import Engine
+
+    g = read_geometry(spec["model"])
+    prompt = [int(x) for x in spec["prompt"]]
+    n_new = int(spec["max_new_tokens"])
+    mode = spec["mode"]
+    # llama.cpp populates the mapping while loading, before its context's own memory exists: the
+    # ballast stands in for that memory during the load, so the page cache never holds more than
+    # it may while decoding (the wall's proof covers the whole run)
+    anon0, held = rss_anon(), ballast(int(spec.get("ballast_bytes", 0)))
+    t0 = time.perf_counter()
+    eng = Engine(g.path, n_ctx=len(prompt) + n_new + 1, threads=int(spec.get("threads", 1)), mmap=mode != "nommap",
+                 geometry=g)
+    load_s = time.perf_counter() - t0
+    advisor, routes = PageAdvisor(g, mode), RoutingRecorder(weights=False)
+    advisor.start()
+    anon1, held_bytes = rss_anon(), len(held) if held is not None else 0
+    if held is not None:
+        held.close()
+    eng.attach(routes)
+    eng.attach(advisor)
+    c0 = io_counters()
+    t1 = time.perf_counter()
+    logits = eng.forward(prompt, logits="last")
+    t2 = time.perf_counter()
+    c1 = io_counters()
+    out = [int(np.argmax(logits[-1]))]
+    for _ in range(n_new - 1):
+        out.append(int(np.argmax(eng.forward([out[-1]], logits="last")[-1])))
+    t3 = time.perf_counter()
+    c2 = io_counters()
+    pre, dec = _diff(c0, c1), _diff(c1, c2)
+    steps = n_new - 1
+    ids = np.asarray(out, dtype="<i4")
+    rec = {"mode": mode, "load_seconds": load_s, "prefill_tokens": len(prompt), "prefill_seconds": t2 - t1,
+           "prefill_tokens_per_s": len(prompt) / (t2 - t1), "decode_tokens": steps, "decode_seconds": t3 - t2,
+           "decode_tokens_per_s": steps / (t3 - t2) if steps else None,
+           "prefill_read_bytes": pre["read_bytes"], "decode_read_bytes": dec["read_bytes"],
+           "read_bytes_per_token": dec["read_bytes"] / steps if steps and dec["read_bytes"] is not None else None,
+           "major_faults": dec["major_faults"], "prefill_major_faults": pre["major_faults"],
+           "major_faults_per_token": dec["major_faults"] / steps if steps else None,
+           "output_ids": out, "output_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
+           "routing": [[np.unique(f.experts[lid]).tolist() for lid in g.moe_layers] for f in routes.forwards],
+           "advice": advisor.stats(), "threads": int(spec.get("threads", 1)),
+           "anon_before_load": anon0, "anon_after_load": anon1 - held_bytes if anon1 is not None else None, "ballast_bytes": int(spec.get("ballast_bytes", 0))}
+    advisor.close()
+    eng.close()
+    return rec
+
+
+def demand(routing: list, g: Geometry, wall_bytes: int | None) -> dict:
+    """The LRU demand model of a run: its own routing replayed through one global LRU pool of
+    ``floor((wall - dense bytes) / expert_bytes)`` experts (dense bytes: everything in the file that
+    is not an expert tensor, read every step), warmed by the prefill forward, scored on the decode
+    steps. ``demand_bytes_per_token`` = decode misses x expert_bytes / decode steps."""
+    from ..cache import ExpertCache
+
+    out = {"capacity_experts": None, "demand_bytes_per_token": None, "demand_note": None}
+    if wall_bytes is None or len(routing) < 2:
+        out["demand_note"] = "no wall" if wall_bytes is None else "no decode step"
+        return out
+    dense = g.file_bytes - g.expert_tensor_bytes
+    cap = (wall_bytes - dense) // g.expert_bytes
+    out["capacity_experts"] = int(cap)
+    widest = max(len(layer) for f in routing for layer in f)
+    if cap < widest:
+        out["demand_note"] = f"the wall holds {max(cap, 0)} experts beside the dense {dense} bytes, fewer than one layer routes ({widest})"
+        return out
+    E = g.num_experts
+    cache = ExpertCache(int(cap), "lru", E * len(g.moe_layers), steps_per_token=len(g.moe_layers))
+    misses = 0
+    for i, forward in enumerate(routing):
+        for j, experts in enumerate(forward):
+            step = cache.prepare(np.asarray(experts, dtype=np.int64) + j * E)
+            misses += len(step.loads) if i > 0 else 0
+    out["demand_misses"] = misses
+    out["demand_bytes_per_token"] = misses * g.expert_bytes / (len(routing) - 1)
+    return out
+
+
+def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: int | None = None,
+            wall: str = "auto", headroom_bytes: int | None = None, threads: int = 1,
+            timeout: float | None = None, keep_routing: bool = False, ballast_bytes: int = 0) -> dict:
+    """One run in a child process, evicted file first; the record of docs/llama.md."""
+    if mode not in MODES:
+        raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
+    if mode == "nommap" and wall_bytes is not None and wall_bytes < g.file_bytes:
+        raise ConfigError(f"--mode nommap reads the whole model into memory: the wall {wall_bytes} is below the "
+                          f"model's {g.file_bytes} bytes")
+    spec = {"model": g.path, "prompt": [int(x) for x in prompt], "max_new_tokens": int(max_new_tokens),
+            "mode": mode, "threads": int(threads), "ballast_bytes": int(ballast_bytes)}
+    fd, spec_path = tempfile.mkstemp(prefix="expertcache-llama-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(spec, fh)
+        evicted = acc.evict_file_pages([g.path])
+        argv = [sys.executable, "-m", "expertcache.llama.runner", spec_path]
+        walled = cap.run_walled(argv, capacity_bytes=int(wall_bytes or g.file_bytes),
+                                wall=wall if wall_bytes else "none", headroom_bytes=headroom_bytes, timeout=timeout)
+    finally:
+        os.unlink(spec_path)
+    where = f"--mode {mode}" + (f" --memory-wall {wall_bytes}" if wall_bytes else "")
+    rec = cap.child_result(walled, where, timeout)
+    rec.update(memory_wall=wall_bytes, capacity_enforced_by=walled.enforced_by,
+               proof_ok=bool(walled.proof_ok) if wall_bytes else False,
+               wall_note=walled.note if wall_bytes else "no wall", cold_start=evicted.get("cold"),
+               proof=walled.proof if wall_bytes else {})
+    rec.update(demand(rec["routing"], g, wall_bytes))
+    rb, dm = rec.get("read_bytes_per_token"), rec.get("demand_bytes_per_token")
+    rec["amplification"] = rb / dm if rb is not None and dm else None
+    if not keep_routing:
+        rec.pop("routing")
+    return rec
+
+
+def calibrate(g: Geometry, prompt, threads: int = 1, wall: str = "auto") -> dict:
+    """The wall settings of this model: ``headroom_bytes``, the llama worker's own memory (what the
+    wall charged besides the page cache, or the anonymous peak where that is not measured) in a
+    short run behind a wall as large as the file plus 1 GB, plus :func:`headroom_margin`
+    (None where no cgroup measures it: the tier's default headroom then applies); and
+    ``ballast_bytes``, the anonymous memory the engine adds after loading (held during the load,
+    :func:`ballast`). ``note`` says which."""
+    try:
+        rec = run_one(g, prompt, 2, "mmap", wall_bytes=g.file_bytes, wall=wall, headroom_bytes=10**9, threads=threads)
+    except ExpertcacheError as exc:
+        return {"headroom_bytes": None, "ballast_bytes": 0, "note": f"headroom not calibrated ({exc})"}
+    a0, a1 = rec.get("anon_before_load"), rec.get("anon_after_load")
+    grow = max(0, a1 - a0) if isinstance(a0, int) and isinstance(a1, int) else 0
+    proof = rec.get("proof") or {}
+    own = proof.get("own_peak_bytes", proof.get("anon_peak_bytes"))  # anonymous (+ kernel, where measured)
+    if not isinstance(own, int) or own <= 0:
+        return {"headroom_bytes": None, "ballast_bytes": grow,
+                "note": f"headroom not calibrated ({rec['capacity_enforced_by']}: no own-memory peak measured)"}
+    margin = headroom_margin(own)
+    return {"headroom_bytes": own + margin, "ballast_bytes": grow,
+            "note": f"headroom calibrated: worker's own memory {own} bytes + {margin}; "
+                    f"ballast {grow} bytes during the load"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        with open(argv[0], encoding="utf-8") as fh:
+            spec = json.load(fh)
+        rec = measure(spec)
+    except ExpertcacheError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, KeyError, IndexError) as exc:  # a bad spec or a vanished file: one line
+        print(f"error: measured process: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(rec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

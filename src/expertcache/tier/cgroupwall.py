@@ -1,0 +1,302 @@
+"""The cgroup wall: where its memory cgroup goes, running the child in it, and the proof.
+
+Placement (:func:`cgroup_target`), in order:
+
+* ``child``: under this process's own memory cgroup (v1; v2 when the own cgroup's
+  ``cgroup.subtree_control`` enables memory);
+* ``sibling`` (v2): the no-internal-process rule keeps memory out of a populated cgroup's
+  subtree_control (most non-root cgroups of a systemd host), but the own cgroup's parent enables it
+  for its children (the own ``cgroup.controllers`` lists memory): a leaf made beside the own
+  cgroup carries ``memory.max`` without changing any existing cgroup;
+* ``systemd-scope`` (v2, where systemd runs): ``systemd-run --scope -p MemoryMax=LIMIT -p
+  MemorySwapMax=0`` puts the child in a transient scope unit; its cgroup is found from the child's
+  ``/proc/<pid>/cgroup`` and sampled like the others (the unit is collected when the child exits,
+  so the proof keeps the last limit, peak and events read while it ran).
+
+Invariants: the only cgroups written are the ones made here (a named ``--cgroup`` only receives
+the child's pid; systemd makes and removes a scope); no subtree_control is ever changed; every run
+says what enforced it and carries the proof; ``proof_ok`` is False whenever a piece is missing or
+shows the wall failed (see :func:`cgroup_problems`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..errors import ConfigError, ExpertcacheError
+from . import cgroupfs as cg
+from .procfs import read_meminfo, read_text
+
+CAPACITY_SLACK = 0.02
+"""The tier (page cache + locked memory) may stray from the capacity by this fraction (plus
+min(4 MiB, C/4): :func:`proof_slack`) before the proof fails."""
+SLACK_BYTES = 4 << 20
+"""The absolute part of :func:`proof_slack`, capped at a quarter of the capacity."""
+SCOPE_WAIT_S = 10.0
+"""How long the child of ``systemd-run --scope`` may take to appear in its scope's cgroup."""
+
+
+class WallUnavailable(ExpertcacheError):
+    """The wall asked for cannot be built on this machine (the message says why)."""
+
+
+@dataclass
+class WallRun:
+    """One child run behind a wall: its exit status and output, what enforced its capacity, the
+    proof (JSON-able) and whether the proof is complete and clean (``proof_ok``)."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    enforced_by: str
+    proof: dict = field(default_factory=dict)
+    proof_ok: bool = False
+    note: str = ""
+    timed_out: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def child_result(run: WallRun, where: str, timeout: float | None = None) -> dict:
+    """The walled child's result: the last line of its stdout as a JSON object. A timeout, a failed
+    or killed child (its last stderr line, or the signal and the wall's note) or no JSON is one
+    ConfigError naming ``where``."""
+    import json
+    if run.timed_out:
+        raise ConfigError(f"{where}: timed out after {timeout:g} s (--timeout); the run was killed" if timeout
+                          else f"{where}: timed out; the run was killed")
+    if run.returncode != 0:
+        lines = [ln for ln in (run.stderr or "").splitlines() if ln.strip()]
+        why = lines[-1].removeprefix("error: ") if lines else f"exit status {run.returncode}"
+        if run.returncode is not None and run.returncode < 0:
+            why = (f"the measured process was killed by signal {-run.returncode} inside the {run.enforced_by} "
+                   f"wall ({run.note or 'no note'})")
+        raise ConfigError(f"{where}: {why}")
+    try:
+        rec = json.loads(run.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise ConfigError(f"{where}: the measured process printed no JSON result") from None
+    if not isinstance(rec, dict):
+        raise ConfigError(f"{where}: the measured process printed no JSON object")
+    return rec
+
+
+def proof_slack(capacity_bytes: int) -> float:
+    """How far (bytes) the tier may exceed, or fall short of, the capacity before the proof fails:
+    ``CAPACITY_SLACK * C + min(SLACK_BYTES, C / 4)``. Relative, so a tiny capacity (1 byte) cannot
+    pass with megabytes of page cache."""
+    return CAPACITY_SLACK * capacity_bytes + min(SLACK_BYTES, capacity_bytes / 4)
+
+
+def systemd_available() -> bool:
+    """True where ``systemd-run`` exists and systemd is the running init (``/run/systemd/system``)."""
+    return shutil.which("systemd-run") is not None and os.path.isdir("/run/systemd/system")
+
+
+def cgroup_target() -> tuple[dict | None, str]:
+    """Where a wall's cgroup can go: ``({"version", "dir", "placement"}, "")`` with placement
+    ``child`` (made in ``dir``), ``sibling`` (made in ``dir``, the own cgroup's parent) or
+    ``systemd-scope`` (``dir`` = the cgroup2 mount), or ``(None, every reason)``."""
+    own, why = cg.own_memory_cgroup()
+    if own is not None:
+        probe = cg.probe_child(own["dir"])
+        if probe is None:
+            return own | {"placement": "child"}, ""
+        why = probe
+    loc, _ = cg.locate_memory_cgroup()
+    if loc is None or loc["version"] != "v2":
+        return None, why
+    parent, why_sibling = cg.v2_sibling_parent(loc["dir"], loc["mount"])
+    if parent is not None:
+        return {"version": "v2", "dir": parent, "placement": "sibling"}, ""
+    if systemd_available():
+        return {"version": "v2", "dir": loc["mount"], "placement": "systemd-scope"}, ""
+    return None, f"{why}; no sibling leaf: {why_sibling}; no systemd-run scope: systemd is not running here"
+
+
+def scope_argv(argv: list[str], limit: int, unit: str, user: bool) -> list[str]:
+    """The ``systemd-run`` command that runs ``argv`` in transient scope ``unit`` with MemoryMax=limit."""
+    return ["systemd-run", *(["--user"] if user else []), "--scope", "--quiet", "--collect", f"--unit={unit}",
+            "-p", f"MemoryMax={limit}", "-p", "MemorySwapMax=0", "--", *argv]
+
+
+def scope_dir(pid: int, unit: str, mount: str, wait_s: float = SCOPE_WAIT_S) -> str | None:
+    """The cgroup directory of scope ``unit`` once process ``pid`` is in it (None after ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        loc, _ = cg.locate_memory_cgroup(f"/proc/{pid}/cgroup")
+        if loc is not None and os.path.basename(loc["dir"]) == unit:
+            return loc["dir"]
+        if loc is None and not os.path.exists(f"/proc/{pid}"):
+            return None
+        time.sleep(0.01)
+    return None
+
+
+def spawn(argv: list[str], procs_file: str | None, timeout: float | None, sampler=None,
+          locate=None) -> tuple[int | None, str, str, bool]:
+    """Run ``argv``; with ``procs_file`` the child joins that cgroup before exec; ``sampler`` runs
+    while the child does (or ``locate(pid)`` builds it once the child exists). Returns (returncode,
+    stdout, stderr, timed_out); a timeout kills the child's whole session."""
+    def join():
+        with open(procs_file, "w") as fh:
+            fh.write(str(os.getpid()))
+
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, preexec_fn=join if procs_file else None)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise WallUnavailable(f"cannot start {argv[0]!r}" + (f" inside {os.path.dirname(procs_file)}" if procs_file
+                              else "") + f": {getattr(exc, 'strerror', None) or exc}") from None
+    if locate is not None:
+        sampler = locate(proc.pid)
+    if sampler is not None:
+        sampler.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err, False
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return proc.returncode, out, err, True
+    finally:
+        if sampler is not None:
+            sampler.stop()
+
+
+def make_wall_cgroup(d: str, version: str, limit: int) -> None:
+    """Create cgroup ``d`` and set its limit (and swap: v1 memory+swap = limit, v2 none)."""
+    f = cg.FILES[version]
+    try:
+        os.mkdir(d)
+    except OSError as exc:
+        raise WallUnavailable(f"cannot create cgroup {d}: {exc.strerror or exc}") from None
+    try:
+        cg.write(os.path.join(d, f["limit"]), str(limit))
+        swap = os.path.join(d, f["swap"])
+        if os.path.exists(swap):
+            cg.write(swap, str(limit) if version == "v1" else "0")
+    except OSError as exc:
+        cg.rmdir_retry(d)
+        raise WallUnavailable(f"cannot set the limit of {d}: {exc.strerror or exc}") from None
+
+
+def run_cgroup(argv, limit, timeout, target: dict, named: str | None, capacity: int) -> WallRun:
+    """Run ``argv`` in a cgroup made at ``target`` (or the ``named`` one, used as it is)."""
+    version = target["version"]
+    made = named is None
+    d = named or os.path.join(target["dir"], f"expertcache-{os.getpid()}-{secrets.token_hex(4)}")
+    proof: dict = {"mechanism": f"cgroup-{version}", "path": d, "created_here": made,
+                   "placement": "named" if named else target.get("placement", "child"),
+                   "requested_limit_bytes": limit, "capacity_bytes": capacity, "headroom_bytes": limit - capacity}
+    if made:
+        make_wall_cgroup(d, version, limit)
+    try:
+        proof["at_start"] = cg.cgroup_state(d, version)
+        proof["meminfo_at_entry"], _ = read_meminfo()
+        sampler = cg.Sampler(d, version)
+        rc, out, err, timed_out = spawn(argv, os.path.join(d, "cgroup.procs"), timeout, sampler)
+        proof.update(cg.cgroup_state(d, version))
+        proof.update(sampler.peaks)
+    finally:
+        if made:
+            cg.kill_members(d)
+            proof["removed"] = cg.rmdir_retry(d)
+    problems = cgroup_problems(proof, limit, capacity, made, timeout if timed_out else None)
+    return WallRun(rc, out, err, f"cgroup-{version}:{d}", proof, not problems, "; ".join(problems), timed_out)
+
+
+def run_scope(argv, limit, timeout, target: dict, capacity: int) -> WallRun:
+    """Run ``argv`` in a transient ``systemd-run --scope`` unit with MemoryMax = ``limit``."""
+    unit = f"expertcache-{os.getpid()}-{secrets.token_hex(4)}.scope"
+    proof: dict = {"mechanism": "cgroup-v2", "placement": "systemd-scope", "unit": unit, "created_here": True,
+                   "requested_limit_bytes": limit, "capacity_bytes": capacity, "headroom_bytes": limit - capacity,
+                   "meminfo_at_entry": read_meminfo()[0]}
+    found: dict = {}
+
+    def locate(pid: int):
+        d = scope_dir(pid, unit, target["dir"])
+        found["dir"] = d
+        if d is None:
+            return None
+        sampler = cg.Sampler(d, "v2")
+        sampler.keep_state = True
+        sampler.sample()
+        found["sampler"] = sampler
+        return sampler
+
+    rc, out, err, timed_out = spawn(scope_argv(argv, limit, unit, os.geteuid() != 0), None, timeout, locate=locate)
+    d = found.get("dir")
+    proof["path"] = d
+    sampler = found.get("sampler")
+    state = (sampler.last_state if sampler else None) or {k: None for k in cg.cgroup_state("/nonexistent", "v2")}
+    proof.update(state)
+    proof.update(sampler.peaks if sampler else {"tier_peak_bytes": None})
+    deadline = time.monotonic() + 2.0
+    while d and os.path.exists(d) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proof["removed"] = d is None or not os.path.exists(d)
+    problems = [] if d else [f"the child never appeared in scope {unit} (systemd-run: "
+                             f"{(err or '').strip().splitlines()[-1:] or 'no message'})"]
+    problems += cgroup_problems(proof, limit, capacity, True, timeout if timed_out else None)
+    return WallRun(rc, out, err, f"cgroup-v2:{d or unit}", proof, not problems, "; ".join(problems), timed_out)
+
+
+def cgroup_problems(proof: dict, limit: int, capacity: int, made: bool, timed_out_after: float | None) -> list[str]:
+    """What is wrong with a cgroup wall's proof (empty when it held): the limit, the peak, the tier
+    against the capacity (within :func:`proof_slack`), OOM kills, a timeout, a cgroup left behind."""
+    problems = []
+    lim = proof.get("limit_bytes")
+    if lim is None or lim >= cg.UNLIMITED:
+        problems.append("the cgroup has no memory limit")
+    elif made and not (0 <= limit - lim < 1 << 16):
+        problems.append(f"limit read back as {lim}, asked {limit}")
+    elif not made and lim > limit:
+        problems.append(f"the named cgroup's limit {lim} is above capacity + headroom {limit}")
+    peak = proof.get("peak_bytes")
+    if peak is None:
+        problems.append("no peak (memory.peak / memory.max_usage_in_bytes unreadable)")
+    tier, slack = proof.get("tier_peak_bytes"), proof_slack(capacity)
+    own = proof.get("own_peak_bytes")
+    own_txt = (f"the rest charged to the wall (anonymous and kernel memory) peaked at {own} bytes"
+               if own is not None else f"anonymous peak {proof.get('anon_peak_bytes')} bytes")
+    if tier is None:
+        problems.append("memory.stat was never sampled: the tier's size is unknown")
+    elif tier > capacity + slack:
+        problems.append(f"the tier held up to {tier} bytes (page cache + locked), above the capacity {capacity}: "
+                        f"the headroom {limit - capacity} exceeds what the worker needed ({own_txt}); lower the headroom")
+    elif peak is not None and lim is not None and peak >= lim - (1 << 20) and tier < capacity - slack:
+        problems.append(f"the wall ({lim} bytes) was reached while the tier held at most {tier} bytes, below the "
+                        f"capacity {capacity}: the worker's own memory outgrew the headroom {limit - capacity} "
+                        f"({own_txt}); raise the headroom")
+    if proof.get("oom_kill"):
+        problems.append(f"the wall OOM-killed {proof['oom_kill']} process(es): raise the headroom")
+    if timed_out_after is not None:
+        problems.append(f"timed out after {timed_out_after:g} s")
+    if made and not proof.get("removed"):
+        problems.append(f"could not remove {proof.get('path')}")
+    return problems
+
+
+def read_limit_chain(loc: dict) -> list[tuple[str, int | None]]:
+    """``(dir, limit)`` of the own memory cgroup and, on v2, each ancestor up to the mount (v1: the
+    ``hierarchical_memory_limit`` of memory.stat, which already is the smallest up the tree)."""
+    if loc["version"] == "v1":
+        text, _ = read_text(os.path.join(loc["dir"], "memory.stat"))
+        lim = cg.keyed_numbers(text or "").get("hierarchical_memory_limit")
+        return [(loc["dir"], lim if lim is not None and lim < cg.UNLIMITED else None)]
+    out, d, mount = [], os.path.normpath(loc["dir"]), os.path.normpath(loc["mount"])
+    while d.startswith(mount) and d != mount:
+        lim = cg.read_int(os.path.join(d, "memory.max"))
+        out.append((d, lim if lim is not None and lim < cg.UNLIMITED else None))
+        d = os.path.dirname(d)
+    return out

@@ -1,0 +1,263 @@
+"""llama.cpp as an engine (docs/llama.md): GGUF geometry and refusals, HF -> GGUF conversion, and
+routing captured from llama.cpp equal to the Hugging Face capture of the same ids, exactly.
+
+Needs the llama extra (llama-cpp-python, gguf) and torch/transformers for the reference; skips
+with the reason otherwise. Models are tiny (a random OLMoE of 3 layers, models/small-moe).
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="the llama extra (gguf) is not installed")
+torch = pytest.importorskip("torch", reason="torch is needed for the Hugging Face reference")
+pytest.importorskip("transformers", reason="transformers is needed for the Hugging Face reference")
+
+import expertcache  # noqa: E402
+from expertcache.errors import ConfigError  # noqa: E402
+from expertcache.llama.convert import convert  # noqa: E402
+from expertcache.llama.geometry import TYPE_SIZES, read_geometry  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = REPO / "models" / "small-moe"
+
+
+def _needs_llama():
+    return pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A random OLMoE checkpoint (3 layers, 8 experts, top-2) and its f32 and f16 GGUFs."""
+    from expertcache.offload.toy import save_toy_checkpoint
+
+    d = tmp_path_factory.mktemp("toy")
+    save_toy_checkpoint("olmoe", d / "hf", seed=3)
+    convert(d / "hf", d / "f32.gguf", "f32")
+    convert(d / "hf", d / "f16.gguf", "f16")
+    return d
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory):
+    if not (SMALL / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    out = tmp_path_factory.mktemp("small") / "small-moe-f32.gguf"
+    rec = convert(SMALL, out, "f32")
+    assert rec["tokenizer"] == "gpt2"
+    return out
+
+
+def hf_capture(folder, rows, generate: int = 0):
+    from expertcache.offload import load_model
+
+    torch.set_num_threads(1)
+    model = load_model(str(folder), dtype="float32").eval()
+    phase = "auto" if generate else "all"
+    with torch.no_grad(), expertcache.capture(model, phase=phase) as cap:
+        for r in rows:
+            ids = torch.as_tensor(np.asarray(r, dtype=np.int64))[None]
+            if generate:
+                model.generate(ids, max_new_tokens=generate, min_new_tokens=generate, do_sample=False)
+            else:
+                model(ids)
+    return cap.trace
+
+
+# ------------------------------------------------------------------------------ geometry
+def test_type_sizes_match_gguf():
+    for tid, (block, size) in TYPE_SIZES.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tid)] == (block, size)
+
+
+@pytest.mark.parametrize("dtype,np_dtype", [("f32", np.float32), ("f16", np.float16)])
+def test_expert_ranges_are_the_checkpoint_experts(toy, dtype, np_dtype):
+    """Each expert's gate/up/down byte ranges in the GGUF hold exactly that expert's HF tensors."""
+    from safetensors import safe_open
+
+    g = read_geometry(str(toy / f"{dtype}.gguf"))
+    assert (g.architecture, g.num_experts, g.top_k, g.moe_layers) == ("olmoe", 8, 2, [0, 1, 2])
+    raw = (toy / f"{dtype}.gguf").read_bytes()
+    with safe_open(str(toy / "hf" / "model.safetensors"), "np") as st:
+        for layer in g.moe_layers:
+            for e in range(g.num_experts):
+                for (off, n), proj in zip(g.expert_ranges(layer, e), ("gate_proj", "up_proj", "down_proj")):
+                    want = st.get_tensor(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight").astype(np_dtype)
+                    assert raw[off:off + n] == want.tobytes()
+    assert g.expert_bytes == 3 * 16 * 32 * np.dtype(np_dtype).itemsize
+    assert g.expert_tensor_bytes == 3 * 8 * g.expert_bytes
+
+
+def test_refusals(toy, tmp_path):
+    good = (toy / "f32.gguf").read_bytes()
+    cases = {"notgguf.gguf": b"PK\x03\x04" + b"\0" * 64, "short.gguf": good[:100], "cut.gguf": good[: len(good) - 10],
+             "huge.gguf": b"GGUF" + struct.pack("<IQQ", 3, 2**40, 1) + b"\0" * 16}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        read_geometry(str(tmp_path / "notgguf.gguf"))
+    with pytest.raises(ConfigError, match="truncated"):
+        read_geometry(str(tmp_path / "short.gguf"))
+    with pytest.raises(ConfigError, match="truncated file"):
+        read_geometry(str(tmp_path / "cut.gguf"))
+    with pytest.raises(ConfigError, match="more than the"):
+        read_geometry(str(tmp_path / "huge.gguf"))
+    dense = tmp_path / "dense.gguf"
+    w = gguf.GGUFWriter(str(dense), "llama")
+    w.add_block_count(1)
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ConfigError, match="not a mixture-of-experts"):
+        read_geometry(str(dense))
+    other = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(other), "grok")
+    w.add_block_count(1), w.add_expert_count(4), w.add_expert_used_count(2)
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((4, 4, 4), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ConfigError, match="architecture 'grok' is not supported"):
+        read_geometry(str(other))
+
+
+def test_convert_refusals(toy, tmp_path):
+    import json
+    import shutil
+
+    bad = tmp_path / "norm"
+    shutil.copytree(toy / "hf", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "norm_topk_prob": True}))
+    with pytest.raises(ConfigError, match="norm_topk_prob"):
+        convert(bad, tmp_path / "x.gguf")
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="not supported by convert"):
+        convert(bad, tmp_path / "x.gguf")
+    assert not list(tmp_path.glob(".*.tmp")) and not (tmp_path / "x.gguf").exists()
+
+
+def test_layout_check_and_struct_refusal(monkeypatch):
+    _needs_llama()
+    from expertcache.llama import ggml
+
+    assert ggml.check_layout() == "0.3.36"
+    monkeypatch.setattr(ggml, "_checked", None)
+    monkeypatch.setattr(ggml, "GGML_OBJECT_SIZE", 40)  # as if the library's struct were 8 bytes shorter
+    with pytest.raises(ConfigError, match="another layout"):
+        ggml.check_layout()
+
+
+# ------------------------------------------------------------------------------ capture
+def test_capture_teacher_forced_equals_hf(toy):
+    """Same experts in the same order at every (token, layer), the last layer included; gate weights agree."""
+    _needs_llama()
+    from expertcache.llama.capture import capture_gguf
+
+    rows = np.random.default_rng(0).integers(0, 96, size=(2, 24))
+    ref, got = hf_capture(toy / "hf", rows), capture_gguf(str(toy / "f32.gguf"), rows)
+    assert got.meta["phase"] == "teacher-forced" and got.meta["engine"] == "llama.cpp"
+    assert got.meta["expert_bytes"] == read_geometry(str(toy / "f32.gguf")).expert_bytes
+    assert got.experts.shape == ref.experts.shape == (48, 3, 2)
+    np.testing.assert_array_equal(got.experts, ref.experts)
+    np.testing.assert_array_equal(got.seq, ref.seq)
+    np.testing.assert_allclose(got.probs, ref.probs, atol=1e-5)
+
+
+def test_capture_decode_equals_hf(toy):
+    _needs_llama()
+    from expertcache.llama.capture import capture_gguf
+
+    rows = np.random.default_rng(1).integers(0, 96, size=(2, 12))
+    ref, got = hf_capture(toy / "hf", rows, generate=9), capture_gguf(str(toy / "f32.gguf"), rows, generate=9)
+    assert got.meta["phase"] == ref.meta["phase"] == "decode"
+    assert got.experts.shape == (16, 3, 2)
+    np.testing.assert_array_equal(got.experts, ref.experts)
+
+
+def test_small_moe_capture_equals_hf(small_gguf):
+    _needs_llama()
+    from expertcache.llama.capture import capture_gguf
+
+    rows = np.load(SMALL / "heldout_ids.npy")[:2, :48]
+    np.testing.assert_array_equal(capture_gguf(str(small_gguf), rows).experts, hf_capture(SMALL, rows).experts)
+    np.testing.assert_array_equal(capture_gguf(str(small_gguf), rows[:, :16], generate=8).experts,
+                                  hf_capture(SMALL, rows[:, :16], generate=8).experts)
+
+
+def test_python_capture_takes_a_llama_engine(toy):
+    _needs_llama()
+    from expertcache.llama.engine import Engine
+
+    ids = np.arange(1, 11)
+    with Engine(str(toy / "f32.gguf"), n_ctx=16) as eng:
+        with expertcache.capture(eng, phase="all") as cap:
+            eng.forward(ids, logits="all")
+        assert cap.trace.experts.shape == (10, 3, 2)
+        with expertcache.capture(eng, phase="all") as short:
+            eng.reset()
+            eng.forward(ids, logits="last")  # the last layer then routes one row only: refused
+        with pytest.raises(ConfigError, match="last row"):
+            short.trace
+        with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+            eng.forward([96])
+
+
+# ------------------------------------------------------------------------------ CLI
+def cli(*argv):
+    return subprocess.run([sys.executable, "-m", "expertcache.cli.main", *map(str, argv)], capture_output=True,
+                          text=True, cwd=REPO, timeout=600)
+
+
+def test_cli_convert_capture_and_hostile_inputs(toy, tmp_path):
+    _needs_llama()
+    np.save(tmp_path / "ids.npy", np.random.default_rng(2).integers(0, 96, size=(2, 16)))
+    np.save(tmp_path / "bad_ids.npy", np.array([[1, 2, 500]]))
+    out = cli("convert", toy / "hf", "--out", tmp_path / "m.gguf", "--dtype", "q8_0", "--json")
+    assert out.returncode == 0, out.stderr
+    g = read_geometry(str(tmp_path / "m.gguf"))  # gate/up rows of 32 quantize; down's rows of 16 stay f16
+    assert (g.experts[0]["gate"].type_name, g.experts[0]["down"].type_name) == ("q8_0", "f16")
+    done = cli("capture", "--model", toy / "f32.gguf", "--tokens", tmp_path / "ids.npy", "--out", tmp_path / "t.npz")
+    assert done.returncode == 0, done.stderr
+    t = expertcache.load_trace(tmp_path / "t.npz")
+    assert t.meta["engine"] == "llama.cpp" and t.experts.shape == (32, 3, 2)
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\xff" * 30)
+    for argv, match in [
+        (("llama", "info", tmp_path / "ids.npy"), "not a GGUF file"),
+        (("llama", "info", tmp_path / "junk.gguf"), "GGUF"),
+        (("capture", "--model", toy / "f32.gguf", "--tokens", tmp_path / "bad_ids.npy", "--out", tmp_path / "b.npz"),
+         "outside the model's vocabulary"),
+        (("capture", "--model", toy / "f32.gguf", "--tokens", tmp_path / "ids.npy", "--out", tmp_path / "b.npz",
+          "--router-probs"), "--router-probs: not supported"),
+        (("convert", tmp_path, "--out", tmp_path / "x.gguf"), "cannot read config.json"),
+        (("llama", "run", toy / "f32.gguf", "--tokens", tmp_path / "ids.npy", "--memory-wall", "lots"), "--memory-wall"),
+    ]:
+        done = cli(*argv)
+        assert done.returncode == 2, (argv, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and match in lines[0], (argv, done.stderr)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_other_families_route_as_hf(family, tmp_path):
+    """Qwen2-MoE (shared expert), Qwen3-MoE (normalized top-k) and Mixtral (permuted q/k) convert
+    and route as transformers does, teacher-forced."""
+    _needs_llama()
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.llama.capture import capture_gguf
+    from expertcache.offload.toy import toy_config
+
+    cfg = toy_config(family)
+    if family == "qwen3_moe":
+        cfg.norm_topk_prob = True  # llama.cpp's qwen3moe graph always normalizes
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "m.gguf", "f32")
+    rows = np.random.default_rng(4).integers(0, 96, size=(1, 20))
+    ref, got = hf_capture(tmp_path / "hf", rows), capture_gguf(str(tmp_path / "m.gguf"), rows)
+    np.testing.assert_array_equal(got.experts, ref.experts)
+    np.testing.assert_allclose(got.probs, ref.probs, atol=1e-5)

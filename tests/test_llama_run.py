@@ -1,0 +1,118 @@
+"""``expertcache llama run`` / ``sweep`` on a tiny GGUF (docs/llama.md): every page-cache mode gives
+the same tokens, the JSON carries the issue's fields, a walled run reports its proof (or says in one
+line why no wall could be built), the demand model and the sweep summary are checked by hand.
+
+Needs the llama extra; skips with the reason otherwise. No timed asserts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf", reason="the llama extra (gguf) is not installed")
+pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
+
+from expertcache.llama.advice import MODES  # noqa: E402
+from expertcache.llama.geometry import read_geometry  # noqa: E402
+from expertcache.llama.runner import demand, run_one  # noqa: E402
+from expertcache.llama.sweep import parse_walls, summarize  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = REPO / "models" / "small-moe"
+FIELDS = ("mode", "memory_wall", "prefill_tokens_per_s", "decode_tokens_per_s", "read_bytes_per_token",
+          "major_faults", "output_sha256", "proof_ok", "demand_bytes_per_token", "amplification")
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    """models/small-moe as an f16 GGUF (real routing; 8 MB)."""
+    from expertcache.llama.convert import convert
+
+    if not (SMALL / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    out = tmp_path_factory.mktemp("run") / "small-moe-f16.gguf"
+    convert(SMALL, out, "f16")
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.load(SMALL / "heldout_ids.npy")[0][:24]
+
+
+def test_every_mode_gives_the_same_tokens(gguf_path, prompt):
+    g = read_geometry(str(gguf_path))
+    recs = {m: run_one(g, prompt, 10, m) for m in MODES}
+    assert len({r["output_sha256"] for r in recs.values()}) == 1
+    for r in recs.values():
+        assert set(FIELDS) <= set(r) and len(r["output_ids"]) == 10 and r["decode_tokens"] == 9
+        assert r["proof_ok"] is False and r["memory_wall"] is None  # no wall: nothing proven
+    assert recs["advise"]["advice"]["hints"] > 0 and recs["mmap"]["advice"]["hints"] == 0
+    assert recs["nocache"]["advice"]["layer_drops"] == 9 * 4 + 4  # prefill and every decode step, 4 layers
+    recall = recs["lookahead"]["advice"]["lookahead_recall"]
+    assert recall is not None and 0.0 <= recall <= 1.0
+    # nocache drops every layer after use: its decode steps must read from the device again
+    assert recs["nocache"]["read_bytes_per_token"] > 0
+
+
+def test_cli_run_in_a_wall_reports_its_proof(gguf_path, tmp_path, prompt):
+    from expertcache.tier.capacity import detect_walls
+
+    np.save(tmp_path / "ids.npy", prompt)
+    wall = str(read_geometry(str(gguf_path)).file_bytes + 4 * 10**6)
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "run", str(gguf_path), "--tokens",
+                           str(tmp_path / "ids.npy"), "--max-new-tokens", "6", "--mode", "advise", "--memory-wall",
+                           wall, "--headroom", "300MB", "--wall", "cgroup", "--json"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    if not detect_walls()["cgroup"]["ok"]:
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "cgroup" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    rec = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(FIELDS) <= set(rec) and rec["memory_wall"] == int(wall)
+    assert rec["capacity_enforced_by"].startswith("cgroup")
+    assert rec["proof_ok"] is True, rec["wall_note"]  # the model fits and the headroom is generous: nothing to fail
+
+
+def test_nommap_refuses_a_wall_below_the_model(gguf_path, prompt):
+    from expertcache.errors import ConfigError
+
+    g = read_geometry(str(gguf_path))
+    with pytest.raises(ConfigError, match="nommap reads the whole model"):
+        run_one(g, prompt, 4, "nommap", wall_bytes=g.file_bytes // 2)
+
+
+def test_demand_model_by_hand(gguf_path):
+    """Two layers' worth of routing replayed by hand: a pool of 3 experts beside the dense part."""
+    g = read_geometry(str(gguf_path))
+    dense = g.file_bytes - g.expert_tensor_bytes
+    wall = dense + 3 * g.expert_bytes
+    only = [[[0, 1], [], [], []], [[0, 2], [], [], []], [[3, 1], [], [], []]]  # layer 0 only
+    d = demand(only, g, wall)
+    # warm {0,1}; step 1 needs 2 (miss, pool {0,1,2}); step 2 needs 3 and 1: 3 misses (evicts 0), 1 hits
+    assert d["capacity_experts"] == 3 and d["demand_misses"] == 2
+    assert d["demand_bytes_per_token"] == 2 * g.expert_bytes / 2
+    assert demand(only, g, dense + g.expert_bytes)["demand_bytes_per_token"] is None  # cannot hold one layer's 2
+
+
+def test_walls_and_summary(gguf_path):
+    g = read_geometry(str(gguf_path))
+    dense = g.file_bytes - g.expert_tensor_bytes
+    assert parse_walls("100%,50%,12MB", g) == sorted({dense + g.expert_tensor_bytes, dense + g.expert_tensor_bytes // 2,
+                                                      12 * 10**6})
+    recs = [{"mode": "mmap", "memory_wall": 10, "decode_tokens_per_s": v, "read_bytes_per_token": 1.0,
+             "proof_ok": True, "output_sha256": "a"} for v in (1.0, 3.0, 2.0)]
+    recs += [{"mode": "mmap", "memory_wall": 20, "decode_tokens_per_s": 9.0, "read_bytes_per_token": 0.0,
+              "proof_ok": False, "output_sha256": "a"}]
+    recs += [{"mode": "mmap", "memory_wall": 10, "error": "killed by signal 9", "decode_tokens_per_s": None,
+              "read_bytes_per_token": None, "proof_ok": False, "output_sha256": None}]  # a run the wall killed
+    s = summarize(recs, ["mmap"], [10, 20], target=2.5)
+    cell = s["cells"][0]
+    assert cell["decode_tokens_per_s"] == {"median": 2.0, "min": 1.0, "max": 3.0} and cell["runs"] == 3
+    assert cell["failed_runs"] == 1 and cell["errors"] == ["killed by signal 9"] and not cell["proof_ok"]
+    assert s["smallest_wall"] == {"mmap": 20} and not s["cells"][1]["proof_ok"]

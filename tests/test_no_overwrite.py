@@ -1,0 +1,100 @@
+"""No command destroys its input (issue 24, item 1): an output path that is an input (the same
+path, a hard link, a symbolic link, or a trace folder's routing.npz / a checkpoint's config) is
+refused in one line, exit 2, before any work, and the input is left byte for byte as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import expertcache as ec
+from expertcache._io import check_not_input, overwritten_input
+from expertcache.cli.main import main
+from expertcache.errors import ConfigError
+from expertcache.trace.synth import synthesize_preset
+
+LOG = [{"problem_id": "a", "layer": 0, "token_idx": t, "experts": [t % 4, (t + 1) % 4]} for t in range(6)]
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ok.jsonl").write_text("".join(json.dumps(r) + "\n" for r in LOG))
+    tr = synthesize_preset("olmoe", 0, tokens=40, sequences=2, num_layers=2)
+    tr.save(tmp_path / "t.npz")
+    tr.save(tmp_path / "u.npz")
+    (tmp_path / "folder").mkdir()
+    tr.save(tmp_path / "folder" / "routing.npz")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    os.link(tmp_path / "t.npz", tmp_path / "hard.npz")
+    os.link(tmp_path / "t.npz", tmp_path / "hard.png")
+    os.symlink(tmp_path / "t.npz", tmp_path / "soft.npz")
+    return tmp_path
+
+
+# every command that writes a file, each with an output that is (a link of) one of its inputs
+CASES = [
+    ["import", "ok.jsonl", "--out", "ok.jsonl"],
+    ["import", "vllm-jsonl", "ok.jsonl", "-o", "ok.jsonl"],
+    ["learn", "dataset", "t.npz", "-c", "4", "--out", "t.npz"],
+    ["learn", "dataset", "t.npz", "-c", "4", "--out", "hard.npz"],
+    ["learn", "dataset", "t.npz", "-c", "4", "--out", "soft.npz"],
+    ["learn", "dataset", "folder", "-c", "4", "--out", "folder/routing.npz"],
+    ["learn", "train", "t.npz", "--out", "t.npz"],
+    ["batch", "t.npz", "u.npz", "--out", "u.npz"],
+    ["export", "libcachesim", "t.npz", "--out", "hard.npz"],
+    ["sweep", "t.npz", "--capacities", "4:8", "--plot", "hard.png"],
+    ["sweep", "u.npz", "--capacities", "4:8", "-p", "learned:t.npz", "--plot", "hard.png"],  # NAME:PATH
+    ["capture", "--model", "model", "--tokens", "t.npz", "--out", "model/config.json"],
+    ["eval", "--model", "model", "--tokens", "t.npz", "--capture", "t.npz", "-c", "4"],
+    ["controller", "train", "--model", "model", "--tokens", "t.npz", "-c", "4", "--out", "t.npz"],
+    ["grid", "t.npz", "--out", "t.npz"],
+]
+
+
+@pytest.mark.parametrize("argv", CASES, ids=lambda a: " ".join(a))
+def test_an_output_that_is_an_input_is_refused_and_the_input_is_intact(files, capsys, argv):
+    before = {p: p.read_bytes() for p in files.rglob("*") if p.is_file()}
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "refusing to overwrite an input" in err, err
+    assert {p: p.read_bytes() for p in files.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in files.iterdir() if p.name.startswith(".")) == []  # no temporaries
+
+
+def test_a_new_output_or_an_unrelated_existing_one_is_still_written(files, capsys):
+    assert main(["import", "ok.jsonl", "--out", "new.npz"]) == 0
+    assert main(["import", "ok.jsonl", "--out", "new.npz"]) == 0  # rewriting an earlier output is fine
+    assert ec.load_trace(files / "new.npz").num_tokens == 6
+    assert main(["learn", "dataset", "folder", "-c", "16", "--out", "folder/events.npz", "--json"]) == 0
+    capsys.readouterr()
+
+
+def test_the_check_itself(files):
+    assert overwritten_input("t.npz", ["t.npz"]) == "the input t.npz"
+    assert overwritten_input("hard.npz", ["x", "t.npz"]) == "the input t.npz (the same file)"
+    assert overwritten_input("missing.npz", ["t.npz"]) is None
+    assert overwritten_input("u.npz", ["t.npz", "folder", "a\0b"]) is None  # a copy is another file
+    assert overwritten_input("folder/routing.npz", ["folder"]) == "a file of the input folder folder"
+    assert overwritten_input("model/config.json", ["./model"]) == "a file of the input folder ./model"
+    assert overwritten_input("folder", ["folder"]) is None  # folders: their commands check them
+    with pytest.raises(ConfigError, match="^--plot hard.png: is the input t.npz"):
+        check_not_input("hard.png", ["t.npz"], "--plot")
+
+
+def test_a_grid_writes_into_an_unrelated_existing_folder_only_with_force(files, capsys):
+    pytest.importorskip("pyarrow")
+    (files / "g.toml").write_text('traces = ["t.npz"]\npolicies = ["lru"]\ncapacities = [8]\n')
+    (files / "notes").mkdir()
+    (files / "notes" / "a.txt").write_text("mine")
+    assert main(["grid", "g.toml", "--out", "notes", "-j", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "an existing folder holding no grid results (a.txt)" in err and "--force" in err
+    assert sorted(p.name for p in (files / "notes").iterdir()) == ["a.txt"]
+    assert main(["grid", "g.toml", "--out", "notes", "-j", "1", "--force", "--json"]) == 0
+    assert main(["grid", "g.toml", "--out", "notes", "-j", "1", "--json"]) == 0  # now a results folder: resumes
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["skipped"] == 1
+    assert main(["grid", "g.toml", "--out", "fresh", "-j", "1", "--json"]) == 0
