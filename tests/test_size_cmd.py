@@ -268,3 +268,34 @@ def test_a_trace_with_fewer_layers_is_scaled_to_the_model(tmp_path, capsys):
     rc, _, err = run(capsys, "size", "--model-config", OLMOE, "--device-memory", "8GB", "--host-memory", "1GB",
                      "--tier-pool", tmp_path / "nopool")
     assert rc == 2 and "--tier-pool" in err and "no such folder" in err
+
+
+SMALL_MOE = Path(__file__).resolve().parents[1] / "models" / "small-moe"
+
+
+def test_calibrate_measures_tau_and_c_and_the_answer_uses_them(capsys):
+    """``--calibrate N`` times tau and c on the checkpoint (as 'expertcache calibrate'), says so on
+    stderr, and the answer's ms/token is c + copies/token x tau with exactly those values."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import re
+    assert main(["size", "--model-config", str(SMALL_MOE), "--device-memory", "3MB", "--calibrate", "3",
+                 "-p", "lru", "--target-copies", "4", "--json"]) == 0
+    out, err = capsys.readouterr()
+    m = re.search(r"tau ([0-9.]+) ms .* c ([0-9.]+) ms", err)
+    assert m, err
+    [rec] = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert rec["fits_entirely"] is False
+    tau, c = float(m.group(1)), float(m.group(2))
+    assert rec["ms_per_token"] == pytest.approx(c + rec["copies_per_token"] * tau, rel=2e-3, abs=2e-3)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tau", "1ms"], "--calibrate measures --tau and --c"),
+    ([], "--calibrate needs a checkpoint folder"),
+])
+def test_calibrate_refusals_are_one_line(capsys, extra, message):
+    model = str(SMALL_MOE) if extra else str(SMALL_MOE / "config.json")
+    assert main(["size", "--model-config", model, "--device-memory", "3MB", "--calibrate", "3", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

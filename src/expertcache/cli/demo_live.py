@@ -82,7 +82,7 @@ def live_section(repeats: int = REPEATS) -> None:
           f"{repeats} interleaved run(s) each (median shown)")
     records = []
     for n in FACTORS:
-        ev = evaluate(model, seqs, CAPACITY, POLICIES, slow_copies=n, repeats=repeats)
+        ev = evaluate(model, seqs, CAPACITY, POLICIES, slow_copies=n, repeats=repeats, progress=True)
         records += [r.to_dict() | {"needs_future": False} for r in ev.results]
     runs = [run_from_record(r, f"{r['policy']} x{r['slow_copies']}") for r in records]
     by = {(r["policy"], r["slow_copies"]): r for r in records}

@@ -68,6 +68,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tau", type=duration, default=None, metavar="DURATION", help="time of one expert copy, e.g. 0.51ms")
     p.add_argument("--c", type=compute_time, default=None, metavar="DURATION",
                    help="compute per token with every expert resident, e.g. 20.4ms or 49tok/s")
+    p.add_argument("--calibrate", type=positive_int, default=None, metavar="N",
+                   help="measure --tau and --c on this machine with N samples each, as 'expertcache calibrate' "
+                        "does (needs a checkpoint folder as --model-config, and the hf extra)")
     t = p.add_argument_group("target (default: the largest capacity that fits)")
     t.add_argument("--target-hit-rate", type=positive_number, default=None, metavar="X", help="hit rate >= X, in (0, 1]")
     t.add_argument("--target-copies", type=_nonnegative, default=None, metavar="Y", help="copies/token <= Y")
@@ -88,6 +91,8 @@ def _nonnegative(text: str) -> float:
 
 def run(args) -> int:
     _check(args)
+    if args.calibrate is not None:
+        args.tau, args.c = _calibrated(args)
     trace = open_trace(args.trace) if args.trace else None
     model = _model(args, trace)
     sizing = Sizing(model.expert_bytes, args.tau, args.c)
@@ -126,6 +131,30 @@ def _check(args) -> None:
             raise ConfigError(f"--policy {spec}: not a lossless rule (size counts copies of lossless caches)")
     if len(set(args.policies or [])) != len(args.policies or []):
         raise ConfigError("--policy: a rule is given twice")
+
+
+def _calibrated(args) -> tuple[float, float]:
+    """(tau, c) in ms measured on the checkpoint folder ``--model-config`` (the median of
+    ``--calibrate`` samples each, through :func:`expertcache.offload.calibrate.calibrate`); the
+    measurement and its spread go to stderr so stdout stays the answer."""
+    import sys
+
+    from .._text import first_line
+    if args.tau is not None or args.c is not None:
+        raise ConfigError("--calibrate measures --tau and --c: give either the measurement or the values")
+    folder = Path(args.model_config) if args.model_config is not None else None
+    if folder is None or not folder.is_dir():
+        raise ConfigError("--calibrate needs a checkpoint folder as --model-config (config.json and *.safetensors)")
+    try:
+        from ..offload import load_model
+        from ..offload.calibrate import calibrate
+    except ImportError as exc:
+        raise ConfigError(f"--calibrate needs the hf extra ({first_line(exc)})") from None
+    r = calibrate(load_model(str(folder)), repeats=args.calibrate)
+    print(f"calibrated on this machine ({r.device}, {args.calibrate} samples): tau {r.tau_ms:.4f} ms "
+          f"(p10 {r.tau_ms_p10:.4f}, p90 {r.tau_ms_p90:.4f}), c {r.c_ms:.3f} ms (p10 {r.c_ms_p10:.3f}, "
+          f"p90 {r.c_ms_p90:.3f})", file=sys.stderr)
+    return r.tau_ms, r.c_ms
 
 
 def _is_gguf(path) -> bool:

@@ -97,13 +97,17 @@ def run_write(args) -> int:
 
 
 def _progress(what: str):
-    state = {"last": -1}
+    """A ``show(done, total)`` callback advancing one tqdm bar (:mod:`expertcache._progress`)."""
+    from .._progress import progress
+    state = {"bar": None, "done": 0}
 
     def show(done: int, total: int) -> None:
-        pct = 100 * done // max(total, 1)
-        if pct != state["last"] and (pct % 10 == 0 or done == total):
-            state["last"] = pct
-            print(f"{what}: {done}/{total} experts ({pct}%)", file=sys.stderr)
+        if state["bar"] is None:
+            state["bar"] = progress(total=total, desc=f"{what} experts")
+        state["bar"].update(done - state["done"])
+        state["done"] = done
+        if done >= total:
+            state["bar"].close()
     return show
 
 
