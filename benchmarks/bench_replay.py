@@ -5,7 +5,9 @@
    capacity 512, in expertcache (``expertcache.replay``, end to end from an in-memory trace,
    including its layout and, for belady, its next-use precomputation) and in libCacheSim
    (``process_trace`` over its oracleGeneral reader; writing that file is excluded). The miss
-   counts must agree; requests/s of each side and the ratio are printed.
+   counts must agree; requests/s of each side and the ratio are printed. The same for ``arc``,
+   ``s3fifo`` and ``sieve``: rules written once as hooks of the compiled engine
+   (``expertcache.engine``) against libCacheSim's native ``ARC``, ``S3FIFO`` and ``Sieve``.
 2. requests/s of every policy on a token-grouped trace (E=64, k=8, L=16, 4,000 tokens).
 
 Times are the best of ``--repeat`` runs after one warm-up (numba compiles on first use).
@@ -49,7 +51,8 @@ def bench_libcachesim(trace, capacity, repeat):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.oracleGeneral"
         n = export_libcachesim(trace, path, fmt="oracle")
-        for ours_name, theirs in (("lru", lcs.LRU), ("belady", lcs.Belady)):
+        for ours_name, theirs in (("lru", lcs.LRU), ("belady", lcs.Belady), ("arc", lcs.ARC), ("s3fifo", lcs.S3FIFO),
+                                  ("sieve", lcs.Sieve)):
             def run_lcs():
                 reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
                 return round(theirs(capacity).process_trace(reader)[0] * n)
@@ -74,7 +77,8 @@ def bench_grouped(repeat):
     print(f"\ntoken-grouped trace: E={trace.num_experts}, k={trace.top_k}, L={trace.num_layers}, "
           f"T={trace.num_tokens} ({n:,} requests), capacity 32 per layer (best of {repeat})")
     print(f"{'policy':14} {'M req/s':>8} {'copies/token':>13}")
-    for policy in ("lru", "lfu", "decayed", "mean-interval", "belady", "foresight:16", "random"):
+    for policy in ("lru", "lfu", "decayed", "mean-interval", "belady", "foresight:16", "random", "arc", "s3fifo",
+                   "sieve"):
         t, r = best_of(lambda: ec.replay(trace, 32, policy), repeat)
         print(f"{policy:14} {n / t / 1e6:8.1f} {r.copies_per_token:13.3f}")
 

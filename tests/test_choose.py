@@ -486,3 +486,54 @@ def test_demo_live_says_what_this_cpu_can_and_cannot_show():
     checks = validate(runs_of(THREE + [dict(r, ms_per_token_spread=0.3) for r in SLOWED[:5]]), 0.05, 0.5)
     line = verdict_line(checks[0])
     assert line.startswith("  at x10: predicted C, measured C: tie (within noise)") and "spread 30%" in line
+
+
+# ------------------------------------------------------------------------------ host modes
+HOSTED = [
+    {"policy": "lru", "c_ms": 10.0, "rho": 2.0, "dnll": 0.0, "tau_ms": 0.5, "ms_per_token": 11.0},
+    {"policy": "dwell:8", "c_ms": 11.0, "rho": 0.5, "dnll": 0.001, "tau_ms": 0.5, "ms_per_token": 11.25},
+    {"policy": "lru", "c_ms": 10.0, "rho": 2.0, "dnll": 0.0, "tau_ms": 5.0, "ms_per_token": 20.5, "host": "direct",
+     "ms_per_token_spread": 0.02},
+    {"policy": "dwell:8", "c_ms": 11.0, "rho": 0.5, "dnll": 0.001, "tau_ms": 4.0, "ms_per_token": 13.4,
+     "host": "direct", "ms_per_token_spread": 0.02},
+    {"policy": "lru", "c_ms": 10.0, "rho": 2.0, "dnll": 0.0, "tau_ms": 0.6, "ms_per_token": 11.1, "host": "mmap"},
+]
+
+
+def test_each_host_is_a_condition_predicted_with_its_own_tau(tmp_path, capsys):
+    """Runs at another host mode are checked like slowed runs, at the host's own measured tau
+    (the median tau_ms of its slow_copies 1 runs), from the base host's c and rho."""
+    runs = runs_of(HOSTED)
+    c = choose(runs, 0.01)
+    assert [r.policy for r in c.runs] == ["lru", "dwell:8"] and c.tau_ms == 0.5 and c.winner.policy == "lru"
+    checks = validate(runs, 0.01, 0.5)
+    assert [(k.host, k.slow_copies) for k in checks] == [("direct", 1), ("mmap", 1)]
+    direct, mmap = checks
+    assert direct.base_tau_ms == 4.5 and direct.tau_ms == 4.5  # median of 5.0 and 4.0
+    assert {r["policy"]: r["ms_predicted"] for r in direct.rows} == {"lru": 10 + 2 * 4.5, "dwell:8": 11 + 0.5 * 4.5}
+    assert direct.predicted == direct.measured == "dwell:8" and direct.verdict == "agree"
+    assert mmap.rows == [{"policy": "lru", "admissible": True, "ms_predicted": 11.2, "ms_measured": 11.1}]
+    out = run_json(capsys, ["choose", write(tmp_path, HOSTED), "--tolerance", "0.01", "--validate"])
+    assert [(v["host"], v["slow_copies"], v["predicted"]) for v in out["validate"]] == [("direct", 1, "dwell:8"),
+                                                                                          ("mmap", 1, "lru")]
+    # choosing at another host: its own runs, its own tau; the memory runs become a condition
+    out = run_json(capsys, ["choose", write(tmp_path, HOSTED), "--tolerance", "0.01", "--host", "direct", "--validate"])
+    assert out["tau_ms"] == 4.5 and out["winner"] == "dwell:8"
+    assert [(v["host"], v["predicted"], v["measured"]) for v in out["validate"]] == [("memory", "lru", "lru"),
+                                                                                     ("mmap", "lru", "lru")]
+
+
+def test_host_mistakes_are_one_line(tmp_path, capsys):
+    bad = [{**HOSTED[0], "host": "disk"}]
+    assert "field 'host' must be one of memory, mmap, direct" in one_line_error(capsys, ["choose", write(tmp_path, bad)])
+    twice = HOSTED + [{**HOSTED[2]}]
+    err = one_line_error(capsys, ["choose", write(tmp_path, twice, "twice.jsonl")])
+    assert "policy 'lru' on host direct again" in err
+    no_memory = [r for r in HOSTED if "host" in r]
+    err = one_line_error(capsys, ["choose", write(tmp_path, no_memory, "nomem.jsonl")])
+    assert "none is 'memory': give --host" in err
+    err = one_line_error(capsys, ["choose", write(tmp_path, HOSTED[:2], "mem.jsonl"), "--host", "mmap"])
+    assert "--host mmap: no slow_copies 1 runs there" in err
+    untimed = HOSTED[:2] + [{**HOSTED[4], "tau_ms": None}]
+    err = one_line_error(capsys, ["choose", write(tmp_path, untimed, "untimed.jsonl"), "--validate"])
+    assert "on host mmap record no tau_ms" in err

@@ -26,7 +26,8 @@ from expertcache.sim.curves.stack import _lowest_bit, _popcount, stack_histogram
 from expertcache.sim.layout import build_layout
 from expertcache.trace.synth import SynthParams, synthesize, synthesize_preset
 
-POLICIES = ["lru", "lfu", "decayed", "decayed:0.8", "belady", "foresight:2", "random:3", "mean-interval"]
+POLICIES = ["lru", "lfu", "decayed", "decayed:0.8", "belady", "foresight:2", "random:3", "mean-interval", "arc", "s3fifo",
+            "sieve"]
 
 
 def compute() -> dict:

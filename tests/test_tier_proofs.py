@@ -130,6 +130,30 @@ def test_slack_is_relative_and_a_tiny_capacity_fails_its_proof(tmp_path, walls):
     assert run.returncode == 0 and run.proof_ok is False and "above the capacity 1" in run.note
 
 
+def test_a_following_wall_keeps_unused_headroom_out_of_the_page_cache(tmp_path, walls):
+    """A generous fixed headroom lets page cache grow into what the worker leaves unused (the proof
+    fails, honestly); with follow_margin the limit tracks the worker's own memory, so the same run
+    keeps the page cache at the capacity and proves it, and the limit never exceeds the request."""
+    if not walls["cgroup"]["ok"]:
+        pytest.skip(f"no cgroup wall here: {walls['cgroup']['reason']}")
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(96 * MB))
+    # read the file twice in 1 MB chunks (the worker's own memory moves by a chunk at most), slowly
+    # enough for the sampler to follow (several samples per pass)
+    child = [sys.executable, "-c", "import time\nfor _ in range(2):\n    with open(%r, 'rb') as f:\n"
+             "        while f.read(1 << 20): time.sleep(0.004)" % str(path)]
+    fixed, followed = [], []
+    for follow, out in ((None, fixed), (1 << 20, followed)):
+        acc.evict_file_pages([str(path)])
+        out.append(cap.run_walled(child, capacity_bytes=32 * MB, headroom_bytes=80 * MB, follow_margin=follow))
+    (a,), (b,) = fixed, followed
+    assert a.returncode == 0 and a.proof_ok is False and "exceeds what the worker needed" in a.note
+    assert b.returncode == 0 and b.proof_ok, b.note
+    p = b.proof
+    assert p["limit_writes"] >= 1 and p["max_limit_bytes"] <= p["requested_limit_bytes"]
+    assert p["tier_peak_bytes"] <= 32 * MB + cap.proof_slack(32 * MB)
+
+
 def test_capacity_above_what_the_machine_holds_is_refused(setup):
     most, what = cap.enforceable_bytes()
     assert most is not None and most > 0 and what

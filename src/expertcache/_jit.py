@@ -35,6 +35,55 @@ AVAILABLE: bool = REASON is None
 
 if AVAILABLE:
     njit = _numba.njit
+    _PKG = os.path.dirname(os.path.abspath(__file__))
+    _DEPS: list = []
+
+    def dependency_stamp() -> str:
+        """SHA-256 of every module of the package that compiles code (its source holds ``njit``).
+
+        numba checks a cached loop only against its own file's stamp, but loops here inline hooks
+        and helpers from other files (each rule file inlines :func:`expertcache.engine.run`); a
+        change to one of those would leave a stale compiled loop, and a silently wrong count. The
+        package's cache locators add this stamp, so any change to any compiled module recompiles."""
+        if not _DEPS:
+            import hashlib
+
+            h = hashlib.sha256()
+            for root, dirs, files in sorted(os.walk(_PKG)):
+                dirs.sort()
+                for name in sorted(files):
+                    if name.endswith(".py"):
+                        with open(os.path.join(root, name), "rb") as fh:
+                            src = fh.read()
+                        if b"njit" in src:
+                            h.update(name.encode() + b"\0" + src)
+            _DEPS.append(h.hexdigest())
+        return _DEPS[0]
+
+    def _stamped(base):
+        class Stamped(base):
+            """numba's own locator of this kind, for the package's files, its source stamp widened
+            by :func:`dependency_stamp`."""
+
+            @classmethod
+            def from_function(cls, py_func, py_file):
+                if not os.path.abspath(py_file).startswith(_PKG + os.sep):
+                    return None
+                return super().from_function(py_func, py_file)
+
+            def get_source_stamp(self):
+                return (super().get_source_stamp(), dependency_stamp())
+
+        Stamped.__name__ = f"Expertcache{base.__name__}"
+        return Stamped
+
+    try:  # numba's locator list is not public API: without it, caches are numba's own (per file)
+        from numba.core import caching as _caching
+
+        _caching.CacheImpl._locator_classes[:0] = [_stamped(_caching.InTreeCacheLocator),
+                                                   _stamped(_caching.UserWideCacheLocator)]
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
 else:
     def njit(*args, **options):
         """Stand-in for ``numba.njit``: returns the function unchanged, as ``@njit`` or ``@njit(...)``."""

@@ -73,10 +73,12 @@ class ExpertCache:
         self.capacity = int(capacity)
         self.n_items = int(n_items)
         self.policy = make_policy(policy)
+        self.policy.bind(min(self.capacity, self.n_items))
         self.steps_per_token = steps_per_token
         self._slot = np.full(self.n_items, -1, dtype=np.int64)
         self._last = np.full(self.n_items, -1, dtype=np.int64)
         self._speculative = np.zeros(self.n_items, dtype=bool)
+        self._stamp = np.full(self.n_items, -1, dtype=np.int64)
         self.prefetch_copies = self.prefetch_hits = self.prefetch_wasted = 0
         self.reset(future)
 
@@ -86,6 +88,7 @@ class ExpertCache:
         self._speculative.fill(False)
         self._slot.fill(-1)
         self._last.fill(-1)
+        self._stamp.fill(-1)
         self._free = list(range(self.capacity - 1, -1, -1))
         self.t = 0
         self.copies = 0
@@ -120,6 +123,27 @@ class ExpertCache:
         order = np.lexsort((candidates, self._last[candidates], keys, ~self._speculative[candidates]))
         return candidates[order[:need]]
 
+    def _hooked_prefetch_victims(self, candidates: np.ndarray, incoming: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """Victims for prefetched items under a hooked rule: unused prefetched items first, then
+        the rule's victims (told as evictions), the prefetched ``items`` protected."""
+        spec = candidates[self._speculative[candidates]]
+        spec = spec[np.lexsort((spec, self._last[spec]))]
+        out = list(spec[: incoming.size])
+        if len(out) < incoming.size:
+            mark = np.full(self.n_items, -1, dtype=np.int64)
+            mark[items] = 0
+            mark[spec] = 0  # already chosen
+            res = np.flatnonzero((self._slot >= 0) & ~self._speculative)
+            for e in incoming[len(out):]:
+                v = self.policy.hook_victim(int(e), self.t - 1, mark, 0, res)
+                if v < 0 or self._slot[v] < 0 or mark[v] == 0:
+                    raise ConfigError(f"policy {self.policy.spec!r} proposed victim {v} for a prefetch: not resident, or protected")
+                self.policy.hook_evict(v, self.t - 1)
+                mark[v] = 0
+                res = res[res != v]
+                out.append(v)
+        return np.asarray(out, dtype=np.int64)
+
     def prefetch(self, items) -> Step:
         """Load the non-resident ``items`` before the next step requests anything (no step is taken).
 
@@ -137,7 +161,10 @@ class ExpertCache:
         if need > 0:
             resident = np.flatnonzero(self._slot >= 0)
             candidates = np.setdiff1d(resident, items, assume_unique=True)
-            victims = self._victims(candidates, need, self.t - 1)
+            if self.policy.hooked:
+                victims = self._hooked_prefetch_victims(candidates, missing[len(self._free):], items)
+            else:
+                victims = self._victims(candidates, need, self.t - 1)
         step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(items.size - missing.size))
         self._place(missing, victims, step)
         self._speculative[missing] = True
@@ -171,15 +198,22 @@ class ExpertCache:
         if items.size > self.capacity:
             raise ConfigError(f"prepare: {items.size} experts requested at once but capacity is {self.capacity}")
         t = self.t
-        missing = np.sort(items[self._slot[items] < 0])
-        need = missing.size - len(self._free)
-        victims: np.ndarray = np.zeros(0, dtype=np.int64)
-        if need > 0:
-            resident = np.flatnonzero(self._slot >= 0)
-            candidates = np.setdiff1d(resident, items, assume_unique=True)
-            victims = self._victims(candidates, need, t)
-        step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(items.size - missing.size))
-        self._place(missing, victims, step)
+        if self.policy.hooked:
+            step = self._prepare_hooked(np.sort(items), t)
+        else:
+            missing = np.sort(items[self._slot[items] < 0])
+            need = missing.size - len(self._free)
+            victims: np.ndarray = np.zeros(0, dtype=np.int64)
+            if need > 0:
+                resident = np.flatnonzero(self._slot >= 0)
+                candidates = np.setdiff1d(resident, items, assume_unique=True)
+                victims = self._victims(candidates, need, t)
+            step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(items.size - missing.size))
+            self.policy.on_hit(items[self._slot[items] >= 0], t)
+            self.policy.on_miss(missing, t)
+            self._place(missing, victims, step)
+            self.policy.on_evict(np.asarray(step.evicted, dtype=np.int64), t)
+            self.policy.on_admit(missing, t)
         used = items[self._speculative[items]]
         if used.size:
             self.prefetch_hits += used.size
@@ -190,4 +224,44 @@ class ExpertCache:
         self.policy.on_access(items, t)
         step.slots = self._slot[items].copy()
         self.t = t + 1
+        return step
+
+    def _prepare_hooked(self, items: np.ndarray, t: int) -> Step:
+        """The engine's order (:mod:`expertcache.engine`): ids ascending, hits first, then each miss
+        (miss; victim and evict when full; admit). A prefetched item is new to the rule: its first
+        request is a miss and an admission for the rule, a hit for the counts."""
+        pol = self.policy
+        self._stamp[items] = t
+        resident = self._slot[items] >= 0
+        step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(np.count_nonzero(resident)))
+        for e in items[resident]:
+            if self._speculative[e]:
+                pol.hook_miss(int(e), t)
+                pol.hook_admit(int(e), t)
+            else:
+                pol.hook_hit(int(e), t)
+        for e in items[~resident]:
+            e = int(e)
+            pol.hook_miss(e, t)
+            if self._free:
+                slot = self._free.pop()
+            else:
+                spec = np.flatnonzero(self._speculative & (self._slot >= 0) & (self._stamp != t))
+                if spec.size:  # unused prefetched items go first: least recently prefetched, smallest id
+                    victim = int(spec[np.lexsort((spec, self._last[spec]))[0]])
+                    self._speculative[victim] = False
+                    self.prefetch_wasted += 1
+                else:
+                    res = np.flatnonzero((self._slot >= 0) & ~self._speculative)
+                    victim = pol.hook_victim(e, t, self._stamp, t, res)
+                    if victim < 0 or self._slot[victim] < 0 or self._stamp[victim] == t:
+                        raise ConfigError(f"policy {pol.spec!r} proposed victim {victim}: not resident, "
+                                          "or requested by the current group")
+                    pol.hook_evict(victim, t)
+                slot = int(self._slot[victim])
+                self._slot[victim] = -1
+                step.evicted.append(victim)
+            self._slot[e] = slot
+            step.loads.append((e, slot))
+            pol.hook_admit(e, t)
         return step

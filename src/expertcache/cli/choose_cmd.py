@@ -15,7 +15,7 @@ from ..costmodel import (
 import statistics
 
 from ..costmodel.choose import choose, is_lossless
-from ..costmodel.runs import check_unique, is_replay_record, read_records, replay_rows, run_from_record
+from ..costmodel.runs import HOSTS, base_host, check_unique, is_replay_record, read_records, replay_rows, run_from_record
 from ..errors import ConfigError, PolicyError
 from ..policies import make_policy
 from .common import add_json, emit_json, layer_ids, nonnegative_float, open_trace, positive_int, table
@@ -29,8 +29,10 @@ RUNS is JSON lines or a JSON list, e.g. what 'expertcache eval --json' prints; e
 policy, c_ms (compute ms per token of that run: measured ms/token minus its copy time per token),
 rho (steady expert copies per token, summed over the offloaded layers) and dnll (NLL minus the
 all-resident NLL, nats). Optional: tau_ms (measured ms of one copy), ms_per_token (measured),
-slow_copies (N: every copy repeated N times; default 1), needs_future, lossless, capacity, pool
-and layers. Policies are chosen among the slow_copies 1 runs; one run per policy and factor.
+slow_copies (N: every copy repeated N times; default 1), needs_future, lossless, capacity, pool,
+layers and host (memory, mmap or direct: where eval read the experts; default memory). Policies
+are chosen among the slow_copies 1 runs at one host (--host; default memory, or the only host);
+one run per policy, factor and host.
 RUNS may also hold 'replay --json' or 'sweep --json' records (copies_per_token, no rho), alone
 or beside eval runs: each is a lossless run with rho = copies_per_token, dnll = 0 and c = --c
 (default: the median c_ms of the file's lossless eval runs), at --capacity (default: the eval
@@ -52,9 +54,10 @@ rho from replaying TRACE at the runs' capacity and pool over --layers (default: 
 layers), c = the median c_ms of the file's lossless runs (field lossless, or |dnll| <= 5e-3
 where absent), dnll = 0. Rules that need the future are an offline reference, not a policy a
 causal cache can run.
---validate compares, for each slow_copies factor N > 1, the winner predicted at N x tau (from the
-slow_copies 1 runs' c and rho, and their measured tau when they have one) with the measured
-winner (least ms_per_token among those slowed runs), with each winner's lead over the runner-up
+--validate compares, for each condition other than the base (a slow_copies factor N > 1, or
+another host mode), the winner predicted at N x tau_h (from the base runs' c and rho; tau_h is
+the base tau at the base host, and the median measured tau_ms of a host's own slow_copies 1 runs
+at another host) with the measured winner (least ms_per_token among that condition's runs), with each winner's lead over the runner-up
 (runs timed with 'eval --repeats' carry their spread, (max - min) / median: a verdict whose
 measured lead is inside the larger spread of the two runs it compares reads "tie (within
 noise)", neither agree nor DISAGREE); it also prints the tau the
@@ -90,6 +93,8 @@ def add_parser(sub) -> None:
     p.add_argument("--capacity", type=positive_int, default=None, metavar="C",
                    help="with sweep records in RUNS: the capacity to choose at (default: the eval runs' capacity, or "
                         "the one capacity the records hold)")
+    p.add_argument("--host", choices=HOSTS, default=None,
+                   help="the host mode whose slow_copies 1 runs are chosen among (default: memory, or the only one)")
     p.add_argument("--validate", action="store_true",
                    help="compare the predicted with the measured winner of the slowed runs (slow_copies > 1)")
     p.add_argument("--plot", metavar="FILE", default=None,
@@ -115,9 +120,11 @@ def run(args) -> int:
         added, skipped_replay = replayed_runs(runs + rows, trace, args.replay_policies or DEFAULT_REPLAY_POLICIES,
                                               layers=args.layers, source=args.add_replay)
         skipped += skipped_replay
-    base_tau = measured_tau(runs)
-    choice = choose(runs + rows + added, args.tolerance, args.tau, args.overlap)
-    checks = validate(runs, args.tolerance, choice.tau_ms if base_tau is None else base_tau, args.overlap) if args.validate else []
+    host = base_host(runs + rows, args.host)
+    base_tau = measured_tau(runs, host)
+    choice = choose(runs + rows + added, args.tolerance, args.tau, args.overlap, host=host)
+    checks = (validate(runs, args.tolerance, choice.tau_ms if base_tau is None else base_tau, args.overlap, host=host)
+              if args.validate else [])
     if args.plot:
         _plot(args, choice)
     if args.json:
@@ -126,7 +133,8 @@ def run(args) -> int:
             out["validate"] = [c.to_dict() for c in checks]
         emit_json([out])
         return 0
-    _print(args, choice, added, rows, skipped, checks, base_tau, sum(r.slow_copies > 1 for r in runs), rows_note)
+    _print(args, choice, added, rows, skipped, checks, base_tau, sum(r.host == host and r.slow_copies > 1 for r in runs),
+           rows_note, host, sum(r.host != host for r in runs))
     return 0
 
 
@@ -146,17 +154,18 @@ def _file_runs(args) -> tuple[list, list, list[str], str]:
         return runs, [], [], ""
     c_ms, c_from = args.c, "--c"
     if c_ms is None:
-        lossless = [r.c_ms for r in runs if r.slow_copies == 1 and is_lossless(r)]
+        host = base_host(runs, args.host)
+        lossless = [r.c_ms for r in runs if r.slow_copies == 1 and r.host == host and is_lossless(r)]
         if not lossless:
             raise ConfigError(f"{replays[0][1]}: a replay/sweep record (copies_per_token, no rho): give --c, the "
                               "compute ms/token with every expert resident (e.g. 20ms or 49tok/s), to choose from it")
         c_ms, c_from = statistics.median(lossless), "median c_ms of the lossless eval runs"
     capacity = args.capacity
     if capacity is None:
-        caps = {r.capacity for r in runs if r.slow_copies == 1 and r.capacity is not None}
+        caps = {r.capacity for r in runs if r.slow_copies == 1 and r.host == host and r.capacity is not None}
         capacity = caps.pop() if len(caps) == 1 else None
     rows = replay_rows(replays, c_ms=c_ms, capacity=capacity, name=args.runs)
-    measured = {r.policy for r in runs if r.slow_copies == 1}
+    measured = {r.policy for r in runs if r.slow_copies == 1 and r.host == host}
     skipped = [r.policy for r in rows if r.policy in measured]
     note = (f"replay/sweep rows: rho = copies_per_token at capacity {rows[0].capacity if rows else capacity}, "
             f"c = {c_ms:.4g} ms ({c_from}), dnll = 0 (lossless rules compute what the all-resident model computes)")
@@ -174,11 +183,14 @@ def _plot(args, choice) -> None:
                               f"tau = {choice.tau_ms:.4g} ms per copy, ms/token = {model}"))
 
 
-def _print(args, choice, added, file_rows, skipped, checks, base_tau, n_slow: int, rows_note: str) -> None:
+def _print(args, choice, added, file_rows, skipped, checks, base_tau, n_slow: int, rows_note: str, host: str,
+           n_hosts: int) -> None:
     print(f"{args.runs}: {len(choice.runs) - len(added) - len(file_rows)} run(s) at slow_copies 1"
+          + ("" if host == "memory" else f" on host {host}")
           + (f", {len(file_rows)} lossless row(s) from its replay/sweep records" if file_rows else "")
           + (f", {len(added)} replayed from {args.add_replay}" if added else "")
-          + (f", {n_slow} slowed run(s) (for --validate)" if n_slow else ""))
+          + (f", {n_slow} slowed run(s) (for --validate)" if n_slow else "")
+          + (f", {n_hosts} run(s) at other host modes (for --validate)" if n_hosts else ""))
     source = "--tau" if args.tau is not None else "median tau_ms of the slow_copies 1 runs"
     print(f"tau {choice.tau_ms:.4g} ms per copy ({source}); admissible: dnll <= {args.tolerance:g} nats")
     print("ms/tok = c + rho x tau (copies block compute)"
@@ -230,12 +242,14 @@ def _print(args, choice, added, file_rows, skipped, checks, base_tau, n_slow: in
         margins = [(what, c.margin(key)) for what, key in (("predicted", "ms_predicted"), ("measured", "ms_measured"))]
         margin = ", ".join(f"{what} {100 * m:.1f}%" for what, m in margins if m is not None)
         noise = f"; run-to-run spread {100 * c.noise:.1f}%" if c.noise is not None else ""
-        print(f"\nvalidate slow_copies {c.slow_copies}: predicted {c.predicted}, measured {c.measured}: {c.verdict}"
+        on = "" if c.host == host else f" on host {c.host}"
+        print(f"\nvalidate slow_copies {c.slow_copies}{on}: predicted {c.predicted}, measured {c.measured}: {c.verdict}"
               + (f" (lead over the runner-up: {margin}{noise})" if margin else ""))
         base = c.tau_ms / c.slow_copies
         measured = (f"; these runs measured {c.tau_ms_measured:.4g} ms ({c.tau_ms_measured / base:.3g} x the base)"
                     if c.tau_ms_measured is not None and base > 0 else "")
-        print(f"  predicted at tau = {c.slow_copies} x {base:.4g} = {c.tau_ms:.4g} ms{measured}")
+        own = "" if c.host == host else f" (host {c.host}'s own tau, from its slow_copies 1 runs)"
+        print(f"  predicted at tau = {c.slow_copies} x {base:.4g}{own} = {c.tau_ms:.4g} ms{measured}")
         table([(r["policy"], "yes" if r["admissible"] else "no", r["ms_predicted"], r["ms_measured"]) for r in c.rows],
               ["policy", "admissible", "predicted ms/tok", "measured ms/tok"])
         if c.unmatched:

@@ -108,7 +108,7 @@ def run_run(args) -> int:
     g, prompt = _setup(args)
     cal = {"headroom_bytes": None, "ballast_bytes": 0, "note": None}
     if args.memory_wall is not None:
-        cal = calibrate(g, prompt, threads=args.threads, wall=args.wall)
+        cal = calibrate(g, prompt, threads=args.threads, wall=args.wall, max_new_tokens=args.max_new_tokens)
         if args.headroom is not None:
             cal.update(headroom_bytes=args.headroom, note="headroom given; " + cal["note"])
     rec = run_one(g, prompt, args.max_new_tokens, args.mode, wall_bytes=args.memory_wall, wall=args.wall,

@@ -15,8 +15,10 @@ copies per token ``rho_i`` and quality loss ``dnll_i`` (nats). At a copy time ``
   line, represented by the tie-break's pick. At a crossover itself both predict the same time and
   the tie-break decides.
 
-Only runs with ``slow_copies == 1`` are chosen among; slowed runs (``slow_copies = N > 1``) check
-the prediction (:func:`validate`). :func:`replayed_runs` adds lossless rules from a replayed trace.
+Only runs with ``slow_copies == 1`` at one host mode (the *base*: ``memory`` unless chosen,
+:func:`~expertcache.costmodel.runs.base_host`) are chosen among; the other conditions -- slowed
+runs (``slow_copies = N > 1``) and runs at another host mode (``mmap``, ``direct``: a real link
+with its own measured copy time) -- check the prediction (:func:`validate`). :func:`replayed_runs` adds lossless rules from a replayed trace.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 from ..errors import ConfigError
-from .runs import Run
+from .runs import Run, base_host
 
 LOSSLESS_NATS = 5e-3
 """A run with ``|dnll| <= 5e-3`` nats is lossless (the harness's exactness check)."""
@@ -156,10 +158,11 @@ def _candidates(runs: Sequence[Run], overlapped: bool) -> list[float]:
     return merged
 
 
-def measured_tau(runs: Sequence[Run]) -> float | None:
-    """The median of the finite ``tau_ms`` of the measured ``slow_copies == 1`` runs (``None``
-    when none has one)."""
-    return _median([r.tau_ms for r in runs if r.slow_copies == 1 and not r.replayed and r.tau_ms is not None])
+def measured_tau(runs: Sequence[Run], host: str = "memory") -> float | None:
+    """The median of the finite ``tau_ms`` of the measured ``slow_copies == 1`` runs at ``host``
+    (``None`` when none has one)."""
+    return _median([r.tau_ms for r in runs if r.slow_copies == 1 and r.host == host and not r.replayed
+                    and r.tau_ms is not None])
 
 
 def _median(xs: list) -> float | None:
@@ -218,14 +221,16 @@ def frontier(choice: Choice, factors: Sequence[int] = FRONTIER_FACTORS) -> list[
 
 
 def choose(runs: Sequence[Run], tolerance: float, tau_ms: float | None = None, overlapped: bool = False,
-           factors: Sequence[int] = FRONTIER_FACTORS) -> Choice:
-    """Choose among the ``slow_copies == 1`` runs at ``tau_ms`` (default :func:`measured_tau`).
-    No such run, no tau, or no admissible run is a one-line ConfigError."""
-    base = [r for r in runs if r.slow_copies == 1]
+           factors: Sequence[int] = FRONTIER_FACTORS, host: str | None = None) -> Choice:
+    """Choose among the ``slow_copies == 1`` runs of the base host (:func:`base_host` of ``host``)
+    at ``tau_ms`` (default :func:`measured_tau`). No such run, no tau, or no admissible run is a
+    one-line ConfigError."""
+    host = base_host(runs, host)
+    base = [r for r in runs if r.slow_copies == 1 and r.host == host]
     if not base:
         raise ConfigError("no runs with slow_copies 1 to choose among (slowed runs only check the choice)")
     if tau_ms is None:
-        tau_ms = measured_tau(base)
+        tau_ms = measured_tau(base, host)
         if tau_ms is None:
             raise ConfigError("no run records a measured tau_ms; give the copy time with --tau (e.g. 0.51ms)")
     ok = admissible(base, tolerance)
@@ -246,22 +251,27 @@ def choose(runs: Sequence[Run], tolerance: float, tau_ms: float | None = None, o
 # ----------------------------------------------------------------------------- checking it
 @dataclass
 class Check:
-    """The predicted against the measured winner at one copy factor ``slow_copies``."""
+    """The predicted against the measured winner in one condition: a copy factor ``slow_copies``
+    at a host mode ``host``."""
 
     slow_copies: int
     tau_ms: float
-    """``slow_copies x`` the base tau: the tau the prediction uses (the paper's slowed link)."""
+    """``slow_copies x`` the host's tau: the tau the prediction uses (the paper's slowed link)."""
     tau_ms_measured: float | None
-    """Median ``tau_ms`` the slowed runs record (``None`` when none does)."""
+    """Median ``tau_ms`` the condition's runs record (``None`` when none does)."""
     predicted: str
     measured: str
     rows: list[dict]
-    """Per policy run at this factor: ``policy``, ``admissible``, ``ms_predicted``, ``ms_measured``."""
+    """Per policy run in this condition: ``policy``, ``admissible``, ``ms_predicted``, ``ms_measured``."""
     unmatched: list[str]
-    """Slowed policies without a ``slow_copies == 1`` run: nothing to predict them from, left out."""
+    """Policies of the condition without a base run: nothing to predict them from, left out."""
 
     spreads: dict = field(default_factory=dict)
     """Per policy run at this factor: its ``ms_per_token_spread`` (``None``: timed once)."""
+    host: str = "memory"
+    """The host mode of the condition's runs."""
+    base_tau_ms: float | None = None
+    """The host's own copy time the prediction scales (``tau_ms / slow_copies``)."""
 
     @property
     def agree(self) -> bool:
@@ -304,37 +314,46 @@ class Check:
         return (ms[1] - ms[0]) / ms[0] if len(ms) > 1 and ms[0] > 0 else None
 
     def to_dict(self) -> dict:
-        return {"slow_copies": self.slow_copies, "tau_ms": self.tau_ms, "tau_ms_measured": self.tau_ms_measured,
+        return {"host": self.host, "slow_copies": self.slow_copies, "tau_ms": self.tau_ms, "tau_ms_measured": self.tau_ms_measured,
                 "predicted": self.predicted, "measured": self.measured, "agree": self.agree,
                 "verdict": self.verdict, "lead": self.lead, "noise": self.noise,
                 "margin_predicted": self.margin("ms_predicted"), "margin_measured": self.margin("ms_measured"),
                 "policies": self.rows, "unmatched": self.unmatched}
 
 
-def validate(runs: Sequence[Run], tolerance: float, tau_ms: float, overlapped: bool = False) -> list[Check]:
-    """For each factor ``N > 1`` among the runs' ``slow_copies``: among the policies run at N that
-    also have a ``slow_copies == 1`` run and are admissible there (its ``dnll``), the predicted
-    winner (smallest ``c + rho * N * tau`` from the base run's ``c`` and ``rho``; ``max(c, rho * N *
-    tau)`` with ``overlapped``) against the measured winner (smallest measured ``ms_per_token`` of
-    the slowed run), both with :func:`fastest`'s tie-break."""
-    base = {r.policy: r for r in runs if r.slow_copies == 1}
-    factors = sorted({r.slow_copies for r in runs if r.slow_copies > 1})
-    if not factors:
-        raise ConfigError("--validate: no slowed runs (slow_copies > 1) to compare the prediction with")
+def validate(runs: Sequence[Run], tolerance: float, tau_ms: float, overlapped: bool = False,
+             host: str | None = None) -> list[Check]:
+    """For each condition other than the base (``slow_copies == 1`` at :func:`base_host`): a factor
+    ``N > 1`` at any host mode, or ``N = 1`` at another host mode. Among the policies run there that
+    also have a base run and are admissible there (its ``dnll``), the predicted winner (smallest
+    ``c + rho * N * tau_h`` from the base run's ``c`` and ``rho``; ``max(c, rho * N * tau_h)`` with
+    ``overlapped``) against the measured winner (smallest measured ``ms_per_token`` in the
+    condition), both with :func:`fastest`'s tie-break. ``tau_h`` is ``tau_ms`` at the base host and
+    the median measured ``tau_ms`` of a host's own ``slow_copies == 1`` runs at another host."""
+    host = base_host(runs, host)
+    base = {r.policy: r for r in runs if r.slow_copies == 1 and r.host == host}
+    conditions = sorted({(r.host != host, r.host, r.slow_copies) for r in runs if (r.host, r.slow_copies) != (host, 1)})
+    if not conditions:
+        raise ConfigError("--validate: no slowed runs (slow_copies > 1) and no runs at another host mode "
+                          "to compare the prediction with")
     cost = cost_function(overlapped)
     checks = []
-    for n in factors:
-        slowed = [r for r in runs if r.slow_copies == n]
+    for _, h, n in conditions:
+        where = f"slow_copies {n}" + ("" if h == host else f" on host {h}")
+        tau_h = tau_ms if h == host else measured_tau(runs, h)
+        if tau_h is None:
+            raise ConfigError(f"--validate: the slow_copies 1 runs on host {h} record no tau_ms (their copy time)")
+        slowed = [r for r in runs if r.slow_copies == n and r.host == h]
         for r in slowed:
             if r.ms_per_token is None:
-                raise ConfigError(f"{r.where}: --validate needs the measured 'ms_per_token' of slowed runs")
+                raise ConfigError(f"{r.where}: --validate needs the measured 'ms_per_token' of the runs at {where}")
         pairs = [(base[r.policy], r) for r in slowed if r.policy in base]
         ok = [(b, s) for b, s in pairs if _admits(b, tolerance)]
         if not ok:
-            raise ConfigError(f"--validate: no admissible policy among the runs at slow_copies {n} "
-                              "that also have a slow_copies 1 run")
+            raise ConfigError(f"--validate: no admissible policy among the runs at {where} "
+                              "that also have a base run (slow_copies 1" + ("" if host == "memory" else f" on host {host}") + ")")
         tau_slowed = _median([r.tau_ms for r in slowed if r.tau_ms is not None])
-        t = n * tau_ms
+        t = n * tau_h
         measured = {s.policy: s.ms_per_token for _, s in pairs}
         predicted = fastest([b for b, _ in ok], lambda b: cost(b, t))
         won = fastest([b for b, _ in ok], lambda b: measured[b.policy])
@@ -342,7 +361,7 @@ def validate(runs: Sequence[Run], tolerance: float, tau_ms: float, overlapped: b
                  "ms_measured": s.ms_per_token} for b, s in pairs]
         checks.append(Check(n, t, tau_slowed, predicted.policy, won.policy, rows,
                             [r.policy for r in slowed if r.policy not in base],
-                            {s.policy: s.ms_per_token_spread for _, s in pairs}))
+                            {s.policy: s.ms_per_token_spread for _, s in pairs}, host=h, base_tau_ms=tau_h))
     return checks
 
 
@@ -366,7 +385,8 @@ def replayed_runs(runs: Sequence[Run], trace, policies: Sequence[str] = DEFAULT_
     from ..sim.replay import replay
 
     where = f"--add-replay {source}".rstrip()
-    base = [r for r in runs if r.slow_copies == 1 and not r.replayed]
+    host = base_host(runs)
+    base = [r for r in runs if r.slow_copies == 1 and r.host == host and not r.replayed]
     caps = sorted({r.capacity for r in base if r.capacity is not None})
     if any(r.capacity is None for r in base) or len(caps) != 1:
         what = (f"{next(r for r in base if r.capacity is None).where} has no 'capacity'"

@@ -14,11 +14,12 @@ Optional: ``tau_ms`` (measured ms of one copy; ``null``/NaN = the run made no co
 of the rounds' ms/token), ``slow_copies`` (an integer ``N >= 1``: every copy was repeated
 N times; default 1), ``needs_future`` (bool; default: the registered policy's flag, false for names
 not registered here), ``lossless`` (bool: the policy never restricts routing; eval writes it),
-``capacity`` (int ``>= 1``), ``pool`` (string), ``layers`` (list of ints).
-Any other field is ignored. Where a number is given it must be finite and ``>= 0``.
+``capacity`` (int ``>= 1``), ``pool`` (string), ``layers`` (list of ints), ``host`` (where the
+offloaded experts were read from: ``memory``, ``mmap`` or ``direct``, as eval writes it; absent =
+``memory``). Any other field is ignored. Where a number is given it must be finite and ``>= 0``.
 
-Runs of one ``slow_copies`` factor name each policy once: two records of the same policy and
-factor are an error (average repeated runs, or keep one, before choosing). A slowed run
+Runs of one ``(host, slow_copies)`` condition name each policy once: two records of the same
+policy and condition are an error (average repeated runs, or keep one, before choosing). A slowed run
 (``slow_copies > 1``) only ranks policies by its measured ``ms_per_token`` (``--validate``); its
 ``c_ms`` is not used and may be negative (the copy and step timings of a slowed run cover different
 warm-up periods, so their difference can be).
@@ -41,6 +42,8 @@ MAX_RUNS_BYTES = 1 << 26
 """A runs file larger than this (64 MiB) is refused: eval writes a few kB per run."""
 
 REQUIRED = ("policy", "c_ms", "rho", "dnll")
+HOSTS = ("memory", "mmap", "direct")
+"""The host modes of the live harness (``eval --host``; :mod:`expertcache.offload.host`)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,9 @@ class Run:
     ms_per_token_spread: float | None = None
     """``(max - min) / median`` of ``ms_per_token`` over the run's repeats (``eval --repeats``);
     ``None`` when it was timed once: its noise is then unknown."""
-    """Where the run came from, for messages: ``"runs.jsonl line 3"``, ``"--add-replay t.npz"``."""
+    host: str = "memory"
+    """Where the offloaded experts were read from (``eval --host``): each host mode is its own
+    condition, with its own measured copy time."""
 
 
 def read_runs(path: str | Path) -> list[Run]:
@@ -176,8 +181,13 @@ def run_from_record(rec: Any, where: str) -> Run:
             raise ConfigError(f"{where}: field 'layers' must be a list of layer ids (integers >= 0)")
         layers = tuple(layers)
     spread = _optional(rec, "ms_per_token_spread", where)
+    host = rec.get("host")
+    if host is None:
+        host = "memory"
+    if host not in HOSTS:
+        raise ConfigError(f"{where}: field 'host' must be one of {', '.join(HOSTS)}, got {_short(host)}")
     return Run(policy.strip(), c_ms, rho, dnll, tau, ms, slow, future, capacity, pool, layers, lossless, where=where,
-               ms_per_token_spread=spread)
+               ms_per_token_spread=spread, host=host)
 
 
 def _number(rec: dict, field: str, where: str, *, nonnegative: bool = True) -> float:
@@ -213,15 +223,31 @@ def _registered_needs_future(spec: str) -> bool:
 
 
 def check_unique(runs: list[Run]) -> None:
-    """Each policy at most once per ``slow_copies`` factor, else a one-line error naming both runs."""
-    seen: dict[tuple[str, int], Run] = {}
+    """Each policy at most once per ``(host, slow_copies)`` condition, else a one-line error naming both runs."""
+    seen: dict[tuple[str, int, str], Run] = {}
     for run in runs:
-        key = (run.policy, run.slow_copies)
+        key = (run.policy, run.slow_copies, run.host)
         if key in seen:
             factor = "" if run.slow_copies == 1 else f" at slow_copies {run.slow_copies}"
-            raise ConfigError(f"{run.where}: policy {run.policy!r}{factor} again (first in {seen[key].where}); "
-                              "give one run per policy and copy factor (average repeated runs first)")
+            host = "" if run.host == "memory" else f" on host {run.host}"
+            raise ConfigError(f"{run.where}: policy {run.policy!r}{factor}{host} again (first in {seen[key].where}); "
+                              "give one run per policy and condition (average repeated runs first)")
         seen[key] = run
+
+
+def base_host(runs, host: str | None = None) -> str:
+    """The host mode whose ``slow_copies == 1`` runs are chosen among: ``host`` when given (it must
+    have such runs), else ``memory`` when any run is there, else the one host the runs use."""
+    hosts = sorted({r.host for r in runs if r.slow_copies == 1})
+    if host is not None:
+        if host not in hosts:
+            raise ConfigError(f"--host {host}: no slow_copies 1 runs there (the runs have: {', '.join(hosts) or 'none'})")
+        return host
+    if "memory" in hosts or not hosts:
+        return "memory"
+    if len(hosts) == 1:
+        return hosts[0]
+    raise ConfigError(f"the runs use host modes {', '.join(hosts)} and none is 'memory': give --host to choose at one")
 
 
 def _short(value: Any) -> str:

@@ -16,15 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..sim.gap import gap_recovered as gap_of  # noqa: F401  (one definition: expertcache.sim.gap)
+
 REFERENCE = "decayed (tuned)"
-
-
-def gap_of(copies, lru, belady):
-    """``(lru - copies) / (lru - belady)``, elementwise; NaN where ``lru == belady``."""
-    copies, lru, belady = (np.asarray(a, dtype=np.float64) for a in (copies, lru, belady))
-    den = lru - belady
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den != 0, (lru - copies) / np.where(den != 0, den, 1.0), np.nan)
 
 
 def intervals(per_sequence: dict[str, np.ndarray], resamples: int, seed: int = 0, level: float = 0.95,

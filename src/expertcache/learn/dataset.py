@@ -88,6 +88,10 @@ class _Recorder(Policy):
         super().__init__()
         self.inner, self.names, self.fut, self.sink, self.tables = inner, tuple(names), future, sink, tables
 
+    def bind(self, capacity):
+        super().bind(capacity)
+        self.inner.bind(capacity)
+
     def reset(self, n_items, future=None, steps_per_token=1):
         super().reset(n_items, future, steps_per_token)
         if self.inner.wants_context:

@@ -150,6 +150,7 @@ def evaluate_split(trace, capacity: int, split, *, split_seed: int | None = 0, p
     """The train / validation / test protocol (docs/learn.md, :mod:`.split`): scorers fitted on train,
     decayed's beta and the reported learned kind chosen on validation, the test sequences read once at the
     end and scored per sequence; ``bootstrap`` > 0 adds intervals over test sequences (:mod:`.bootstrap`)."""
+    from ..sim.gap import as_record
     from .bootstrap import REFERENCE, gap_of, intervals
     from .split import SealedTest, assign
 
@@ -199,12 +200,12 @@ def evaluate_split(trace, capacity: int, split, *, split_seed: int | None = 0, p
             "policy": n, "seeds": len(seeds) if seeded else 0,
             "copies_steady": float(totals[n]), "copies_steady_sd": float(seed_totals.std()) if seeded else 0.0,
             "copies_per_token": float(totals[n] / tokens) if tokens else float("nan"),
-            "gap_recovered": gap, "gap_recovered_sd": float(gaps.std()) if seeded else 0.0,
+            "gap_recovered": as_record(gap), "gap_recovered_sd": float(gaps.std()) if seeded else 0.0,
             "gap_recovered_ci": ci["gap"][n] if ci else None,
-            "diff_vs_decayed": gap - float(gap_of(totals[REFERENCE], lru, bel)),
+            "diff_vs_decayed": as_record(gap - float(gap_of(totals[REFERENCE], lru, bel))),
             "diff_vs_decayed_ci": ci["diff"][n] if ci else None,
             "validation_copies_steady": val_copies[n],
-            "validation_gap_recovered": float(gap_of(val_copies[n], vlru, vbel)),
+            "validation_gap_recovered": as_record(gap_of(val_copies[n], vlru, vbel)),
         })
     return {"trace": test.name, "capacity": int(capacity), "pool": pool,
             "split": {**pos, "spec": str(split), "seed": split_seed}, "beta": beta, "chosen": chosen, "tokens": tokens,

@@ -14,6 +14,7 @@ The parent adds the wall's proof and the demand model (:func:`demand`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -30,15 +31,30 @@ from .advice import MODES, PageAdvisor
 from .capture import RoutingRecorder
 from .geometry import Geometry, read_geometry
 
-DEFAULT_HEADROOM_MARGIN = 16 * 10**6
-"""Added to the calibrated own-memory peak of the llama worker, or a quarter of that peak where
-larger (:func:`headroom_margin`): allocator slack between runs, and a calibration of 2 tokens
-against runs of more (a 4 MB margin let a 16-token run on models/small-moe outgrow it by 4 MB)."""
+HEADROOM_MARGIN_FLOOR = 8 * 2**20
+"""The least slack added to the calibrated own-memory peak of the llama worker; the margin is a
+sixteenth of that peak where larger (:func:`headroom_margin`). The calibration decodes as many
+tokens as the run it serves, so the margin covers allocator variation between runs only. It must
+stay below the wall proof's slack (2% of the capacity + 4 MiB): page cache may grow into headroom
+the worker does not use, and a larger margin fails the proof (a quarter of the peak, 17 MB, failed
+it at a 480 MB wall)."""
+
+
+FOLLOW_MARGIN = 8 * 2**20
+"""The wall follows the llama worker's own memory once it has loaded and prefilled
+(``tier.capacity.run_walled``'s ``follow_margin`` and ``follow_flag``): its own memory varies by
+10-20 MB between runs of one model (kernel memory for the mapping's page tables and the page
+cache's own nodes among it), more than the proof's slack, so a fixed headroom either lets page
+cache grow into what the worker leaves unused or OOM-kills it. Before the flag (loading, when
+llama.cpp allocates its buffers) the calibrated headroom holds."""
+FOLLOW_MIN_CAPACITY = 64 * 2**20
+"""Walls below this keep the fixed headroom: a page cache of a few MB cannot absorb a spike of the
+worker's own memory, so a following limit would OOM-kill it (one did at 5 MB on models/small-moe)."""
 
 
 def headroom_margin(own: int) -> int:
     """Slack above the calibrated own-memory peak ``own``: relative, with a floor."""
-    return max(DEFAULT_HEADROOM_MARGIN, own // 4)
+    return max(HEADROOM_MARGIN_FLOOR, own // 16)
 
 
 def io_counters() -> dict:
@@ -111,6 +127,9 @@ def measure(spec: dict) -> dict:
     logits = eng.forward(prompt, logits="last")
     t2 = time.perf_counter()
     c1 = io_counters()
+    if spec.get("follow_flag"):  # loaded and prefilled: the wall may follow this process's own memory now
+        with open(spec["follow_flag"], "w"):
+            pass
     out = [int(np.argmax(logits[-1]))]
     for _ in range(n_new - 1):
         out.append(int(np.argmax(eng.forward([out[-1]], logits="last")[-1])))
@@ -177,15 +196,22 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     spec = {"model": g.path, "prompt": [int(x) for x in prompt], "max_new_tokens": int(max_new_tokens),
             "mode": mode, "threads": int(threads), "ballast_bytes": int(ballast_bytes)}
     fd, spec_path = tempfile.mkstemp(prefix="expertcache-llama-", suffix=".json")
+    flag = spec_path[: -len(".json")] + ".decoding"
+    follow = bool(wall_bytes) and wall_bytes >= FOLLOW_MIN_CAPACITY
+    spec["follow_flag"] = flag if follow else None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(spec, fh)
         evicted = acc.evict_file_pages([g.path])
         argv = [sys.executable, "-m", "expertcache.llama.runner", spec_path]
         walled = cap.run_walled(argv, capacity_bytes=int(wall_bytes or g.file_bytes),
-                                wall=wall if wall_bytes else "none", headroom_bytes=headroom_bytes, timeout=timeout)
+                                wall=wall if wall_bytes else "none", headroom_bytes=headroom_bytes, timeout=timeout,
+                                follow_margin=FOLLOW_MARGIN if follow else None,
+                                follow_flag=flag if follow else None)
     finally:
         os.unlink(spec_path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(flag)
     where = f"--mode {mode}" + (f" --memory-wall {wall_bytes}" if wall_bytes else "")
     rec = cap.child_result(walled, where, timeout)
     rec.update(memory_wall=wall_bytes, capacity_enforced_by=walled.enforced_by,
@@ -200,15 +226,17 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     return rec
 
 
-def calibrate(g: Geometry, prompt, threads: int = 1, wall: str = "auto") -> dict:
+def calibrate(g: Geometry, prompt, threads: int = 1, wall: str = "auto", max_new_tokens: int = 2) -> dict:
     """The wall settings of this model: ``headroom_bytes``, the llama worker's own memory (what the
     wall charged besides the page cache, or the anonymous peak where that is not measured) in a
-    short run behind a wall as large as the file plus 1 GB, plus :func:`headroom_margin`
+    run of ``max_new_tokens`` (those of the runs it serves) behind a wall as large as the file plus
+    1 GB, plus :func:`headroom_margin`
     (None where no cgroup measures it: the tier's default headroom then applies); and
     ``ballast_bytes``, the anonymous memory the engine adds after loading (held during the load,
     :func:`ballast`). ``note`` says which."""
     try:
-        rec = run_one(g, prompt, 2, "mmap", wall_bytes=g.file_bytes, wall=wall, headroom_bytes=10**9, threads=threads)
+        rec = run_one(g, prompt, max(2, int(max_new_tokens)), "mmap", wall_bytes=g.file_bytes, wall=wall,
+                      headroom_bytes=10**9, threads=threads)
     except ExpertcacheError as exc:
         return {"headroom_bytes": None, "ballast_bytes": 0, "note": f"headroom not calibrated ({exc})"}
     a0, a1 = rec.get("anon_before_load"), rec.get("anon_after_load")

@@ -81,7 +81,7 @@ def sweep(g: Geometry, prompt, max_new_tokens: int, modes: list[str], walls: lis
           seed: int = 0, wall: str = "auto", headroom_bytes: int | None = None, threads: int = 1,
           target: float | None = None, timeout: float | None = None, progress=None) -> dict:
     """Every (wall, mode, run) once, in one seeded shuffled order; the records and :func:`summarize`."""
-    cal = calibrate(g, prompt, threads=threads, wall=wall)
+    cal = calibrate(g, prompt, threads=threads, wall=wall, max_new_tokens=max_new_tokens)
     if headroom_bytes is not None:
         cal.update(headroom_bytes=headroom_bytes, note="headroom given; " + cal["note"])
     headroom_bytes, note = cal["headroom_bytes"], cal["note"]

@@ -14,11 +14,20 @@ name               rule (ties: least recently used, then smallest id)
 ``learned:PATH``   highest score of a trained scorer (docs/learn.md; compiled unless model-side features)
 ``static``         pin set with bypass: the top C experts of a profile window, never changed;
                    other requests are streamed misses (replay only; :mod:`.static`)
+``arc``            ARC: recency and frequency lists with ghosts, adaptive split (hooked)
+``s3fifo``         S3-FIFO: small, main and ghost FIFOs (hooked)
+``sieve``          SIEVE: a FIFO, visited bits and a hand (hooked)
 =================  ==========================================================================
+
+"Hooked" rules are state machines written once as compiled engine hooks (:mod:`.hooked`).
 """
 
 from .base import NEVER, Policy, StreamFuture
 from .registry import available_policies, make_policy, register
-from . import belady, decayed, foresight, learned, lfu, lru, mean_interval, randomized, router_logit, static  # noqa: F401  (register)
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+for _module in _pkgutil.iter_modules(__path__):  # every rule's file registers itself: a new rule is one file
+    _importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["NEVER", "Policy", "StreamFuture", "available_policies", "make_policy", "register"]

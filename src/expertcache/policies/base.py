@@ -4,6 +4,8 @@ A policy is a small stateful object that ranks eviction candidates. It knows not
 slots, copies or the simulator: the cache that drives it (:class:`expertcache.cache.ExpertCache`
 in the live harness and the tier, the compiled kernels in :mod:`expertcache.sim`) calls
 
+``bind(capacity)``
+    once, by the cache that drives it: the slots of its pool;
 ``reset(n_items, future=None, steps_per_token=1)``
     at the start of every stream (a pool starting empty);
 ``keys(candidates, t) -> float array``
@@ -12,6 +14,14 @@ in the live harness and the tier, the compiled kernels in :mod:`expertcache.sim`
     rule breaks ties the same way (DESIGN section 2: least recently used, then smallest id);
 ``on_access(items, t)``
     once the group requested at step ``t`` is resident.
+
+and tells it what happened, libCacheSim's plugin hooks (no-ops unless a rule needs them):
+``on_hit(items, t)``, ``on_miss(items, t)`` (requested, resident / not), ``on_evict(victims, t)``,
+``on_admit(items, t)`` (inserted), each once per step, before ``on_access``.
+
+A rule that is a state machine rather than a key (ARC, S3-FIFO, SIEVE) subclasses
+:class:`~expertcache.policies.hooked.HookedPolicy` instead: it is written once, as compiled
+hooks that the cache and the compiled replay both call (:mod:`expertcache.engine`).
 
 Steps count access groups: a token at one layer in a per-layer pool, or one layer of one token in a
 global pool, where ``steps_per_token`` = number of layers so rules defined per token (decay rate,
@@ -91,6 +101,7 @@ class Policy:
 
     def __init__(self) -> None:
         self.n_items = 0
+        self.capacity: int | None = None
         self.steps_per_token = 1
         self.future: StreamFuture | None = None
         self.context = None
@@ -116,12 +127,31 @@ class Policy:
         return f"<policy {self.spec}>"
 
     # -- protocol -----------------------------------------------------------------------------
+    hooked: ClassVar[bool] = False
+    """Whether the rule is a state machine driven by engine hooks (:mod:`.hooked`), not by keys."""
+
+    def bind(self, capacity: int) -> None:
+        """The capacity (slots) of the pool this policy serves; called once by its cache."""
+        self.capacity = int(capacity)
+
     def reset(self, n_items: int, future: StreamFuture | None = None, steps_per_token: int = 1) -> None:
         if self.needs_future and future is None:
             raise PolicyError(f"policy {self.spec!r} is clairvoyant: it needs the recorded future of the stream")
         self.n_items = int(n_items)
         self.future = future
         self.steps_per_token = int(steps_per_token)
+
+    def on_hit(self, items: np.ndarray, t: int) -> None:
+        """Requested items of step ``t`` that were resident."""
+
+    def on_miss(self, items: np.ndarray, t: int) -> None:
+        """Requested items of step ``t`` that were not resident (before their evictions)."""
+
+    def on_evict(self, victims: np.ndarray, t: int) -> None:
+        """Items that left the pool at step ``t``, in eviction order."""
+
+    def on_admit(self, items: np.ndarray, t: int) -> None:
+        """Items inserted at step ``t`` (the misses)."""
 
     def on_access(self, items: np.ndarray, t: int) -> None:
         """The items of step ``t`` are resident (called once per step, after any evictions)."""

@@ -38,6 +38,7 @@ from ..errors import ConfigError
 from ..policies import Policy, StreamFuture, make_policy
 from ..policies.context import stream_context
 from ..trace import Trace
+from .gap import as_record, gap_recovered
 from .layout import StreamLayout, build_layout
 
 ENGINES = ("auto", "compiled", "python")
@@ -181,7 +182,7 @@ def fill_gap(results: Sequence[ReplayResult]) -> None:
     if "lru" in by_name and "belady" in by_name:
         lo, hi = by_name["belady"].copies_steady, by_name["lru"].copies_steady
         for r in results:
-            r.gap_recovered = (hi - r.copies_steady) / (hi - lo) if hi != lo else None
+            r.gap_recovered = as_record(gap_recovered(r.copies_steady, hi, lo))
 
 
 def replay_layout(layout: StreamLayout, capacity: int, policy: "str | Policy", *, engine: str = "auto") -> ReplayResult:

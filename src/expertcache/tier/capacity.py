@@ -190,7 +190,8 @@ def _run_balloon(argv, capacity_bytes, headroom_bytes, timeout, max_balloon_byte
 
 # ---------------------------------------------------------------------- entry point
 def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgroup: str | None = None,
-               headroom_bytes: int | None = None, timeout: float | None = None) -> WallRun:
+               headroom_bytes: int | None = None, timeout: float | None = None,
+               follow_margin: int | None = None, follow_flag: str | None = None) -> WallRun:
     """Run ``argv`` as a child process behind a memory wall of ``capacity_bytes + headroom_bytes``.
 
     ``wall``: one of :data:`WALLS`; ``auto`` takes a cgroup wall (child, v2 sibling or systemd
@@ -199,6 +200,12 @@ def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgro
     :class:`WallUnavailable` (one line). ``cgroup`` names an existing cgroup directory to use as it
     is. ``timeout`` (s, > 0) kills the child and still cleans up. A wall of more than the machine
     can hold (:func:`enforceable_bytes`) is refused (ConfigError): it would enforce nothing.
+    ``follow_margin`` (bytes; cgroup walls made here): the limit follows the worker's own memory,
+    ``capacity + min(headroom, own + follow_margin)`` after every sample (``own``: the most the
+    worker has needed so far), so headroom the worker does not use never becomes page cache
+    (:class:`~.cgroupfs.Sampler`); with ``follow_flag`` only once the worker has created that file.
+    The proof then records the limits it took (``min_limit_bytes``, ``max_limit_bytes``,
+    ``limit_writes``).
     """
     if wall not in WALLS:
         raise ConfigError(f"--wall: {wall!r} is not one of {', '.join(WALLS)}")
@@ -228,9 +235,9 @@ def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgro
     if wall in ("auto", "cgroup"):
         target, why = cgroup_target()
         if target is not None and target["placement"] == "systemd-scope":
-            return run_scope(argv, limit, timeout, target, capacity_bytes)
+            return run_scope(argv, limit, timeout, target, capacity_bytes, follow_margin, follow_flag)
         if target is not None:
-            return run_cgroup(argv, limit, timeout, target, None, capacity_bytes)
+            return run_cgroup(argv, limit, timeout, target, None, capacity_bytes, follow_margin, follow_flag)
         if wall == "cgroup":
             raise WallUnavailable(f"cgroup wall: {why}")
         reasons.append(f"cgroup: {why}; a balloon is built only when asked (--wall balloon)")

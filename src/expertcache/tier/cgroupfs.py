@@ -196,7 +196,7 @@ class Sampler(threading.Thread):
     and kernel memory), per sample. ``last_state`` keeps the latest limit/peak/events read (a
     systemd scope's cgroup is gone once its process exits)."""
 
-    def __init__(self, d: str, version: str):
+    def __init__(self, d: str, version: str, follow: tuple[int, int, int] | None = None, follow_flag: str | None = None):
         super().__init__(daemon=True)
         self.dir, self.version = d, version
         self.path = os.path.join(d, "memory.stat")
@@ -204,6 +204,18 @@ class Sampler(threading.Thread):
                       "tier_peak_bytes": None, "own_peak_bytes": None, "samples": 0}
         self.last_state: dict | None = None
         self.keep_state = False
+        self.follow, self.follow_flag = follow, follow_flag
+        """``follow = (capacity, ceiling, margin)``: after each sample, set the limit to ``capacity +
+        min(ceiling - capacity, own + margin)``, ``own`` = the most the samples have found charged
+        beyond the tier since following began, so headroom the worker does not use is never page
+        cache: the wall follows the worker's own memory, never above ``ceiling`` (the requested
+        limit), never below what it has needed. With ``follow_flag`` (a path) it begins once that
+        file exists (the worker creates it when it has reached its steady state: loaded, buffers
+        allocated); until then the limit is the ceiling."""
+        self._own_followed: int | None = None
+        self.limits: dict = {"min_limit_bytes": None, "max_limit_bytes": None, "limit_writes": 0,
+                             "limit_write_errors": 0}
+        self._limit: int | None = None
         self._halt = threading.Event()
 
     def sample(self) -> None:
@@ -223,12 +235,36 @@ class Sampler(threading.Thread):
             if v is not None:
                 self.peaks[k] = v if self.peaks[k] is None else max(self.peaks[k], v)
         self.peaks["samples"] += 1
+        if self.follow is not None and vals["own_peak_bytes"] is not None and (
+                self.follow_flag is None or os.path.exists(self.follow_flag)):
+            own = vals["own_peak_bytes"]
+            self._own_followed = own if self._own_followed is None else max(self._own_followed, own)
+            self._follow(self._own_followed)
         if self.keep_state:
             state = cgroup_state(self.dir, self.version)
             if state["limit_bytes"] is not None:
                 self.last_state = state
 
+    def _follow(self, own: int) -> None:
+        capacity, ceiling, margin = self.follow
+        limit = capacity + min(ceiling - capacity, own + margin)
+        limit -= limit % 4096
+        if limit == self._limit:
+            return
+        try:
+            write(os.path.join(self.dir, FILES[self.version]["limit"]), str(limit))
+        except OSError:  # v1 refuses (EBUSY) a limit it cannot reclaim down to: the next sample retries
+            self.limits["limit_write_errors"] += 1
+            return
+        self._limit = limit
+        lim = self.limits
+        lim["limit_writes"] += 1
+        lim["min_limit_bytes"] = limit if lim["min_limit_bytes"] is None else min(lim["min_limit_bytes"], limit)
+        lim["max_limit_bytes"] = limit if lim["max_limit_bytes"] is None else max(lim["max_limit_bytes"], limit)
+
     def run(self) -> None:
+        if self.follow is not None:  # a following wall takes its first limit at once, not a period later
+            self.sample()
         while not self._halt.wait(SAMPLE_S):
             self.sample()
 

@@ -190,23 +190,30 @@ def make_wall_cgroup(d: str, version: str, limit: int) -> None:
         raise WallUnavailable(f"cannot set the limit of {d}: {exc.strerror or exc}") from None
 
 
-def run_cgroup(argv, limit, timeout, target: dict, named: str | None, capacity: int) -> WallRun:
-    """Run ``argv`` in a cgroup made at ``target`` (or the ``named`` one, used as it is)."""
+def run_cgroup(argv, limit, timeout, target: dict, named: str | None, capacity: int,
+               follow_margin: int | None = None, follow_flag: str | None = None) -> WallRun:
+    """Run ``argv`` in a cgroup made at ``target`` (or the ``named`` one, used as it is); with
+    ``follow_margin`` the limit follows the worker's own memory (:class:`~.cgroupfs.Sampler`)."""
     version = target["version"]
     made = named is None
     d = named or os.path.join(target["dir"], f"expertcache-{os.getpid()}-{secrets.token_hex(4)}")
     proof: dict = {"mechanism": f"cgroup-{version}", "path": d, "created_here": made,
                    "placement": "named" if named else target.get("placement", "child"),
                    "requested_limit_bytes": limit, "capacity_bytes": capacity, "headroom_bytes": limit - capacity}
+    follow = None if follow_margin is None or not made else (capacity, limit, int(follow_margin))
+    if follow is not None:
+        proof["follow_margin_bytes"] = int(follow_margin)
     if made:
         make_wall_cgroup(d, version, limit)
     try:
         proof["at_start"] = cg.cgroup_state(d, version)
         proof["meminfo_at_entry"], _ = read_meminfo()
-        sampler = cg.Sampler(d, version)
+        sampler = cg.Sampler(d, version, follow, follow_flag)
         rc, out, err, timed_out = spawn(argv, os.path.join(d, "cgroup.procs"), timeout, sampler)
         proof.update(cg.cgroup_state(d, version))
         proof.update(sampler.peaks)
+        if follow is not None:
+            proof.update(sampler.limits)
     finally:
         if made:
             cg.kill_members(d)
@@ -215,12 +222,16 @@ def run_cgroup(argv, limit, timeout, target: dict, named: str | None, capacity: 
     return WallRun(rc, out, err, f"cgroup-{version}:{d}", proof, not problems, "; ".join(problems), timed_out)
 
 
-def run_scope(argv, limit, timeout, target: dict, capacity: int) -> WallRun:
+def run_scope(argv, limit, timeout, target: dict, capacity: int, follow_margin: int | None = None,
+              follow_flag: str | None = None) -> WallRun:
     """Run ``argv`` in a transient ``systemd-run --scope`` unit with MemoryMax = ``limit``."""
     unit = f"expertcache-{os.getpid()}-{secrets.token_hex(4)}.scope"
     proof: dict = {"mechanism": "cgroup-v2", "placement": "systemd-scope", "unit": unit, "created_here": True,
                    "requested_limit_bytes": limit, "capacity_bytes": capacity, "headroom_bytes": limit - capacity,
                    "meminfo_at_entry": read_meminfo()[0]}
+    follow = None if follow_margin is None else (capacity, limit, int(follow_margin))
+    if follow is not None:
+        proof["follow_margin_bytes"] = int(follow_margin)
     found: dict = {}
 
     def locate(pid: int):
@@ -228,7 +239,7 @@ def run_scope(argv, limit, timeout, target: dict, capacity: int) -> WallRun:
         found["dir"] = d
         if d is None:
             return None
-        sampler = cg.Sampler(d, "v2")
+        sampler = cg.Sampler(d, "v2", follow, follow_flag)
         sampler.keep_state = True
         sampler.sample()
         found["sampler"] = sampler
@@ -241,6 +252,8 @@ def run_scope(argv, limit, timeout, target: dict, capacity: int) -> WallRun:
     state = (sampler.last_state if sampler else None) or {k: None for k in cg.cgroup_state("/nonexistent", "v2")}
     proof.update(state)
     proof.update(sampler.peaks if sampler else {"tier_peak_bytes": None})
+    if follow is not None and sampler:
+        proof.update(sampler.limits)
     deadline = time.monotonic() + 2.0
     while d and os.path.exists(d) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -256,10 +269,15 @@ def cgroup_problems(proof: dict, limit: int, capacity: int, made: bool, timed_ou
     against the capacity (within :func:`proof_slack`), OOM kills, a timeout, a cgroup left behind."""
     problems = []
     lim = proof.get("limit_bytes")
+    followed = proof.get("follow_margin_bytes") is not None
     if lim is None or lim >= cg.UNLIMITED:
         problems.append("the cgroup has no memory limit")
-    elif made and not (0 <= limit - lim < 1 << 16):
+    elif made and followed and not lim <= limit:
+        problems.append(f"limit read back as {lim}, above the requested {limit}")
+    elif made and not followed and not (0 <= limit - lim < 1 << 16):
         problems.append(f"limit read back as {lim}, asked {limit}")
+    if followed:
+        lim = limit  # the wall moved with the worker: "reached" means the requested ceiling
     elif not made and lim > limit:
         problems.append(f"the named cgroup's limit {lim} is above capacity + headroom {limit}")
     peak = proof.get("peak_bytes")

@@ -26,6 +26,7 @@ import numpy as np
 from ...errors import ConfigError
 from ...policies import Policy, make_policy
 from ...trace import Trace
+from ..gap import as_record, gap_recovered
 from ..layout import StreamLayout, build_layout
 from ..replay import LayerCounts, ReplayResult, check_capacity, replay_layout
 from .stack import stack_histograms
@@ -112,7 +113,7 @@ class MissRatioCurve:
                                 int(self.layer_copies_steady[i, j]))
                     for j, lid in enumerate(self.layers)
                 ],
-                gap_recovered=None if gap is None or np.isnan(gap[i]) else float(gap[i]),
+                gap_recovered=None if gap is None else as_record(gap[i]),
                 engine=self.engine, seconds=self.seconds / self.capacities.size, needs_future=self.needs_future,
                 iterations=self.iterations, admission=self.admission,
             )
@@ -236,10 +237,8 @@ def _fill_gaps(curves: Sequence[MissRatioCurve]) -> None:
     if "lru" not in by_name or "belady" not in by_name:
         return
     hi, lo = by_name["lru"].copies_steady, by_name["belady"].copies_steady
-    span = (hi - lo).astype(np.float64)
     for c in curves:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            c.gap_recovered = np.where(span != 0, (hi - c.copies_steady) / span, np.nan)
+        c.gap_recovered = np.atleast_1d(gap_recovered(c.copies_steady, hi, lo))
         c.__dict__.pop("results", None)  # rebuild the result objects with their gaps
 
 
