@@ -453,6 +453,9 @@ def test_replay_rows_mix_with_eval_rows(tmp_path, capsys, synthetic):
     assert main(["choose", str(mixed)]) == 0
     text = capsys.readouterr().out
     assert "not replayed (the file measures them): lru" in text and "replayed" in text
+    # with --c given, the replay rows take it (and the eval runs still decide which rows they measure)
+    out = run_json(capsys, ["choose", str(mixed), "--c", "30ms"])
+    assert out["predicted"][2]["ms_per_token"] == pytest.approx(30 + belady * 0.5)
 
 
 # ------------------------------------------------------------------------------ noise called noise

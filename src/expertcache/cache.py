@@ -252,7 +252,9 @@ class ExpertCache:
                     self._speculative[victim] = False
                     self.prefetch_wasted += 1
                 else:
-                    res = np.flatnonzero((self._slot >= 0) & ~self._speculative)
+                    # the rule's residents: every resident but the unused prefetched ones (the
+                    # group's prefetched items entered the rule above)
+                    res = np.flatnonzero((self._slot >= 0) & (~self._speculative | (self._stamp == t)))
                     victim = pol.hook_victim(e, t, self._stamp, t, res)
                     if victim < 0 or self._slot[victim] < 0 or self._stamp[victim] == t:
                         raise ConfigError(f"policy {pol.spec!r} proposed victim {victim}: not resident, "

@@ -153,8 +153,8 @@ def _file_runs(args) -> tuple[list, list, list[str], str]:
             raise ConfigError(f"--c and --capacity apply to replay or sweep records, and {args.runs} holds none")
         return runs, [], [], ""
     c_ms, c_from = args.c, "--c"
+    host = base_host(runs, args.host) if runs else (args.host or "memory")  # the replay rows are host memory
     if c_ms is None:
-        host = base_host(runs, args.host)
         lossless = [r.c_ms for r in runs if r.slow_copies == 1 and r.host == host and is_lossless(r)]
         if not lossless:
             raise ConfigError(f"{replays[0][1]}: a replay/sweep record (copies_per_token, no rho): give --c, the "
