@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -74,3 +76,21 @@ def test_ties_break_by_least_recent_then_smallest_id():
     cache = ec.ExpertCache(2, "lru", 8)
     cache.prepare([6, 4])
     assert cache.prepare([1]).evicted == [4]
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("dwell:8", "is a set-holding rule"), ("controller:heads.pt:0.5", "is a set-holding rule"),
+    ("static:32", "in replay and sweep, 'static' is the pin set with bypass"),
+])
+def test_a_rule_of_another_kind_is_named_as_such(spec, says):
+    """'static' means the pin set with bypass where eviction rules run, static:P the set-holding rule of
+    eval: a string of the wrong kind says which kind it is and where it runs."""
+    with pytest.raises(PolicyError, match=re.escape(says)):
+        ec.make_policy(spec)
+
+
+def test_eval_static_without_p_says_where_plain_static_runs():
+    from expertcache.offload.holding import parse_holding
+
+    with pytest.raises(PolicyError, match="plain 'static', runs in replay and sweep"):
+        parse_holding("static")

@@ -62,7 +62,9 @@ def parse_holding(spec) -> HoldingSpec | None:
     parts = arg.split(":") if arg else []
     if name == "static":
         if len(parts) != 1:
-            raise PolicyError(f"policy static takes one parameter, the prefix length P (static:P), got {spec!r}")
+            raise PolicyError(f"policy static takes one parameter, the prefix length P (static:P), got {spec!r}: "
+                              "here static:P is the set-holding rule (the experts of a sequence's first P tokens, "
+                              "routing restricted to them); the pin set with bypass, plain 'static', runs in replay and sweep")
         return HoldingSpec("static", None, parse_int(parts[0], "static: P", 1, 2**40))
     if len(parts) not in (1, 2):
         raise PolicyError(f"policy dwell takes dwell:k or dwell:k:w (k tokens held, window w), got {spec!r}")

@@ -37,6 +37,10 @@ def make_policy(spec: "str | Policy") -> Policy:
         raise PolicyError(f"policy: expected a name such as 'lru' or 'decayed:0.9', got {spec!r}")
     name, _, arg = spec.strip().partition(":")
     cls = _REGISTRY.get(name.lower())
+    if name.lower() in ("dwell", "controller"):
+        raise PolicyError(f"policy {spec.strip()[:60]!r} is a set-holding rule (it restricts routing to a held set of "
+                          "experts): it runs in eval and the offloaded runtime (docs/offload.md), not as an eviction "
+                          f"rule; eviction rules: {', '.join(available_policies())}")
     if cls is None:
         raise PolicyError(f"unknown policy {name!r} (known: {', '.join(available_policies())}; set-holding, "
                           f"in eval and the offloaded runtime: {', '.join(SET_HOLDING)})")
