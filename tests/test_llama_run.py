@@ -59,6 +59,11 @@ def test_every_mode_gives_the_same_tokens(gguf_path, prompt):
     assert recall is not None and 0.0 <= recall <= 1.0
     # nocache drops every layer after use: its decode steps must read from the device again
     assert recs["nocache"]["read_bytes_per_token"] > 0
+    # pin locks exactly the dense part: every tensor but the expert tensors
+    expert = {(t.offset, t.nbytes) for parts in g.experts.values() for t in parts.values()}
+    dense = sum(t.nbytes for t in g.tensors.values() if (t.offset, t.nbytes) not in expert)
+    assert recs["pin"]["advice"]["locked_bytes"] == dense > 0 and recs["advise"]["advice"]["locked_bytes"] == 0
+    assert recs["pin"]["advice"]["hints"] == recs["advise"]["advice"]["hints"]
 
 
 def test_cli_run_in_a_wall_reports_its_proof(gguf_path, tmp_path, prompt):

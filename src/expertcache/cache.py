@@ -247,7 +247,7 @@ class ExpertCache:
                 slot = self._free.pop()
             else:
                 spec = np.flatnonzero(self._speculative & (self._slot >= 0) & (self._stamp != t))
-                if spec.size:  # unused prefetched items go first: least recently prefetched, smallest id
+                if spec.size:  # unused prefetched items go first: oldest last request, then smallest id
                     victim = int(spec[np.lexsort((spec, self._last[spec]))[0]])
                     self._speculative[victim] = False
                     self.prefetch_wasted += 1

@@ -16,6 +16,10 @@ on the file through its own descriptor:
   paper's router lookahead, section 7; it ignores this layer's MoE output and the next attention).
   Decode steps only (a one-row forward). ``lookahead_recall`` = predicted experts the next layer
   then routed / experts it routed;
+* ``pin``: advise, plus the dense part (every tensor but the expert tensors: attention, norms,
+  routers, embeddings; read every step) locked in memory with ``mlock`` once loaded, so that only
+  experts compete for the page cache (a dense page evicted and refaulted reads the device's whole
+  readahead window, mostly expert pages). A wall counts the locked pages as tier bytes;
 * ``nocache``: advise (the routed experts read whole, as the incumbent's ``pread`` reads them), plus,
   after each layer's ``ffn_moe_out``, its three expert tensors dropped: ``madvise(MADV_DONTNEED)``
   on the mapping (unmaps this process's pages) then ``posix_fadvise(DONTNEED)`` (evicts the clean
@@ -38,11 +42,12 @@ from .capture import layer_of
 from .geometry import Geometry
 from .ggml import read_2d
 
-MODES = ("mmap", "random", "advise", "lookahead", "nocache", "nommap")
+MODES = ("mmap", "random", "advise", "pin", "lookahead", "nocache", "nommap")
 MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 1, 3, 4
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def mapping_base(path: str) -> int | None:
@@ -68,6 +73,14 @@ def madvise(addr: int, length: int, advice: int) -> None:
         raise ConfigError(f"madvise({advice}) failed: {os.strerror(ctypes.get_errno())}")
 
 
+def mlock(addr: int, length: int) -> None:
+    lo = addr & ~(PAGE - 1)
+    hi = (addr + length + PAGE - 1) & ~(PAGE - 1)
+    if _libc.mlock(lo, hi - lo) != 0:
+        raise ConfigError(f"--mode pin: mlock of {hi - lo} bytes failed: {os.strerror(ctypes.get_errno())} "
+                          "(RLIMIT_MEMLOCK: ulimit -l, or CAP_IPC_LOCK)")
+
+
 class PageAdvisor:
     """The engine observer of one mode (see the module docstring); ``stats()`` its counters."""
 
@@ -79,7 +92,7 @@ class PageAdvisor:
         self.g, self.mode = geometry, mode
         self.fd = os.open(geometry.path, os.O_RDONLY)
         self.base: int | None = None
-        self.hints = self.hint_bytes = self.drops = 0
+        self.hints = self.hint_bytes = self.drops = self.locked_bytes = 0
         self.predicted: dict[int, set] = {}
         self.look_hits = self.look_total = 0
         self.next_layer = dict(zip(geometry.moe_layers, geometry.moe_layers[1:]))
@@ -97,6 +110,12 @@ class PageAdvisor:
             for layer in self.g.moe_layers:
                 for off, n in self.g.layer_span(layer):
                     madvise(self.base + off, n, MADV_RANDOM)
+        if self.mode == "pin":
+            expert = {(t.offset, t.nbytes) for parts in self.g.experts.values() for t in parts.values()}
+            for t in self.g.tensors.values():
+                if t.nbytes and (t.offset, t.nbytes) not in expert:
+                    mlock(self.base + t.offset, t.nbytes)
+                    self.locked_bytes += t.nbytes
 
     def _routers(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per MoE layer: (ffn_norm weight [H], router [E, H]) as float32, read from the file."""
@@ -117,7 +136,7 @@ class PageAdvisor:
         self.n_tokens = n_tokens
 
     def wants(self, name: bytes) -> bool:
-        if self.mode in ("advise", "lookahead", "nocache") and layer_of(name, self._TOPK) is not None:
+        if self.mode in ("advise", "pin", "lookahead", "nocache") and layer_of(name, self._TOPK) is not None:
             return True
         if self.mode == "lookahead" and layer_of(name, self._INP) is not None:
             return True
@@ -162,6 +181,7 @@ class PageAdvisor:
 
     def stats(self) -> dict:
         return {"hints": self.hints, "hint_bytes": self.hint_bytes, "layer_drops": self.drops,
+                "locked_bytes": self.locked_bytes,
                 "lookahead_recall": self.look_hits / self.look_total if self.look_total else None}
 
     def close(self) -> None:
