@@ -293,3 +293,23 @@ def test_compare_calls_a_lead_inside_the_spread_a_tie():
     assert compare(a, b)["verdict"] == "arena faster"
     one = dict(a, runs=1, seconds_per_iteration_range=[1.0, 1.0])
     assert compare(one, dict(b, runs=1, seconds_per_iteration_range=[1.1, 1.1]))["verdict"].startswith("single run")
+
+
+def test_proof_problems_of_limits_by_hand():
+    """The limit checks of a cgroup wall's proof, one problem each: no limit (a named cgroup too,
+    never a crash), a made wall read back wrong, a named wall above the request, and a following
+    wall judged against its requested ceiling."""
+    from expertcache.tier.cgroupwall import cgroup_problems
+
+    base = {"peak_bytes": 10 * MB, "tier_peak_bytes": 5 * MB, "own_peak_bytes": 1 * MB, "removed": True}
+    for made in (True, False):
+        problems = cgroup_problems(dict(base, limit_bytes=None), 20 * MB, 8 * MB, made, None)
+        assert problems == ["the cgroup has no memory limit"]
+    assert cgroup_problems(dict(base, limit_bytes=19 * MB), 20 * MB, 8 * MB, True, None) == [
+        f"limit read back as {19 * MB}, asked {20 * MB}"]
+    assert cgroup_problems(dict(base, limit_bytes=21 * MB), 20 * MB, 8 * MB, False, None) == [
+        f"the named cgroup's limit {21 * MB} is above capacity + headroom {20 * MB}"]
+    followed = dict(base, limit_bytes=12 * MB, follow_margin_bytes=1 << 20)
+    assert cgroup_problems(followed, 20 * MB, 8 * MB, True, None) == []
+    assert cgroup_problems(dict(followed, limit_bytes=21 * MB), 20 * MB, 8 * MB, True, None) == [
+        f"limit read back as {21 * MB}, above the requested {20 * MB}"]

@@ -14,6 +14,8 @@ than Python (``llvmlite`` intrinsics) have a pure-Python twin next to them, used
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 
 ENV_VAR = "EXPERTCACHE_NO_NUMBA"
@@ -36,8 +38,8 @@ AVAILABLE: bool = REASON is None
 if AVAILABLE:
     njit = _numba.njit
     _PKG = os.path.dirname(os.path.abspath(__file__))
-    _DEPS: list = []
 
+    @functools.cache
     def dependency_stamp() -> str:
         """SHA-256 of every module of the package that compiles code (its source holds ``njit``).
 
@@ -45,20 +47,16 @@ if AVAILABLE:
         and helpers from other files (each rule file inlines :func:`expertcache.engine.run`); a
         change to one of those would leave a stale compiled loop, and a silently wrong count. The
         package's cache locators add this stamp, so any change to any compiled module recompiles."""
-        if not _DEPS:
-            import hashlib
-
-            h = hashlib.sha256()
-            for root, dirs, files in sorted(os.walk(_PKG)):
-                dirs.sort()
-                for name in sorted(files):
-                    if name.endswith(".py"):
-                        with open(os.path.join(root, name), "rb") as fh:
-                            src = fh.read()
-                        if b"njit" in src:
-                            h.update(name.encode() + b"\0" + src)
-            _DEPS.append(h.hexdigest())
-        return _DEPS[0]
+        h = hashlib.sha256()
+        for root, dirs, files in sorted(os.walk(_PKG)):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    with open(os.path.join(root, name), "rb") as fh:
+                        src = fh.read()
+                    if b"njit" in src:
+                        h.update(name.encode() + b"\0" + src)
+        return h.hexdigest()
 
     def _stamped(base):
         class Stamped(base):

@@ -123,11 +123,16 @@ class ExpertCache:
         order = np.lexsort((candidates, self._last[candidates], keys, ~self._speculative[candidates]))
         return candidates[order[:need]]
 
+    def _unused_prefetched(self, candidates: np.ndarray) -> np.ndarray:
+        """The prefetched, not yet requested items among ``candidates``, in victim order for a hooked
+        rule (they are not in its state): oldest last request, then smallest id."""
+        spec = candidates[self._speculative[candidates]]
+        return spec[np.lexsort((spec, self._last[spec]))]
+
     def _hooked_prefetch_victims(self, candidates: np.ndarray, incoming: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Victims for prefetched items under a hooked rule: unused prefetched items first, then
         the rule's victims (told as evictions), the prefetched ``items`` protected."""
-        spec = candidates[self._speculative[candidates]]
-        spec = spec[np.lexsort((spec, self._last[spec]))]
+        spec = self._unused_prefetched(candidates)
         out = list(spec[: incoming.size])
         if len(out) < incoming.size:
             mark = np.full(self.n_items, -1, dtype=np.int64)
@@ -246,9 +251,9 @@ class ExpertCache:
             if self._free:
                 slot = self._free.pop()
             else:
-                spec = np.flatnonzero(self._speculative & (self._slot >= 0) & (self._stamp != t))
-                if spec.size:  # unused prefetched items go first: oldest last request, then smallest id
-                    victim = int(spec[np.lexsort((spec, self._last[spec]))[0]])
+                spec = self._unused_prefetched(np.flatnonzero((self._slot >= 0) & (self._stamp != t)))
+                if spec.size:  # unused prefetched items go first
+                    victim = int(spec[0])
                     self._speculative[victim] = False
                     self.prefetch_wasted += 1
                 else:

@@ -196,9 +196,9 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     spec = {"model": g.path, "prompt": [int(x) for x in prompt], "max_new_tokens": int(max_new_tokens),
             "mode": mode, "threads": int(threads), "ballast_bytes": int(ballast_bytes)}
     fd, spec_path = tempfile.mkstemp(prefix="expertcache-llama-", suffix=".json")
-    flag = spec_path[: -len(".json")] + ".decoding"
     follow = bool(wall_bytes) and wall_bytes >= FOLLOW_MIN_CAPACITY
-    spec["follow_flag"] = flag if follow else None
+    flag = spec_path[: -len(".json")] + ".decoding" if follow else None
+    spec["follow_flag"] = flag
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(spec, fh)
@@ -206,12 +206,12 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
         argv = [sys.executable, "-m", "expertcache.llama.runner", spec_path]
         walled = cap.run_walled(argv, capacity_bytes=int(wall_bytes or g.file_bytes),
                                 wall=wall if wall_bytes else "none", headroom_bytes=headroom_bytes, timeout=timeout,
-                                follow_margin=FOLLOW_MARGIN if follow else None,
-                                follow_flag=flag if follow else None)
+                                follow_margin=FOLLOW_MARGIN if follow else None, follow_flag=flag)
     finally:
         os.unlink(spec_path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(flag)
+        if flag:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(flag)
     where = f"--mode {mode}" + (f" --memory-wall {wall_bytes}" if wall_bytes else "")
     rec = cap.child_result(walled, where, timeout)
     rec.update(memory_wall=wall_bytes, capacity_enforced_by=walled.enforced_by,

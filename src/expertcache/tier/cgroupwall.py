@@ -190,6 +190,15 @@ def make_wall_cgroup(d: str, version: str, limit: int) -> None:
         raise WallUnavailable(f"cannot set the limit of {d}: {exc.strerror or exc}") from None
 
 
+def follow_setup(proof: dict, capacity: int, limit: int, margin: int | None) -> tuple[int, int, int] | None:
+    """The :class:`~.cgroupfs.Sampler`'s ``follow`` for a wall whose limit follows its worker
+    (``margin`` bytes; None: a fixed limit), recorded in the proof as ``follow_margin_bytes``."""
+    if margin is None:
+        return None
+    proof["follow_margin_bytes"] = int(margin)
+    return capacity, limit, int(margin)
+
+
 def run_cgroup(argv, limit, timeout, target: dict, named: str | None, capacity: int,
                follow_margin: int | None = None, follow_flag: str | None = None) -> WallRun:
     """Run ``argv`` in a cgroup made at ``target`` (or the ``named`` one, used as it is); with
@@ -200,9 +209,7 @@ def run_cgroup(argv, limit, timeout, target: dict, named: str | None, capacity: 
     proof: dict = {"mechanism": f"cgroup-{version}", "path": d, "created_here": made,
                    "placement": "named" if named else target.get("placement", "child"),
                    "requested_limit_bytes": limit, "capacity_bytes": capacity, "headroom_bytes": limit - capacity}
-    follow = None if follow_margin is None or not made else (capacity, limit, int(follow_margin))
-    if follow is not None:
-        proof["follow_margin_bytes"] = int(follow_margin)
+    follow = follow_setup(proof, capacity, limit, follow_margin if made else None)
     if made:
         make_wall_cgroup(d, version, limit)
     try:
@@ -229,9 +236,7 @@ def run_scope(argv, limit, timeout, target: dict, capacity: int, follow_margin: 
     proof: dict = {"mechanism": "cgroup-v2", "placement": "systemd-scope", "unit": unit, "created_here": True,
                    "requested_limit_bytes": limit, "capacity_bytes": capacity, "headroom_bytes": limit - capacity,
                    "meminfo_at_entry": read_meminfo()[0]}
-    follow = None if follow_margin is None else (capacity, limit, int(follow_margin))
-    if follow is not None:
-        proof["follow_margin_bytes"] = int(follow_margin)
+    follow = follow_setup(proof, capacity, limit, follow_margin)
     found: dict = {}
 
     def locate(pid: int):
@@ -276,10 +281,10 @@ def cgroup_problems(proof: dict, limit: int, capacity: int, made: bool, timed_ou
         problems.append(f"limit read back as {lim}, above the requested {limit}")
     elif made and not followed and not (0 <= limit - lim < 1 << 16):
         problems.append(f"limit read back as {lim}, asked {limit}")
-    if followed:
-        lim = limit  # the wall moved with the worker: "reached" means the requested ceiling
     elif not made and lim > limit:
         problems.append(f"the named cgroup's limit {lim} is above capacity + headroom {limit}")
+    if followed:
+        lim = limit  # the wall moved with the worker: "reached" means the requested ceiling
     peak = proof.get("peak_bytes")
     if peak is None:
         problems.append("no peak (memory.peak / memory.max_usage_in_bytes unreadable)")
