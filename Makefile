@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/expertcache demo --out demo-out
 
+# two workers, a file each at a time (module fixtures shared, the longest file first: tests/conftest.py)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_replay.py

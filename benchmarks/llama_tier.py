@@ -6,7 +6,7 @@
    in the repository, with ``expertcache.llama.convert.convert_random``.
 2. Unwalled reference: ``mmap`` and ``nommap`` (--runs each).
 3. ``expertcache.llama.sweep.sweep`` over --walls (P% = dense bytes + P% of the expert tensors)
-   for every walled mode, --runs per cell, one seeded shuffled order, headroom calibrated once.
+   for every walled mode, --runs per cell, one seeded shuffled order, headroom calibrated once per mode.
 4. The trained ``models/small-moe`` (f16 GGUF) through the same sweep, for realistic routing
    (its lookahead recall).
 5. The table (median [min-max] decode tokens/s, read and demand MB per token, amplification,
@@ -77,8 +77,8 @@ def ratios(res: dict, ref: dict, labels: dict) -> list[str]:
     med = {(c["mode"], c["memory_wall"]): c["decode_tokens_per_s"]["median"] for c in res["cells"]}
     walls = sorted({w for _, w in med})
     unwalled = statistics.median(r["decode_tokens_per_s"] for r in ref.get("mmap", [])) if ref.get("mmap") else None
-    out = ["| wall | advise / mmap | pin / advise | lookahead / advise | mmap / nocache | advise / nocache | "
-           "advise / unwalled mmap |", "|---|---|---|---|---|---|---|"]
+    out = ["| wall | advise / mmap | pin / advise | managed / advise | lookahead / advise | mmap / nocache | "
+           "advise / nocache | advise / unwalled mmap |", "|---|---|---|---|---|---|---|---|"]
 
     def r(a, b):
         return f"{a / b:.2f}x" if a and b else "-"
@@ -86,7 +86,7 @@ def ratios(res: dict, ref: dict, labels: dict) -> list[str]:
     for w in walls:
         g = lambda m: med.get((m, w))  # noqa: E731
         out.append(f"| {labels.get(w, '')} {w / 1e6:.0f} MB | {r(g('advise'), g('mmap'))} | {r(g('pin'), g('advise'))} | "
-                   f"{r(g('lookahead'), g('advise'))} | "
+                   f"{r(g('managed'), g('advise'))} | {r(g('lookahead'), g('advise'))} | "
                    f"{r(g('mmap'), g('nocache'))} | {r(g('advise'), g('nocache'))} | {r(g('advise'), unwalled)} |")
     return out
 
@@ -121,9 +121,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scratch", default="/work/scratch", help="folder for the GGUFs (outside the repository)")
     ap.add_argument("--walls", default="25%,50%,75%,100%")
-    ap.add_argument("--modes", default="mmap,random,advise,pin,lookahead,nocache")
+    ap.add_argument("--modes", default="mmap,random,advise,pin,managed,lookahead,nocache")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)

@@ -3,7 +3,10 @@ clone does not, so tests that need them skip cleanly)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +14,28 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("EXPERTCACHE_SHARED_TRACES", REPO.parent / "shared" / "traces"))
+
+
+FIRST = ("test_readme.py",)
+"""Files collected first: ``make test`` runs two workers (``pytest -n 2 --dist loadfile``) that take
+files in collection order, so the longest file (the README's examples, about a third of the suite)
+starts at once instead of finishing last."""
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+
+
+@contextlib.contextmanager
+def ray_lock():
+    """One Ray at a time across test workers: ``--ray auto`` joins whichever local Ray this machine
+    runs, so a README example must not join test_ray.py's cluster while that module shuts it down."""
+    with open(Path(tempfile.gettempdir()) / "expertcache-tests-ray.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def shared_trace_paths() -> list[Path]:

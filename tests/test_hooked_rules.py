@@ -1,4 +1,5 @@
-"""Rules written once as engine hooks (arc, s3fifo, sieve): libCacheSim's own counts on k = 1 traces,
+"""Rules written once as engine hooks (arc, s3fifo, sieve, random): libCacheSim's own counts on k = 1 traces
+(random: an independent numpy simulation),
 the two drivers (compiled engine, ExpertCache) equal on token-grouped traces, and the engine's
 refusal of a rule that proposes a protected victim."""
 
@@ -15,7 +16,8 @@ from expertcache._jit import njit
 from expertcache.policies.hooked import HookedPolicy
 from expertcache.trace.exporters import export_libcachesim
 
-HOOKED = ["arc", "s3fifo", "sieve"]
+LCS_RULES = ["arc", "s3fifo", "sieve"]
+HOOKED = LCS_RULES + ["random:3"]
 
 
 def k1_trace(n=20_000, E=300, seed=0, burst=0.3, skew=1.1):
@@ -39,7 +41,7 @@ def lcs_misses(lcs, path, n, rule, capacity):
     return round(getattr(lcs, LCS_CLASS[rule])(capacity).process_trace(reader)[0] * n)
 
 
-@pytest.mark.parametrize("rule", HOOKED)
+@pytest.mark.parametrize("rule", LCS_RULES)
 @pytest.mark.parametrize("trace_kind", ["zipf", "uniform"])
 def test_k1_counts_equal_libcachesim(tmp_path, rule, trace_kind):
     lcs = pytest.importorskip("libcachesim")
@@ -65,6 +67,45 @@ def test_libcachesim_s3fifo_misbehaves_at_small_caches_and_ours_does_not(tmp_pat
         assert lcs_misses(lcs, path, n, "s3fifo", C) == n
         assert ec.replay(trace, C, "s3fifo", reset="none").copies_total == 4
     assert lcs_misses(lcs, path, n, "s3fifo", 20) == ec.replay(trace, 20, "s3fifo", reset="none").copies_total == 4
+
+
+def reference_random(trace, C, seed):
+    """random:seed by hand, one global pool and stream: one step per (token, layer), its items
+    (layer * E + expert) ascending, each miss evicting the resident outside the step with the
+    smallest hash_keys (numpy twin of mix64), then the older last request, then the smaller id."""
+    from expertcache.policies.randomized import hash_keys
+
+    resident, last, misses = set(), {}, 0
+    T, L = trace.experts.shape[:2]
+    E = trace.num_experts
+    for t in range(T * L):
+        row, l = trace.experts[t // L, t % L], t % L
+        group = sorted({int(l * E + e) for e in row if e >= 0})
+        for e in group:
+            if e in resident:
+                continue
+            misses += 1
+            if len(resident) == C:
+                cand = np.array(sorted(resident - set(group)), dtype=np.int64)
+                keys = hash_keys(seed, t, cand)
+                order = np.lexsort((cand, np.array([last[c] for c in cand]), keys))
+                resident.remove(int(cand[order[0]]))
+            resident.add(e)
+        for e in group:
+            last[e] = t
+    return misses
+
+
+@pytest.mark.parametrize("C", [8, 9, 20, 47])
+def test_random_equals_an_independent_simulation(C):
+    rng = np.random.default_rng(C)
+    ex = np.stack([np.stack([rng.choice(24, 4, replace=False) for _ in range(2)]) for _ in range(300)])
+    trace = ec.Trace.from_arrays(ex, num_experts=24)
+    for seed in (0, 3, 2**40):
+        want = reference_random(trace, C, seed)
+        for engine_name in ("compiled", "python"):
+            got = ec.replay(trace, C, f"random:{seed}", pool="global", reset="none", engine=engine_name)
+            assert got.copies_total == want, (C, seed, engine_name)
 
 
 @pytest.mark.parametrize("rule", HOOKED)

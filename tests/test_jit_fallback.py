@@ -20,7 +20,7 @@ import numpy as np
 import expertcache as ec
 from expertcache import _jit
 from expertcache.bounds import optimal_total
-from expertcache.kernels import mix64
+from expertcache.policies.randomized import mix64
 from expertcache.sim.curves import sweep
 from expertcache.sim.curves.stack import _lowest_bit, _popcount, stack_histograms
 from expertcache.sim.layout import build_layout

@@ -121,3 +121,57 @@ def test_walls_and_summary(gguf_path):
     assert cell["decode_tokens_per_s"] == {"median": 2.0, "min": 1.0, "max": 3.0} and cell["runs"] == 3
     assert cell["failed_runs"] == 1 and cell["errors"] == ["killed by signal 9"] and not cell["proof_ok"]
     assert s["smallest_wall"] == {"mmap": 20} and not s["cells"][1]["proof_ok"]
+
+
+def test_managed_mode_hints_exactly_the_policys_loads(gguf_path, prompt):
+    """managed: an ExpertCache decides residency; its loads are the only experts hinted, its pool is
+    sized by hand below the wall, and an offline rule or a pool below one layer is refused."""
+    from expertcache.errors import ConfigError
+    from expertcache.llama.advice import PAGE, managed_capacity
+    from expertcache.llama.runner import check_managed
+
+    g = read_geometry(str(gguf_path))
+    dense = g.file_bytes - g.expert_tensor_bytes
+    L, E = len(g.moe_layers), g.num_experts
+    wall = dense + L * 3 * (E + 1) * PAGE + 12 * (g.expert_bytes + 6 * PAGE)
+    assert managed_capacity(g, wall) == 11 and managed_capacity(g, None) == L * E
+    rec = run_one(g, prompt, 10, "managed", keep_routing=True)  # no wall: the pool holds every expert
+    adv = rec["advice"]
+    assert adv["managed_capacity"] == L * E and adv["managed_policy"] == "lru" and adv["managed_drops"] == 0
+    routed = {j * E + e for f in rec["routing"] for j, layer in enumerate(f) for e in layer}
+    adopted = set(adv["managed_adopted_items"])  # what the load left wholly resident
+    assert adv["managed_adopted"] == len(adopted) and adopted <= set(range(L * E))
+    assert adv["managed_loads"] == len(routed - adopted)  # each other routed expert loaded once, never again
+    assert adv["hint_bytes"] == adv["managed_loads"] * g.expert_bytes
+    assert rec["output_sha256"] == run_one(g, prompt, 10, "mmap")["output_sha256"]
+    with pytest.raises(ConfigError, match="fewer than one layer routes"):
+        check_managed(g, dense + g.expert_bytes, "lru")
+    with pytest.raises(ConfigError, match="needs the future"):
+        check_managed(g, wall, "belady")
+
+
+def test_managed_mode_replays_its_own_cache(gguf_path, prompt):
+    """With a pool of a few experts the mode's loads and drops are those of an ExpertCache replay of
+    the run's own routing, the experts it adopted from the load prefetched first (prefill groups
+    split at the pool size, as the mode splits them)."""
+    from expertcache.cache import ExpertCache
+    from expertcache.llama.advice import PAGE
+
+    g = read_geometry(str(gguf_path))
+    dense = g.file_bytes - g.expert_tensor_bytes
+    L, E = len(g.moe_layers), g.num_experts
+    cap = 2 * g.top_k
+    wall = dense + L * 3 * (E + 1) * PAGE + (cap + 1) * (g.expert_bytes + 6 * PAGE)
+    rec = run_one(g, prompt, 10, "managed", wall_bytes=wall, wall="none", keep_routing=True)
+    assert rec["advice"]["managed_capacity"] == cap
+    cache = ExpertCache(cap, "lru", L * E, steps_per_token=L)
+    cache.prefetch(rec["advice"]["managed_adopted_items"])  # the load's leftovers, adopted first
+    assert rec["advice"]["managed_adopted"] <= cap
+    loads = drops = 0
+    for f in rec["routing"]:
+        for j, layer in enumerate(f):
+            items = np.asarray(layer, dtype=np.int64) + j * E
+            for i in range(0, items.size, cap):
+                step = cache.prepare(items[i:i + cap])
+                loads, drops = loads + step.misses, drops + len(step.evicted)
+    assert (rec["advice"]["managed_loads"], rec["advice"]["managed_drops"]) == (loads, drops) and drops > 0

@@ -313,3 +313,30 @@ def test_transformers_range_is_checked():
     for version in ("4.57.1", "5.0.0", "5.16.0", "6.0.0"):
         with pytest.raises(ConfigError, match=r"supports transformers >=5\.17\.0,<6"):
             require_transformers(version)
+
+
+def test_evaluate_bootstrap_gives_paired_dnll_intervals_by_hand(checkpoints):
+    """--bootstrap: per-sequence NLLs add up to the pass's, and each policy's dnll interval is the
+    percentile interval of the resampled per-token dnll, recomputed here by hand."""
+    from expertcache.offload.intervals import draws
+
+    model = load(checkpoints, "olmoe")
+    seqs = split_tokens(np.random.default_rng(3).integers(0, 95, 120), max_len=12)
+    ev = evaluate(model, seqs, 2, ["lru", "dwell:2:4"], layers=[1, 2], mode="forward", bootstrap=400, bootstrap_seed=5)
+    ref = ev.reference
+    assert len(ref.seq_nll) == len(seqs) == 10 and sum(ref.seq_predictions) == ref.predictions
+    assert sum(ref.seq_nll) == pytest.approx(ref.nll_sum, rel=1e-6)
+    idx = draws(10, 400, 5)
+    assert idx.shape == (400, 10) and (draws(10, 400, 5) == idx).all()
+    for r in ev.results:
+        run = np.asarray(r.run.seq_nll)
+        assert sum(run) == pytest.approx(r.run.nll_sum, rel=1e-6)
+        vals = [(run[i] - np.asarray(ref.seq_nll)[i]).sum() / np.asarray(ref.seq_predictions)[i].sum() for i in idx]
+        d = r.to_dict()
+        assert d["dnll_ci"] == pytest.approx(list(np.percentile(vals, [2.5, 97.5])), abs=1e-12)
+        assert d["bootstrap"] == 400 and d["bootstrap_seed"] == 5 and d["dnll_ci"][0] <= d["dnll_ci"][1]
+    lru, dwell = ev.results
+    assert max(abs(x) for x in lru.dnll_ci) <= 5e-3  # lossless: every resample's dnll is ~0
+    assert dwell.to_dict()["routing_changed"] > 0 and dwell.dnll_ci[1] > dwell.dnll_ci[0]
+    plain = evaluate(model, seqs, 2, ["lru"], layers=[1, 2], mode="forward")
+    assert plain.results[0].to_dict()["dnll_ci"] is None and plain.reference.nll_sum == ref.nll_sum

@@ -19,17 +19,18 @@ pytest.importorskip("pyarrow")
 from expertcache.grid import load_spec  # noqa: E402
 from expertcache.grid.runner import run_grid  # noqa: E402
 from expertcache.grid.store import Store  # noqa: E402
-from conftest import GRID_CELLS, GRID_SPEC as SPEC, strip_seconds as strip  # noqa: E402
+from conftest import GRID_CELLS, GRID_SPEC as SPEC, ray_lock, strip_seconds as strip  # noqa: E402
 
 @pytest.fixture(scope="module")
 def local_ray():
     """One local Ray of 2 CPUs for the module; ``ray_session`` uses a connection already made."""
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    except Exception as err:  # noqa: BLE001 - any reason Ray can't start here is a skip, said
-        pytest.skip(f"a local Ray could not start here: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
-    yield ray
-    ray.shutdown()
+    with ray_lock():  # no other test worker's --ray auto joins this cluster while it lives
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        except Exception as err:  # noqa: BLE001 - any reason Ray can't start here is a skip, said
+            pytest.skip(f"a local Ray could not start here: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        yield ray
+        ray.shutdown()
 
 
 def test_grid_on_ray_equals_the_process_pool(local_ray, grid):

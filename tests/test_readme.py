@@ -10,6 +10,7 @@ skipped otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SHARED_TRACES
+from conftest import REPO, SHARED_TRACES, ray_lock
 
 SETUP = re.compile(r"^\s*(make\s|pip\s|python -m pip\s|\.\s+\.venv/bin/activate)")
 
@@ -56,7 +57,8 @@ def test_readme_examples_run_as_written(tmp_path):
             runs = [["bash", "-eo", "pipefail", "-c", cmd] for cmd in commands(block)
                     if have_shared or "../shared" not in cmd]
         for argv in runs:
-            proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+            with ray_lock() if "--ray" in argv[-1] else contextlib.nullcontext():
+                proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
             assert proc.returncode == 0, f"README example failed: {argv[-1][:300]}\n{proc.stderr[-2000:]}"
             ran += 1
     assert ran >= 25

@@ -6,15 +6,16 @@ demand fetch, a victim only among residents the current group does not request, 
 ascending ``(key, last use, item id)`` order, every pool empty at each stream start. They return
 two int32 arrays over groups: misses (copies) and evictions (copies once the pool is full).
 
-Four loops cover every rule:
+Three loops cover the key rules (the state-machine rules -- random, arc, s3fifo, sieve -- run on
+the engine, :mod:`expertcache.engine`):
 
 * :func:`lru_loop` -- a doubly linked recency list, O(1) per request;
 * :func:`static_key_loop` -- an indexed binary heap for rules whose key is fixed from one access of
   an item to the next (LRU, LFU, decayed frequency, farthest-future, mean interval), O(log C) per
   request; the keys of every access are computed before the loop;
-* :func:`foresight_loop` -- limited foresight: a recency list of residents whose next request is
-  beyond the horizon plus a heap of the visible ones, O(log C) per request;
-* :func:`random_loop` -- random eviction, scanning the residents at each eviction, O(C).
+* :func:`expertcache.kernels_foresight.foresight_loop` -- limited foresight: a recency list of
+  residents whose next request is beyond the horizon plus a heap of the visible ones, O(log C)
+  per request (its own module, over this one's list and heap blocks);
 
 Rules are not passed in as compiled functions: numba cannot safely cache a loop specialised on
 function arguments across processes, so each loop is a plain cached function.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import AVAILABLE, njit
+from ._jit import njit
 
 NEVER = np.iinfo(np.int64).max // 4
 """Next-use step of an item that is never requested again (later than every real step)."""
@@ -299,138 +300,6 @@ def static_key_loop(groups, keys, starts, n_items, capacity, negate):
     return misses, evictions
 
 
-# ------------------------------------------------------------------------------ foresight
-@njit(cache=True)
-def foresight_loop(groups, nuse, starts, n_items, capacity, horizon):
-    """Farthest-future eviction that sees ``horizon`` steps ahead.
-
-    Residents whose next request is more than ``horizon`` steps away (or never) are *beyond* and
-    go first, least recently used first (a recency list, as in :func:`lru_loop`); the others are
-    *visible* and go farthest next request first (a heap keyed ``(-next, last use, id)``). A beyond
-    item turns visible at step ``next - horizon``: each such moment is queued as an event when the
-    item is accessed, and stale events (item evicted or re-accessed since) are skipped.
-    """
-    G, k = groups.shape
-    misses = np.zeros(G, dtype=np.int32)
-    evictions = np.zeros(G, dtype=np.int32)
-    next_req = np.full(n_items, _NEVER, dtype=np.int64)
-    where = np.zeros(n_items, dtype=np.int8)  # 0 absent, 1 beyond, 2 visible, 3 just loaded
-    prv = np.full(n_items, -1, dtype=np.int64)
-    nxt = np.full(n_items, -1, dtype=np.int64)
-    stamp = np.full(n_items, -1, dtype=np.int64)
-    pos = np.full(n_items, -1, dtype=np.int64)
-    hk = np.empty(capacity, dtype=np.float64)
-    hl = np.empty(capacity, dtype=np.int64)
-    hi = np.empty(capacity, dtype=np.int64)
-    ak = np.empty(k, dtype=np.float64)
-    al = np.empty(k, dtype=np.int64)
-    ai = np.empty(k, dtype=np.int64)
-    ev_head = np.full(G + 1, -1, dtype=np.int64)  # events due at each (global) step
-    ev_item = np.empty(G * k + 1, dtype=np.int64)
-    ev_next = np.empty(G * k + 1, dtype=np.int64)
-    buf = np.empty(k, dtype=np.int64)
-    n_ev = 0
-    for s in range(starts.size - 1):
-        a, b = starts[s], starts[s + 1]
-        head = -1
-        tail = -1
-        size = 0  # residents, both classes
-        hsize = 0  # visible residents
-        for g in range(a, b):
-            t = g - a
-            x = ev_head[g]  # beyond items whose next request comes into view now
-            while x >= 0:
-                e = ev_item[x]
-                if where[e] == 1 and next_req[e] - horizon == g:
-                    head, tail = _unlink(prv, nxt, e, head, tail)
-                    where[e] = 2
-                    hsize = _push(hk, hl, hi, pos, hsize, -float(next_req[e] - a), stamp[e] - a, e)
-                x = ev_next[x]
-            n = _sorted_group(groups, g, buf, stamp)
-            m = 0
-            ev = 0
-            for i in range(n):  # misses: the least recent beyond resident goes, else the farthest visible
-                e = buf[i]
-                if where[e] != 0:
-                    continue
-                m += 1
-                if size == capacity:
-                    v = head
-                    while v >= 0 and stamp[v] == g:
-                        v = nxt[v]
-                    if v >= 0:
-                        head, tail = _unlink(prv, nxt, v, head, tail)
-                    else:
-                        v, hsize = _pop_victim(hk, hl, hi, pos, hsize, stamp, g, ak, al, ai)
-                    where[v] = 0
-                    size -= 1
-                    ev += 1
-                where[e] = 3
-                size += 1
-            for j in range(k):
-                e = groups[g, j]
-                if e >= 0:
-                    next_req[e] = nuse[g, j]
-            for i in range(n):  # members take their class in ascending id order (ties: smallest id first)
-                e = buf[i]
-                if where[e] == 1:
-                    head, tail = _unlink(prv, nxt, e, head, tail)
-                elif where[e] == 2:
-                    hsize = _remove(hk, hl, hi, pos, hsize, e)
-                if next_req[e] - g <= horizon:
-                    where[e] = 2
-                    hsize = _push(hk, hl, hi, pos, hsize, -float(next_req[e] - a), t, e)
-                else:
-                    where[e] = 1
-                    head, tail = _append(prv, nxt, e, head, tail)
-                    if next_req[e] != _NEVER:
-                        due = next_req[e] - horizon
-                        ev_item[n_ev] = e
-                        ev_next[n_ev] = ev_head[due]
-                        ev_head[due] = n_ev
-                        n_ev += 1
-            misses[g] = m
-            evictions[g] = ev
-        v = head
-        while v >= 0:
-            where[v] = 0
-            v = nxt[v]
-        for r in range(hsize):
-            where[hi[r]] = 0
-    return misses, evictions
-
-
-# ------------------------------------------------------------------------------ random
-MIX_M1 = np.uint64(0x9E3779B97F4A7C15)
-MIX_M2 = np.uint64(0xBF58476D1CE4E5B9)
-MIX_M3 = np.uint64(0x94D049BB133111EB)
-
-
-if AVAILABLE:
-    @njit(cache=True, inline="always")
-    def mix64(seed, t, e):
-        """splitmix64 of ``seed * M1 + t * M2 + e * M3`` as a float in [0, 1) (see policies.randomized)."""
-        x = np.uint64(seed) * MIX_M1 + np.uint64(t) * MIX_M2 + np.uint64(e) * MIX_M3
-        x = (x ^ (x >> np.uint64(30))) * MIX_M2
-        x = (x ^ (x >> np.uint64(27))) * MIX_M3
-        x = x ^ (x >> np.uint64(31))
-        return float(x >> np.uint64(11)) * (1.0 / 9007199254740992.0)
-
-else:
-    # Plain Python (see expertcache._jit): the same uint64 arithmetic modulo 2**64 on Python ints;
-    # numpy's uint64 scalars would wrap too, but warn at every overflowing multiplication.
-    _M64 = (1 << 64) - 1
-    _P1, _P2, _P3 = int(MIX_M1), int(MIX_M2), int(MIX_M3)
-
-    def mix64(seed, t, e):
-        """splitmix64 of ``seed * M1 + t * M2 + e * M3`` as a float in [0, 1) (see policies.randomized)."""
-        x = (int(seed) * _P1 + int(t) * _P2 + int(e) * _P3) & _M64
-        x = ((x ^ (x >> 30)) * _P2) & _M64
-        x = ((x ^ (x >> 27)) * _P3) & _M64
-        x = x ^ (x >> 31)
-        return float(x >> 11) * (1.0 / 9007199254740992.0)
-
-
 @njit(cache=True, inline="always")
 def swap_remove(res, rpos, size, v):
     """Remove resident ``v`` from the list ``res[:size]`` (``rpos[item]`` = its index, -1 when absent)
@@ -443,67 +312,10 @@ def swap_remove(res, rpos, size, v):
     return size
 
 
-@njit(cache=True)
-def random_loop(groups, starts, n_items, capacity, seed):
-    """Evict the candidate with the smallest ``mix64(seed, step, item)``, scanning the residents."""
-    G, k = groups.shape
-    misses = np.zeros(G, dtype=np.int32)
-    evictions = np.zeros(G, dtype=np.int32)
-    last = np.zeros(n_items, dtype=np.int64)
-    rpos = np.full(n_items, -1, dtype=np.int64)
-    stamp = np.full(n_items, -1, dtype=np.int64)
-    res = np.empty(capacity, dtype=np.int64)
-    for s in range(starts.size - 1):
-        a, b = starts[s], starts[s + 1]
-        size = 0
-        for g in range(a, b):
-            t = g - a
-            for j in range(k):
-                e = groups[g, j]
-                if e >= 0:
-                    stamp[e] = g
-            m = 0
-            ev = 0
-            for j in range(k):
-                e = groups[g, j]
-                if e < 0 or rpos[e] >= 0:
-                    continue
-                m += 1
-                if size == capacity:
-                    best = -1
-                    bk = 0.0
-                    for i in range(size):
-                        c = res[i]
-                        if stamp[c] == g:
-                            continue
-                        kc = mix64(seed, t, c)
-                        if best < 0 or kc < bk or (kc == bk and (last[c] < last[best] or (last[c] == last[best] and c < best))):
-                            best = c
-                            bk = kc
-                    size = swap_remove(res, rpos, size, best)
-                    ev += 1
-                res[size] = e
-                rpos[e] = size
-                size += 1
-            for j in range(k):
-                e = groups[g, j]
-                if e >= 0:
-                    last[e] = t
-            misses[g] = m
-            evictions[g] = ev
-        for i in range(size):
-            rpos[res[i]] = -1
-    return misses, evictions
-
-
 # ------------------------------------------------------------------------------ plans
 def pool_slots(layout, capacity) -> int:
     """Pool slots the loops allocate: never more than the items (more would change no count)."""
     return int(min(int(capacity), int(layout.n_items)))
-
-
-_MAX_HORIZON = 1 << 40
-"""Horizons beyond any stream's length see everything; larger ones are clamped (int64 safety)."""
 
 
 class LRUPlan:
@@ -526,27 +338,6 @@ class StaticKeyPlan:
         keys = np.ascontiguousarray(keys, dtype=np.int64 if keys.dtype == np.int64 else np.float64)
         return static_key_loop(layout.groups, keys, layout.starts, layout.n_items, pool_slots(layout, capacity),
                                self.negate)
-
-
-class ForesightPlan:
-    """Run :func:`foresight_loop` with a horizon in steps."""
-
-    def __init__(self, horizon_steps: int):
-        self.horizon = int(horizon_steps)
-
-    def run(self, layout, capacity):
-        return foresight_loop(layout.groups, layout.next_use, layout.starts, layout.n_items, pool_slots(layout, capacity),
-                              min(self.horizon, _MAX_HORIZON))
-
-
-class RandomPlan:
-    """Run :func:`random_loop` with a seed."""
-
-    def __init__(self, seed: int):
-        self.seed = int(seed)
-
-    def run(self, layout, capacity):
-        return random_loop(layout.groups, layout.starts, layout.n_items, pool_slots(layout, capacity), self.seed)
 
 
 @njit(cache=True)

@@ -10,6 +10,7 @@ import sys
 from typing import Any, Iterable, Sequence
 
 from .._io import check_not_input, check_writable
+from .._units import MAX_RESAMPLES
 from ..errors import ConfigError
 from ..trace import Trace, load_trace, parse_layers
 
@@ -83,6 +84,11 @@ def parallel_jobs(args) -> int:
 def positive_int(text: str) -> int:
     """A count or capacity: an integer in [1, 2**62]."""
     return _int_in(text, 1, MAX_INT, "a positive integer", "up to 2**62")
+
+
+def resamples_int(text: str) -> int:
+    """A number of bootstrap resamples, 0 (none) to :data:`MAX_RESAMPLES`."""
+    return _int_in(text, 0, MAX_RESAMPLES, "an integer", f"from 0 to {MAX_RESAMPLES:,} (bootstrap resamples)")
 
 
 def seed_int(text: str) -> int:

@@ -21,7 +21,8 @@ from ..policies import available_policies
 
 HOSTS = ("memory", "mmap", "direct")
   # expertcache.offload.host.HOSTS (kept here: --help needs no torch)
-from .common import add_json, add_layers, byte_size, check_out, emit_json, nonnegative_float, positive_int, table
+from .common import (add_json, add_layers, byte_size, check_out, emit_json, nonnegative_float, positive_int,
+                     resamples_int, seed_int, table)
 
 HELP = """Teacher-force token sequences through a Hugging Face MoE checkpoint whose experts live in host
 memory behind CAPACITY device slots per offloaded layer, once per policy, and compare each run
@@ -110,6 +111,10 @@ def add_parser(sub) -> None:
     p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
                    help="with --memory-wall: the process's own memory above SIZE (default: calibrated by a "
                         "short run: its anonymous peak + 8 MB)")
+    p.add_argument("--bootstrap", type=resamples_int, default=0, metavar="N",
+                   help="N bootstrap resamples of the sequences give each policy a 95%% interval of its dnll "
+                        "(dnll_ci; paired: every policy on the same resamples; default 0: none)")
+    p.add_argument("--bootstrap-seed", type=seed_int, default=0, help="seed of the resamples (default 0)")
     p.add_argument("--tolerance", type=nonnegative_float, default=5e-3, metavar="NATS",
                    help="largest |nll - nll_reference| a lossless policy may show (default 5e-3)")
     add_json(p)
@@ -137,6 +142,7 @@ def run(args) -> int:
         mode=args.mode, tolerance=args.tolerance, router_probs=args.router_probs,
         progress=sys.stderr.isatty() and not args.json, batch=args.batch, prefetch=args.prefetch,
         reference=args.reference, pool=args.pool, slow_copies=args.slow_copies, repeats=args.repeats,
+        bootstrap=args.bootstrap, bootstrap_seed=args.bootstrap_seed,
     )
     if evaluation.dropped:
         print(f"expertcache eval: warning: --batch {args.batch} leaves out the last {evaluation.dropped} sequence(s): "
@@ -180,6 +186,7 @@ def _print_table(args, evaluation, records) -> None:
     table(rows, ["policy", "future", "nll", "dnll", "exact", "copies/token", "steady", "total", "switch", "tok/s",
                  "x ref", "ms/token", "c+rho*tau", "max(c,rho*tau)", "= replay"])
     _print_tiers(args, records)
+    _print_intervals(records)
     if args.prefetch != "none":
         table([(r["policy"], r["prefetch_copies"], r["prefetch_hits"], r["prefetch_wasted"], r["prefetch_pending"])
                for r in records], [f"prefetch {args.prefetch}", "copies", "used", "wasted", "pending"])
@@ -195,6 +202,16 @@ def _print_table(args, evaluation, records) -> None:
         print(f"trace of the reference pass saved to {args.capture}")
 
 
+def _print_intervals(records) -> None:
+    """With --bootstrap: each policy's dnll interval over the sequences (one line)."""
+    r0 = records[0]
+    if not r0.get("bootstrap"):
+        return
+    parts = [f"{r['policy']} {r['dnll']:+.4f} [{r['dnll_ci'][0]:+.4f}, {r['dnll_ci'][1]:+.4f}]" for r in records]
+    print(f"dnll, 95% intervals over {r0['sequences']} sequence(s) ({r0['bootstrap']} resamples, seed "
+          f"{r0['bootstrap_seed']}, paired): " + "; ".join(parts))
+
+
 def _child_argv(args, **override) -> list[str]:
     """The same ``eval`` for the walled child (JSON out; ``override``: options to change)."""
     v = vars(args) | override
@@ -205,7 +222,7 @@ def _child_argv(args, **override) -> list[str]:
     if v["layers"] is not None:
         argv += ["--layers", ",".join(map(str, v["layers"]))]
     for opt in ("max_len", "max_sequences", "mode", "device", "prefetch", "batch", "slow_copies", "pool",
-                "reference", "dtype", "capture", "host", "repeats", "tolerance"):
+                "reference", "dtype", "capture", "host", "repeats", "tolerance", "bootstrap", "bootstrap_seed"):
         if v[opt] is not None:
             argv += ["--" + opt.replace("_", "-"), str(v[opt])]
     return argv + (["--router-probs"] if v["router_probs"] else []) + ["--json"]
@@ -218,7 +235,7 @@ def _run_walled(args) -> int:
     reference = "offloaded" if args.reference == "auto" else args.reference  # all resident would fill the wall
     child = _child_argv(args, reference=reference)
     calibration = _child_argv(args, reference=reference, policies=(args.policies or ["lru"])[:1],
-                              max_sequences=1, repeats=1, capture=None, router_probs=False)
+                              max_sequences=1, repeats=1, capture=None, router_probs=False, bootstrap=0)
     records, wall, stderr = walled_eval(child, calibration, args.memory_wall, headroom_bytes=args.headroom)
     for line in stderr.splitlines():
         if line.startswith("expertcache eval:"):
@@ -233,6 +250,7 @@ def _run_walled(args) -> int:
                 r["copies_per_token"], r["ms_per_token"]) for r in records],
               ["policy", "nll", "dnll", "exact", "copies/token", "ms/token"])
         _print_tiers(args, records)
+        _print_intervals(records)
         pr = wall["proof"]
         print(f"wall: limit {pr.get('limit_bytes')} bytes (capacity {args.memory_wall} + headroom {wall['headroom_bytes']}; "
               f"{wall['headroom_note']}); tier peak {pr.get('tier_peak_bytes')} bytes, anonymous peak "

@@ -13,7 +13,7 @@ from .eval_cmd import _read_tokens
 
 HELP = """llama.cpp as the engine: the GGUF is mmapped, so the kernel page cache is the expert tier.
 'info' prints the expert geometry; 'run' greedy-decodes a prompt in one page-cache mode (mmap,
-random, advise, lookahead, nocache, nommap) behind an enforced memory wall and reports tokens/s,
+random, advise, pin, managed, lookahead, nocache, nommap) behind an enforced memory wall and reports tokens/s,
 the process's own read bytes per token, the wall's proof and the LRU demand model; 'sweep' runs
 every (wall, mode) cell several times in a shuffled order. Needs the llama extra. See docs/llama.md."""
 WALLS = ("auto", "cgroup", "balloon")
@@ -63,12 +63,17 @@ def _common(p) -> None:
     p.add_argument("--wall", choices=WALLS, default="auto", help="how the wall is enforced (default auto)")
     p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
                    help="wall memory above the capacity for the process itself (default: calibrated)")
+    p.add_argument("--policy", default="lru", metavar="NAME",
+                   help="online eviction rule deciding the managed mode's expert residency (default lru)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="kill a run after S seconds")
     add_json(p)
 
 
 def _setup(args):
     from ..llama.geometry import read_geometry
+    from ..policies import make_policy
+
+    make_policy(args.policy)  # a bad --policy is one line before anything runs
 
     g = read_geometry(args.model, "MODEL")
     ids = _read_tokens(args.tokens)
@@ -103,17 +108,20 @@ def run_info(args) -> int:
 
 
 def run_run(args) -> int:
-    from ..llama.runner import calibrate, run_one
+    from ..llama.runner import calibrate, check_managed, run_one
 
     g, prompt = _setup(args)
+    if args.mode == "managed":
+        check_managed(g, args.memory_wall, args.policy)
     cal = {"headroom_bytes": None, "ballast_bytes": 0, "note": None}
     if args.memory_wall is not None:
-        cal = calibrate(g, prompt, threads=args.threads, wall=args.wall, max_new_tokens=args.max_new_tokens)
+        cal = calibrate(g, prompt, threads=args.threads, wall=args.wall, max_new_tokens=args.max_new_tokens,
+                        mode=args.mode, policy=args.policy)
         if args.headroom is not None:
             cal.update(headroom_bytes=args.headroom, note="headroom given; " + cal["note"])
     rec = run_one(g, prompt, args.max_new_tokens, args.mode, wall_bytes=args.memory_wall, wall=args.wall,
                   headroom_bytes=cal["headroom_bytes"], threads=args.threads, timeout=args.timeout,
-                  ballast_bytes=cal["ballast_bytes"])
+                  ballast_bytes=cal["ballast_bytes"], policy=args.policy)
     rec["headroom_note"] = cal["note"]
     if args.json:
         emit_json([rec])
@@ -151,7 +159,7 @@ def run_sweep(args) -> int:
 
     res = sweep(g, prompt, args.max_new_tokens, modes, walls, runs=args.runs, seed=args.seed, wall=args.wall,
                 headroom_bytes=args.headroom, threads=args.threads, target=args.target_tokens_per_s,
-                timeout=args.timeout, progress=progress)
+                timeout=args.timeout, progress=progress, policy=args.policy)
     if args.plot:
         plot_sweep(res, args.plot, f"{g.path}: decode against the memory wall")
     if args.json:

@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 from .._progress import progress
-from ..cli.common import _int_in, emit_json, seed_int, table
+from ..cli.common import _int_in, emit_json, resamples_int, seed_int, table
 from ..errors import ConfigError
-
-MAX_RESAMPLES = 100_000
-
-
-def _resamples(text: str) -> int:
-    return _int_in(text, 0, MAX_RESAMPLES, "an integer", f"from 0 to {MAX_RESAMPLES:,} (bootstrap resamples)")
 
 
 def _parts(text: str) -> int:
@@ -25,7 +19,7 @@ def add_split_arguments(p) -> None:
     p.add_argument("--split-seed", type=seed_int, default=0, help="seed of the split's sequence permutation (default 0)")
     p.add_argument("--parts", type=_parts, default=8,
                    help="with --split: a trace of one sequence is cut into this many contiguous parts first (default 8)")
-    p.add_argument("--bootstrap", type=_resamples, default=0, metavar="N",
+    p.add_argument("--bootstrap", type=resamples_int, default=0, metavar="N",
                    help="with --split: N bootstrap resamples of the test sequences give 95%% intervals for each "
                         "policy's gap recovered and its difference to tuned decayed (default 0: none)")
     p.add_argument("--bootstrap-seed", type=seed_int, default=0, help="seed of the resamples (default 0)")

@@ -20,6 +20,16 @@ on the file through its own descriptor:
   routers, embeddings; read every step) locked in memory with ``mlock`` once loaded, so that only
   experts compete for the page cache (a dense page evicted and refaulted reads the device's whole
   readahead window, mostly expert pages). A wall counts the locked pages as tier bytes;
+* ``managed``: pin, plus an expertcache :class:`~expertcache.cache.ExpertCache` (``policy``, LRU by
+  default; any online eviction rule) of ``capacity`` experts deciding the page cache's expert
+  residency: once loaded, the experts the load left wholly resident are adopted as the pool's
+  prefetched residents (up to its size; evicted first while unused) and every other expert page is
+  dropped; when a layer routes, the cache's step is taken, its victims are dropped from the page
+  cache (as ``nocache`` drops: the whole pages of their slices) and only its loads are hinted with WILLNEED. The
+  runner sizes ``capacity`` below the wall (:func:`managed_capacity`), so the kernel never has to
+  reclaim: the device reads are the policy's misses, the same policies deciding real copies as
+  in the live harness. A policy's eviction replaces the kernel's, whose page-granular two-list LRU
+  under a cgroup limit read 2-3x the LRU demand at a 25% wall (docs/llama.md);
 * ``nocache``: advise (the routed experts read whole, as the incumbent's ``pread`` reads them), plus,
   after each layer's ``ffn_moe_out``, its three expert tensors dropped: ``madvise(MADV_DONTNEED)``
   on the mapping (unmaps this process's pages) then ``posix_fadvise(DONTNEED)`` (evicts the clean
@@ -42,7 +52,7 @@ from .capture import layer_of
 from .geometry import Geometry
 from .ggml import read_2d
 
-MODES = ("mmap", "random", "advise", "pin", "lookahead", "nocache", "nommap")
+MODES = ("mmap", "random", "advise", "pin", "managed", "lookahead", "nocache", "nommap")
 MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 1, 3, 4
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -66,6 +76,42 @@ def mapping_base(path: str) -> int | None:
     return None
 
 
+def managed_capacity(g: Geometry, wall_bytes: int | None) -> int:
+    """Experts the ``managed`` mode keeps beside the dense part inside ``wall_bytes``: each resident
+    expert counted with the whole pages its three slices touch, less every page shared by two
+    slices (a drop keeps those, :func:`drop`), one expert left as slack; every expert of the file
+    without a wall. May be below one layer's routed set (the caller refuses it)."""
+    total = g.num_experts * len(g.moe_layers)
+    if wall_bytes is None:
+        return total
+    dense = g.file_bytes - g.expert_tensor_bytes
+    parts = len(g.expert_ranges(g.moe_layers[0], 0))
+    shared = len(g.moe_layers) * parts * (g.num_experts + 1) * PAGE
+    per = g.expert_bytes + 2 * parts * PAGE
+    return max(0, min(total, (wall_bytes - dense - shared) // per - 1))
+
+
+def drop(fd: int, base: int, off: int, n: int) -> None:
+    """Evict the whole pages inside file bytes ``[off, off + n)``: unmap them from this process
+    (MADV_DONTNEED on the mapping), then drop the clean pages (POSIX_FADV_DONTNEED). A page the
+    range shares with a neighbour stays (the neighbour may be in use, or locked)."""
+    lo = (off + PAGE - 1) & ~(PAGE - 1)
+    hi = (off + n) & ~(PAGE - 1)
+    if hi > lo:
+        madvise(base + lo, hi - lo, MADV_DONTNEED)
+        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+
+
+def resident(addr: int, length: int) -> bool:
+    """Whether every page of the mapped range ``[addr, addr + length)`` is in memory (``mincore``)."""
+    lo = addr & ~(PAGE - 1)
+    pages = (addr + length - lo + PAGE - 1) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * PAGE), vec) != 0:
+        raise ConfigError(f"mincore failed: {os.strerror(ctypes.get_errno())}")
+    return all(b & 1 for b in vec)
+
+
 def madvise(addr: int, length: int, advice: int) -> None:
     lo = addr & ~(PAGE - 1)
     hi = (addr + length + PAGE - 1) & ~(PAGE - 1)
@@ -86,10 +132,20 @@ class PageAdvisor:
 
     _TOPK, _INP, _OUT = (b"ffn_moe_topk-",), (b"ffn_inp-",), (b"ffn_moe_out-",)
 
-    def __init__(self, geometry: Geometry, mode: str):
+    def __init__(self, geometry: Geometry, mode: str, *, capacity: int | None = None, policy: str = "lru"):
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         self.g, self.mode = geometry, mode
+        self.cache = None
+        self.managed_loads = self.managed_drops = 0
+        self.managed_adopted: list[int] = []
+        if mode == "managed":
+            from ..cache import ExpertCache
+
+            n = geometry.num_experts * len(geometry.moe_layers)
+            self.cache = ExpertCache(int(capacity if capacity is not None else n), policy, n,
+                                     steps_per_token=len(geometry.moe_layers))
+            self.row = {layer: j for j, layer in enumerate(geometry.moe_layers)}
         self.fd = os.open(geometry.path, os.O_RDONLY)
         self.base: int | None = None
         self.hints = self.hint_bytes = self.drops = self.locked_bytes = 0
@@ -110,12 +166,41 @@ class PageAdvisor:
             for layer in self.g.moe_layers:
                 for off, n in self.g.layer_span(layer):
                     madvise(self.base + off, n, MADV_RANDOM)
-        if self.mode == "pin":
+        if self.mode in ("pin", "managed"):
             expert = {(t.offset, t.nbytes) for parts in self.g.experts.values() for t in parts.values()}
             for t in self.g.tensors.values():
                 if t.nbytes and (t.offset, t.nbytes) not in expert:
                     mlock(self.base + t.offset, t.nbytes)
                     self.locked_bytes += t.nbytes
+        if self.mode == "managed":
+            self._adopt_loaded()
+
+    def _adopt_loaded(self) -> None:
+        """The load left expert pages in the page cache (llama.cpp touches the whole file): keep the
+        experts wholly resident, in id order, up to the pool, as its prefetched residents (evicted
+        first while unused); drop every other expert's pages, so the pool is all the tier holds."""
+        E, keep = self.g.num_experts, []
+        for j, layer in enumerate(self.g.moe_layers):
+            for e in range(E):
+                if len(keep) < self.cache.capacity and all(resident(self.base + off, n)
+                                                           for off, n in self.g.expert_ranges(layer, e)):
+                    keep.append(j * E + e)
+        self.cache.prefetch(keep)
+        self.managed_adopted = keep
+        kept = set(keep)
+        for j, layer in enumerate(self.g.moe_layers):  # each run of dropped neighbours as one range
+            ranges = [self.g.expert_ranges(layer, e) for e in range(E)]
+            for part in range(len(ranges[0])):
+                e = 0
+                while e < E:
+                    if j * E + e in kept:
+                        e += 1
+                        continue
+                    first = e
+                    while e < E and j * E + e not in kept:
+                        e += 1
+                    off = ranges[first][part][0]
+                    drop(self.fd, self.base, off, ranges[e - 1][part][0] + ranges[e - 1][part][1] - off)
 
     def _routers(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per MoE layer: (ffn_norm weight [H], router [E, H]) as float32, read from the file."""
@@ -136,7 +221,7 @@ class PageAdvisor:
         self.n_tokens = n_tokens
 
     def wants(self, name: bytes) -> bool:
-        if self.mode in ("advise", "pin", "lookahead", "nocache") and layer_of(name, self._TOPK) is not None:
+        if self.mode in ("advise", "pin", "managed", "lookahead", "nocache") and layer_of(name, self._TOPK) is not None:
             return True
         if self.mode == "lookahead" and layer_of(name, self._INP) is not None:
             return True
@@ -149,7 +234,10 @@ class PageAdvisor:
             if layer in self.predicted:
                 self.look_hits += len(self.predicted.pop(layer) & set(routed.tolist()))
                 self.look_total += routed.size
-            self.willneed(layer, routed)
+            if self.cache is not None:
+                self.manage(layer, routed)
+            else:
+                self.willneed(layer, routed)
             return
         layer = layer_of(name, self._INP)
         if layer is not None:
@@ -162,9 +250,23 @@ class PageAdvisor:
         layer = layer_of(name, self._OUT)
         if layer is not None and self.base is not None:
             for off, n in self.g.layer_span(layer):
-                madvise(self.base + off, n, MADV_DONTNEED)
-                os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
+                drop(self.fd, self.base, off, n)
             self.drops += 1
+
+    def manage(self, layer: int, routed: np.ndarray) -> None:
+        """The ``managed`` step of one layer's routed experts: drop the victims, hint the loads."""
+        E, j, c = self.g.num_experts, self.row[layer], self.cache.capacity
+        items = routed.astype(np.int64) + j * E
+        # a prefill layer may route more experts than the pool holds: one step per pool-full
+        for part in (items[i:i + c] for i in range(0, items.size, c)):
+            step = self.cache.prepare(part)
+            if self.base is not None:
+                for item in step.evicted:
+                    for off, n in self.g.expert_ranges(self.g.moe_layers[item // E], item % E):
+                        drop(self.fd, self.base, off, n)
+            self.managed_drops += len(step.evicted)
+            self.managed_loads += step.misses
+            self.willneed(layer, np.asarray([item % E for item, _ in step.loads], dtype=np.int64))
 
     def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
         norm, w = self.routers[layer]
@@ -182,6 +284,10 @@ class PageAdvisor:
     def stats(self) -> dict:
         return {"hints": self.hints, "hint_bytes": self.hint_bytes, "layer_drops": self.drops,
                 "locked_bytes": self.locked_bytes,
+                "managed_capacity": self.cache.capacity if self.cache is not None else None,
+                "managed_policy": self.cache.policy.spec if self.cache is not None else None,
+                "managed_loads": self.managed_loads, "managed_drops": self.managed_drops,
+                "managed_adopted": len(self.managed_adopted), "managed_adopted_items": list(self.managed_adopted),
                 "lookahead_recall": self.look_hits / self.look_total if self.look_total else None}
 
     def close(self) -> None:

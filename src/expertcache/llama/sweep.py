@@ -19,7 +19,7 @@ import statistics
 from .._units import parse_bytes
 from ..errors import ConfigError, ExpertcacheError
 from .geometry import Geometry
-from .runner import calibrate, run_one
+from .runner import calibrate, check_managed, run_one
 
 
 def parse_walls(text: str, g: Geometry, what: str = "--walls") -> list[int]:
@@ -79,19 +79,24 @@ def summarize(records: list[dict], modes: list[str], walls: list[int], target: f
 
 def sweep(g: Geometry, prompt, max_new_tokens: int, modes: list[str], walls: list[int], *, runs: int = 3,
           seed: int = 0, wall: str = "auto", headroom_bytes: int | None = None, threads: int = 1,
-          target: float | None = None, timeout: float | None = None, progress=None) -> dict:
-    """Every (wall, mode, run) once, in one seeded shuffled order; the records and :func:`summarize`."""
-    cal = calibrate(g, prompt, threads=threads, wall=wall, max_new_tokens=max_new_tokens)
-    if headroom_bytes is not None:
-        cal.update(headroom_bytes=headroom_bytes, note="headroom given; " + cal["note"])
-    headroom_bytes, note = cal["headroom_bytes"], cal["note"]
+          target: float | None = None, timeout: float | None = None, progress=None, policy: str = "lru") -> dict:
+    """Every (wall, mode, run) once, in one seeded shuffled order; the records and :func:`summarize`.
+    ``policy`` decides the ``managed`` mode's residency (checked first; a wall too small for its pool
+    is a failed cell, as a run the wall killed is)."""
+    if "managed" in modes:
+        check_managed(g, None, policy)
+    cals = {}
+    for m in modes:  # per mode: each worker's own memory differs (docs/llama.md "Wall")
+        cals[m] = calibrate(g, prompt, threads=threads, wall=wall, max_new_tokens=max_new_tokens, mode=m, policy=policy)
+        if headroom_bytes is not None:
+            cals[m].update(headroom_bytes=headroom_bytes, note="headroom given; " + cals[m]["note"])
     cells = [(w, m, r) for w in walls for m in modes for r in range(runs)]
     random.Random(seed).shuffle(cells)
     records = []
     for i, (w, m, r) in enumerate(cells):
         try:
-            rec = run_one(g, prompt, max_new_tokens, m, wall_bytes=w, wall=wall, headroom_bytes=headroom_bytes,
-                          threads=threads, timeout=timeout, ballast_bytes=cal["ballast_bytes"])
+            rec = run_one(g, prompt, max_new_tokens, m, wall_bytes=w, wall=wall, headroom_bytes=cals[m]["headroom_bytes"],
+                          threads=threads, timeout=timeout, ballast_bytes=cals[m]["ballast_bytes"], policy=policy)
         except ExpertcacheError as exc:  # a run the wall killed is a result of that cell, not the end of the sweep
             rec = {"mode": m, "memory_wall": w, "error": str(exc), "decode_tokens_per_s": None,
                    "read_bytes_per_token": None, "proof_ok": False, "output_sha256": None}
@@ -101,7 +106,8 @@ def sweep(g: Geometry, prompt, max_new_tokens: int, modes: list[str], walls: lis
         if progress is not None:
             progress(i + 1, len(cells), rec)
     out = summarize(records, modes, walls, target)
-    out.update(records=records, headroom_bytes=headroom_bytes, headroom_note=note, order_seed=seed,
+    out.update(records=records, headroom_bytes={m: c["headroom_bytes"] for m, c in cals.items()},
+               headroom_note="; ".join(c["note"] for c in cals.values()), order_seed=seed,
                geometry=g.summary())
     return out
 

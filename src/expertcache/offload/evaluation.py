@@ -48,13 +48,13 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, ExpertcacheError
-from ..policies import make_policy
-from .holding import parse_holding
+from ..policies.kinds import check_kind
 from ..sim import replay
 from ..trace import Trace
 from .loading import resident
 from .pagecache import read_bytes_self
 from .model import find_sites, model_device, model_label, select_sites
+from .intervals import dnll_interval, draws
 from .passes import MODES, PassResult, check_sequences, make_batches, run_pass, vocab_size
 from .recorder import Capture
 from .run import OffloadRun
@@ -90,6 +90,9 @@ class PolicyResult:
     ms_runs: list = field(default_factory=list)  # ms per step of each round (--repeats), in round order
     ms_runs_reference: list = field(default_factory=list)
     counts_repeat: bool = True  # every round made the same copies
+    dnll_ci: list | None = None  # --bootstrap: 95% interval of dnll over the sequences (offload.intervals)
+    bootstrap: int = 0
+    bootstrap_seed: int = 0
 
     @property
     def nll_delta(self) -> float:
@@ -141,6 +144,9 @@ class PolicyResult:
             "nll": self.run.nll,
             "nll_reference": self.reference.nll,
             "nll_delta": self.nll_delta,
+            "dnll_ci": self.dnll_ci,
+            "bootstrap": self.bootstrap,
+            "bootstrap_seed": self.bootstrap_seed,
             "exact": self.exact,
             "lossless": self.lossless,
             "tolerance": self.tolerance,
@@ -242,8 +248,12 @@ def evaluate(
     pool: str = "layer",
     slow_copies: int = 1,
     repeats: int = 1,
+    bootstrap: int = 0,
+    bootstrap_seed: int = 0,
 ) -> Evaluation:
-    """Run the protocol of the module docstring; ``sequences`` are token-id lists of length >= 2."""
+    """Run the protocol of the module docstring; ``sequences`` are token-id lists of length >= 2.
+    ``bootstrap`` > 0 gives each policy a 95% interval of its dNLL over the sequences
+    (:mod:`.intervals`; every policy on the same resamples)."""
     if mode not in MODES:
         raise ConfigError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
     if reference not in REFERENCES:
@@ -262,7 +272,8 @@ def evaluate(
         raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
     seqs = check_sequences(sequences, vocab_size(model))
     batches, dropped = make_batches(seqs, batch)
-    specs = [(parse_holding(p) or make_policy(p)).spec for p in policies]
+    idx = draws(len(seqs) - dropped, bootstrap, bootstrap_seed) if bootstrap else None
+    specs = [check_kind(p, ("eviction", "set-holding")).spec for p in policies]
     if not specs:
         raise ConfigError("policies: give at least one policy")
     layers = None if layers is None else list(layers)
@@ -302,6 +313,9 @@ def evaluate(
         res.ms_runs = [r[0].ms_per_step for r in rounds]
         res.ms_runs_reference = [r[0].ms_per_step for r in refs]
         res.counts_repeat = all(_counts(r[1]) == _counts(stats) for r in rounds)
+        if idx is not None:
+            res.dnll_ci = dnll_interval(result.seq_nll, ref.seq_nll, ref.seq_predictions, idx)
+            res.bootstrap, res.bootstrap_seed = int(bootstrap), int(bootstrap_seed)
         evaluation.results.append(res)
     return evaluation
 

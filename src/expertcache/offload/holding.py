@@ -23,54 +23,30 @@ restricted: it is lossless on-demand loading (the paper's exactness check).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import PolicyError
-from ..policies.base import parse_int
+from ..policies.kinds import HoldingSpec, parse_dwell_static
+
+__all__ = ["HOLDING", "HoldingSpec", "SetHolder", "SlotMap", "parse_holding"]
 
 HOLDING = ("dwell", "static")
 
 
-@dataclass(frozen=True)
-class HoldingSpec:
-    """A parsed ``dwell:k[:w]`` / ``static:P``; ``hold`` is None for static (never refreshed after the window)."""
-
-    name: str
-    hold: int | None
-    window: int
-    needs_future = False
-
-    @property
-    def spec(self) -> str:
-        return f"static:{self.window}" if self.name == "static" else f"dwell:{self.hold}:{self.window}"
-
-
 def parse_holding(spec) -> HoldingSpec | None:
     """The set-holding spec ``spec`` names, ``None`` when it names another kind of policy
-    (``controller:PATH:THR[:W]`` gives a :class:`~.controller.ControllerSpec`)."""
+    (``controller:PATH:THR[:W]`` gives a :class:`~.controller.ControllerSpec`); the parse itself is
+    :mod:`expertcache.policies.kinds`' (one definition for every entry point)."""
     if not isinstance(spec, str):
         return None
-    name, _, arg = spec.partition(":")
+    name = spec.partition(":")[0]
     if name == "controller":  # the learned controller (heads from a file): see .controller
         from .controller import parse_controller
 
         return parse_controller(spec)
     if name not in HOLDING:
         return None
-    parts = arg.split(":") if arg else []
-    if name == "static":
-        if len(parts) != 1:
-            raise PolicyError(f"policy static takes one parameter, the prefix length P (static:P), got {spec!r}: "
-                              "here static:P is the set-holding rule (the experts of a sequence's first P tokens, "
-                              "routing restricted to them); the pin set with bypass, plain 'static', runs in replay and sweep")
-        return HoldingSpec("static", None, parse_int(parts[0], "static: P", 1, 2**40))
-    if len(parts) not in (1, 2):
-        raise PolicyError(f"policy dwell takes dwell:k or dwell:k:w (k tokens held, window w), got {spec!r}")
-    hold = parse_int(parts[0], "dwell: k", 1, 2**40)
-    window = parse_int(parts[1], "dwell: w", 1, 2**40) if len(parts) == 2 else 8 * hold
-    return HoldingSpec("dwell", hold, window)
+    return parse_dwell_static(spec)
 
 
 class SetHolder:

@@ -32,6 +32,10 @@ class PassResult:
     tokens: int
     seconds: float
     steps: int = 0
+    seq_nll: tuple = ()
+    """Each sequence's summed NLL, in batch-row order (the order of the sequences evaluated)."""
+    seq_predictions: tuple = ()
+    """Each sequence's predicted tokens (its length - 1), in the same order."""
 
     @property
     def nll(self) -> float:
@@ -53,6 +57,7 @@ def run_pass(model: torch.nn.Module, batches: Sequence[np.ndarray], mode: str, p
     device = model_device(model)
     watch = Stopwatch(device)
     nll_sum, predictions, tokens, steps = 0.0, 0, 0, 0
+    seq_nll, seq_pred = [], []
     with torch.inference_mode():
         for ids in batches:
             x = torch.as_tensor(np.asarray(ids), dtype=torch.long, device=device)
@@ -65,13 +70,18 @@ def run_pass(model: torch.nn.Module, batches: Sequence[np.ndarray], mode: str, p
             b, n = x.shape
             if n > 1:
                 logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-                nll_sum += float(-logp.gather(2, x[:, 1:, None]).sum())
+                picked = -logp.gather(2, x[:, 1:, None])
+                nll_sum += float(picked.sum())  # summed as one tensor, as always (the same bits)
+                seq_nll.extend(float(v) for v in picked.sum(dim=(1, 2)))
+            else:
+                seq_nll.extend([0.0] * b)
+            seq_pred.extend([n - 1] * b)
             predictions += b * (n - 1)
             tokens += b * n
             steps += n
             if progress is not None:  # the caller's bar (it closes it)
                 progress.update(b)
-    return PassResult(nll_sum, predictions, tokens, watch.seconds, steps)
+    return PassResult(nll_sum, predictions, tokens, watch.seconds, steps, tuple(seq_nll), tuple(seq_pred))
 
 
 def _decode(model: torch.nn.Module, x: torch.Tensor, watch: Stopwatch) -> torch.Tensor:

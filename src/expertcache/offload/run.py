@@ -41,10 +41,10 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..policies import Policy, make_policy
+from ..policies import Policy
+from ..policies.kinds import check_kind
 from ..trace import Trace
 from .experts import IMPLEMENTATION, implementation_of, set_fallback
-from .holding import parse_holding
 from .host import host_of
 from .layer import PREFETCH, OffloadedLayer, PoolState
 from .pool import SlotPool
@@ -89,8 +89,9 @@ class OffloadRun:
         self.slow_copies = int(slow_copies)
         self.model = model
         self.capacity = int(capacity)
-        self.holding = parse_holding(policy)
-        self.policy = self.holding or make_policy(policy)
+        rule = check_kind(policy, ("eviction", "set-holding"))  # parsed once: a Policy or a holding spec
+        self.holding = None if isinstance(rule, Policy) else rule
+        self.policy = rule
         if self.holding and (pool != "layer" or prefetch != "none"):
             raise ConfigError(f"policy {self.holding.spec} holds a set per layer: it needs pool='layer' and no prefetch")
         self.reset_mode = reset

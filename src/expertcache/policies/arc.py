@@ -28,7 +28,7 @@ CAP, GHOST, DEST = 12, 13, 14
 the chosen victim goes (B1, B2, or -1: dropped)."""
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def init(st, sc, fs, n_items, capacity):
     for q in range(4):
         engine.list_clear(sc, q)
@@ -38,13 +38,13 @@ def init(st, sc, fs, n_items, capacity):
     fs[0] = 0.0
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def hit(st, sc, fs, e, t):
     engine.unlink(st, sc, e)
     engine.push_head(st, sc, T2, e)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def miss(st, sc, fs, e, t):
     q = st[engine.WHERE, e]
     sc[GHOST] = -1
@@ -70,7 +70,7 @@ def _replace(st, sc, fs, stamp, g, in_b2):
     return v
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def victim(st, sc, fs, e, t, stamp, g, res, size):
     C = sc[CAP]
     if sc[GHOST] >= 0:
@@ -90,14 +90,14 @@ def victim(st, sc, fs, e, t, stamp, g, res, size):
     return _replace(st, sc, fs, stamp, g, False)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def evict(st, sc, fs, v, t):
     engine.unlink(st, sc, v)
     if sc[DEST] >= 0:
         engine.push_head(st, sc, sc[DEST], v)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def admit(st, sc, fs, e, t):
     engine.push_head(st, sc, T2 if sc[GHOST] >= 0 else T1, e)
     sc[GHOST] = -1

@@ -1,4 +1,4 @@
-"""Rules written once, as compiled hooks: the base class of ``arc``, ``s3fifo``, ``sieve``.
+"""Rules written once, as compiled hooks: the base class of ``arc``, ``s3fifo``, ``sieve``, ``random``.
 
 A hooked rule is a state machine (queues, ghosts, a hand) rather than a key per candidate. Its
 file defines the six hooks of :mod:`expertcache.engine` as module-level ``@njit`` functions, a
@@ -18,8 +18,11 @@ of the package, so ``@register`` makes it known):
 1. choose its state: ``ROWS`` int64 rows per item (rows 0-2 are the engine's linked-list
    prev/next/list, :mod:`expertcache.engine`), int64 scalars (list heads at ``3q``, ``3q+1``,
    ``3q+2``, then parameters) and float64 scalars;
-2. write ``init``, ``hit``, ``miss``, ``victim``, ``evict``, ``admit`` with ``@njit(cache=True)``;
-   ``victim`` must skip items with ``stamp[v] == g`` (the current group's);
+2. write ``init``, ``hit``, ``miss``, ``victim``, ``evict``, ``admit`` with ``@njit(cache=True,
+   inline="always")`` (inlined into the engine's loop; ``ExpertCache`` calls them all the same);
+   ``victim`` must skip items with ``stamp[v] == g`` (the current group's), and should read
+   scalars it loops over into locals first (numba cannot hoist ``sc[i]`` out of a loop: hoisting
+   the seed and inlining made ``random`` 1.3x faster);
 3. ``@njit(cache=True) def loop(groups, starts, n_items, capacity, rows, sc0, fs0): return
    engine.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)``;
 4. ``@register class MyRule(HookedPolicy)`` with ``name``, ``hooks = (init, hit, miss, victim,

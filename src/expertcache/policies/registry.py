@@ -16,11 +16,6 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-SET_HOLDING = ("dwell:k[:w]", "static:P", "controller:HEADS.pt:THR[:W]")
-"""The set-holding policies, parsed by :mod:`expertcache.offload.holding` (``expertcache eval`` and
-the offloaded runtime, not replays): named in the unknown-policy message so it lists every spec."""
-
-
 def available_policies() -> list[str]:
     """Registered policy names."""
     return sorted(_REGISTRY)
@@ -35,12 +30,12 @@ def make_policy(spec: "str | Policy") -> Policy:
         return spec
     if not isinstance(spec, str) or not spec.strip():
         raise PolicyError(f"policy: expected a name such as 'lru' or 'decayed:0.9', got {spec!r}")
+    from .kinds import SET_HOLDING, kind_of, wrong_kind
+
     name, _, arg = spec.strip().partition(":")
     cls = _REGISTRY.get(name.lower())
-    if name.lower() in ("dwell", "controller"):
-        raise PolicyError(f"policy {spec.strip()[:60]!r} is a set-holding rule (it restricts routing to a held set of "
-                          "experts): it runs in eval and the offloaded runtime (docs/offload.md), not as an eviction "
-                          f"rule; eviction rules: {', '.join(available_policies())}")
+    if kind_of(spec) == "set-holding":
+        raise wrong_kind(spec, "set-holding", "policy", ("eviction", "admission"))
     if cls is None:
         raise PolicyError(f"unknown policy {name!r} (known: {', '.join(available_policies())}; set-holding, "
                           f"in eval and the offloaded runtime: {', '.join(SET_HOLDING)})")

@@ -37,7 +37,7 @@ FREQ = 3
 S_SIZE, M_SIZE, G_SIZE, EVICTED, FROM_GHOST, THRESHOLD, DEST = 9, 10, 11, 12, 13, 14, 15
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def init(st, sc, fs, n_items, capacity):
     for q in range(3):
         engine.list_clear(sc, q)
@@ -50,13 +50,13 @@ def init(st, sc, fs, n_items, capacity):
     sc[DEST] = -1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def hit(st, sc, fs, e, t):
     if st[FREQ, e] < 3:
         st[FREQ, e] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def miss(st, sc, fs, e, t):
     sc[FROM_GHOST] = 0
     if st[engine.WHERE, e] == GHOSTQ:
@@ -94,7 +94,7 @@ def _from_main(st, sc, stamp, g):
             return v
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def victim(st, sc, fs, e, t, stamp, g, res, size):
     sc[EVICTED] = 1
     while True:
@@ -119,7 +119,7 @@ def victim(st, sc, fs, e, t, stamp, g, res, size):
                     return v
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def evict(st, sc, fs, v, t):
     engine.unlink(st, sc, v)
     st[FREQ, v] = 0
@@ -129,7 +129,7 @@ def evict(st, sc, fs, v, t):
         engine.push_head(st, sc, GHOSTQ, v)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def admit(st, sc, fs, e, t):
     if sc[FROM_GHOST] == 1 or (sc[EVICTED] == 0 and engine.length(sc, SMALL) >= sc[S_SIZE]):
         engine.push_head(st, sc, MAIN, e)

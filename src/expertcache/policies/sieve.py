@@ -10,8 +10,6 @@ protected, so k = 1 counts equal libCacheSim's, ``tests/test_hooked_rules.py``).
 
 from __future__ import annotations
 
-import numpy as np
-
 from .. import engine
 from .._jit import njit
 from .hooked import HookedPolicy
@@ -21,23 +19,23 @@ VISITED = 3
 HAND = 3
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def init(st, sc, fs, n_items, capacity):
     engine.list_clear(sc, 0)
     sc[HAND] = -1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def hit(st, sc, fs, e, t):
     st[VISITED, e] = 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def miss(st, sc, fs, e, t):
     pass
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def victim(st, sc, fs, e, t, stamp, g, res, size):
     v = sc[HAND] if sc[HAND] >= 0 else engine.tail(sc, 0)
     while stamp[v] == g or st[VISITED, v] > 0:
@@ -49,14 +47,14 @@ def victim(st, sc, fs, e, t, stamp, g, res, size):
     return v
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def evict(st, sc, fs, v, t):
     sc[HAND] = st[engine.PREV, v]
     engine.unlink(st, sc, v)
     st[VISITED, v] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def admit(st, sc, fs, e, t):
     engine.push_head(st, sc, 0, e)
     st[VISITED, e] = 0

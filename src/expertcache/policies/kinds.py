@@ -1,0 +1,159 @@
+"""Policy strings by kind: one parse, where a string enters (``parse_policy(text) -> PolicySpec``).
+
+A policy string names a rule of one of three kinds, each with its own registry and its own place:
+
+* ``eviction`` -- which resident leaves when a miss needs a slot, in a lossless cache: every rule
+  registered with ``@register`` that admits every miss (``lru``, ``belady``, ``arc``,
+  ``learned:PATH``, ...). They run everywhere: replay, sweep, grid, ``ExpertCache`` (eval, the
+  offloaded runtime, the tier), ``llama run --mode managed``;
+* ``admission`` -- whether a miss enters at all: ``static``, the pin set with bypass (the top C
+  experts of a profile, never changed; misses streamed, nothing evicted; replay, sweep, grid and the
+  tier's arena), and ``--admission second`` (an expert's first request streamed, the second
+  admitted), which composes with any eviction rule of a replay;
+* ``set-holding`` (resident-set) -- rules that hold a set and restrict routing to it (lossy):
+  ``dwell:k[:w]``, ``static:P`` (the experts of a sequence's first P tokens), and
+  ``controller:HEADS.pt:THR[:W]``; they run where routing runs: eval and the offloaded runtime.
+
+``static`` is the one name two kinds share: without a parameter it is the admission rule (its pin
+set is the capacity's size), with one (``static:P``) the set-holding rule. :func:`parse_policy`
+decides the kind from the string alone, once, and a string of a kind the caller does not run is one
+line saying which kind it is and where it runs (the same text from every entry point).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PolicyError
+from .base import parse_int
+
+KINDS = ("eviction", "admission", "set-holding")
+RUNS_IN = {
+    "eviction": "replay, sweep, grid, eval, the offloaded runtime, the tier and llama run --mode managed",
+    "admission": "replay, sweep and grid (and the tier's arena); plain 'static' is the pin set with bypass",
+    "set-holding": "eval and the offloaded runtime (it restricts routing to a held set of experts)",
+}
+SET_HOLDING = ("dwell:k[:w]", "static:P", "controller:HEADS.pt:THR[:W]")
+
+
+@dataclass(frozen=True)
+class HoldingSpec:
+    """A parsed ``dwell:k[:w]`` / ``static:P``; ``hold`` is None for static (never refreshed after the window)."""
+
+    name: str
+    hold: int | None
+    window: int
+    needs_future = False
+
+    @property
+    def spec(self) -> str:
+        return f"static:{self.window}" if self.name == "static" else f"dwell:{self.hold}:{self.window}"
+
+
+def parse_dwell_static(text: str) -> HoldingSpec:
+    """``dwell:k[:w]`` (w defaults to 8k) or ``static:P``, checked."""
+    name, _, arg = text.partition(":")
+    parts = arg.split(":") if arg else []
+    if name == "static":
+        if len(parts) != 1:
+            raise PolicyError(f"policy static takes one parameter, the prefix length P (static:P), got {text!r}: "
+                              "here static:P is the set-holding rule (the experts of a sequence's first P tokens, "
+                              "routing restricted to them); the pin set with bypass, plain 'static', runs in replay and sweep")
+        return HoldingSpec("static", None, parse_int(parts[0], "static: P", 1, 2**40))
+    if len(parts) not in (1, 2):
+        raise PolicyError(f"policy dwell takes dwell:k or dwell:k:w (k tokens held, window w), got {text!r}")
+    hold = parse_int(parts[0], "dwell: k", 1, 2**40)
+    window = parse_int(parts[1], "dwell: w", 1, 2**40) if len(parts) == 2 else 8 * hold
+    return HoldingSpec("dwell", hold, window)
+
+
+def kind_of(text: str) -> str | None:
+    """The kind a policy string names, from its name (and, for ``static``, whether it has a
+    parameter); None for an unknown name. Parameters are not checked."""
+    from .registry import _REGISTRY
+
+    name, colon, _ = text.strip().partition(":")
+    name = name.lower()
+    if name in ("dwell", "controller") or (name == "static" and colon):
+        return "set-holding"
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        return None
+    return "eviction" if cls.admits else "admission"
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One parsed policy string: its ``kind`` (:data:`KINDS`), ``name``, ``params`` (the text after
+    the name, split at ``:``) and canonical ``text``. :meth:`clone` makes a fresh rule object."""
+
+    kind: str
+    name: str
+    params: tuple[str, ...]
+    text: str
+
+    def to_spec(self) -> str:
+        """The canonical string; ``parse_policy(s.to_spec()) == s``."""
+        return self.text
+
+    def clone(self):
+        """A fresh rule: a :class:`~expertcache.policies.Policy` (eviction, admission), a
+        :class:`HoldingSpec` (dwell, static:P) or a controller spec (needs the hf extra)."""
+        from .registry import make_policy
+
+        if self.kind != "set-holding":
+            return make_policy(self.text)
+        if self.name == "controller":
+            from ..offload.controller import parse_controller
+
+            return parse_controller(self.text)
+        return parse_dwell_static(self.text)
+
+
+def wrong_kind(text: str, kind: str, where: str, runs: tuple[str, ...]) -> PolicyError:
+    """The one line for a string of ``kind`` given where only ``runs`` kinds run."""
+    label = {"eviction": "an eviction rule", "admission": "an admission rule",
+             "set-holding": "a set-holding rule"}[kind]
+    if text.strip().partition(":")[0].lower() == "static" and kind == "set-holding":
+        return PolicyError(f"{where} {text.strip()[:60]!r}: in replay and sweep, 'static' is the pin set with bypass "
+                           "(the top C experts of a profile window, C = the capacity; no parameter); 'static:P' is "
+                           f"{label}, it runs in {RUNS_IN[kind]}")
+    return PolicyError(f"{where} {text.strip()[:60]!r} is {label}: it runs in {RUNS_IN[kind]}; "
+                       f"here: {' or '.join(runs)} rules")
+
+
+def parse_policy(text, kinds: tuple[str, ...] = KINDS, where: str = "policy") -> PolicySpec:
+    """Parse ``text`` once: its kind, checked parameters and canonical form (see the module docstring).
+    A kind outside ``kinds``, an unknown name or a bad parameter is one :class:`PolicyError` line."""
+    from .registry import available_policies, make_policy
+
+    if not isinstance(text, str) or not text.strip():
+        raise PolicyError(f"{where}: expected a name such as 'lru' or 'decayed:0.9', got {text!r}")
+    kind = kind_of(text)
+    if kind is None:
+        name = text.strip().partition(":")[0]
+        raise PolicyError(f"unknown policy {name!r} (known: {', '.join(available_policies())}; set-holding, "
+                          f"in eval and the offloaded runtime: {', '.join(SET_HOLDING)})")
+    if kind not in kinds:
+        raise wrong_kind(text, kind, where, kinds)
+    name, _, arg = text.strip().partition(":")
+    name = name.lower()
+    if kind == "set-holding":
+        canonical = text.strip() if name == "controller" else parse_dwell_static(f"{name}:{arg}").spec
+    else:
+        canonical = make_policy(text.strip()).spec
+    params = tuple(canonical.partition(":")[2].split(":")) if ":" in canonical else ()
+    return PolicySpec(kind, name, params, canonical)
+
+
+def check_kind(policy, kinds: tuple[str, ...], where: str = "policy"):
+    """``policy`` (a string, or a rule object already made) as a rule object, after checking that it
+    is of one of ``kinds``: :meth:`PolicySpec.clone` of the parsed string, or the object itself."""
+    if isinstance(policy, str):
+        return parse_policy(policy, kinds, where).clone()
+    from .base import Policy
+
+    kind = ("eviction" if policy.admits else "admission") if isinstance(policy, Policy) else "set-holding"
+    if kind not in kinds:
+        raise wrong_kind(policy.spec, kind, where, kinds)
+    return policy
