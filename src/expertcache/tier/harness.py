@@ -16,6 +16,7 @@ Invariant: a run whose proof is missing keeps ``proof_ok: false``; it is never r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -85,6 +86,18 @@ O_DIRECT), so unused headroom cannot inflate the tier, while a pass's transient 
 the calibration's reading (about 4-5 MB here) would hit the wall and OOM-kill the worker."""
 
 
+FOLLOW_MODES = ("pagecache", "hybrid")
+"""Modes whose wall follows the worker's own memory once it is set up (the Replayer made, before
+the warm pass): there, headroom the worker leaves unused would be page cache above the capacity.
+A calibration reads the worker's own memory at one moment; a pass may need a few MB less (a
+16 MB pagecache cell beside another CPU-heavy job used 46.1 of a 51.0 MB headroom and its page
+cache grew to 21.3 MB, past the proof's slack). Not in the other modes: ``direct``/``arena`` keep
+no page cache, ``nocache`` drops it at once, so the wall has nothing to reclaim from a spike."""
+FOLLOW_MARGIN = 2 * 2**20
+"""The following wall's slack above the worker's own memory: below the proof's smallest slack
+(4 MiB), above the worker's own variation once set up (its buffers exist by then)."""
+
+
 def calibrate_headroom(opts: CellOptions, capacity_bytes: int, mode: str = "pagecache") -> tuple[int | None, str]:
     """The wall's headroom for ``mode`` when ``--headroom`` is not given: what the worker's cgroup is
     charged for beyond the tier (anonymous and kernel memory), measured by a calibration run of that
@@ -117,16 +130,21 @@ def _spec(opts: CellOptions, mode: str, capacity_bytes: int) -> dict:
             "drop_ipc_lock": opts.drop_ipc_lock, "drop_caches": opts.drop_caches}
 
 
-def _walled(cap, opts: CellOptions, spec: dict, capacity_bytes: int, headroom):
+def _walled(cap, opts: CellOptions, spec: dict, capacity_bytes: int, headroom, follow: bool = False):
     fd, spec_path = tempfile.mkstemp(prefix="expertcache-tier-", suffix=".json")
+    flag = spec_path[: -len(".json")] + ".ready" if follow else None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(spec, fh)
+            json.dump(spec | {"follow_flag": flag}, fh)
         argv = [sys.executable, "-m", "expertcache.tier.worker", spec_path]
         return cap.run_walled(argv, capacity_bytes=int(capacity_bytes), wall=opts.wall, cgroup=opts.cgroup,
-                              headroom_bytes=headroom, timeout=opts.timeout)
+                              headroom_bytes=headroom, timeout=opts.timeout,
+                              follow_margin=FOLLOW_MARGIN if follow else None, follow_flag=flag)
     finally:
         os.unlink(spec_path)
+        if flag:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(flag)
 
 
 def run_once(opts: CellOptions, mode: str, capacity_bytes: int, run: int, demand: dict,
@@ -135,7 +153,8 @@ def run_once(opts: CellOptions, mode: str, capacity_bytes: int, run: int, demand
     overrides ``opts.headroom_bytes`` (the calibrated headroom of this mode)."""
     cap = capacity_module()
     spec = _spec(opts, mode, capacity_bytes)
-    wall = _walled(cap, opts, spec, capacity_bytes, opts.headroom_bytes if headroom_bytes is None else headroom_bytes)
+    wall = _walled(cap, opts, spec, capacity_bytes, opts.headroom_bytes if headroom_bytes is None else headroom_bytes,
+                   follow=mode in FOLLOW_MODES)
     where = f"--mode {mode} --capacity {capacity_bytes} (run {run})"
     rec = cap.child_result(wall, where, opts.timeout)
     rec["run"] = run
