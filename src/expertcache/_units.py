@@ -86,7 +86,3 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.4g} {unit}"
     return f"{n:.0f} B"
-
-
-MAX_RESAMPLES = 100_000
-"""The most bootstrap resamples accepted (``eval --bootstrap``, ``learn eval --bootstrap``)."""

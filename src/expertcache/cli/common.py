@@ -10,7 +10,7 @@ import sys
 from typing import Any, Iterable, Sequence
 
 from .._io import check_not_input, check_writable
-from .._units import MAX_RESAMPLES
+from .._resample import MAX_RESAMPLES
 from ..errors import ConfigError
 from ..trace import Trace, load_trace, parse_layers
 

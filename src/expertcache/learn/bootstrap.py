@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._resample import draws, percentile_interval
 from ..sim.gap import gap_recovered as gap_of  # noqa: F401  (one definition: expertcache.sim.gap)
 
 REFERENCE = "decayed (tuned)"
@@ -33,16 +34,15 @@ def intervals(per_sequence: dict[str, np.ndarray], resamples: int, seed: int = 0
     n = M.shape[1]
     if n < 1 or resamples < 1:
         raise ValueError("bootstrap needs at least one test sequence and one resample")
-    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    idx = draws(n, resamples, seed)
     sums = np.stack([M[:, row].sum(axis=1) for row in idx], axis=1)  # [P, B], row by row: bounded memory
     lru, bel = sums[names.index("lru")], sums[names.index("belady")]
     gaps = gap_of(sums, lru, bel)
     ok = np.isfinite(gaps[0])
-    q = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
 
     def ci(values):
         v = values[ok]
-        return [float(x) for x in np.percentile(v, q)] if v.size else None
+        return percentile_interval(v, level) if v.size else None
 
     out = {"gap": {p: ci(gaps[i]) for i, p in enumerate(names)}, "diff": {}, "resamples_used": int(ok.sum()),
            "level": level}

@@ -43,6 +43,7 @@ Advice never changes what is computed: all modes give the same tokens (tested).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 
 import numpy as np
@@ -102,26 +103,28 @@ def drop(fd: int, base: int, off: int, n: int) -> None:
         os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
 
+def _pages(addr: int, length: int) -> tuple[int, int]:
+    """``(lo, hi)``: the whole pages covering ``[addr, addr + length)``."""
+    return addr & ~(PAGE - 1), (addr + length + PAGE - 1) & ~(PAGE - 1)
+
+
 def resident(addr: int, length: int) -> bool:
     """Whether every page of the mapped range ``[addr, addr + length)`` is in memory (``mincore``)."""
-    lo = addr & ~(PAGE - 1)
-    pages = (addr + length - lo + PAGE - 1) // PAGE
-    vec = (ctypes.c_ubyte * pages)()
-    if _libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * PAGE), vec) != 0:
+    lo, hi = _pages(addr, length)
+    vec = (ctypes.c_ubyte * ((hi - lo) // PAGE))()
+    if _libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) != 0:
         raise ConfigError(f"mincore failed: {os.strerror(ctypes.get_errno())}")
     return all(b & 1 for b in vec)
 
 
 def madvise(addr: int, length: int, advice: int) -> None:
-    lo = addr & ~(PAGE - 1)
-    hi = (addr + length + PAGE - 1) & ~(PAGE - 1)
+    lo, hi = _pages(addr, length)
     if _libc.madvise(lo, hi - lo, advice) != 0:
         raise ConfigError(f"madvise({advice}) failed: {os.strerror(ctypes.get_errno())}")
 
 
 def mlock(addr: int, length: int) -> None:
-    lo = addr & ~(PAGE - 1)
-    hi = (addr + length + PAGE - 1) & ~(PAGE - 1)
+    lo, hi = _pages(addr, length)
     if _libc.mlock(lo, hi - lo) != 0:
         raise ConfigError(f"--mode pin: mlock of {hi - lo} bytes failed: {os.strerror(ctypes.get_errno())} "
                           "(RLIMIT_MEMLOCK: ulimit -l, or CAP_IPC_LOCK)")
@@ -189,18 +192,12 @@ class PageAdvisor:
         self.managed_adopted = keep
         kept = set(keep)
         for j, layer in enumerate(self.g.moe_layers):  # each run of dropped neighbours as one range
-            ranges = [self.g.expert_ranges(layer, e) for e in range(E)]
-            for part in range(len(ranges[0])):
-                e = 0
-                while e < E:
-                    if j * E + e in kept:
-                        e += 1
-                        continue
-                    first = e
-                    while e < E and j * E + e not in kept:
-                        e += 1
-                    off = ranges[first][part][0]
-                    drop(self.fd, self.base, off, ranges[e - 1][part][0] + ranges[e - 1][part][1] - off)
+            for adopted, run in itertools.groupby(range(E), key=lambda e: j * E + e in kept):
+                if not adopted:
+                    run = list(run)
+                    firsts, lasts = self.g.expert_ranges(layer, run[0]), self.g.expert_ranges(layer, run[-1])
+                    for (off, _), (last, n) in zip(firsts, lasts):  # per tensor: gate, up, down
+                        drop(self.fd, self.base, off, last + n - off)
 
     def _routers(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per MoE layer: (ffn_norm weight [H], router [E, H]) as float32, read from the file."""

@@ -14,13 +14,11 @@ The parent adds the wall's proof and the demand model (:func:`demand`).
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import hashlib
 import json
-import os
 import resource
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -186,18 +184,25 @@ def demand(routing: list, g: Geometry, wall_bytes: int | None) -> dict:
     return out
 
 
-def check_managed(g: Geometry, wall_bytes: int | None, policy: str) -> int:
-    """The ``managed`` mode's pool (:func:`~.advice.managed_capacity`), or a one-line error: a pool
-    smaller than one layer's routed experts, or a policy that is not an online eviction rule."""
+@functools.lru_cache(maxsize=None)
+def _online_rule(policy: str) -> None:
+    """Check once per process that ``policy`` is an online eviction rule (one line otherwise), and
+    compile (and cache on disk) a compiled rule here, not in each walled worker."""
     from ..cache import ExpertCache
     from ..policies.kinds import check_kind
 
     pol = check_kind(policy, ("eviction",), "--policy")
     if pol.needs_future:
         raise ConfigError(f"--policy {policy}: needs the future of the stream; the managed mode decides online")
-    warm = ExpertCache(2, pol, 4)  # compile (and cache on disk) a compiled rule here, not in the walled worker
+    warm = ExpertCache(2, pol, 4)
     for i in range(4):
         warm.prepare([i])
+
+
+def check_managed(g: Geometry, wall_bytes: int | None, policy: str) -> int:
+    """The ``managed`` mode's pool (:func:`~.advice.managed_capacity`), or a one-line error: a pool
+    smaller than one layer's routed experts, or a policy that is not an online eviction rule."""
+    _online_rule(policy)
     n = managed_capacity(g, wall_bytes)
     if n < g.top_k:
         raise ConfigError(f"--mode managed: the wall {wall_bytes} holds {n} experts beside the dense "
@@ -222,23 +227,13 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     spec = {"model": g.path, "prompt": [int(x) for x in prompt], "max_new_tokens": int(max_new_tokens),
             "mode": mode, "threads": int(threads), "ballast_bytes": int(ballast_bytes),
             "managed_capacity": managed, "policy": policy}
-    fd, spec_path = tempfile.mkstemp(prefix="expertcache-llama-", suffix=".json")
     follow = bool(wall_bytes) and wall_bytes >= FOLLOW_MIN_CAPACITY
-    flag = spec_path[: -len(".json")] + ".decoding" if follow else None
-    spec["follow_flag"] = flag
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(spec, fh)
+    with cap.worker_spec(spec, "expertcache-llama-", follow) as (spec_path, flag):
         evicted = acc.evict_file_pages([g.path])
         argv = [sys.executable, "-m", "expertcache.llama.runner", spec_path]
         walled = cap.run_walled(argv, capacity_bytes=int(wall_bytes or g.file_bytes),
                                 wall=wall if wall_bytes else "none", headroom_bytes=headroom_bytes, timeout=timeout,
                                 follow_margin=FOLLOW_MARGIN if follow else None, follow_flag=flag)
-    finally:
-        os.unlink(spec_path)
-        if flag:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(flag)
     where = f"--mode {mode}" + (f" --memory-wall {wall_bytes}" if wall_bytes else "")
     rec = cap.child_result(walled, where, timeout)
     rec.update(memory_wall=wall_bytes, capacity_enforced_by=walled.enforced_by,

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._units import MAX_RESAMPLES
+from .. import _resample
+from .._resample import MAX_RESAMPLES
 from ..errors import ConfigError
 
 
@@ -25,7 +26,7 @@ def draws(n: int, resamples: int, seed: int = 0) -> np.ndarray:
         raise ConfigError("--bootstrap: no sequence was evaluated")
     if isinstance(resamples, bool) or not isinstance(resamples, (int, np.integer)) or not 1 <= resamples <= MAX_RESAMPLES:
         raise ConfigError(f"--bootstrap: expected 1 to {MAX_RESAMPLES:,} resamples, got {resamples!r}")
-    return np.random.default_rng(seed).integers(0, n, size=(int(resamples), n))
+    return _resample.draws(n, resamples, seed)
 
 
 def dnll_interval(run_nll, ref_nll, predictions, idx: np.ndarray, level: float = 0.95) -> list[float]:
@@ -37,5 +38,4 @@ def dnll_interval(run_nll, ref_nll, predictions, idx: np.ndarray, level: float =
     out = np.empty(idx.shape[0])
     for b, row in enumerate(idx):  # row by row: memory bounded by one resample
         out[b] = diff[row].sum() / pred[row].sum()
-    q = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
-    return [float(x) for x in np.percentile(out, q)]
+    return _resample.percentile_interval(out, level)

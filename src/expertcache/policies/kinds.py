@@ -122,9 +122,9 @@ def wrong_kind(text: str, kind: str, where: str, runs: tuple[str, ...]) -> Polic
                        f"here: {' or '.join(runs)} rules")
 
 
-def parse_policy(text, kinds: tuple[str, ...] = KINDS, where: str = "policy") -> PolicySpec:
-    """Parse ``text`` once: its kind, checked parameters and canonical form (see the module docstring).
-    A kind outside ``kinds``, an unknown name or a bad parameter is one :class:`PolicyError` line."""
+def _parse(text, kinds: tuple[str, ...], where: str):
+    """``(PolicySpec, rule)``: the parse of :func:`parse_policy` and the rule object it made to check
+    the parameters (None for a controller, whose heads file :meth:`PolicySpec.clone` loads)."""
     from .registry import available_policies, make_policy
 
     if not isinstance(text, str) or not text.strip():
@@ -139,18 +139,27 @@ def parse_policy(text, kinds: tuple[str, ...] = KINDS, where: str = "policy") ->
     name, _, arg = text.strip().partition(":")
     name = name.lower()
     if kind == "set-holding":
-        canonical = text.strip() if name == "controller" else parse_dwell_static(f"{name}:{arg}").spec
+        rule = None if name == "controller" else parse_dwell_static(f"{name}:{arg}")
     else:
-        canonical = make_policy(text.strip()).spec
+        rule = make_policy(text.strip())
+    canonical = text.strip() if rule is None else rule.spec
     params = tuple(canonical.partition(":")[2].split(":")) if ":" in canonical else ()
-    return PolicySpec(kind, name, params, canonical)
+    return PolicySpec(kind, name, params, canonical), rule
+
+
+def parse_policy(text, kinds: tuple[str, ...] = KINDS, where: str = "policy") -> PolicySpec:
+    """Parse ``text`` once: its kind, checked parameters and canonical form (see the module docstring).
+    A kind outside ``kinds``, an unknown name or a bad parameter is one :class:`PolicyError` line."""
+    return _parse(text, kinds, where)[0]
 
 
 def check_kind(policy, kinds: tuple[str, ...], where: str = "policy"):
     """``policy`` (a string, or a rule object already made) as a rule object, after checking that it
-    is of one of ``kinds``: :meth:`PolicySpec.clone` of the parsed string, or the object itself."""
+    is of one of ``kinds``: the rule the parse of the string made (a scorer or heads file read once),
+    or the object itself."""
     if isinstance(policy, str):
-        return parse_policy(policy, kinds, where).clone()
+        spec, rule = _parse(policy, kinds, where)
+        return spec.clone() if rule is None else rule
     from .base import Policy
 
     kind = ("eviction" if policy.admits else "admission") if isinstance(policy, Policy) else "set-holding"

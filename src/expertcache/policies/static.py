@@ -41,14 +41,6 @@ class StaticPins(Policy):
         super().__init__()
         self.profile = None
 
-    @classmethod
-    def from_arg(cls, arg):
-        if arg is not None:
-            raise PolicyError(f"policy 'static:{arg[:40]}': in replay and sweep, 'static' is the pin set with bypass "
-                              "(the top C experts of a profile window, C = the capacity; no parameter); 'static:P' is "
-                              "the set-holding rule of eval and the offloaded runtime (it restricts routing)")
-        return cls()
-
     def use_profile(self, trace) -> "StaticPins":
         """Count the pin set's frequencies on ``trace`` (all of it) instead of the warm window."""
         self.profile = trace

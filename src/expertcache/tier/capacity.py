@@ -30,9 +30,11 @@ the memory.stat sampler live in :mod:`expertcache.tier.cgroupfs`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
 
 from ..errors import ConfigError
@@ -43,7 +45,7 @@ from .cgroupwall import spawn as _spawn
 from .procfs import read_meminfo, read_text
 
 __all__ = ["WALLS", "DEFAULT_HEADROOM", "MIN_LEFT", "CAPACITY_SLACK", "SLACK_BYTES", "WallRun", "WallUnavailable",
-           "proof_slack", "enforceable_bytes", "detect_walls", "balloon_plan", "run_walled", "cgroup_target",
+           "proof_slack", "enforceable_bytes", "detect_walls", "balloon_plan", "run_walled", "worker_spec", "cgroup_target",
            "child_result"]
 
 WALLS = ("auto", "cgroup", "balloon", "none")
@@ -189,6 +191,25 @@ def _run_balloon(argv, capacity_bytes, headroom_bytes, timeout, max_balloon_byte
 
 
 # ---------------------------------------------------------------------- entry point
+@contextlib.contextmanager
+def worker_spec(spec: dict, prefix: str, follow: bool):
+    """``(spec_path, follow_flag)``: ``spec`` written as JSON to a temporary file for a walled worker
+    (``python -m ... SPEC.json``), with ``spec["follow_flag"]`` the path the worker creates once the
+    wall may follow its own memory (None when ``follow`` is false; :func:`run_walled`'s
+    ``follow_flag``). Both files are removed afterwards."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".json")
+    flag = path[: -len(".json")] + ".follow" if follow else None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(spec | {"follow_flag": flag}, fh)
+        yield path, flag
+    finally:
+        os.unlink(path)
+        if flag:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(flag)
+
+
 def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgroup: str | None = None,
                headroom_bytes: int | None = None, timeout: float | None = None,
                follow_margin: int | None = None, follow_flag: str | None = None) -> WallRun:

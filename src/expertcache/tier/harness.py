@@ -16,12 +16,9 @@ Invariant: a run whose proof is missing keeps ``proof_ok: false``; it is never r
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -131,20 +128,11 @@ def _spec(opts: CellOptions, mode: str, capacity_bytes: int) -> dict:
 
 
 def _walled(cap, opts: CellOptions, spec: dict, capacity_bytes: int, headroom, follow: bool = False):
-    fd, spec_path = tempfile.mkstemp(prefix="expertcache-tier-", suffix=".json")
-    flag = spec_path[: -len(".json")] + ".ready" if follow else None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(spec | {"follow_flag": flag}, fh)
+    with cap.worker_spec(spec, "expertcache-tier-", follow) as (spec_path, flag):
         argv = [sys.executable, "-m", "expertcache.tier.worker", spec_path]
         return cap.run_walled(argv, capacity_bytes=int(capacity_bytes), wall=opts.wall, cgroup=opts.cgroup,
                               headroom_bytes=headroom, timeout=opts.timeout,
                               follow_margin=FOLLOW_MARGIN if follow else None, follow_flag=flag)
-    finally:
-        os.unlink(spec_path)
-        if flag:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(flag)
 
 
 def run_once(opts: CellOptions, mode: str, capacity_bytes: int, run: int, demand: dict,
