@@ -7,20 +7,23 @@ per layer (default 32), ``--pool`` layer or global (a global pool gets ``capacit
 A linear and an MLP scorer (``--features``, default every group the trace has: reuse, the routing
 priors, gate weights where the trace has ``probs``) are trained on its events in lru states, then the trace is replayed by ``decayed`` and both scorers,
 each through its compiled plan and through the Python engine (the reference cache driving the
-policy object). Printed per row: seconds (best of ``--repeat`` after a warm-up, which also
-compiles), requests/s, the ratio of its seconds to compiled ``decayed``'s, and steady copies (a
-compiled row and its Python row must print the same count).
+policy object). Printed per row: seconds (median and range of ``--repeat`` rounds, every row once per round, after a
+warm-up round, which also compiles), requests/s at the median, the ratio of its median to compiled ``decayed``'s and to
+``decayed``'s on the same engine, and steady copies (every row of a scorer must print the same
+count). The python-engine rows are the live harness's cache step (``ExpertCache`` driving the
+policy): the scorer's compiled feature state, then FeatureState, the Python reference it replaced.
 Run: ``python benchmarks/bench_learned.py [--trace PATH] [--capacity C] [--pool P] [--repeat R] [--features GROUPS]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
 from expertcache.learn.dataset import build_dataset
-from expertcache.learn.models import fit
+from expertcache.scorer.models import fit
 from expertcache.policies.learned import Learned
 from expertcache.sim import build_layout, replay_layout
 from expertcache.trace import load_trace
@@ -29,14 +32,17 @@ from expertcache.trace.synth import synthesize_preset
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces" / "flame-moe-290m-teacher-forced" / "routing.npz"
 
 
-def best_of(fn, repeat):
-    fn()
-    best, out = float("inf"), None
+def timed(fns, repeat):
+    """Seconds of ``repeat`` rounds of every call of ``fns`` (interleaved, so a change of load falls on
+    all of them alike) after a warm-up round (which also compiles), and each one's last result."""
+    outs = [fn() for fn in fns]
+    secs = [[] for _ in fns]
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            outs[i] = fn()
+            secs[i].append(time.perf_counter() - t0)
+    return secs, outs
 
 
 def main() -> None:
@@ -45,7 +51,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=250, help="synthetic trace only")
     ap.add_argument("--capacity", type=int, default=32)
     ap.add_argument("--pool", choices=("layer", "global"), default="layer")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--features", default=None, help="feature groups, e.g. reuse or reuse,prior (default: all the trace has)")
     args = ap.parse_args()
     trace = load_trace(args.trace) if args.trace else synthesize_preset("olmoe", tokens=args.tokens, sequences=4, seed=0)
@@ -59,18 +65,25 @@ def main() -> None:
     layout = build_layout(trace, pool=args.pool)
     runs = [("decayed (compiled)", "decayed", "compiled"), ("decayed (python engine)", "decayed", "python")]
     for kind, pol in scorers.items():
-        runs += [(f"learned {kind} (compiled)", pol, "compiled"), (f"learned {kind} (python engine)", pol, "python")]
+        ref = Learned(pol.scorer, pol.path, reference=True)
+        runs += [(f"learned {kind} (compiled)", pol, "compiled"), (f"learned {kind} (python engine)", pol, "python"),
+                 (f"learned {kind} (python, FeatureState)", ref, "python")]
     requests = int((layout.groups >= 0).sum())
     print(f"trace: {trace.name}, {trace.num_tokens} tokens x {trace.num_layers} layers, k={trace.top_k}, "
           f"E={trace.num_experts}, {args.pool} pool C={C}; {requests} requests; {ev.X.shape[1]} features "
-          f"({', '.join(ev.features)})")
-    base = None
-    print(f"{'policy':32s} {'seconds':>9s} {'requests/s':>12s} {'x decayed':>10s} {'steady copies':>14s}")
-    for name, pol, engine in runs:
-        sec, res = best_of(lambda: replay_layout(layout, C, pol, engine=engine), args.repeat)
+          f"({', '.join(ev.features)}); {args.repeat} repeats each")
+    base = {}
+    print(f"{'policy':40s} {'seconds median [min-max]':>28s} {'requests/s':>11s} {'x decayed':>10s} "
+          f"{'x decayed, same engine':>23s} {'steady copies':>14s}")
+    all_secs, results = timed([lambda pol=pol, engine=engine: replay_layout(layout, C, pol, engine=engine)
+                               for _, pol, engine in runs], args.repeat)
+    for (name, pol, engine), secs, res in zip(runs, all_secs, results):
         assert res.engine == engine
-        base = base or sec
-        print(f"{name:32s} {sec:9.4f} {requests / sec:12.0f} {sec / base:10.1f} {res.copies_steady:14d}")
+        med = statistics.median(secs)
+        base.setdefault(engine, med)
+        spread = f"{med:.4f} [{min(secs):.4f}-{max(secs):.4f}]"
+        print(f"{name:40s} {spread:>28s} {requests / med:11.0f} {med / base['compiled']:10.1f} "
+              f"{med / base[engine]:23.2f} {res.copies_steady:14d}")
 
 
 if __name__ == "__main__":

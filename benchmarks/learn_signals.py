@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from expertcache.learn.dataset import concat, rule_events
-from expertcache.learn.models import fit
+from expertcache.scorer.models import fit
 from expertcache.learn.protocol import FORESIGHT, folds_of, tune_beta
-from expertcache.learn.signals import FoldedTables, fit_folded, fit_tables
+from expertcache.scorer.signals import FoldedTables, fit_folded, fit_tables
 from expertcache.policies.learned import Learned
 from expertcache.sim import build_layout, replay_layout
 
@@ -105,7 +105,7 @@ def capture(ids: np.ndarray):
 
 
 def columns(names: tuple[str, ...], groups: tuple[str, ...]) -> np.ndarray:
-    from expertcache.learn.features import GROUPS
+    from expertcache.scorer.features import GROUPS
 
     want = {n for g in groups for n in GROUPS[g]}
     return np.array([i for i, n in enumerate(names) if n in want])

@@ -27,7 +27,7 @@ from pathlib import Path
 from expertcache.cli.main import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ["lru", "decayed:0.9", "dwell:1:1", "dwell:4:32", "dwell:16:64", "static:32"]
+POLICIES = ["lru", "decayed:0.9", "dwell:1:1", "dwell:4:32", "dwell:16:64", "prefix:32"]
 
 
 def run(argv: list[str]) -> str:

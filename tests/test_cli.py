@@ -127,9 +127,9 @@ def test_demo_prints_the_table_and_writes_plots(tmp_path, capsys, monkeypatch):
     live = importlib.util.find_spec("torch") is not None and small_model() is not None
     if live:  # set-holding against lossless rules on the small trained model, and the policy choice
         assert "live: small-moe" in out and "choose --tolerance 0.15" in out and "at x50: predicted" in out
-        lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("lru ", "static:32 "))}
-        assert float(lines["lru"][1]) == 0.0 and float(lines["static:32"][1]) > 0  # dnll: lossless 0, held set > 0
-        assert float(lines["static:32"][3]) < float(lines["lru"][3])  # ... and fewer copies per token
+        lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("lru ", "prefix:32 "))}
+        assert float(lines["lru"][1]) == 0.0 and float(lines["prefix:32"][1]) > 0  # dnll: lossless 0, held set > 0
+        assert float(lines["prefix:32"][3]) < float(lines["lru"][3])  # ... and fewer copies per token
     else:
         assert "live part skipped" in out
     assert main(["demo", "--out", str(tmp_path / "out"), "--no-live"]) == 0
@@ -209,9 +209,9 @@ def test_foresight_0_is_lru_and_not_marked_as_needing_the_future(trace_file, cap
 
 def test_an_unknown_policy_lists_every_policy_string(capsys, trace_file):
     err = _refusal(["replay", str(trace_file), "-c", "8", "-p", "nosuch"], capsys)
-    for word in ("lru", "belady", "foresight", "learned", "dwell:k[:w]", "static:P", "controller:HEADS.pt:THR[:W]"):
+    for word in ("lru", "belady", "foresight", "learned", "dwell:k[:w]", "prefix:P", "controller:HEADS.pt:THR[:W]"):
         assert word in err
-    with pytest.raises(ec.PolicyError, match=r"dwell:k\[:w\], static:P, controller"):
+    with pytest.raises(ec.PolicyError, match=r"dwell:k\[:w\], prefix:P, controller"):
         ec.make_policy("nosuch")
 
 

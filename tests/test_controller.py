@@ -1,6 +1,6 @@
 """The learned set controller (controller:PATH:THR[:W]): heads file, schedule, equivalences, training.
 
-Must be true (issue 13): at THR >= 1 the controller is static:W (same sets, copies, switches, NLL);
+Must be true (issue 13): at THR >= 1 the controller is prefix:W (same sets, copies, switches, NLL);
 at THR = 0 with mu = the router's own ranking (untrained heads) and W = 1 it never restricts
 routing, so it matches lossless on-demand loading; training is deterministic under a seed.
 """
@@ -92,7 +92,7 @@ def _run_hand(thr: float) -> list:
 
 
 def test_refresh_rule_and_selection_by_hand():
-    # t0 warm-up (static:1): {0}. t1: held 0.1, missed 1 -> z = 9 > 0: ema [.225,.375,.075,.075] -> {0,1}
+    # t0 warm-up (prefix:1): {0}. t1: held 0.1, missed 1 -> z = 9 > 0: ema [.225,.375,.075,.075] -> {0,1}
     # t2: held 0.2, missed 1 -> z = 8: ema [.1625,.2375,.0875,.3875] -> {1,3}; t3: held 0.8, missed 0 -> z = -8: hold
     assert _run_hand(0.5) == [[0], [0, 1], [1, 3], None]
     assert _run_hand(0.0) == [[0], [0, 1], [1, 3], [1, 3]]  # threshold 0: every token
@@ -149,7 +149,7 @@ def test_heads_must_fit_the_run(model, trained):
 
 # ---------------------------------------------------------------------- equivalences in the live harness
 def test_threshold_at_least_one_is_static(model, trained, seqs):
-    ev = evaluate(model, seqs, 8, [f"controller:{trained}:1", "static:4", f"controller:{trained}:7.5"], mode="forward")
+    ev = evaluate(model, seqs, 8, [f"controller:{trained}:1", "prefix:4", f"controller:{trained}:7.5"], mode="forward")
     ctl, static, far = (r.to_dict() for r in ev.results)
     assert ctl["nll"] == static["nll"] == far["nll"]  # the same sets, so bitwise the same computation
     for key in ("copies_total", "copies_steady", "switches", "refreshes", "routing_changed"):

@@ -15,7 +15,7 @@ from expertcache.policies import available_policies, make_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-HOLDING = ("dwell", "static", "controller")
+HOLDING = ("dwell", "prefix", "static", "controller")
 NAMES = "|".join(re.escape(n) for n in sorted({*available_policies(), *HOLDING}, key=len, reverse=True))
 SPEC = rf"(?:{NAMES})(?::[^\s`'\"|),\]]*)?"
 POLICY_STRINGS = [
@@ -40,7 +40,7 @@ def _concrete(spec: str) -> bool:
     """A spec with real values (``decayed:0.9``, ``learned:scorer.npz``), not a template
     (``decayed:b``, ``dwell:k[:w]``, ``learned:PATH``, ``foresight:1/2/4``)."""
     name, *params = spec.split(":")
-    if not params and name in ("learned", "controller", "dwell"):  # the family's name in prose
+    if not params and name in ("learned", "controller", "dwell", "prefix"):  # the family's name in prose
         return False
     if name in ("learned", "controller"):
         path, params = params[0], params[1:]
@@ -71,7 +71,7 @@ def _parses(spec: str) -> None:
 
 def test_the_docs_name_policies():
     specs = _policy_strings()
-    assert {"lru", "belady", "decayed:0.95", "foresight:16", "dwell:16:128", "static:64", "learned:scorer.npz",
+    assert {"lru", "belady", "decayed:0.95", "foresight:16", "dwell:16:128", "prefix:64", "learned:scorer.npz",
             "controller:heads.pt:0.5"} <= set(specs)
 
 

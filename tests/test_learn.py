@@ -12,10 +12,10 @@ from expertcache import Trace
 from expertcache.cache import ExpertCache
 from expertcache.errors import ConfigError, PolicyError
 from expertcache.learn.dataset import build_dataset, collect, load_events, save_events
-from expertcache.learn.features import FEATURES, REUSE, FeatureState, feature_group
-from expertcache.learn.signals import DEFAULT_OFF, fit_tables
-from expertcache.learn.models import Scorer, fit, listwise
-from expertcache.learn.scorer_io import load_scorer, save_scorer
+from expertcache.scorer.features import FEATURES, REUSE, FeatureState, feature_group
+from expertcache.scorer.signals import DEFAULT_OFF, fit_tables
+from expertcache.scorer.models import Scorer, fit, listwise
+from expertcache.scorer.file import load_scorer, save_scorer
 from expertcache.policies import make_policy
 from expertcache.policies.learned import Learned
 from expertcache.policies.lru import LRU
@@ -192,7 +192,7 @@ def test_router_logit_evicts_lowest_current_probability():
         rp[2, 0, :2] = (p0, p1)
         tr = Trace.from_arrays(ex, num_experts=3, router_probs=rp)
         pol = make_policy("router-logit")
-        from expertcache.policies.context import stream_context
+        from expertcache.context import stream_context
 
         pol.set_context(stream_context(build_layout(tr), 0))
         cache = ExpertCache(2, pol, 3)

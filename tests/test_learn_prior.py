@@ -13,11 +13,11 @@ from expertcache import Trace
 from expertcache.cli.main import main
 from expertcache.errors import ConfigError
 from expertcache.learn.dataset import build_dataset, collect, load_events, resolve_features, save_events
-from expertcache.learn.features import FEATURES, ONLINE, PRIOR, feature_group
-from expertcache.learn.models import fit
-from expertcache.learn.prior import TRANS_MAX_BYTES, trans_bytes
-from expertcache.learn.scorer_io import load_scorer, save_scorer
-from expertcache.learn.signals import fit_folded, fit_tables, halved
+from expertcache.scorer.features import FEATURES, ONLINE, PRIOR, feature_group
+from expertcache.scorer.models import fit
+from expertcache.scorer.prior import TRANS_MAX_BYTES, trans_bytes
+from expertcache.scorer.file import load_scorer, save_scorer
+from expertcache.scorer.signals import fit_folded, fit_tables, halved
 from expertcache.policies import make_policy
 from expertcache.policies.learned import Learned
 from expertcache.sim import build_layout, replay_layout

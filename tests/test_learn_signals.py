@@ -13,12 +13,12 @@ from expertcache import Trace, load_trace
 from expertcache.cli.main import main
 from expertcache.errors import ConfigError, PolicyError, TraceError
 from expertcache.learn.dataset import build_dataset, collect
-from expertcache.learn.features import GROUPS, FeatureState
-from expertcache.learn.models import fit
-from expertcache.learn.scorer_io import load_scorer, save_scorer
-from expertcache.learn.signals import ALPHA, FoldedTables, fit_folded, fit_tables
+from expertcache.scorer.features import GROUPS, FeatureState
+from expertcache.scorer.models import fit
+from expertcache.scorer.file import load_scorer, save_scorer
+from expertcache.scorer.signals import ALPHA, FoldedTables, fit_folded, fit_tables
 from expertcache.policies import make_policy
-from expertcache.policies.context import stream_context
+from expertcache.context import stream_context
 from expertcache.policies.learned import Learned
 from expertcache.sim import build_layout, replay_layout
 

@@ -1,10 +1,13 @@
 """The compiled plan of ``learned:`` scorers (kernels_learned) against the Python engine.
 
-The Python engine drives :class:`~expertcache.policies.learned.Learned` through the reference
-cache (:class:`~expertcache.cache.ExpertCache`) with :class:`~expertcache.learn.features.FeatureState`;
-the compiled loop keeps its own history, residents and residency inference. Counts must be equal
-group for group (not approximately) for every scorer kind and feature set, in both pools, with warm
-windows, both reset modes and second-request admission.
+Three paths: the compiled loop (its own residents, the compiled feature state of
+kernels_feature_state); the Python engine driving :class:`~expertcache.policies.learned.Learned`
+through the reference cache (:class:`~expertcache.cache.ExpertCache`) with the same compiled
+feature state (:class:`~expertcache.kernels_feature_state.LiveFeatures`, the live harness's
+path); and the Python engine with ``reference=True``, which follows the stream with
+:class:`~expertcache.scorer.features.FeatureState`, the independent Python implementation. Counts
+must be equal group for group (not approximately) for every scorer kind and feature set, in both
+pools, with warm windows, both reset modes and second-request admission.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ import pytest
 from expertcache import Trace
 from expertcache.errors import PolicyError
 from expertcache.learn.dataset import build_dataset
-from expertcache.learn.features import GATE, ONLINE, PRIOR, REUSE, ROUTER, FeatureState
-from expertcache.learn.signals import fit_folded, fit_tables
-from expertcache.learn.models import Scorer, fit
-from expertcache.learn.scorer_io import save_scorer
+from expertcache.scorer.features import GATE, ONLINE, PRIOR, REUSE, ROUTER, FeatureState
+from expertcache.scorer.signals import fit_folded, fit_tables
+from expertcache.scorer.models import Scorer, fit
+from expertcache.scorer.file import save_scorer
 from expertcache.kernels_learned import decayed, log1p_each, score_rows
 from expertcache.policies import make_policy
 from expertcache.policies.learned import Learned
@@ -48,12 +51,30 @@ def random_scorer(features, kind, rng, hidden=8) -> Scorer:
     return Scorer(kind=kind, features=tuple(features), mean=mean, scale=scale, weights=weights)
 
 
+def reference(policy: Learned) -> Learned:
+    """The same scorer following the stream with FeatureState (the independent Python implementation)."""
+    return Learned(policy.scorer, policy.path, reference=True)
+
+
+def python_paths(layout, capacity, policy):
+    """Per-group (misses, evictions) of the Python engine with the live compiled state and with
+    FeatureState; asserts they are equal and that each path really ran its state."""
+    slots = pool_slots(layout, capacity)
+    live = _python_loop(layout, slots, policy)
+    assert policy._live
+    ref_policy = reference(policy)
+    ref = _python_loop(layout, slots, ref_policy)
+    assert not ref_policy._live
+    assert np.array_equal(live[0], ref[0]) and np.array_equal(live[1], ref[1])
+    return live
+
+
 def assert_same(layout, capacity, policy):
-    """Per-group misses and evictions equal on both engines; the compiled one really ran."""
+    """Per-group misses and evictions equal on the three paths; the compiled one really ran."""
     plan = policy.plan(layout)
     assert plan is not None
     got = plan.run(layout, capacity)
-    want = _python_loop(layout, pool_slots(layout, capacity), policy)
+    want = python_paths(layout, capacity, policy)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     b = replay_layout(layout, capacity, policy)  # replay picks the plan (the tally is the engines' common code)
     assert b.engine == "compiled"
@@ -106,7 +127,7 @@ def test_ties_and_trained_scorers():
         lay = build_layout(tr, pool=pool, reset="none")
         plan = mlp.plan(lay)
         plan.table_max = 3  # ages and counts beyond the tables: computed, the same bits
-        want = _python_loop(lay, pool_slots(lay, C), mlp)
+        want = python_paths(lay, C, mlp)
         got = plan.run(lay, C)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     for pool, C in (("layer", 5), ("global", 12)):

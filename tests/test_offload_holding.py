@@ -39,9 +39,11 @@ def ids(b, n, seed=1):
 def test_parse_holding():
     assert parse_holding("dwell:16").spec == "dwell:16:128"  # w defaults to 8k
     assert parse_holding("dwell:16:64").spec == "dwell:16:64"
-    assert parse_holding("static:64").spec == "static:64"
+    assert parse_holding("prefix:64").spec == "prefix:64"
+    assert parse_holding("static:64").spec == "prefix:64"  # the old spelling, accepted with a notice
     assert parse_holding("lru") is None and parse_holding("decayed:0.9") is None
-    for bad in ("dwell", "dwell:0", "dwell:4:0", "dwell:1:2:3", "static", "static:x", "static:1:2"):
+    for bad in ("dwell", "dwell:0", "dwell:4:0", "dwell:1:2:3", "static", "static:x", "static:1:2", "prefix", "prefix:0",
+                "prefix:1:2"):
         with pytest.raises(PolicyError):
             parse_holding(bad)
 
@@ -65,7 +67,7 @@ def test_dwell_one_one_holds_the_current_demand_and_static_freezes():
     holder = SetHolder(parse_holding("dwell:1:1"), num_experts=8, capacity=3)
     for demand in ([0, 1], [5, 6], [2, 7]):
         assert set(demand) <= set(holder.step(np.array(demand)).tolist())
-    static = SetHolder(parse_holding("static:2"), num_experts=8, capacity=2)
+    static = SetHolder(parse_holding("prefix:2"), num_experts=8, capacity=2)
     static.step(np.array([0, 1]))
     frozen = static.step(np.array([0, 3])).tolist()
     assert frozen == [0, 3] and all(static.step(np.array([5, 6])) is None for _ in range(5))
@@ -138,7 +140,7 @@ def test_batched_holding_uses_the_union_of_the_rows():
         stock = model(input_ids=x).logits
         with expertcache.offload(model, 4, "dwell:1:1"):  # C >= 2 rows x top-2: never restricts
             torch.testing.assert_close(model(input_ids=x).logits, stock, rtol=0, atol=1e-5)
-        with expertcache.capture(model) as cap, expertcache.offload(model, 4, "static:6") as run:
+        with expertcache.capture(model) as cap, expertcache.offload(model, 4, "prefix:6") as run:
             model(input_ids=x)
     assert run.stats().batch == 2
     chosen = np.unique(cap.trace.experts[6:, 0])
@@ -150,7 +152,7 @@ def test_holding_refuses_global_pools_and_prefetch():
     with pytest.raises(ConfigError, match="pool='layer' and no prefetch"):
         expertcache.offload(model, 4, "dwell:4", pool="global")
     with pytest.raises(ConfigError, match="pool='layer' and no prefetch"):
-        expertcache.offload(model, 4, "static:8", prefetch="next-layer")
+        expertcache.offload(model, 4, "prefix:8", prefetch="next-layer")
 
 
 # ---------------------------------------------------------------------- CLI: eval, calibrate
@@ -164,16 +166,16 @@ def ckpt(tmp_path_factory):
 def test_eval_lossy_records_carry_the_cost_model_fields(capsys, ckpt):
     model, tokens = ckpt
     code = main(["eval", "--model", str(model), "--tokens", str(tokens), "-c", "4", "-p", "lru", "-p", "dwell:4:8",
-                 "-p", "static:8", "--slow-copies", "3", "--json"])
+                 "-p", "prefix:8", "--slow-copies", "3", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     recs = {r["policy"]: r for r in map(json.loads, out.splitlines())}
-    assert set(recs) == {"lru", "dwell:4:8", "static:8"}
+    assert set(recs) == {"lru", "dwell:4:8", "prefix:8"}
     for r in recs.values():
         assert {"c_ms", "rho", "dnll", "tau_ms", "slow_copies", "switch_rate", "lossless"} <= r.keys()
         assert r["slow_copies"] == 3 and r["rho"] == r["copies_per_token"] and r["dnll"] == r["nll_delta"]
     assert recs["lru"]["lossless"] and recs["lru"]["replay_agrees"] and recs["lru"]["exact"]
-    for p in ("dwell:4:8", "static:8"):
+    for p in ("dwell:4:8", "prefix:8"):
         assert not recs[p]["lossless"] and recs[p]["replay_agrees"] is None
         assert recs[p]["copies_steady"] < recs["lru"]["copies_steady"]
         assert recs[p]["switch_rate"] <= recs["lru"]["switch_rate"]

@@ -275,8 +275,8 @@ def test_live_learned_scorer_with_priors_and_online_counts_equals_replay(olmoe, 
     """A scorer of reuse, online and prior features reads the live stream context (the groups served so far and the
     item map) and decides exactly as in replay of the run's capture."""
     from expertcache.learn.dataset import build_dataset
-    from expertcache.learn.models import fit
-    from expertcache.learn.scorer_io import save_scorer
+    from expertcache.scorer.models import fit
+    from expertcache.scorer.file import save_scorer
 
     train, test = [ids(1, 24, s) for s in (1, 2, 3)], [ids(1, 16, s) for s in (7, 8)]
     C = 3 if pool == "layer" else 3 * 2

@@ -80,11 +80,11 @@ def test_ties_break_by_least_recent_then_smallest_id():
 
 @pytest.mark.parametrize("spec, says", [
     ("dwell:8", "is a set-holding rule"), ("controller:heads.pt:0.5", "is a set-holding rule"),
-    ("static:32", "in replay and sweep, 'static' is the pin set with bypass"),
+    ("static:32", "in replay and sweep, 'static' is the pin set with bypass"), ("prefix:32", "is a set-holding rule"),
 ])
 def test_a_rule_of_another_kind_is_named_as_such(spec, says):
-    """'static' means the pin set with bypass where eviction rules run, static:P the set-holding rule of
-    eval: a string of the wrong kind says which kind it is and where it runs."""
+    """'static' means the pin set with bypass where eviction rules run (static:P, the old spelling of the
+    set-holding prefix:P, says so): a string of the wrong kind says which kind it is and where it runs."""
     with pytest.raises(PolicyError, match=re.escape(says)):
         ec.make_policy(spec)
 

@@ -14,14 +14,14 @@ from expertcache.errors import PolicyError
 from expertcache.policies import KINDS, available_policies, kind_of, make_policy, parse_policy
 from expertcache.policies.kinds import HoldingSpec, check_kind
 
-SET_HOLDING = ["dwell:4", "dwell:4:16", "static:8"]
+SET_HOLDING = ["dwell:4", "dwell:4:16", "prefix:8"]
 
 
 def _strings(tmp_path):
     out = [n for n in available_policies() if n != "learned"]
     out += ["decayed:0.5", "foresight:3", "random:7"]
-    from expertcache.learn.models import Scorer
-    from expertcache.learn.scorer_io import save_scorer
+    from expertcache.scorer.models import Scorer
+    from expertcache.scorer.file import save_scorer
 
     path = tmp_path / "s.npz"
     save_scorer(Scorer(kind="linear", features=("age",), mean=np.zeros(1), scale=np.ones(1),
@@ -44,8 +44,24 @@ def test_every_rule_parses_once_to_a_round_tripping_spec(tmp_path):
 
 
 def test_kinds_of_the_names_the_project_uses():
-    assert [kind_of(t) for t in ("lru", "arc", "static", "static:32", "dwell:8", "controller:h.pt:0.5", "nope")] == \
-        ["eviction", "eviction", "admission", "set-holding", "set-holding", "set-holding", None]
+    assert [kind_of(t) for t in ("lru", "arc", "static", "prefix:32", "static:32", "dwell:8", "controller:h.pt:0.5",
+                                 "nope")] == \
+        ["eviction", "eviction", "admission", "set-holding", "set-holding", "set-holding", "set-holding", None]
+
+
+def test_the_old_spelling_static_p_is_prefix_p_with_one_notice(capsys):
+    """``static`` means one thing (the pin set with bypass); ``static:P`` is read as ``prefix:P``,
+    with one notice line per string and process."""
+    from expertcache.policies import kinds
+
+    kinds._NOTICED.discard("static:24")
+    spec = parse_policy("static:24", ("set-holding",))
+    assert (spec.kind, spec.name, spec.text, spec.params) == ("set-holding", "prefix", "prefix:24", ("24",))
+    assert spec.clone() == parse_policy("prefix:24").clone()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'static:24' is now 'prefix:24'" in err
+    parse_policy("static:24")
+    assert capsys.readouterr().err == ""  # once per string
 
 
 @pytest.mark.parametrize("text, kinds, says", [
@@ -53,6 +69,7 @@ def test_kinds_of_the_names_the_project_uses():
     ("static", ("eviction", "set-holding"), "is an admission rule: it runs in replay, sweep and grid"),
     ("lru", ("set-holding",), "is an eviction rule"),
     ("static:32", ("eviction", "admission"), "in replay and sweep, 'static' is the pin set with bypass"),
+    ("prefix:32", ("eviction", "admission"), "is a set-holding rule: it runs in eval and the offloaded runtime"),
 ])
 def test_a_string_of_another_kind_is_one_line_naming_its_kind(text, kinds, says):
     with pytest.raises(PolicyError, match=re.escape(says)) as exc:
@@ -63,7 +80,7 @@ def test_a_string_of_another_kind_is_one_line_naming_its_kind(text, kinds, says)
 
 
 def test_make_policy_and_parse_policy_say_the_same_thing():
-    for text in ("dwell:8", "static:32", "controller:heads.pt:0.5"):
+    for text in ("dwell:8", "prefix:32", "static:32", "controller:heads.pt:0.5"):
         with pytest.raises(PolicyError) as a:
             make_policy(text)
         with pytest.raises(PolicyError) as b:
@@ -77,7 +94,7 @@ def test_a_made_rule_object_is_checked_too():
         check_kind(make_policy("static"), ("eviction", "set-holding"))
 
 
-@pytest.mark.parametrize("bad", ["", "  ", "nope", "dwell:x", "dwell:1:2:3", "static:0", "random:-1", 3])
+@pytest.mark.parametrize("bad", ["", "  ", "nope", "dwell:x", "dwell:1:2:3", "static:0", "prefix:0", "random:-1", 3])
 def test_bad_strings_are_one_line(bad):
     with pytest.raises(PolicyError) as exc:
         parse_policy(bad)

@@ -90,12 +90,12 @@ def test_policies_on_a_trained_model_lossless_keep_the_nll_held_sets_pay_for_few
     from expertcache.offload import evaluate, load_model
 
     model = load_model(FOLDER, device="cpu")
-    ev = evaluate(model, list(heldout[:2]), 8, ["lru", "decayed:0.9", "belady", "dwell:1:1", "dwell:4:32", "static:32"])
+    ev = evaluate(model, list(heldout[:2]), 8, ["lru", "decayed:0.9", "belady", "dwell:1:1", "dwell:4:32", "prefix:32"])
     r = {x.policy: x.to_dict() for x in ev.results}
     for p in ("lru", "decayed:0.9", "belady"):
         assert r[p]["lossless"] and abs(r[p]["dnll"]) < 5e-3 and r[p]["replay_agrees"]
     assert abs(r["dwell:1:1"]["dnll"]) < 5e-3 and r["dwell:1:1"]["routing_changed"] == 0.0
-    for p in ("dwell:4:32", "static:32"):
+    for p in ("dwell:4:32", "prefix:32"):
         assert not r[p]["lossless"] and r[p]["dnll"] > 5e-3 and r[p]["routing_changed"] > 0
         assert r[p]["copies_steady"] < r["lru"]["copies_steady"]
         assert r[p]["switch_rate"] < r["lru"]["switch_rate"]

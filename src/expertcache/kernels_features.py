@@ -1,6 +1,6 @@
 """The float arithmetic both replay paths of ``learned:`` scorers share (:mod:`expertcache.kernels_learned`).
 
-The Python engine (:class:`expertcache.learn.features.FeatureState` and the policy) and the compiled
+The Python engine (:class:`expertcache.scorer.features.FeatureState` and the policy) and the compiled
 loop call these same functions, so they compute the same bits: ``exp`` and ``log1p`` always the
 scalar ``math`` functions (numpy's vectorised versions may round differently), every sum in index
 order from 0.0, float64. This assumes numba without Intel SVML (``numba -s``), which would vectorise

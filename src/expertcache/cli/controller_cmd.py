@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     t.add_argument("--batch", type=positive_int, default=4, metavar="B", help="windows per step (default 4)")
     t.add_argument("--seq-len", type=positive_int, default=128, metavar="N", help="tokens per window (default 128)")
     t.add_argument("--warmup", type=positive_int, default=8, metavar="W",
-                   help="tokens of static:W warm-up at the start of each sequence (default 8; eval may override)")
+                   help="tokens of prefix:W warm-up at the start of each sequence (default 8; eval may override)")
     t.add_argument("--samples", type=positive_int, default=4, metavar="S", help="reinforce: samples per window (default 4)")
     t.add_argument("--lr", type=_lr, default=0.02, help="Adam learning rate (default 0.02)")
     t.add_argument("--threads", type=positive_int, default=None, metavar="N", help="torch CPU threads (default: torch's)")

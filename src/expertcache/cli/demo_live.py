@@ -16,7 +16,7 @@ import importlib.util
 import statistics
 from pathlib import Path
 
-POLICIES = ("lru", "dwell:1:1", "dwell:4:32", "static:32")
+POLICIES = ("lru", "dwell:1:1", "dwell:4:32", "prefix:32")
 FACTORS = (1, 50)
 TOLERANCE = 0.15
 CAPACITY = 8

@@ -30,7 +30,7 @@ with the all-resident reference.
 
 Per policy: next-token NLL and the reference NLL (all experts resident), 'exact' when they agree
 within --tolerance (a lossless policy that misses fails the command with exit status 1; the
-set-holding policies dwell:k[:w], static:P and the learned controller controller:HEADS:THR[:W]
+set-holding policies dwell:k[:w], prefix:P and the learned controller controller:HEADS:THR[:W]
 (docs/controller.md) restrict routing to the experts they hold and report their dNLL), copies (fill = those that first fill each sequence's empty pool, steady = the
 rest; copies/token = steady copies over all offloaded layers / tokens), the switch rate (token
 steps whose chosen expert set changed), tokens/s (CUDA events on a GPU, perf_counter on the CPU),
@@ -78,7 +78,7 @@ def add_parser(sub) -> None:
     p.add_argument("--capacity", "-c", type=positive_int, required=True, help="device slots per offloaded layer")
     p.add_argument("--policy", "-p", action="append", dest="policies", metavar="POLICY",
                    help=f"repeatable; lossless: {', '.join(available_policies())}; set-holding (lossy): dwell:k[:w], "
-                        "static:P, controller:HEADS.pt:THR[:W] (default: lru and belady)")
+                        "prefix:P, controller:HEADS.pt:THR[:W] (default: lru and belady)")
     add_layers(p, "MoE layer ids to offload")
     p.add_argument("--max-len", type=positive_int, default=384, metavar="N", help="tokens per sequence (default 384)")
     p.add_argument("--max-sequences", type=positive_int, default=None, metavar="N", help="evaluate at most N sequences")

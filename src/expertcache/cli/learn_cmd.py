@@ -6,7 +6,7 @@ import argparse
 
 from .._progress import progress
 from ..errors import ConfigError
-from ..learn.split_eval import add_split_arguments, run_split
+from .learn_split import add_split_arguments, run_split
 from .budget_opts import check_positions, sequence_positions
 from .common import (_int_in, add_json, add_layers, add_out, add_subcommands, check_out, emit_json, open_trace, positive_int,
                      seed_int, table)
@@ -157,8 +157,8 @@ def run_dataset(args) -> int:
 
 def run_train(args) -> int:
     from ..learn.dataset import load_events
-    from ..learn.models import fit, mean_loss
-    from ..learn.scorer_io import save_scorer
+    from ..scorer.models import fit, mean_loss
+    from ..scorer.file import save_scorer
 
     check_out(args.out)
     ev = load_events(args.events)
@@ -235,7 +235,7 @@ def _fold_count(trace, folds: int) -> int:
 
 
 def _tables_from(args):
-    from ..learn.signals import external_tables
+    from ..scorer.signals import external_tables
 
     return external_tables(open_trace(args.tables_from)) if args.tables_from else None
 

@@ -26,12 +26,12 @@ from ..cache import ExpertCache
 from ..errors import ConfigError, PolicyError
 from ..kernels import pool_slots
 from ..policies import Policy, StreamFuture, make_policy
-from ..policies.context import stream_context
+from ..context import stream_context
 from ..sim.layout import StreamLayout, build_layout
 from ..sim.replay import check_capacity
-from .features import GROUPS, PRIOR, TABLED, FeatureState, available_features
-from .signals import NEEDS, TABLE_FIELDS, FoldedTables, fit_folded, halved, tables_from_arrays, tables_to_arrays
-from .models import TrainOptions, fit
+from ..scorer.features import GROUPS, PRIOR, TABLED, FeatureState, available_features
+from ..scorer.signals import NEEDS, TABLE_FIELDS, FoldedTables, fit_folded, halved, tables_from_arrays, tables_to_arrays
+from ..scorer.models import TrainOptions, fit
 
 FORMAT_VERSION = 1
 
@@ -159,8 +159,8 @@ def resolve_features(trace, groups: str | None = None) -> tuple[str, ...]:
     """Feature names for ``trace``: the named groups (``reuse,gate,router``; default: every group the
     trace can supply, and those that read fitted tables only when it has two sequences or more). A
     group the trace cannot supply is a ConfigError."""
-    from .online import ONLINE_MAX_BYTES, online_bytes
-    from .prior import TRANS_MAX_BYTES, trans_bytes
+    from ..scorer.online import ONLINE_MAX_BYTES, online_bytes
+    from ..scorer.prior import TRANS_MAX_BYTES, trans_bytes
 
     L, E = trace.num_layers, trace.num_experts  # sized for a global pool, the larger
     limits = {"prior": (trans_bytes(L, E), TRANS_MAX_BYTES), "online": (online_bytes(L * E, E), ONLINE_MAX_BYTES)}

@@ -23,9 +23,9 @@ import numpy as np
 from ..errors import ConfigError
 from ..sim import build_layout, replay_layout
 from .dataset import build_dataset, resolve_features, rule_events
-from .features import MODEL, TABLED
-from .models import TrainOptions, fit
-from .signals import cut, external_tables, fit_folded, halved
+from ..scorer.features import MODEL, TABLED
+from ..scorer.models import TrainOptions, fit
+from ..scorer.signals import cut, external_tables, fit_folded, halved
 
 BETA_GRID = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 FORESIGHT = (1, 2, 4)

@@ -5,17 +5,17 @@ After the option-critic controller of Shen and Henderson as the eviction paper r
 (one cache step), on the hidden state entering the layer's MoE block:
 
 * warm-up: for the first W tokens of a sequence the set is refreshed every token exactly as
-  ``static:W`` refreshes it (the W-token demand window's most requested experts; :mod:`.holding`);
+  ``prefix:W`` refreshes it (the W-token demand window's most requested experts; :mod:`.holding`);
 * after it, the termination head gives ``beta`` (:mod:`.controller_heads`); when ``beta > THR`` the
   set is refreshed to top-C of the selection head's scores ``mu`` (copies = experts entering the
   set), otherwise it is held. The comparison is made on the logit, ``z > logit(THR)``, so THR = 0
   refreshes at every token and THR >= 1 never does after the warm-up.
 
 Between refreshes the router chooses only among held experts, through the same masked routing
-and slot map as ``dwell``/``static`` (:mod:`.routing`, :class:`~.holding.SlotMap`). The heads run in
+and slot map as ``dwell``/``prefix`` (:mod:`.routing`, :class:`~.holding.SlotMap`). The heads run in
 the router's forward hook, inside the timed step. W defaults to the heads file's ``warmup``.
 
-Invariants (tests/test_controller.py): at THR >= 1 the run equals ``static:W`` (same sets, copies,
+Invariants (tests/test_controller.py): at THR >= 1 the run equals ``prefix:W`` (same sets, copies,
 switches and NLL); at THR = 0 with untrained heads (mu = the router's own log-probabilities) and
 W = 1 the router's own top-k is always held, so routing is never restricted (lossless). A batch of
 b rows steps once per position: ``z`` and ``mu`` are the means over the rows, the cache features
@@ -113,7 +113,7 @@ class ControllerHolder:
         self.weights: dict = {}  # per device
         self.z_thr = threshold_logit(spec.threshold)
         self.decay = float(spec.heads.config["ema_decay"])
-        self.warm = SetHolder(HoldingSpec("static", None, spec.warmup), num_experts, capacity)
+        self.warm = SetHolder(HoldingSpec("prefix", None, spec.warmup), num_experts, capacity)
         self.reset()
 
     def reset(self) -> None:
@@ -152,7 +152,7 @@ class ControllerHolder:
         lin, mu, p, own = (a[self._i] for a in self._obs)
         self._i += 1
         self.ema = (1.0 - self.decay) * p if self.ema is None else self.decay * self.ema + (1.0 - self.decay) * p
-        warm = self.warm.step(demand)  # static:W's schedule: refreshes every token until t = W - 1
+        warm = self.warm.step(demand)  # prefix:W's schedule: refreshes every token until t = W - 1
         if self.t < self.spec.warmup:
             new = warm
         else:

@@ -3,7 +3,7 @@
 The model never changes: every parameter is frozen and only the heads of :mod:`.controller_heads`
 learn. Each step takes ``batch`` windows of ``seq_len`` tokens from the training text (random
 starts drawn from ``seed``), runs the model with each offloaded layer's router hooked, and updates
-the heads with Adam. Positions ``t < warmup`` of each window follow ``static:W``'s warm-up, exactly
+the heads with Adam. Positions ``t < warmup`` of each window follow ``prefix:W``'s warm-up, exactly
 as at inference; the heads decide from ``t = warmup`` on. Rates below are per token position
 ``t >= warmup`` and per layer, summed over the offloaded layers (as ``rho`` is).
 
@@ -180,10 +180,10 @@ def _reinforce_step(model, x, ctx: _Context):
 
 
 def _warm_masks(own: np.ndarray, W: int, E: int, C: int) -> torch.Tensor:
-    """``[rows, W, E]`` held sets of ``static:W`` over the first W positions of each row (its own demand)."""
+    """``[rows, W, E]`` held sets of ``prefix:W`` over the first W positions of each row (its own demand)."""
     out = np.zeros((own.shape[0], W, E), dtype=bool)
     for r in range(own.shape[0]):
-        holder = SetHolder(HoldingSpec("static", None, W), E, C)
+        holder = SetHolder(HoldingSpec("prefix", None, W), E, C)
         for t in range(W):
             holder.step(own[r, t])
             out[r, t, holder.current] = True

@@ -2,7 +2,8 @@
 
 ``dwell:k[:w]`` holds the resident set for k tokens, then refills it with the C experts requested
 most in the last w tokens (default w = 8k, the current token included), refreshing every token
-until the window first fills (the eviction paper's warm start). ``static:P`` refreshes every token
+until the window first fills (the eviction paper's warm start). ``prefix:P`` (the paper's
+"Static"; ``static:P`` is its old spelling) refreshes every token
 for the first P tokens of a sequence, then keeps the set it has: ``dwell`` with k = infinity and
 w = P. Between refreshes nothing is copied and the router may choose only among resident experts
 (:mod:`.routing` masks the scores of the others before the router's own top-k).
@@ -26,11 +27,11 @@ from collections import deque
 
 import numpy as np
 
-from ..policies.kinds import HoldingSpec, parse_dwell_static
+from ..policies.kinds import HOLDING_MAKERS, RENAMED, HoldingSpec, parse_holding_spec
 
 __all__ = ["HOLDING", "HoldingSpec", "SetHolder", "SlotMap", "parse_holding"]
 
-HOLDING = ("dwell", "static")
+HOLDING = ("dwell", "prefix")
 
 
 def parse_holding(spec) -> HoldingSpec | None:
@@ -44,9 +45,18 @@ def parse_holding(spec) -> HoldingSpec | None:
         from .controller import parse_controller
 
         return parse_controller(spec)
-    if name not in HOLDING:
+    if name not in HOLDING and name not in RENAMED:
         return None
-    return parse_dwell_static(spec)
+    return parse_holding_spec(spec)
+
+
+def _controller(text: str):
+    from .controller import parse_controller
+
+    return parse_controller(text)
+
+
+HOLDING_MAKERS["controller"] = _controller  # PolicySpec.clone() of a controller string (policies.kinds)
 
 
 class SetHolder:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..cache import ExpertCache
-from ..policies.context import LiveGroups, live_context
+from ..context import LiveGroups, live_context
 from ..errors import ConfigError
 from ..policies import Policy, StreamFuture
 from .experts import SlotView, attach_layer, detach_layer

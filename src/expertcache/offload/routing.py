@@ -1,6 +1,6 @@
 """Routing restricted to a resident set, exactly as each model family's router routes.
 
-A set-holding policy (``dwell``, ``static``) lets the router choose only among the experts it
+A set-holding policy (``dwell``, ``prefix``) lets the router choose only among the experts it
 holds. The restriction must not change anything else: the router's scores are computed as the
 model computes them, the scores of experts outside the set are masked *before the router's own
 top-k*, and the chosen experts' weights are the family's (normalised over the top-k only where the

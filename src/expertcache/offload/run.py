@@ -377,7 +377,7 @@ def offload(model: torch.nn.Module, capacity: int, policy: "str | Policy" = "lru
     (``"layer"``, the default: ``capacity`` slots per layer; ``"global"``: ``capacity`` slots shared
     by all offloaded layers, one token position per forward) and ``slow_copies=N`` (every copy
     made N times and counted once: a slower link). ``policy`` may also be a set-holding (lossy)
-    rule, ``"dwell:k[:w]"``, ``"static:P"`` (see :mod:`.holding`) or the learned controller
+    rule, ``"dwell:k[:w]"``, ``"prefix:P"`` (see :mod:`.holding`) or the learned controller
     ``"controller:heads.pt:THR[:W]"`` (see :mod:`.controller`).
     """
     return OffloadRun(model, capacity, policy, layers, **options)

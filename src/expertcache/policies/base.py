@@ -97,7 +97,7 @@ class Policy:
     wants_context: ClassVar[bool] = False
     """Whether the policy reads the current step's side information (gate weights, router
     probabilities): the driver then calls :meth:`set_context` with the stream's
-    :class:`~expertcache.policies.context.StreamContext` (or None) before each ``reset``."""
+    :class:`~expertcache.context.StreamContext` (or None) before each ``reset``."""
 
     def __init__(self) -> None:
         self.n_items = 0

@@ -11,17 +11,20 @@ A policy string names a rule of one of three kinds, each with its own registry a
   tier's arena), and ``--admission second`` (an expert's first request streamed, the second
   admitted), which composes with any eviction rule of a replay;
 * ``set-holding`` (resident-set) -- rules that hold a set and restrict routing to it (lossy):
-  ``dwell:k[:w]``, ``static:P`` (the experts of a sequence's first P tokens), and
-  ``controller:HEADS.pt:THR[:W]``; they run where routing runs: eval and the offloaded runtime.
+  ``dwell:k[:w]``, ``prefix:P`` (the experts of a sequence's first P tokens: the eviction paper's
+  "Static"), and ``controller:HEADS.pt:THR[:W]``; they run where routing runs: eval and the
+  offloaded runtime.
 
-``static`` is the one name two kinds share: without a parameter it is the admission rule (its pin
-set is the capacity's size), with one (``static:P``) the set-holding rule. :func:`parse_policy`
-decides the kind from the string alone, once, and a string of a kind the caller does not run is one
-line saying which kind it is and where it runs (the same text from every entry point).
+Every name means one thing: ``static`` is the admission rule only. ``prefix:P`` was called
+``static:P`` before; that spelling is still accepted, as ``prefix:P``, with a one-line notice on
+standard error (once per string and process). :func:`parse_policy` decides the kind from the
+string alone, once, and a string of a kind the caller does not run is one line saying which kind
+it is and where it runs (the same text from every entry point).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from ..errors import PolicyError
@@ -33,12 +36,32 @@ RUNS_IN = {
     "admission": "replay, sweep and grid (and the tier's arena); plain 'static' is the pin set with bypass",
     "set-holding": "eval and the offloaded runtime (it restricts routing to a held set of experts)",
 }
-SET_HOLDING = ("dwell:k[:w]", "static:P", "controller:HEADS.pt:THR[:W]")
+SET_HOLDING = ("dwell:k[:w]", "prefix:P", "controller:HEADS.pt:THR[:W]")
+HOLDING_MAKERS: dict = {}
+"""Set-holding rules defined above this module, by name -> ``maker(text)``: the offloaded runtime
+registers the learned controller (``expertcache.offload.holding``), so the policy layer never
+imports the runtime."""
+RENAMED = {"static": "prefix"}
+"""Old set-holding names (with a parameter) still accepted: old -> new."""
+_NOTICED: set[str] = set()
+
+
+def _renamed(text: str) -> str:
+    """``static:P`` -> ``prefix:P``, with the notice (once per string); any other text unchanged."""
+    name, colon, arg = text.strip().partition(":")
+    new = RENAMED.get(name.lower())
+    if new is None or not colon:
+        return text
+    if text not in _NOTICED:
+        _NOTICED.add(text)
+        print(f"expertcache: notice: {text.strip()[:60]!r} is now '{new}:{arg[:40]}' (the set-holding rule: the experts "
+              f"of a sequence's first P tokens); '{name}' alone is the pin set with bypass", file=sys.stderr)
+    return f"{new}:{arg}"
 
 
 @dataclass(frozen=True)
 class HoldingSpec:
-    """A parsed ``dwell:k[:w]`` / ``static:P``; ``hold`` is None for static (never refreshed after the window)."""
+    """A parsed ``dwell:k[:w]`` / ``prefix:P``; ``hold`` is None for prefix (never refreshed after the window)."""
 
     name: str
     hold: int | None
@@ -47,19 +70,23 @@ class HoldingSpec:
 
     @property
     def spec(self) -> str:
-        return f"static:{self.window}" if self.name == "static" else f"dwell:{self.hold}:{self.window}"
+        return f"prefix:{self.window}" if self.name == "prefix" else f"dwell:{self.hold}:{self.window}"
 
 
-def parse_dwell_static(text: str) -> HoldingSpec:
-    """``dwell:k[:w]`` (w defaults to 8k) or ``static:P``, checked."""
-    name, _, arg = text.partition(":")
+def parse_holding_spec(text: str) -> HoldingSpec:
+    """``dwell:k[:w]`` (w defaults to 8k) or ``prefix:P`` (also spelt ``static:P``, with a notice), checked."""
+    name, _, arg = _renamed(text).partition(":")
     parts = arg.split(":") if arg else []
-    if name == "static":
+    if name in RENAMED:  # the old name without its parameter: the admission rule's own name
+        raise PolicyError(f"policy {text!r}: the set-holding rule is prefix:P (the experts of a sequence's first P "
+                          f"tokens, routing restricted to them); the pin set with bypass, plain '{name}', runs in "
+                          "replay and sweep")
+    if name == "prefix":
         if len(parts) != 1:
-            raise PolicyError(f"policy static takes one parameter, the prefix length P (static:P), got {text!r}: "
-                              "here static:P is the set-holding rule (the experts of a sequence's first P tokens, "
-                              "routing restricted to them); the pin set with bypass, plain 'static', runs in replay and sweep")
-        return HoldingSpec("static", None, parse_int(parts[0], "static: P", 1, 2**40))
+            raise PolicyError(f"policy prefix takes one parameter, the prefix length P (prefix:P), got {text!r}: "
+                              "the set-holding rule that holds the experts of a sequence's first P tokens, routing "
+                              "restricted to them")
+        return HoldingSpec("prefix", None, parse_int(parts[0], "prefix: P", 1, 2**40))
     if len(parts) not in (1, 2):
         raise PolicyError(f"policy dwell takes dwell:k or dwell:k:w (k tokens held, window w), got {text!r}")
     hold = parse_int(parts[0], "dwell: k", 1, 2**40)
@@ -68,13 +95,13 @@ def parse_dwell_static(text: str) -> HoldingSpec:
 
 
 def kind_of(text: str) -> str | None:
-    """The kind a policy string names, from its name (and, for ``static``, whether it has a
-    parameter); None for an unknown name. Parameters are not checked."""
+    """The kind a policy string names, from its name (and, for the old spelling ``static:P``, whether
+    it has a parameter); None for an unknown name. Parameters are not checked."""
     from .registry import _REGISTRY
 
     name, colon, _ = text.strip().partition(":")
     name = name.lower()
-    if name in ("dwell", "controller") or (name == "static" and colon):
+    if name in ("dwell", "prefix", "controller") or (name in RENAMED and colon):
         return "set-holding"
     cls = _REGISTRY.get(name)
     if cls is None:
@@ -98,16 +125,17 @@ class PolicySpec:
 
     def clone(self):
         """A fresh rule: a :class:`~expertcache.policies.Policy` (eviction, admission), a
-        :class:`HoldingSpec` (dwell, static:P) or a controller spec (needs the hf extra)."""
+        :class:`HoldingSpec` (dwell, prefix:P) or a controller spec (needs the hf extra)."""
         from .registry import make_policy
 
         if self.kind != "set-holding":
             return make_policy(self.text)
+        if self.name in HOLDING_MAKERS:
+            return HOLDING_MAKERS[self.name](self.text)
         if self.name == "controller":
-            from ..offload.controller import parse_controller
-
-            return parse_controller(self.text)
-        return parse_dwell_static(self.text)
+            raise PolicyError(f"policy {self.text[:60]!r}: the learned controller's heads load in the offloaded runtime "
+                              "(import expertcache.offload; needs the hf extra: pip install 'expertcache[hf]')")
+        return parse_holding_spec(self.text)
 
 
 def wrong_kind(text: str, kind: str, where: str, runs: tuple[str, ...]) -> PolicyError:
@@ -116,8 +144,8 @@ def wrong_kind(text: str, kind: str, where: str, runs: tuple[str, ...]) -> Polic
              "set-holding": "a set-holding rule"}[kind]
     if text.strip().partition(":")[0].lower() == "static" and kind == "set-holding":
         return PolicyError(f"{where} {text.strip()[:60]!r}: in replay and sweep, 'static' is the pin set with bypass "
-                           "(the top C experts of a profile window, C = the capacity; no parameter); 'static:P' is "
-                           f"{label}, it runs in {RUNS_IN[kind]}")
+                           "(the top C experts of a profile window, C = the capacity; no parameter); 'static:P' is the "
+                           f"old name of 'prefix:P', {label}, it runs in {RUNS_IN[kind]}")
     return PolicyError(f"{where} {text.strip()[:60]!r} is {label}: it runs in {RUNS_IN[kind]}; "
                        f"here: {' or '.join(runs)} rules")
 
@@ -139,7 +167,8 @@ def _parse(text, kinds: tuple[str, ...], where: str):
     name, _, arg = text.strip().partition(":")
     name = name.lower()
     if kind == "set-holding":
-        rule = None if name == "controller" else parse_dwell_static(f"{name}:{arg}")
+        rule = None if name == "controller" else parse_holding_spec(f"{name}:{arg}")
+        name = RENAMED.get(name, name)
     else:
         rule = make_policy(text.strip())
     canonical = text.strip() if rule is None else rule.spec

@@ -1,7 +1,7 @@
 """``learned:PATH``: evict the candidate a trained scorer ranks highest (``expertcache learn train``).
 
-The scorer file (:mod:`expertcache.learn.scorer_io`) names its features; the policy follows the
-stream with a :class:`~expertcache.learn.features.FeatureState` and, at each eviction, scores the
+The scorer file (:mod:`expertcache.scorer.file`) names its features; the policy follows the
+stream with a :class:`~expertcache.scorer.features.FeatureState` and, at each eviction, scores the
 candidates (:func:`expertcache.kernels_learned.score_rows`). Key = minus the score, so the cache's
 usual order applies (highest score first, ties: least recently used, then smallest id). Features
 of the ``gate`` and ``router`` groups need the trace's ``probs`` / ``router_probs``: they reach the
@@ -17,6 +17,12 @@ counts (same features bit for bit, same scoring arithmetic, same residency infer
 needing context the layout cannot give (no trace attached, field absent), has no plan: replay
 runs the Python engine as before (and reports the missing field there).
 
+Live, and on the simulator's Python engine, the policy follows the stream with the same compiled
+feature state (:class:`~expertcache.kernels_feature_state.LiveFeatures`: one compiled call per
+eviction and one per step) whenever the plan could run it; otherwise (model-side features, missing
+tables) with FeatureState. ``reference=True`` always uses FeatureState, the independent Python
+implementation the tests cross-check both compiled paths against.
+
 A scorer of reuse features only, loaded from a file, is :attr:`stream_local` (``replay --jobs``
 rebuilds it from its path in each worker) and asks for no context.
 """
@@ -27,10 +33,19 @@ import inspect
 
 import numpy as np
 
-from .base import Policy
-from .context import RouterView
-from .registry import register
+from ..context import RouterView, stream_context
 from ..errors import PolicyError
+from ..kernels_feature_state import LiveFeatures
+from ..kernels_features import score_rows
+from ..kernels_learned import LearnedPlan, feature_codes
+from ..scorer.features import DECAY_RATES, GATE, LOGRATE, ONLINE, PRIOR, REUSE, ROUTER, FeatureState, \
+    available_features, feature_needs
+from ..scorer.file import load_scorer
+from ..scorer.online import local_layers, online_fits
+from ..scorer.prior import PriorFeatures
+from ..scorer.signals import HORIZONS
+from .base import Policy
+from .registry import register
 
 
 @register
@@ -39,12 +54,13 @@ class Learned(Policy):
     wants_context = True
     stream_local = False  # a scorer made in memory has no path to rebuild it from
 
-    def __init__(self, scorer, path: str, from_file: bool = False):
+    def __init__(self, scorer, path: str, from_file: bool = False, reference: bool = False):
         super().__init__()
-        from ..learn.features import REUSE
-
         self.scorer = scorer
         self.path = str(path)
+        self.reference = bool(reference)
+        self._needs_memo = None
+        self._live = False
         reuse_only = set(scorer.features) <= set(REUSE)
         self.wants_context = not reuse_only
         self.stream_local = bool(from_file and reuse_only)
@@ -56,8 +72,6 @@ class Learned(Policy):
     def from_arg(cls, arg):
         if not arg:
             raise PolicyError("policy 'learned' needs a scorer file: learned:PATH (made by 'expertcache learn train')")
-        from ..learn.scorer_io import load_scorer
-
         return cls(load_scorer(arg), arg, from_file=True)
 
     @property
@@ -65,8 +79,6 @@ class Learned(Policy):
         return f"learned:{self.path}"
 
     def reset(self, n_items, future=None, steps_per_token=1):
-        from ..learn.features import FeatureState, available_features, feature_needs
-
         super().reset(n_items, future, steps_per_token)
         have = available_features(self.context)
         lacking = [f for f in self.scorer.features if f not in have]
@@ -74,11 +86,32 @@ class Learned(Policy):
             field = feature_needs(lacking[0])
             raise PolicyError(f"policy learned:{self.path}: its feature {lacking[0]!r} needs the trace's {field}, "
                               "which this trace (or this cache) does not provide")
-        self.state = FeatureState(self.n_items, self.context, self.steps_per_token, getattr(self.scorer, "tables", None))
+        self.state = None if self.reference else self._live_state()
+        self._live = self.state is not None
+        if self.state is None:
+            self.state = FeatureState(self.n_items, self.context, self.steps_per_token,
+                                      getattr(self.scorer, "tables", None))
+
+    def _live_state(self):
+        """The compiled feature state of this stream, or None where the plan could not run (then FeatureState)."""
+        needs = self._needs()
+        if needs is None:
+            return None
+        plan, (gate, router, prior, online) = needs
+        ctx = self.context
+        if (gate or router or prior or online) and ctx is None:
+            return None
+        if (gate and ctx.probs is None) or (router and ctx.router is None):
+            return None
+        tables = getattr(self.scorer, "tables", None)
+        if prior and (tables is None or getattr(tables, "trans", 0) is None or getattr(ctx, "item_layer", None) is None):
+            return None
+        arrays = _arrays_of(ctx, False, False, tables if prior else None, online) if (prior or online) else {}
+        return LiveFeatures(plan, self.n_items, self.steps_per_token, ctx, arrays)
 
     def keys(self, candidates, t):
-        from ..kernels_features import score_rows
-
+        if self._live:
+            return self.state.keys(candidates, t)
         X = np.ascontiguousarray(self.state.features(candidates, t, self.scorer.features), dtype=np.float64)
         k = -score_rows(X, self._mean, self._scale, *self._weights)
         self.state.note_keys(candidates, k, t)
@@ -87,27 +120,36 @@ class Learned(Policy):
     def on_access(self, items, t):
         self.state.on_access(items, t)
 
-    def plan(self, layout):
-        from ..kernels_learned import LearnedPlan, feature_codes
-        from ..learn.features import DECAY_RATES, GATE, LOGRATE, ONLINE, PRIOR, ROUTER
-        from ..learn.signals import HORIZONS
+    def _needs(self):
+        """``(plan without context, (gate, router, prior, online))`` when every feature has a code, else None."""
+        if self._needs_memo is None:
+            codes = feature_codes(DECAY_RATES, HORIZONS)
+            feats = self.scorer.features
+            if any(f not in codes for f in feats):
+                self._needs_memo = (None,)
+            else:
+                groups = tuple(bool(set(feats) & set(g)) for g in (GATE, ROUTER, PRIOR, ONLINE))
+                alpha = inspect.signature(RouterView).parameters["alpha"].default  # FeatureState's router average
+                plan = LearnedPlan([codes[f] for f in feats], self._mean, self._scale, self._weights, LOGRATE, alpha,
+                                   gate=groups[0], router=groups[1])
+                self._needs_memo = (plan, groups)
+        return None if self._needs_memo[0] is None else self._needs_memo
 
-        codes = feature_codes(DECAY_RATES, HORIZONS)
-        feats = self.scorer.features
-        if any(f not in codes for f in feats):
+    def plan(self, layout):
+        needs = self._needs()
+        if needs is None:
             return None
-        gate, router, prior, online = (bool(set(feats) & set(g)) for g in (GATE, ROUTER, PRIOR, ONLINE))
-        context = None
-        if gate or router or prior or online:
-            trace = getattr(layout, "source", None)
-            if trace is None or (gate and trace.probs is None) or (router and trace.router_probs is None):
-                return None  # the Python engine reports what is missing
-            tables = getattr(self.scorer, "tables", None)
-            if prior and (tables is None or getattr(tables, "trans", 0) is None):
-                return None
-            context = _context_arrays(gate, router, tables if prior else None, online)
-        alpha = inspect.signature(RouterView).parameters["alpha"].default  # FeatureState's router average
-        return LearnedPlan([codes[f] for f in feats], self._mean, self._scale, self._weights, LOGRATE, alpha, context)
+        base, (gate, router, prior, online) = needs
+        if not (gate or router or prior or online):
+            return base
+        trace = getattr(layout, "source", None)
+        if trace is None or (gate and trace.probs is None) or (router and trace.router_probs is None):
+            return None  # the Python engine reports what is missing
+        tables = getattr(self.scorer, "tables", None)
+        if prior and (tables is None or getattr(tables, "trans", 0) is None):
+            return None
+        context = _context_arrays(gate, router, tables if prior else None, online)
+        return base.with_context(context)
 
 
 def _weights(scorer):
@@ -122,24 +164,22 @@ def _weights(scorer):
 
 def _context_arrays(gate: bool, router: bool, tables=None, online: bool = False):
     """``(layout, s) ->`` the arrays of stream ``s`` :class:`~expertcache.kernels_learned.LearnedPlan`
-    reads, from the trace's stream context; ``tables``: the prior group's (Tables or FoldedTables);
-    ``online``: the online group's item map."""
-    from ..learn.online import local_layers, online_fits
-    from ..learn.prior import PriorFeatures
-    from .context import stream_context
+    reads, from the trace's stream context (:func:`_arrays_of`)."""
+    return lambda layout, s: _arrays_of(stream_context(layout, s), gate, router, tables, online)
 
-    def get(layout, s):
-        ctx = stream_context(layout, s)
-        out = {"probs": ctx.probs if gate else None, "router": ctx.router if router else None,
-               "offset": ctx.offset if router else None}
-        if online:
-            if not online_fits(ctx.item_layer.size, ctx.num_experts):
-                raise PolicyError(f"policy learned: its feature 'online_h1' needs pair counts over {ctx.item_layer.size} "
-                                  f"items x E={ctx.num_experts}, above the limit (docs/learn.md, 'Online transitions')")
-            out.update(item_ll=local_layers(ctx.item_layer), item_e=ctx.item_expert)
-        if tables is not None:  # the Python engine's own lookups: one item map and one set of float64 tables
-            pf = PriorFeatures(tables.for_stream(ctx.seq_id) if hasattr(tables, "for_stream") else tables, ctx)
-            out.update(item_li=pf.li, item_e=pf.e, pop=pf.pop, trans=pf.trans, succp=pf.succp)
-        return out
 
-    return get
+def _arrays_of(ctx, gate: bool, router: bool, tables=None, online: bool = False) -> dict:
+    """The compiled feature state's arrays of one stream context: its gate weights and router rows
+    (``gate``/``router``), the prior group's item map and tables (``tables``: Tables or FoldedTables),
+    the online group's item map (``online``)."""
+    out = {"probs": ctx.probs if gate else None, "router": ctx.router if router else None,
+           "offset": ctx.offset if router else None}
+    if online:
+        if not online_fits(ctx.item_layer.size, ctx.num_experts):
+            raise PolicyError(f"policy learned: its feature 'online_h1' needs pair counts over {ctx.item_layer.size} "
+                              f"items x E={ctx.num_experts}, above the limit (docs/learn.md, 'Online transitions')")
+        out.update(item_ll=local_layers(ctx.item_layer), item_e=ctx.item_expert)
+    if tables is not None:  # the Python engine's own lookups: one item map and one set of float64 tables
+        pf = PriorFeatures(tables.for_stream(ctx.seq_id) if hasattr(tables, "for_stream") else tables, ctx)
+        out.update(item_li=pf.li, item_e=pf.e, pop=pf.pop, trans=pf.trans, succp=pf.succp)
+    return out

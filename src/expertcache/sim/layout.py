@@ -41,7 +41,7 @@ class StreamLayout:
         streamed: int32 ``[G]`` requests of each group served without admission (``admission``
             other than ``"all"``; they are removed from ``groups`` and count as misses).
         source, cols: the trace the layout came from and its selected layer columns (side
-            information for policies that read it: :mod:`expertcache.policies.context`).
+            information for policies that read it: :mod:`expertcache.context`).
     """
 
     groups: np.ndarray

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..kernels_features import decayed, log1p_each
 from ..errors import ConfigError
-from ..policies.context import RouterView, StreamContext
+from ..context import RouterView, StreamContext
 from .online import ONLINE, OnlineFeatures, online_fits
 from .prior import PRIOR, PriorFeatures
 from .signals import DEFAULT_OFF, NEEDS, SIGNAL_GROUPS, SignalFeatures

@@ -52,7 +52,7 @@ def fit_transitions(used: np.ndarray, target: np.ndarray, ok: np.ndarray, succ_p
 
 
 class PriorFeatures(LatestGroups):
-    """The prior columns of one stream; ``context`` is its :class:`~expertcache.policies.context.StreamContext`
+    """The prior columns of one stream; ``context`` is its :class:`~expertcache.context.StreamContext`
     (groups and the pool's item map), ``tables`` a :class:`~.signals.Tables` with ``trans``."""
 
     def __init__(self, tables, context):

@@ -1,9 +1,9 @@
 """The scorer file: a small ``.npz`` (no pickle) read back by ``learned:PATH``.
 
 Fields: ``format_version`` (int, :data:`FORMAT_VERSION`), ``kind`` (``linear`` or ``mlp``),
-``features`` (feature names, :data:`expertcache.learn.features.FEATURES`), ``mean`` and ``scale``
+``features`` (feature names, :data:`expertcache.scorer.features.FEATURES`), ``mean`` and ``scale``
 (the normalisation, one value per feature), ``w0``.. (the weights, shapes as in
-:class:`~expertcache.learn.models.Scorer`) and ``meta`` (a JSON string: how it was trained).
+:class:`~expertcache.scorer.models.Scorer`) and ``meta`` (a JSON string: how it was trained).
 Version 2 adds the model-side routing tables (``sig_*`` fields, :mod:`.signals`) a scorer of the
 token / next / hidden / ahead features replays with; version 3 the prior group's transitions
 (``sig_trans``, :mod:`.prior`). Files of versions 1 (no tables) and 2 still load.

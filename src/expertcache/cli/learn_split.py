@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .._progress import progress
-from ..cli.common import _int_in, emit_json, resamples_int, seed_int, table
+from .common import _int_in, emit_json, resamples_int, seed_int, table
 from ..errors import ConfigError
 
 
@@ -26,8 +26,8 @@ def add_split_arguments(p) -> None:
 
 
 def _skip_reason(trace, capacity: int, spec, parts: int) -> str | None:
-    from ..cli.learn_cmd import _unusable
-    from .split import part_sizes
+    from .learn_cmd import _unusable
+    from ..learn.split import part_sizes
 
     why = _unusable(trace, capacity, 2)
     if why:
@@ -41,8 +41,8 @@ def _skip_reason(trace, capacity: int, spec, parts: int) -> str | None:
 
 
 def run_split(args, traces, states, rounds, tables_from) -> int:
-    from .protocol import evaluate_split
-    from .split import parse_split
+    from ..learn.protocol import evaluate_split
+    from ..learn.split import parse_split
 
     if args.split is None:
         raise ConfigError("--bootstrap needs --split: intervals are over the test sequences of one split")
