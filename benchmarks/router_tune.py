@@ -51,7 +51,10 @@ from expertcache.routetune.rollout import make_prompts  # noqa: E402
 MODEL = ROOT / "models" / "small-moe"
 HELDOUT = MODEL / "heldout_ids.npy"
 VARIANTS = {"grpo": [], "sft": ["--sft-control"], "grpo+tag": ["--cache-tag"],
-            "grpo-lora": ["--lora-rank", "8", "--lora-targets", "router,experts,attention"]}
+            "grpo-lora": ["--lora-rank", "8", "--lora-targets", "router,experts,attention"],
+            "grpo+lb": ["--balance", "{balance}"], "sft+lb": ["--sft-control", "--balance", "{balance}"]}
+"""``+lb``: the load-collapse control, the tuned layer's load-balancing loss kept in the objective
+with weight ``--balance`` (default: the model's own ``router_aux_loss_coef``, 0.01 for small-moe)."""
 DEFAULT_VARIANTS = "grpo,sft,grpo+tag"
 
 
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("decode", "forward"), default="decode")
     ap.add_argument("--probe-prompts", type=int, default=32)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {','.join(VARIANTS)}")
+    ap.add_argument("--balance", type=float, default=None,
+                    help="weight of the load-balancing loss of the +lb variants (default: the model's router_aux_loss_coef)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -119,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts_txt = out / "prompts.txt"
     if not prompts_txt.is_file():
         write_prompts(prompts_txt)
+    if args.balance is None:
+        args.balance = float(json.loads((MODEL / "config.json").read_text()).get("router_aux_loss_coef", 0.01))
     models = {"base": MODEL}
     results: dict = {"args": vars(args), "train": {}, "probe": {}, "main": {}, "trained_setting": {}}
     for name in args.variants.split(","):
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         line = cli_out(["router-tune", "--model", MODEL, "--text", prompts_txt, "--layer", args.layer,
                         "--cache", args.train_cache, "--steps", args.steps, "--group", args.group,
                         "--max-new-tokens", args.max_new_tokens, "--lr", args.lr, "--kl", args.kl,
-                        *VARIANTS[name], "--out", folder, "--json"])
+                        *[a.format(balance=args.balance) for a in VARIANTS[name]], "--out", folder, "--json"])
         results["train"][name] = json.loads(line) | {"wall_s": time.perf_counter() - t0}
         models[name] = folder
         print(f"trained {name}: {results['train'][name]}", flush=True)

@@ -72,9 +72,27 @@ def test_config_checks():
 
     TuneConfig(layer=2, cache=4).check().check_model([0, 1, 2, 3], 16, 2)
     for kwargs in [{"layer": 9, "cache": 4}, {"layer": 2, "cache": 17}, {"layer": 2, "cache": 1},
-                   {"layer": 2, "cache": 4, "group": 1}, {"layer": 2, "cache": 4, "lora_targets": ("experts",)}]:
+                   {"layer": 2, "cache": 4, "group": 1}, {"layer": 2, "cache": 4, "lora_targets": ("experts",)},
+                   {"layer": 2, "cache": 4, "balance": -1.0}, {"layer": 2, "cache": 4, "balance": float("nan")}]:
         with pytest.raises(ConfigError):
             TuneConfig(**kwargs).check().check_model([0, 1, 2, 3], 16, 2)
+
+
+def test_balance_loss_is_k_when_uniform_and_its_gradient_spreads_the_load():
+    torch = pytest.importorskip("torch")
+    from expertcache.routetune.rollout import balance_loss
+
+    E, k = 8, 2
+    uniform = torch.zeros(64, E)
+    assert abs(float(balance_loss(uniform, k)) - k) < 1e-6  # E * sum_e (k/E) * (1/E) = k
+    logits = torch.randn(64, E, generator=torch.Generator().manual_seed(0))
+    logits[:, :2] += 4.0  # most tokens to experts 0 and 1
+    logits.requires_grad_(True)
+    loss = balance_loss(logits, k)
+    assert float(loss) > k
+    loss.backward()
+    stepped = (logits - 5.0 * logits.grad).detach()
+    assert float(balance_loss(stepped, k)) < float(loss)  # a step down the gradient spreads the load
 
 
 # ---------------------------------------------------------------- end to end on the small model
@@ -107,6 +125,7 @@ def runs(tmp_path_factory):
         yield tmp, {name: _tune(tmp, name, *extra) for name, extra in [
             ("grpo", ()), ("grpo_again", ()), ("grpo_seed1", ("--seed", "1")), ("sft", ("--sft-control",)),
             ("lora", ("--lora-rank", "2", "--lora-targets", "router,experts,attention", "--cache-tag")),
+            ("grpo_lb", ("--balance", "1.0")),
         ]}
     finally:
         torch.set_num_threads(threads)
@@ -127,6 +146,16 @@ def test_grpo_is_deterministic_and_trains_only_the_router(runs):
     assert all(0 <= s["reward"] <= 1 and s["kl"] >= 0 for s in record["curve"])
     assert record["summary"]["trained_parameters"] == 16 * 128
     assert sorted(os.listdir(tmp)) == sorted(out)  # atomic: no temporary folder left beside them
+
+
+@needs_model
+def test_the_load_balance_control_changes_only_the_router_and_is_recorded(runs):
+    _, out = runs
+    base, grpo, lb = (_tensors(p) for p in (MODEL, out["grpo"], out["grpo_lb"]))
+    assert [k for k in lb if not np.array_equal(lb[k], base[k])] == [ROUTER]
+    assert not np.array_equal(lb[ROUTER], grpo[ROUTER])  # the balance term moved the router differently
+    record = json.loads((out["grpo_lb"] / "routetune.json").read_text())
+    assert record["config"]["balance"] == 1.0 and record["config"]["objective"] == "grpo"
 
 
 @needs_model

@@ -69,6 +69,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lora-alpha", type=nonnegative_float, default=16.0, help="LoRA alpha (scale alpha/R; default 16)")
     p.add_argument("--lora-targets", default="router", metavar="LIST",
                    help=f"comma-separated, of {','.join(TARGETS)} (default router; needs --lora-rank)")
+    p.add_argument("--balance", type=nonnegative_float, default=0.0, metavar="W",
+                   help="add W x the tuned layer's load-balancing loss (the Switch/OLMoE loss the base was trained "
+                        "with) to the objective: the load-collapse control (default 0: none)")
     p.add_argument("--out", required=True, metavar="DIR", help="output checkpoint folder (must not exist)")
     add_json(p)
     p.set_defaults(func=run)
@@ -81,7 +84,7 @@ def config_of(args) -> TuneConfig:
         steps=args.steps, group=args.group, max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
         prompts_per_step=args.prompts_per_step, seed=args.seed, lr=args.lr, clip=args.clip, kl=args.kl,
         inner=args.inner, temperature=args.temperature, cache_tag=args.cache_tag, lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha, lora_targets=targets,
+        lora_alpha=args.lora_alpha, lora_targets=targets, balance=args.balance,
     ).check()
 
 

@@ -29,6 +29,9 @@ class TuneConfig:
     ``objective``: ``"grpo"`` (reward-weighted, clipped policy gradient with a KL penalty to the
     frozen starting model) or ``"sft"`` (the control: plain next-token loss on the same kind of
     self-generated data, same steps, same parameters trained, no reward in the loss).
+    ``balance``: weight of the tuned layer's load-balancing loss added to either objective
+    (:func:`.rollout.balance_loss`, the loss the base model was trained with; 0: none): the control
+    that keeps the expert load from concentrating.
     """
 
     layer: int
@@ -50,6 +53,7 @@ class TuneConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = field(default=("router",))
+    balance: float = 0.0
 
     def check(self) -> "TuneConfig":
         if self.reward not in REWARDS:
@@ -63,7 +67,7 @@ class TuneConfig:
             raise ConfigError(f"--group must be at least 2 (GRPO compares generations of one prompt), got {self.group}")
         if self.layer < 0:
             raise ConfigError(f"--layer must be a layer id >= 0, got {self.layer}")
-        for name in ("lr", "clip", "kl", "temperature", "lora_alpha"):
+        for name in ("lr", "clip", "kl", "temperature", "lora_alpha", "balance"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")

@@ -12,7 +12,9 @@ One step, for each of ``prompts_per_step`` prompts (fixed in advance, :func:`.ro
    ``surrogate = min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)``, KL estimate
    ``k3 = exp(lp_ref - lp) - (lp_ref - lp) - 1`` (>= 0, zero at the reference); loss =
    ``-mean_g mean_t (surrogate - beta * k3)``, averaged over the step's prompts; AdamW (no weight
-   decay), gradient norm clipped to 1.
+   decay), gradient norm clipped to 1. With ``balance`` > 0 the tuned layer's load-balancing loss
+   over the scored positions (:func:`.rollout.balance_loss`) is added with that weight (for
+   either objective): the control for the load-collapse explanation of GRPO's lower copies.
 
 The SFT control (``objective="sft"``) runs the same steps on the same prompts, samples the same
 way and trains the same parameters on ``mean_g mean_t (-lp)``: learning from its own generations
@@ -35,7 +37,7 @@ import torch
 from .config import TuneConfig
 from .lora import merge, trainable
 from .reward import group_advantages, reward_of
-from .rollout import sample, score
+from .rollout import balance_loss, router_logits_of, sample, score
 from ..offload.model import ExpertsSite, find_sites
 
 
@@ -91,6 +93,7 @@ def tune(model: torch.nn.Module, prompts: np.ndarray, config: TuneConfig, progre
     model.float().eval()
     reference = copy.deepcopy(model).requires_grad_(False)
     site = site_at(model, config.layer)
+    top_k = int(getattr(model.config, "num_experts_per_tok", 0) or getattr(model.config, "top_k", 0) or 1)
     params = trainable(model, site, config.lora_rank, config.lora_alpha, config.lora_targets, generator)
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     result = TuneResult(config, trained_parameters=sum(p.numel() for p in params))
@@ -111,7 +114,8 @@ def tune(model: torch.nn.Module, prompts: np.ndarray, config: TuneConfig, progre
             optimizer.zero_grad(set_to_none=True)
             total, kls = 0.0, []
             for ids, lp_old, lp_ref, _, adv in batch:
-                lp, _ = score(model, ids, prompt_len)
+                with router_logits_of(site) as logits:
+                    lp, _ = score(model, ids, prompt_len)
                 delta = lp_ref - lp
                 k3 = torch.exp(delta) - delta - 1.0
                 if config.objective == "grpo":
@@ -120,6 +124,8 @@ def tune(model: torch.nn.Module, prompts: np.ndarray, config: TuneConfig, progre
                     loss = -(surrogate - config.kl * k3).mean(dim=1).mean()
                 else:
                     loss = -lp.mean(dim=1).mean()
+                if config.balance > 0:
+                    loss = loss + config.balance * balance_loss(torch.cat(logits), top_k)
                 (loss / len(batch)).backward()
                 total += float(loss.detach()) / len(batch)
                 kls.append(float(k3.detach().mean()))

@@ -55,6 +55,36 @@ def sample(model: torch.nn.Module, prompt: torch.Tensor, group: int, max_new_tok
 
 
 @contextmanager
+def router_logits_of(site: ExpertsSite):
+    """Record the router logits of ``site`` (with their gradient; list of ``[tokens, E]`` tensors)."""
+    seen: list[torch.Tensor] = []
+    if site.router is None:
+        raise ConfigError(f"layer {site.layer}: its router module was not found (the load-balance term needs it)")
+
+    def hook(module, args, output):
+        logits = output[site.router_output_index] if isinstance(output, (tuple, list)) else output
+        seen.append(logits.reshape(-1, logits.shape[-1]))
+
+    handle = site.router.register_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def balance_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The Switch / OLMoE load-balancing loss of one layer's router over ``logits [tokens, E]``:
+    ``E * sum_e f_e * P_e``, ``f_e`` the share of the tokens' top-``k`` selections that go to ``e``
+    (times k; no gradient), ``P_e`` the mean router probability of ``e``. It is ``k`` when the load
+    is uniform and grows as it concentrates."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    E = probs.shape[-1]
+    chosen = torch.topk(probs, top_k, dim=-1).indices
+    f = torch.zeros(E, dtype=probs.dtype).scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel())) / probs.shape[0]
+    return E * (f.detach() * probs.mean(dim=0)).sum()
+
+
+@contextmanager
 def routing_of(site: ExpertsSite):
     """Record the ``top_k_index`` the experts module of ``site`` receives (list of tensors)."""
     seen: list[torch.Tensor] = []
