@@ -300,6 +300,23 @@ def test_live_learned_scorer_with_priors_and_online_counts_equals_replay(olmoe, 
     assert counts(replay(cap.trace, C, spec, pool=pool)) != counts(replay(cap.trace, C, "lru", pool=pool))
 
 
+def test_evaluate_reads_a_scorer_file_once(olmoe, tmp_path, monkeypatch):
+    """A policy string is parsed once where it enters (issue 23): eval's probes and every timed round
+    reuse the rule it made (each run copies it per layer), so a learned: scorer file is read once."""
+    import expertcache.policies.learned as learned
+    from expertcache.scorer.file import load_scorer, save_scorer
+    from expertcache.scorer.features import REUSE
+    from expertcache.scorer.models import Scorer
+
+    F = len(REUSE)
+    path = save_scorer(Scorer("linear", REUSE, np.zeros(F), np.ones(F), [np.arange(F, dtype=float)]), tmp_path / "s.npz")
+    reads = []
+    monkeypatch.setattr(learned, "load_scorer", lambda p: reads.append(p) or load_scorer(p))
+    ev = evaluate(olmoe, [ids(1, 16, s)[0].numpy() for s in (1, 2)], 3, [f"learned:{path}", "lru"], repeats=2)
+    assert len(reads) == 1
+    assert [r.policy for r in ev.results] == [f"learned:{path}", "lru"] and all(r.exact for r in ev.results)
+
+
 def test_global_pool_shares_slots_and_refuses_multi_token_forwards(olmoe):
     x = ids(1, 20, seed=5)
     with torch.no_grad():

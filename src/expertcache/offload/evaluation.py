@@ -41,6 +41,7 @@ fill and prefetch), ``c_ms_reference`` = the reference pass's ms per step, the b
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -273,7 +274,8 @@ def evaluate(
     seqs = check_sequences(sequences, vocab_size(model))
     batches, dropped = make_batches(seqs, batch)
     idx = draws(len(seqs) - dropped, bootstrap, bootstrap_seed) if bootstrap else None
-    specs = [check_kind(p, ("eviction", "set-holding")).spec for p in policies]
+    rules = [check_kind(p, ("eviction", "set-holding")) for p in policies]  # parsed once: each file read once
+    specs = [r.spec for r in rules]
     if not specs:
         raise ConfigError("policies: give at least one policy")
     layers = None if layers is None else list(layers)
@@ -283,7 +285,7 @@ def evaluate(
     options = dict(prefetch=prefetch, device=device, pool=pool, slow_copies=slow_copies)
     requested = capacity
     capacity = fitting_capacity(model, capacity, layers, pool)
-    probes = [OffloadRun(model, capacity, spec, layers, **options) for spec in specs]
+    probes = [OffloadRun(model, capacity, rule, layers, **options) for rule in rules]
     sites = probes[0].sites
     kind = _reference_kind(reference, sites, device)
     warmup = [b[:, :WARMUP_TOKENS] for b in batches[:1]]
@@ -297,18 +299,18 @@ def evaluate(
                                     router_probs and trace is None, bar))
         if trace is None:
             trace = refs[0][1]
-        for spec, probe in zip(specs, probes):
+        for spec, rule, probe in zip(specs, rules, probes):
             bar.set_description(f"{spec} at C={capacity}" + (f", round {round_ + 1}/{repeats}" if repeats > 1 else ""))
-            runs[spec].append(_policy_pass(model, batches, warmup, mode, spec, capacity, probe.layer_ids, trace,
+            runs[spec].append(_policy_pass(model, batches, warmup, mode, rule, capacity, probe.layer_ids, trace,
                                            options, device, bar))
     bar.close()
     ref = _median_round([r[0] for r in refs])
     evaluation = Evaluation(ref, trace, reference_kind=label, dropped=dropped, capacity_requested=requested,
                             capacity=capacity, repeats=repeats)
-    for spec in specs:
+    for spec, rule in zip(specs, rules):
         rounds = runs[spec]
         result, stats, live, read = rounds[_median_index([r[0] for r in rounds])]
-        res = _policy_result(spec, capacity, mode, tolerance, ref, result, stats, live, trace, label)
+        res = _policy_result(spec, rule, capacity, mode, tolerance, ref, result, stats, live, trace, label)
         res.read_bytes_self = read
         res.ms_runs = [r[0].ms_per_step for r in rounds]
         res.ms_runs_reference = [r[0].ms_per_step for r in refs]
@@ -340,9 +342,10 @@ def _reference_pass(model, batches, warmup, mode, kind, sites, device, capacity,
     return ref, cap.trace
 
 
-def _policy_pass(model, batches, warmup, mode, spec, capacity, layer_ids, trace, options, device, bar):
-    """One timed pass of ``spec``: (PassResult, OffloadStats, live Trace, this process's read bytes)."""
-    run = OffloadRun(model, capacity, spec, layer_ids, future=trace, **options)
+def _policy_pass(model, batches, warmup, mode, rule, capacity, layer_ids, trace, options, device, bar):
+    """One timed pass of ``rule`` (a parsed policy; each run copies it per layer): (PassResult,
+    OffloadStats, live Trace, this process's read bytes)."""
+    run = OffloadRun(model, capacity, rule, layer_ids, future=trace, **options)
     with run:
         run_pass(model, warmup, mode)
         run.rewind()
@@ -384,10 +387,10 @@ def _reference_kind(reference: str, sites, device: torch.device) -> str:
     return "resident" if away <= 0.9 * free else "offloaded"
 
 
-def _policy_result(spec, capacity, mode, tolerance, reference, result, stats, live: Trace, ref_trace: Trace,
+def _policy_result(spec, rule, capacity, mode, tolerance, reference, result, stats, live: Trace, ref_trace: Trace,
                    reference_kind: str) -> PolicyResult:
-    if stats.prefetch == "none" and stats.lossless:
-        replayed = replay(live, capacity, spec, layers=stats.layers, pool=stats.pool)
+    if stats.prefetch == "none" and stats.lossless:  # a lossless rule: a Policy, replayed from a copy (never re-parsed)
+        replayed = replay(live, capacity, copy.deepcopy(rule), layers=stats.layers, pool=stats.pool)
         agrees = (
             replayed.copies_total == stats.copies_total
             and replayed.copies_steady == stats.copies_steady
