@@ -30,6 +30,30 @@ def numpy_reason(err: BaseException) -> str:
     return text
 
 
+def write_npz(path: str | os.PathLike, arrays: dict, *, compressed: bool = False, option: str = "--out") -> Path:
+    """``arrays`` as an ``.npz`` at ``path``, written atomically (:func:`atomic_open`); returns the path."""
+    import numpy as np
+
+    with atomic_open(path, "wb", option=option) as fh:
+        (np.savez_compressed if compressed else np.savez)(fh, **arrays)
+    return Path(path)
+
+
+def open_npz(path: str | os.PathLike, what: str, kind: str):
+    """``np.load`` of a user's ``.npz`` without pickles (``with`` it); a ConfigError line when it is
+    not a file (``"{what} {path}: no such file"``) or not an archive numpy reads
+    (``"{what} {path}: not {kind} ({reason})"``, e.g. ``kind="a scorer file"``)."""
+    import numpy as np
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p}: no such file")
+    try:
+        return np.load(p, allow_pickle=False)
+    except Exception as err:  # truncated, not a zip, not numpy
+        raise ConfigError(f"{what} {p}: not {kind} ({numpy_reason(err)})") from None
+
+
 def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:
     """``path`` as a Path whose folder exists and which is not itself a folder, else a ConfigError."""
     path = Path(path)

@@ -313,7 +313,6 @@ class LiveFeatures:
     def __init__(self, plan, n_items: int, spt: float, context=None, arrays=None):
         self.plan, self.context, self.spt = plan, context, float(spt)
         a = plan.context_args(arrays or {})
-        self.a = a
         n, R, F = int(n_items), plan.lograte.size, plan.codes.size
         self.steps = np.full((4, n), -1, dtype=np.int64)
         self.count = np.zeros(n, dtype=np.int64)
@@ -335,12 +334,11 @@ class LiveFeatures:
         self._observe_args = (a["item_li"], a["item_e"], self.lat, self.latn, self.use_prior, a["item_ll"], self.M,
                               self.N, self.ouse, self.osteps, self.olat, self.olatn, self.es)
         self.seen = -1
-        cap = n
-        self.X = np.zeros((cap, F))
-        self.ckey = np.zeros(cap)
+        self.X = np.zeros((n, F))  # scratch for up to every item as a candidate
+        self.ckey = np.zeros(n)
         self.z, self.hid = np.zeros(F), np.zeros(plan.weights[3].size)
-        self.taken, self.out = np.zeros(cap, dtype=np.bool_), np.zeros(cap, dtype=np.int64)
-        self.cand = np.zeros(cap, dtype=np.int64)
+        self.taken, self.out = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.int64)
+        self.cand = np.zeros(n, dtype=np.int64)
         self.nc, self.pending_t = 0, -1
         self._noprow = np.zeros(0, dtype=np.float32)
         mlp, w, W1, b1, w2 = plan.weights
@@ -360,7 +358,7 @@ class LiveFeatures:
                 r = row if (row is not None and s == t) else np.asarray(self.context.groups[s], dtype=np.int64)
                 observe_group(r, *self._observe_args)
             if self.router is not None:
-                _router_step(self.router[s], int(self.context.offset[s]), self.values, self.plan.alpha)
+                observe_router(self.router[s], int(self.context.offset[s]), self.values, self.plan.alpha)
 
     def keys(self, candidates: np.ndarray, t: int) -> np.ndarray:
         if self.follows:
@@ -379,11 +377,6 @@ class LiveFeatures:
             row, prow = self.context.groups[t], self.context.probs[t]
         live_access(row, prow, t, nc, *self._access_args)
         self.nc, self.pending_t = 0, -1
-
-
-@njit(cache=True)
-def _router_step(rrow, o, values, alpha):
-    observe_router(rrow, o, values, alpha)
 
 
 @functools.lru_cache(maxsize=16)

@@ -14,14 +14,13 @@ ones Belady knew would return, and a scorer trained there learns to keep old exp
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .._io import atomic_open, numpy_reason
+from .._io import numpy_reason, open_npz, write_npz
 from ..cache import ExpertCache
 from ..errors import ConfigError, PolicyError
 from ..kernels import pool_slots
@@ -252,26 +251,17 @@ def rule_events(trace, capacity: int, states=("lru", "decayed"), pool: str = "la
 
 
 def save_events(ev: Events, path, option: str = "--out") -> Path:
-    buf = io.BytesIO()
     full = ev.tables.full if isinstance(ev.tables, FoldedTables) else ev.tables
-    np.savez_compressed(buf, X=ev.X, victim=ev.victim, offsets=ev.offsets, seq=ev.seq, step=ev.step, state=ev.state,
-                        features=np.array(list(ev.features), dtype=str), meta=np.array(json.dumps(ev.meta)),
-                        **(tables_to_arrays(full) if full is not None else {}))
-    with atomic_open(path, "wb", option=option) as fh:
-        fh.write(buf.getvalue())
-    return Path(path)
+    arrays = dict(X=ev.X, victim=ev.victim, offsets=ev.offsets, seq=ev.seq, step=ev.step, state=ev.state,
+                  features=np.array(list(ev.features), dtype=str), meta=np.array(json.dumps(ev.meta)),
+                  **(tables_to_arrays(full) if full is not None else {}))
+    return write_npz(path, arrays, compressed=True, option=option)
 
 
 def load_events(path) -> Events:
     """Read an events file; ConfigError naming the file and field on any problem."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"events {p}: no such file")
-    try:
-        npz = np.load(p, allow_pickle=False)
-    except Exception as err:
-        raise ConfigError(f"events {p}: not an events file ({numpy_reason(err)})") from None
-    with npz:
+    with open_npz(p, "events", "an events file") as npz:
         got = {}
         tables = (tables_from_arrays(lambda n: _npz_field(npz, n, p), f"events {p}", npz.files)
                   if "sig_tok" in npz.files else None)

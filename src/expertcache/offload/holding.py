@@ -41,10 +41,8 @@ def parse_holding(spec) -> HoldingSpec | None:
     if not isinstance(spec, str):
         return None
     name = spec.partition(":")[0]
-    if name == "controller":  # the learned controller (heads from a file): see .controller
-        from .controller import parse_controller
-
-        return parse_controller(spec)
+    if name in HOLDING_MAKERS:  # the learned controller (heads from a file): see .controller
+        return HOLDING_MAKERS[name](spec)
     if name not in HOLDING and name not in RENAMED:
         return None
     return parse_holding_spec(spec)
@@ -56,7 +54,7 @@ def _controller(text: str):
     return parse_controller(text)
 
 
-HOLDING_MAKERS["controller"] = _controller  # PolicySpec.clone() of a controller string (policies.kinds)
+HOLDING_MAKERS["controller"] = _controller  # PolicySpec.clone() and parse_holding of a controller string
 
 
 class SetHolder:

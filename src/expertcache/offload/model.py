@@ -124,6 +124,17 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def top_k_of(model: torch.nn.Module) -> int:
+    """Experts routed per token, from the model's config (or its ``text_config``); 1 when it names none."""
+    cfg = getattr(model, "config", None)
+    for cfg_ in (cfg, getattr(cfg, "text_config", None)):
+        for key in ("num_experts_per_tok", "moe_top_k", "top_k"):
+            value = getattr(cfg_, key, None)
+            if isinstance(value, int):
+                return value
+    return 1
+
+
 def model_label(model: torch.nn.Module) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     return f"{type(model).__name__} ({model_type})" if model_type else type(model).__name__

@@ -49,7 +49,7 @@ from .host import host_of
 from .layer import PREFETCH, OffloadedLayer, PoolState
 from .pool import SlotPool
 from .routing import route_for
-from .model import ExpertsSite, find_sites, forward_info, model_device, model_label, select_sites
+from .model import ExpertsSite, find_sites, forward_info, model_device, model_label, select_sites, top_k_of
 from .stats import LayerStats, Memory, OffloadStats
 
 RESETS = ("sequence", "none")
@@ -106,7 +106,7 @@ class OffloadRun:
         self._routes = {s.layer: route_for(s.router, s.layer, self.holding.spec) for s in self.sites} if self.holding else {}
         if hasattr(self.holding, "check_sites"):  # a learned controller's heads must fit these layers
             self.holding.check_sites(self.sites, self.capacity)
-        top_k = _top_k(model)
+        top_k = top_k_of(model)
         self.top_k = max(top_k, 1)
         self.prefetch = prefetch
         self.device = torch.device(device) if device is not None else model_device(model)
@@ -381,14 +381,4 @@ def offload(model: torch.nn.Module, capacity: int, policy: "str | Policy" = "lru
     ``"controller:heads.pt:THR[:W]"`` (see :mod:`.controller`).
     """
     return OffloadRun(model, capacity, policy, layers, **options)
-
-
-def _top_k(model: torch.nn.Module) -> int:
-    cfg = getattr(model, "config", None)
-    for cfg_ in (cfg, getattr(cfg, "text_config", None)):
-        for key in ("num_experts_per_tok", "moe_top_k", "top_k"):
-            value = getattr(cfg_, key, None)
-            if isinstance(value, int):
-                return value
-    return 1
 

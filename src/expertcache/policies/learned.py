@@ -99,15 +99,20 @@ class Learned(Policy):
             return None
         plan, (gate, router, prior, online) = needs
         ctx = self.context
-        if (gate or router or prior or online) and ctx is None:
+        if any(needs[1]) and (ctx is None or not self._compilable(ctx.probs, ctx.router, ctx.item_layer is not None)):
             return None
-        if (gate and ctx.probs is None) or (router and ctx.router is None):
-            return None
-        tables = getattr(self.scorer, "tables", None)
-        if prior and (tables is None or getattr(tables, "trans", 0) is None or getattr(ctx, "item_layer", None) is None):
-            return None
-        arrays = _arrays_of(ctx, False, False, tables if prior else None, online) if (prior or online) else {}
+        arrays = _arrays_of(ctx, False, False, self.scorer.tables if prior else None, online) if (prior or online) else {}
         return LiveFeatures(plan, self.n_items, self.steps_per_token, ctx, arrays)
+
+    def _compilable(self, probs, router_probs, item_map: bool = True) -> bool:
+        """Whether the compiled state has what this scorer reads (one rule for the compiled replay and
+        the live state): gate weights (``probs``), router rows, and for the prior group fitted tables
+        with transitions and the pool's item map."""
+        _, (gate, router, prior, _) = self._needs()
+        if (gate and probs is None) or (router and router_probs is None):
+            return False
+        tables = getattr(self.scorer, "tables", None)
+        return not prior or (tables is not None and getattr(tables, "trans", 0) is not None and item_map)
 
     def keys(self, candidates, t):
         if self._live:
@@ -140,16 +145,12 @@ class Learned(Policy):
         if needs is None:
             return None
         base, (gate, router, prior, online) = needs
-        if not (gate or router or prior or online):
+        if not any(needs[1]):
             return base
         trace = getattr(layout, "source", None)
-        if trace is None or (gate and trace.probs is None) or (router and trace.router_probs is None):
+        if trace is None or not self._compilable(trace.probs, trace.router_probs):
             return None  # the Python engine reports what is missing
-        tables = getattr(self.scorer, "tables", None)
-        if prior and (tables is None or getattr(tables, "trans", 0) is None):
-            return None
-        context = _context_arrays(gate, router, tables if prior else None, online)
-        return base.with_context(context)
+        return base.with_context(_context_arrays(gate, router, self.scorer.tables if prior else None, online))
 
 
 def _weights(scorer):

@@ -38,7 +38,7 @@ from .config import TuneConfig
 from .lora import merge, trainable
 from .reward import group_advantages, reward_of
 from .rollout import balance_loss, router_logits_of, sample, score
-from ..offload.model import ExpertsSite, find_sites
+from ..offload.model import ExpertsSite, find_sites, top_k_of
 
 
 @dataclass
@@ -93,7 +93,7 @@ def tune(model: torch.nn.Module, prompts: np.ndarray, config: TuneConfig, progre
     model.float().eval()
     reference = copy.deepcopy(model).requires_grad_(False)
     site = site_at(model, config.layer)
-    top_k = int(getattr(model.config, "num_experts_per_tok", 0) or getattr(model.config, "top_k", 0) or 1)
+    top_k = top_k_of(model)
     params = trainable(model, site, config.lora_rank, config.lora_alpha, config.lora_targets, generator)
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     result = TuneResult(config, trained_parameters=sum(p.numel() for p in params))

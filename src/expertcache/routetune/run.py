@@ -19,7 +19,7 @@ import transformers
 from .._text import first_line
 from ..errors import ConfigError
 from ..offload.loading import check_checkpoint, load_model
-from ..offload.model import find_sites
+from ..offload.model import find_sites, top_k_of
 from .config import TuneConfig, cache_tag
 from .grpo import TuneResult, tune
 from .output import check_out_folder, save_folder
@@ -49,7 +49,7 @@ def checked_model(model_dir: str | Path, config: TuneConfig):
     dtype = next(model.parameters()).dtype
     sites = find_sites(model)
     by_layer = {s.layer: s for s in sites}
-    top_k = int(getattr(model.config, "num_experts_per_tok", 1) or 1)
+    top_k = top_k_of(model)
     num_experts = by_layer[config.layer].num_experts if config.layer in by_layer else sites[0].num_experts
     config.check_model(sorted(by_layer), num_experts, top_k)
     return model, dtype

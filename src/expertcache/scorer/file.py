@@ -13,14 +13,13 @@ naming the file and the field. Each array is size-checked before it is read (bou
 
 from __future__ import annotations
 
-import io
 import json
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
-from .._io import atomic_open, numpy_reason
+from .._io import numpy_reason, open_npz, write_npz
 from ..errors import ConfigError
 from .features import FEATURES, PRIOR, TABLED
 from .models import KINDS, Scorer
@@ -50,23 +49,13 @@ def save_scorer(scorer: Scorer, path, option: str = "--out") -> Path:
         arrays[f"w{i}"] = np.asarray(w, dtype=np.float64)
     if tables is not None:
         arrays.update(tables_to_arrays(tables))
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    with atomic_open(path, "wb", option=option) as fh:
-        fh.write(buf.getvalue())
-    return Path(path)
+    return write_npz(path, arrays, option=option)
 
 
 def load_scorer(path) -> Scorer:
     """Read and validate a scorer file (ConfigError naming the file and field on any problem)."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"scorer {p}: no such file")
-    try:
-        npz = np.load(p, allow_pickle=False)
-    except Exception as err:  # truncated, not a zip, not numpy
-        raise ConfigError(f"scorer {p}: not a scorer file ({numpy_reason(err)})") from None
-    with npz:
+    with open_npz(p, "scorer", "a scorer file") as npz:
         def field(name: str, **kw) -> np.ndarray:
             if name not in npz.files:
                 raise ConfigError(f"scorer {p}: field {name!r} is missing")

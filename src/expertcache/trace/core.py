@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .._io import atomic_open
+from .._io import write_npz
 from .._text import id_ranges
 from ..errors import ConfigError, TraceError
 from .model_signals import SIGNAL_EXTRAS
@@ -212,8 +212,7 @@ class Trace:
             arrays["router_probs"] = self.router_probs
         arrays.update(self.extras)
         arrays["meta"] = np.array(json.dumps(self.meta, sort_keys=False))
-        with atomic_open(path, "wb") as fh:
-            np.savez_compressed(fh, **arrays)
+        write_npz(path, arrays, compressed=True)
         return path
 
 
