@@ -24,6 +24,15 @@ Steps (one thread, run it under ``nice``):
 
 Run: ``OMP_NUM_THREADS=1 nice -n 5 python benchmarks/router_tune.py [--out DIR] [--steps 200]``.
 Writes DIR/results.json and prints the Table 3 analogue.
+
+At OLMoE's geometry (issue 25: ``models/olmoe-64x8``, 64 experts, top-8, 8 layers) the paper's own
+capacities apply as they are: training at 16 slots on a middle layer (4), measuring at C = 32 on all
+8 layers. Prompts are the model's training documents (its three domains in turn, as
+``controller_frontier.py`` draws them); the held-out rows are ``--sequences`` rows of
+``heldout_ids.npy``, the same number from each domain::
+
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/router_tune.py --model models/olmoe-64x8 --layer 4 \
+        --train-cache 16 --main-cache 32 --sequences 18 --lr 1e-3 --variants grpo,sft,grpo+lb,sft+lb --out DIR
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from controller_frontier import eval_rows, training_text  # noqa: E402
 from policy_frontier import run as cli_out  # noqa: E402  (runs one CLI command, exits on failure)
 from expertcache.offload.loading import load_model  # noqa: E402
 from expertcache.routetune import TuneConfig, cache_tag  # noqa: E402
@@ -49,7 +59,6 @@ from expertcache.routetune.grpo import simulated_hit_rate  # noqa: E402
 from expertcache.routetune.rollout import make_prompts  # noqa: E402
 
 MODEL = ROOT / "models" / "small-moe"
-HELDOUT = MODEL / "heldout_ids.npy"
 VARIANTS = {"grpo": [], "sft": ["--sft-control"], "grpo+tag": ["--cache-tag"],
             "grpo-lora": ["--lora-rank", "8", "--lora-targets", "router,experts,attention"],
             "grpo+lb": ["--balance", "{balance}"], "sft+lb": ["--sft-control", "--balance", "{balance}"]}
@@ -58,30 +67,35 @@ with weight ``--balance`` (default: the model's own ``router_aux_loss_coef``, 0.
 DEFAULT_VARIANTS = "grpo,sft,grpo+tag"
 
 
-def write_prompts(path: Path) -> None:
+def write_prompts(path: Path, model: Path) -> None:
+    """small-moe: every 20th training file; a model with ``heldout_rows.json`` (olmoe-64x8): its first
+    600 KB of training documents, the domains in turn (never a held-out document)."""
+    if (model / "heldout_rows.json").is_file():
+        training_text(model, path, 600)
+        return
     from train_small_moe import build_corpus
 
     train, _, _ = build_corpus(6.0, 128, 20)
     path.write_text("\n".join(train[::20]), encoding="utf-8")
 
 
-def tagged_heldout(out: Path, capacity: int) -> Path:
+def tagged_heldout(out: Path, capacity: int, model: Path, heldout: Path) -> Path:
     from transformers import AutoTokenizer
 
-    tag = AutoTokenizer.from_pretrained(str(MODEL))(cache_tag(capacity), add_special_tokens=False)["input_ids"]
-    ids = np.load(HELDOUT)
+    tag = AutoTokenizer.from_pretrained(str(model))(cache_tag(capacity), add_special_tokens=False)["input_ids"]
+    ids = np.load(heldout)
     path = out / "heldout_tagged.npy"
     np.save(path, np.concatenate([np.broadcast_to(np.asarray(tag, dtype=ids.dtype), (ids.shape[0], len(tag))), ids], 1))
     return path
 
 
-def expert_load(folder: Path) -> list[dict]:
+def expert_load(folder: Path, heldout: Path) -> list[dict]:
     """Per layer, on the held-out rows (teacher-forced): effective experts = 2 ** entropy (bits) of
     the experts' shares of the selections, and the share of the 4 most used."""
     from expertcache import capture
 
     model = load_model(str(folder), device="cpu").float()
-    ids = torch.from_numpy(np.load(HELDOUT).astype(np.int64))
+    ids = torch.from_numpy(np.load(heldout).astype(np.int64))
     with torch.no_grad(), capture(model, phase="all") as cap:
         for row in ids:
             model(row[None])
@@ -104,6 +118,8 @@ def evaluate(model: Path, tokens: Path, capacity: int, layers: str | None, mode:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="router-tune-out")
+    ap.add_argument("--model", type=Path, default=MODEL, help="models/small-moe (default) or models/olmoe-64x8")
+    ap.add_argument("--sequences", type=int, default=16, help="held-out rows evaluated (default 16)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -123,17 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prompts_txt = out / "prompts.txt"
     if not prompts_txt.is_file():
-        write_prompts(prompts_txt)
+        write_prompts(prompts_txt, args.model)
+    heldout = eval_rows(args.model, args.sequences, out / "heldout_rows.npy")
     if args.balance is None:
-        args.balance = float(json.loads((MODEL / "config.json").read_text()).get("router_aux_loss_coef", 0.01))
-    models = {"base": MODEL}
+        args.balance = float(json.loads((args.model / "config.json").read_text()).get("router_aux_loss_coef", 0.01))
+    models = {"base": args.model}
     results: dict = {"args": vars(args), "train": {}, "probe": {}, "main": {}, "trained_setting": {}}
     for name in args.variants.split(","):
         folder = out / name.replace("+", "_")
         if folder.exists():
             shutil.rmtree(folder)
         t0 = time.perf_counter()
-        line = cli_out(["router-tune", "--model", MODEL, "--text", prompts_txt, "--layer", args.layer,
+        line = cli_out(["router-tune", "--model", args.model, "--text", prompts_txt, "--layer", args.layer,
                         "--cache", args.train_cache, "--steps", args.steps, "--group", args.group,
                         "--max-new-tokens", args.max_new_tokens, "--lr", args.lr, "--kl", args.kl,
                         *[a.format(balance=args.balance) for a in VARIANTS[name]], "--out", folder, "--json"])
@@ -142,23 +159,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trained {name}: {results['train'][name]}", flush=True)
 
     # the training instrument: simulated hit rate on each model's own generations, held-out prompts
-    stream = np.load(HELDOUT).ravel()
+    stream = np.load(heldout).ravel()
     probe = TuneConfig(layer=args.layer, cache=args.train_cache, group=args.group, max_new_tokens=args.max_new_tokens)
     from transformers import AutoTokenizer
 
-    tag = AutoTokenizer.from_pretrained(str(MODEL))(cache_tag(args.train_cache), add_special_tokens=False)["input_ids"]
+    tag = AutoTokenizer.from_pretrained(str(args.model))(cache_tag(args.train_cache), add_special_tokens=False)["input_ids"]
     for name, folder in models.items():
         prompts = make_prompts(stream, 1, args.probe_prompts, 16, 12345, tag if name == "grpo+tag" else None)[0]
         model = load_model(str(folder), device="cpu").float()
         results["probe"][name] = simulated_hit_rate(model, prompts, probe, seed=12345)
         print(f"simulated hit rate {name}: {results['probe'][name]:.4f}", flush=True)
-        results.setdefault("load", {})[name] = expert_load(folder)
+        results.setdefault("load", {})[name] = expert_load(folder, heldout)
         print(f"expert load {name}: " + "; ".join(f"layer {i}: {d['effective_experts']:.1f} effective, top-4 share "
                                                   f"{d['top4_share']:.2f}" for i, d in enumerate(results["load"][name])))
 
-    tagged = tagged_heldout(out, args.train_cache)
+    tagged = tagged_heldout(out, args.train_cache, args.model, heldout) if "grpo+tag" in models else None
     for name, folder in models.items():
-        tokens = tagged if name == "grpo+tag" else HELDOUT
+        tokens = tagged if name == "grpo+tag" else heldout
         results["main"][name] = evaluate(folder, tokens, args.main_cache, None, args.mode)
         results["trained_setting"][name] = evaluate(folder, tokens, args.train_cache, str(args.layer), args.mode)
         print(f"evaluated {name}", flush=True)
@@ -169,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(results: dict, args) -> None:
     base_nll = results["main"]["base"]["lru"]["nll_reference"]
-    print(f"\nTable 3 analogue: models/small-moe, held-out 16 x 128 teacher-forced ({args.mode}); main = C={args.main_cache} "
-          f"on all 4 layers, trained = C={args.train_cache} at layer {args.layer}; steady copies (lower is better)")
+    m = results["main"]["base"]["lru"]
+    print(f"\nTable 3 analogue: {args.model.name}, held-out {m.get('sequences')} sequences, {m.get('tokens')} tokens, "
+          f"teacher-forced ({args.mode}); main = C={args.main_cache} on every layer, trained = C={args.train_cache} at layer "
+          f"{args.layer}; steady copies (lower is better)")
     head = ("objective", "NLL", "dNLL vs base", "sim. hit (own gen.)", "lru steady", "lru copies/tok", "lru hit",
             "decayed steady", "decayed copies/tok", "trained lru steady", "trained decayed steady", "lru tok/s")
     rows = []

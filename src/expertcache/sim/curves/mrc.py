@@ -190,7 +190,7 @@ def _sweep(layout, caps, policies, engine, one_pass, progress, replayer) -> list
         policy = make_policy(spec)
         stack_fits = len(layout.layer_ids) * (layout.n_items + 1) <= MAX_STACK_CELLS
         if policy.stack_curve and one_pass and engine == "auto" and stack_fits:
-            curve = lru_curve(layout, caps)
+            curve = _lru_curve(layout, np.asarray(caps, dtype=np.int64))
             curve.needs_future = bool(policy.needs_future)
             curves.append(curve)
             tick(1)
@@ -211,7 +211,11 @@ def _sweep(layout, caps, policies, engine, one_pass, progress, replayer) -> list
 
 def lru_curve(layout: StreamLayout, capacities: Iterable[int] | None = None) -> MissRatioCurve:
     """LRU's curve from one stack pass: equal, count for count, to replaying each capacity."""
-    caps = np.asarray(_capacities(layout, capacities), dtype=np.int64)
+    return _lru_curve(layout, np.asarray(_capacities(layout, capacities), dtype=np.int64))
+
+
+def _lru_curve(layout: StreamLayout, caps: np.ndarray) -> MissRatioCurve:
+    """:func:`lru_curve` at capacities already checked (ascending int64)."""
     t0 = time.perf_counter()
     depth, first = _histograms(layout)
     requests = depth.sum(axis=1)

@@ -37,8 +37,11 @@ Cost. Requests take rising time stamps; each seen item's latest stamp is one set
 stamp. Up to :data:`DIRECT_WORDS` 64-bit words (about 8,000 items) the words from the item's up to
 the newest are popcounted directly -- one or two words for the recent items that dominate real
 routing, never more than ``DIRECT_WORDS``; larger pools also keep a Fenwick tree over word counts,
-O(log(n_items)) per request. Stamps are renumbered when they run out (amortized O(1)). Ids of a
-group are ranked by counting (branch-free) rather than sorted. Altogether O(G * k * (k + log E)).
+O(log(n_items)) per request. The two ways are two compilations of one loop (``tree`` is ``None``
+or an array, and numba drops the dead branch), so the direct loop carries no tree test: with the
+test inside, the loop ran 2.3-2.9x ``lru_loop`` instead of 1.0-1.9x (``benchmarks/bench_mrc.py``).
+Stamps are renumbered when they run out (amortized O(1)). A group's ids are insertion-sorted, as
+``lru_loop`` does. Altogether O(G * k * (k + log E)).
 """
 
 from __future__ import annotations
@@ -110,22 +113,23 @@ def _fenwick_prefix(tree, i):
 
 
 @njit(cache=True, inline="always")
-def _count_from(bits, tree, use_tree, live, top, st):
-    """Live stamps at or after ``st``; ``top`` is the word of the newest stamp. Directly, the
-    words from ``st``'s up to ``top`` are popcounted (cheap for recent items, which dominate);
-    with ``use_tree``, ``live`` minus the words below via the Fenwick tree over word counts."""
+def _count_from(bits, tree, live, top, st):
+    """Live stamps at or after ``st``; ``top`` is the word of the newest stamp. Without a ``tree``
+    (``None``: the branch is compiled away) the words from ``st``'s up to ``top`` are popcounted
+    (cheap for recent items, which dominate); with one, ``live`` minus the words below via the
+    Fenwick tree over word counts."""
     w = st >> 6
+    if tree is None:
+        c = _popcount(bits[w] >> np.uint64(st & 63))
+        for v in range(w + 1, top + 1):
+            c += _popcount(bits[v])
+        return c
     low = (_ONE << np.uint64(st & 63)) - _ONE
-    if use_tree:
-        return live - _fenwick_prefix(tree, w) - _popcount(bits[w] & low)
-    c = _popcount(bits[w] & ~low)
-    for v in range(w + 1, top + 1):
-        c += _popcount(bits[v])
-    return c
+    return live - _fenwick_prefix(tree, w) - _popcount(bits[w] & low)
 
 
 @njit(cache=True, inline="always")
-def _flip(bits, tree, use_tree, n_words, st, v):
+def _flip(bits, tree, n_words, st, v):
     """Set (``v = 1``) or clear (``v = -1``) the bit of stamp ``st``."""
     w = st >> 6
     m = _ONE << np.uint64(st & 63)
@@ -133,12 +137,12 @@ def _flip(bits, tree, use_tree, n_words, st, v):
         bits[w] |= m
     else:
         bits[w] &= ~m
-    if use_tree:
+    if tree is not None:
         _fenwick_add(tree, w + 1, n_words, v)
 
 
 @njit(cache=True)
-def _renumber(bits, tree, use_tree, n_words, owner, stamp, clock):
+def _renumber(bits, tree, n_words, owner, stamp, clock):
     """Give the live stamps the numbers ``0..live-1`` in their order; returns ``live``."""
     live = 0
     for w in range(((clock - 1) >> 6) + 1):
@@ -152,7 +156,7 @@ def _renumber(bits, tree, use_tree, n_words, owner, stamp, clock):
     for w in range(n_words):
         lo = w << 6
         bits[w] = ~np.uint64(0) if live >= lo + 64 else ((_ONE << np.uint64(max(live - lo, 0))) - _ONE)
-    if use_tree:
+    if tree is not None:
         tree[0] = 0
         for w in range(n_words):
             tree[w + 1] = min(max(live - (w << 6), 0), 64)
@@ -163,7 +167,6 @@ def _renumber(bits, tree, use_tree, n_words, owner, stamp, clock):
     return live
 
 
-@njit(cache=True)
 def stack_histograms(groups, starts, n_items, group_layer, group_scored, n_layers, direct_words=DIRECT_WORDS):
     """Stack-depth histograms of every stream's scored requests, by layer.
 
@@ -175,6 +178,17 @@ def stack_histograms(groups, starts, n_items, group_layer, group_scored, n_layer
       requested in a scored group of layer ``l``.
 
     ``group_layer[g]`` / ``group_scored[g]`` give each group's layer row and whether it is scored.
+    Pools of more than ``direct_words`` 64-stamp words keep the Fenwick tree (one compiled loop
+    each way: the loop without a tree has no tree branch left in it).
+    """
+    words = ((2 * int(n_items) + 2 * groups.shape[1] + 63) // 64)
+    tree = np.zeros(words + 1, dtype=np.int64) if words > direct_words else None
+    return _stack_loop(groups, starts, n_items, group_layer, group_scored, n_layers, tree)
+
+
+@njit(cache=True)
+def _stack_loop(groups, starts, n_items, group_layer, group_scored, n_layers, tree):
+    """:func:`stack_histograms`' loop; ``tree`` is ``None`` (count words directly) or the Fenwick array.
 
     Each request takes a time stamp (rising; within a group in ascending id order, so a larger id
     counts as more recent). Every seen item's latest stamp is a set bit of ``bits``; the depth of
@@ -186,35 +200,32 @@ def stack_histograms(groups, starts, n_items, group_layer, group_scored, n_layer
     first = np.zeros((n_layers, n_items + 1), dtype=np.int64)
     cap = ((2 * n_items + 2 * k + 63) // 64) * 64
     bits = np.zeros(cap // 64, dtype=np.uint64)
-    tree = np.zeros(cap // 64 + 1, dtype=np.int64)
     owner = np.zeros(cap, dtype=np.int64)  # item of each live stamp (other entries are stale)
     stamp = np.full(n_items, -1, dtype=np.int64)  # latest stamp of each item; -1: not seen yet
     buf = np.empty(k, dtype=np.int64)
-    rank = np.empty(k, dtype=np.int64)
     for s in range(starts.size - 1):
         a, b = starts[s], starts[s + 1]
         size = min(cap, (((b - a) * k + 63) // 64) * 64)  # stamps usable before renumbering
         n_words = size // 64
-        use_tree = n_words > direct_words
         bits[:n_words] = 0
-        tree[: n_words + 1] = 0
+        if tree is not None:
+            tree[: n_words + 1] = 0
         clock = 0
         live = 0
         for g in range(a, b):
             n = 0
-            for j in range(k):
+            for j in range(k):  # the group's ids in ascending order (insertion sort; padding dropped)
                 e = groups[g, j]
-                if e >= 0:
-                    buf[n] = e
-                    n += 1
-            for i in range(n):  # rank by id (branch-free: cheaper than sorting)
-                r = 0
-                x = buf[i]
-                for j in range(n):
-                    r += buf[j] < x
-                rank[i] = r
+                if e < 0:
+                    continue
+                i = n
+                while i > 0 and buf[i - 1] > e:
+                    buf[i] = buf[i - 1]
+                    i -= 1
+                buf[i] = e
+                n += 1
             if clock + n > size:
-                clock = _renumber(bits, tree, use_tree, n_words, owner, stamp, clock)
+                clock = _renumber(bits, tree, n_words, owner, stamp, clock)
             if group_scored[g]:
                 row = group_layer[g]
                 top = (clock - 1) >> 6
@@ -226,18 +237,18 @@ def stack_histograms(groups, starts, n_items, group_layer, group_scored, n_layer
                         depth[row, 0] += 1
                         first[row, seen] += 1
                     else:
-                        depth[row, _count_from(bits, tree, use_tree, live, top, st)] += 1
+                        depth[row, _count_from(bits, tree, live, top, st)] += 1
             for i in range(n):
                 e = buf[i]
                 st = stamp[e]
                 if st >= 0:
-                    _flip(bits, tree, use_tree, n_words, st, -1)
+                    _flip(bits, tree, n_words, st, -1)
                 else:
                     live += 1
-                st = clock + rank[i]
+                st = clock + i
                 stamp[e] = st
                 owner[st] = e
-                _flip(bits, tree, use_tree, n_words, st, 1)
+                _flip(bits, tree, n_words, st, 1)
             clock += n
         for w in range(((clock - 1) >> 6) + 1):  # forget the stream's items
             x = bits[w]
