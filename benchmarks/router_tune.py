@@ -17,6 +17,9 @@ Steps (one thread, run it under ``nice``):
 3. the training instrument on held-out prompts (windows of ``heldout_ids.npy``), the same seed for
    every model: mean simulated LRU hit rate of their own generations at layer 2, C = 4; and the
    expert load per layer on the held-out text (effective experts = 2 ** entropy of the shares);
+   The same capture, replayed one row at a time, gives every model's steady copies per row
+   (lru and decayed at the main capacity): each tuned model's change against base comes with a
+   95 % paired bootstrap interval over the rows (2,000 resamples);
 4. ``expertcache eval`` on ``heldout_ids.npy`` (16 x 128, teacher-forced) for base and each tuned
    model, ``-p lru -p decayed``: at C = 8 on all layers (main) and at C = 4 on layer 2 alone (the
    training setting). The tagged model is evaluated with its tag in front of every row, so its
@@ -89,9 +92,8 @@ def tagged_heldout(out: Path, capacity: int, model: Path, heldout: Path) -> Path
     return path
 
 
-def expert_load(folder: Path, heldout: Path) -> list[dict]:
-    """Per layer, on the held-out rows (teacher-forced): effective experts = 2 ** entropy (bits) of
-    the experts' shares of the selections, and the share of the 4 most used."""
+def captured(folder: Path, heldout: Path):
+    """A teacher-forced capture of the held-out rows through the model in ``folder`` (one sequence per row)."""
     from expertcache import capture
 
     model = load_model(str(folder), device="cpu").float()
@@ -99,12 +101,42 @@ def expert_load(folder: Path, heldout: Path) -> list[dict]:
     with torch.no_grad(), capture(model, phase="all") as cap:
         for row in ids:
             model(row[None])
+    if cap.trace.num_sequences != ids.shape[0]:
+        raise SystemExit(f"capture of {folder}: {cap.trace.num_sequences} sequences for {ids.shape[0]} rows")
+    return cap.trace
+
+
+def expert_load(trace) -> list[dict]:
+    """Per layer, on the held-out rows (teacher-forced): effective experts = 2 ** entropy (bits) of
+    the experts' shares of the selections, and the share of the 4 most used."""
     out = []
-    for layer in range(cap.trace.num_layers):
-        share = np.bincount(cap.trace.experts[:, layer].ravel(), minlength=cap.trace.num_experts) / cap.trace.experts[:, layer].size
+    for layer in range(trace.num_layers):
+        share = np.bincount(trace.experts[:, layer].ravel(), minlength=trace.num_experts) / trace.experts[:, layer].size
         nz = share[share > 0]
         out.append({"effective_experts": float(2 ** -(nz * np.log2(nz)).sum()), "top4_share": float(np.sort(share)[-4:].sum())})
     return out
+
+
+def row_copies(trace, capacity: int, policies=("lru", "decayed")) -> dict[str, list[int]]:
+    """Steady copies of each held-out row (pools empty at each row) at ``capacity`` on every layer,
+    per policy: the capture replayed one row at a time. Routing does not depend on the cache under
+    these lossless rules, so the rows' sum is the teacher-forced count of the whole set."""
+    import expertcache as ec
+
+    rows = [trace.select_sequences([s]) for s in range(trace.num_sequences)]
+    return {p: [int(ec.replay(r, capacity, p).copies_steady) for r in rows] for p in policies}
+
+
+def change_ci(tuned, base, resamples: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """``sum(tuned) / sum(base) - 1`` over the rows and its paired percentile interval: one resample
+    draws the rows with replacement and takes both models' sums on the same rows (expertcache._resample)."""
+    from expertcache._resample import draws, percentile_interval
+
+    t, b = np.asarray(tuned, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    idx = draws(t.size, resamples, seed)
+    ratios = t[idx].sum(axis=1) / b[idx].sum(axis=1) - 1.0
+    return {"change": float(t.sum() / b.sum() - 1.0), "ci": percentile_interval(ratios, level), "rows": int(t.size),
+            "resamples": int(resamples)}
 
 
 def evaluate(model: Path, tokens: Path, capacity: int, layers: str | None, mode: str) -> dict:
@@ -169,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(str(folder), device="cpu").float()
         results["probe"][name] = simulated_hit_rate(model, prompts, probe, seed=12345)
         print(f"simulated hit rate {name}: {results['probe'][name]:.4f}", flush=True)
-        results.setdefault("load", {})[name] = expert_load(folder, heldout)
+        trace = captured(folder, heldout)
+        results.setdefault("load", {})[name] = expert_load(trace)
+        results.setdefault("rows", {})[name] = row_copies(trace, args.main_cache)
         print(f"expert load {name}: " + "; ".join(f"layer {i}: {d['effective_experts']:.1f} effective, top-4 share "
                                                   f"{d['top4_share']:.2f}" for i, d in enumerate(results["load"][name])))
 
@@ -179,8 +213,15 @@ def main(argv: list[str] | None = None) -> int:
         results["main"][name] = evaluate(folder, tokens, args.main_cache, None, args.mode)
         results["trained_setting"][name] = evaluate(folder, tokens, args.train_cache, str(args.layer), args.mode)
         print(f"evaluated {name}", flush=True)
+    results["row_change"] = row_changes(results["rows"])
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     report(results, args)
+
+
+def row_changes(rows: dict) -> dict:
+    """Per tuned model and policy: the change of its teacher-forced steady copies against base's,
+    with the paired interval over held-out rows (:func:`change_ci`)."""
+    return {name: {p: change_ci(r[p], rows["base"][p]) for p in r} for name, r in rows.items() if name != "base"}
     return 0
 
 
@@ -210,6 +251,10 @@ def report(results: dict, args) -> None:
         m = results["main"][name]
         print(f"{name}: lru steady {m['lru']['copies_steady']} ({m['lru']['copies_steady'] / b['lru']['copies_steady'] - 1:+.2%} "
               f"vs base); decayed removes {1 - m['decayed']['copies_steady'] / m['lru']['copies_steady']:.1%} of its lru copies")
+    for name, per in results.get("row_change", {}).items():
+        print(f"{name}, teacher-forced capture, {per['lru']['rows']} rows: lru steady copies "
+              + "; ".join(f"{p} {c['change']:+.2%} [{c['ci'][0]:+.2%}, {c['ci'][1]:+.2%}]" for p, c in per.items())
+              + " vs base (95 % paired interval over rows)")
 
 
 if __name__ == "__main__":

@@ -276,11 +276,14 @@ def not_inferred(row, inferred):
 
 # ------------------------------------------------------------------------------ the live policy
 @njit(cache=True)
-def live_keys(cand, t, pcand, codes, spt, steps, count, decay, values, lograte, ex, lage, lcount, X, ckey, z, hid,
-              mean, scale, mlp, w, W1, b1, w2, item_li, item_e, pop, trans, succp, lat, latn,
-              item_ll, M, N, ouse, osteps, olat, olatn):
-    """Keys of the candidates ``cand`` at step ``t`` (after the step's observes), kept with them in
-    ``pcand``/``ckey`` for the step's residency inference; returns a copy of the keys."""
+def live_keys(cand, t, row, observe, pcand, codes, spt, steps, count, decay, values, lograte, ex, lage, lcount, X, ckey,
+              z, hid, mean, scale, mlp, w, W1, b1, w2, item_li, item_e, pop, trans, succp, lat, latn,
+              item_ll, M, N, ouse, osteps, olat, olatn, use_prior, es):
+    """Keys of the candidates ``cand`` at step ``t``, kept with them in ``pcand``/``ckey`` for the
+    step's residency inference; returns a copy of the keys. With ``observe``, step ``t``'s group
+    ``row`` is observed first (:func:`observe_group`: one compiled call for both)."""
+    if observe:
+        observe_group(row, item_li, item_e, lat, latn, use_prior, item_ll, M, N, ouse, osteps, olat, olatn, es)
     nc = cand.size
     pcand[:nc] = cand
     describe(X, cand, nc, codes, t, spt, steps, count, decay, values, lograte, ex, lage, lcount,
@@ -290,9 +293,13 @@ def live_keys(cand, t, pcand, codes, spt, steps, count, decay, values, lograte, 
 
 
 @njit(cache=True)
-def live_access(row, prow, t, nc, spt, steps, count, decay, lograte, ex, inferred, values, cand, ckey, taken, out):
-    """The step's residency inference from the keys of its eviction (``cand[:nc]``, ``ckey``; ``nc``
-    = 0 when it evicted nothing), then :func:`access_group`."""
+def live_access(row, prow, t, nc, orow, observe, spt, steps, count, decay, lograte, ex, inferred, values, cand, ckey,
+                taken, out, item_li, item_e, lat, latn, use_prior, item_ll, M, N, ouse, osteps, olat, olatn, es):
+    """With ``observe``, step ``t``'s group ``orow`` is observed first (:func:`observe_group`); then the
+    step's residency inference from the keys of its eviction (``cand[:nc]``, ``ckey``; ``nc`` = 0 when
+    it evicted nothing), then :func:`access_group`."""
+    if observe:
+        observe_group(orow, item_li, item_e, lat, latn, use_prior, item_ll, M, N, ouse, osteps, olat, olatn, es)
     if nc > 0:
         n_sel = min(not_inferred(row, inferred), nc)
         order_prefix(cand, ckey, nc, steps[0], n_sel, taken, out)
@@ -346,36 +353,47 @@ class LiveFeatures:
                           plan.lograte, self.ex, self.lage, self.lcount, self.X, self.ckey, self.z, self.hid,
                           plan.mean, plan.scale, mlp, w, W1, b1, w2, a["item_li"], a["item_e"], a["pop"], a["trans"],
                           a["succp"], self.lat, self.latn, a["item_ll"], self.M, self.N, self.ouse, self.osteps,
-                          self.olat, self.olatn)
+                          self.olat, self.olatn, self.use_prior, self.es)
         self._access_args = (self.spt, self.steps, self.count, self.decay, plan.lograte, self.ex, self.inferred,
-                             self.values, self.cand, self.ckey, self.taken, self.out)
+                             self.values, self.cand, self.ckey, self.taken, self.out, *self._observe_args)
+        self._norow = np.zeros(0, dtype=np.int64)
 
-    def _advance(self, t: int, row=None) -> None:
-        """Observe the steps ``seen + 1 .. t`` (``row``: step ``t``'s group, when the caller has it)."""
-        while self.seen < t:
-            self.seen = s = self.seen + 1
+    def _begin(self, t: int) -> bool:
+        """Step ``t`` is being scored or accessed: observe the steps ``seen + 1 .. t - 1`` that were
+        neither (not in the cache's protocol; kept so any caller stays exact) and step ``t``'s router
+        row; True when step ``t``'s group is still to be observed, which the compiled call that
+        follows does (one call per step, not two)."""
+        while self.seen < t - 1:
+            s = self.seen + 1
             if self.observes:
-                r = row if (row is not None and s == t) else np.asarray(self.context.groups[s], dtype=np.int64)
-                observe_group(r, *self._observe_args)
-            if self.router is not None:
-                observe_router(self.router[s], int(self.context.offset[s]), self.values, self.plan.alpha)
+                observe_group(np.asarray(self.context.groups[s], dtype=np.int64), *self._observe_args)
+            self._observe_router(s)
+            self.seen = s
+        if self.seen >= t:
+            return False
+        self._observe_router(t)  # disjoint from what observe_group writes: the order does not matter
+        self.seen = t
+        return self.observes
+
+    def _observe_router(self, s: int) -> None:
+        if self.router is not None:
+            observe_router(self.router[s], int(self.context.offset[s]), self.values, self.plan.alpha)
 
     def keys(self, candidates: np.ndarray, t: int) -> np.ndarray:
-        if self.follows:
-            self._advance(t)
+        observe = self.follows and self._begin(t)
+        row = np.asarray(self.context.groups[t], dtype=np.int64) if observe else self._norow
         cand = np.ascontiguousarray(candidates, dtype=np.int64)
         self.nc, self.pending_t = cand.size, t
-        return live_keys(cand, t, *self._key_args)
+        return live_keys(cand, t, row, observe, *self._key_args)
 
     def on_access(self, items: np.ndarray, t: int) -> None:
-        row = np.ascontiguousarray(items, dtype=np.int64)
-        if self.follows:
-            self._advance(t, row)
+        row = orow = np.ascontiguousarray(items, dtype=np.int64)
+        observe = self.follows and self._begin(t)
         nc = self.nc if self.pending_t == t else 0
         prow = self._noprow
         if self.probs is not None:  # the step's row as the context has it (pads skipped), its gate weights aligned
             row, prow = self.context.groups[t], self.context.probs[t]
-        live_access(row, prow, t, nc, *self._access_args)
+        live_access(row, prow, t, nc, orow, observe, *self._access_args)
         self.nc, self.pending_t = 0, -1
 
 

@@ -125,19 +125,8 @@ def run(spec: dict) -> dict:
     reader = FileReader(pool, kind, use_mmap=bool(spec.get("mmap")))
     out["mode_used"] = reader.kind if mode in ("pagecache", "nocache", "direct") else mode
     out["mode_note"] = reader.fallback
-    arena = None
-    out["arena"] = None
     t0 = time.perf_counter()
-    if mode in ("arena", "hybrid"):
-        share = 1.0 if mode == "arena" else float(spec.get("arena_fraction", 0.5))
-        budget = int(capacity * share)
-        chosen, window = arena_choice(spec, trace, budget, pool)
-        arena = Arena(pool, budget, chosen)
-        arena.preload()
-        out["arena"] = {"budget_bytes": budget, "entries": len(arena.slots), "bytes": arena.bytes,
-                        "locked_bytes": arena.locked_bytes, "profile_window": window,
-                        "preload_note": arena.preload_note,
-                        "vmlck_bytes": acc.vmlck_bytes()}
+    arena, out["arena"] = _preload_arena(spec, mode, trace, capacity, pool, acc)
     out["preload_seconds"] = time.perf_counter() - t0
 
     kind_src, plan_path = parse_advice(spec.get("advice"))
@@ -173,6 +162,28 @@ def run(spec: dict) -> dict:
         out["arena"]["vmlck_bytes_after"] = acc.vmlck_bytes()
         arena.close()
     out["accounting"] = acc.delta(pre, post)
+    return out | _summary(out["accounting"], measured, warm, trace)
+
+
+def _preload_arena(spec: dict, mode: str, trace, capacity: int, pool, acc):
+    """``(arena, its record)`` for the arena and hybrid modes (the arena's share of ``capacity``,
+    chosen from the trace's profile and preloaded); ``(None, None)`` for the others."""
+    if mode not in ("arena", "hybrid"):
+        return None, None
+    share = 1.0 if mode == "arena" else float(spec.get("arena_fraction", 0.5))
+    budget = int(capacity * share)
+    chosen, window = arena_choice(spec, trace, budget, pool)
+    arena = Arena(pool, budget, chosen)
+    arena.preload()
+    return arena, {"budget_bytes": budget, "entries": len(arena.slots), "bytes": arena.bytes,
+                   "locked_bytes": arena.locked_bytes, "profile_window": window,
+                   "preload_note": arena.preload_note, "vmlck_bytes": acc.vmlck_bytes()}
+
+
+def _summary(a: dict, measured, warm, trace) -> dict:
+    """The record's counts and timings of the measured pass (``warm``: the pass before it) and the
+    accounting ``a`` it read."""
+    out = {}
     secs = measured.seconds
     out.update({
         "iterations": len(secs), "accesses": measured.accesses, "bytes_read": measured.bytes_read,
@@ -184,10 +195,9 @@ def run(spec: dict) -> dict:
         "verified_reads": measured.verified_reads + warm.verified_reads,
         "verify_mismatches": measured.verify_mismatches + warm.verify_mismatches,
         "first_mismatch": measured.first_mismatch or warm.first_mismatch,
-        "device_read_bytes": out["accounting"].get("device_read_bytes"),
-        "device_read_note": out["accounting"].get("device_read_note"),
+        "device_read_bytes": a.get("device_read_bytes"),
+        "device_read_note": a.get("device_read_note"),
     })
-    a = out["accounting"]
     out.update({k: a.get(k) for k in ("read_bytes_self", "read_bytes_self_note", "device_other_readers",
                                       "device_other_bytes", "reclaim_scan_per_steal", "pgscan_total", "pgsteal_total")})
     memcg = a.get("memcg") or {}

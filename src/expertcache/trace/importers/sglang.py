@@ -51,6 +51,34 @@ def dump_files(path: str | os.PathLike) -> list[Path]:
     return sorted(files, key=order)
 
 
+def _kept_ids(parts: list[dict], src: str, drop_incomplete: bool, pad: bool):
+    """The dumps' ids at the layers that recorded any, each row's ids first and -1 after, cut to the
+    widest row: ``(ids [T, L, k], cols, empty, short_rows, where)``; ``empty`` marks tokens lacking
+    some kept layer (an error unless ``drop_incomplete``), ``short_rows`` rows with fewer ids than
+    ``k`` (an error unless ``pad``)."""
+    ids = np.concatenate([p["ids"] for p in parts])
+    cols = np.flatnonzero((ids >= 0).any(axis=(0, 2)))
+    if cols.size == 0:
+        raise TraceError(f"{src}: no expert ids recorded at any layer")
+    ids = ids[:, cols]
+    valid = ids >= 0
+    ids = np.take_along_axis(ids, np.argsort(~valid, axis=2, kind="stable"), axis=2)  # ids first, -1 after
+    counts = valid.sum(axis=2)
+    where = _Where(parts, cols)
+    empty = (counts == 0).any(axis=1)  # a token without ids at some kept layer lacks that layer
+    if empty.any() and not drop_incomplete:
+        t = int(np.flatnonzero(empty)[0])
+        raise TraceError(f"{where(t, int(np.flatnonzero(counts[t] == 0)[0]))}: no expert id (--drop-incomplete drops such tokens)")
+    if empty.all():
+        raise TraceError(f"{src}: every token lacks some layer; nothing left to import")
+    k = int(counts[~empty].max())
+    short_rows = (counts < k) & ~empty[:, None]
+    if short_rows.any() and not pad:
+        t, c = (int(v) for v in np.argwhere(short_rows)[0])
+        raise TraceError(f"{where(t, c)}: {int(counts[t, c])} expert ids where others have {k} (--pad pads shorter rows with -1)")
+    return ids[:, :, :k], cols, empty, short_rows, where
+
+
 def import_sglang(
     path: str | os.PathLike,
     *,
@@ -86,28 +114,7 @@ def import_sglang(
     if sequences == "auto":
         sequences = "stream" if any(p["batched"] for p in parts) else "positions"
 
-    ids = np.concatenate([p["ids"] for p in parts])
-    cols = np.flatnonzero((ids >= 0).any(axis=(0, 2)))
-    if cols.size == 0:
-        raise TraceError(f"{src}: no expert ids recorded at any layer")
-    ids = ids[:, cols]
-    valid = ids >= 0
-    ids = np.take_along_axis(ids, np.argsort(~valid, axis=2, kind="stable"), axis=2)  # ids first, -1 after
-    counts = valid.sum(axis=2)
-    where = _Where(parts, cols)
-    empty = (counts == 0).any(axis=1)  # a token without ids at some kept layer lacks that layer
-    if empty.any() and not drop_incomplete:
-        t = int(np.flatnonzero(empty)[0])
-        raise TraceError(f"{where(t, int(np.flatnonzero(counts[t] == 0)[0]))}: no expert id (--drop-incomplete drops such tokens)")
-    if empty.all():
-        raise TraceError(f"{src}: every token lacks some layer; nothing left to import")
-    k = int(counts[~empty].max())
-    ids = ids[:, :, :k]
-    short_rows = (counts < k) & ~empty[:, None]
-    if short_rows.any() and not pad:
-        t, c = (int(v) for v in np.argwhere(short_rows)[0])
-        raise TraceError(f"{where(t, c)}: {int(counts[t, c])} expert ids where others have {k} (--pad pads shorter rows with -1)")
-
+    ids, cols, empty, short_rows, where = _kept_ids(parts, src, drop_incomplete, pad)
     seq = np.concatenate([_sequences(p["position"], sequences) + i * (1 << 31) for i, p in enumerate(parts)])
     keep = ~empty
     dropped = [where.describe(int(t)) for t in np.flatnonzero(empty)[:1000]]
