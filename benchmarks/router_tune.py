@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("decode", "forward"), default="decode")
     ap.add_argument("--probe-prompts", type=int, default=32)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {','.join(VARIANTS)}")
+    ap.add_argument("--seed", type=int, default=0, help="router-tune's seed (sampling and init; default 0)")
     ap.add_argument("--balance", type=float, default=None,
                     help="weight of the load-balancing loss of the +lb variants (default: the model's router_aux_loss_coef)")
     args = ap.parse_args(argv)
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         line = cli_out(["router-tune", "--model", args.model, "--text", prompts_txt, "--layer", args.layer,
                         "--cache", args.train_cache, "--steps", args.steps, "--group", args.group,
                         "--max-new-tokens", args.max_new_tokens, "--lr", args.lr, "--kl", args.kl,
-                        *[a.format(balance=args.balance) for a in VARIANTS[name]], "--out", folder, "--json"])
+                        *[a.format(balance=args.balance) for a in VARIANTS[name]], "--seed", args.seed, "--out", folder,
+                        "--json"])
         results["train"][name] = json.loads(line) | {"wall_s": time.perf_counter() - t0}
         models[name] = folder
         print(f"trained {name}: {results['train'][name]}", flush=True)
@@ -218,10 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     report(results, args)
 
 
+CONTROLS = {"grpo": "sft", "grpo+lb": "sft+lb"}
+"""Each GRPO variant's matched control: the same steps, prompts and seed without the cache reward."""
+
+
 def row_changes(rows: dict) -> dict:
     """Per tuned model and policy: the change of its teacher-forced steady copies against base's,
-    with the paired interval over held-out rows (:func:`change_ci`)."""
-    return {name: {p: change_ci(r[p], rows["base"][p]) for p in r} for name, r in rows.items() if name != "base"}
+    with the paired interval over held-out rows (:func:`change_ci`); and ``"X vs Y"`` for each GRPO
+    variant against its control (:data:`CONTROLS`), when both ran: what the reward itself changes."""
+    out = {name: {p: change_ci(r[p], rows["base"][p]) for p in r} for name, r in rows.items() if name != "base"}
+    for tuned, control in CONTROLS.items():
+        if tuned in rows and control in rows:
+            out[f"{tuned} vs {control}"] = {p: change_ci(rows[tuned][p], rows[control][p]) for p in rows[tuned]}
+    return out
     return 0
 
 
@@ -254,7 +265,7 @@ def report(results: dict, args) -> None:
     for name, per in results.get("row_change", {}).items():
         print(f"{name}, teacher-forced capture, {per['lru']['rows']} rows: lru steady copies "
               + "; ".join(f"{p} {c['change']:+.2%} [{c['ci'][0]:+.2%}, {c['ci'][1]:+.2%}]" for p, c in per.items())
-              + " vs base (95 % paired interval over rows)")
+              + (" (95 % paired interval over rows)" if " vs " in name else " vs base (95 % paired interval over rows)"))
 
 
 if __name__ == "__main__":

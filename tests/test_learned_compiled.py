@@ -3,7 +3,7 @@
 Three paths: the compiled loop (its own residents, the compiled feature state of
 kernels_feature_state); the Python engine driving :class:`~expertcache.policies.learned.Learned`
 through the reference cache (:class:`~expertcache.cache.ExpertCache`) with the same compiled
-feature state (:class:`~expertcache.kernels_feature_state.LiveFeatures`, the live harness's
+feature state (:class:`~expertcache.kernels_live.LiveFeatures`, the live harness's
 path); and the Python engine with ``reference=True``, which follows the stream with
 :class:`~expertcache.scorer.features.FeatureState`, the independent Python implementation. Counts
 must be equal group for group (not approximately) for every scorer kind and feature set, in both

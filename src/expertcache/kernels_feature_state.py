@@ -5,9 +5,10 @@ collected with it); this module is the compiled implementation of the same defin
 once and called by both compiled users:
 
 * the compiled replay (:func:`expertcache.kernels_learned.learned_loop`), which runs whole streams;
-* the live policy (:class:`LiveFeatures`, used by :class:`expertcache.policies.learned.Learned`):
-  the cache step of the live harness (:class:`expertcache.cache.ExpertCache`), the tier and the
-  simulator's Python engine, one call per eviction and one per step.
+* the live policy (:class:`expertcache.kernels_live.LiveFeatures`, used by
+  :class:`expertcache.policies.learned.Learned`): the cache step of the live harness
+  (:class:`expertcache.cache.ExpertCache`), the tier and the simulator's Python engine, one
+  compiled call per eviction and one per step.
 
 The steps, in the order of one access step ``t`` of a stream:
 
@@ -31,7 +32,6 @@ bit for bit (same operations, same order, scalar ``math.exp``/``math.log1p``; se
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -272,132 +272,3 @@ def not_inferred(row, inferred):
         if e >= 0 and not inferred[e]:
             m += 1
     return m
-
-
-# ------------------------------------------------------------------------------ the live policy
-@njit(cache=True)
-def live_keys(cand, t, row, observe, pcand, codes, spt, steps, count, decay, values, lograte, ex, lage, lcount, X, ckey,
-              z, hid, mean, scale, mlp, w, W1, b1, w2, item_li, item_e, pop, trans, succp, lat, latn,
-              item_ll, M, N, ouse, osteps, olat, olatn, use_prior, es):
-    """Keys of the candidates ``cand`` at step ``t``, kept with them in ``pcand``/``ckey`` for the
-    step's residency inference; returns a copy of the keys. With ``observe``, step ``t``'s group
-    ``row`` is observed first (:func:`observe_group`: one compiled call for both)."""
-    if observe:
-        observe_group(row, item_li, item_e, lat, latn, use_prior, item_ll, M, N, ouse, osteps, olat, olatn, es)
-    nc = cand.size
-    pcand[:nc] = cand
-    describe(X, cand, nc, codes, t, spt, steps, count, decay, values, lograte, ex, lage, lcount,
-             item_li, item_e, pop, trans, succp, lat, latn, item_ll, M, N, ouse, osteps, olat, olatn)
-    score_keys(X, nc, ckey, mean, scale, z, hid, mlp, w, W1, b1, w2)
-    return ckey[:nc].copy()
-
-
-@njit(cache=True)
-def live_access(row, prow, t, nc, orow, observe, spt, steps, count, decay, lograte, ex, inferred, values, cand, ckey,
-                taken, out, item_li, item_e, lat, latn, use_prior, item_ll, M, N, ouse, osteps, olat, olatn, es):
-    """With ``observe``, step ``t``'s group ``orow`` is observed first (:func:`observe_group`); then the
-    step's residency inference from the keys of its eviction (``cand[:nc]``, ``ckey``; ``nc`` = 0 when
-    it evicted nothing), then :func:`access_group`."""
-    if observe:
-        observe_group(orow, item_li, item_e, lat, latn, use_prior, item_ll, M, N, ouse, osteps, olat, olatn, es)
-    if nc > 0:
-        n_sel = min(not_inferred(row, inferred), nc)
-        order_prefix(cand, ckey, nc, steps[0], n_sel, taken, out)
-        for r in range(n_sel):
-            inferred[out[r]] = False
-    access_group(row, prow, t, spt, steps, count, decay, lograte, ex, inferred, values)
-
-
-class LiveFeatures:
-    """The compiled state of one stream, driven step by step through the policy protocol.
-
-    ``plan``: the scorer's :class:`~expertcache.kernels_learned.LearnedPlan` (codes, weights);
-    ``arrays``: its context arrays for this stream (``item_li``, ``item_e``, ``pop``, ``trans``,
-    ``succp`` for the prior group, ``item_ll``/``item_e`` for the online group), or ``{}``;
-    ``context``: the stream context (its ``groups`` give each step's group; ``probs``, ``router``,
-    ``offset`` the gate and router rows), or None for a scorer of reuse features."""
-
-    def __init__(self, plan, n_items: int, spt: float, context=None, arrays=None):
-        self.plan, self.context, self.spt = plan, context, float(spt)
-        a = plan.context_args(arrays or {})
-        n, R, F = int(n_items), plan.lograte.size, plan.codes.size
-        self.steps = np.full((4, n), -1, dtype=np.int64)
-        self.count = np.zeros(n, dtype=np.int64)
-        self.decay = np.zeros((R, n), dtype=np.float64)
-        self.values = np.zeros((4, n), dtype=np.float64)
-        self.inferred = np.zeros(n, dtype=np.bool_)
-        self.ex, self.lage, self.lcount = _live_tables(self.spt, plan.lograte.tobytes())
-        k = max(int(getattr(getattr(context, "groups", None), "shape", (0, 1))[1]), 1)
-        L = a["pop"].shape[0]
-        self.lat, self.latn = np.zeros((L, k), dtype=np.int64), np.zeros(L, dtype=np.int64)
-        ll = a["item_ll"]
-        self.M, self.N, self.ouse, self.osteps, self.olat, self.olatn = online_arrays(ll, a["item_e"], k)
-        self.es = np.zeros(k, dtype=np.int64)
-        self.use_prior = L > 0
-        self.observes = self.use_prior or ll.size > 0
-        self.router = getattr(context, "router", None) if plan.uses_router else None
-        self.probs = getattr(context, "probs", None) if plan.uses_gate else None
-        self.follows = self.observes or self.router is not None  # reads each step's group or router row
-        self._observe_args = (a["item_li"], a["item_e"], self.lat, self.latn, self.use_prior, a["item_ll"], self.M,
-                              self.N, self.ouse, self.osteps, self.olat, self.olatn, self.es)
-        self.seen = -1
-        self.X = np.zeros((n, F))  # scratch for up to every item as a candidate
-        self.ckey = np.zeros(n)
-        self.z, self.hid = np.zeros(F), np.zeros(plan.weights[3].size)
-        self.taken, self.out = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.int64)
-        self.cand = np.zeros(n, dtype=np.int64)
-        self.nc, self.pending_t = 0, -1
-        self._noprow = np.zeros(0, dtype=np.float32)
-        mlp, w, W1, b1, w2 = plan.weights
-        self._key_args = (self.cand, plan.codes, self.spt, self.steps, self.count, self.decay, self.values,
-                          plan.lograte, self.ex, self.lage, self.lcount, self.X, self.ckey, self.z, self.hid,
-                          plan.mean, plan.scale, mlp, w, W1, b1, w2, a["item_li"], a["item_e"], a["pop"], a["trans"],
-                          a["succp"], self.lat, self.latn, a["item_ll"], self.M, self.N, self.ouse, self.osteps,
-                          self.olat, self.olatn, self.use_prior, self.es)
-        self._access_args = (self.spt, self.steps, self.count, self.decay, plan.lograte, self.ex, self.inferred,
-                             self.values, self.cand, self.ckey, self.taken, self.out, *self._observe_args)
-        self._norow = np.zeros(0, dtype=np.int64)
-
-    def _begin(self, t: int) -> bool:
-        """Step ``t`` is being scored or accessed: observe the steps ``seen + 1 .. t - 1`` that were
-        neither (not in the cache's protocol; kept so any caller stays exact) and step ``t``'s router
-        row; True when step ``t``'s group is still to be observed, which the compiled call that
-        follows does (one call per step, not two)."""
-        while self.seen < t - 1:
-            s = self.seen + 1
-            if self.observes:
-                observe_group(np.asarray(self.context.groups[s], dtype=np.int64), *self._observe_args)
-            self._observe_router(s)
-            self.seen = s
-        if self.seen >= t:
-            return False
-        self._observe_router(t)  # disjoint from what observe_group writes: the order does not matter
-        self.seen = t
-        return self.observes
-
-    def _observe_router(self, s: int) -> None:
-        if self.router is not None:
-            observe_router(self.router[s], int(self.context.offset[s]), self.values, self.plan.alpha)
-
-    def keys(self, candidates: np.ndarray, t: int) -> np.ndarray:
-        observe = self.follows and self._begin(t)
-        row = np.asarray(self.context.groups[t], dtype=np.int64) if observe else self._norow
-        cand = np.ascontiguousarray(candidates, dtype=np.int64)
-        self.nc, self.pending_t = cand.size, t
-        return live_keys(cand, t, row, observe, *self._key_args)
-
-    def on_access(self, items: np.ndarray, t: int) -> None:
-        row = orow = np.ascontiguousarray(items, dtype=np.int64)
-        observe = self.follows and self._begin(t)
-        nc = self.nc if self.pending_t == t else 0
-        prow = self._noprow
-        if self.probs is not None:  # the step's row as the context has it (pads skipped), its gate weights aligned
-            row, prow = self.context.groups[t], self.context.probs[t]
-        live_access(row, prow, t, nc, orow, observe, *self._access_args)
-        self.nc, self.pending_t = 0, -1
-
-
-@functools.lru_cache(maxsize=16)
-def _live_tables(spt: float, lograte: bytes):
-    """:func:`tables` of :data:`LIVE_TABLE` entries, once per process and ``(spt, lograte)`` (shared: never written)."""
-    return tables(LIVE_TABLE, spt, np.frombuffer(lograte, dtype=np.float64).copy())

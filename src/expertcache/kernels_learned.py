@@ -10,7 +10,7 @@ described (feature by feature) and scored, O(C F) linear, O(C F H) mlp.
 The feature state (last, first and previous use, count, decayed counts, gate sums, router rows,
 the residency inference ``since_load`` reads) and its steps are
 :mod:`expertcache.kernels_feature_state`'s, the same compiled functions the live policy calls
-(:class:`~expertcache.kernels_feature_state.LiveFeatures`); this loop adds only the cache. The
+(:class:`~expertcache.kernels_live.LiveFeatures`); this loop adds only the cache. The
 Python reference, :class:`expertcache.scorer.features.FeatureState`, is an independent
 implementation of the same definitions, and the floats agree bit for bit: the same operations in
 the same order, ``exp`` and ``log1p`` always the scalar ``math.exp`` / ``math.log1p``, every score

@@ -18,7 +18,7 @@ needing context the layout cannot give (no trace attached, field absent), has no
 runs the Python engine as before (and reports the missing field there).
 
 Live, and on the simulator's Python engine, the policy follows the stream with the same compiled
-feature state (:class:`~expertcache.kernels_feature_state.LiveFeatures`: one compiled call per
+feature state (:class:`~expertcache.kernels_live.LiveFeatures`: one compiled call per
 eviction and one per step) whenever the plan could run it; otherwise (model-side features, missing
 tables) with FeatureState. ``reference=True`` always uses FeatureState, the independent Python
 implementation the tests cross-check both compiled paths against.
@@ -35,7 +35,7 @@ import numpy as np
 
 from ..context import RouterView, stream_context
 from ..errors import PolicyError
-from ..kernels_feature_state import LiveFeatures
+from ..kernels_live import LiveFeatures
 from ..kernels_features import score_rows
 from ..kernels_learned import LearnedPlan, feature_codes
 from ..scorer.features import DECAY_RATES, GATE, LOGRATE, ONLINE, PRIOR, REUSE, ROUTER, FeatureState, \
