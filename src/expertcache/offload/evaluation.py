@@ -255,22 +255,7 @@ def evaluate(
     """Run the protocol of the module docstring; ``sequences`` are token-id lists of length >= 2.
     ``bootstrap`` > 0 gives each policy a 95% interval of its dNLL over the sequences
     (:mod:`.intervals`; every policy on the same resamples)."""
-    if mode not in MODES:
-        raise ConfigError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
-    if reference not in REFERENCES:
-        raise ConfigError(f"reference: {reference!r} is not one of {', '.join(REFERENCES)}")
-    if not tolerance >= 0:
-        raise ConfigError(f"tolerance must be a non-negative number of nats, got {tolerance}")
-    if prefetch != "none" and mode != "decode":
-        raise ConfigError(
-            "prefetch needs mode decode: a teacher-forced forward runs every position of a layer before the next layer starts"
-        )
-    if pool == "global" and mode != "decode":
-        raise ConfigError("pool global needs mode decode: it serves one token position per forward, layer by layer")
-    if router_probs and batch > 1:
-        raise ConfigError("router_probs records batch-1 passes; use batch 1 to capture them")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
+    _check_options(mode, reference, tolerance, prefetch, pool, router_probs, batch, repeats)
     seqs = check_sequences(sequences, vocab_size(model))
     batches, dropped = make_batches(seqs, batch)
     idx = draws(len(seqs) - dropped, bootstrap, bootstrap_seed) if bootstrap else None
@@ -320,6 +305,26 @@ def evaluate(
             res.bootstrap, res.bootstrap_seed = int(bootstrap), int(bootstrap_seed)
         evaluation.results.append(res)
     return evaluation
+
+
+def _check_options(mode, reference, tolerance, prefetch, pool, router_probs, batch, repeats) -> None:
+    """:func:`evaluate`'s options that need no model, checked before anything runs."""
+    if mode not in MODES:
+        raise ConfigError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
+    if reference not in REFERENCES:
+        raise ConfigError(f"reference: {reference!r} is not one of {', '.join(REFERENCES)}")
+    if not tolerance >= 0:
+        raise ConfigError(f"tolerance must be a non-negative number of nats, got {tolerance}")
+    if prefetch != "none" and mode != "decode":
+        raise ConfigError(
+            "prefetch needs mode decode: a teacher-forced forward runs every position of a layer before the next layer starts"
+        )
+    if pool == "global" and mode != "decode":
+        raise ConfigError("pool global needs mode decode: it serves one token position per forward, layer by layer")
+    if router_probs and batch > 1:
+        raise ConfigError("router_probs records batch-1 passes; use batch 1 to capture them")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
 
 
 def fitting_capacity(model: torch.nn.Module, capacity: int, layers, pool: str) -> int:

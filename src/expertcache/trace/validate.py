@@ -119,8 +119,20 @@ def build(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: boo
     if router_probs is not None:
         router_probs = _check_float(router_probs, (T, L, E), "router_probs", src, upper=1.0)
 
-    n_seq = len(bounds) - 1
-    derived = {"num_experts": E, "top_k": k, "num_layers": L, "tokens": T, "sequences": n_seq}
+    _check_derived_meta(meta, {"num_experts": E, "top_k": k, "num_layers": L, "tokens": T,
+                               "sequences": len(bounds) - 1}, src)
+    extras = {name: _check_extra(name, arr, bounds, T, L, src) for name, arr in arrays.items()}
+    check_signal_pairs(extras, src)
+    return Trace(
+        experts=experts, seq=seq, meta=meta, probs=probs, router_probs=router_probs, extras=extras, source=src
+    )
+
+
+# ---------------------------------------------------------------------- meta
+def _check_derived_meta(meta: dict, derived: dict, src: str) -> None:
+    """Fill or check (in place) the meta keys the arrays determine (``derived``), the layer ids and
+    the phase."""
+    L = derived["num_layers"]
     for key, value in derived.items():
         if key not in meta:
             meta[key] = value
@@ -143,14 +155,7 @@ def build(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: boo
     if meta["phase"] not in PHASES:
         raise TraceError(f"{src}: meta: phase {meta['phase']!r} is not one of {', '.join(PHASES)}")
 
-    extras = {name: _check_extra(name, arr, bounds, T, L, src) for name, arr in arrays.items()}
-    check_signal_pairs(extras, src)
-    return Trace(
-        experts=experts, seq=seq, meta=meta, probs=probs, router_probs=router_probs, extras=extras, source=src
-    )
 
-
-# ---------------------------------------------------------------------- meta
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

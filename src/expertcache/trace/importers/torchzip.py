@@ -34,6 +34,8 @@ _STORAGES = {
 }
 _PUSH_ARG = {"BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
 _CONST = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}
+_FILL = {"APPEND", "APPENDS", "SETITEM", "SETITEMS", "BUILD"}
+"""Opcodes that fill a list or dict already on the stack (:meth:`_Machine._fill`)."""
 
 
 class _Global:
@@ -125,22 +127,8 @@ class _Machine:
                     items = tuple(stack[-n:])
                     del stack[-n:]
                     stack.append(items)
-                elif name == "APPEND":
-                    value = stack.pop()
-                    self._list(stack[-1], pos).append(value)
-                elif name == "APPENDS":
-                    items, stack = stack, marks.pop()
-                    self._list(stack[-1], pos).extend(items)
-                elif name == "SETITEM":
-                    value, key = stack.pop(), stack.pop()
-                    self._dict(stack[-1], pos)[self._key(key, pos)] = value
-                elif name == "SETITEMS":
-                    items, stack = stack, marks.pop()
-                    target = self._dict(stack[-1], pos)
-                    if len(items) % 2:
-                        raise self.fail(pos, "SETITEMS with an odd number of items")
-                    for i in range(0, len(items), 2):
-                        target[self._key(items[i], pos)] = items[i + 1]
+                elif name in _FILL:
+                    stack = self._fill(name, stack, marks, pos)
                 elif name in ("BINPUT", "LONG_BINPUT"):
                     memo[arg] = stack[-1]
                 elif name == "MEMOIZE":
@@ -162,11 +150,6 @@ class _Machine:
                 elif name == "REDUCE":
                     args, func = stack.pop(), stack.pop()
                     stack.append(self._reduce(func, args, pos))
-                elif name == "BUILD":
-                    state = stack.pop()
-                    if not (isinstance(stack[-1], dict) and isinstance(state, dict)):
-                        raise self.fail(pos, "BUILD is read only to fill a dict")
-                    stack[-1].update(state)
                 elif name == "PROTO":
                     if arg > 5:
                         raise self.fail(pos, f"pickle protocol {arg}")
@@ -187,6 +170,32 @@ class _Machine:
         raise self.fail(pos, "ends without STOP")
 
     # ------------------------------------------------------------------ pieces
+    def _fill(self, name: str, stack: list, marks: list[list], pos) -> list:
+        """The opcodes that fill a list or dict already on the stack (:data:`_FILL`); returns the
+        stack (the marked ones pop back to the stack below their mark)."""
+        if name == "APPEND":
+            value = stack.pop()
+            self._list(stack[-1], pos).append(value)
+        elif name == "APPENDS":
+            items, stack = stack, marks.pop()
+            self._list(stack[-1], pos).extend(items)
+        elif name == "SETITEM":
+            value, key = stack.pop(), stack.pop()
+            self._dict(stack[-1], pos)[self._key(key, pos)] = value
+        elif name == "SETITEMS":
+            items, stack = stack, marks.pop()
+            target = self._dict(stack[-1], pos)
+            if len(items) % 2:
+                raise self.fail(pos, "SETITEMS with an odd number of items")
+            for i in range(0, len(items), 2):
+                target[self._key(items[i], pos)] = items[i + 1]
+        else:  # BUILD
+            state = stack.pop()
+            if not (isinstance(stack[-1], dict) and isinstance(state, dict)):
+                raise self.fail(pos, "BUILD is read only to fill a dict")
+            stack[-1].update(state)
+        return stack
+
     def _list(self, x, pos) -> list:
         if not isinstance(x, list):
             raise self.fail(pos, f"APPEND to a {type(x).__name__}")
