@@ -85,21 +85,29 @@ def _append(prv, nxt, e, head, tail):
 
 
 @njit(cache=True, inline="always")
-def _sorted_group(groups, g, buf, stamp):
-    """Copy group ``g``'s ids (padding dropped) into ``buf`` in ascending order, mark them
-    requested (``stamp[e] = g``); return how many."""
+def sorted_ids(groups, g, buf):
+    """Copy group ``g``'s ids (padding dropped) into ``buf`` in ascending order (insertion sort:
+    groups are small); return how many."""
     n = 0
     for j in range(groups.shape[1]):
         e = groups[g, j]
         if e < 0:
             continue
-        stamp[e] = g
         i = n
         while i > 0 and buf[i - 1] > e:
             buf[i] = buf[i - 1]
             i -= 1
         buf[i] = e
         n += 1
+    return n
+
+
+@njit(cache=True, inline="always")
+def _sorted_group(groups, g, buf, stamp):
+    """:func:`sorted_ids`, and the ids marked requested (``stamp[e] = g``)."""
+    n = sorted_ids(groups, g, buf)
+    for i in range(n):
+        stamp[buf[i]] = g
     return n
 
 

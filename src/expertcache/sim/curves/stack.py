@@ -40,8 +40,8 @@ routing, never more than ``DIRECT_WORDS``; larger pools also keep a Fenwick tree
 O(log(n_items)) per request. The two ways are two compilations of one loop (``tree`` is ``None``
 or an array, and numba drops the dead branch), so the direct loop carries no tree test: with the
 test inside, the loop ran 2.3-2.9x ``lru_loop`` instead of 1.0-1.9x (``benchmarks/bench_mrc.py``).
-Stamps are renumbered when they run out (amortized O(1)). A group's ids are insertion-sorted, as
-``lru_loop`` does. Altogether O(G * k * (k + log E)).
+Stamps are renumbered when they run out (amortized O(1)). A group's ids are sorted by
+``kernels.sorted_ids``, as ``lru_loop``'s are. Altogether O(G * k * (k + log E)).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..._jit import AVAILABLE, njit
+from ...kernels import sorted_ids
 
 _ONE = np.uint64(1)
 DIRECT_WORDS = 256
@@ -213,17 +214,7 @@ def _stack_loop(groups, starts, n_items, group_layer, group_scored, n_layers, tr
         clock = 0
         live = 0
         for g in range(a, b):
-            n = 0
-            for j in range(k):  # the group's ids in ascending order (insertion sort; padding dropped)
-                e = groups[g, j]
-                if e < 0:
-                    continue
-                i = n
-                while i > 0 and buf[i - 1] > e:
-                    buf[i] = buf[i - 1]
-                    i -= 1
-                buf[i] = e
-                n += 1
+            n = sorted_ids(groups, g, buf)  # the group's ids in ascending order, padding dropped
             if clock + n > size:
                 clock = _renumber(bits, tree, n_words, owner, stamp, clock)
             if group_scored[g]:
