@@ -85,7 +85,7 @@ class StreamLayout:
     def held(self) -> np.ndarray:
         """int64 ``[G]``: the ids each group asks to hold (padding excluded; admitted requests only)."""
         G, k = self.groups.shape
-        if G and int(self.groups.min()) >= 0:  # no padding (most traces): a min is ~30x cheaper than the count
+        if G and k and int(self.groups.min()) >= 0:  # no padding (most traces): a min is ~30x cheaper than the count
             return np.full(G, k, dtype=np.int64)
         return np.count_nonzero(self.groups >= 0, axis=1).astype(np.int64, copy=False)
 
