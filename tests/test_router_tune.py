@@ -89,7 +89,7 @@ def test_balance_loss_is_k_when_uniform_and_its_gradient_spreads_the_load():
     logits[:, :2] += 4.0  # most tokens to experts 0 and 1
     logits.requires_grad_(True)
     loss = balance_loss(logits, k)
-    assert float(loss) > k
+    assert float(loss.detach()) > k
     loss.backward()
     stepped = (logits - 5.0 * logits.grad).detach()
     assert float(balance_loss(stepped, k)) < float(loss)  # a step down the gradient spreads the load
