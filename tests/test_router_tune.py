@@ -92,7 +92,7 @@ def test_balance_loss_is_k_when_uniform_and_its_gradient_spreads_the_load():
     assert float(loss.detach()) > k
     loss.backward()
     stepped = (logits - 5.0 * logits.grad).detach()
-    assert float(balance_loss(stepped, k)) < float(loss)  # a step down the gradient spreads the load
+    assert float(balance_loss(stepped, k)) < float(loss.detach())  # a step down the gradient spreads the load
 
 
 # ---------------------------------------------------------------- end to end on the small model
