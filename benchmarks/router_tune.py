@@ -92,17 +92,16 @@ def tagged_heldout(out: Path, capacity: int, model: Path, heldout: Path) -> Path
     return path
 
 
-def captured(folder: Path, heldout: Path):
-    """A teacher-forced capture of the held-out rows through the model in ``folder`` (one sequence per row)."""
+def captured(model, heldout: Path):
+    """A teacher-forced capture of the held-out rows through ``model`` (one sequence per row)."""
     from expertcache import capture
 
-    model = load_model(str(folder), device="cpu").float()
     ids = torch.from_numpy(np.load(heldout).astype(np.int64))
     with torch.no_grad(), capture(model, phase="all") as cap:
         for row in ids:
             model(row[None])
     if cap.trace.num_sequences != ids.shape[0]:
-        raise SystemExit(f"capture of {folder}: {cap.trace.num_sequences} sequences for {ids.shape[0]} rows")
+        raise SystemExit(f"capture: {cap.trace.num_sequences} sequences for {ids.shape[0]} rows")
     return cap.trace
 
 
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(str(folder), device="cpu").float()
         results["probe"][name] = simulated_hit_rate(model, prompts, probe, seed=12345)
         print(f"simulated hit rate {name}: {results['probe'][name]:.4f}", flush=True)
-        trace = captured(folder, heldout)
+        trace = captured(model, heldout)
         results.setdefault("load", {})[name] = expert_load(trace)
         results.setdefault("rows", {})[name] = row_copies(trace, args.main_cache)
         print(f"expert load {name}: " + "; ".join(f"layer {i}: {d['effective_experts']:.1f} effective, top-4 share "

@@ -117,39 +117,31 @@ class LiveFeatures:
         self.plan, self.context, self.spt = plan, context, float(spt)
         a = plan.context_args(arrays or {})
         n, R, F = int(n_items), plan.lograte.size, plan.codes.size
-        self.steps = np.full((4, n), -1, dtype=np.int64)
-        self.count = np.zeros(n, dtype=np.int64)
-        self.decay = np.zeros((R, n), dtype=np.float64)
-        self.values = np.zeros((4, n), dtype=np.float64)
-        self.inferred = np.zeros(n, dtype=np.bool_)
-        self.ex, self.lage, self.lcount = _live_tables(self.spt, plan.lograte.tobytes())
         k = max(int(getattr(getattr(context, "groups", None), "shape", (0, 1))[1]), 1)
         L = a["pop"].shape[0]
-        self.lat, self.latn = np.zeros((L, k), dtype=np.int64), np.zeros(L, dtype=np.int64)
         ll = a["item_ll"]
-        self.M, self.N, self.ouse, self.osteps, self.olat, self.olatn = online_arrays(ll, a["item_e"], k)
-        self.es = np.zeros(k, dtype=np.int64)
-        self.use_prior = L > 0
-        self.observes = self.use_prior or ll.size > 0
+        use_prior = L > 0
+        self.observes = use_prior or ll.size > 0
         self.router = getattr(context, "router", None) if plan.uses_router else None
         self.probs = getattr(context, "probs", None) if plan.uses_gate else None
         self.follows = self.observes or self.router is not None  # reads each step's group or router row
         self.seen = -1
-        self.X = np.zeros((n, F))  # scratch for up to every item as a candidate
-        self.ckey = np.zeros(n)
-        self.z, self.hid = np.zeros(F), np.zeros(plan.weights[3].size)
-        self.taken, self.out = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.int64)
-        self.cand = np.zeros(n, dtype=np.int64)
         self.nc, self.pending_t = 0, -1
         self._noprow = np.zeros(0, dtype=np.float32)
-        mlp, w, W1, b1, w2 = plan.weights
-        self.S = _make_state(self.cand, plan.codes, self.spt, self.steps, self.count, self.decay, self.values,
-                             plan.lograte, self.ex, self.lage, self.lcount, self.X, self.ckey, self.z, self.hid,
-                             plan.mean, plan.scale, bool(mlp), w, W1, b1, w2, a["item_li"], a["item_e"], a["pop"],
-                             a["trans"], a["succp"], self.lat, self.latn, a["item_ll"], self.M, self.N, self.ouse,
-                             self.osteps, self.olat, self.olatn, bool(self.use_prior), self.es, self.inferred,
-                             self.taken, self.out)
         self._norow = np.zeros(0, dtype=np.int64)
+        # the state lives in S; of its arrays only the router's values are also written from Python
+        self.values = np.zeros((4, n), dtype=np.float64)
+        ex, lage, lcount = _live_tables(self.spt, plan.lograte.tobytes())
+        M, N, ouse, osteps, olat, olatn = online_arrays(ll, a["item_e"], k)
+        mlp, w, W1, b1, w2 = plan.weights
+        self.S = _make_state(
+            np.zeros(n, dtype=np.int64), plan.codes, self.spt, np.full((4, n), -1, dtype=np.int64),
+            np.zeros(n, dtype=np.int64), np.zeros((R, n), dtype=np.float64), self.values, plan.lograte, ex, lage,
+            lcount, np.zeros((n, F)), np.zeros(n), np.zeros(F), np.zeros(b1.size), plan.mean, plan.scale, bool(mlp),
+            w, W1, b1, w2, a["item_li"], a["item_e"], a["pop"], a["trans"], a["succp"],
+            np.zeros((L, k), dtype=np.int64), np.zeros(L, dtype=np.int64), ll, M, N, ouse, osteps, olat, olatn,
+            bool(use_prior), np.zeros(k, dtype=np.int64), np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_),
+            np.zeros(n, dtype=np.int64))
 
     def _begin(self, t: int) -> bool:
         """Step ``t`` is being scored or accessed: observe the steps ``seen + 1 .. t - 1`` that were

@@ -168,6 +168,13 @@ def _renumber(bits, tree, n_words, owner, stamp, clock):
     return live
 
 
+@njit(cache=True)
+def stamp_words(n_items, k):
+    """64-stamp words of the bitmap: room for ``2 * n_items + 2 * k`` stamps (live ones and the
+    stale ones between renumberings)."""
+    return (2 * n_items + 2 * k + 63) // 64
+
+
 def stack_histograms(groups, starts, n_items, group_layer, group_scored, n_layers, direct_words=DIRECT_WORDS):
     """Stack-depth histograms of every stream's scored requests, by layer.
 
@@ -182,7 +189,7 @@ def stack_histograms(groups, starts, n_items, group_layer, group_scored, n_layer
     Pools of more than ``direct_words`` 64-stamp words keep the Fenwick tree (one compiled loop
     each way: the loop without a tree has no tree branch left in it).
     """
-    words = ((2 * int(n_items) + 2 * groups.shape[1] + 63) // 64)
+    words = stamp_words(int(n_items), groups.shape[1])
     tree = np.zeros(words + 1, dtype=np.int64) if words > direct_words else None
     return _stack_loop(groups, starts, n_items, group_layer, group_scored, n_layers, tree)
 
@@ -199,7 +206,7 @@ def _stack_loop(groups, starts, n_items, group_layer, group_scored, n_layers, tr
     G, k = groups.shape
     depth = np.zeros((n_layers, n_items + 1), dtype=np.int64)
     first = np.zeros((n_layers, n_items + 1), dtype=np.int64)
-    cap = ((2 * n_items + 2 * k + 63) // 64) * 64
+    cap = stamp_words(n_items, k) * 64
     bits = np.zeros(cap // 64, dtype=np.uint64)
     owner = np.zeros(cap, dtype=np.int64)  # item of each live stamp (other entries are stale)
     stamp = np.full(n_items, -1, dtype=np.int64)  # latest stamp of each item; -1: not seen yet
