@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[plot,test,hf,grid,ray,llama]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[plot,test,hf,grid,ray,llama,serve]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

@@ -22,7 +22,7 @@ pytest.importorskip("transformers", reason="transformers is needed for the Huggi
 import expertcache  # noqa: E402
 from expertcache.errors import ConfigError  # noqa: E402
 from expertcache.llama.convert import convert  # noqa: E402
-from expertcache.llama.geometry import TYPE_SIZES, read_geometry  # noqa: E402
+from expertcache.llama.geometry import READ, TESTED, read_geometry  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = REPO / "models" / "small-moe"
@@ -71,9 +71,13 @@ def hf_capture(folder, rows, generate: int = 0):
 
 
 # ------------------------------------------------------------------------------ geometry
-def test_type_sizes_match_gguf():
-    for tid, (block, size) in TYPE_SIZES.items():
-        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tid)] == (block, size)
+def test_the_architecture_lists_are_gguf_moe_architectures():
+    """Every architecture read is one whose tensor table in the gguf package has routed experts."""
+    exp = {gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP, gguf.MODEL_TENSOR.FFN_DOWN_EXP,
+           gguf.MODEL_TENSOR.FFN_GATE_UP_EXP}
+    moe = {gguf.MODEL_ARCH_NAMES[a] for a, ts in gguf.MODEL_TENSORS.items() if exp & set(ts)}
+    assert set(TESTED) | set(READ) <= moe and not set(TESTED) & set(READ)
+    assert moe - set(TESTED) - set(READ) == {"nomic-bert-moe", "llama-embed", "grovemoe"}  # refused, see geometry
 
 
 @pytest.mark.parametrize("dtype,np_dtype", [("f32", np.float32), ("f16", np.float16)])
@@ -90,8 +94,9 @@ def test_expert_ranges_are_the_checkpoint_experts(toy, dtype, np_dtype):
                 for (off, n), proj in zip(g.expert_ranges(layer, e), ("gate_proj", "up_proj", "down_proj")):
                     want = st.get_tensor(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight").astype(np_dtype)
                     assert raw[off:off + n] == want.tobytes()
-    assert g.expert_bytes == 3 * 16 * 32 * np.dtype(np_dtype).itemsize
-    assert g.expert_tensor_bytes == 3 * 8 * g.expert_bytes
+    assert g.uniform_expert_bytes == 3 * 16 * 32 * np.dtype(np_dtype).itemsize
+    assert g.expert_tensor_bytes == 3 * 8 * g.uniform_expert_bytes
+    assert g.dense_bytes == g.file_bytes - g.expert_tensor_bytes and g.skipped_bytes == 0
 
 
 def test_refusals(toy, tmp_path):
@@ -116,12 +121,19 @@ def test_refusals(toy, tmp_path):
     with pytest.raises(ConfigError, match="not a mixture-of-experts"):
         read_geometry(str(dense))
     other = tmp_path / "other.gguf"
-    w = gguf.GGUFWriter(str(other), "grok")
+    w = gguf.GGUFWriter(str(other), "nomic-bert-moe")  # an embedding model: no decode to serve
     w.add_block_count(1), w.add_expert_count(4), w.add_expert_used_count(2)
     w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((4, 4, 4), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ConfigError, match="architecture 'grok' is not supported"):
+    with pytest.raises(ConfigError, match="architecture 'nomic-bert-moe' is not read by expertcache"):
         read_geometry(str(other))
+    wrong = tmp_path / "wrong.gguf"  # an expert tensor whose slowest dimension is not E
+    w = gguf.GGUFWriter(str(wrong), "olmoe")
+    w.add_block_count(1), w.add_expert_count(4), w.add_expert_used_count(2)
+    w.add_tensor("blk.0.ffn_down_exps.weight", np.zeros((3, 4, 4), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ConfigError, match="slowest dimension is not the 4 experts"):
+        read_geometry(str(wrong))
 
 
 def test_convert_refusals(toy, tmp_path):
@@ -160,7 +172,7 @@ def test_capture_teacher_forced_equals_hf(toy):
     rows = np.random.default_rng(0).integers(0, 96, size=(2, 24))
     ref, got = hf_capture(toy / "hf", rows), capture_gguf(str(toy / "f32.gguf"), rows)
     assert got.meta["phase"] == "teacher-forced" and got.meta["engine"] == "llama.cpp"
-    assert got.meta["expert_bytes"] == read_geometry(str(toy / "f32.gguf")).expert_bytes
+    assert got.meta["expert_bytes"] == read_geometry(str(toy / "f32.gguf")).uniform_expert_bytes
     assert got.experts.shape == ref.experts.shape == (48, 3, 2)
     np.testing.assert_array_equal(got.experts, ref.experts)
     np.testing.assert_array_equal(got.seq, ref.seq)
@@ -219,7 +231,8 @@ def test_cli_convert_capture_and_hostile_inputs(toy, tmp_path):
     out = cli("convert", toy / "hf", "--out", tmp_path / "m.gguf", "--dtype", "q8_0", "--json")
     assert out.returncode == 0, out.stderr
     g = read_geometry(str(tmp_path / "m.gguf"))  # gate/up rows of 32 quantize; down's rows of 16 stay f16
-    assert (g.experts[0]["gate"].type_name, g.experts[0]["down"].type_name) == ("q8_0", "f16")
+    parts = g.experts[0]
+    assert (parts["ffn_gate_exps.weight"].type_name, parts["ffn_down_exps.weight"].type_name) == ("q8_0", "f16")
     done = cli("capture", "--model", toy / "f32.gguf", "--tokens", tmp_path / "ids.npy", "--out", tmp_path / "t.npz")
     assert done.returncode == 0, done.stderr
     t = expertcache.load_trace(tmp_path / "t.npz")

@@ -95,19 +95,19 @@ def test_nommap_refuses_a_wall_below_the_model(gguf_path, prompt):
 def test_demand_model_by_hand(gguf_path):
     """Two layers' worth of routing replayed by hand: a pool of 3 experts beside the dense part."""
     g = read_geometry(str(gguf_path))
-    dense = g.file_bytes - g.expert_tensor_bytes
-    wall = dense + 3 * g.expert_bytes
+    dense = g.dense_bytes
+    wall = dense + 3 * g.uniform_expert_bytes
     only = [[[0, 1], [], [], []], [[0, 2], [], [], []], [[3, 1], [], [], []]]  # layer 0 only
     d = demand(only, g, wall)
     # warm {0,1}; step 1 needs 2 (miss, pool {0,1,2}); step 2 needs 3 and 1: 3 misses (evicts 0), 1 hits
     assert d["capacity_experts"] == 3 and d["demand_misses"] == 2
-    assert d["demand_bytes_per_token"] == 2 * g.expert_bytes / 2
-    assert demand(only, g, dense + g.expert_bytes)["demand_bytes_per_token"] is None  # cannot hold one layer's 2
+    assert d["demand_bytes_per_token"] == 2 * g.uniform_expert_bytes / 2
+    assert demand(only, g, dense + g.uniform_expert_bytes)["demand_bytes_per_token"] is None  # cannot hold one layer's 2
 
 
 def test_walls_and_summary(gguf_path):
     g = read_geometry(str(gguf_path))
-    dense = g.file_bytes - g.expert_tensor_bytes
+    dense = g.dense_bytes
     assert parse_walls("100%,50%,12MB", g) == sorted({dense + g.expert_tensor_bytes, dense + g.expert_tensor_bytes // 2,
                                                       12 * 10**6})
     recs = [{"mode": "mmap", "memory_wall": 10, "decode_tokens_per_s": v, "read_bytes_per_token": 1.0,
@@ -131,9 +131,9 @@ def test_managed_mode_hints_exactly_the_policys_loads(gguf_path, prompt):
     from expertcache.llama.runner import check_managed
 
     g = read_geometry(str(gguf_path))
-    dense = g.file_bytes - g.expert_tensor_bytes
+    dense = g.dense_bytes
     L, E = len(g.moe_layers), g.num_experts
-    wall = dense + L * 3 * (E + 1) * PAGE + 12 * (g.expert_bytes + 6 * PAGE)
+    wall = dense + L * 3 * (E + 1) * PAGE + 12 * (g.uniform_expert_bytes + 6 * PAGE)
     assert managed_capacity(g, wall) == 11 and managed_capacity(g, None) == L * E
     rec = run_one(g, prompt, 10, "managed", keep_routing=True)  # no wall: the pool holds every expert
     adv = rec["advice"]
@@ -142,10 +142,10 @@ def test_managed_mode_hints_exactly_the_policys_loads(gguf_path, prompt):
     adopted = set(adv["managed_adopted_items"])  # what the load left wholly resident
     assert adv["managed_adopted"] == len(adopted) and adopted <= set(range(L * E))
     assert adv["managed_loads"] == len(routed - adopted)  # each other routed expert loaded once, never again
-    assert adv["hint_bytes"] == adv["managed_loads"] * g.expert_bytes
+    assert adv["hint_bytes"] == adv["managed_loads"] * g.uniform_expert_bytes
     assert rec["output_sha256"] == run_one(g, prompt, 10, "mmap")["output_sha256"]
     with pytest.raises(ConfigError, match="fewer than one layer routes"):
-        check_managed(g, dense + g.expert_bytes, "lru")
+        check_managed(g, dense + g.uniform_expert_bytes, "lru")
     with pytest.raises(ConfigError, match="needs the future"):
         check_managed(g, wall, "belady")
 
@@ -158,10 +158,10 @@ def test_managed_mode_replays_its_own_cache(gguf_path, prompt):
     from expertcache.llama.advice import PAGE
 
     g = read_geometry(str(gguf_path))
-    dense = g.file_bytes - g.expert_tensor_bytes
+    dense = g.dense_bytes
     L, E = len(g.moe_layers), g.num_experts
     cap = 2 * g.top_k
-    wall = dense + L * 3 * (E + 1) * PAGE + (cap + 1) * (g.expert_bytes + 6 * PAGE)
+    wall = dense + L * 3 * (E + 1) * PAGE + (cap + 1) * (g.uniform_expert_bytes + 6 * PAGE)
     rec = run_one(g, prompt, 10, "managed", wall_bytes=wall, wall="none", keep_routing=True)
     assert rec["advice"]["managed_capacity"] == cap
     cache = ExpertCache(cap, "lru", L * E, steps_per_token=L)

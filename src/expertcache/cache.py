@@ -219,6 +219,10 @@ class ExpertCache:
             self._place(missing, victims, step)
             self.policy.on_evict(np.asarray(step.evicted, dtype=np.int64), t)
             self.policy.on_admit(missing, t)
+        return self._finish(items, step, t)
+
+    def _finish(self, items: np.ndarray, step: Step, t: int) -> Step:
+        """The end of every step: prefetched items now used, last uses, counters, ``on_access``."""
         used = items[self._speculative[items]]
         if used.size:
             self.prefetch_hits += used.size
@@ -271,4 +275,175 @@ class ExpertCache:
             self._slot[e] = slot
             step.loads.append((e, slot))
             pol.hook_admit(e, t)
+        return step
+
+
+class SizedCache(ExpertCache):
+    """:class:`ExpertCache` with a capacity in bytes over items of different sizes (``item_bytes``),
+    as libCacheSim sizes objects: a GGUF whose expert tensors differ in type by layer (Q4_K_M) has
+    experts of different sizes. There are no slots (``slot_of`` is 0 for a resident item, -1 else).
+
+    Invariants: those of :class:`ExpertCache` with "at most ``capacity`` items are resident"
+    replaced by "the resident items' sizes sum to at most ``capacity_bytes``", and a miss that does
+    not fit evicting victims in the same order (unused prefetched items first, then the policy's
+    ``(key, last use, id)`` order, or a hooked rule's victims one at a time) until it fits. With
+    every size equal to ``s`` and ``capacity_bytes = C * s`` it decides exactly as
+    ``ExpertCache(C)``: the same hits, loads and victims at every step (tested for every online
+    rule). The policy is bound to ``capacity_bytes // mean(item_bytes)`` items (what capacity-aware
+    rules such as ARC size their lists by). ``used_bytes`` is the resident items' total.
+    """
+
+    def __init__(self, capacity_bytes: int, policy: Policy | str, item_bytes, *,
+                 future: StreamFuture | None = None, steps_per_token: int = 1):
+        sizes = np.asarray(item_bytes, dtype=np.int64).ravel()
+        if sizes.size == 0 or int(sizes.min()) < 1:
+            raise ConfigError("item_bytes must be a non-empty array of positive sizes")
+        if capacity_bytes < int(sizes.max()):
+            raise ConfigError(f"capacity {capacity_bytes} bytes is below the largest item ({int(sizes.max())} bytes)")
+        self.item_bytes = sizes
+        self.capacity_bytes = int(capacity_bytes)
+        self.used_bytes = 0
+        super().__init__(max(1, int(capacity_bytes // sizes.mean())), policy, sizes.size, future=future,
+                         steps_per_token=steps_per_token)
+
+    def reset(self, future: StreamFuture | None = None) -> None:
+        super().reset(future)
+        self._free = []
+        self.used_bytes = 0
+        self._evicted_once = False
+
+    @property
+    def filling(self) -> bool:
+        """True until the first eviction."""
+        return not self._evicted_once
+
+    def _add(self, item: int, step: Step) -> None:
+        self._slot[item] = 0
+        self.used_bytes += int(self.item_bytes[item])
+        step.loads.append((int(item), 0))
+
+    def _drop(self, victim: int, step: Step) -> None:
+        self._slot[victim] = -1
+        self.used_bytes -= int(self.item_bytes[victim])
+        if self._speculative[victim]:
+            self._speculative[victim] = False
+            self.prefetch_wasted += 1
+        self._evicted_once = True
+        step.evicted.append(int(victim))
+
+    def _victims_for(self, candidates: np.ndarray, deficit: int, t: int) -> np.ndarray:
+        """The shortest prefix of the victim order whose sizes free ``deficit`` bytes."""
+        if deficit <= 0:
+            return np.zeros(0, dtype=np.int64)
+        order = self._victims(candidates, candidates.size, t)
+        n = int(np.searchsorted(np.cumsum(self.item_bytes[order]), deficit)) + 1
+        return order[:n]
+
+    def _check_group(self, items: np.ndarray) -> None:
+        if items.size and (items.max() >= self.n_items or np.unique(items).size != items.size):
+            raise ConfigError(f"prepare: ids must be distinct and below {self.n_items}, got {items.tolist()}")
+        need = int(self.item_bytes[items].sum())
+        if need > self.capacity_bytes:
+            raise ConfigError(f"prepare: {items.size} experts of {need} bytes requested at once but the capacity is "
+                              f"{self.capacity_bytes} bytes")
+
+    def prepare(self, items) -> Step:
+        """Make every item of this access group resident; see the class invariants."""
+        items = np.asarray(items, dtype=np.int64).ravel()
+        items = items[items >= 0]
+        self._check_group(items)
+        t = self.t
+        if self.policy.hooked:
+            return self._finish(items, self._prepare_hooked(np.sort(items), t), t)
+        missing = np.sort(items[self._slot[items] < 0])
+        deficit = self.used_bytes + int(self.item_bytes[missing].sum()) - self.capacity_bytes
+        candidates = np.setdiff1d(np.flatnonzero(self._slot >= 0), items, assume_unique=True)
+        victims = self._victims_for(candidates, deficit, t)
+        step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(items.size - missing.size))
+        self.policy.on_hit(items[self._slot[items] >= 0], t)
+        self.policy.on_miss(missing, t)
+        for v in victims:
+            self._drop(int(v), step)
+        for e in missing:
+            self._add(int(e), step)
+        self.policy.on_evict(np.asarray(step.evicted, dtype=np.int64), t)
+        self.policy.on_admit(missing, t)
+        return self._finish(items, step, t)
+
+    def _fits(self, item: int) -> bool:
+        return self.used_bytes + int(self.item_bytes[item]) <= self.capacity_bytes
+
+    def _prepare_hooked(self, items: np.ndarray, t: int) -> Step:
+        """:meth:`ExpertCache._prepare_hooked` with "no free slot" read as "the miss does not fit":
+        victims are taken one at a time until it does."""
+        pol = self.policy
+        self._stamp[items] = t
+        resident = self._slot[items] >= 0
+        step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(np.count_nonzero(resident)))
+        for e in items[resident]:
+            if self._speculative[e]:
+                pol.hook_miss(int(e), t)
+                pol.hook_admit(int(e), t)
+            else:
+                pol.hook_hit(int(e), t)
+        for e in items[~resident]:
+            e = int(e)
+            pol.hook_miss(e, t)
+            while not self._fits(e):
+                spec = self._unused_prefetched(np.flatnonzero((self._slot >= 0) & (self._stamp != t)))
+                if spec.size:
+                    victim = int(spec[0])
+                else:
+                    res = np.flatnonzero((self._slot >= 0) & (~self._speculative | (self._stamp == t)))
+                    victim = pol.hook_victim(e, t, self._stamp, t, res)
+                    if victim < 0 or self._slot[victim] < 0 or self._stamp[victim] == t:
+                        raise ConfigError(f"policy {pol.spec!r} proposed victim {victim}: not resident, "
+                                          "or requested by the current group")
+                    pol.hook_evict(victim, t)
+                self._drop(victim, step)
+            self._add(e, step)
+            pol.hook_admit(e, t)
+        return step
+
+    def prefetch(self, items) -> Step:
+        """:meth:`ExpertCache.prefetch` by bytes: the ids kept are the longest prefix (deduplicated,
+        in the order given) that fits the capacity; victims free what the missing ones need."""
+        items = np.asarray(items, dtype=np.int64).ravel()
+        items = items[(items >= 0) & (items < self.n_items)]
+        _, first = np.unique(items, return_index=True)
+        items = items[np.sort(first)]
+        items = items[: int(np.searchsorted(np.cumsum(self.item_bytes[items]), self.capacity_bytes, side="right"))]
+        missing = items[self._slot[items] < 0]
+        deficit = self.used_bytes + int(self.item_bytes[missing].sum()) - self.capacity_bytes
+        candidates = np.setdiff1d(np.flatnonzero(self._slot >= 0), items, assume_unique=True)
+        step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(items.size - missing.size))
+        if deficit > 0 and self.policy.hooked:
+            spec = list(self._unused_prefetched(candidates))
+            mark = np.full(self.n_items, -1, dtype=np.int64)
+            mark[items] = 0
+            res = np.flatnonzero((self._slot >= 0) & ~self._speculative)
+            mark[spec] = 0
+            for e in missing:  # as ExpertCache: each incoming item that does not fit takes victims
+                while self.used_bytes + int(self.item_bytes[e]) > self.capacity_bytes:
+                    if spec:
+                        v = int(spec.pop(0))
+                    else:
+                        v = self.policy.hook_victim(int(e), self.t - 1, mark, 0, res)
+                        if v < 0 or self._slot[v] < 0 or mark[v] == 0:
+                            raise ConfigError(f"policy {self.policy.spec!r} proposed victim {v} for a prefetch: "
+                                              "not resident, or protected")
+                        self.policy.hook_evict(v, self.t - 1)
+                        mark[v] = 0
+                        res = res[res != v]
+                    self._drop(v, step)
+                self.used_bytes += int(self.item_bytes[e])  # its room is taken now; it is added below
+            self.used_bytes -= int(self.item_bytes[missing].sum())
+        else:
+            for v in self._victims_for(candidates, deficit, self.t - 1):
+                self._drop(int(v), step)
+        for e in missing:
+            self._add(int(e), step)
+        self._speculative[missing] = True
+        self.prefetch_copies += missing.size
+        step.slots = self._slot[items].copy()
         return step

@@ -3,12 +3,14 @@ decode under a memory wall (``run``) and the capacity response (``sweep``). docs
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
 
 from ..errors import ConfigError
-from .common import add_json, add_subcommands, byte_size, check_out, emit_json, positive_int, seed_int, table
+from .common import (add_json, add_subcommands, byte_size, check_out, emit_json, nonnegative_float, positive_int,
+                     seed_int, table)
 from .eval_cmd import _read_tokens
 
 HELP = """llama.cpp as the engine: the GGUF is mmapped, so the kernel page cache is the expert tier.
@@ -17,6 +19,16 @@ random, advise, pin, managed, lookahead, nocache, nommap) behind an enforced mem
 the process's own read bytes per token, the wall's proof and the LRU demand model; 'sweep' runs
 every (wall, mode) cell several times in a shuffled order. Needs the llama extra. See docs/llama.md."""
 WALLS = ("auto", "cgroup", "balloon")
+MAX_PROMPT_BYTES = 4 << 20
+"""A prompt (``--prompt``, ``--prompt-file``, ``--chat``) longer than this is refused before tokenizing."""
+
+
+def _checked_text(text: str, args) -> str:
+    if len(text.encode("utf-8", errors="replace")) > MAX_PROMPT_BYTES:
+        raise ConfigError(f"the prompt is longer than {MAX_PROMPT_BYTES} bytes")
+    if not text.strip():
+        raise ConfigError("the prompt is empty")
+    return text
 
 
 def add_parser(sub) -> None:
@@ -41,8 +53,8 @@ def add_parser(sub) -> None:
     run.set_defaults(func=run_run)
     sw = lsub.add_parser("sweep", help="decode tokens/s and read bytes per token against the wall",
                          description="Every (wall, mode, run) once in a seeded shuffled order; per cell the median "
-                                     "and min-max of decode tokens/s and read bytes per token. A wall P%% is the "
-                                     "dense part of the file plus P%% of the expert tensors.")
+                                     "and min-max of decode tokens/s and read bytes per token. A wall P% is the "
+                                     "dense part of the file plus P% of the expert tensors.")
     _common(sw)
     sw.add_argument("--walls", required=True, metavar="LIST", help="walls, e.g. 25%%,50%%,75%%,100%% or 400MB,800MB")
     sw.add_argument("--mode", action="append", choices=MODES, dest="modes", help="a mode (repeat; default mmap, advise)")
@@ -52,11 +64,130 @@ def add_parser(sub) -> None:
                     help="report the smallest wall whose median decode rate reaches R")
     sw.add_argument("--plot", default=None, metavar="PATH", help="figure of both curves (.png, .pdf, .svg)")
     sw.set_defaults(func=run_sweep)
+    gen = lsub.add_parser("generate", help="text in, text out, in a page-cache mode",
+                          description="Complete a prompt (--prompt, --prompt-file) or answer a chat message with the "
+                                      "model's own chat template (--chat), streaming the text to stdout, with "
+                                      "llama-cpp-python's Llama (tokenizer, templates, sampling) and the page-cache "
+                                      "mode attached. --cache-memory bounds the managed mode's page cache (the dense "
+                                      "part plus the experts it may hold; P% = the dense part plus P% of the expert "
+                                      "tensors). Greedy unless --temperature > 0. Figures go to stderr (--json: one "
+                                      "object on stdout instead).")
+    add_generation_options(gen)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N",
+                     help="tokens generated at most (default 128)")
+    gen.set_defaults(func=run_generate)
+
+
+def add_generation_options(p) -> None:
+    """The options ``llama generate`` and ``serve`` share: the model, its mode and its sampling."""
+    from ..llama.advice import MODES
+
+    p.add_argument("model", metavar="MODEL.gguf")
+    if p.prog.endswith("generate"):
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--prompt", metavar="TEXT", help="complete this text")
+        src.add_argument("--prompt-file", metavar="PATH", help="complete the text of this UTF-8 file")
+        src.add_argument("--chat", metavar="TEXT", help="answer this user message with the model's chat template")
+        p.add_argument("--system", metavar="TEXT", default=None, help="a system message before --chat")
+        p.add_argument("--temperature", type=nonnegative_float, default=0.0, metavar="TEMP", help="0 is greedy (default 0)")
+        p.add_argument("--top-p", type=unit_interval, default=1.0, metavar="P", help="nucleus sampling (default 1)")
+        p.add_argument("--seed", type=seed_int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="page-cache mode (default: managed with --cache-memory, else mmap; docs/llama.md)")
+    p.add_argument("--cache-memory", default=None, metavar="SIZE",
+                   help="bound the managed mode's page cache: bytes (800MB) or P%% of the experts beside the dense part")
+    p.add_argument("--policy", default="lru", metavar="NAME",
+                   help="online eviction rule of the managed mode (default lru)")
+    p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
+    p.add_argument("--ctx", type=positive_int, default=None, metavar="N", help="context tokens (default 2048)")
+    p.add_argument("--chat-format", default=None, metavar="NAME",
+                   help="a llama-cpp-python chat format (chatml, ...) for a GGUF without its own chat template")
+    add_json(p)
+
+
+def unit_interval(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return v
+
+
+def open_session(args):
+    """The :class:`~expertcache.llama.textgen.Session` of ``generate`` / ``serve``'s options."""
+    from ..llama.engine import _llama
+    from ..llama.geometry import read_geometry
+    from ..policies import make_policy
+
+    _llama()  # one line where the llama extra is missing
+    from ..llama.textgen import DEFAULT_CTX, Session, parse_cache_memory
+
+    make_policy(args.policy)
+    g = read_geometry(args.model, "MODEL")
+    cache = parse_cache_memory(args.cache_memory, g)
+    mode = args.mode or ("managed" if cache is not None else "mmap")
+    return Session.open(g.path, mode=mode, cache_bytes=cache, policy=args.policy, n_ctx=args.ctx or DEFAULT_CTX,
+                        threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format)
+
+
+def run_generate(args) -> int:
+    from ..llama.textgen import stream_text
+
+    text = _prompt_text(args)
+    messages = None
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": _checked_text(args.chat, args)}]
+    elif args.system is not None:
+        raise ConfigError("--system goes with --chat")
+    else:
+        text = _checked_text(text, args)
+    with open_session(args) as session:
+        if messages is not None:
+            session.check_chat()
+        n_prompt = len(session.tokenize(text)) if messages is None else None
+        if n_prompt is not None and n_prompt + args.max_new_tokens > session.n_ctx:
+            raise ConfigError(f"the prompt ({n_prompt} tokens) and --max-new-tokens {args.max_new_tokens} exceed the "
+                              f"context of {session.n_ctx} tokens (--ctx)")
+        pieces = []
+        for piece in stream_text(session, prompt=text, messages=messages, max_tokens=args.max_new_tokens,
+                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed):
+            if isinstance(piece, dict):
+                figures = piece
+                break
+            pieces.append(piece)
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        rec = {"model": session.geometry.path, "mode": session.mode, "policy": session.policy if session.mode ==
+               "managed" else None, "cache_memory": session.cache_bytes, "text": "".join(pieces), **figures}
+    if args.json:
+        emit_json([rec])
+        return 0
+    print()
+    rate = rec["decode_tokens_per_s"]
+    print(f"[{rec['mode']}: {rec['decode_steps'] + 1 if rec['decode_steps'] is not None else 0} tokens, "
+          f"decode {rate:.3g} tok/s" if rate else f"[{rec['mode']}: decode -", end="", file=sys.stderr)
+    print(f", first token {rec['ttft_seconds']:.3g} s" if rec["ttft_seconds"] is not None else "", end="",
+          file=sys.stderr)
+    print(f", read {rec['read_bytes']} bytes]" if rec["read_bytes"] is not None else "]", file=sys.stderr)
+    return 0
+
+
+def _prompt_options(p, tokens: bool) -> None:
+    """The prompt: text (tokenized by the model's own vocabulary) or, for measured runs, token ids."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="the prompt as text")
+    src.add_argument("--prompt-file", metavar="PATH", help="the prompt as a UTF-8 text file")
+    if tokens:
+        src.add_argument("--tokens", metavar="IDS.npy", help="prompt token ids (1-d, or the first row of 2-d)")
 
 
 def _common(p) -> None:
     p.add_argument("model", metavar="MODEL.gguf")
-    p.add_argument("--tokens", required=True, metavar="IDS.npy", help="prompt token ids (1-d, or the first row of 2-d)")
+    _prompt_options(p, tokens=True)
     p.add_argument("--prompt-len", type=positive_int, default=64, metavar="N", help="prompt tokens used (default 64)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N", help="tokens generated (default 32)")
     p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
@@ -69,6 +200,21 @@ def _common(p) -> None:
     add_json(p)
 
 
+def _prompt_text(args) -> str | None:
+    """The text of ``--prompt`` / ``--prompt-file`` (None when the prompt is token ids)."""
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is None:
+        return None
+    try:
+        with open(args.prompt_file, encoding="utf-8") as fh:
+            return fh.read(MAX_PROMPT_BYTES + 1)[:MAX_PROMPT_BYTES + 1]
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"--prompt-file {args.prompt_file}: {exc.strerror or exc}") from None
+
+
 def _setup(args):
     from ..llama.geometry import read_geometry
     from ..policies import make_policy
@@ -76,7 +222,13 @@ def _setup(args):
     make_policy(args.policy)  # a bad --policy is one line before anything runs
 
     g = read_geometry(args.model, "MODEL")
-    ids = _read_tokens(args.tokens)
+    text = _prompt_text(args)
+    if text is not None:
+        from ..llama.textgen import tokenize
+
+        ids = np.asarray(tokenize(g.path, _checked_text(text, args)), dtype=np.int64)
+    else:
+        ids = _read_tokens(args.tokens)
     if ids.ndim not in (1, 2) or ids.size == 0:
         raise ConfigError(f"--tokens {args.tokens}: expected a non-empty 1-d or 2-d array of ids")
     prompt = (ids[0] if ids.ndim == 2 else ids)[: args.prompt_len]
@@ -98,12 +250,16 @@ def run_info(args) -> int:
     if args.json:
         emit_json([rec])
         return 0
-    print(f"{g.path}: {g.architecture}, {len(g.moe_layers)} MoE layers of E={g.num_experts}, k={g.top_k}; "
-          f"expert {g.expert_bytes} bytes ({', '.join(rec['expert_types'])}), expert tensors "
-          f"{g.expert_tensor_bytes} of {g.file_bytes} bytes")
+    size = (f"{rec['expert_bytes']} bytes" if rec["expert_bytes"] is not None else
+            f"{rec['expert_bytes_min']}-{rec['expert_bytes_max']} bytes by layer")
+    print(f"{g.path}: {g.architecture} ({'tested' if g.tested else 'read, not tested here'}), "
+          f"{len(g.moe_layers)} of {g.num_layers} layers MoE, E={g.num_experts}, k={g.top_k}; expert {size} "
+          f"({', '.join(rec['expert_tensors'])}: {', '.join(rec['expert_types'])}); expert tensors "
+          f"{g.expert_tensor_bytes}, dense {g.dense_bytes}" + (f", skipped {g.skipped_bytes}" if g.skipped_bytes else "")
+          + f" of {g.file_bytes} bytes")
     if args.experts:
-        table([(x["layer"], x["expert"], *(f"{o}+{n}" for o, n in x["ranges"])) for x in rec["experts"]],
-              ["layer", "expert", "gate", "up", "down"])
+        table([(x["layer"], x["expert"], " ".join(f"{o}+{n}" for o, n in x["ranges"])) for x in rec["experts"]],
+              ["layer", "expert", "ranges (offset+bytes, one per expert tensor)"])
     return 0
 
 
@@ -123,6 +279,10 @@ def run_run(args) -> int:
                   headroom_bytes=cal["headroom_bytes"], threads=args.threads, timeout=args.timeout,
                   ballast_bytes=cal["ballast_bytes"], policy=args.policy)
     rec["headroom_note"] = cal["note"]
+    if _prompt_text(args) is not None:  # a text prompt: the text generated too
+        from ..llama.textgen import detokenize_file
+
+        rec["output_text"] = detokenize_file(g.path, rec["output_ids"])
     if args.json:
         emit_json([rec])
         return 0

@@ -113,6 +113,7 @@ COMMAND_MODULES = [
     "size_cmd",
     "llama_cmd",
     "convert_cmd",
+    "serve_cmd",
 ]
 
 

@@ -77,19 +77,31 @@ def mapping_base(path: str) -> int | None:
     return None
 
 
-def managed_capacity(g: Geometry, wall_bytes: int | None) -> int:
-    """Experts the ``managed`` mode keeps beside the dense part inside ``wall_bytes``: each resident
-    expert counted with the whole pages its three slices touch, less every page shared by two
-    slices (a drop keeps those, :func:`drop`), one expert left as slack; every expert of the file
-    without a wall. May be below one layer's routed set (the caller refuses it)."""
-    total = g.num_experts * len(g.moe_layers)
+def managed_item_bytes(g: Geometry) -> np.ndarray:
+    """What one expert of the ``managed`` pool may hold in the page cache, per pool item (item
+    ``j * E + e`` is expert ``e`` of the j-th MoE layer): its slices of the layer's expert tensors
+    plus the two partial pages each slice may touch. Layers differ where their tensor types do."""
+    E = g.num_experts
+    per_layer = [g.expert_bytes_of(layer) + 2 * len(g.experts[layer]) * PAGE for layer in g.moe_layers]
+    return np.repeat(np.asarray(per_layer, dtype=np.int64), E)
+
+
+def managed_budget(g: Geometry, wall_bytes: int | None) -> int:
+    """Bytes the ``managed`` pool's experts may take beside the dense part inside ``wall_bytes``
+    (the wall, or ``--cache-memory``): the wall less the dense part, less every page shared by two
+    slices (a drop keeps those, :func:`drop`), less one largest expert of slack; every expert of
+    the file without a wall. May be below one layer's routed set (the caller refuses it)."""
+    items = managed_item_bytes(g)
     if wall_bytes is None:
-        return total
-    dense = g.file_bytes - g.expert_tensor_bytes
-    parts = len(g.expert_ranges(g.moe_layers[0], 0))
-    shared = len(g.moe_layers) * parts * (g.num_experts + 1) * PAGE
-    per = g.expert_bytes + 2 * parts * PAGE
-    return max(0, min(total, (wall_bytes - dense - shared) // per - 1))
+        return int(items.sum())
+    shared = sum(len(g.experts[layer]) * (g.num_experts + 1) * PAGE for layer in g.moe_layers)
+    return int(max(0, min(int(items.sum()), wall_bytes - g.dense_bytes - shared - int(items.max()))))
+
+
+def managed_capacity(g: Geometry, wall_bytes: int | None) -> int:
+    """Experts of the largest size that :func:`managed_budget` holds (the pool holds at least this
+    many; exactly this many where every layer's experts have one size)."""
+    return managed_budget(g, wall_bytes) // int(managed_item_bytes(g).max())
 
 
 def drop(fd: int, base: int, off: int, n: int) -> None:
@@ -135,7 +147,12 @@ class PageAdvisor:
 
     _TOPK, _INP, _OUT = (b"ffn_moe_topk-",), (b"ffn_inp-",), (b"ffn_moe_out-",)
 
-    def __init__(self, geometry: Geometry, mode: str, *, capacity: int | None = None, policy: str = "lru"):
+    def __init__(self, geometry: Geometry, mode: str, *, capacity: int | None = None, policy: str = "lru",
+                 count_hits: bool = False):
+        """``capacity``: the ``managed`` pool in bytes (:func:`managed_budget`; default every expert).
+        ``count_hits``: count ``expert_hits`` / ``expert_misses`` of the modes that observe the routing
+        (``managed``: its cache's step; the others: whether every page of a routed expert was
+        resident, by ``mincore``, when its layer routed)."""
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         self.g, self.mode = geometry, mode
@@ -143,11 +160,11 @@ class PageAdvisor:
         self.managed_loads = self.managed_drops = 0
         self.managed_adopted: list[int] = []
         if mode == "managed":
-            from ..cache import ExpertCache
+            from ..cache import SizedCache
 
-            n = geometry.num_experts * len(geometry.moe_layers)
-            self.cache = ExpertCache(int(capacity if capacity is not None else n), policy, n,
-                                     steps_per_token=len(geometry.moe_layers))
+            items = managed_item_bytes(geometry)
+            self.cache = SizedCache(int(capacity if capacity is not None else items.sum()), policy, items,
+                                    steps_per_token=len(geometry.moe_layers))
             self.row = {layer: j for j, layer in enumerate(geometry.moe_layers)}
         self.fd = os.open(geometry.path, os.O_RDONLY)
         self.base: int | None = None
@@ -157,6 +174,8 @@ class PageAdvisor:
         self.next_layer = dict(zip(geometry.moe_layers, geometry.moe_layers[1:]))
         self.routers = self._routers() if mode == "lookahead" else {}
         self.n_tokens = 0
+        self.count_hits = count_hits
+        self.expert_hits = self.expert_misses = 0
 
     def start(self) -> None:
         """After the engine has loaded: find the mapping and apply MADV_RANDOM where the mode asks."""
@@ -170,24 +189,28 @@ class PageAdvisor:
                 for off, n in self.g.layer_span(layer):
                     madvise(self.base + off, n, MADV_RANDOM)
         if self.mode in ("pin", "managed"):
-            expert = {(t.offset, t.nbytes) for parts in self.g.experts.values() for t in parts.values()}
-            for t in self.g.tensors.values():
-                if t.nbytes and (t.offset, t.nbytes) not in expert:
+            for t in self.g.dense_tensors:
+                if t.nbytes:
                     mlock(self.base + t.offset, t.nbytes)
                     self.locked_bytes += t.nbytes
         if self.mode == "managed":
+            skip = tuple(f"blk.{i}." for i in self.g.skipped_layers)
+            for t in self.g.tensors.values():  # a layer the graph never runs: nothing of it stays
+                if skip and t.name.startswith(skip):
+                    drop(self.fd, self.base, t.offset, t.nbytes)
             self._adopt_loaded()
 
     def _adopt_loaded(self) -> None:
         """The load left expert pages in the page cache (llama.cpp touches the whole file): keep the
         experts wholly resident, in id order, up to the pool, as its prefetched residents (evicted
         first while unused); drop every other expert's pages, so the pool is all the tier holds."""
-        E, keep = self.g.num_experts, []
+        E, keep, room = self.g.num_experts, [], self.cache.capacity_bytes
         for j, layer in enumerate(self.g.moe_layers):
             for e in range(E):
-                if len(keep) < self.cache.capacity and all(resident(self.base + off, n)
-                                                           for off, n in self.g.expert_ranges(layer, e)):
+                size = int(self.cache.item_bytes[j * E + e])
+                if size <= room and all(resident(self.base + off, n) for off, n in self.g.expert_ranges(layer, e)):
                     keep.append(j * E + e)
+                    room -= size
         self.cache.prefetch(keep)
         self.managed_adopted = keep
         kept = set(keep)
@@ -234,6 +257,11 @@ class PageAdvisor:
             if self.cache is not None:
                 self.manage(layer, routed)
             else:
+                if self.count_hits and self.base is not None:
+                    hit = sum(all(resident(self.base + off, n) for off, n in self.g.expert_ranges(layer, int(e)))
+                              for e in routed.tolist())
+                    self.expert_hits += hit
+                    self.expert_misses += routed.size - hit
                 self.willneed(layer, routed)
             return
         layer = layer_of(name, self._INP)
@@ -252,7 +280,8 @@ class PageAdvisor:
 
     def manage(self, layer: int, routed: np.ndarray) -> None:
         """The ``managed`` step of one layer's routed experts: drop the victims, hint the loads."""
-        E, j, c = self.g.num_experts, self.row[layer], self.cache.capacity
+        E, j = self.g.num_experts, self.row[layer]
+        c = max(1, self.cache.capacity_bytes // int(self.cache.item_bytes.max()))
         items = routed.astype(np.int64) + j * E
         # a prefill layer may route more experts than the pool holds: one step per pool-full
         for part in (items[i:i + c] for i in range(0, items.size, c)):
@@ -263,6 +292,8 @@ class PageAdvisor:
                         drop(self.fd, self.base, off, n)
             self.managed_drops += len(step.evicted)
             self.managed_loads += step.misses
+            self.expert_hits += step.hits
+            self.expert_misses += step.misses
             self.willneed(layer, np.asarray([item % E for item, _ in step.loads], dtype=np.int64))
 
     def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
@@ -278,13 +309,32 @@ class PageAdvisor:
                 self.hints += 1
                 self.hint_bytes += n
 
+    @property
+    def observes_routing(self) -> bool:
+        """Whether this mode reads each layer's routing (its hit counters mean something)."""
+        return self.mode in ("advise", "pin", "managed", "lookahead", "nocache")
+
+    def resident_expert_bytes(self) -> int | None:
+        """Expert bytes in the page cache now: the ``managed`` pool's residents (their slices), else
+        every expert whose pages are all resident (``mincore``); None without the mapping."""
+        if self.cache is not None:
+            sizes = np.repeat(np.asarray(self.g.layer_expert_bytes, dtype=np.int64), self.g.num_experts)
+            return int(sizes[self.cache.resident].sum())
+        if self.base is None:
+            return None
+        return sum(self.g.expert_bytes_of(layer) for layer in self.g.moe_layers for e in range(self.g.num_experts)
+                   if all(resident(self.base + off, n) for off, n in self.g.expert_ranges(layer, e)))
+
     def stats(self) -> dict:
         return {"hints": self.hints, "hint_bytes": self.hint_bytes, "layer_drops": self.drops,
                 "locked_bytes": self.locked_bytes,
                 "managed_capacity": self.cache.capacity if self.cache is not None else None,
+                "managed_capacity_bytes": self.cache.capacity_bytes if self.cache is not None else None,
                 "managed_policy": self.cache.policy.spec if self.cache is not None else None,
                 "managed_loads": self.managed_loads, "managed_drops": self.managed_drops,
                 "managed_adopted": len(self.managed_adopted), "managed_adopted_items": list(self.managed_adopted),
+                "expert_hits": self.expert_hits if self.observes_routing else None,
+                "expert_misses": self.expert_misses if self.observes_routing else None,
                 "lookahead_recall": self.look_hits / self.look_total if self.look_total else None}
 
     def close(self) -> None:

@@ -40,13 +40,35 @@ def layer_of(name: bytes, prefixes) -> int | None:
 
 @dataclass
 class Forward:
-    """What one forward routed: per layer ``[rows, k]`` experts (int64) and gate weights."""
+    """What one forward routed: per layer ``[rows, k]`` experts (int64) and gate weights. llama.cpp
+    computes a forward longer than its micro-batch as several graphs: each graph's rows follow the
+    earlier ones (``parts``: per layer, one array per graph)."""
 
     n_tokens: int
     starts_sequence: bool
     all_logits: bool
-    experts: dict[int, np.ndarray] = field(default_factory=dict)
-    weights: dict[int, np.ndarray] = field(default_factory=dict)
+    expert_parts: dict[int, list] = field(default_factory=dict)
+    weight_parts: dict[int, list] = field(default_factory=dict)
+
+    def add_experts(self, layer: int, rows: np.ndarray) -> None:
+        self.expert_parts.setdefault(layer, []).append(rows)
+
+    def add_weights(self, layer: int, rows: np.ndarray) -> None:
+        """The gate weights of the layer's current graph: a later weights tensor of the same graph
+        (normalized, scaled) replaces the earlier one."""
+        parts = self.weight_parts.setdefault(layer, [])
+        if len(parts) == len(self.expert_parts.get(layer, ())) and parts:
+            parts[-1] = rows
+        else:
+            parts.append(rows)
+
+    @property
+    def experts(self) -> dict[int, np.ndarray]:
+        return {k: v[0] if len(v) == 1 else np.concatenate(v) for k, v in self.expert_parts.items()}
+
+    @property
+    def weights(self) -> dict[int, np.ndarray]:
+        return {k: v[0] if len(v) == 1 else np.concatenate(v) for k, v in self.weight_parts.items()}
 
 
 class RoutingRecorder:
@@ -68,11 +90,11 @@ class RoutingRecorder:
         f = self.forwards[-1]
         layer = layer_of(name, (_TOPK,))
         if layer is not None:
-            f.experts[layer] = read_2d(ptr, np.int32).astype(np.int64)
+            f.add_experts(layer, read_2d(ptr, np.int32).astype(np.int64))
             return
         layer = layer_of(name, _WEIGHTS)
         if layer is not None:
-            f.weights[layer] = read_2d(ptr, np.float32, drop_leading_one=True)
+            f.add_weights(layer, read_2d(ptr, np.float32, drop_leading_one=True))
 
 
 class LlamaCapture:
@@ -94,7 +116,7 @@ class LlamaCapture:
     @property
     def trace(self) -> Trace:
         g = self.engine.geometry
-        forwards = [f for f in self.recorder.forwards if f.experts]
+        forwards = [f for f in self.recorder.forwards if f.expert_parts]
         saw_decode = any(not f.starts_sequence for f in forwards)
         decode_only = self.phase == "decode" or (self.phase == "auto" and saw_decode)
         kept = {id(f) for f in forwards if not (decode_only and f.starts_sequence)}
@@ -109,21 +131,24 @@ class LlamaCapture:
             if f.n_tokens > 1 and not f.all_logits:
                 raise ConfigError("capture: a forward computed only its last row's logits, so llama.cpp's last "
                                   "layer routed 1 of its rows; forward with logits='all'")
-            missing = [lid for lid in layers if lid not in f.experts]
+            fe, fw = f.experts, f.weights
+            missing = [lid for lid in layers if lid not in fe]
             if missing:
                 raise ConfigError(f"capture: a forward did not reach MoE layer {missing[0]}")
-            experts.append(np.stack([f.experts[lid] for lid in layers], axis=1))
-            have_w = all(lid in f.weights for lid in layers)
-            weights.append(np.stack([f.weights[lid] for lid in layers], axis=1) if have_w else None)
+            experts.append(np.stack([fe[lid] for lid in layers], axis=1))
+            have_w = all(lid in fw for lid in layers)
+            weights.append(np.stack([fw[lid] for lid in layers], axis=1) if have_w else None)
             seq.append(np.full(f.n_tokens, max(s, 0), dtype=np.int64))
         probs = np.concatenate(weights).astype(np.float32) if all(w is not None for w in weights) else None
         phase = self.label or ("decode" if decode_only else "mixed" if saw_decode else "teacher-forced")
         meta = {"model": g.path, "model_type": g.architecture, "num_experts": g.num_experts, "layer_ids": layers,
-                "phase": phase, "engine": "llama.cpp", "gguf": g.path, "expert_bytes": g.expert_bytes,
+                "phase": phase, "engine": "llama.cpp", "gguf": g.path, "layer_expert_bytes": g.layer_expert_bytes,
                 "provenance": {"tool": "expertcache.llama.capture", "llama_cpp_python": self.engine.bindings,
                                "python": platform.python_version(),
                                "prefill": "excluded" if decode_only else "included",
                                "source": "eval callback: ffn_moe_topk (experts), ffn_moe_weights* (gate weights)"}}
+        if g.uniform_expert_bytes is not None:  # one size: the sizing commands' units (else they ask for it)
+            meta["expert_bytes"] = g.uniform_expert_bytes
         return Trace.from_arrays(np.concatenate(experts), np.concatenate(seq), probs=probs, meta=meta,
                                  source=f"<llama.cpp capture of {g.path}>")
 

@@ -1,5 +1,5 @@
 """A llama.cpp model and context driven through llama-cpp-python's low-level bindings, with the
-scheduler's eval callback dispatched to observers (:class:`Observer`).
+scheduler's eval callback dispatched to observers (:class:`Observer`) by an :class:`EvalHook`.
 
 One :class:`Engine` is one model file, one context (CPU, f32 KV cache, no flash attention, one
 sequence), ``n_batch == n_ubatch == n_ctx`` so a forward of up to ``n_ctx`` tokens is one graph.
@@ -31,6 +31,54 @@ class Observer(Protocol):
     def begin(self, n_tokens: int, starts_sequence: bool, all_logits: bool) -> None: ...
     def wants(self, name: bytes) -> bool: ...
     def seen(self, name: bytes, ptr: int) -> None: ...
+
+
+class EvalHook:
+    """The scheduler's eval callback (``cb_eval``) dispatched to observers: ``ask`` is answered per
+    tensor name (cached), each wanted tensor is handed to its observers once computed. An exception
+    inside the callback is kept (the callback always lets the graph go on) and raised by
+    :meth:`raise_pending` after the forward. One hook serves one llama.cpp context."""
+
+    def __init__(self, ll):
+        self.observers: list[Observer] = []
+        self._wanted: dict[bytes, list[Observer]] = {}
+        self._error: BaseException | None = None
+        self.callback = ll.ggml_backend_sched_eval_callback(self._callback)
+
+    def attach(self, obs: Observer) -> None:
+        self.observers.append(obs)
+        self._wanted.clear()
+
+    def detach(self, obs: Observer) -> None:
+        if obs in self.observers:
+            self.observers.remove(obs)
+        self._wanted.clear()
+
+    def begin(self, n_tokens: int, starts_sequence: bool, all_logits: bool) -> None:
+        """Before a forward of ``n_tokens`` rows: every observer's ``begin``; pending errors cleared."""
+        self._error = None
+        for o in self.observers:
+            o.begin(n_tokens, starts_sequence, all_logits)
+
+    def raise_pending(self) -> None:
+        """After a forward: raise what an observer raised inside the callback, if anything."""
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _callback(self, ptr, ask, _user) -> bool:
+        try:
+            name = tensor_name(ptr)
+            who = self._wanted.get(name)
+            if who is None:
+                who = self._wanted[name] = [o for o in self.observers if o.wants(name)]
+            if not ask:
+                for o in who:
+                    o.seen(name, ptr)
+            return bool(who) if ask else True
+        except BaseException as exc:  # noqa: BLE001 - kept, raised after the forward
+            self._error = self._error or exc
+            return False if ask else True
 
 
 def _llama():
@@ -71,17 +119,14 @@ class Engine:
         self.model = ll.llama_model_load_from_file(self.path.encode(), mp)
         if not self.model:
             raise ConfigError(f"--model {path}: llama.cpp could not load this GGUF")
-        self.observers: list[Observer] = []
-        self._wanted: dict[bytes, list[Observer]] = {}
-        self._error: BaseException | None = None
-        self._cb = ll.ggml_backend_sched_eval_callback(self._callback)
+        self.hook = EvalHook(ll)
         cp = ll.llama_context_default_params()
         cp.n_ctx = cp.n_batch = cp.n_ubatch = self.n_ctx
         cp.n_seq_max = 1
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.type_k = cp.type_v = 0  # GGML_TYPE_F32
         cp.flash_attn_type = 0
-        cp.cb_eval = self._cb
+        cp.cb_eval = self.hook.callback
         cp.cb_eval_user_data = None
         cp.no_perf = True
         self.ctx = ll.llama_init_from_model(self.model, cp)
@@ -93,28 +138,15 @@ class Engine:
         self.pos = 0
 
     # -- observers -------------------------------------------------------------------------
+    @property
+    def observers(self) -> list[Observer]:
+        return self.hook.observers
+
     def attach(self, obs: Observer) -> None:
-        self.observers.append(obs)
-        self._wanted.clear()
+        self.hook.attach(obs)
 
     def detach(self, obs: Observer) -> None:
-        if obs in self.observers:
-            self.observers.remove(obs)
-        self._wanted.clear()
-
-    def _callback(self, ptr, ask, _user) -> bool:
-        try:
-            name = tensor_name(ptr)
-            who = self._wanted.get(name)
-            if who is None:
-                who = self._wanted[name] = [o for o in self.observers if o.wants(name)]
-            if not ask:
-                for o in who:
-                    o.seen(name, ptr)
-            return bool(who) if ask else True
-        except BaseException as exc:  # noqa: BLE001 - kept, raised after the forward
-            self._error = self._error or exc
-            return False if ask else True
+        self.hook.detach(obs)
 
     # -- forwards --------------------------------------------------------------------------
     def reset(self) -> None:
@@ -141,13 +173,9 @@ class Engine:
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
             b.logits[i] = 1 if (logits == "all" or i == n - 1) else 0
-        for o in self.observers:
-            o.begin(n, self.pos == 0, logits == "all")
-        self._error = None
+        self.hook.begin(n, self.pos == 0, logits == "all")
         rc = self.ll.llama_decode(self.ctx, b)
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
+        self.hook.raise_pending()
         if rc != 0:
             raise ConfigError(f"llama_decode failed with status {rc}")
         self.pos += n

@@ -1,20 +1,37 @@
 """The expert geometry of a GGUF MoE file, read from its header with bounded memory.
 
 A GGUF file is a header (magic ``GGUF``, version, tensor and key counts, key/value metadata, tensor
-infos) followed by aligned tensor data. :func:`read_geometry` parses the header itself (no
-third-party reader: every count and length is checked against :data:`LIMITS` and the file size
-before anything is allocated) and returns a :class:`Geometry`: the architecture, E, k, the MoE
-layers and, per layer, the three expert tensors ``blk.N.ffn_{gate,up,down}_exps.weight``.
+infos) followed by aligned tensor data. :func:`read_header` parses the header itself (every count
+and length is checked against :data:`LIMITS` and the file size before anything is allocated; no
+third-party reader, whose arrays of strings would be built whole) and sizes every tensor with the
+``gguf`` package's table of ggml types (``GGML_QUANT_SIZES``: every float, k-quant, i-quant, MXFP4
+...). :func:`read_geometry` returns a :class:`Geometry`: the architecture, E, k, the MoE layers and,
+per layer, its *expert tensors*.
 
-Invariant (checked here, relied on by the runner's advice): expert ``e`` of an expert tensor is the
+An expert tensor is every tensor ``blk.N.<kind>.<suffix>`` whose kind ends in ``_exps`` and whose
+slowest ggml dimension is E: ``ffn_{gate,up,down}_exps.weight``, a fused ``ffn_gate_up_exps``, and
+per-expert vectors such as gpt-oss's ``ffn_*_exps.bias`` or per-expert ``scale`` tensors. Types may
+differ between tensors and layers (llama.cpp's Q4_K_M recipe stores ``ffn_down_exps`` as Q6_K in
+some layers and Q4_K in others). Everything else (attention, embeddings, norms, routers
+``ffn_gate_inp``, the selection bias ``exp_probs_b``, shared experts ``*_shexp``, the FFNs of
+leading dense layers, a 1-d ``ffn_norm_exps``) is *dense*: read on every forward. The layers of a
+multi-token-prediction head (``<arch>.nextn_predict_layers``: GLM-4.5's last blocks) are never run
+by llama.cpp's main graph: their tensors are *skipped* (``skipped_bytes``), neither dense nor expert.
+
+Invariant (checked here, relied on by the page-cache modes): expert ``e`` of an expert tensor is the
 contiguous byte range ``[offset + e * nbytes / E, offset + (e + 1) * nbytes / E)`` of the file,
-because the expert index is the slowest ggml dimension (``ne[2] == E``) and ggml stores rows
-contiguously. ``expert_bytes`` is the sum over the three tensors of one expert's slice.
+because the expert index is the slowest ggml dimension and ggml stores rows (and quantization
+blocks) contiguously. ``expert_bytes_of(layer)`` sums one expert's slices over the layer's expert
+tensors; it may differ between layers.
 
-Refusals, each a :class:`~expertcache.errors.ConfigError` of one line: not a GGUF file, an
-unsupported GGUF version, a header or tensor data that runs past the end of the file (truncated),
-a count or string beyond :data:`LIMITS`, an architecture outside :data:`ARCHITECTURES`, a file
-without expert tensors (not an MoE), expert tensors whose shapes disagree with E.
+Architectures: :data:`TESTED` are run by the test suite (routes, every page-cache mode, quantized
+files); :data:`READ` are the other GGUF architectures whose tensor table (``gguf.MODEL_TENSORS``)
+holds routed-expert tensors, whose llama.cpp graph routes through ``build_moe_ffn`` (which names the
+``ffn_moe_topk-N`` tensor the observers read) in the pinned llama.cpp, and which decode text. A
+file of any other architecture with expert tensors is refused in one line, as are: not a GGUF file,
+an unsupported GGUF version, a header or tensor data that runs past the end of the file
+(truncated), a count or string beyond :data:`LIMITS`, a ggml type the ``gguf`` package does not
+know, a file without expert tensors (not an MoE), expert tensors whose slowest dimension is not E.
 """
 
 from __future__ import annotations
@@ -25,34 +42,49 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
-ARCHITECTURES = ("olmoe", "qwen2moe", "qwen3moe", "llama")
-"""GGUF ``general.architecture`` values this package runs (``llama`` covers Mixtral-class MoE)."""
+TESTED = ("olmoe", "qwen2moe", "qwen3moe", "llama", "deepseek2", "gpt-oss", "glm4moe")
+"""``general.architecture`` values the test suite runs (``llama`` covers Mixtral-class MoE)."""
+READ = ("llama4", "deci", "grok", "qwen3next", "qwen3vlmoe", "qwen35moe", "phimoe", "minicpm", "gemma4", "jamba",
+        "dbrx", "arctic", "deepseek", "deepseek2-ocr", "ernie4_5-moe", "glm-dsa", "nemotron_h_moe", "exaone-moe",
+        "granitemoe", "granitehybrid", "bailingmoe", "bailingmoe2", "dots1", "afmoe", "hunyuan-moe", "lfm2moe",
+        "smallthinker", "llada-moe", "minimax-m2", "rnd1", "mistral3", "mistral4", "mimo2", "step35", "kimi-linear")
+"""Other architectures read as described in the module docstring (not run by the test suite).
+Derived from gguf 0.19's ``MODEL_TENSORS`` (archs with ``FFN_{GATE,UP,DOWN,GATE_UP}_EXP``) less
+embedding-only models (``nomic-bert-moe``, ``llama-embed``) and ``grovemoe`` (chunked experts
+``*_chexps`` whose count is not E), each checked to reach ``build_moe_ffn`` in the llama.cpp
+vendored by llama-cpp-python 0.3.36."""
 LIMITS = {"tensors": 1 << 20, "keys": 1 << 16, "string": 1 << 20, "array": 1 << 24, "dims": 4}
 """Most tensors, metadata keys, bytes in one string, items in one array, dimensions per tensor."""
-EXPERT_PARTS = ("gate", "up", "down")
-# ggml type id -> (block size in elements, bytes per block); the types a converter here writes and
-# the common quantizations (ggml.h; checked against gguf.GGML_QUANT_SIZES in the tests).
-TYPE_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-              10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 30: (1, 2)}
-TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 10: "q2_k",
-              11: "q3_k", 12: "q4_k", 13: "q5_k", 14: "q6_k", 30: "bf16"}
 # GGUF metadata value types: id -> struct format (None: string 8, array 9)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
+def _gguf(where: str):
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError(f"{where}: reading a GGUF needs the gguf package (pip install 'expertcache[gguf]')") from None
+    return gguf
+
+
+def type_sizes(where: str = "GGUF") -> dict[int, tuple[int, int, str]]:
+    """ggml type id -> (block size in elements, bytes per block, lower-case name), from the ``gguf``
+    package's ``GGML_QUANT_SIZES`` (the one table; nothing here is written by hand)."""
+    gguf = _gguf(where)
+    return {int(t): (int(b), int(s), t.name.lower()) for t, (b, s) in gguf.GGML_QUANT_SIZES.items()}
+
+
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of the file: name, ggml dims (``ne[0]`` fastest), ggml type, absolute byte offset, size."""
+    """One tensor of the file: name, ggml dims (``ne[0]`` fastest), ggml type, absolute byte offset,
+    size, and the type's name."""
 
     name: str
     shape: tuple[int, ...]
     type_id: int
     offset: int
     nbytes: int
-
-    @property
-    def type_name(self) -> str:
-        return TYPE_NAMES.get(self.type_id, f"type{self.type_id}")
+    type_name: str = ""
 
 
 @dataclass
@@ -67,46 +99,83 @@ class Geometry:
     num_layers: int
     moe_layers: list[int]
     experts: dict[int, dict[str, TensorInfo]]
+    """MoE layer -> expert tensor kind (``ffn_gate_exps.weight``, ...) -> tensor, in file order."""
     tensors: dict[str, TensorInfo] = field(repr=False)
     metadata: dict = field(repr=False)
+    skipped_layers: list[int] = field(default_factory=list)
+
+    def expert_bytes_of(self, layer: int) -> int:
+        """Bytes of one expert of MoE layer ``layer``: its slice of every expert tensor of the layer."""
+        return sum(t.nbytes // self.num_experts for t in self.experts[layer].values())
 
     @property
-    def expert_bytes(self) -> int:
-        """Bytes of one expert (gate + up + down slices) of the first MoE layer; all layers agree."""
-        first = self.experts[self.moe_layers[0]]
-        return sum(t.nbytes // self.num_experts for t in first.values())
+    def layer_expert_bytes(self) -> list[int]:
+        """:meth:`expert_bytes_of` per MoE layer, in ``moe_layers`` order."""
+        return [self.expert_bytes_of(layer) for layer in self.moe_layers]
+
+    @property
+    def uniform_expert_bytes(self) -> int | None:
+        """The bytes of one expert when every MoE layer agrees, else None (see :attr:`layer_expert_bytes`)."""
+        sizes = set(self.layer_expert_bytes)
+        return sizes.pop() if len(sizes) == 1 else None
 
     @property
     def expert_tensor_bytes(self) -> int:
-        """Bytes of all expert tensors of all layers (L x E x expert_bytes)."""
+        """Bytes of all expert tensors of all MoE layers (sum over layers of E x expert_bytes_of)."""
         return sum(t.nbytes for parts in self.experts.values() for t in parts.values())
 
+    @property
+    def skipped_bytes(self) -> int:
+        """Bytes of the tensors of layers llama.cpp's main graph never runs (``skipped_layers``)."""
+        skip = {f"blk.{i}." for i in self.skipped_layers}
+        return sum(t.nbytes for t in self.tensors.values() if t.name.startswith(tuple(skip))) if skip else 0
+
+    @property
+    def dense_bytes(self) -> int:
+        """Every byte of the file that is neither an expert tensor nor skipped: header, attention,
+        embeddings, norms, routers, shared experts, dense FFNs (read on every forward)."""
+        return self.file_bytes - self.expert_tensor_bytes - self.skipped_bytes
+
+    @property
+    def dense_tensors(self) -> list[TensorInfo]:
+        """The tensors counted in :attr:`dense_bytes` (the header aside), in file order."""
+        expert = {t.name for parts in self.experts.values() for t in parts.values()}
+        skip = tuple(f"blk.{i}." for i in self.skipped_layers)
+        return sorted((t for t in self.tensors.values() if t.name not in expert and not (skip and t.name.startswith(skip))),
+                      key=lambda t: t.offset)
+
     def expert_ranges(self, layer: int, expert: int) -> list[tuple[int, int]]:
-        """File ``(offset, length)`` of expert ``expert`` of MoE layer ``layer``: gate, up, down."""
-        out = []
-        for part in EXPERT_PARTS:
-            t = self.experts[layer][part]
-            size = t.nbytes // self.num_experts
-            out.append((t.offset + expert * size, size))
-        return out
+        """File ``(offset, length)`` of expert ``expert`` of MoE layer ``layer``: one per expert tensor."""
+        E = self.num_experts
+        return [(t.offset + expert * (t.nbytes // E), t.nbytes // E) for t in self.experts[layer].values()]
 
     def layer_span(self, layer: int) -> list[tuple[int, int]]:
-        """File ``(offset, length)`` of the three whole expert tensors of ``layer``."""
-        return [(t.offset, t.nbytes) for t in (self.experts[layer][p] for p in EXPERT_PARTS)]
+        """File ``(offset, length)`` of the whole expert tensors of ``layer``."""
+        return [(t.offset, t.nbytes) for t in self.experts[layer].values()]
+
+    @property
+    def tested(self) -> bool:
+        return self.architecture in TESTED
 
     def summary(self) -> dict:
         types = sorted({t.type_name for parts in self.experts.values() for t in parts.values()})
-        return {"gguf": self.path, "architecture": self.architecture, "file_bytes": self.file_bytes,
-                "num_experts": self.num_experts, "top_k": self.top_k, "num_layers": self.num_layers,
-                "moe_layers": len(self.moe_layers), "expert_bytes": self.expert_bytes,
-                "expert_tensor_bytes": self.expert_tensor_bytes, "expert_types": types}
+        per_layer = self.layer_expert_bytes
+        return {"gguf": self.path, "architecture": self.architecture, "tested": self.tested,
+                "file_bytes": self.file_bytes, "num_experts": self.num_experts, "top_k": self.top_k,
+                "num_layers": self.num_layers, "moe_layers": len(self.moe_layers), "moe_layer_ids": list(self.moe_layers),
+                "expert_bytes": self.uniform_expert_bytes, "expert_bytes_min": min(per_layer),
+                "expert_bytes_max": max(per_layer), "layer_expert_bytes": per_layer,
+                "expert_tensor_bytes": self.expert_tensor_bytes, "dense_bytes": self.dense_bytes,
+                "skipped_bytes": self.skipped_bytes, "skipped_layers": list(self.skipped_layers),
+                "expert_tensors": sorted({kind for parts in self.experts.values() for kind in parts}),
+                "expert_types": types}
 
 
-def tensor_nbytes(shape: tuple[int, ...], type_id: int, where: str) -> int:
-    if type_id not in TYPE_SIZES:
-        raise ConfigError(f"{where}: ggml type {type_id} is not supported here (known: "
-                          f"{', '.join(TYPE_NAMES.values())})")
-    block, size = TYPE_SIZES[type_id]
+def tensor_nbytes(shape: tuple[int, ...], type_id: int, where: str, sizes: dict) -> int:
+    if type_id not in sizes:
+        raise ConfigError(f"{where}: ggml type {type_id} is not known to the gguf package "
+                          f"(known: {', '.join(v[2] for v in sizes.values())})")
+    block, size, _ = sizes[type_id]
     if shape[0] % block:
         raise ConfigError(f"{where}: first dimension {shape[0]} is not a multiple of the type's block {block}")
     n = size * (shape[0] // block)
@@ -161,7 +230,7 @@ class _Reader:
 
 
 # arrays whose values are kept (small, per-layer settings); other arrays are kept as their length
-_KEEP_ARRAYS = ("feed_forward_length", "head_count", "head_count_kv")
+_KEEP_ARRAYS = ("feed_forward_length", "head_count", "head_count_kv", "swa_layers")
 
 
 def read_header(path: str, where: str = "--model") -> tuple[dict, dict[str, TensorInfo], int]:
@@ -191,19 +260,28 @@ def read_header(path: str, where: str = "--model") -> tuple[dict, dict[str, Tens
                 raise ConfigError(f"{where}: tensor {name!r} has {nd} dimensions")
             shape = tuple(r.scalar("Q") for _ in range(nd))
             infos.append((name, shape, r.scalar("I"), r.scalar("Q")))
-        align = int(meta.get("general.alignment", 32) or 32)
-        if align <= 0 or align & (align - 1):
-            raise ConfigError(f"{where}: general.alignment {align} is not a power of two")
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+            raise ConfigError(f"{where}: general.alignment {align!r} is not a power of two")
         data_start = -(-fh.tell() // align) * align
+    sizes = type_sizes(where)
     tensors = {}
     for name, shape, tid, off in infos:
-        nbytes = tensor_nbytes(shape, tid, f"{where}: tensor {name!r}")
-        t = TensorInfo(name, shape, tid, data_start + off, nbytes)
+        nbytes = tensor_nbytes(shape, tid, f"{where}: tensor {name!r}", sizes)
+        t = TensorInfo(name, shape, tid, data_start + off, nbytes, sizes[tid][2])
         if t.offset + nbytes > size:
             raise ConfigError(f"{where}: truncated file: tensor {name!r} ends at byte {t.offset + nbytes}, "
                               f"the file has {size}")
         tensors[name] = t
     return meta, tensors, size
+
+
+def _layer_and_kind(name: str) -> tuple[int, str] | None:
+    """``(N, "kind.suffix")`` of an expert-kind tensor ``blk.N.<kind>_exps.<suffix>``, else None."""
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2].endswith("_exps"):
+        return int(parts[1]), ".".join(parts[2:])
+    return None
 
 
 def read_geometry(path: str, where: str = "--model") -> Geometry:
@@ -215,30 +293,34 @@ def read_geometry(path: str, where: str = "--model") -> Geometry:
         raise ConfigError(f"{label}: no general.architecture in the GGUF metadata")
     n_layers = meta.get(f"{arch}.block_count")
     E, k = meta.get(f"{arch}.expert_count"), meta.get(f"{arch}.expert_used_count")
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
+        raise ConfigError(f"{label}: {arch}.block_count {n_layers!r} is not a positive integer")
+    nextn = meta.get(f"{arch}.nextn_predict_layers", 0)
+    nextn = nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and 0 <= nextn < n_layers else 0
+    skipped = list(range(n_layers - nextn, n_layers))
     experts: dict[int, dict[str, TensorInfo]] = {}
-    for name, t in tensors.items():
-        parts = name.split(".")
-        if len(parts) == 4 and parts[0] == "blk" and parts[2].startswith("ffn_") and parts[2].endswith("_exps") \
-                and parts[3] == "weight" and parts[1].isdigit():
-            experts.setdefault(int(parts[1]), {})[parts[2][4:-5]] = t
-    if not experts or not isinstance(E, int) or E < 2 or not isinstance(k, int) or k < 1:
+    for name, t in sorted(tensors.items(), key=lambda kv: kv[1].offset):
+        lk = _layer_and_kind(name)
+        if lk is None or lk[0] in skipped:
+            continue
+        if len(t.shape) == 1 and lk[1].startswith("ffn_norm_exps"):
+            continue  # a norm shared by the layer's experts: dense
+        experts.setdefault(lk[0], {})[lk[1]] = t
+    if not experts or not isinstance(E, int) or isinstance(E, bool) or E < 2 or not isinstance(k, int) or k < 1:
         raise ConfigError(f"{label}: not a mixture-of-experts GGUF (no expert tensors blk.N.ffn_*_exps or no "
                           f"{arch}.expert_count)")
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"{label}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if arch not in TESTED and arch not in READ:
+        raise ConfigError(f"{label}: architecture {arch!r} is not read by expertcache (tested: {', '.join(TESTED)}; "
+                          f"also read: {', '.join(READ)})")
     if k > E:
         raise ConfigError(f"{label}: expert_used_count {k} exceeds expert_count {E}")
     for layer, parts in sorted(experts.items()):
-        missing = [p for p in EXPERT_PARTS if p not in parts]
-        if missing:
-            raise ConfigError(f"{label}: layer {layer} has no ffn_{missing[0]}_exps tensor")
-        for p, t in parts.items():
-            if len(t.shape) != 3 or t.shape[2] != E:
-                raise ConfigError(f"{label}: {t.name} has shape {list(t.shape)}, expected [*, *, {E}] experts")
-    layers = sorted(experts)
-    if not isinstance(n_layers, int) or layers[-1] >= n_layers:
-        raise ConfigError(f"{label}: {arch}.block_count {n_layers!r} disagrees with expert tensors up to layer {layers[-1]}")
-    sizes = {sum(t.nbytes for t in experts[lid].values()) for lid in layers}
-    if len(sizes) != 1:
-        raise ConfigError(f"{label}: MoE layers have expert tensors of different sizes (not supported)")
-    return Geometry(os.fspath(path), size, arch, E, k, n_layers, layers, experts, tensors, meta)
+        if layer >= n_layers:
+            raise ConfigError(f"{label}: {arch}.block_count {n_layers} disagrees with expert tensors of layer {layer}")
+        for t in parts.values():
+            if t.shape[-1] != E or t.nbytes % E:
+                raise ConfigError(f"{label}: {t.name} has shape {list(t.shape)}: its slowest dimension is not the "
+                                  f"{E} experts")
+        if not any(kind.startswith(("ffn_down_exps.", "ffn_gate_up_exps.", "ffn_up_exps.")) for kind in parts):
+            raise ConfigError(f"{label}: layer {layer} has expert tensors but no ffn_up/down/gate_up_exps weight")
+    return Geometry(os.fspath(path), size, arch, E, k, n_layers, sorted(experts), experts, tensors, meta, skipped)

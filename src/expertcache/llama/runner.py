@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import ConfigError, ExpertcacheError
 from ..tier import accounting as acc, capacity as cap
-from .advice import MODES, PageAdvisor, managed_capacity
+from .advice import MODES, PageAdvisor, managed_budget, managed_item_bytes
 from .capture import RoutingRecorder
 from .geometry import Geometry, read_geometry
 
@@ -146,7 +146,7 @@ def measure(spec: dict) -> dict:
            "major_faults": dec["major_faults"], "prefill_major_faults": pre["major_faults"],
            "major_faults_per_token": dec["major_faults"] / steps if steps else None,
            "output_ids": out, "output_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
-           "routing": [[np.unique(f.experts[lid]).tolist() for lid in g.moe_layers] for f in routes.forwards],
+           "routing": [[np.unique(fe[lid]).tolist() for lid in g.moe_layers] for fe in (f.experts for f in routes.forwards)],
            "advice": advisor.stats(), "decode_hint_bytes": advisor.hint_bytes - hinted, "threads": int(spec.get("threads", 1)),
            "anon_before_load": anon0, "anon_after_load": anon1, "ballast_bytes": int(spec.get("ballast_bytes", 0))}
     advisor.close()
@@ -156,31 +156,37 @@ def measure(spec: dict) -> dict:
 
 def demand(routing: list, g: Geometry, wall_bytes: int | None) -> dict:
     """The LRU demand model of a run: its own routing replayed through one global LRU pool of
-    ``floor((wall - dense bytes) / expert_bytes)`` experts (dense bytes: everything in the file that
-    is not an expert tensor, read every step), warmed by the prefill forward, scored on the decode
-    steps. ``demand_bytes_per_token`` = decode misses x expert_bytes / decode steps."""
-    from ..cache import ExpertCache
+    ``wall - dense bytes`` (dense bytes: everything in the file that is not an expert tensor, read
+    every step) holding experts of their own sizes (a layer's experts may differ in size from
+    another's: :class:`~expertcache.cache.SizedCache`), warmed by the prefill forward, scored on the
+    decode steps. ``demand_bytes_per_token`` = the bytes of the decode steps' misses / decode steps;
+    ``capacity_experts`` = the pool's bytes / the mean expert size."""
+    from ..cache import SizedCache
 
     out = {"capacity_experts": None, "demand_bytes_per_token": None, "demand_note": None}
     if wall_bytes is None or len(routing) < 2:
         out["demand_note"] = "no wall" if wall_bytes is None else "no decode step"
         return out
-    dense = g.file_bytes - g.expert_tensor_bytes
-    cap = (wall_bytes - dense) // g.expert_bytes
-    out["capacity_experts"] = int(cap)
-    widest = max(len(layer) for f in routing for layer in f)
-    if cap < widest:
-        out["demand_note"] = f"the wall holds {max(cap, 0)} experts beside the dense {dense} bytes, fewer than one layer routes ({widest})"
-        return out
+    sizes = np.repeat(np.asarray(g.layer_expert_bytes, dtype=np.int64), g.num_experts)
+    room = wall_bytes - g.dense_bytes
+    out["capacity_experts"] = int(max(room, 0) // sizes.mean())
     E = g.num_experts
-    cache = ExpertCache(int(cap), "lru", E * len(g.moe_layers), steps_per_token=len(g.moe_layers))
-    misses = 0
+    widest = max(int(sizes[np.asarray(experts, dtype=np.int64) + j * E].sum()) if len(experts) else 0
+                 for f in routing for j, experts in enumerate(f))
+    if room < widest:
+        out["demand_note"] = (f"the wall holds {max(room, 0)} expert bytes beside the dense {g.dense_bytes} bytes, "
+                              f"fewer than one layer routes ({widest})")
+        return out
+    cache = SizedCache(int(room), "lru", sizes, steps_per_token=len(g.moe_layers))
+    misses = missed = 0
     for i, forward in enumerate(routing):
         for j, experts in enumerate(forward):
             step = cache.prepare(np.asarray(experts, dtype=np.int64) + j * E)
-            misses += len(step.loads) if i > 0 else 0
+            if i > 0:
+                misses += len(step.loads)
+                missed += int(sizes[[item for item, _ in step.loads]].sum()) if step.loads else 0
     out["demand_misses"] = misses
-    out["demand_bytes_per_token"] = misses * g.expert_bytes / (len(routing) - 1)
+    out["demand_bytes_per_token"] = missed / (len(routing) - 1)
     return out
 
 
@@ -200,14 +206,16 @@ def _online_rule(policy: str) -> None:
 
 
 def check_managed(g: Geometry, wall_bytes: int | None, policy: str) -> int:
-    """The ``managed`` mode's pool (:func:`~.advice.managed_capacity`), or a one-line error: a pool
-    smaller than one layer's routed experts, or a policy that is not an online eviction rule."""
+    """The ``managed`` mode's pool in bytes (:func:`~.advice.managed_budget`), or a one-line error: a
+    pool that cannot hold one layer's routed experts (k of the largest), or a policy that is not an
+    online eviction rule."""
     _online_rule(policy)
-    n = managed_capacity(g, wall_bytes)
-    if n < g.top_k:
-        raise ConfigError(f"--mode managed: the wall {wall_bytes} holds {n} experts beside the dense "
-                          f"{g.file_bytes - g.expert_tensor_bytes} bytes, fewer than one layer routes ({g.top_k})")
-    return n
+    budget = managed_budget(g, wall_bytes)
+    need = g.top_k * int(managed_item_bytes(g).max())
+    if budget < need:
+        raise ConfigError(f"--mode managed: {wall_bytes} bytes leave {budget} for experts beside the dense "
+                          f"{g.dense_bytes} bytes, fewer than one layer routes ({g.top_k} experts, {need} bytes)")
+    return budget
 
 
 def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: int | None = None,

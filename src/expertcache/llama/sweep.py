@@ -2,7 +2,7 @@
 (``expertcache llama sweep``; the tiering paper's Figure 2 in a real engine, docs/llama.md).
 
 Walls are written as bytes (``800MB``) or as ``P%``: the dense part of the file (every tensor that
-is not an expert tensor, read every step) plus P% of the expert tensors, so ``100%`` holds the
+is not an expert tensor, read every step: ``Geometry.dense_bytes``) plus P% of the expert tensors, so ``100%`` holds the
 whole model. All (wall, mode, run) cells are run in one seeded shuffled order, so slow drift of a
 shared machine does not line up with a wall or a mode. Per (mode, wall) the summary holds the median
 and the spread (min, max) over runs of ``decode_tokens_per_s`` and ``read_bytes_per_token``, and
@@ -24,7 +24,7 @@ from .runner import calibrate, check_managed, run_one
 
 def parse_walls(text: str, g: Geometry, what: str = "--walls") -> list[int]:
     """``25%,50%,800MB`` -> distinct ascending byte walls (percent as in the module docstring)."""
-    dense = g.file_bytes - g.expert_tensor_bytes
+    dense = g.dense_bytes
     out = []
     for part in (p.strip() for p in str(text).split(",")):
         if not part:

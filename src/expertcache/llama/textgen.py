@@ -1,0 +1,275 @@
+"""Text in, text out: llama-cpp-python's ``Llama`` (tokenizer, chat templates, sampling, KV cache)
+with expertcache's page-cache modes attached (``expertcache llama generate``, ``expertcache serve``).
+
+:class:`ObservedLlama` is a ``llama_cpp.Llama`` whose context carries an :class:`~.engine.EvalHook`:
+the high-level class builds its context inside ``__init__`` with no ``cb_eval``, so the context is
+rebuilt once, with the callback, before anything is decoded (the KV cache is still empty; the old
+context is freed first, so its memory is never held twice), and ``eval`` tells the hook where each
+forward begins. Nothing else of ``Llama`` is changed: every completion, chat and sampling path is
+llama-cpp-python's own.
+
+:class:`Session` is one GGUF opened in one page-cache mode (:mod:`.advice`): the geometry, the
+mode's :class:`~.advice.PageAdvisor` (started once the model is mapped), the ``ObservedLlama``
+(a hook only where the mode reads the routing, so ``mmap``, ``random`` and ``nommap`` run llama.cpp
+with no callback at all), and the counters a server exports. ``cache_bytes`` bounds the
+``managed`` pool (``--cache-memory``: the dense part plus the experts the pool may hold, the same
+bytes a ``--memory-wall`` of that size proves); the other modes leave residency to the kernel and
+refuse it. Advice never changes what is computed: greedy text is the same in every mode (tested).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import llama_cpp
+from llama_cpp import _internals
+
+from ..errors import ConfigError
+from .advice import MODES, PageAdvisor
+from .engine import EvalHook, _silence
+from .geometry import Geometry, read_geometry
+from .runner import check_managed, io_counters
+
+DEFAULT_CTX = 2048
+"""Context (tokens) of ``generate`` and ``serve`` unless ``--ctx`` says otherwise."""
+
+
+class ObservedLlama(llama_cpp.Llama):
+    """``llama_cpp.Llama`` with an :class:`EvalHook` on its context (see the module docstring)."""
+
+    def __init__(self, model_path: str, *, hook: EvalHook | None = None, **kwargs):
+        super().__init__(model_path, **kwargs)
+        self.hook = hook
+        self.stats = {"prefill_forwards": 0, "prefill_tokens": 0, "prefill_seconds": 0.0, "decode_steps": 0,
+                      "decode_seconds": 0.0}
+        """Cumulative forwards: a decode step is the one-token forward of a token just sampled;
+        every other forward is a prefill (a prefix cached from the previous prompt is not evaluated
+        again, so not counted)."""
+        self.sampled = 0
+        """Tokens sampled since the model was loaded."""
+        self.last_sampled_is_eog = False
+        self.prompt_length = 0
+        """Context tokens when the current generation sampled its first token: its whole prompt."""
+        self._decoding = False
+        if hook is not None:
+            self.context_params.cb_eval = hook.callback
+            self.context_params.cb_eval_user_data = None
+            self._ctx.close()  # nothing decoded yet: free it before its successor allocates
+            try:
+                ctx = _internals.LlamaContext(model=self._model, params=self.context_params, verbose=self.verbose)
+            except ValueError:
+                raise ConfigError(f"{model_path}: llama.cpp could not create a context of "
+                                  f"{self.context_params.n_ctx} tokens") from None
+            self._ctx = self._stack.enter_context(contextlib.closing(ctx))
+
+    def generate(self, *args, **kwargs):
+        self._decoding = False
+        return (yield from super().generate(*args, **kwargs))
+
+    def sample(self, *args, **kwargs) -> int:
+        token = super().sample(*args, **kwargs)
+        if not self._decoding:
+            self.prompt_length, self._decoding = self.n_tokens, True
+        self.sampled += 1
+        self.last_sampled_is_eog = bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
+        return token
+
+    def eval(self, tokens) -> None:
+        decode = self._decoding and len(tokens) == 1
+        self._decoding = decode
+        t0 = time.perf_counter()
+        if self.hook is None:
+            super().eval(tokens)
+        else:
+            self.hook.begin(len(tokens), self.n_tokens == 0, bool(self._logits_all))
+            super().eval(tokens)
+            self.hook.raise_pending()
+        dt, st = time.perf_counter() - t0, self.stats
+        if decode:
+            st["decode_steps"] += 1
+            st["decode_seconds"] += dt
+        else:
+            st["prefill_forwards"] += 1
+            st["prefill_tokens"] += len(tokens)
+            st["prefill_seconds"] += dt
+
+
+def parse_cache_memory(text: str | None, g: Geometry, what: str = "--cache-memory") -> int | None:
+    """``SIZE`` (``800MB``) or ``P%`` (the dense part plus P% of the expert tensors, as a wall) in
+    bytes; None for None."""
+    if text is None:
+        return None
+    from .sweep import parse_walls
+
+    walls = parse_walls(text, g, what)
+    if len(walls) != 1:
+        raise ConfigError(f"{what}: one size, got {text!r}")
+    return walls[0]
+
+
+@dataclass
+class Session:
+    """One GGUF in one page-cache mode, ready to complete text (see the module docstring)."""
+
+    geometry: Geometry
+    mode: str
+    policy: str
+    advisor: PageAdvisor
+    llama: ObservedLlama
+    cache_bytes: int | None
+    n_ctx: int
+    load_seconds: float
+    chat_format_given: bool = False
+
+    @classmethod
+    def open(cls, path: str, *, mode: str = "mmap", cache_bytes: int | None = None, policy: str = "lru",
+             n_ctx: int = DEFAULT_CTX, threads: int = 1, seed: int = 0, chat_format: str | None = None,
+             where: str = "MODEL") -> "Session":
+        if mode not in MODES:
+            raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
+        g = read_geometry(path, where)
+        budget = None
+        if cache_bytes is not None and mode != "managed":
+            raise ConfigError(f"--cache-memory bounds the managed mode's pool; --mode {mode} leaves residency to "
+                              "the kernel (bound it with a --memory-wall)")
+        if mode == "managed":
+            budget = check_managed(g, cache_bytes, policy)
+        if chat_format is not None and chat_format not in llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers:
+            known = ", ".join(sorted(llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers))
+            raise ConfigError(f"--chat-format: {chat_format!r} is not one of llama-cpp-python's formats ({known})")
+        _silence(llama_cpp)
+        advisor = PageAdvisor(g, mode, capacity=budget, policy=policy, count_hits=True)
+        hook = None
+        if advisor.observes_routing:
+            hook = EvalHook(llama_cpp)
+            hook.attach(advisor)
+        t0 = time.perf_counter()
+        try:
+            llm = ObservedLlama(g.path, hook=hook, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=threads,
+                                n_threads_batch=threads, use_mmap=mode != "nommap", seed=seed, verbose=False,
+                                chat_format=chat_format)
+        except ValueError as exc:  # llama-cpp-python's "Failed to load model from file" and the like
+            advisor.close()
+            raise ConfigError(f"{where} {path}: llama.cpp could not load it ({exc})") from None
+        load_s = time.perf_counter() - t0
+        try:
+            advisor.start()
+        except BaseException:
+            llm.close()
+            advisor.close()
+            raise
+        return cls(g, mode, policy, advisor, llm, budget, n_ctx, load_s, chat_format is not None)
+
+    @property
+    def chat_ready(self) -> bool:
+        """Whether chats can be formatted: the GGUF carries ``tokenizer.chat_template``, or a
+        ``chat_format`` of llama-cpp-python's was named (llama-cpp-python would otherwise fall back
+        to llama-2's format silently)."""
+        return self.chat_format_given or "tokenizer.chat_template" in self.llama.metadata
+
+    def check_chat(self) -> None:
+        if not self.chat_ready:
+            raise ConfigError(f"{self.geometry.path} has no chat template (tokenizer.chat_template): use a plain "
+                              "prompt, or name one of llama-cpp-python's formats with --chat-format (e.g. chatml)")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.llama.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+
+    def snapshot(self) -> dict:
+        """Cumulative counters now: the forwards (:attr:`ObservedLlama.stats`), this process's own read
+        bytes and major faults, the mode's expert hits and misses (None where it does not observe
+        the routing)."""
+        io = io_counters()
+        adv = self.advisor
+        return {**self.llama.stats, "read_bytes": io["read_bytes"], "major_faults": io["major_faults"],
+                "expert_hits": adv.expert_hits if adv.observes_routing else None,
+                "expert_misses": adv.expert_misses if adv.observes_routing else None}
+
+    def close(self) -> None:
+        self.llama.close()
+        self.advisor.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def completion_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | None) -> dict:
+    """Sampling arguments of ``Llama.create_completion``: temperature 0 is greedy."""
+    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+            "top_k": 0 if temperature > 0 else 1, "repeat_penalty": 1.0}
+
+
+def stream_text(session: Session, *, prompt: str | None = None, messages: list | None = None, max_tokens: int = 64,
+                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
+    """Yield the generated text piece by piece (``prompt``: a completion; ``messages``: a chat with
+    the model's template), then a final ``dict``: :func:`request_figures` and ``finish_reason``."""
+    llm = session.llama
+    kw = completion_kwargs(max_tokens, temperature, top_p, seed)
+    before = session.snapshot()
+    t0 = time.perf_counter()
+    first, finish = None, None
+    if messages is not None:
+        chunks = llm.create_chat_completion(messages=messages, stream=True, **kw)
+    else:
+        chunks = llm.create_completion(prompt, stream=True, **kw)
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        piece = choice["delta"].get("content") if messages is not None else choice.get("text")
+        finish = choice.get("finish_reason") or finish
+        if piece:
+            first = time.perf_counter() if first is None else first
+            yield piece
+    out = request_figures(before, session.snapshot())
+    out.update(ttft_seconds=(first - t0) if first is not None else None, finish_reason=finish,
+               context_tokens=llm.n_tokens)
+    yield out
+
+
+def request_figures(before: dict, after: dict) -> dict:
+    """One request's figures from two :meth:`Session.snapshot`: ``prefill_tokens`` (evaluated; a
+    prefix cached from the previous request is not), ``prefill_tokens_per_s``, ``decode_steps``,
+    ``decode_tokens_per_s`` (decode steps / their forwards' seconds), ``read_bytes`` (this process's
+    own), ``major_faults``, ``expert_hits``, ``expert_misses``."""
+    d = {k: _delta(before, after, k) for k in ("prefill_tokens", "prefill_seconds", "decode_steps", "decode_seconds",
+                                                "read_bytes", "major_faults", "expert_hits", "expert_misses")}
+    d["prefill_tokens_per_s"] = d["prefill_tokens"] / d["prefill_seconds"] if d["prefill_seconds"] else None
+    d["decode_tokens_per_s"] = d["decode_steps"] / d["decode_seconds"] if d["decode_seconds"] else None
+    return d
+
+
+def _delta(a: dict, b: dict, key: str):
+    return b[key] - a[key] if a.get(key) is not None and b.get(key) is not None else None
+
+
+@contextlib.contextmanager
+def _vocabulary(path: str):
+    """The model's vocabulary alone (``Llama(vocab_only=True)``: no weight is loaded)."""
+    _silence(llama_cpp)
+    try:
+        vocab = llama_cpp.Llama(path, vocab_only=True, verbose=False)
+    except ValueError as exc:
+        raise ConfigError(f"MODEL {path}: llama.cpp could not read its vocabulary ({exc})") from None
+    try:
+        yield vocab
+    finally:
+        vocab.close()
+
+
+def tokenize(path: str, text: str, where: str = "--prompt") -> list[int]:
+    """``text`` as the model's own token ids (its BOS first where its vocabulary adds one)."""
+    with _vocabulary(path) as vocab:
+        ids = vocab.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+    if not ids:
+        raise ConfigError(f"{where}: the text is empty")
+    return ids
+
+
+def detokenize_file(path: str, ids) -> str:
+    """Token ids of the model at ``path`` as text (invalid UTF-8 replaced)."""
+    with _vocabulary(path) as vocab:
+        return vocab.detokenize([int(i) for i in ids]).decode("utf-8", errors="replace")

@@ -1,0 +1,286 @@
+"""``expertcache serve`` as a user runs it (docs/serve.md): the server is started on a free loopback
+port, spoken to with the real ``openai`` client (models, completion, chat, streamed and not) and with
+raw HTTP for the bad requests; ``/metrics`` is scraped and its counters checked against the run's own
+figures and the process's ``/proc/<pid>/io``; a client that leaves mid-stream frees the slot; SIGTERM
+stops it. ``llama generate`` and every page-cache mode give the server's greedy text.
+
+Needs the llama and serve extras and the openai client; skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
+openai = pytest.importorskip("openai", reason="the openai client is not installed")
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = REPO / "models" / "small-moe"
+PROMPT = "The Python interpreter"
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory):
+    from expertcache.llama.convert import convert
+
+    if not (SMALL / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    out = tmp_path_factory.mktemp("serve") / "small-moe.gguf"
+    convert(SMALL, out, "f16")
+    return out
+
+
+class Server:
+    """``expertcache serve ... --port 0 --json`` in a child process: its URL from the first line."""
+
+    def __init__(self, gguf: Path, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", str(gguf), "--port", "0",
+                                      "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     cwd=REPO)
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=30)
+            raise AssertionError(f"serve did not start: {self.proc.stderr.read()}")
+        self.info = json.loads(line)
+        self.url = self.info["url"]
+        self.host, self.port = self.url.removeprefix("http://").rsplit(":", 1)
+        self.port = int(self.port)
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+    def raw(self, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        try:
+            conn.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def metrics(self) -> dict:
+        status, text = self.raw("GET", "/metrics")
+        assert status == 200
+        out = {}
+        for line in text.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("serve did not stop within 30 s of SIGTERM") from None
+        return self.proc.returncode, self.proc.stderr.read()
+
+
+@pytest.fixture(scope="module")
+def managed(small_gguf):
+    """The server in managed mode, its page cache bounded at 60% of the experts, chatml chats."""
+    s = Server(small_gguf, "--cache-memory", "60%", "--chat-format", "chatml", "--ctx", "512")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def greedy_text(small_gguf):
+    """``llama generate``'s greedy text for PROMPT (mmap mode: llama.cpp as it is)."""
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(small_gguf),
+                           "--prompt", PROMPT, "--max-new-tokens", "16", "--json"], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rec = json.loads(done.stdout)
+    assert rec["mode"] == "mmap" and rec["decode_steps"] == 15
+    return rec["text"]
+
+
+def test_openai_client_completion_chat_and_streams(managed, greedy_text):
+    client = managed.client()
+    assert [m.id for m in client.models.list().data] == ["small-moe"]
+    done = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=16, temperature=0)
+    assert done.choices[0].text == greedy_text and done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 16 and done.usage.prompt_tokens > 0
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model="small-moe", prompt=PROMPT,
+                                                                            max_tokens=16, temperature=0, stream=True))
+    assert streamed == greedy_text
+    msgs = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is a list?"}]
+    chat = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 12
+    pieces, usage = [], None
+    for c in client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}):
+        if c.choices:
+            pieces.append(c.choices[0].delta.content or "")
+        else:
+            usage = c.usage
+    assert "".join(pieces) == chat.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(managed):
+    def err(status, body, path="/v1/completions", method="POST", headers=None):
+        got, raw = managed.raw(method, path, body, headers)
+        assert got == status, (body if isinstance(body, str) else "", raw[:300])
+        e = json.loads(raw)["error"]
+        assert set(e) == {"message", "type", "param", "code"} and e["message"]
+        return e
+
+    assert err(400, "{not json")["type"] == "invalid_request_error"
+    assert err(400, "[1, 2]")["message"].startswith("the request body is not a JSON object")
+    assert err(400, json.dumps({"prompt": "x", "max_tokens": -1}))["param"] == "max_tokens"
+    assert err(400, json.dumps({"prompt": "x", "temperature": 9}))["param"] == "temperature"
+    assert err(400, json.dumps({"max_tokens": 3}))["param"] == "prompt"
+    assert err(404, json.dumps({"prompt": "x", "model": "gpt-4o"}))["code"] == "model_not_found"
+    assert err(400, json.dumps({"prompt": "x", "max_tokens": 10**9}))["code"] == "context_length_exceeded"
+    assert err(400, json.dumps({"prompt": "word " * 2000, "max_tokens": 4}))["code"] == "context_length_exceeded"
+    assert err(400, json.dumps({"prompt": "x", "n": 2}))["param"] == "n"
+    assert err(400, json.dumps({"messages": []}), "/v1/chat/completions")["param"] == "messages"
+    assert err(400, json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "/v1/chat/completions")
+    assert err(413, "x" * (2 << 20))["message"].startswith("the request body is larger")
+    assert err(404, None, "/v2/nothing", "GET")["code"] == "not_found"
+    assert err(405, None, "/v1/completions", "GET")
+    assert managed.raw("GET", "/health")[0] == 200
+    ok = managed.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert ok.usage.completion_tokens == 4
+
+
+def test_metrics_move_and_agree_with_the_run(managed):
+    before = managed.metrics()
+    done = managed.client().completions.create(model="small-moe", prompt="def main():", max_tokens=10, temperature=0)
+    after = managed.metrics()
+    with open(f"/proc/{managed.proc.pid}/io") as fh:
+        proc_read = next(int(line.split()[1]) for line in fh if line.startswith("read_bytes:"))
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    assert d["expertcache_completion_tokens_total"] == done.usage.completion_tokens == 10
+    assert d["expertcache_prompt_tokens_total"] == done.usage.prompt_tokens
+    assert d["expertcache_decode_steps_total"] == 9  # the last token is not fed back
+    # every decode step routes k distinct experts in each of the 4 MoE layers; the prefill adds its own
+    k, layers = 2, 4
+    seen = d["expertcache_expert_hits_total"] + d["expertcache_expert_misses_total"]
+    assert seen >= 9 * layers * k and d["expertcache_expert_hits_total"] > 0
+    assert after["expertcache_device_read_bytes_total"] == proc_read  # the process's own /proc/<pid>/io
+    assert 0 < after["expertcache_resident_expert_bytes"] <= after["expertcache_cache_memory_bytes"]
+    assert after["expertcache_decode_tokens_per_second"] > 0
+    assert d['expertcache_requests_total{endpoint="/v1/completions",code="200"}'] == 1
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_slot(managed):
+    steps0 = managed.metrics()["expertcache_decode_steps_total"]
+    sock = socket.create_connection((managed.host, managed.port), timeout=60)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 480, "temperature": 0, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        part = sock.recv(4096)
+        assert part, "the stream ended early"
+        got += part
+    sock.close()  # gone mid-stream
+    done = managed.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=5, temperature=0)
+    assert done.usage.completion_tokens == 5  # the slot was freed
+    after = managed.metrics()
+    assert after["expertcache_decode_steps_total"] - steps0 < 200  # the abandoned decode stopped, far from its 480
+    assert after['expertcache_requests_total{endpoint="/v1/completions",code="499"}'] >= 1
+    assert after["expertcache_queue_waiting"] == 0
+
+
+def test_requests_queue_for_the_one_slot(managed):
+    client = managed.client()
+    out: list = []
+
+    def ask(i):
+        out.append(client.completions.create(model="small-moe", prompt=f"x = {i}", max_tokens=8, temperature=0))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(out) == 3 and all(r.usage.completion_tokens == 8 for r in out)
+
+
+@pytest.mark.parametrize("mode", ["mmap", "random", "advise", "pin", "lookahead", "nocache", "nommap"])
+def test_every_mode_serves_the_greedy_text(small_gguf, greedy_text, mode):
+    s = Server(small_gguf, "--mode", mode)
+    try:
+        done = s.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=16, temperature=0)
+        assert done.choices[0].text == greedy_text
+    finally:
+        code, err = s.stop()
+    assert code == 0 and "Traceback" not in err, err  # SIGTERM stops it cleanly
+
+
+def test_refusals_are_one_line(small_gguf, tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf at all" * 4)
+    for args, match in [
+        ([str(small_gguf), "--cache-memory", "50%", "--mode", "advise"], "--cache-memory bounds the managed"),
+        ([str(small_gguf), "--cache-memory", "1MB"], "fewer than one layer routes"),
+        ([str(small_gguf), "--port", "70000"], "--port"),
+        ([str(small_gguf), "--chat-format", "nonsense"], "--chat-format"),
+        ([str(tmp_path / "x.gguf")], "not a GGUF file"),
+    ]:
+        done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "serve", *args], capture_output=True,
+                              text=True, cwd=REPO, timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and match in lines[0], (args, done.stderr)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "serve", str(small_gguf), "--port",
+                               str(busy.getsockname()[1])], capture_output=True, text=True, cwd=REPO, timeout=120)
+    finally:
+        busy.close()
+    assert done.returncode == 2 and "cannot listen there" in done.stderr, done.stderr
+
+
+def test_generate_streams_text_and_refuses_in_one_line(small_gguf, greedy_text, tmp_path):
+    def gen(*args):
+        return subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(small_gguf), *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=300)
+
+    done = gen("--prompt", PROMPT, "--max-new-tokens", "16", "--cache-memory", "60%")
+    assert done.returncode == 0 and done.stdout == greedy_text + "\n" and "managed" in done.stderr, done.stderr
+    (tmp_path / "p.txt").write_text(PROMPT, encoding="utf-8")
+    done = gen("--prompt-file", tmp_path / "p.txt", "--max-new-tokens", "16", "--mode", "pin", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["text"] == greedy_text
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00bad")
+    for args, match in [(("--chat", "hi"), "has no chat template"),
+                        (("--prompt-file", tmp_path / "bin.txt"), "not UTF-8"),
+                        (("--prompt", "x", "--max-new-tokens", "5000"), "exceed the context"),
+                        (("--prompt", "x", "--top-p", "0"), "--top-p"),
+                        (("--prompt", "   "), "the prompt is empty"),
+                        (("--system", "s", "--prompt", "x"), "--system goes with --chat")]:
+        done = gen(*map(str, args))
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and match in lines[0], (args, done.stderr)
+
+
+def test_run_takes_a_text_prompt(small_gguf):
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "run", str(small_gguf), "--prompt",
+                           PROMPT, "--max-new-tokens", "6", "--mode", "advise", "--json"], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    from expertcache.llama.textgen import tokenize
+
+    rec = json.loads(done.stdout.strip().splitlines()[-1])
+    assert rec["prefill_tokens"] == len(tokenize(str(small_gguf), PROMPT)) and len(rec["output_ids"]) == 6
+    assert isinstance(rec["output_text"], str) and rec["output_text"]
