@@ -193,6 +193,11 @@ class PageAdvisor:
                 if t.nbytes:
                     mlock(self.base + t.offset, t.nbytes)
                     self.locked_bytes += t.nbytes
+        if self.mode in ("managed", "nocache"):
+            try:  # a freshly written file's dirty pages cannot be dropped until they are written back
+                os.fsync(self.fd)
+            except OSError:
+                pass  # a read-only filesystem has nothing dirty
         if self.mode == "managed":
             skip = tuple(f"blk.{i}." for i in self.g.skipped_layers)
             for t in self.g.tensors.values():  # a layer the graph never runs: nothing of it stays

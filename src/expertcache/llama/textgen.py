@@ -1,10 +1,12 @@
 """Text in, text out: llama-cpp-python's ``Llama`` (tokenizer, chat templates, sampling, KV cache)
 with expertcache's page-cache modes attached (``expertcache llama generate``, ``expertcache serve``).
 
-:class:`ObservedLlama` is a ``llama_cpp.Llama`` whose context carries an :class:`~.engine.EvalHook`:
-the high-level class builds its context inside ``__init__`` with no ``cb_eval``, so the context is
-rebuilt once, with the callback, before anything is decoded (the KV cache is still empty; the old
-context is freed first, so its memory is never held twice), and ``eval`` tells the hook where each
+:class:`ObservedLlama` is a ``llama_cpp.Llama`` whose context carries an :class:`~.engine.EvalHook`
+and whose weights stay in the file mapping: the high-level class makes its model and context
+parameters inside ``__init__`` and loads with them at once, with no argument for ``cb_eval`` or
+``use_extra_bufts``, so the subclass receives each struct as ``__init__`` assigns it (a property
+setter) and sets the callback, and turns repacking off (a repacked weight is a copy in anonymous
+memory, outside the page cache: llama.cpp's ``--no-repack``). ``eval`` tells the hook where each
 forward begins. Nothing else of ``Llama`` is changed: every completion, chat and sampling path is
 llama-cpp-python's own.
 
@@ -14,7 +16,10 @@ mode's :class:`~.advice.PageAdvisor` (started once the model is mapped), the ``O
 with no callback at all), and the counters a server exports. ``cache_bytes`` bounds the
 ``managed`` pool (``--cache-memory``: the dense part plus the experts the pool may hold, the same
 bytes a ``--memory-wall`` of that size proves); the other modes leave residency to the kernel and
-refuse it. Advice never changes what is computed: greedy text is the same in every mode (tested).
+refuse it. ``managed`` starts cold, as a walled run does: the file's clean pages are evicted before
+llama.cpp maps it, because pages a write or an earlier reader left may sit in large folios (ext4
+on kernel 6.16+) that span several experts, and the kernel drops a folio only whole: the pool could
+not then drop one expert at a time (seen on a freshly quantized file: evicted experts stayed). Advice never changes what is computed: greedy text is the same in every mode (tested).
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import time
 from dataclasses import dataclass
 
 import llama_cpp
-from llama_cpp import _internals
 
 from ..errors import ConfigError
 from .advice import MODES, PageAdvisor
@@ -40,7 +44,6 @@ class ObservedLlama(llama_cpp.Llama):
     """``llama_cpp.Llama`` with an :class:`EvalHook` on its context (see the module docstring)."""
 
     def __init__(self, model_path: str, *, hook: EvalHook | None = None, **kwargs):
-        super().__init__(model_path, **kwargs)
         self.hook = hook
         self.stats = {"prefill_forwards": 0, "prefill_tokens": 0, "prefill_seconds": 0.0, "decode_steps": 0,
                       "decode_seconds": 0.0}
@@ -53,16 +56,29 @@ class ObservedLlama(llama_cpp.Llama):
         self.prompt_length = 0
         """Context tokens when the current generation sampled its first token: its whole prompt."""
         self._decoding = False
-        if hook is not None:
-            self.context_params.cb_eval = hook.callback
-            self.context_params.cb_eval_user_data = None
-            self._ctx.close()  # nothing decoded yet: free it before its successor allocates
-            try:
-                ctx = _internals.LlamaContext(model=self._model, params=self.context_params, verbose=self.verbose)
-            except ValueError:
-                raise ConfigError(f"{model_path}: llama.cpp could not create a context of "
-                                  f"{self.context_params.n_ctx} tokens") from None
-            self._ctx = self._stack.enter_context(contextlib.closing(ctx))
+        super().__init__(model_path, **kwargs)
+
+    # ``Llama.__init__`` makes both parameter structs and loads with them at once, with no argument for
+    # either setting below: these setters receive each struct as it is made.
+    @property
+    def model_params(self):
+        return self._model_params
+
+    @model_params.setter
+    def model_params(self, params) -> None:
+        params.use_extra_bufts = False  # no repacked copy: every weight stays in the file mapping (the tier)
+        self._model_params = params
+
+    @property
+    def context_params(self):
+        return self._context_params
+
+    @context_params.setter
+    def context_params(self, params) -> None:
+        if self.hook is not None:
+            params.cb_eval = self.hook.callback
+            params.cb_eval_user_data = None
+        self._context_params = params
 
     def generate(self, *args, **kwargs):
         self._decoding = False
@@ -145,6 +161,10 @@ class Session:
         if advisor.observes_routing:
             hook = EvalHook(llama_cpp)
             hook.attach(advisor)
+        if mode == "managed":  # cold: whatever wrote or read the file before leaves no folios of its own
+            from ..tier.accounting import evict_file_pages
+
+            evict_file_pages([g.path])
         t0 = time.perf_counter()
         try:
             llm = ObservedLlama(g.path, hook=hook, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=threads,
