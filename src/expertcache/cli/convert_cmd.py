@@ -6,12 +6,17 @@ import argparse
 
 from .common import add_json, add_out, check_out, emit_json
 
-HELP = """Convert a Hugging Face MoE checkpoint (OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral classes; the
-per-expert safetensors layout transformers saves) to GGUF with the gguf package's writer. --dtype
-f32 keeps every tensor float32 (llama.cpp then routes exactly as transformers does); f16 and q8_0
-store the matrices so, routers and vectors stay float32. A GPT-2-style byte-level BPE tokenizer is
-written as gpt2 / gpt-2; a checkpoint without one gets a tokenizer-free GGUF that runs on token ids.
-Needs the llama extra (the gguf package)."""
+HELP = """Convert a Hugging Face MoE checkpoint to GGUF with the gguf package's writer. Classes:
+OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3 (deepseek2: MLA with attn_k_b/attn_v_b, sigmoid
+routing with selection bias and expert groups, leading dense layers), gpt-oss (sliding window,
+attention sinks, expert and router biases) and GLM-4-MoE (glm4moe: partial rotary, q/k/v biases,
+MTP blocks when the checkpoint holds them); the per-expert safetensors layout transformers saves or
+the packed one, in f32, f16 or bf16. --dtype f32 keeps every tensor float32 (llama.cpp then routes
+as transformers does); f16 and q8_0 store the matrices so, routers, biases and vectors stay float32.
+A GPT-2-style byte-level BPE tokenizer is written as gpt2 / gpt-2; a checkpoint without one gets a
+tokenizer-free GGUF that runs on token ids. A chat template (chat_template.jinja or
+tokenizer_config.json) is written as tokenizer.chat_template. Settings llama.cpp's graph would
+compute differently are refused. Needs the llama extra (the gguf package)."""
 
 
 def add_parser(sub) -> None:
@@ -36,5 +41,8 @@ def run(args) -> int:
     else:
         print(f"{rec['out']}: {rec['architecture']} {rec['dtype']}, {rec['bytes']} bytes, {rec['moe_layers']} MoE "
               f"layers of E={rec['num_experts']} k={rec['top_k']}, expert {rec['expert_bytes']} bytes, "
-              f"tokenizer {rec['tokenizer']}")
+              f"tokenizer {rec['tokenizer']}" + (", chat template" if rec.get("chat_template") else "")
+              + (f", {rec['nextn_layers']} MTP block(s) (not run)" if rec.get("nextn_layers") else ""))
+        for note in rec.get("notes") or []:
+            print(f"  note: {note}")
     return 0

@@ -48,6 +48,9 @@ def toy_config(
                             n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, rope_scaling=None),
         "gpt_oss": dict(intermediate_size=intermediate, num_local_experts=experts, head_dim=hidden // heads),
+        "glm4_moe": dict(intermediate_size=2 * intermediate, moe_intermediate_size=intermediate,
+                         n_routed_experts=experts, n_group=2, topk_group=1, first_k_dense_replace=1,
+                         head_dim=hidden // heads, attention_bias=True),
     }
     if family not in specific:
         raise ValueError(f"no toy config for {family!r} (known: {', '.join(specific)})")
