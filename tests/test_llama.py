@@ -274,3 +274,16 @@ def test_other_families_route_as_hf(family, tmp_path):
     ref, got = hf_capture(tmp_path / "hf", rows), capture_gguf(str(tmp_path / "m.gguf"), rows)
     np.testing.assert_array_equal(got.experts, ref.experts)
     np.testing.assert_allclose(got.probs, ref.probs, atol=1e-5)
+
+
+def test_special_tokens_come_from_the_tokenizer_config(small_gguf):
+    """EOS is the tokenizer's own (``<|endoftext|>``), not llama.cpp's gpt2 default (id 11, a word
+    of this vocabulary), and no BOS is prepended, as the tokenizer config says."""
+    llama_cpp = _needs_llama()
+    vocab = llama_cpp.Llama(str(small_gguf), vocab_only=True, verbose=False)
+    try:
+        assert vocab._model.token_get_text(vocab.token_eos()) == "<|endoftext|>"
+        text = vocab.tokenize(b"import os", add_bos=True)
+        assert text == vocab.tokenize(b"import os", add_bos=False)
+    finally:
+        vocab.close()

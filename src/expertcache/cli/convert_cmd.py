@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
+from pathlib import Path
 
+from ..errors import ConfigError
 from .common import add_json, add_out, check_out, emit_json
 
 HELP = """Convert a Hugging Face MoE checkpoint to GGUF with the gguf package's writer. Classes:
@@ -16,7 +20,8 @@ as transformers does); f16 and q8_0 store the matrices so, routers, biases and v
 A GPT-2-style byte-level BPE tokenizer is written as gpt2 / gpt-2; a checkpoint without one gets a
 tokenizer-free GGUF that runs on token ids. A chat template (chat_template.jinja or
 tokenizer_config.json) is written as tokenizer.chat_template. Settings llama.cpp's graph would
-compute differently are refused. Needs the llama extra (the gguf package)."""
+compute differently are refused. --quantize TYPE then quantizes the file with llama.cpp's own
+llama_model_quantize (its recipes: Q4_K_M keeps some layers' ffn_down as Q6_K). Needs the llama extra."""
 
 
 def add_parser(sub) -> None:
@@ -25,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("model", metavar="HF_DIR", help="checkpoint folder (config.json + *.safetensors)")
     add_out(p, "GGUF file to write")
     p.add_argument("--dtype", choices=("f32", "f16", "q8_0"), default="f32", help="matrix type (default f32)")
+    p.add_argument("--quantize", default=None, metavar="TYPE",
+                   help="then quantize with llama.cpp's llama_model_quantize: q4_k_m, q6_k, iq4_nl, mxfp4_moe, ... "
+                        "(from --dtype f32 or f16)")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -34,14 +42,31 @@ def run(args) -> int:
     from ..llama.geometry import read_geometry
 
     check_out(args.out)
-    rec = convert(args.model, args.out, args.dtype)
+    if args.quantize is None:
+        rec = convert(args.model, args.out, args.dtype)
+    else:
+        from ..llama.quantize import check_type, quantize
+
+        if args.dtype == "q8_0":
+            raise ConfigError("--quantize starts from --dtype f32 or f16, not q8_0")
+        check_type(args.quantize)  # a refusal is one line before anything is converted
+        out = Path(args.out)
+        tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.{args.dtype}.gguf"
+        try:
+            rec = convert(args.model, tmp, args.dtype)
+            rec.update(quantize(tmp, out, args.quantize))
+        finally:
+            tmp.unlink(missing_ok=True)
+        rec.update(out=args.out, dtype=rec.pop("qtype"))
     rec.update(read_geometry(args.out, "--out").summary())
     if args.json:
         emit_json([rec])
     else:
         print(f"{rec['out']}: {rec['architecture']} {rec['dtype']}, {rec['bytes']} bytes, {rec['moe_layers']} MoE "
-              f"layers of E={rec['num_experts']} k={rec['top_k']}, expert {rec['expert_bytes']} bytes, "
-              f"tokenizer {rec['tokenizer']}" + (", chat template" if rec.get("chat_template") else "")
+              f"layers of E={rec['num_experts']} k={rec['top_k']}, expert "
+              + (f"{rec['expert_bytes']} bytes, " if rec["expert_bytes"] is not None else
+                 f"{rec['expert_bytes_min']}-{rec['expert_bytes_max']} bytes by layer, ")
+              + f"tokenizer {rec['tokenizer']}" + (", chat template" if rec.get("chat_template") else "")
               + (f", {rec['nextn_layers']} MTP block(s) (not run)" if rec.get("nextn_layers") else ""))
         for note in rec.get("notes") or []:
             print(f"  note: {note}")

@@ -759,7 +759,29 @@ def write_tokenizer(writer, folder: Path | None, vocab: int) -> str:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
+    _write_special_tokens(writer, folder, tokens)
     return "gpt2"
+
+
+def _write_special_tokens(writer, folder: Path, tokens: list[str]) -> None:
+    """The special tokens ``tokenizer_config.json`` names (``bos_token``, ``eos_token``,
+    ``unk_token``, ``pad_token``: a string or ``{"content": ...}``) as their ids, and whether a BOS is
+    prepended (``add_bos_token``, default false as for GPT-2). Without them llama.cpp takes its
+    defaults for a ``gpt2`` vocabulary (id 11 as BOS and EOS), so generation would stop at whatever
+    token 11 is."""
+    try:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    cfg = cfg if isinstance(cfg, dict) else {}
+    ids = {t: i for i, t in enumerate(tokens)}
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                     ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+        value = cfg.get(key)
+        text = value.get("content") if isinstance(value, dict) else value
+        if isinstance(text, str) and text in ids:
+            add(ids[text])
+    writer.add_add_bos_token(bool(cfg.get("add_bos_token", False)))
 
 
 # ------------------------------------------------------------------------------ writing

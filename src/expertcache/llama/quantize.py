@@ -30,9 +30,8 @@ def ftypes() -> dict[str, int]:
     return {name[len(prefix):].lower(): int(getattr(ll, name)) for name in dir(ll) if name.startswith(prefix)}
 
 
-def quantize(src: str | os.PathLike, out: str | os.PathLike, qtype: str, *, threads: int = 0) -> dict:
-    """Quantize the GGUF ``src`` to ``out`` as ``qtype``; returns ``{"out", "qtype", "bytes"}``."""
-    ll = _llama()
+def check_type(qtype: str) -> int:
+    """The llama.cpp file type id of ``qtype``, or a one-line refusal (unknown; needs an importance matrix)."""
     known = ftypes()
     name = qtype.lower()
     if name not in known:
@@ -40,11 +39,19 @@ def quantize(src: str | os.PathLike, out: str | os.PathLike, qtype: str, *, thre
     if name in NEEDS_IMATRIX:
         raise ConfigError(f"--quantize {qtype}: llama.cpp needs an importance matrix for this type; pick one that "
                           "does not (q4_k_m, q6_k, iq4_nl, iq4_xs, ...)")
+    return known[name]
+
+
+def quantize(src: str | os.PathLike, out: str | os.PathLike, qtype: str, *, threads: int = 0) -> dict:
+    """Quantize the GGUF ``src`` to ``out`` as ``qtype``; returns ``{"out", "qtype", "bytes"}``."""
+    ftype = check_type(qtype)
+    name = qtype.lower()
+    ll = _llama()
     _silence(ll)
     out = Path(out)
     tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     params = ll.llama_model_quantize_default_params()
-    params.ftype = known[name]
+    params.ftype = ftype
     params.nthread = int(threads)
     try:
         rc = ll.llama_model_quantize(os.fsencode(src), os.fsencode(tmp), ctypes.byref(params))
