@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--disk-reader", action="store_true", help="also an O_DIRECT reader of a scratch file")
     p.add_argument("--disk-mb", type=int, default=1024, help="size of the reader's scratch file (default 1024 MB)")
     p.add_argument("--json", action="store_true", help="one JSON object per run, then the totals")
+    p.add_argument("--keep", default=None, metavar="DIR", help="write each failing run's pytest output to DIR")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: the pytest arguments")
     args = p.parse_args(argv)
     pytest_args = [a for a in args.pytest_args if a != "--"] or ["tests"]
@@ -102,6 +103,9 @@ def main(argv=None) -> int:
                        **counts(xml)}
             for t in rec["failures"]:
                 failing[t] = failing.get(t, 0) + 1
+            if args.keep and done.returncode != 0:
+                os.makedirs(args.keep, exist_ok=True)
+                Path(args.keep, f"run-{run}.txt").write_text(done.stdout + done.stderr, encoding="utf-8")
             results.append(rec)
             if args.json:
                 print(json.dumps(rec), flush=True)

@@ -109,8 +109,8 @@ def add_parser(sub) -> None:
                    help="run behind the tier's memory wall (a memory cgroup): the page cache holding experts "
                         "(--host mmap) gets at most SIZE, e.g. 400MB; the record carries the wall's proof")
     p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
-                   help="with --memory-wall: the process's own memory above SIZE (default: calibrated by a "
-                        "short run: its anonymous peak + 8 MB)")
+                   help="with --memory-wall: the most the wall's limit follows the process's own memory to, above "
+                        "SIZE (default 4 GiB, within what the machine can give)")
     p.add_argument("--bootstrap", type=resamples_int, default=0, metavar="N",
                    help="N bootstrap resamples of the sequences give each policy a 95%% interval of its dnll "
                         "(dnll_ci; paired: every policy on the same resamples; default 0: none)")
@@ -234,9 +234,8 @@ def _run_walled(args) -> int:
 
     reference = "offloaded" if args.reference == "auto" else args.reference  # all resident would fill the wall
     child = _child_argv(args, reference=reference)
-    calibration = _child_argv(args, reference=reference, policies=(args.policies or ["lru"])[:1],
-                              max_sequences=1, repeats=1, capture=None, router_probs=False, bootstrap=0)
-    records, wall, stderr = walled_eval(child, calibration, args.memory_wall, headroom_bytes=args.headroom)
+    shards = sorted(Path(args.model).glob("*.safetensors"))
+    records, wall, stderr = walled_eval(child, args.memory_wall, tier_files=shards, headroom_bytes=args.headroom)
     for line in stderr.splitlines():
         if line.startswith("expertcache eval:"):
             print(line, file=sys.stderr)  # the child's notes and failed checks
@@ -252,9 +251,9 @@ def _run_walled(args) -> int:
         _print_tiers(args, records)
         _print_intervals(records)
         pr = wall["proof"]
-        print(f"wall: limit {pr.get('limit_bytes')} bytes (capacity {args.memory_wall} + headroom {wall['headroom_bytes']}; "
-              f"{wall['headroom_note']}); tier peak {pr.get('tier_peak_bytes')} bytes, anonymous peak "
-              f"{pr.get('anon_peak_bytes')}; proof {'ok' if wall['proof_ok'] else 'FAILED: ' + (wall['note'] or 'incomplete')}")
+        print(f"wall: limit {pr.get('min_limit_bytes')}-{pr.get('max_limit_bytes')} bytes ({wall['headroom_note']}); "
+              f"tier peak {pr.get('tier_peak_bytes')} bytes, own peak {pr.get('own_peak_bytes')}; "
+              f"proof {'ok' if wall['proof_ok'] else 'FAILED: ' + (wall['note'] or 'incomplete')}")
     if not wall["proof_ok"]:
         print(f"expertcache eval: warning: the memory wall's proof does not hold ({wall['note'] or 'incomplete'}): "
               "the page cache was not bounded by --memory-wall", file=sys.stderr)

@@ -48,8 +48,11 @@ def add_parser(sub) -> None:
                           description=HELP)
     _common(run)
     run.add_argument("--mode", choices=MODES, default="mmap", help="page-cache mode (default mmap; docs/llama.md)")
-    run.add_argument("--memory-wall", type=byte_size("--memory-wall"), default=None, metavar="SIZE",
-                     help="enforced memory for the run, e.g. 800MB (default: none)")
+    run.add_argument("--memory-wall", default=None, metavar="SIZE",
+                     help="enforced memory for the run: bytes (800MB) or P%% (the dense part plus P%% of the expert "
+                          "tensors); default none")
+    run.add_argument("--cache-memory", default=None, metavar="SIZE",
+                     help="bound the managed mode's page cache: bytes or P%% (default: the wall)")
     run.set_defaults(func=run_run)
     sw = lsub.add_parser("sweep", help="decode tokens/s and read bytes per token against the wall",
                          description="Every (wall, mode, run) once in a seeded shuffled order; per cell the median "
@@ -122,11 +125,12 @@ def open_session(args):
     from ..policies import make_policy
 
     _llama()  # one line where the llama extra is missing
-    from ..llama.textgen import DEFAULT_CTX, Session, parse_cache_memory
+    from ..llama.sweep import parse_wall
+    from ..llama.textgen import DEFAULT_CTX, Session
 
     make_policy(args.policy)
     g = read_geometry(args.model, "MODEL")
-    cache = parse_cache_memory(args.cache_memory, g)
+    cache = parse_wall(args.cache_memory, g, "--cache-memory")
     mode = args.mode or ("managed" if cache is not None else "mmap")
     return Session.open(g.path, mode=mode, cache_bytes=cache, policy=args.policy, n_ctx=args.ctx or DEFAULT_CTX,
                         threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format)
@@ -193,7 +197,8 @@ def _common(p) -> None:
     p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
     p.add_argument("--wall", choices=WALLS, default="auto", help="how the wall is enforced (default auto)")
     p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
-                   help="wall memory above the capacity for the process itself (default: calibrated)")
+                   help="most the wall's limit follows the process's own memory to, above the capacity "
+                        "(default 4 GiB, within what the machine can give)")
     p.add_argument("--policy", default="lru", metavar="NAME",
                    help="online eviction rule deciding the managed mode's expert residency (default lru)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="kill a run after S seconds")
@@ -264,21 +269,15 @@ def run_info(args) -> int:
 
 
 def run_run(args) -> int:
-    from ..llama.runner import calibrate, check_managed, run_one
+    from ..llama.runner import run_one
+    from ..llama.sweep import parse_wall
 
     g, prompt = _setup(args)
-    if args.mode == "managed":
-        check_managed(g, args.memory_wall, args.policy)
-    cal = {"headroom_bytes": None, "ballast_bytes": 0, "note": None}
-    if args.memory_wall is not None:
-        cal = calibrate(g, prompt, threads=args.threads, wall=args.wall, max_new_tokens=args.max_new_tokens,
-                        mode=args.mode, policy=args.policy)
-        if args.headroom is not None:
-            cal.update(headroom_bytes=args.headroom, note="headroom given; " + cal["note"])
-    rec = run_one(g, prompt, args.max_new_tokens, args.mode, wall_bytes=args.memory_wall, wall=args.wall,
-                  headroom_bytes=cal["headroom_bytes"], threads=args.threads, timeout=args.timeout,
-                  ballast_bytes=cal["ballast_bytes"], policy=args.policy)
-    rec["headroom_note"] = cal["note"]
+    cache = parse_wall(args.cache_memory, g, "--cache-memory")
+    wall = parse_wall(args.memory_wall, g, "--memory-wall")
+    rec = run_one(g, prompt, args.max_new_tokens, args.mode, wall_bytes=wall, wall=args.wall,
+                  headroom_bytes=args.headroom, threads=args.threads, timeout=args.timeout, policy=args.policy,
+                  cache_bytes=cache)
     if _prompt_text(args) is not None:  # a text prompt: the text generated too
         from ..llama.textgen import detokenize_file
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from ..errors import ConfigError
-from .common import emit_json, positive_int
+from .common import byte_size, emit_json
 from .llama_cmd import add_generation_options, open_session
 
 HELP = """Serve a GGUF MoE over HTTP with the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions,
@@ -27,6 +28,13 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=port_int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--model-alias", default=None, metavar="NAME",
                    help="the model id clients name (default: the file name without .gguf)")
+    p.add_argument("--memory-wall", default=None, metavar="SIZE",
+                   help="serve inside a memory cgroup that proves the page cache of the model stays within SIZE "
+                        "(bytes or P%%; /metrics shows the proof live, stderr at exit); with the managed mode "
+                        "--cache-memory defaults to it")
+    p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
+                   help="with --memory-wall: the most the wall's limit follows the server's own memory to, above "
+                        "the wall (default 4 GiB, within what the machine can give)")
     p.set_defaults(func=run)
 
 
@@ -46,8 +54,18 @@ def run(args) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise ConfigError("serve needs FastAPI and uvicorn: pip install 'expertcache[serve]'") from None
+    if args.headroom is not None and args.memory_wall is None:
+        raise ConfigError("--headroom needs --memory-wall")
+    if args.memory_wall is not None:
+        return run_walled(args)
+    from ..llama.engine import _llama
     from ..llama.server import serve
 
+    _llama()
+    inside = json.loads(os.environ.pop(WALL_ENV, "null") or "null")  # set by run_walled for its child
+    if inside and inside.get("follow_flag"):
+        with open(inside["follow_flag"], "w"):  # start-up over: the wall may follow this process now
+            pass
     model_id = args.model_alias or os.path.basename(args.model).removesuffix(".gguf")
     with open_session(args) as session:
         def announce(url: str) -> None:
@@ -62,5 +80,55 @@ def run(args) -> int:
                 print(f"expertcache serve: {model_id} ({session.geometry.architecture}, mode {session.mode}{cache}) "
                       f"on {url} (one slot; requests queue)", file=sys.stderr, flush=True)
 
-        serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce)
+        wall_state = None
+        if inside:
+            from ..llama.server import WallGauge
+
+            wall_state = WallGauge(session.geometry.path, int(inside["capacity"]))
+        serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce, wall_state=wall_state)
     return 0
+
+
+WALL_ENV = "EXPERTCACHE_SERVE_WALL"
+"""How ``serve --memory-wall`` tells its child (the server inside the wall) the capacity and the
+follow flag (JSON)."""
+
+
+def run_walled(args) -> int:
+    """The server as a child inside a memory cgroup of ``--memory-wall`` bytes whose limit follows
+    its own memory (:func:`~expertcache.tier.capacity.follow_plan`), the GGUF's page cache as the
+    tier; output and signals pass through; the proof is one line on stderr at exit."""
+    from ..llama.geometry import read_geometry
+    from ..llama.runner import check_wall
+    from ..llama.sweep import parse_wall
+    from ..tier import accounting as acc, capacity as cap
+
+    g = read_geometry(args.model, "MODEL")
+    wall = parse_wall(args.memory_wall, g, "--memory-wall")
+    check_wall(g, wall)
+    argv = [sys.executable, "-m", "expertcache.cli.main", "serve", g.path]
+    for opt in ("mode", "cache_memory", "policy", "threads", "ctx", "chat_format", "host", "port", "model_alias"):
+        value = getattr(args, opt)
+        if value is not None:
+            argv += ["--" + opt.replace("_", "-"), str(value)]
+    if args.cache_memory is None and (args.mode in (None, "managed")):
+        argv += ["--cache-memory", str(wall)]  # the managed pool bounded by the wall itself
+    if args.json:
+        argv.append("--json")
+    headroom, margin, note = cap.follow_plan(wall, args.headroom)
+    with cap.worker_spec({}, "expertcache-serve-", True) as (_spec, flag):
+        os.environ[WALL_ENV] = json.dumps({"capacity": wall, "follow_flag": flag})
+        try:
+            acc.evict_file_pages([g.path])
+            run = cap.run_walled(argv, capacity_bytes=wall, wall="cgroup", headroom_bytes=headroom,
+                                 follow_margin=margin, follow_flag=flag, tier_files=[g.path], tier_locked=False,
+                                 passthrough=True)
+        finally:
+            os.environ.pop(WALL_ENV, None)
+    p = run.proof if isinstance(run.proof, dict) else {}
+    print(f"expertcache serve: wall {wall} bytes ({run.enforced_by}): tier peak {p.get('tier_peak_bytes')} bytes, "
+          f"own peak {p.get('own_peak_bytes')}; {note}; proof {'ok' if run.proof_ok else 'FAILED: ' + run.note}",
+          file=sys.stderr)
+    if run.returncode not in (0, None):
+        return 2
+    return 0 if run.proof_ok else 1

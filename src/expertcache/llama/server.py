@@ -492,6 +492,51 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE) -
     return app
 
 
+class WallGauge:
+    """The live proof of a server inside ``serve --memory-wall``: the GGUF's page cache now and its
+    peak (sampled every 50 ms by a thread of its own, as the wall's sampler measures it: the
+    file's cached bytes), the capacity, the proof's slack, the cgroup's limit now, and whether the
+    peak has stayed within the capacity + slack so far (the wall's parent process reads the same
+    measure and prints the final proof when the server stops)."""
+
+    def __init__(self, path: str, capacity: int):
+        import threading
+
+        from ..tier.accounting import FileCache
+        from ..tier.capacity import proof_slack
+
+        self.files, self.capacity, self.slack = FileCache([path]), capacity, proof_slack(capacity)
+        self.peak = self.files.bytes()
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.files.bytes())
+
+    def limit(self) -> int | None:
+        from ..tier.cgroupfs import locate_memory_cgroup, read_int
+
+        loc, _ = locate_memory_cgroup()
+        if loc is None:
+            return None
+        return read_int(f"{loc['dir']}/{'memory.limit_in_bytes' if loc['version'] == 'v1' else 'memory.high'}")
+
+    def __call__(self) -> list[tuple[str, str, float]]:
+        now = self.files.bytes()
+        self.peak = max(self.peak, now)
+        out = [("wall_capacity_bytes", "The memory wall: the most the model's page cache may hold.", self.capacity),
+               ("wall_tier_bytes", "The model file's page cache now (cachestat).", now),
+               ("wall_tier_peak_bytes", "The most the model file's page cache held since the server started.",
+                self.peak),
+               ("wall_proof_ok", "1 while the peak has stayed within the capacity + the proof's slack.",
+                int(self.peak <= self.capacity + self.slack))]
+        lim = self.limit()
+        if lim is not None:
+            out.append(("wall_limit_bytes", "The cgroup limit now (it follows the server's own memory).", lim))
+        return out
+
+
 class SlotStream(StreamingResponse):
     """A server-sent event stream that releases the slot however it ends: done, failed, or its
     client gone (the release waits for the piece being decoded, then stops the decode)."""

@@ -19,7 +19,8 @@ import statistics
 from .._units import parse_bytes
 from ..errors import ConfigError, ExpertcacheError
 from .geometry import Geometry
-from .runner import calibrate, check_managed, run_one
+from ..tier.capacity import follow_plan
+from .runner import check_managed, check_wall, run_one
 
 
 def parse_walls(text: str, g: Geometry, what: str = "--walls") -> list[int]:
@@ -42,6 +43,16 @@ def parse_walls(text: str, g: Geometry, what: str = "--walls") -> list[int]:
     if not out:
         raise ConfigError(f"{what}: no wall in {text!r}")
     return sorted(set(out))
+
+
+def parse_wall(text: str | None, g: Geometry, what: str) -> int | None:
+    """One size as :func:`parse_walls` reads it (``800MB`` or ``P%``); None for None."""
+    if text is None:
+        return None
+    walls = parse_walls(text, g, what)
+    if len(walls) != 1 or "," in str(text):
+        raise ConfigError(f"{what}: one size, got {text!r}")
+    return walls[0]
 
 
 def _spread(values: list) -> dict:
@@ -85,18 +96,15 @@ def sweep(g: Geometry, prompt, max_new_tokens: int, modes: list[str], walls: lis
     is a failed cell, as a run the wall killed is)."""
     if "managed" in modes:
         check_managed(g, None, policy)
-    cals = {}
-    for m in modes:  # per mode: each worker's own memory differs (docs/llama.md "Wall")
-        cals[m] = calibrate(g, prompt, threads=threads, wall=wall, max_new_tokens=max_new_tokens, mode=m, policy=policy)
-        if headroom_bytes is not None:
-            cals[m].update(headroom_bytes=headroom_bytes, note="headroom given; " + cals[m]["note"])
+    for w in walls:
+        check_wall(g, w, "--walls")
     cells = [(w, m, r) for w in walls for m in modes for r in range(runs)]
     random.Random(seed).shuffle(cells)
     records = []
     for i, (w, m, r) in enumerate(cells):
         try:
-            rec = run_one(g, prompt, max_new_tokens, m, wall_bytes=w, wall=wall, headroom_bytes=cals[m]["headroom_bytes"],
-                          threads=threads, timeout=timeout, ballast_bytes=cals[m]["ballast_bytes"], policy=policy)
+            rec = run_one(g, prompt, max_new_tokens, m, wall_bytes=w, wall=wall, headroom_bytes=headroom_bytes,
+                          threads=threads, timeout=timeout, policy=policy)
         except ExpertcacheError as exc:  # a run the wall killed is a result of that cell, not the end of the sweep
             rec = {"mode": m, "memory_wall": w, "error": str(exc), "decode_tokens_per_s": None,
                    "read_bytes_per_token": None, "proof_ok": False, "output_sha256": None}
@@ -106,8 +114,7 @@ def sweep(g: Geometry, prompt, max_new_tokens: int, modes: list[str], walls: lis
         if progress is not None:
             progress(i + 1, len(cells), rec)
     out = summarize(records, modes, walls, target)
-    out.update(records=records, headroom_bytes={m: c["headroom_bytes"] for m, c in cals.items()},
-               headroom_note="; ".join(c["note"] for c in cals.values()), order_seed=seed,
+    out.update(records=records, headroom_note=follow_plan(max(walls), headroom_bytes)[2], order_seed=seed,
                geometry=g.summary())
     return out
 

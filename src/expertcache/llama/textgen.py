@@ -112,19 +112,6 @@ class ObservedLlama(llama_cpp.Llama):
             st["prefill_seconds"] += dt
 
 
-def parse_cache_memory(text: str | None, g: Geometry, what: str = "--cache-memory") -> int | None:
-    """``SIZE`` (``800MB``) or ``P%`` (the dense part plus P% of the expert tensors, as a wall) in
-    bytes; None for None."""
-    if text is None:
-        return None
-    from .sweep import parse_walls
-
-    walls = parse_walls(text, g, what)
-    if len(walls) != 1:
-        raise ConfigError(f"{what}: one size, got {text!r}")
-    return walls[0]
-
-
 @dataclass
 class Session:
     """One GGUF in one page-cache mode, ready to complete text (see the module docstring)."""

@@ -5,19 +5,16 @@ swap excluded): everything the child touches, its anonymous memory and the page 
 in, is charged there, so with ``--host mmap`` the page cache holding experts is at most C (the
 host tier's capacity) and a miss beyond it pays the device.
 
-Headroom (the child's own memory, which is not the tier): measured by a calibration run of the
-same command on one short sequence (same model, host, layers, capacity, first policy) inside a
-generous wall, as the tier's headroom calibration does: its anonymous peak plus
-:data:`MARGIN`. The run's proof (``proof_ok``) then says whether the tier (page cache + locked
-memory) stayed within C without the wall squeezing it below: the checks are the capacity
-module's own.
+The tier is the checkpoint's page cache (its shards' cached bytes, measured by ``cachestat``), evicted
+before the run so that every page of it is the child's; the limit follows the child's own memory
+(anonymous, kernel, and the page cache of everything else it reads: torch's libraries, imported cold,
+are not the tier), so no calibration run measures it first. The run's proof (``proof_ok``) says
+whether the tier stayed within C (the capacity module's checks).
 
-What the anonymous peak includes: transformers' loading. A checkpoint saved in the legacy
-per-expert layout is converted on load (every expert copied into the packed tensors), a transient
-of about twice the experts' bytes that the headroom must then hold, and the page cache can use
-that room once it is freed, which fails the proof. A checkpoint in the model's own packed layout
-(:func:`save_packed`) loads zero-copy (the experts are views of the file) and the headroom is the
-runtime's own: the wall then proves the host tier's capacity.
+A checkpoint saved in the legacy per-expert layout is converted on load (every expert copied into
+the packed tensors), a transient of about twice the experts' bytes in the child's own memory; a
+checkpoint in the model's own packed layout (:func:`save_packed`) loads zero-copy (the experts are
+views of the file).
 """
 
 from __future__ import annotations
@@ -28,51 +25,32 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-MARGIN = 8 * 10**6
-"""Added to the calibration run's anonymous peak: allocator slack between that run and the measured one."""
-CALIBRATION_HEADROOM = 6 * 10**9
-"""Headroom of the calibration run (generous: it only measures the child's own memory)."""
 PROOF_KEYS = ("mechanism", "limit_bytes", "capacity_bytes", "headroom_bytes", "peak_bytes", "anon_peak_bytes",
-              "tier_peak_bytes", "file_peak_bytes", "oom_kill", "samples")
+              "tier_peak_bytes", "file_peak_bytes", "own_peak_bytes", "tier_measure", "min_limit_bytes",
+              "max_limit_bytes", "limit_writes", "oom_waits", "oom_kill", "samples")
 
 
-def walled_eval(child_argv: list[str], calibration_argv: list[str], capacity_bytes: int, *,
-                headroom_bytes: int | None = None, wall: str = "auto", timeout: float | None = None):
+def walled_eval(child_argv: list[str], capacity_bytes: int, *, tier_files, headroom_bytes: int | None = None,
+                wall: str = "auto", timeout: float | None = None):
     """Run ``expertcache eval`` (``child_argv``, which must print ``--json``) behind a wall of
-    ``capacity_bytes`` + headroom. Returns ``(records, wall_record, stderr)``; the records are the
-    child's, each with ``memory_wall`` added. The headroom is calibrated when not given."""
-    from ..tier import capacity as cap
+    ``capacity_bytes`` whose limit follows the child's own memory
+    (:func:`~expertcache.tier.capacity.follow_plan`); the tier is the page cache of ``tier_files``
+    (the checkpoint's shards). Returns ``(records, wall_record, stderr)``; the records are the
+    child's, each with ``memory_wall`` added."""
+    from ..tier import accounting as acc, capacity as cap
 
-    note = "headroom given (--headroom)"
-    if headroom_bytes is None:
-        headroom_bytes, note = calibrate_headroom(calibration_argv, capacity_bytes, wall, timeout)
-    run = cap.run_walled(_python(child_argv), capacity_bytes=capacity_bytes, wall=wall,
-                         headroom_bytes=headroom_bytes, timeout=timeout)
+    headroom, margin, note = cap.follow_plan(capacity_bytes, headroom_bytes)
+    acc.evict_file_pages(list(tier_files))  # cold: the tier's pages are the child's, charged to its wall
+    run = cap.run_walled(_python(child_argv), capacity_bytes=capacity_bytes, wall=wall, headroom_bytes=headroom,
+                         timeout=timeout, follow_margin=margin, tier_files=list(tier_files), tier_locked=False)
     records = _records(run, "the walled run")
     proof = run.proof if isinstance(run.proof, dict) else {}
-    record = {"capacity_bytes": capacity_bytes, "headroom_bytes": headroom_bytes, "headroom_note": note,
+    record = {"capacity_bytes": capacity_bytes, "headroom_bytes": headroom, "headroom_note": note,
               "enforced_by": run.enforced_by, "proof_ok": bool(run.proof_ok) and bool(proof), "note": run.note,
               "proof": {k: proof.get(k) for k in PROOF_KEYS if k in proof}}
     for r in records:
         r["memory_wall"] = record
     return records, record, run.stderr or ""
-
-
-def calibrate_headroom(calibration_argv: list[str], capacity_bytes: int, wall: str,
-                       timeout: float | None) -> tuple[int, str]:
-    """The child's own anonymous peak on one short sequence (inside a generous wall) + :data:`MARGIN`."""
-    from ..tier import capacity as cap
-
-    most, _ = cap.enforceable_bytes()
-    room = CALIBRATION_HEADROOM if most is None else max(min(CALIBRATION_HEADROOM, most - capacity_bytes), 0)
-    run = cap.run_walled(_python(calibration_argv), capacity_bytes=capacity_bytes, wall=wall,
-                         headroom_bytes=room, timeout=timeout)
-    _records(run, "the headroom calibration run")
-    anon = (run.proof or {}).get("anon_peak_bytes") if isinstance(run.proof, dict) else None
-    if not isinstance(anon, int) or anon <= 0:
-        raise ConfigError(f"--memory-wall: the calibration run measured no anonymous peak ({run.enforced_by}: "
-                          f"{run.note or 'no note'}); pass --headroom")
-    return anon + MARGIN, f"headroom calibrated: the child's anonymous peak {anon} bytes + {MARGIN}"
 
 
 def _python(argv: list[str]) -> list[str]:

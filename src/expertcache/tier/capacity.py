@@ -44,7 +44,7 @@ from .cgroupwall import (CAPACITY_SLACK, SLACK_BYTES, WallRun, WallUnavailable, 
 from .cgroupwall import spawn as _spawn
 from .procfs import read_meminfo, read_text
 
-__all__ = ["WALLS", "DEFAULT_HEADROOM", "MIN_LEFT", "CAPACITY_SLACK", "SLACK_BYTES", "WallRun", "WallUnavailable",
+__all__ = ["WALLS", "DEFAULT_HEADROOM", "FOLLOW_CEILING", "follow_plan", "MIN_LEFT", "CAPACITY_SLACK", "SLACK_BYTES", "WallRun", "WallUnavailable",
            "proof_slack", "enforceable_bytes", "detect_walls", "balloon_plan", "run_walled", "worker_spec", "cgroup_target",
            "child_result"]
 
@@ -55,6 +55,9 @@ memory. A Python worker with numpy peaked at about 42-46 MB here; a caller with 
 (threads x expert size) must add them. Too much headroom lets the page cache grow past the
 capacity, too little squeezes it below; either fails the proof. The paper used C + 6 GiB for a
 large native engine. (``tier replay``/``sweep`` measure it instead: a calibration run per mode.)"""
+FOLLOW_CEILING = 4 << 30
+"""The most a following wall's limit may rise above the capacity (with its worker's own memory)
+unless a headroom is given; clipped to what the machine can give."""
 MIN_LEFT = 2 * 10**9
 """A balloon never leaves the machine with less than this much available memory (bytes)."""
 
@@ -100,6 +103,23 @@ def detect_walls() -> dict:
     return {"cgroup": group,
             "balloon": {"ok": bal_ok, "mem_available_bytes": avail, "memlock_limit": lim, "reason": bal_reason},
             "none": {"ok": True, "reason": "always possible; nothing is enforced"}}
+
+
+def follow_plan(capacity: int, headroom: int | None) -> tuple[int, int, str]:
+    """``(headroom, follow margin, note)`` of a wall whose limit follows its worker from the start
+    (:class:`~.cgroupfs.Sampler`): ``capacity + own + margin`` after every sample, ``own`` the
+    worker's memory beyond the tier, at most ``capacity + headroom`` (``headroom`` None: up to
+    :data:`FOLLOW_CEILING`, within what the machine can give). The margin is half the proof's
+    slack, so the room it leaves never takes the tier past what the proof allows. A following limit
+    needs no measure of the worker's own memory beforehand: no calibration run."""
+    margin = max(1 << 16, int(proof_slack(capacity) / 2))
+    if headroom is None:
+        most, _ = enforceable_bytes()
+        headroom = FOLLOW_CEILING if most is None else max(0, min(FOLLOW_CEILING, most - capacity - (256 << 20)))
+        note = f"the limit follows the worker: capacity + its own memory + {margin} bytes, at most capacity + {headroom}"
+    else:
+        note = f"headroom given: the limit follows the worker (margin {margin} bytes), at most capacity + {headroom}"
+    return headroom, margin, note
 
 
 # ---------------------------------------------------------------------- balloon
@@ -212,7 +232,8 @@ def worker_spec(spec: dict, prefix: str, follow: bool):
 
 def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgroup: str | None = None,
                headroom_bytes: int | None = None, timeout: float | None = None,
-               follow_margin: int | None = None, follow_flag: str | None = None) -> WallRun:
+               follow_margin: int | None = None, follow_flag: str | None = None,
+               tier_files=None, tier_locked: bool = True, passthrough: bool = False) -> WallRun:
     """Run ``argv`` as a child process behind a memory wall of ``capacity_bytes + headroom_bytes``.
 
     ``wall``: one of :data:`WALLS`; ``auto`` takes a cgroup wall (child, v2 sibling or systemd
@@ -226,7 +247,11 @@ def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgro
     worker has needed so far), so headroom the worker does not use never becomes page cache
     (:class:`~.cgroupfs.Sampler`); with ``follow_flag`` only once the worker has created that file.
     The proof then records the limits it took (``min_limit_bytes``, ``max_limit_bytes``,
-    ``limit_writes``).
+    ``limit_writes``, ``oom_waits``). ``tier_files``: the files whose page cache is the tier (their
+    cached bytes are the tier, plus locked memory when ``tier_locked``; without them every page-cache
+    page charged to the wall counts, the worker's libraries included: :class:`~.cgroupfs.Sampler`).
+    ``passthrough``: the child writes to this process's stdout/stderr and receives its SIGTERM and
+    SIGINT (a server inside a wall); the run's ``stdout``/``stderr`` are then empty.
     """
     if wall not in WALLS:
         raise ConfigError(f"--wall: {wall!r} is not one of {', '.join(WALLS)}")
@@ -251,14 +276,16 @@ def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgro
         if version is None or not os.path.exists(os.path.join(cgroup, "cgroup.procs")):
             raise ConfigError(f"--cgroup {cgroup}: not a memory cgroup directory (no memory.max or memory.limit_in_bytes)")
         return run_cgroup(argv, limit, timeout, {"version": version, "dir": os.path.dirname(cgroup)}, cgroup,
-                          capacity_bytes)
+                          capacity_bytes, tier_files=tier_files, tier_locked=tier_locked)
     reasons = []
     if wall in ("auto", "cgroup"):
         target, why = cgroup_target()
         if target is not None and target["placement"] == "systemd-scope":
-            return run_scope(argv, limit, timeout, target, capacity_bytes, follow_margin, follow_flag)
+            return run_scope(argv, limit, timeout, target, capacity_bytes, follow_margin, follow_flag, tier_files,
+                             tier_locked, passthrough)
         if target is not None:
-            return run_cgroup(argv, limit, timeout, target, None, capacity_bytes, follow_margin, follow_flag)
+            return run_cgroup(argv, limit, timeout, target, None, capacity_bytes, follow_margin, follow_flag,
+                              tier_files, tier_locked, passthrough)
         if wall == "cgroup":
             raise WallUnavailable(f"cgroup wall: {why}")
         reasons.append(f"cgroup: {why}; a balloon is built only when asked (--wall balloon)")

@@ -8,6 +8,7 @@ enabled in the own cgroup's ``cgroup.subtree_control``) use the file names in :d
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import secrets
@@ -19,6 +20,12 @@ from .procfs import keyed_numbers, read_text
 
 SAMPLE_S = 0.05
 """Interval (s) at which a cgroup's memory.stat is sampled during the run."""
+FOLLOW_WINDOW = 20
+"""Samples (one second) over which a following wall takes the least own memory it saw."""
+OOM_STEP = 8 << 20
+"""The least a following wall raises its limit by when its worker waits for memory (v1)."""
+OOM_PATIENCE_S = 5.0
+"""How long a worker may wait for memory at the ceiling before its wall lets the kernel kill it."""
 UNLIMITED = 2**60
 """cgroup limits at or above this count as no limit (v1 reports 9223372036854771712)."""
 
@@ -115,10 +122,10 @@ def probe_child(parent: str) -> str | None:
 
 
 FILES = {
-    "v1": {"limit": "memory.limit_in_bytes", "swap": "memory.memsw.limit_in_bytes",
+    "v1": {"limit": "memory.limit_in_bytes", "follow": "memory.limit_in_bytes", "swap": "memory.memsw.limit_in_bytes",
            "peak": "memory.max_usage_in_bytes", "failcnt": "memory.failcnt", "events": "memory.oom_control",
            "usage": "memory.usage_in_bytes"},
-    "v2": {"limit": "memory.max", "swap": "memory.swap.max", "peak": "memory.peak",
+    "v2": {"limit": "memory.max", "follow": "memory.high", "swap": "memory.swap.max", "peak": "memory.peak",
            "failcnt": None, "events": "memory.events", "usage": "memory.current"},
 }
 
@@ -190,13 +197,21 @@ def own_bytes(d: str, version: str) -> tuple[int | None, str | None]:
 class Sampler(threading.Thread):
     """Samples a cgroup's memory.stat (and usage) every :data:`SAMPLE_S` seconds while the child runs
     (same keys on v1 and v2): the peaks of the page cache on the LRU lists (``active_file +
-    inactive_file``), of the worker's own unlocked memory (``active_anon + inactive_anon``), of locked
-    pages (``unevictable``: an mlocked arena, anonymous or file-backed), of what the tier holds = page
-    cache + locked pages, and of everything else charged (``own_peak_bytes`` = usage - tier: anonymous
-    and kernel memory), per sample. ``last_state`` keeps the latest limit/peak/events read (a
-    systemd scope's cgroup is gone once its process exits)."""
+    inactive_file``, every file the worker touched), of its own unlocked memory (``active_anon +
+    inactive_anon``), of locked pages (``unevictable``), of what the *tier* holds, and of everything
+    else charged (``own_peak_bytes`` = usage - tier: anonymous and kernel memory, and the page cache
+    of files that are not the tier, such as the libraries the worker loads), per sample.
 
-    def __init__(self, d: str, version: str, follow: tuple[int, int, int] | None = None, follow_flag: str | None = None):
+    The tier: with ``tier_files`` (the files whose page cache is the tier: a GGUF, a checkpoint's
+    shards, a pool) their cached bytes (:class:`~.accounting.FileCache`), plus ``unevictable`` when
+    ``tier_locked`` (the worker locks anonymous memory as part of its tier: the file tier's arena);
+    without them, every file page and locked page charged to the cgroup (which counts the worker's
+    libraries too: a cold import of torch charged 60-90 MB of them to a 50 MB wall). ``last_state``
+    keeps the latest limit/peak/events read (a systemd scope's cgroup is gone once its process
+    exits)."""
+
+    def __init__(self, d: str, version: str, follow: tuple[int, int, int] | None = None, follow_flag: str | None = None,
+                 tier_files=None, tier_locked: bool = True):
         super().__init__(daemon=True)
         self.dir, self.version = d, version
         self.path = os.path.join(d, "memory.stat")
@@ -206,17 +221,35 @@ class Sampler(threading.Thread):
         self.keep_state = False
         self.follow, self.follow_flag = follow, follow_flag
         """``follow = (capacity, ceiling, margin)``: after each sample, set the limit to ``capacity +
-        min(ceiling - capacity, own + margin)``, ``own`` = the most the samples have found charged
-        beyond the tier since following began, so headroom the worker does not use is never page
-        cache: the wall follows the worker's own memory, never above ``ceiling`` (the requested
-        limit), never below what it has needed. With ``follow_flag`` (a path) it begins once that
-        file exists (the worker creates it when it has reached its steady state: loaded, buffers
-        allocated); until then the limit is the ceiling."""
-        self._own_followed: int | None = None
+        own + margin``, ``own`` the least the last :data:`FOLLOW_WINDOW` samples found (up at once
+        when the worker's memory stays up, down within the window), never above ``ceiling`` (the
+        requested limit), so that room the worker does not use is never tier: ``tier <= capacity +
+        margin + (own then - own now)``, and taking the window's least keeps the last term from
+        growing when the worker's memory jitters (kernel memory of a page-cache thrash moved by
+        MBs between samples and took the tier 10 MB past a 227 MB capacity). Following begins once the
+        tier has held half the capacity, or once the worker creates ``follow_flag`` (a path: it does
+        so when its start-up is over, before it touches the tier); until then the limit is the
+        ceiling: a limit that follows a worker still importing its libraries fails its kernel
+        allocations (system calls return ENOMEM on a v1 cgroup: seen at a 12 MB wall). On cgroup v1 a following wall disables the OOM
+        killer (:func:`oom_guard`): a worker whose own memory grew faster than a sample waits in the
+        kernel instead of dying, and the next sample raises the limit (``oom_waits`` counts them);
+        at the ceiling it is killed after :data:`OOM_PATIENCE_S`."""
+        self.tier_locked = tier_locked
+        self.files = None
+        if tier_files:
+            from .accounting import FileCache
+            self.files = FileCache(tier_files)
         self.limits: dict = {"min_limit_bytes": None, "max_limit_bytes": None, "limit_writes": 0,
-                             "limit_write_errors": 0}
+                             "limit_write_errors": 0, "oom_waits": 0}
         self._limit: int | None = None
+        self._recent_own: collections.deque = collections.deque(maxlen=FOLLOW_WINDOW)
+        self._following = False
+        self._oom_since: float | None = None
         self._halt = threading.Event()
+
+    @property
+    def tier_measure(self) -> str:
+        return f"{self.files.method} of {len(self.files.paths)} file(s)" if self.files else "memory.stat"
 
     def sample(self) -> None:
         text, _ = read_text(self.path)
@@ -228,18 +261,25 @@ class Sampler(threading.Thread):
         file = st["active_file"] + st["inactive_file"]
         unev = st.get("unevictable", 0)
         usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
+        tier = file + unev
+        if self.files is not None:
+            try:
+                tier = self.files.bytes() + (unev if self.tier_locked else 0)
+            except OSError:
+                return
         vals = {"file_peak_bytes": file, "anon_peak_bytes": st["active_anon"] + st["inactive_anon"],
-                "unevictable_peak_bytes": unev, "tier_peak_bytes": file + unev,
-                "own_peak_bytes": None if usage is None else max(0, usage - file - unev)}
+                "unevictable_peak_bytes": unev, "tier_peak_bytes": tier,
+                "own_peak_bytes": None if usage is None else max(0, usage - tier)}
         for k, v in vals.items():
             if v is not None:
                 self.peaks[k] = v if self.peaks[k] is None else max(self.peaks[k], v)
         self.peaks["samples"] += 1
-        if self.follow is not None and vals["own_peak_bytes"] is not None and (
-                self.follow_flag is None or os.path.exists(self.follow_flag)):
-            own = vals["own_peak_bytes"]
-            self._own_followed = own if self._own_followed is None else max(self._own_followed, own)
-            self._follow(self._own_followed)
+        if self.follow is not None and vals["own_peak_bytes"] is not None:
+            self._following = self._following or tier * 2 >= self.follow[0] or bool(
+                self.follow_flag and os.path.exists(self.follow_flag))
+            if self._following:
+                self._recent_own.append(vals["own_peak_bytes"])
+                self._follow(min(self._recent_own))
         if self.keep_state:
             state = cgroup_state(self.dir, self.version)
             if state["limit_bytes"] is not None:
@@ -247,12 +287,22 @@ class Sampler(threading.Thread):
 
     def _follow(self, own: int) -> None:
         capacity, ceiling, margin = self.follow
-        limit = capacity + min(ceiling - capacity, own + margin)
+        limit = min(ceiling, capacity + own + margin)
+        if self.version == "v1" and under_oom(self.dir):  # the worker waits for memory: give it some now
+            self.limits["oom_waits"] += 1
+            now = time.monotonic()
+            self._oom_since = self._oom_since or now
+            limit = min(ceiling, max(limit, (self._limit or limit) + max(OOM_STEP, (self._limit or limit) // 20)))
+            if limit >= ceiling and now - self._oom_since > OOM_PATIENCE_S:
+                with contextlib.suppress(OSError):  # it needs more than the ceiling: let the kernel kill it
+                    write(os.path.join(self.dir, "memory.oom_control"), "0")
+        else:
+            self._oom_since = None
         limit -= limit % 4096
         if limit == self._limit:
             return
         try:
-            write(os.path.join(self.dir, FILES[self.version]["limit"]), str(limit))
+            write(os.path.join(self.dir, FILES[self.version]["follow"]), str(limit))
         except OSError:  # v1 refuses (EBUSY) a limit it cannot reclaim down to: the next sample retries
             self.limits["limit_write_errors"] += 1
             return
@@ -272,3 +322,21 @@ class Sampler(threading.Thread):
         self._halt.set()
         self.join(timeout=5)
         self.sample()  # charged page cache stays with the cgroup after the child exits
+        if self.files is not None:
+            self.files.close()
+
+
+def under_oom(d: str) -> bool:
+    """Whether a v1 cgroup's tasks wait for memory now (``under_oom 1`` in memory.oom_control)."""
+    text, _ = read_text(os.path.join(d, "memory.oom_control"))
+    return keyed_numbers(text or "").get("under_oom") == 1
+
+
+def oom_guard(d: str) -> bool:
+    """Disable a v1 cgroup's OOM killer (``oom_kill_disable 1``): a task over the limit waits until
+    the limit is raised. True when set."""
+    try:
+        write(os.path.join(d, "memory.oom_control"), "1")
+        return True
+    except OSError:
+        return False

@@ -142,16 +142,19 @@ def scope_dir(pid: int, unit: str, mount: str, wait_s: float = SCOPE_WAIT_S) -> 
 
 
 def spawn(argv: list[str], procs_file: str | None, timeout: float | None, sampler=None,
-          locate=None) -> tuple[int | None, str, str, bool]:
+          locate=None, passthrough: bool = False) -> tuple[int | None, str, str, bool]:
     """Run ``argv``; with ``procs_file`` the child joins that cgroup before exec; ``sampler`` runs
     while the child does (or ``locate(pid)`` builds it once the child exists). Returns (returncode,
-    stdout, stderr, timed_out); a timeout kills the child's whole session."""
+    stdout, stderr, timed_out); a timeout kills the child's whole session. ``passthrough``: the
+    child writes to this process's stdout and stderr (a server), and SIGTERM / SIGINT sent here are
+    passed on to it (its session does not get the terminal's)."""
     def join():
         with open(procs_file, "w") as fh:
             fh.write(str(os.getpid()))
 
+    pipe = None if passthrough else subprocess.PIPE
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(argv, stdout=pipe, stderr=pipe, text=True,
                                 start_new_session=True, preexec_fn=join if procs_file else None)
     except (OSError, subprocess.SubprocessError) as exc:
         raise WallUnavailable(f"cannot start {argv[0]!r}" + (f" inside {os.path.dirname(procs_file)}" if procs_file
@@ -160,15 +163,23 @@ def spawn(argv: list[str], procs_file: str | None, timeout: float | None, sample
         sampler = locate(proc.pid)
     if sampler is not None:
         sampler.start()
+    previous = {}
+    if passthrough:
+        def forward(signum, frame):
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signum)
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err, False
+        return proc.returncode, out or "", err or "", False
     except subprocess.TimeoutExpired:
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        return proc.returncode, out, err, True
+        return proc.returncode, out or "", err or "", True
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if sampler is not None:
             sampler.stop()
 
@@ -200,9 +211,11 @@ def follow_setup(proof: dict, capacity: int, limit: int, margin: int | None) -> 
 
 
 def run_cgroup(argv, limit, timeout, target: dict, named: str | None, capacity: int,
-               follow_margin: int | None = None, follow_flag: str | None = None) -> WallRun:
+               follow_margin: int | None = None, follow_flag: str | None = None, tier_files=None,
+               tier_locked: bool = True, passthrough: bool = False) -> WallRun:
     """Run ``argv`` in a cgroup made at ``target`` (or the ``named`` one, used as it is); with
-    ``follow_margin`` the limit follows the worker's own memory (:class:`~.cgroupfs.Sampler`)."""
+    ``follow_margin`` the limit follows the worker's own memory (:class:`~.cgroupfs.Sampler`, which
+    also measures the tier: ``tier_files``, ``tier_locked``)."""
     version = target["version"]
     made = named is None
     d = named or os.path.join(target["dir"], f"expertcache-{os.getpid()}-{secrets.token_hex(4)}")
@@ -212,11 +225,15 @@ def run_cgroup(argv, limit, timeout, target: dict, named: str | None, capacity: 
     follow = follow_setup(proof, capacity, limit, follow_margin if made else None)
     if made:
         make_wall_cgroup(d, version, limit)
+        if follow is not None and version == "v1":
+            proof["oom_killer_disabled"] = cg.oom_guard(d)
     try:
         proof["at_start"] = cg.cgroup_state(d, version)
         proof["meminfo_at_entry"], _ = read_meminfo()
-        sampler = cg.Sampler(d, version, follow, follow_flag)
-        rc, out, err, timed_out = spawn(argv, os.path.join(d, "cgroup.procs"), timeout, sampler)
+        sampler = cg.Sampler(d, version, follow, follow_flag, tier_files, tier_locked)
+        proof["tier_measure"] = sampler.tier_measure
+        rc, out, err, timed_out = spawn(argv, os.path.join(d, "cgroup.procs"), timeout, sampler,
+                                        passthrough=passthrough)
         proof.update(cg.cgroup_state(d, version))
         proof.update(sampler.peaks)
         if follow is not None:
@@ -230,7 +247,8 @@ def run_cgroup(argv, limit, timeout, target: dict, named: str | None, capacity: 
 
 
 def run_scope(argv, limit, timeout, target: dict, capacity: int, follow_margin: int | None = None,
-              follow_flag: str | None = None) -> WallRun:
+              follow_flag: str | None = None, tier_files=None, tier_locked: bool = True,
+              passthrough: bool = False) -> WallRun:
     """Run ``argv`` in a transient ``systemd-run --scope`` unit with MemoryMax = ``limit``."""
     unit = f"expertcache-{os.getpid()}-{secrets.token_hex(4)}.scope"
     proof: dict = {"mechanism": "cgroup-v2", "placement": "systemd-scope", "unit": unit, "created_here": True,
@@ -244,13 +262,15 @@ def run_scope(argv, limit, timeout, target: dict, capacity: int, follow_margin: 
         found["dir"] = d
         if d is None:
             return None
-        sampler = cg.Sampler(d, "v2", follow, follow_flag)
+        sampler = cg.Sampler(d, "v2", follow, follow_flag, tier_files, tier_locked)
+        proof["tier_measure"] = sampler.tier_measure
         sampler.keep_state = True
         sampler.sample()
         found["sampler"] = sampler
         return sampler
 
-    rc, out, err, timed_out = spawn(scope_argv(argv, limit, unit, os.geteuid() != 0), None, timeout, locate=locate)
+    rc, out, err, timed_out = spawn(scope_argv(argv, limit, unit, os.geteuid() != 0), None, timeout, locate=locate,
+                                    passthrough=passthrough)
     d = found.get("dir")
     proof["path"] = d
     sampler = found.get("sampler")
@@ -290,12 +310,18 @@ def cgroup_problems(proof: dict, limit: int, capacity: int, made: bool, timed_ou
         problems.append("no peak (memory.peak / memory.max_usage_in_bytes unreadable)")
     tier, slack = proof.get("tier_peak_bytes"), proof_slack(capacity)
     own = proof.get("own_peak_bytes")
-    own_txt = (f"the rest charged to the wall (anonymous and kernel memory) peaked at {own} bytes"
-               if own is not None else f"anonymous peak {proof.get('anon_peak_bytes')} bytes")
+    own_txt = (f"the rest charged to the wall (anonymous and kernel memory, other files' pages) peaked at {own} "
+               "bytes" if own is not None else f"anonymous peak {proof.get('anon_peak_bytes')} bytes")
+    what = (f"its files' page cache ({proof['tier_measure']})" if str(proof.get("tier_measure", "")).startswith(
+        ("cachestat", "mincore")) else "page cache + locked")
     if tier is None:
         problems.append("memory.stat was never sampled: the tier's size is unknown")
+    elif tier > capacity + slack and followed:
+        problems.append(f"the tier held up to {tier} bytes ({what}), above the capacity {capacity} + slack "
+                        f"{int(slack)}, although the limit followed the worker ({proof.get('limit_writes')} writes, "
+                        f"margin {proof.get('follow_margin_bytes')}; {own_txt})")
     elif tier > capacity + slack:
-        problems.append(f"the tier held up to {tier} bytes (page cache + locked), above the capacity {capacity}: "
+        problems.append(f"the tier held up to {tier} bytes ({what}), above the capacity {capacity}: "
                         f"the headroom {limit - capacity} exceeds what the worker needed ({own_txt}); lower the headroom")
     elif peak is not None and lim is not None and peak >= lim - (1 << 20) and tier < capacity - slack:
         problems.append(f"the wall ({lim} bytes) was reached while the tier held at most {tier} bytes, below the "
