@@ -63,9 +63,10 @@ def run(args) -> int:
 
     _llama()
     inside = json.loads(os.environ.pop(WALL_ENV, "null") or "null")  # set by run_walled for its child
-    if inside and inside.get("follow_flag"):
-        with open(inside["follow_flag"], "w"):  # start-up over: the wall may follow this process now
-            pass
+    if inside:  # start-up over: the wall may follow this process from here, before the model loads
+        from ..tier.capacity import begin_following
+
+        begin_following(inside.get("follow_flag"))
     model_id = args.model_alias or os.path.basename(args.model).removesuffix(".gguf")
     with open_session(args) as session:
         def announce(url: str) -> None:

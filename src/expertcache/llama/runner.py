@@ -56,9 +56,7 @@ def measure(spec: dict) -> dict:
     n_new = int(spec["max_new_tokens"])
     mode = spec["mode"]
     _llama()  # the bindings loaded: the start-up is over before the tier is touched
-    if spec.get("follow_flag"):  # the wall may follow this process's own memory from here
-        with open(spec["follow_flag"], "w"):
-            pass
+    cap.begin_following(spec.get("follow_flag"))
     t0 = time.perf_counter()
     eng = Engine(g.path, n_ctx=len(prompt) + n_new + 1, threads=int(spec.get("threads", 1)), mmap=mode != "nommap",
                  geometry=g)

@@ -44,7 +44,7 @@ from .cgroupwall import (CAPACITY_SLACK, SLACK_BYTES, WallRun, WallUnavailable, 
 from .cgroupwall import spawn as _spawn
 from .procfs import read_meminfo, read_text
 
-__all__ = ["WALLS", "DEFAULT_HEADROOM", "FOLLOW_CEILING", "follow_plan", "MIN_LEFT", "CAPACITY_SLACK", "SLACK_BYTES", "WallRun", "WallUnavailable",
+__all__ = ["WALLS", "DEFAULT_HEADROOM", "FOLLOW_CEILING", "follow_plan", "begin_following", "MIN_LEFT", "CAPACITY_SLACK", "SLACK_BYTES", "WallRun", "WallUnavailable",
            "proof_slack", "enforceable_bytes", "detect_walls", "balloon_plan", "run_walled", "worker_spec", "cgroup_target",
            "child_result"]
 
@@ -230,6 +230,42 @@ def worker_spec(spec: dict, prefix: str, follow: bool):
                 os.unlink(flag)
 
 
+FOLLOW_WAIT_S = 5.0
+"""How long a worker waits for its wall to take the first following limit (:func:`begin_following`)."""
+
+
+def begin_following(flag: str | None) -> None:
+    """The worker's side of a following wall: its start-up is over, so create ``flag`` and wait (at
+    most :data:`FOLLOW_WAIT_S`) until the wall has taken its first following limit and removed the
+    flag, before the worker touches the tier (a model that loads in less than a sample would
+    otherwise fill the page cache under the start-up ceiling). A no-op without a flag."""
+    if not flag:
+        return
+    import time
+
+    with open(flag, "w"):
+        pass
+    deadline = time.monotonic() + FOLLOW_WAIT_S
+    while os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def _ack_flag(flag: str | None, done) -> None:
+    """Remove ``flag`` whenever it appears, until ``done`` is set: a wall that follows nothing (none,
+    balloon) must not keep :func:`begin_following` waiting."""
+    import threading
+    import time
+
+    def run():
+        while not done.is_set():
+            if flag and os.path.exists(flag):
+                with contextlib.suppress(OSError):
+                    os.unlink(flag)
+            time.sleep(0.002)
+    if flag:
+        threading.Thread(target=run, daemon=True).start()
+
+
 def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgroup: str | None = None,
                headroom_bytes: int | None = None, timeout: float | None = None,
                follow_margin: int | None = None, follow_flag: str | None = None,
@@ -289,9 +325,16 @@ def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgro
         if wall == "cgroup":
             raise WallUnavailable(f"cgroup wall: {why}")
         reasons.append(f"cgroup: {why}; a balloon is built only when asked (--wall balloon)")
-    if wall == "balloon":
-        return _run_balloon(argv, capacity_bytes, headroom, timeout)
-    mem, _ = read_meminfo()
-    rc, out, err, timed_out = _spawn(argv, None, timeout)
+    import threading
+
+    done = threading.Event()
+    _ack_flag(follow_flag, done)  # nothing below follows the worker
+    try:
+        if wall == "balloon":
+            return _run_balloon(argv, capacity_bytes, headroom, timeout)
+        mem, _ = read_meminfo()
+        rc, out, err, timed_out = _spawn(argv, None, timeout, passthrough=passthrough)
+    finally:
+        done.set()
     note = "; ".join(["capacity not enforced"] + reasons + ([f"timed out after {timeout:g} s"] if timed_out else []))
     return WallRun(rc, out, err, "none", {"mechanism": "none", "meminfo_at_entry": mem}, False, note, timed_out)

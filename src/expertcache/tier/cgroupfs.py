@@ -228,8 +228,9 @@ class Sampler(threading.Thread):
         growing when the worker's memory jitters (kernel memory of a page-cache thrash moved by
         MBs between samples and took the tier 10 MB past a 227 MB capacity). Following begins once the
         tier has held half the capacity, or once the worker creates ``follow_flag`` (a path: it does
-        so when its start-up is over, before it touches the tier); until then the limit is the
-        ceiling: a limit that follows a worker still importing its libraries fails its kernel
+        so when its start-up is over, and waits until the sampler has written the first following
+        limit and removed the flag before it touches the tier:
+        :func:`~.capacity.begin_following`); until then the limit is the ceiling: a limit that follows a worker still importing its libraries fails its kernel
         allocations (system calls return ENOMEM on a v1 cgroup: seen at a 12 MB wall). On cgroup v1 a following wall disables the OOM
         killer (:func:`oom_guard`): a worker whose own memory grew faster than a sample waits in the
         kernel instead of dying, and the next sample raises the limit (``oom_waits`` counts them);
@@ -274,12 +275,15 @@ class Sampler(threading.Thread):
             if v is not None:
                 self.peaks[k] = v if self.peaks[k] is None else max(self.peaks[k], v)
         self.peaks["samples"] += 1
+        flagged = bool(self.follow_flag and os.path.exists(self.follow_flag))
         if self.follow is not None and vals["own_peak_bytes"] is not None:
-            self._following = self._following or tier * 2 >= self.follow[0] or bool(
-                self.follow_flag and os.path.exists(self.follow_flag))
+            self._following = self._following or tier * 2 >= self.follow[0] or flagged
             if self._following:
                 self._recent_own.append(vals["own_peak_bytes"])
                 self._follow(min(self._recent_own))
+        if flagged:  # the first following limit (if any) is written: let the worker go on (begin_following)
+            with contextlib.suppress(OSError):
+                os.unlink(self.follow_flag)
         if self.keep_state:
             state = cgroup_state(self.dir, self.version)
             if state["limit_bytes"] is not None:

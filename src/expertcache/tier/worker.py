@@ -142,8 +142,9 @@ def run(spec: dict) -> dict:
     if spec.get("calibrate"):
         return out | _calibrate(spec, pool, experts, rep, reader, arena, hints, skip)
     if spec.get("follow_flag"):  # set up: the wall may follow this process's own memory now
-        with open(spec["follow_flag"], "w"):
-            pass
+        from .capacity import begin_following
+
+        begin_following(spec["follow_flag"])
     try:
         advisor = Advisor(pool, spec.get("delivery", "fadvise"), skip) if hints is not None else None
         warm = rep.run_pass(experts, starts, advisor=advisor, hints=hints)
