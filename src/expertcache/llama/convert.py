@@ -887,8 +887,11 @@ class RandomWeights:
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
 
 
-def convert_random(cfg: dict, out: str | os.PathLike, dtype: str = "f16", seed: int = 0) -> dict:
-    """A random-weight GGUF of the OLMoE-class ``cfg`` (an HF config dict), no checkpoint needed."""
+def convert_random(cfg: dict, out: str | os.PathLike, dtype: str = "f16", seed: int = 0,
+                   tokenizer: str | os.PathLike | None = None) -> dict:
+    """A random-weight GGUF of the OLMoE-class ``cfg`` (an HF config dict), no checkpoint needed;
+    ``tokenizer``: a folder whose byte-level BPE ``tokenizer.json`` (and ``tokenizer_config.json``) to
+    write, of the config's vocabulary size (else the file runs on token ids only)."""
     cfg = {"model_type": "olmoe", **cfg}
     spec = SPECS.get(cfg["model_type"])
     if spec is None or spec.arch != "olmoe":
@@ -901,7 +904,7 @@ def convert_random(cfg: dict, out: str | os.PathLike, dtype: str = "f16", seed: 
 
     def keys(writer):
         write_hparams(writer, cfg, spec, dtype)
-        write_tokenizer(writer, None, int(cfg["vocab_size"]))
+        write_tokenizer(writer, Path(tokenizer) if tokenizer is not None else None, int(cfg["vocab_size"]))
 
     size = write_gguf(out, spec.arch, planned, keys, f"random-olmoe-seed{seed}")
     return {"out": os.fspath(out), "architecture": spec.arch, "dtype": dtype, "bytes": size, "seed": seed}

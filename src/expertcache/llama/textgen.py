@@ -214,12 +214,15 @@ def completion_kwargs(max_tokens: int, temperature: float, top_p: float, seed: i
 def stream_text(session: Session, *, prompt: str | None = None, messages: list | None = None, max_tokens: int = 64,
                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
     """Yield the generated text piece by piece (``prompt``: a completion; ``messages``: a chat with
-    the model's template), then a final ``dict``: :func:`request_figures` and ``finish_reason``."""
+    the model's template), then a final ``dict``: :func:`request_figures`, ``finish_reason``,
+    ``prompt_tokens``, ``completion_tokens`` (sampled; an end-of-generation token not counted),
+    ``ttft_seconds`` (call to first piece) and ``stream_seconds`` (first piece to last)."""
     llm = session.llama
     kw = completion_kwargs(max_tokens, temperature, top_p, seed)
     before = session.snapshot()
+    sampled0 = llm.sampled
     t0 = time.perf_counter()
-    first, finish = None, None
+    first = last = finish = None
     if messages is not None:
         chunks = llm.create_chat_completion(messages=messages, stream=True, **kw)
     else:
@@ -229,11 +232,15 @@ def stream_text(session: Session, *, prompt: str | None = None, messages: list |
         piece = choice["delta"].get("content") if messages is not None else choice.get("text")
         finish = choice.get("finish_reason") or finish
         if piece:
-            first = time.perf_counter() if first is None else first
+            last = time.perf_counter()
+            first = last if first is None else first
             yield piece
     out = request_figures(before, session.snapshot())
+    sampled = llm.sampled - sampled0
     out.update(ttft_seconds=(first - t0) if first is not None else None, finish_reason=finish,
-               context_tokens=llm.n_tokens)
+               context_tokens=llm.n_tokens, prompt_tokens=llm.prompt_length,
+               completion_tokens=sampled - (1 if sampled and llm.last_sampled_is_eog else 0),
+               stream_seconds=(last - first) if first is not None else None)
     yield out
 
 
