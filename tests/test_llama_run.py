@@ -175,3 +175,30 @@ def test_managed_mode_replays_its_own_cache(gguf_path, prompt):
                 step = cache.prepare(items[i:i + cap])
                 loads, drops = loads + step.misses, drops + len(step.evicted)
     assert (rec["advice"]["managed_loads"], rec["advice"]["managed_drops"]) == (loads, drops) and drops > 0
+
+
+def test_roofline_by_hand_and_in_a_run(gguf_path, prompt, tmp_path, monkeypatch):
+    """The limits' arithmetic by hand; a walled run carries them, its bandwidth and compute rate
+    measured once and then taken from the cache (per device / per file)."""
+    from expertcache.llama.roofline import device_bandwidth, limits
+
+    c, d, b1, b4 = 40.0, 10e6, 1e9, 2e9
+    got = limits(c, d, b1, b4, measured_tokens_per_s=30.0)
+    assert got["serial_limit_tokens_per_s"] == pytest.approx(1 / (1 / 40 + 10e6 / 1e9))
+    assert got["limit_tokens_per_s"] == pytest.approx(min(40.0, 2e9 / 10e6)) == 40.0
+    assert got["efficiency"] == pytest.approx(30 / 40)
+    assert limits(c, 0.0, b1, b4)["limit_tokens_per_s"] == c  # nothing missed: the compute rate
+    assert limits(c, 1e9, b1, 0.5e9)["limit_tokens_per_s"] == pytest.approx(1.0)  # the faster reader count counts
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = device_bandwidth(str(gguf_path), 196608, 1, seconds=0.2)
+    again = device_bandwidth(str(gguf_path), 196608, 1, seconds=0.2)
+    if first["bytes_per_s"] is None:  # no O_DIRECT on this filesystem: said, not faked
+        assert first["note"].startswith("O_DIRECT")
+        return
+    assert first["bytes_per_s"] > 0 and not first["cached"] and again["cached"]
+    assert again["bytes_per_s"] == first["bytes_per_s"] and first["request_bytes"] % 4096 == 0
+    g = read_geometry(str(gguf_path))
+    rec = run_one(g, prompt, 8, "managed", wall_bytes=g.dense_bytes + g.expert_tensor_bytes // 2, wall="none")
+    assert rec["compute_tokens_per_s"] > 0 and rec["device_read_bytes_per_s_1"] > 0
+    assert rec["limit_tokens_per_s"] >= rec["serial_limit_tokens_per_s"] > 0
+    assert rec["efficiency"] == pytest.approx(rec["decode_tokens_per_s"] / rec["limit_tokens_per_s"])

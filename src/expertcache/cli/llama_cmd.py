@@ -202,6 +202,9 @@ def _common(p) -> None:
     p.add_argument("--policy", default="lru", metavar="NAME",
                    help="online eviction rule deciding the managed mode's expert residency (default lru)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="kill a run after S seconds")
+    p.add_argument("--no-roofline", action="store_true",
+                   help="skip the physical limit (the device's bandwidth and the compute rate, measured once "
+                        "and cached: docs/llama.md, Roofline)")
     add_json(p)
 
 
@@ -277,7 +280,7 @@ def run_run(args) -> int:
     wall = parse_wall(args.memory_wall, g, "--memory-wall")
     rec = run_one(g, prompt, args.max_new_tokens, args.mode, wall_bytes=wall, wall=args.wall,
                   headroom_bytes=args.headroom, threads=args.threads, timeout=args.timeout, policy=args.policy,
-                  cache_bytes=cache)
+                  cache_bytes=cache, roofline=not args.no_roofline)
     if _prompt_text(args) is not None:  # a text prompt: the text generated too
         from ..llama.textgen import detokenize_file
 

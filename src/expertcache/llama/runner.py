@@ -173,14 +173,32 @@ def check_wall(g: Geometry, wall_bytes: int | None, where: str = "--memory-wall"
                           f"{g.top_k} routed experts)")
 
 
+def request_bytes(g: Geometry) -> int:
+    """The device request size of a missed expert: its largest slice of one expert tensor."""
+    return max(n for layer in g.moe_layers for _, n in g.expert_ranges(layer, 0))
+
+
+def run_roofline(g: Geometry, prompt, max_new_tokens: int, threads: int, rec: dict, fresh: bool = False) -> dict:
+    """The roofline fields of a run's record (:mod:`.roofline`), its missed bytes per token being
+    the LRU demand model's (0 without a wall: every expert fits)."""
+    from .roofline import limits, roofline
+
+    r = roofline(g.path, request_bytes(g), prompt, max_new_tokens, threads, fresh=fresh)
+    missed = rec.get("demand_bytes_per_token") if rec.get("memory_wall") else 0.0
+    r.update(limits(r["compute_tokens_per_s"], missed, r["device_read_bytes_per_s_1"], r["device_read_bytes_per_s_4"],
+                    rec.get("decode_tokens_per_s")))
+    return r
+
+
 def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: int | None = None,
             wall: str = "auto", headroom_bytes: int | None = None, threads: int = 1,
             timeout: float | None = None, keep_routing: bool = False, policy: str = "lru",
-            cache_bytes: int | None = None) -> dict:
+            cache_bytes: int | None = None, roofline: bool = True) -> dict:
     """One run in a child process, evicted file first; the record of docs/llama.md. ``policy``
     (an online eviction rule) decides the expert residency of the ``managed`` mode, bounded by
     ``cache_bytes`` (``--cache-memory``; default the wall). A walled run's limit follows the worker
-    (:func:`~expertcache.tier.capacity.follow_plan`) and its tier is the GGUF's own page cache."""
+    (:func:`~expertcache.tier.capacity.follow_plan`) and its tier is the GGUF's own page cache.
+    ``roofline``: add the physical limit's fields (:func:`run_roofline`)."""
     if mode not in MODES:
         raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
     check_wall(g, wall_bytes)
@@ -212,6 +230,8 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     rec.update(demand(rec["routing"], g, wall_bytes))
     rb, dm = rec.get("read_bytes_per_token"), rec.get("demand_bytes_per_token")
     rec["amplification"] = rb / dm if rb is not None and dm else None
+    if roofline:  # after the run: the compute-rate decode is the parent's, outside the wall
+        rec.update(run_roofline(g, prompt, max_new_tokens, threads, rec))
     if not keep_routing:
         rec.pop("routing")
     return rec

@@ -226,7 +226,8 @@ class Sampler(threading.Thread):
         requested limit), so that room the worker does not use is never tier: ``tier <= capacity +
         margin + (own then - own now)``, and taking the window's least keeps the last term from
         growing when the worker's memory jitters (kernel memory of a page-cache thrash moved by
-        MBs between samples and took the tier 10 MB past a 227 MB capacity). Following begins once the
+        MBs between samples and took the tier 10 MB past a 227 MB capacity), less a feedback term on
+        the tier itself (:meth:`_correct`). Following begins once the
         tier has held half the capacity, or once the worker creates ``follow_flag`` (a path: it does
         so when its start-up is over, and waits until the sampler has written the first following
         limit and removed the flag before it touches the tier:
@@ -245,6 +246,7 @@ class Sampler(threading.Thread):
         self._limit: int | None = None
         self._recent_own: collections.deque = collections.deque(maxlen=FOLLOW_WINDOW)
         self._following = False
+        self._bias = 0
         self._oom_since: float | None = None
         self._halt = threading.Event()
 
@@ -280,6 +282,7 @@ class Sampler(threading.Thread):
             self._following = self._following or tier * 2 >= self.follow[0] or flagged
             if self._following:
                 self._recent_own.append(vals["own_peak_bytes"])
+                self._correct(tier, usage)
                 self._follow(min(self._recent_own))
         if flagged:  # the first following limit (if any) is written: let the worker go on (begin_following)
             with contextlib.suppress(OSError):
@@ -289,9 +292,23 @@ class Sampler(threading.Thread):
             if state["limit_bytes"] is not None:
                 self.last_state = state
 
+    def _correct(self, tier: int, usage: int | None) -> None:
+        """Feedback on the tier itself: a tier above the capacity lowers the limit by half the excess
+        (cumulatively: ``bias``); a tier squeezed below the capacity less the margin while the cgroup is
+        at its limit gives half of it back. It corrects what ``own`` misjudges: in a page-cache thrash
+        the pages on their way out are charged but no longer in the file's cache, so ``own`` reads
+        10-20 MB high and swings (seen: 72-93 MB between samples, the tier 13 MB over a 480 MB wall)."""
+        capacity, _, margin = self.follow
+        if tier > capacity:
+            self._bias += (tier - capacity) // 2
+        elif self._bias and tier < capacity - margin and usage is not None and self._limit is not None \
+                and usage >= self._limit - (1 << 20):
+            self._bias -= min(self._bias, (capacity - margin - tier) // 2)
+        self.limits["max_bias_bytes"] = max(self.limits.get("max_bias_bytes", 0), self._bias)
+
     def _follow(self, own: int) -> None:
         capacity, ceiling, margin = self.follow
-        limit = min(ceiling, capacity + own + margin)
+        limit = min(ceiling, capacity + own + margin - self._bias)
         if self.version == "v1" and under_oom(self.dir):  # the worker waits for memory: give it some now
             self.limits["oom_waits"] += 1
             now = time.monotonic()

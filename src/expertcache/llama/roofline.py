@@ -1,0 +1,187 @@
+"""The physical limit of a decode that reads missed experts from a device: what the device can read,
+what the compute can do with every expert resident, and the decode rate the two allow.
+
+* :func:`device_bandwidth` reads the model file itself with ``O_DIRECT`` (the page cache neither
+  helps nor is disturbed) in requests of one expert slice (rounded up to 4 KiB) at random aligned
+  offsets, by 1 and by 4 concurrent readers, for about ``seconds`` each; bytes / second. Cached per
+  (device, request size, readers) in ``$XDG_CACHE_HOME/expertcache/devices.json`` for a day (a sweep
+  pays it once); ``fresh`` measures again.
+* :func:`compute_rate` decodes the prompt twice in one process with the file mapped: the second
+  pass routes the same tokens to the same experts, which the first pass left in the page cache, so
+  its one-token forwards time the compute with every expert it needs resident; tokens / second.
+  Cached per (file, size, mtime, threads, prompt, tokens) in the same file.
+* :func:`limits`: with ``c`` that compute rate, ``D`` the bytes a decode token misses and ``B1``,
+  ``B4`` the device's bandwidth with 1 and 4 readers,
+
+  - ``serial_limit_tokens_per_s`` = 1 / (1/c + D/B1): reads and compute one after the other, one reader;
+  - ``limit_tokens_per_s`` = min(c, max(B1, B4) / D): reads entirely overlapped with compute, the
+    device fed as well as it can be (several requests at once where that reads faster);
+  - ``efficiency`` = a measured decode rate / ``limit_tokens_per_s``.
+
+Refusals are one line; a device that cannot be read with ``O_DIRECT`` (tmpfs, some overlays) gives
+``None`` with the reason rather than a buffered figure that would measure the page cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import random
+import secrets
+import threading
+import time
+from pathlib import Path
+
+BLOCK = 4096
+CACHE_SECONDS = 24 * 3600
+"""How long a measured bandwidth or compute rate is reused."""
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "expertcache" / "devices.json"
+
+
+def _load() -> dict:
+    try:
+        data = json.loads(cache_path().read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(key: str, value: dict) -> None:
+    """Add one entry to the cache file (written to a temporary file and renamed: atomic)."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load()
+        data[key] = value
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measured again next time
+
+
+def _cached(key: str, fresh: bool) -> dict | None:
+    entry = _load().get(key)
+    if fresh or not isinstance(entry, dict) or time.time() - entry.get("at", 0) > CACHE_SECONDS:
+        return None
+    return entry
+
+
+def device_key(path: str) -> str:
+    st = os.stat(path)
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def device_bandwidth(path: str, request_bytes: int, readers: int, *, seconds: float = 1.0,
+                     fresh: bool = False) -> dict:
+    """``{"bytes_per_s", "requests", "readers", "request_bytes", "device", "cached", "note"}`` of
+    random ``O_DIRECT`` reads of ``request_bytes`` (rounded up to 4 KiB) from ``path`` by ``readers``
+    threads for about ``seconds``; ``bytes_per_s`` None (and ``note`` why) where ``O_DIRECT`` fails."""
+    size = os.path.getsize(path)
+    req = max(BLOCK, -(-int(request_bytes) // BLOCK) * BLOCK)
+    req = min(req, max(BLOCK, size // BLOCK * BLOCK))
+    key = f"bw {device_key(path)} {req} {readers}"
+    hit = _cached(key, fresh)
+    if hit is not None:
+        return {**hit, "cached": True}
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError as exc:
+        return {"bytes_per_s": None, "readers": readers, "request_bytes": req, "device": device_key(path),
+                "cached": False, "note": f"O_DIRECT open failed: {exc.strerror or exc}"}
+    done = [0] * readers
+    errors: list[str] = []
+    stop = time.monotonic() + seconds
+    slots = max(1, (size - req) // BLOCK)
+
+    def worker(i: int) -> None:
+        buf = mmap.mmap(-1, req)  # page-aligned, as O_DIRECT wants
+        rng = random.Random(i)
+        try:
+            while time.monotonic() < stop:
+                off = rng.randrange(slots) * BLOCK
+                n = os.preadv(fd, [buf], off)
+                if n <= 0:
+                    break
+                done[i] += n
+        except OSError as exc:
+            errors.append(exc.strerror or str(exc))
+        finally:
+            buf.close()
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    os.close(fd)
+    if errors or not sum(done):
+        return {"bytes_per_s": None, "readers": readers, "request_bytes": req, "device": device_key(path),
+                "cached": False, "note": f"O_DIRECT read failed: {errors[0] if errors else 'nothing read'}"}
+    out = {"bytes_per_s": sum(done) / elapsed, "requests": sum(done) // req, "readers": readers, "request_bytes": req,
+           "device": device_key(path), "at": time.time(), "note": None}
+    _store(key, out)
+    return {**out, "cached": False}
+
+
+def compute_rate(path: str, prompt, tokens: int, threads: int = 1, *, fresh: bool = False) -> dict:
+    """``{"tokens_per_s", "cached", "note"}``: the second of two identical greedy decodes of
+    ``tokens`` after ``prompt`` in one process (every expert the second pass routes was read by the
+    first: its one-token forwards time the compute alone)."""
+    st = os.stat(path)
+    prompt = [int(x) for x in prompt]
+    digest = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
+    key = f"compute {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)} {threads} {tokens} {digest}"
+    hit = _cached(key, fresh)
+    if hit is not None:
+        return {**hit, "cached": True}
+    from .engine import Engine
+
+    steps = max(2, int(tokens))
+    with Engine(path, n_ctx=len(prompt) + steps + 1, threads=threads) as eng:
+        eng.generate(prompt, steps)
+        _, t = eng.generate(prompt, steps)
+    rate = t["decode_steps"] / t["decode_seconds"] if t["decode_seconds"] else None
+    out = {"tokens_per_s": rate, "at": time.time(), "note": None if rate else "no decode step timed"}
+    _store(key, out)
+    return {**out, "cached": False}
+
+
+def limits(compute_tokens_per_s: float | None, missed_bytes_per_token: float | None, bw1: float | None,
+           bw4: float | None, measured_tokens_per_s: float | None = None) -> dict:
+    """The roofline fields (module docstring); None where an input is missing."""
+    c, d = compute_tokens_per_s, missed_bytes_per_token
+    out = {"limit_tokens_per_s": None, "serial_limit_tokens_per_s": None, "efficiency": None}
+    if not c:
+        return out
+    if d is not None and d <= 0:
+        out["limit_tokens_per_s"] = out["serial_limit_tokens_per_s"] = c
+    elif d is not None:
+        best = max(bw1 or 0, bw4 or 0)
+        if best:
+            out["limit_tokens_per_s"] = min(c, best / d)
+        if bw1:
+            out["serial_limit_tokens_per_s"] = 1.0 / (1.0 / c + d / bw1)
+    if measured_tokens_per_s is not None and out["limit_tokens_per_s"]:
+        out["efficiency"] = measured_tokens_per_s / out["limit_tokens_per_s"]
+    return out
+
+
+def roofline(path: str, request_bytes: int, prompt, tokens: int, threads: int = 1, *, fresh: bool = False) -> dict:
+    """Everything a run's limits need, measured (or taken from the cache): both bandwidths at
+    ``request_bytes`` and the compute rate."""
+    b1 = device_bandwidth(path, request_bytes, 1, fresh=fresh)
+    b4 = device_bandwidth(path, request_bytes, 4, fresh=fresh)
+    c = compute_rate(path, prompt, tokens, threads, fresh=fresh)
+    return {"device_read_bytes_per_s_1": b1["bytes_per_s"], "device_read_bytes_per_s_4": b4["bytes_per_s"],
+            "device_request_bytes": b1["request_bytes"], "compute_tokens_per_s": c["tokens_per_s"],
+            "roofline_cached": bool(b1["cached"] and b4["cached"] and c["cached"]),
+            "roofline_note": "; ".join(x["note"] for x in (b1, b4, c) if x.get("note")) or None}
