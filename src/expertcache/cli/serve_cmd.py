@@ -107,6 +107,9 @@ def run_walled(args) -> int:
     g = read_geometry(args.model, "MODEL")
     wall = parse_wall(args.memory_wall, g, "--memory-wall")
     check_wall(g, wall)
+    cache = parse_wall(args.cache_memory, g, "--cache-memory")
+    if cache is not None and cache > wall:
+        raise ConfigError(f"--cache-memory {cache} is above the --memory-wall {wall}: the pool would not fit in the wall")
     argv = [sys.executable, "-m", "expertcache.cli.main", "serve", g.path]
     for opt in ("mode", "cache_memory", "policy", "threads", "ctx", "chat_format", "host", "port", "model_alias"):
         value = getattr(args, opt)

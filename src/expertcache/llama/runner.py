@@ -205,6 +205,9 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     if cache_bytes is not None and mode != "managed":
         raise ConfigError(f"--cache-memory bounds the managed mode's pool; --mode {mode} leaves residency to the "
                           "kernel (bound it with a --memory-wall)")
+    if cache_bytes is not None and wall_bytes is not None and cache_bytes > wall_bytes:
+        raise ConfigError(f"--cache-memory {cache_bytes} is above the --memory-wall {wall_bytes}: the pool would "
+                          "not fit in the wall")
     managed = None
     if mode == "managed":
         managed = check_managed(g, cache_bytes if cache_bytes is not None else wall_bytes, policy)

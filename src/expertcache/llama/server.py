@@ -35,6 +35,7 @@ import asyncio
 import json
 import signal
 import sys
+import threading
 import time
 import uuid
 from typing import Literal
@@ -260,6 +261,13 @@ class Generation:
     def next(self) -> str | None:
         return self._pull()
 
+    def drain(self) -> list[str]:
+        """Every remaining piece (one call from the event loop's side, not one per piece)."""
+        out = []
+        while (piece := self._pull()) is not None:
+            out.append(piece)
+        return out
+
     def close(self) -> None:
         if not self.done:
             self.done = True
@@ -403,12 +411,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE) -
 
         if not body.stream:
             try:
-                pieces = [first] if first else []
-                while True:
-                    piece = await anyio.to_thread.run_sync(gen.next)
-                    if piece is None:
-                        break
-                    pieces.append(piece)
+                pieces = ([first] if first else []) + await anyio.to_thread.run_sync(gen.drain)  # one hop
                 usage = finished()
             finally:
                 await anyio.to_thread.run_sync(gen.close)
@@ -439,12 +442,13 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE) -
                                           "choices": [choice]}) + "\n\n"
 
         completed = []
+        producer = Producer(gen, asyncio.get_running_loop())
 
         async def events():
             piece = first
             yield chunk(piece, None, first_chunk=True)
             while True:
-                piece = await anyio.to_thread.run_sync(gen.next)
+                piece = await producer.get()
                 if piece is None:
                     break
                 yield chunk(piece, None)
@@ -457,7 +461,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE) -
             completed.append(True)
 
         async def release() -> None:
-            await anyio.to_thread.run_sync(gen.close)
+            await producer.stop()
             slot.release()
             metrics.count(endpoint, 200 if completed else 499)  # 499: the client closed the stream first
 
@@ -490,6 +494,42 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE) -
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+class Producer:
+    """A streamed request's decode on a thread of its own, handing each piece to the event loop
+    (``call_soon_threadsafe``: one wake-up per piece, not a thread-pool round trip). :meth:`stop`
+    asks it to end after the piece being decoded, waits until it has, and stops the decode."""
+
+    def __init__(self, gen: Generation, loop: asyncio.AbstractEventLoop):
+        self.gen, self.loop = gen, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.halt = threading.Event()
+        self.finished = asyncio.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while not self.halt.is_set():
+                piece = self.gen.next()
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
+                if piece is None:
+                    break
+        except BaseException as exc:  # noqa: BLE001 - handed to the stream, which ends with it
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, exc)
+        finally:
+            self.gen.close()
+            self.loop.call_soon_threadsafe(self.finished.set)
+
+    async def get(self) -> str | None:
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def stop(self) -> None:
+        self.halt.set()
+        await self.finished.wait()
 
 
 class WallGauge:
