@@ -165,6 +165,7 @@ def main() -> int:
     ap.add_argument("--models", default="f16,q4_k_m")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--no-docs", action="store_true", help="do not write the tables into docs/serve.md")
+    ap.add_argument("--overhead-only", action="store_true", help="only the no-wall generate / serve comparison")
     args = ap.parse_args()
     scratch = Path(args.scratch)
     scratch.mkdir(parents=True, exist_ok=True)
@@ -182,7 +183,7 @@ def main() -> int:
     for name in args.models.split(","):
         gguf = files[name]
         g = read_geometry(str(gguf))
-        walls = parse_walls(args.walls, g)
+        walls = [] if args.overhead_only else parse_walls(args.walls, g)
         cells = [(w, m, r) for w in walls for m in ("mmap", "managed") for r in range(args.runs)]
         random.Random(args.seed).shuffle(cells)
         records = []
@@ -224,7 +225,7 @@ def report(out: dict) -> list[str]:
                   f"{g['dense_bytes'] / 1e6:.0f} MB, experts {g['expert_tensor_bytes'] / 1e6:.0f} MB)", "",
                   "| wall | mode | decode tok/s (client) | time to first token s | read MB/token | hit rate | "
                   "proof | same text |", "|---|---|---|---|---|---|---|---|"]
-        texts = {r["text"] for r in m["records"]}
+        texts = {r["text"] for r in m["records"]} or {r["text"] for r in m["overhead"]}
         for w in m["walls"]:
             for mode in ("mmap", "managed"):
                 rs = [r for r in m["records"] if r["wall"] == w and r["mode"] == mode]
