@@ -252,30 +252,41 @@ class ExpertCache:
         for e in items[~resident]:
             e = int(e)
             pol.hook_miss(e, t)
-            if self._free:
-                slot = self._free.pop()
-            else:
-                spec = self._unused_prefetched(np.flatnonzero((self._slot >= 0) & (self._stamp != t)))
-                if spec.size:  # unused prefetched items go first
-                    victim = int(spec[0])
-                    self._speculative[victim] = False
-                    self.prefetch_wasted += 1
-                else:
-                    # the rule's residents: every resident but the unused prefetched ones (the
-                    # group's prefetched items entered the rule above)
-                    res = np.flatnonzero((self._slot >= 0) & (~self._speculative | (self._stamp == t)))
-                    victim = pol.hook_victim(e, t, self._stamp, t, res)
-                    if victim < 0 or self._slot[victim] < 0 or self._stamp[victim] == t:
-                        raise ConfigError(f"policy {pol.spec!r} proposed victim {victim}: not resident, "
-                                          "or requested by the current group")
-                    pol.hook_evict(victim, t)
-                slot = int(self._slot[victim])
-                self._slot[victim] = -1
-                step.evicted.append(victim)
-            self._slot[e] = slot
-            step.loads.append((e, slot))
+            self._place_hooked(e, t, step)
             pol.hook_admit(e, t)
         return step
+
+    def _place_hooked(self, e: int, t: int, step: Step) -> None:
+        """Give miss ``e`` a slot: a free one, else the slot of one victim (:meth:`_hooked_victim`)."""
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = self._hooked_victim(e, t)
+            slot = int(self._slot[victim])
+            self._slot[victim] = -1
+            step.evicted.append(victim)
+        self._slot[e] = slot
+        step.loads.append((e, slot))
+
+    def _hooked_victim(self, e: int, t: int) -> int:
+        """The next victim for miss ``e`` at step ``t``: the oldest unused prefetched item (counted as
+        wasted), else the rule's own (told as an eviction), never an item of the current group."""
+        spec = self._unused_prefetched(np.flatnonzero((self._slot >= 0) & (self._stamp != t)))
+        if spec.size:  # unused prefetched items go first
+            victim = int(spec[0])
+            self._speculative[victim] = False
+            self.prefetch_wasted += 1
+            return victim
+        # the rule's residents: every resident but the unused prefetched ones (the group's
+        # prefetched items entered the rule above)
+        pol = self.policy
+        res = np.flatnonzero((self._slot >= 0) & (~self._speculative | (self._stamp == t)))
+        victim = pol.hook_victim(e, t, self._stamp, t, res)
+        if victim < 0 or self._slot[victim] < 0 or self._stamp[victim] == t:
+            raise ConfigError(f"policy {pol.spec!r} proposed victim {victim}: not resident, "
+                              "or requested by the current group")
+        pol.hook_evict(victim, t)
+        return int(victim)
 
 
 class SizedCache(ExpertCache):
@@ -373,37 +384,13 @@ class SizedCache(ExpertCache):
     def _fits(self, item: int) -> bool:
         return self.used_bytes + int(self.item_bytes[item]) <= self.capacity_bytes
 
-    def _prepare_hooked(self, items: np.ndarray, t: int) -> Step:
-        """:meth:`ExpertCache._prepare_hooked` with "no free slot" read as "the miss does not fit":
-        victims are taken one at a time until it does."""
-        pol = self.policy
-        self._stamp[items] = t
-        resident = self._slot[items] >= 0
-        step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(np.count_nonzero(resident)))
-        for e in items[resident]:
-            if self._speculative[e]:
-                pol.hook_miss(int(e), t)
-                pol.hook_admit(int(e), t)
-            else:
-                pol.hook_hit(int(e), t)
-        for e in items[~resident]:
-            e = int(e)
-            pol.hook_miss(e, t)
-            while not self._fits(e):
-                spec = self._unused_prefetched(np.flatnonzero((self._slot >= 0) & (self._stamp != t)))
-                if spec.size:
-                    victim = int(spec[0])
-                else:
-                    res = np.flatnonzero((self._slot >= 0) & (~self._speculative | (self._stamp == t)))
-                    victim = pol.hook_victim(e, t, self._stamp, t, res)
-                    if victim < 0 or self._slot[victim] < 0 or self._stamp[victim] == t:
-                        raise ConfigError(f"policy {pol.spec!r} proposed victim {victim}: not resident, "
-                                          "or requested by the current group")
-                    pol.hook_evict(victim, t)
-                self._drop(victim, step)
-            self._add(e, step)
-            pol.hook_admit(e, t)
-        return step
+    def _place_hooked(self, e: int, t: int, step: Step) -> None:
+        """:meth:`ExpertCache._place_hooked` with "no free slot" read as "the miss does not fit":
+        victims are taken one at a time until it does (an unused prefetched victim was counted as
+        wasted by :meth:`_hooked_victim` and is no longer speculative when dropped)."""
+        while not self._fits(e):
+            self._drop(self._hooked_victim(e, t), step)
+        self._add(e, step)
 
     def prefetch(self, items) -> Step:
         """:meth:`ExpertCache.prefetch` by bytes: the ids kept are the longest prefix (deduplicated,

@@ -43,14 +43,25 @@ def add_replay_options(p: argparse.ArgumentParser, *, pool: bool = True, warm: f
                        help=f"unscored warm-up fraction of each stream, e.g. 0.6 (default {warm:g})")
 
 
-def fraction(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= x < 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is outside [0, 1)")
-    return x
+def float_in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False, name: str = "a number"):
+    """An argparse type: a float in the interval ``[lo, hi]`` (either end open), else one line."""
+    span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name} in {span}, got {_short(text)}") from None
+        if not ((lo < x) if lo_open else (lo <= x)) or not ((x < hi) if hi_open else (x <= hi)):
+            raise argparse.ArgumentTypeError(f"{text} is outside {span}")
+        return x
+
+    parse.__name__ = f"float in {span}"
+    return parse
+
+
+fraction = float_in(0, 1, hi_open=True)
+"""A fraction in [0, 1) (warm-up windows)."""
 
 
 def _int_in(text: str, lo: int, hi: int, what: str, span: str) -> int:

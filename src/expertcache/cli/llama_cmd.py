@@ -9,8 +9,8 @@ import sys
 import numpy as np
 
 from ..errors import ConfigError
-from .common import (add_json, add_subcommands, byte_size, check_out, emit_json, nonnegative_float, positive_int,
-                     seed_int, table)
+from .common import (add_json, add_subcommands, byte_size, check_out, emit_json, float_in, nonnegative_float,
+                     positive_int, seed_int, table)
 from .eval_cmd import _read_tokens
 
 HELP = """llama.cpp as the engine: the GGUF is mmapped, so the kernel page cache is the expert tier.
@@ -92,13 +92,16 @@ def add_generation_options(p) -> None:
         src.add_argument("--prompt-file", metavar="PATH", help="complete the text of this UTF-8 file")
         src.add_argument("--chat", metavar="TEXT", help="answer this user message with the model's chat template")
         p.add_argument("--system", metavar="TEXT", default=None, help="a system message before --chat")
-        p.add_argument("--temperature", type=nonnegative_float, default=0.0, metavar="TEMP", help="0 is greedy (default 0)")
-        p.add_argument("--top-p", type=unit_interval, default=1.0, metavar="P", help="nucleus sampling (default 1)")
+        p.add_argument("--temperature", type=nonnegative_float, default=0.0, metavar="TEMP",
+                       help="0 is greedy (default 0)")
+        p.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0, metavar="P",
+                       help="nucleus sampling (default 1)")
         p.add_argument("--seed", type=seed_int, default=0, help="sampling seed (default 0)")
     p.add_argument("--mode", choices=MODES, default=None,
                    help="page-cache mode (default: managed with --cache-memory, else mmap; docs/llama.md)")
     p.add_argument("--cache-memory", default=None, metavar="SIZE",
-                   help="bound the managed mode's page cache: bytes (800MB) or P%% of the experts beside the dense part")
+                   help="bound the managed mode's page cache: bytes (800MB) or P%% of the experts beside the "
+                        "dense part")
     p.add_argument("--policy", default="lru", metavar="NAME",
                    help="online eviction rule of the managed mode (default lru)")
     p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
@@ -108,14 +111,6 @@ def add_generation_options(p) -> None:
     add_json(p)
 
 
-def unit_interval(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return v
 
 
 def open_session(args):

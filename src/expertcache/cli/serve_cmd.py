@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..errors import ConfigError
-from .common import byte_size, emit_json
+from .common import _int_in, byte_size, emit_json
 from .llama_cmd import add_generation_options, open_session
 
 HELP = """Serve a GGUF MoE over HTTP with the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions,
@@ -39,13 +39,7 @@ def add_parser(sub) -> None:
 
 
 def port_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"{text} is not in 0..65535")
-    return v
+    return _int_in(text, 0, 65535, "a port number", "in 0..65535")
 
 
 def run(args) -> int:
@@ -109,7 +103,8 @@ def run_walled(args) -> int:
     check_wall(g, wall)
     cache = parse_wall(args.cache_memory, g, "--cache-memory")
     if cache is not None and cache > wall:
-        raise ConfigError(f"--cache-memory {cache} is above the --memory-wall {wall}: the pool would not fit in the wall")
+        raise ConfigError(f"--cache-memory {cache} is above the --memory-wall {wall}: the pool would not fit in "
+                          "the wall")
     argv = [sys.executable, "-m", "expertcache.cli.main", "serve", g.path]
     for opt in ("mode", "cache_memory", "policy", "threads", "ctx", "chat_format", "host", "port", "model_alias"):
         value = getattr(args, opt)

@@ -7,7 +7,7 @@ import argparse
 
 from ..trace.engine_gen import ORDERS, generate_engine_jsonl
 from ..trace.importers.engine_passes import PASS_KINDS
-from .common import add_json, add_out, check_out, emit_json, positive_int, require, seed_int
+from .common import add_json, add_out, check_out, emit_json, float_in, positive_int, require, seed_int
 
 HELP = """Write a synthetic engine routing log (JSONL) with speculative decoding, for tests and examples.
 
@@ -21,14 +21,7 @@ function of the seed. Import it with 'expertcache import engine-jsonl LOG --top-
 """
 
 
-def probability(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text!r}") from None
-    if not 0.0 <= x <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is outside [0, 1]")
-    return x
+probability = float_in(0, 1, name="a probability")
 
 
 def add_parser(sub) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .._units import parse_byte_range
 from ..errors import ConfigError
-from .common import add_json, add_subcommands, byte_size, emit_json, nonnegative_float, open_trace, positive_int, seed_int, table
+from .common import (add_json, add_subcommands, byte_size, emit_json, float_in, nonnegative_float, open_trace,
+                     positive_int, seed_int, table)
 
 HELP = """File-backed expert tier (the tiering paper's harness): write an expert pool to files, replay a
 trace against it through the page cache, without it, with O_DIRECT, from a locked arena or a hybrid,
@@ -18,14 +19,7 @@ MODES = ("pagecache", "nocache", "direct", "arena", "hybrid")
 WALLS = ("auto", "cgroup", "balloon", "none")
 
 
-def _unit_fraction(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text[:40]!r}") from None
-    if not 0.0 < x <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is outside (0, 1]")
-    return x
+_unit_fraction = float_in(0, 1, lo_open=True)
 
 
 def add_parser(sub) -> None:
