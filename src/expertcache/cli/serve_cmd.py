@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from .. import __version__
 from ..errors import ConfigError
 from .common import _int_in, byte_size, emit_json
 from .llama_cmd import add_generation_options, open_session
@@ -80,7 +81,8 @@ def run(args) -> int:
             from ..llama.server import WallGauge
 
             wall_state = WallGauge(session.geometry.path, int(inside["capacity"]))
-        serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce, wall_state=wall_state)
+        serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce, wall_state=wall_state,
+              version=__version__)
     return 0
 
 

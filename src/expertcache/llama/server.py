@@ -285,9 +285,9 @@ class Generation:
 
 
 # ------------------------------------------------------------------------------ the app
-def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE) -> FastAPI:
+def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, version: str = "") -> FastAPI:
     """The FastAPI app serving ``session`` as model ``model_id`` (see the module docstring)."""
-    app = FastAPI(title="expertcache", version=_version(), docs_url=None, redoc_url=None)
+    app = FastAPI(title="expertcache", version=version, docs_url=None, redoc_url=None)
     metrics = Metrics(session)
     app.state.metrics, app.state.session = metrics, session
     slot = asyncio.Lock()
@@ -593,20 +593,15 @@ class SlotStream(StreamingResponse):
                 await self._release()
 
 
-def _version() -> str:
-    from .. import __version__
-    return __version__
-
-
 def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_id: str,
-          announce=None, wall_state=None) -> None:
+          announce=None, wall_state=None, version: str = "") -> None:
     """Serve until SIGTERM / SIGINT. The socket is bound first (``port`` 0: any free port), then
     ``announce(url)`` is called (the CLI prints it), then requests are answered."""
     import socket
 
     import uvicorn
 
-    app = create_app(session, model_id=model_id)
+    app = create_app(session, model_id=model_id, version=version)
     if wall_state is not None:
         app.state.metrics.wall = wall_state
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
