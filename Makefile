@@ -2,25 +2,35 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+SUM    := $(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+# the demo installs what it runs (the core, plots, and the HF extra for its live part); the tests
+# install everything (llama-cpp-python builds llama.cpp from source: minutes)
+DEMO_STAMP := $(VENV)/.demo-installed-$(SUM)
+TEST_STAMP := $(VENV)/.installed-$(SUM)
+PIP        := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
 .PHONY: demo test bench gpu-check clean
 
-$(STAMP): pyproject.toml Makefile
+$(DEMO_STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[plot,test,hf,grid,ray,llama,serve]'
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[plot,hf]'
+	@rm -f $(VENV)/.demo-installed-*
+	@touch $@
+
+$(TEST_STAMP): $(DEMO_STAMP)
+	$(PIP) -e '.[plot,test,hf,grid,ray,llama,serve]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/expertcache demo --out demo-out
 
 # two workers, a file each at a time (module fixtures shared, the longest file first: tests/conftest.py)
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/bench_replay.py
 
 # on a GPU machine, with its own python3 (installs nothing): every GPU figure, PASS/FAIL lines
