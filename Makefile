@@ -26,9 +26,10 @@ $(TEST_STAMP): $(DEMO_STAMP)
 demo: $(DEMO_STAMP)
 	$(BIN)/expertcache demo --out demo-out
 
-# two workers, a file each at a time (module fixtures shared, the longest file first: tests/conftest.py)
+# two workers, a file each at a time (module fixtures shared), the README's chapters one by one, the
+# longest file first (tests/conftest.py)
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/bench_replay.py

@@ -12,18 +12,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: torch (and anything on OpenMP) takes one thread each, not one per core
+    # (oversubscribed, the README's chapters took 5 min of CPU instead of 3), in this process and the
+    # commands the tests start
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("EXPERTCACHE_SHARED_TRACES", REPO.parent / "shared" / "traces"))
 
 
 FIRST = ("test_readme.py",)
-"""Files collected first: ``make test`` runs two workers (``pytest -n 2 --dist loadfile``) that take
-files in collection order, so the longest file (the README's examples, about a third of the suite)
+"""Files collected first: ``make test`` runs two workers (``pytest -n 2 --dist loadgroup``) that take
+groups in collection order, so the longest file (the README's examples, about a third of the suite)
 starts at once instead of finishing last."""
+SPLIT = ("test_readme.py",)
+"""Files whose tests are scheduled one by one (the README's chapters run in parallel); every other
+file's tests stay together on one worker, its module fixtures shared (``xdist_group`` = the file)."""
 
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+    for item in items:
+        group = item.nodeid if item.path.name in SPLIT else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @contextlib.contextmanager
