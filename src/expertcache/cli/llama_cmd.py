@@ -9,8 +9,8 @@ import sys
 import numpy as np
 
 from ..errors import ConfigError
-from .common import (add_json, add_subcommands, byte_size, check_out, emit_json, float_in, nonnegative_float,
-                     positive_int, seed_int, table)
+from .common import (_int_in, add_json, add_subcommands, byte_size, check_out, emit_json, float_in,
+                     nonnegative_float, positive_int, seed_int, table)
 from .eval_cmd import _read_tokens
 
 HELP = """llama.cpp as the engine: the GGUF is mmapped, so the kernel page cache is the expert tier.
@@ -105,12 +105,23 @@ def add_generation_options(p) -> None:
     p.add_argument("--policy", default="lru", metavar="NAME",
                    help="online eviction rule of the managed mode (default lru)")
     p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
+    add_readers(p)
     p.add_argument("--ctx", type=positive_int, default=None, metavar="N", help="context tokens (default 2048)")
     p.add_argument("--chat-format", default=None, metavar="NAME",
                    help="a llama-cpp-python chat format (chatml, ...) for a GGUF without its own chat template")
     add_json(p)
 
 
+
+
+def add_readers(p) -> None:
+    p.add_argument("--readers", type=_nonnegative_int, default=None, metavar="N",
+                   help="threads that read the experts being loaded (managed, prefetch; default 4 for prefetch, "
+                        "0 otherwise)")
+
+
+def _nonnegative_int(text: str) -> int:
+    return _int_in(text, 0, 64, "a number of threads", "in 0..64")
 
 
 def open_session(args):
@@ -128,7 +139,8 @@ def open_session(args):
     cache = parse_wall(args.cache_memory, g, "--cache-memory")
     mode = args.mode or ("managed" if cache is not None else "mmap")
     return Session.open(g.path, mode=mode, cache_bytes=cache, policy=args.policy, n_ctx=args.ctx or DEFAULT_CTX,
-                        threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format)
+                        threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format,
+                        readers=args.readers)
 
 
 def run_generate(args) -> int:
@@ -190,6 +202,7 @@ def _common(p) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=64, metavar="N", help="prompt tokens used (default 64)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N", help="tokens generated (default 32)")
     p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
+    add_readers(p)
     p.add_argument("--wall", choices=WALLS, default="auto", help="how the wall is enforced (default auto)")
     p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
                    help="most the wall's limit follows the process's own memory to, above the capacity "
@@ -275,7 +288,7 @@ def run_run(args) -> int:
     wall = parse_wall(args.memory_wall, g, "--memory-wall")
     rec = run_one(g, prompt, args.max_new_tokens, args.mode, wall_bytes=wall, wall=args.wall,
                   headroom_bytes=args.headroom, threads=args.threads, timeout=args.timeout, policy=args.policy,
-                  cache_bytes=cache, roofline=not args.no_roofline)
+                  cache_bytes=cache, roofline=not args.no_roofline, readers=args.readers)
     if _prompt_text(args) is not None:  # a text prompt: the text generated too
         from ..llama.textgen import detokenize_file
 
@@ -316,7 +329,8 @@ def run_sweep(args) -> int:
 
     res = sweep(g, prompt, args.max_new_tokens, modes, walls, runs=args.runs, seed=args.seed, wall=args.wall,
                 headroom_bytes=args.headroom, threads=args.threads, target=args.target_tokens_per_s,
-                timeout=args.timeout, progress=progress, policy=args.policy)
+                timeout=args.timeout, progress=progress, policy=args.policy, readers=args.readers,
+                roofline=not args.no_roofline)
     if args.plot:
         plot_sweep(res, args.plot, f"{g.path}: decode against the memory wall")
     if args.json:

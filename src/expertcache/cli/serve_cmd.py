@@ -108,7 +108,8 @@ def run_walled(args) -> int:
         raise ConfigError(f"--cache-memory {cache} is above the --memory-wall {wall}: the pool would not fit in "
                           "the wall")
     argv = [sys.executable, "-m", "expertcache.cli.main", "serve", g.path]
-    for opt in ("mode", "cache_memory", "policy", "threads", "ctx", "chat_format", "host", "port", "model_alias"):
+    for opt in ("mode", "cache_memory", "policy", "threads", "readers", "ctx", "chat_format", "host", "port",
+                "model_alias"):
         value = getattr(args, opt)
         if value is not None:
             argv += ["--" + opt.replace("_", "-"), str(value)]

@@ -35,7 +35,15 @@ on the file through its own descriptor:
   on the mapping (unmaps this process's pages) then ``posix_fadvise(DONTNEED)`` (evicts the clean
   pages): every use pays the device, the in-engine analogue of the incumbent's F_NOCACHE. Against
   ``advise`` it differs only in admission (the paper's section 9 A/B);
+* ``prefetch``: random, plus, as ik_llama.cpp's ``--prefetch-experts`` does: when a layer routes, its
+  experts' pages are hinted and read by a pool of reader threads (:class:`Readers`), and once the
+  layer is computed (``ffn_moe_out``) marked cold (``MADV_COLD``: the first the kernel takes back);
+  no eviction of its own. The closest mechanism a user can get elsewhere, for the same-run A/B;
 * ``nommap``: the weights are read into anonymous memory at load (no tier; ``Engine(mmap=False)``).
+
+``readers`` (``managed``, ``prefetch``) hands loaded slices to threads that populate their pages.
+A prefill under ``managed`` reads each routed expert once, at its layer's routing (a 512-token
+prefill at a 25% wall read 1.00x the routed experts' bytes; docs/llama.md).
 
 Advice never changes what is computed: all modes give the same tokens (tested).
 """
@@ -53,8 +61,8 @@ from .capture import layer_of
 from .geometry import Geometry
 from .ggml import read_2d
 
-MODES = ("mmap", "random", "advise", "pin", "managed", "lookahead", "nocache", "nommap")
-MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 1, 3, 4
+MODES = ("mmap", "random", "advise", "pin", "managed", "lookahead", "nocache", "prefetch", "nommap")
+MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED, MADV_COLD = 1, 3, 4, 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -142,13 +150,88 @@ def mlock(addr: int, length: int) -> None:
                           "(RLIMIT_MEMLOCK: ulimit -l, or CAP_IPC_LOCK)")
 
 
+MADV_POPULATE_READ = 22
+"""Linux 5.14+: fault the range's pages in (reading them where needed) and map them, in the caller."""
+DEFAULT_READERS = {"prefetch": 4}
+"""Reader threads per mode unless given (``--readers``): ``prefetch`` is its readers; ``managed``
+takes none by default (measured: no faster with them on this machine, docs/llama.md)."""
+
+
+def readers_for(mode: str, readers: int | None) -> int:
+    return DEFAULT_READERS.get(mode, 0) if readers is None else int(readers)
+
+
+CHUNK = 256 << 10
+"""A reader's request: a loaded slice is populated in pieces of this many bytes, in parallel."""
+
+
+class Readers:
+    """Threads that map the pages of experts being loaded before the compute thread touches them.
+
+    The compute thread hints a loaded slice (``POSIX_FADV_WILLNEED``: its read is submitted at once,
+    asynchronously, in large requests) and hands its pieces (:data:`CHUNK`) to the readers, which
+    ``madvise(MADV_POPULATE_READ)`` them: each waits for its pages to arrive and maps them, so the
+    compute thread's matmul finds them mapped instead of faulting page by page (``MADV_RANDOM``
+    turns fault-around off), and the device has several requests in flight. Each item's pieces are
+    counted so that a victim is dropped only once its own population has finished
+    (:meth:`settle`): a populate racing a drop would bring its pages back."""
+
+    def __init__(self, n: int):
+        import queue
+        import threading
+
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending: dict[int, int] = {}
+        self.lock = threading.Condition()
+        self.populated = self.errors = 0
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, item: int, addr: int, length: int) -> None:
+        """Populate ``[addr, addr + length)`` for ``item``, in pieces."""
+        pieces = [(off, min(CHUNK, length - off)) for off in range(0, length, CHUNK)]
+        with self.lock:
+            self.pending[item] = self.pending.get(item, 0) + len(pieces)
+        for off, n in pieces:
+            self.jobs.put((item, addr + off, n))
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            item, addr, n = job
+            lo, hi = _pages(addr, n)
+            if _libc.madvise(lo, hi - lo, MADV_POPULATE_READ) != 0:
+                self.errors += 1
+            with self.lock:
+                self.populated += n
+                self.pending[item] -= 1
+                if not self.pending[item]:
+                    del self.pending[item]
+                    self.lock.notify_all()
+
+    def settle(self, item: int) -> None:
+        """Wait until no piece of ``item`` is being populated."""
+        with self.lock:
+            while item in self.pending:
+                self.lock.wait()
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.jobs.put(None)
+        for t in self.threads:
+            t.join(timeout=5)
+
+
 class PageAdvisor:
     """The engine observer of one mode (see the module docstring); ``stats()`` its counters."""
 
     _TOPK, _INP, _OUT = (b"ffn_moe_topk-",), (b"ffn_inp-",), (b"ffn_moe_out-",)
 
     def __init__(self, geometry: Geometry, mode: str, *, capacity: int | None = None, policy: str = "lru",
-                 count_hits: bool = False):
+                 count_hits: bool = False, readers: int = 0):
         """``capacity``: the ``managed`` pool in bytes (:func:`managed_budget`; default every expert).
         ``count_hits``: count ``expert_hits`` / ``expert_misses`` of the modes that observe the routing
         (``managed``: its cache's step; the others: whether every page of a routed expert was
@@ -173,9 +256,15 @@ class PageAdvisor:
         self.look_hits = self.look_total = 0
         self.next_layer = dict(zip(geometry.moe_layers, geometry.moe_layers[1:]))
         self.routers = self._routers() if mode == "lookahead" else {}
+
         self.n_tokens = 0
         self.count_hits = count_hits
         self.expert_hits = self.expert_misses = 0
+        self.readers = Readers(readers) if readers > 0 and mode in ("managed", "prefetch") else None
+
+        self.warmed: dict[int, list] = {}
+        self.prefixes = (self._TOPK if self.observes_routing else ()) + (self._INP if mode == "lookahead" else ()) + \
+            (self._OUT if mode in ("nocache", "prefetch") else ())
 
     def start(self) -> None:
         """After the engine has loaded: find the mapping and apply MADV_RANDOM where the mode asks."""
@@ -246,11 +335,11 @@ class PageAdvisor:
         self.n_tokens = n_tokens
 
     def wants(self, name: bytes) -> bool:
-        if self.mode in ("advise", "pin", "managed", "lookahead", "nocache") and layer_of(name, self._TOPK) is not None:
+        if self.observes_routing and layer_of(name, self._TOPK) is not None:
             return True
         if self.mode == "lookahead" and layer_of(name, self._INP) is not None:
             return True
-        return self.mode == "nocache" and layer_of(name, self._OUT) is not None
+        return self.mode in ("nocache", "prefetch") and layer_of(name, self._OUT) is not None
 
     def seen(self, name: bytes, ptr: int) -> None:
         layer = layer_of(name, self._TOPK)
@@ -261,6 +350,8 @@ class PageAdvisor:
                 self.look_total += routed.size
             if self.cache is not None:
                 self.manage(layer, routed)
+            elif self.mode == "prefetch":
+                self.warm(layer, routed)
             else:
                 if self.count_hits and self.base is not None:
                     hit = sum(all(resident(self.base + off, n) for off, n in self.g.expert_ranges(layer, int(e)))
@@ -278,7 +369,11 @@ class PageAdvisor:
                 self.willneed(nxt, guess)
             return
         layer = layer_of(name, self._OUT)
-        if layer is not None and self.base is not None:
+        if layer is not None and self.base is not None and self.mode == "prefetch":
+            for e in self.warmed.pop(layer, ()):  # used: the first pages the kernel may take back
+                for off, n in self.g.expert_ranges(layer, e):
+                    madvise(self.base + off, n, MADV_COLD)
+        elif layer is not None and self.base is not None:
             for off, n in self.g.layer_span(layer):
                 drop(self.fd, self.base, off, n)
             self.drops += 1
@@ -291,21 +386,51 @@ class PageAdvisor:
         # a prefill layer may route more experts than the pool holds: one step per pool-full
         for part in (items[i:i + c] for i in range(0, items.size, c)):
             step = self.cache.prepare(part)
-            if self.base is not None:
-                for item in step.evicted:
-                    for off, n in self.g.expert_ranges(self.g.moe_layers[item // E], item % E):
-                        drop(self.fd, self.base, off, n)
-            self.managed_drops += len(step.evicted)
             self.managed_loads += step.misses
             self.expert_hits += step.hits
             self.expert_misses += step.misses
-            self.willneed(layer, np.asarray([item % E for item, _ in step.loads], dtype=np.int64))
+            self._apply(step)
+
+    def _apply(self, step) -> None:
+        """Carry out a cache step in the page cache: drop its victims (once their population is
+        over), hint its loads (and hand them to the readers)."""
+        E = self.g.num_experts
+        if self.base is not None:
+            for item in step.evicted:
+                if self.readers is not None:
+                    self.readers.settle(item)
+                for off, n in self.g.expert_ranges(self.g.moe_layers[item // E], item % E):
+                    drop(self.fd, self.base, off, n)
+        self.managed_drops += len(step.evicted)
+        for item, _ in step.loads:
+            layer = self.g.moe_layers[item // E]
+            for off, n in self.g.expert_ranges(layer, item % E):
+                os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
+                self.hints += 1
+                self.hint_bytes += n
+                if self.readers is not None and self.base is not None:
+                    self.readers.submit(item, self.base + off, n)
+
+    def warm(self, layer: int, routed: np.ndarray) -> None:
+        """``prefetch``: the routed experts' pages read by the readers (hinted, then populated), as
+        ik_llama.cpp's ``--prefetch-experts`` warms them; marked cold once the layer is computed."""
+        self.willneed(layer, routed)
+        if self.readers is not None and self.base is not None:
+            for e in routed.tolist():
+                for off, n in self.g.expert_ranges(layer, int(e)):
+                    self.readers.submit(int(e), self.base + off, n)
+        self.warmed[layer] = routed.tolist()
 
     def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """The router lookahead's top-k for one residual row ``h`` (see the module docstring)."""
+        return self.predict_rows(layer, h[None, :])[0]
+
+    def predict_rows(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """``[rows, k]``: the router lookahead applied to every row of ``h`` ``[rows, H]``."""
         norm, w = self.routers[layer]
         eps = float(self.g.metadata.get(f"{self.g.architecture}.attention.layer_norm_rms_eps", 1e-6))
-        x = h / np.sqrt(np.mean(h * h) + eps) * norm
-        return np.argsort(-(w @ x), kind="stable")[: self.g.top_k]
+        x = h / np.sqrt(np.mean(h * h, axis=1, keepdims=True) + eps) * norm
+        return np.argsort(-(x @ w.T), axis=1, kind="stable")[:, : self.g.top_k]
 
     def willneed(self, layer: int, experts: np.ndarray) -> None:
         for e in experts.tolist():
@@ -317,7 +442,7 @@ class PageAdvisor:
     @property
     def observes_routing(self) -> bool:
         """Whether this mode reads each layer's routing (its hit counters mean something)."""
-        return self.mode in ("advise", "pin", "managed", "lookahead", "nocache")
+        return self.mode in ("advise", "pin", "managed", "lookahead", "nocache", "prefetch")
 
     def resident_expert_bytes(self) -> int | None:
         """Expert bytes in the page cache now: the ``managed`` pool's residents (their slices), else
@@ -338,9 +463,13 @@ class PageAdvisor:
                 "managed_policy": self.cache.policy.spec if self.cache is not None else None,
                 "managed_loads": self.managed_loads, "managed_drops": self.managed_drops,
                 "managed_adopted": len(self.managed_adopted), "managed_adopted_items": list(self.managed_adopted),
+                "readers": len(self.readers.threads) if self.readers is not None else 0,
+                "populated_bytes": self.readers.populated if self.readers is not None else 0,
                 "expert_hits": self.expert_hits if self.observes_routing else None,
                 "expert_misses": self.expert_misses if self.observes_routing else None,
                 "lookahead_recall": self.look_hits / self.look_total if self.look_total else None}
 
     def close(self) -> None:
+        if self.readers is not None:
+            self.readers.close()
         os.close(self.fd)

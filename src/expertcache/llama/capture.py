@@ -77,6 +77,7 @@ class RoutingRecorder:
     def __init__(self, weights: bool = True):
         self.forwards: list[Forward] = []
         self.keep_weights = weights
+        self.prefixes = (_TOPK, *_WEIGHTS) if weights else (_TOPK,)
 
     def begin(self, n_tokens: int, starts_sequence: bool, all_logits: bool) -> None:
         self.forwards.append(Forward(n_tokens, starts_sequence, all_logits))

@@ -26,7 +26,9 @@ from .ggml import check_layout, tensor_name
 
 class Observer(Protocol):
     """What the engine calls: ``begin`` at each forward, ``wants`` per tensor name (cached), ``seen``
-    with each wanted tensor once computed (``ptr`` is its ``struct ggml_tensor *``)."""
+    with each wanted tensor once computed (``ptr`` is its ``struct ggml_tensor *``). An observer may
+    declare ``prefixes``: every name it may want starts with one of them (the compiled filter hands
+    it nothing else)."""
 
     def begin(self, n_tokens: int, starts_sequence: bool, all_logits: bool) -> None: ...
     def wants(self, name: bytes) -> bool: ...
@@ -37,22 +39,47 @@ class EvalHook:
     """The scheduler's eval callback (``cb_eval``) dispatched to observers: ``ask`` is answered per
     tensor name (cached), each wanted tensor is handed to its observers once computed. An exception
     inside the callback is kept (the callback always lets the graph go on) and raised by
-    :meth:`raise_pending` after the forward. One hook serves one llama.cpp context."""
+    :meth:`raise_pending` after the forward. One hook serves one llama.cpp context.
+
+    The context gets :attr:`cb_eval` and :attr:`user_data`: where numba can compile it, a filter in
+    machine code (:mod:`.evalfilter`) that hands Python only the tensors whose names start with a
+    prefix some observer declares (``Observer.prefixes``; an observer without them sees every
+    name), else the Python callback itself."""
 
     def __init__(self, ll):
+        from .evalfilter import Table, compiled
+
         self.observers: list[Observer] = []
         self._wanted: dict[bytes, list[Observer]] = {}
         self._error: BaseException | None = None
         self.callback = ll.ggml_backend_sched_eval_callback(self._callback)
+        address = compiled()
+        self._table = None
+        if address is not None:
+            self._table = Table(ctypes.cast(self.callback, ctypes.c_void_p).value, [])
+            self.cb_eval, self.user_data = ll.ggml_backend_sched_eval_callback(address), self._table.address
+        else:
+            self.cb_eval, self.user_data = self.callback, None
+
+    def _prefixes(self) -> None:
+        if self._table is None:
+            return
+        from .evalfilter import Table
+
+        wanted = sorted({p for o in self.observers for p in getattr(o, "prefixes", (b"",))})
+        fresh = Table(ctypes.cast(self.callback, ctypes.c_void_p).value, wanted)
+        ctypes.memmove(self._table.buf, fresh.buf, ctypes.sizeof(fresh.buf))  # the context keeps this buffer
 
     def attach(self, obs: Observer) -> None:
         self.observers.append(obs)
         self._wanted.clear()
+        self._prefixes()
 
     def detach(self, obs: Observer) -> None:
         if obs in self.observers:
             self.observers.remove(obs)
         self._wanted.clear()
+        self._prefixes()
 
     def begin(self, n_tokens: int, starts_sequence: bool, all_logits: bool) -> None:
         """Before a forward of ``n_tokens`` rows: every observer's ``begin``; pending errors cleared."""
@@ -126,8 +153,8 @@ class Engine:
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.type_k = cp.type_v = 0  # GGML_TYPE_F32
         cp.flash_attn_type = 0
-        cp.cb_eval = self.hook.callback
-        cp.cb_eval_user_data = None
+        cp.cb_eval = self.hook.cb_eval
+        cp.cb_eval_user_data = self.hook.user_data
         cp.no_perf = True
         self.ctx = ll.llama_init_from_model(self.model, cp)
         if not self.ctx:

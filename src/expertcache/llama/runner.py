@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import ConfigError, ExpertcacheError
 from ..tier import accounting as acc, capacity as cap
-from .advice import MODES, PageAdvisor, managed_budget, managed_item_bytes
+from .advice import MODES, PageAdvisor, managed_budget, managed_item_bytes, readers_for
 from .capture import RoutingRecorder
 from .geometry import Geometry, read_geometry
 
@@ -61,7 +61,8 @@ def measure(spec: dict) -> dict:
     eng = Engine(g.path, n_ctx=len(prompt) + n_new + 1, threads=int(spec.get("threads", 1)), mmap=mode != "nommap",
                  geometry=g)
     load_s = time.perf_counter() - t0
-    advisor = PageAdvisor(g, mode, capacity=spec.get("managed_capacity"), policy=spec.get("policy", "lru"))
+    advisor = PageAdvisor(g, mode, capacity=spec.get("managed_capacity"), policy=spec.get("policy", "lru"),
+                          readers=int(spec.get("readers", 0)))
     routes = RoutingRecorder(weights=False)
     advisor.start()
     eng.attach(routes)
@@ -193,7 +194,7 @@ def run_roofline(g: Geometry, prompt, max_new_tokens: int, threads: int, rec: di
 def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: int | None = None,
             wall: str = "auto", headroom_bytes: int | None = None, threads: int = 1,
             timeout: float | None = None, keep_routing: bool = False, policy: str = "lru",
-            cache_bytes: int | None = None, roofline: bool = True) -> dict:
+            cache_bytes: int | None = None, roofline: bool = True, readers: int | None = None) -> dict:
     """One run in a child process, evicted file first; the record of docs/llama.md. ``policy``
     (an online eviction rule) decides the expert residency of the ``managed`` mode, bounded by
     ``cache_bytes`` (``--cache-memory``; default the wall). A walled run's limit follows the worker
@@ -215,7 +216,8 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
         raise ConfigError(f"--mode nommap reads the whole model into memory: the wall {wall_bytes} is below the "
                           f"model's {g.file_bytes} bytes")
     spec = {"model": g.path, "prompt": [int(x) for x in prompt], "max_new_tokens": int(max_new_tokens),
-            "mode": mode, "threads": int(threads), "managed_capacity": managed, "policy": policy}
+            "mode": mode, "threads": int(threads), "managed_capacity": managed, "policy": policy,
+            "readers": readers_for(mode, readers)}
     capacity = int(wall_bytes or g.file_bytes)
     headroom, margin, note = cap.follow_plan(capacity, headroom_bytes)
     with cap.worker_spec(spec, "expertcache-llama-", True) as (spec_path, flag):
@@ -231,6 +233,11 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
                wall_note=walled.note if wall_bytes else "no wall", cold_start=evicted.get("cold"),
                proof=walled.proof if wall_bytes else {}, headroom_note=note if wall_bytes else None)
     rec.update(demand(rec["routing"], g, wall_bytes))
+    if rec["routing"]:  # the prefill's routed experts (each once), against what the prefill read
+        sizes = g.layer_expert_bytes
+        rec["prefill_routed_bytes"] = sum(len(experts) * sizes[j] for j, experts in enumerate(rec["routing"][0]))
+        pr = rec.get("prefill_read_bytes")
+        rec["prefill_read_ratio"] = pr / rec["prefill_routed_bytes"] if pr is not None and rec["prefill_routed_bytes"] else None
     rb, dm = rec.get("read_bytes_per_token"), rec.get("demand_bytes_per_token")
     rec["amplification"] = rb / dm if rb is not None and dm else None
     if roofline:  # after the run: the compute-rate decode is the parent's, outside the wall

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import llama_cpp
 
 from ..errors import ConfigError
-from .advice import MODES, PageAdvisor
+from .advice import MODES, PageAdvisor, readers_for
 from .engine import EvalHook, _silence
 from .geometry import Geometry, read_geometry
 from .runner import check_managed, io_counters
@@ -76,8 +76,8 @@ class ObservedLlama(llama_cpp.Llama):
     @context_params.setter
     def context_params(self, params) -> None:
         if self.hook is not None:
-            params.cb_eval = self.hook.callback
-            params.cb_eval_user_data = None
+            params.cb_eval = self.hook.cb_eval
+            params.cb_eval_user_data = self.hook.user_data
         self._context_params = params
 
     def generate(self, *args, **kwargs):
@@ -129,7 +129,7 @@ class Session:
     @classmethod
     def open(cls, path: str, *, mode: str = "mmap", cache_bytes: int | None = None, policy: str = "lru",
              n_ctx: int = DEFAULT_CTX, threads: int = 1, seed: int = 0, chat_format: str | None = None,
-             where: str = "MODEL") -> "Session":
+             where: str = "MODEL", readers: int | None = None) -> "Session":
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         g = read_geometry(path, where)
@@ -143,7 +143,8 @@ class Session:
             known = ", ".join(sorted(llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers))
             raise ConfigError(f"--chat-format: {chat_format!r} is not one of llama-cpp-python's formats ({known})")
         _silence(llama_cpp)
-        advisor = PageAdvisor(g, mode, capacity=budget, policy=policy, count_hits=True)
+        advisor = PageAdvisor(g, mode, capacity=budget, policy=policy, count_hits=True,
+                              readers=readers_for(mode, readers))
         hook = None
         if advisor.observes_routing:
             hook = EvalHook(llama_cpp)
