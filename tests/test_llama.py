@@ -287,3 +287,41 @@ def test_special_tokens_come_from_the_tokenizer_config(small_gguf):
         assert text == vocab.tokenize(b"import os", add_bos=False)
     finally:
         vocab.close()
+
+
+def test_the_compiled_filter_hands_python_only_the_prefixed_names(toy):
+    """With numba the eval callback's ask is answered in machine code: an observer that declares
+    prefixes is asked only about names that start with one; one that declares none sees them all."""
+    _needs_llama()
+    from expertcache.llama.engine import Engine
+    from expertcache.llama.evalfilter import compiled
+
+    class Spy:
+        def __init__(self, prefixes=None):
+            if prefixes is not None:
+                self.prefixes = prefixes
+            self.asked, self.got = set(), 0
+
+        def begin(self, *a):
+            pass
+
+        def wants(self, name):
+            self.asked.add(name)
+            return name.startswith(b"ffn_moe_topk-")
+
+        def seen(self, name, ptr):
+            self.got += 1
+
+    with Engine(str(toy / "f32.gguf"), n_ctx=16) as eng:
+        narrow = Spy((b"ffn_moe_topk-",))
+        eng.attach(narrow)
+        eng.forward([1, 2, 3])
+        eng.detach(narrow)
+        broad = Spy()
+        eng.attach(broad)
+        eng.forward([4])
+    assert narrow.got == 3 and broad.got == 3  # the three MoE layers' top-k, either way
+    assert {f"ffn_moe_topk-{i}".encode() for i in range(3)} <= narrow.asked
+    if compiled() is not None:
+        assert all(n.startswith(b"ffn_moe_topk-") for n in narrow.asked)
+        assert any(not n.startswith(b"ffn_") for n in broad.asked)  # no prefixes: every name reaches Python
