@@ -860,14 +860,17 @@ class RandomWeights:
         H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
         E = _n_experts(cfg)
         ff = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
-        kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * (H // cfg["num_attention_heads"])
+        head = H // cfg["num_attention_heads"]
+        kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head
+        per_head = spec.arch == "qwen3moe"  # Qwen3's q/k norms are over one head; OLMoE's over all of them
         shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
         for b in range(L):
             pre = f"model.layers.{b}."
             shapes.update({pre + "input_layernorm.weight": (H,), pre + "post_attention_layernorm.weight": (H,),
                            pre + "self_attn.q_proj.weight": (H, H), pre + "self_attn.k_proj.weight": (kv, H),
                            pre + "self_attn.v_proj.weight": (kv, H), pre + "self_attn.o_proj.weight": (H, H),
-                           pre + "self_attn.q_norm.weight": (H,), pre + "self_attn.k_norm.weight": (kv,),
+                           pre + "self_attn.q_norm.weight": (head if per_head else H,),
+                           pre + "self_attn.k_norm.weight": (head if per_head else kv,),
                            pre + spec.router + ".weight": (E, H)})
             for e in range(E):
                 for part, proj in spec.projections.items():
@@ -889,13 +892,14 @@ class RandomWeights:
 
 def convert_random(cfg: dict, out: str | os.PathLike, dtype: str = "f16", seed: int = 0,
                    tokenizer: str | os.PathLike | None = None) -> dict:
-    """A random-weight GGUF of the OLMoE-class ``cfg`` (an HF config dict), no checkpoint needed;
+    """A random-weight GGUF of the OLMoE- or Qwen3-MoE-class ``cfg`` (an HF config dict, ``model_type``
+    olmoe by default), no checkpoint needed;
     ``tokenizer``: a folder whose byte-level BPE ``tokenizer.json`` (and ``tokenizer_config.json``) to
     write, of the config's vocabulary size (else the file runs on token ids only)."""
     cfg = {"model_type": "olmoe", **cfg}
     spec = SPECS.get(cfg["model_type"])
-    if spec is None or spec.arch != "olmoe":
-        raise ConfigError("convert_random: only the olmoe class is supported")
+    if spec is None or spec.arch not in ("olmoe", "qwen3moe"):
+        raise ConfigError("convert_random: only the olmoe and qwen3_moe classes are supported")
     cfg["rope_parameters"] = _rope_parameters(cfg, None)
     problem = config_problem(cfg, spec)
     if problem:
@@ -906,5 +910,5 @@ def convert_random(cfg: dict, out: str | os.PathLike, dtype: str = "f16", seed: 
         write_hparams(writer, cfg, spec, dtype)
         write_tokenizer(writer, Path(tokenizer) if tokenizer is not None else None, int(cfg["vocab_size"]))
 
-    size = write_gguf(out, spec.arch, planned, keys, f"random-olmoe-seed{seed}")
+    size = write_gguf(out, spec.arch, planned, keys, f"random-{spec.arch}-seed{seed}")
     return {"out": os.fspath(out), "architecture": spec.arch, "dtype": dtype, "bytes": size, "seed": seed}
