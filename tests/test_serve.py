@@ -9,6 +9,7 @@ Needs the llama and serve extras and the openai client; skips with the reason ot
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import signal
@@ -19,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
@@ -94,8 +96,10 @@ class Server:
 
 @pytest.fixture(scope="module")
 def managed(small_gguf):
-    """The server in managed mode, its page cache bounded at 60% of the experts, chatml chats."""
-    s = Server(small_gguf, "--cache-memory", "60%", "--chat-format", "chatml", "--ctx", "512")
+    """The server in managed mode, its page cache bounded at 60% of the experts, chatml chats,
+    routed experts returned on request."""
+    s = Server(small_gguf, "--cache-memory", "60%", "--chat-format", "chatml", "--ctx", "512",
+               "--enable-return-routed-experts")
     yield s
     s.stop()
 
@@ -135,6 +139,73 @@ def test_openai_client_completion_chat_and_streams(managed, greedy_text):
     assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
 
 
+def _routing_of(gguf, prompt: str, new_tokens: int):
+    """The routing of ``prompt`` and its greedy continuation by another path than the server's:
+    llama-cpp-python's own ``eval`` with every row's logits (``logits_all``), the capture's
+    :class:`RoutingRecorder`, every forward's rows concatenated: ``[positions, layers, k]`` over the
+    decoder layers (dense ones 0), positions = the prompt and every new token but the last."""
+    import llama_cpp
+
+    from expertcache.llama.capture import RoutingRecorder
+    from expertcache.llama.engine import EvalHook
+    from expertcache.llama.geometry import read_geometry
+    from expertcache.llama.textgen import ObservedLlama
+
+    g = read_geometry(gguf)
+    rec, hook = RoutingRecorder(weights=False), EvalHook(llama_cpp)
+    hook.attach(rec)
+    llm = ObservedLlama(str(gguf), hook=hook, n_ctx=512, n_batch=512, n_threads=1, n_threads_batch=1,
+                        logits_all=True, verbose=False)
+    try:
+        out = llm.create_completion(prompt, max_tokens=new_tokens, temperature=0.0, top_k=1, repeat_penalty=1.0)
+    finally:
+        llm.close()
+    rows = np.zeros((sum(f.n_tokens for f in rec.forwards), g.num_layers, g.top_k), dtype=np.int32)
+    for layer in g.moe_layers:
+        rows[:, layer] = np.concatenate([f.experts[layer] for f in rec.forwards])
+    return rows, out["usage"]
+
+
+def _decode_routed(b64: str, g) -> np.ndarray:
+    raw = base64.b64decode(b64, validate=True)
+    return np.frombuffer(raw, dtype="<i4").reshape(-1, g.num_layers, g.top_k)
+
+
+def test_routed_experts_equal_an_independent_capture_in_sglang_format(managed, small_gguf):
+    from expertcache.llama.geometry import read_geometry
+
+    g = read_geometry(small_gguf)
+    want, usage = _routing_of(small_gguf, PROMPT, 16)
+    body = {"model": "small-moe", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "return_routed_experts": True}
+    status, raw = managed.raw("POST", "/v1/completions", json.dumps(body))
+    assert status == 200, raw[:300]
+    done = json.loads(raw)
+    got = _decode_routed(done["sglext"]["routed_experts"], g)
+    P, C = done["usage"]["prompt_tokens"], done["usage"]["completion_tokens"]
+    assert (P, C) == (usage["prompt_tokens"], usage["completion_tokens"]) == (P, 16)
+    assert got.shape == (P + C - 1, g.num_layers, g.top_k) == want.shape  # the last token is never evaluated
+    assert np.array_equal(got, want)
+    dense = [i for i in range(g.num_layers) if i not in g.moe_layers]
+    assert not got[:, dense].any() and (got[:, g.moe_layers] < g.num_experts).all()
+    # the same request again: its prompt is a cached prefix, its rows those recorded then
+    status, raw = managed.raw("POST", "/v1/completions", json.dumps({**body, "routed_experts_start_len": P - 1}))
+    assert status == 200 and np.array_equal(_decode_routed(json.loads(raw)["sglext"]["routed_experts"], g), want[P - 1:])
+    # streamed: one chunk without choices carries them, after the finish and before the usage
+    status, raw = managed.raw("POST", "/v1/completions", json.dumps({**body, "stream": True,
+                                                                     "stream_options": {"include_usage": True}}))
+    events = [json.loads(line[6:]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
+    tail = [i for i, e in enumerate(events) if "sglext" in e]
+    assert status == 200 and len(tail) == 1 and events[tail[0]]["choices"] == []
+    assert events[tail[0] - 1]["choices"][0]["finish_reason"] == "length" and "usage" in events[tail[0] + 1]
+    assert np.array_equal(_decode_routed(events[tail[0]]["sglext"]["routed_experts"], g), want)
+    # a chat through the openai client (extra_body), decoded from the response's extra field
+    chat = managed.client().chat.completions.create(
+        model="small-moe", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        extra_body={"return_routed_experts": True})
+    rows = _decode_routed(chat.model_extra["sglext"]["routed_experts"], g)
+    assert len(rows) == chat.usage.prompt_tokens + chat.usage.completion_tokens - 1
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(managed):
     def err(status, body, path="/v1/completions", method="POST", headers=None):
         got, raw = managed.raw(method, path, body, headers)
@@ -152,6 +223,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(managed):
     assert err(400, json.dumps({"prompt": "x", "max_tokens": 10**9}))["code"] == "context_length_exceeded"
     assert err(400, json.dumps({"prompt": "word " * 2000, "max_tokens": 4}))["code"] == "context_length_exceeded"
     assert err(400, json.dumps({"prompt": "x", "n": 2}))["param"] == "n"
+    assert err(400, json.dumps({"prompt": "x", "return_routed_experts": True, "routed_experts_start_len": 999})
+               )["param"] == "routed_experts_start_len"  # beyond the prompt
+    assert err(400, json.dumps({"prompt": "x", "routed_experts_start_len": 0}))["param"] == "routed_experts_start_len"
+    assert err(400, json.dumps({"prompt": "x", "return_routed_experts": True, "routed_experts_start_len": -1})
+               )["param"] == "routed_experts_start_len"
     assert err(400, json.dumps({"messages": []}), "/v1/chat/completions")["param"] == "messages"
     assert err(400, json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "/v1/chat/completions")
     assert err(413, "x" * (2 << 20))["message"].startswith("the request body is larger")
@@ -223,6 +299,9 @@ def test_every_mode_serves_the_greedy_text(small_gguf, greedy_text, mode):
     try:
         done = s.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=16, temperature=0)
         assert done.choices[0].text == greedy_text
+        if mode == "mmap":  # not started with --enable-return-routed-experts: asked for, refused
+            status, raw = s.raw("POST", "/v1/completions", json.dumps({"prompt": "x", "return_routed_experts": True}))
+            assert status == 400 and json.loads(raw)["error"]["code"] == "routed_experts_disabled"
     finally:
         code, err = s.stop()
     assert code == 0 and "Traceback" not in err, err  # SIGTERM stops it cleanly

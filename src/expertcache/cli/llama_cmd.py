@@ -140,7 +140,7 @@ def open_session(args):
     mode = args.mode or ("managed" if cache is not None else "mmap")
     return Session.open(g.path, mode=mode, cache_bytes=cache, policy=args.policy, n_ctx=args.ctx or DEFAULT_CTX,
                         threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format,
-                        readers=args.readers)
+                        readers=args.readers, routed_experts=getattr(args, "enable_return_routed_experts", False))
 
 
 def run_generate(args) -> int:

@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=port_int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--model-alias", default=None, metavar="NAME",
                    help="the model id clients name (default: the file name without .gguf)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="answer requests asking return_routed_experts with the experts every position routed "
+                        "(SGLang's sglext.routed_experts; costs every prompt row's logits; docs/serve.md)")
     p.add_argument("--memory-wall", default=None, metavar="SIZE",
                    help="serve inside a memory cgroup that proves the page cache of the model stays within SIZE "
                         "(bytes or P%%; /metrics shows the proof live, stderr at exit); with the managed mode "
@@ -67,7 +70,8 @@ def run(args) -> int:
         def announce(url: str) -> None:
             rec = {"url": url, "model": model_id, "gguf": session.geometry.path, "mode": session.mode,
                    "cache_memory": session.cache_bytes, "policy": session.policy if session.mode == "managed" else None,
-                   "n_ctx": session.n_ctx, "pid": os.getpid()}
+                   "n_ctx": session.n_ctx, "pid": os.getpid(),
+                   "routed_experts": session.llama.routing is not None}
             if args.json:
                 emit_json([rec])
                 sys.stdout.flush()
@@ -117,6 +121,8 @@ def run_walled(args) -> int:
         argv += ["--cache-memory", str(wall)]  # the managed pool bounded by the wall itself
     if args.json:
         argv.append("--json")
+    if args.enable_return_routed_experts:
+        argv.append("--enable-return-routed-experts")
     headroom, margin, note = cap.follow_plan(wall, args.headroom)
     with cap.worker_spec({}, "expertcache-serve-", True) as (_spec, flag):
         os.environ[WALL_ENV] = json.dumps({"capacity": wall, "follow_flag": flag})

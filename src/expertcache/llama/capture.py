@@ -98,6 +98,53 @@ class RoutingRecorder:
             f.add_weights(layer, read_2d(ptr, np.float32, drop_leading_one=True))
 
 
+class ContextRouting:
+    """The engine observer behind a server's ``return_routed_experts``: the experts every position of
+    the context routed, per decoder layer, kept as long as the position stays in the KV cache.
+
+    ``rows[p, l]`` holds the ``top_k`` experts position ``p`` routed in layer ``l`` (every decoder
+    layer the main graph runs: a dense layer's rows stay 0, as SGLang and vLLM write them). The
+    model sets :attr:`n_past` before each forward; a forward's rows land at ``n_past`` onwards in
+    token order (a forward longer than the micro-batch is several graphs, each continuing where the
+    last ended). Invariant: the forward computed every row's logits (``ObservedLlama``'s
+    ``all_rows``), else llama.cpp's last layer routes only the last row and its other rows would
+    keep stale ids; such a forward raises instead. A prefix llama-cpp-python reuses from the
+    previous prompt keeps the rows it routed then (the same weights, the same tokens, the same
+    positions: the same routing, as SGLang's cached prefixes do)."""
+
+    def __init__(self, n_ctx: int, num_layers: int, top_k: int):
+        self.rows = np.zeros((n_ctx, num_layers, top_k), dtype=np.int32)
+        self.n_past = 0
+        self.prefixes = (_TOPK,)
+        self._next: dict[int, int] = {}
+        self._all_rows = True
+
+    def begin(self, n_tokens: int, starts_sequence: bool, all_logits: bool) -> None:
+        self._next, self._all_rows = {}, all_logits or n_tokens == 1
+
+    def wants(self, name: bytes) -> bool:
+        return layer_of(name, (_TOPK,)) is not None
+
+    def seen(self, name: bytes, ptr: int) -> None:
+        layer = layer_of(name, (_TOPK,))
+        if layer is None or layer >= self.rows.shape[1]:
+            return
+        if not self._all_rows:
+            raise ConfigError("routed experts: a forward computed only its last row's logits, so the last "
+                              "layer routed 1 of its rows")
+        ids = read_2d(ptr, np.int32)
+        at = self._next.get(layer, self.n_past)
+        if ids.shape[1] != self.rows.shape[2] or at + len(ids) > len(self.rows):
+            raise ConfigError(f"routed experts: layer {layer} routed {ids.shape} at position {at}, outside "
+                              f"the context's {self.rows.shape}")
+        self.rows[at:at + len(ids), layer] = ids
+        self._next[layer] = at + len(ids)
+
+    def since(self, start: int, end: int) -> np.ndarray:
+        """Rows ``[start, end)``: ``[end - start, num_layers, top_k]`` int32 (a copy)."""
+        return self.rows[start:end].copy()
+
+
 class LlamaCapture:
     """``with LlamaCapture(engine) as cap: ...`` then ``cap.trace`` (phase rules in the module docstring)."""
 

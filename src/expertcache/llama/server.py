@@ -25,6 +25,9 @@ Invariants:
   serving either way.
 * **Greedy text is the model's**: ``temperature`` 0 samples the argmax with no repetition penalty,
   so a server's greedy completion equals ``expertcache llama generate``'s in every mode.
+* **Routed experts** (``--enable-return-routed-experts``): a request asking ``return_routed_experts``
+  gets every evaluated position's experts in SGLang's ``sglext.routed_experts`` encoding
+  (:meth:`Generation.routed_experts`); without the switch the field is refused, never ignored.
 * Binds 127.0.0.1 unless told otherwise; SIGTERM and SIGINT stop it cleanly (in-flight requests get
   a few seconds, then the model is closed).
 """
@@ -32,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import signal
 import sys
@@ -91,6 +95,7 @@ class _Sampling(BaseModel):
     stream_options: dict | None = None
     logprobs: int | bool | None = None
     return_routed_experts: bool = False
+    routed_experts_start_len: int | None = Field(None, ge=0)
 
 
 class CompletionRequest(_Sampling):
@@ -261,6 +266,23 @@ class Generation:
     def next(self) -> str | None:
         return self._pull()
 
+    def check_routed_start(self) -> None:
+        """A ``routed_experts_start_len`` beyond the prompt is a 400 before anything is sent (SGLang
+        aborts such a request)."""
+        start = self.body.routed_experts_start_len or 0
+        if start > (self.prompt_tokens or 0):
+            self.close()
+            raise ApiError(400, f"routed_experts_start_len {start} is beyond the prompt's {self.prompt_tokens} tokens",
+                           param="routed_experts_start_len")
+
+    def routed_experts(self) -> str:
+        """SGLang's encoding of the routing of every position this request evaluated from
+        ``routed_experts_start_len`` on: base64 of little-endian int32 ``[rows, layers, top_k]``, the
+        layers every decoder layer (a dense one reads 0), the last sampled token (never evaluated)
+        absent; prompt rows first (docs/serve.md, Routed experts)."""
+        rows = self.session.llama.routing.since(self.body.routed_experts_start_len or 0, self.session.llama.n_tokens)
+        return base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii")
+
     def drain(self) -> list[str]:
         """Every remaining piece (one call from the event loop's side, not one per piece)."""
         out = []
@@ -334,6 +356,11 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise ApiError(400, "n: one choice per request is served", param="n")
         if body.logprobs not in (None, False):
             raise ApiError(400, "logprobs are not served", param="logprobs")
+        if body.return_routed_experts and session.llama.routing is None:
+            raise ApiError(400, "this server does not return routed experts: start it with "
+                           "--enable-return-routed-experts", param="return_routed_experts", code="routed_experts_disabled")
+        if body.routed_experts_start_len is not None and not body.return_routed_experts:
+            raise ApiError(400, "routed_experts_start_len needs return_routed_experts", param="routed_experts_start_len")
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > MAX_STOP:
             raise ApiError(400, f"stop: at most {MAX_STOP} sequences", param="stop")
@@ -386,6 +413,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 raise anyio.get_cancelled_exc_class()()
             gen = Generation(session, body=body, **args)
             first = await anyio.to_thread.run_sync(gen.start)
+            if body.return_routed_experts:
+                gen.check_routed_start()
         except ApiError as exc:
             slot.release()
             metrics.count(endpoint, exc.status)
@@ -413,6 +442,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             try:
                 pieces = ([first] if first else []) + await anyio.to_thread.run_sync(gen.drain)  # one hop
                 usage = finished()
+                routed = gen.routed_experts() if body.return_routed_experts else None
             finally:
                 await anyio.to_thread.run_sync(gen.close)
                 slot.release()
@@ -425,8 +455,11 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                           "finish_reason": gen.finish or "stop"}
                 obj = "chat.completion"
-            return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
-                                 "choices": [choice], "usage": usage})
+            out = {"id": rid, "object": obj, "created": int(time.time()), "model": model_id, "choices": [choice],
+                   "usage": usage}
+            if body.return_routed_experts:
+                out["sglext"] = {"routed_experts": routed}
+            return JSONResponse(out)
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
@@ -454,6 +487,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 yield chunk(piece, None)
             yield chunk(None, gen.finish or "stop")
             usage = finished()
+            if body.return_routed_experts:  # SGLang's tail: one chunk without choices carrying them
+                yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
+                                             "choices": [], "sglext": {"routed_experts": gen.routed_experts()}}) + "\n\n"
             if include_usage:
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
                                              "choices": [], "usage": usage}) + "\n\n"

@@ -32,6 +32,7 @@ import llama_cpp
 
 from ..errors import ConfigError
 from .advice import MODES, PageAdvisor, readers_for
+from .capture import ContextRouting
 from .engine import EvalHook, _silence
 from .geometry import Geometry, read_geometry
 from .runner import check_managed, io_counters
@@ -43,8 +44,13 @@ DEFAULT_CTX = 2048
 class ObservedLlama(llama_cpp.Llama):
     """``llama_cpp.Llama`` with an :class:`EvalHook` on its context (see the module docstring)."""
 
-    def __init__(self, model_path: str, *, hook: EvalHook | None = None, **kwargs):
+    def __init__(self, model_path: str, *, hook: EvalHook | None = None, routing: ContextRouting | None = None,
+                 **kwargs):
         self.hook = hook
+        self.routing = routing
+        """Where each position's routing is kept (``serve --enable-return-routed-experts``): every
+        forward then computes every row (llama.cpp otherwise drops all rows but the last from the
+        last layer, its MoE included)."""
         self.stats = {"prefill_forwards": 0, "prefill_tokens": 0, "prefill_seconds": 0.0, "decode_steps": 0,
                       "decode_seconds": 0.0}
         """Cumulative forwards: a decode step is the one-token forward of a token just sampled;
@@ -98,10 +104,14 @@ class ObservedLlama(llama_cpp.Llama):
         t0 = time.perf_counter()
         if self.hook is None:
             super().eval(tokens)
-        else:
+        elif self.routing is None or self._logits_all:
+            if self.routing is not None:
+                self.routing.n_past = self.n_tokens
             self.hook.begin(len(tokens), self.n_tokens == 0, bool(self._logits_all))
             super().eval(tokens)
             self.hook.raise_pending()
+        else:
+            self._eval_every_row(tokens)
         dt, st = time.perf_counter() - t0, self.stats
         if decode:
             st["decode_steps"] += 1
@@ -110,6 +120,24 @@ class ObservedLlama(llama_cpp.Llama):
             st["prefill_forwards"] += 1
             st["prefill_tokens"] += len(tokens)
             st["prefill_seconds"] += dt
+
+
+    def _eval_every_row(self, tokens) -> None:
+        """``Llama.eval`` with every row an output, so that each layer routes every row; the logits
+        stay in the context (``Llama.scores`` holds ``n_batch`` rows unless ``logits_all``, and the
+        sampler reads the last row from the context either way). The loop is ``Llama.eval``'s."""
+        self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+        for i in range(0, len(tokens), self.n_batch):
+            batch = tokens[i: min(len(tokens), i + self.n_batch)]
+            n_past, n = self.n_tokens, len(batch)
+            self.routing.n_past = n_past
+            self.hook.begin(n, n_past == 0, True)
+            self._batch.set_batch(batch=batch, n_past=n_past, logits_all=True)
+            self._ctx.decode(self._batch)
+            self.hook.raise_pending()
+            self.input_ids[n_past: n_past + n] = batch
+            self.n_tokens += n
+            self._requires_eval = False
 
 
 @dataclass
@@ -129,7 +157,7 @@ class Session:
     @classmethod
     def open(cls, path: str, *, mode: str = "mmap", cache_bytes: int | None = None, policy: str = "lru",
              n_ctx: int = DEFAULT_CTX, threads: int = 1, seed: int = 0, chat_format: str | None = None,
-             where: str = "MODEL", readers: int | None = None) -> "Session":
+             where: str = "MODEL", readers: int | None = None, routed_experts: bool = False) -> "Session":
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         g = read_geometry(path, where)
@@ -145,17 +173,21 @@ class Session:
         _silence(llama_cpp)
         advisor = PageAdvisor(g, mode, capacity=budget, policy=policy, count_hits=True,
                               readers=readers_for(mode, readers))
-        hook = None
-        if advisor.observes_routing:
+        hook = routing = None
+        if advisor.observes_routing or routed_experts:
             hook = EvalHook(llama_cpp)
+        if advisor.observes_routing:
             hook.attach(advisor)
+        if routed_experts:
+            routing = ContextRouting(n_ctx, g.num_layers - len(g.skipped_layers), g.top_k)
+            hook.attach(routing)
         if mode == "managed":  # cold: whatever wrote or read the file before leaves no folios of its own
             from ..tier.accounting import evict_file_pages
 
             evict_file_pages([g.path])
         t0 = time.perf_counter()
         try:
-            llm = ObservedLlama(g.path, hook=hook, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=threads,
+            llm = ObservedLlama(g.path, hook=hook, routing=routing, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=threads,
                                 n_threads_batch=threads, use_mmap=mode != "nommap", seed=seed, verbose=False,
                                 chat_format=chat_format)
         except ValueError as exc:  # llama-cpp-python's "Failed to load model from file" and the like
