@@ -255,6 +255,12 @@ def test_metrics_move_and_agree_with_the_run(managed):
     assert after["expertcache_device_read_bytes_total"] == proc_read  # the process's own /proc/<pid>/io
     assert 0 < after["expertcache_resident_expert_bytes"] <= after["expertcache_cache_memory_bytes"]
     assert after["expertcache_decode_tokens_per_second"] > 0
+    # the roofline: D from the decode steps' own reads, c from the steps that read nothing
+    assert 0 <= d["expertcache_decode_read_bytes_total"] <= d["expertcache_device_read_bytes_total"]
+    c, limit = after["expertcache_compute_tokens_per_second"], after["expertcache_limit_tokens_per_second"]
+    assert 0 < limit <= c and after["expertcache_serial_limit_tokens_per_second"] <= limit
+    rate = after["expertcache_decode_steps_total"] / after["expertcache_decode_seconds_total"]
+    assert after["expertcache_efficiency"] == pytest.approx(rate / limit, rel=1e-3)
     assert d['expertcache_requests_total{endpoint="/v1/completions",code="200"}'] == 1
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -51,6 +52,10 @@ class EvalHook:
 
         self.observers: list[Observer] = []
         self._wanted: dict[bytes, list[Observer]] = {}
+        self.seconds: dict[int, float] = {}
+        """Seconds spent in each observer's ``seen`` (by ``id``): :meth:`seconds_in`."""
+        self.callback_seconds = 0.0
+        """Seconds inside the Python callback, every observer and the dispatch included."""
         self._error: BaseException | None = None
         self.callback = ll.ggml_backend_sched_eval_callback(self._callback)
         address = compiled()
@@ -93,7 +98,12 @@ class EvalHook:
             err, self._error = self._error, None
             raise err
 
+    def seconds_in(self, obs: Observer) -> float:
+        """Seconds ``obs`` has spent handling the tensors it was handed (its share of each step)."""
+        return self.seconds.get(id(obs), 0.0)
+
     def _callback(self, ptr, ask, _user) -> bool:
+        t0 = time.perf_counter()
         try:
             name = tensor_name(ptr)
             who = self._wanted.get(name)
@@ -101,11 +111,15 @@ class EvalHook:
                 who = self._wanted[name] = [o for o in self.observers if o.wants(name)]
             if not ask:
                 for o in who:
+                    t1 = time.perf_counter()
                     o.seen(name, ptr)
+                    self.seconds[id(o)] = self.seconds.get(id(o), 0.0) + time.perf_counter() - t1
             return bool(who) if ask else True
         except BaseException as exc:  # noqa: BLE001 - kept, raised after the forward
             self._error = self._error or exc
             return False if ask else True
+        finally:
+            self.callback_seconds += time.perf_counter() - t0
 
 
 def _llama():

@@ -73,10 +73,12 @@ def measure(spec: dict) -> dict:
     t2 = time.perf_counter()
     c1 = io_counters()
     hinted = advisor.hint_bytes
+    h0, a0 = eng.hook.callback_seconds, eng.hook.seconds_in(advisor)
     out = [int(np.argmax(logits[-1]))]
     for _ in range(n_new - 1):
         out.append(int(np.argmax(eng.forward([out[-1]], logits="last")[-1])))
     t3 = time.perf_counter()
+    h1, a1 = eng.hook.callback_seconds, eng.hook.seconds_in(advisor)
     c2 = io_counters()
     pre, dec = _diff(c0, c1), _diff(c1, c2)
     steps = n_new - 1
@@ -90,7 +92,9 @@ def measure(spec: dict) -> dict:
            "major_faults_per_token": dec["major_faults"] / steps if steps else None,
            "output_ids": out, "output_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
            "routing": [[np.unique(fe[lid]).tolist() for lid in g.moe_layers] for fe in (f.experts for f in routes.forwards)],
-           "advice": advisor.stats(), "decode_hint_bytes": advisor.hint_bytes - hinted, "threads": int(spec.get("threads", 1))}
+           "advice": advisor.stats(), "decode_hint_bytes": advisor.hint_bytes - hinted, "threads": int(spec.get("threads", 1)),
+           "advice_seconds_per_token": (a1 - a0) / steps if steps else None,
+           "callback_seconds_per_token": (h1 - h0) / steps if steps else None}
     advisor.close()
     eng.close()
     return rec

@@ -154,6 +154,31 @@ class Metrics:
         self.ttft_sum, self.ttft_count = 0.0, 0
         self.waiting = 0
         self.wall = None  # a callable giving the live wall state, where the server runs inside one
+        self.bandwidth: dict = {}
+        self._measure_bandwidth()
+
+    def _measure_bandwidth(self) -> None:
+        """The device's read bandwidth at the expert slice size, 1 and 4 readers (:mod:`.roofline`;
+        cached per device for a day, else about 2 s of ``O_DIRECT`` reads before the server answers)."""
+        from .roofline import device_bandwidth
+        from .runner import request_bytes
+
+        g = self.session.geometry
+        try:
+            for readers in (1, 4):
+                self.bandwidth[readers] = device_bandwidth(g.path, request_bytes(g), readers)["bytes_per_s"]
+        except OSError:
+            pass  # no roofline gauges
+
+    def roofline(self, snap: dict) -> dict:
+        """The roofline of the decode steps so far (docs/serve.md, Metrics): ``c`` the rate of the
+        steps that read nothing, ``D`` the bytes read per decode step, the device's bandwidths."""
+        from .roofline import limits
+
+        c = snap["resident_steps"] / snap["resident_seconds"] if snap["resident_seconds"] else None
+        d = snap["decode_read_bytes"] / snap["decode_steps"] if snap["decode_steps"] else None
+        rate = snap["decode_steps"] / snap["decode_seconds"] if snap["decode_seconds"] else None
+        return {"compute": c, "missed": d, **limits(c, d, self.bandwidth.get(1), self.bandwidth.get(4), rate)}
 
     def count(self, endpoint: str, status: int) -> None:
         key = (endpoint, int(status))
@@ -196,6 +221,19 @@ class Metrics:
         if self.decode_rate is not None:
             metric("decode_tokens_per_second", "gauge", "Decode rate of the last request: its one-token forwards / "
                    "their seconds.", [({}, round(self.decode_rate, 4))])
+        roof = self.roofline(snap)
+        metric("decode_read_bytes_total", "counter", "Bytes this process read from the device during one-token "
+               "forwards.", [({}, snap["decode_read_bytes"])])
+        for key, name, help_ in (
+                ("compute", "compute_tokens_per_second", "The compute rate: one-token forwards that read nothing / "
+                 "their seconds."),
+                ("limit_tokens_per_s", "limit_tokens_per_second", "The decode rate's physical limit, reads overlapped "
+                 "with compute: min(compute rate, device bandwidth / bytes read per decode step)."),
+                ("serial_limit_tokens_per_s", "serial_limit_tokens_per_second", "The limit with reads and compute one "
+                 "after the other: 1 / (1/compute rate + bytes per step / one reader's bandwidth)."),
+                ("efficiency", "efficiency", "Decode rate (every one-token forward) / limit_tokens_per_second.")):
+            if roof.get(key) is not None:
+                metric(name, "gauge", help_, [({}, round(roof[key], 4))])
         metric("time_to_first_token_seconds", "summary", "Request arrival to its first generated text.", [])
         lines.append(f"expertcache_time_to_first_token_seconds_sum {round(self.ttft_sum, 6)}")
         lines.append(f"expertcache_time_to_first_token_seconds_count {self.ttft_count}")

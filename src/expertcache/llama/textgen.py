@@ -52,10 +52,13 @@ class ObservedLlama(llama_cpp.Llama):
         forward then computes every row (llama.cpp otherwise drops all rows but the last from the
         last layer, its MoE included)."""
         self.stats = {"prefill_forwards": 0, "prefill_tokens": 0, "prefill_seconds": 0.0, "decode_steps": 0,
-                      "decode_seconds": 0.0}
+                      "decode_seconds": 0.0, "decode_read_bytes": 0, "resident_steps": 0, "resident_seconds": 0.0}
         """Cumulative forwards: a decode step is the one-token forward of a token just sampled;
         every other forward is a prefill (a prefix cached from the previous prompt is not evaluated
-        again, so not counted)."""
+        again, so not counted). ``decode_read_bytes``: what this process read from the device during
+        decode steps (``/proc/self/io``, the mode's reader threads included); ``resident_steps`` /
+        ``resident_seconds``: the decode steps that read nothing (every expert they routed was
+        resident) and their time, whose rate is the compute rate of the roofline."""
         self.sampled = 0
         """Tokens sampled since the model was loaded."""
         self.last_sampled_is_eog = False
@@ -101,6 +104,7 @@ class ObservedLlama(llama_cpp.Llama):
     def eval(self, tokens) -> None:
         decode = self._decoding and len(tokens) == 1
         self._decoding = decode
+        r0 = _read_bytes() if decode else None
         t0 = time.perf_counter()
         if self.hook is None:
             super().eval(tokens)
@@ -116,6 +120,12 @@ class ObservedLlama(llama_cpp.Llama):
         if decode:
             st["decode_steps"] += 1
             st["decode_seconds"] += dt
+            read = _read_bytes()
+            if read is not None and r0 is not None:
+                st["decode_read_bytes"] += read - r0
+                if read == r0:
+                    st["resident_steps"] += 1
+                    st["resident_seconds"] += dt
         else:
             st["prefill_forwards"] += 1
             st["prefill_tokens"] += len(tokens)
@@ -138,6 +148,10 @@ class ObservedLlama(llama_cpp.Llama):
             self.input_ids[n_past: n_past + n] = batch
             self.n_tokens += n
             self._requires_eval = False
+
+
+def _read_bytes() -> int | None:
+    return io_counters()["read_bytes"]
 
 
 @dataclass
