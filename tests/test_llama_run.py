@@ -144,6 +144,15 @@ def test_managed_mode_hints_exactly_the_policys_loads(gguf_path, prompt):
     assert adv["managed_loads"] == len(routed - adopted)  # each other routed expert loaded once, never again
     assert adv["hint_bytes"] == adv["managed_loads"] * g.uniform_expert_bytes
     assert rec["output_sha256"] == run_one(g, prompt, 10, "mmap")["output_sha256"]
+    # --predict lookahead: the pool loads the predicted experts; the tokens stay the model's, and
+    # with a tight pool every load (routed or predicted) is a hinted expert
+    pred = run_one(g, prompt, 10, "managed", wall_bytes=wall, predict="lookahead")
+    pa = pred["advice"]
+    assert pred["output_sha256"] == rec["output_sha256"] and pred["proof_ok"]
+    assert 0 < pa["predicted_loads"] <= pa["managed_loads"] and 0 <= pa["lookahead_recall"] <= 1
+    assert pa["hint_bytes"] == pa["managed_loads"] * g.uniform_expert_bytes
+    with pytest.raises(ConfigError, match="the managed mode's option"):
+        run_one(g, prompt, 10, "advise", predict="lookahead")
     with pytest.raises(ConfigError, match="fewer than one layer routes"):
         check_managed(g, dense + g.uniform_expert_bytes, "lru")
     with pytest.raises(ConfigError, match="needs the future"):

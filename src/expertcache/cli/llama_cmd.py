@@ -203,6 +203,10 @@ def _common(p) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N", help="tokens generated (default 32)")
     p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
     add_readers(p)
+    p.add_argument("--predict", choices=("lookahead",), default=None,
+                   help="managed: load the next MoE layer's experts the router lookahead predicts as soon as this "
+                        "layer's residual is known, evicted first if unused (off by default: it read 7-15x more "
+                        "than without on the benchmark; docs/llama.md)")
     p.add_argument("--wall", choices=WALLS, default="auto", help="how the wall is enforced (default auto)")
     p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
                    help="most the wall's limit follows the process's own memory to, above the capacity "
@@ -288,7 +292,7 @@ def run_run(args) -> int:
     wall = parse_wall(args.memory_wall, g, "--memory-wall")
     rec = run_one(g, prompt, args.max_new_tokens, args.mode, wall_bytes=wall, wall=args.wall,
                   headroom_bytes=args.headroom, threads=args.threads, timeout=args.timeout, policy=args.policy,
-                  cache_bytes=cache, roofline=not args.no_roofline, readers=args.readers)
+                  cache_bytes=cache, roofline=not args.no_roofline, readers=args.readers, predict=args.predict)
     if _prompt_text(args) is not None:  # a text prompt: the text generated too
         from ..llama.textgen import detokenize_file
 
@@ -330,7 +334,7 @@ def run_sweep(args) -> int:
     res = sweep(g, prompt, args.max_new_tokens, modes, walls, runs=args.runs, seed=args.seed, wall=args.wall,
                 headroom_bytes=args.headroom, threads=args.threads, target=args.target_tokens_per_s,
                 timeout=args.timeout, progress=progress, policy=args.policy, readers=args.readers,
-                roofline=not args.no_roofline)
+                roofline=not args.no_roofline, predict=args.predict)
     if args.plot:
         plot_sweep(res, args.plot, f"{g.path}: decode against the memory wall")
     if args.json:

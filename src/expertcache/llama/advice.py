@@ -41,6 +41,11 @@ on the file through its own descriptor:
   no eviction of its own. The closest mechanism a user can get elsewhere, for the same-run A/B;
 * ``nommap``: the weights are read into anonymous memory at load (no tier; ``Engine(mmap=False)``).
 
+``predict="lookahead"`` (``managed`` only): when a layer's ``ffn_inp`` is computed in a decode step,
+the pool loads the next MoE layer's experts the router lookahead predicts (``ExpertCache.prefetch``:
+unused prefetched experts are evicted first), so their reads overlap this layer's compute; its
+loads count in ``predicted_loads`` (docs/llama.md: it loses, each wrong prediction a whole read).
+
 ``readers`` (``managed``, ``prefetch``) hands loaded slices to threads that populate their pages.
 A prefill under ``managed`` reads each routed expert once, at its layer's routing (a 512-token
 prefill at a 25% wall read 1.00x the routed experts' bytes; docs/llama.md).
@@ -231,7 +236,7 @@ class PageAdvisor:
     _TOPK, _INP, _OUT = (b"ffn_moe_topk-",), (b"ffn_inp-",), (b"ffn_moe_out-",)
 
     def __init__(self, geometry: Geometry, mode: str, *, capacity: int | None = None, policy: str = "lru",
-                 count_hits: bool = False, readers: int = 0):
+                 count_hits: bool = False, readers: int = 0, predict: str | None = None):
         """``capacity``: the ``managed`` pool in bytes (:func:`managed_budget`; default every expert).
         ``count_hits``: count ``expert_hits`` / ``expert_misses`` of the modes that observe the routing
         (``managed``: its cache's step; the others: whether every page of a routed expert was
@@ -254,8 +259,12 @@ class PageAdvisor:
         self.hints = self.hint_bytes = self.drops = self.locked_bytes = 0
         self.predicted: dict[int, set] = {}
         self.look_hits = self.look_total = 0
+        self.predicted_loads = 0
         self.next_layer = dict(zip(geometry.moe_layers, geometry.moe_layers[1:]))
-        self.routers = self._routers() if mode == "lookahead" else {}
+        if predict not in (None, "lookahead") or (predict and mode != "managed"):
+            raise ConfigError(f"--predict: {predict!r} (lookahead, for the managed mode)")
+        self.predict_next = predict == "lookahead"
+        self.routers = self._routers() if mode == "lookahead" or self.predict_next else {}
 
         self.n_tokens = 0
         self.count_hits = count_hits
@@ -263,7 +272,8 @@ class PageAdvisor:
         self.readers = Readers(readers) if readers > 0 and mode in ("managed", "prefetch") else None
 
         self.warmed: dict[int, list] = {}
-        self.prefixes = (self._TOPK if self.observes_routing else ()) + (self._INP if mode == "lookahead" else ()) + \
+        self.prefixes = (self._TOPK if self.observes_routing else ()) + \
+            (self._INP if mode == "lookahead" or self.predict_next else ()) + \
             (self._OUT if mode in ("nocache", "prefetch") else ())
 
     def start(self) -> None:
@@ -337,7 +347,7 @@ class PageAdvisor:
     def wants(self, name: bytes) -> bool:
         if self.observes_routing and layer_of(name, self._TOPK) is not None:
             return True
-        if self.mode == "lookahead" and layer_of(name, self._INP) is not None:
+        if (self.mode == "lookahead" or self.predict_next) and layer_of(name, self._INP) is not None:
             return True
         return self.mode in ("nocache", "prefetch") and layer_of(name, self._OUT) is not None
 
@@ -366,7 +376,13 @@ class PageAdvisor:
             if nxt is not None and self.n_tokens == 1:
                 guess = self.predict(nxt, read_2d(ptr, np.float32)[-1])
                 self.predicted[nxt] = set(guess.tolist())
-                self.willneed(nxt, guess)
+                if self.cache is not None:  # managed: the pool loads them now, evicted first if unused
+                    step = self.cache.prefetch(guess.astype(np.int64) + self.row[nxt] * self.g.num_experts)
+                    self.managed_loads += len(step.loads)
+                    self.predicted_loads += len(step.loads)
+                    self._apply(step)
+                else:
+                    self.willneed(nxt, guess)
             return
         layer = layer_of(name, self._OUT)
         if layer is not None and self.base is not None and self.mode == "prefetch":
@@ -467,7 +483,8 @@ class PageAdvisor:
                 "populated_bytes": self.readers.populated if self.readers is not None else 0,
                 "expert_hits": self.expert_hits if self.observes_routing else None,
                 "expert_misses": self.expert_misses if self.observes_routing else None,
-                "lookahead_recall": self.look_hits / self.look_total if self.look_total else None}
+                "lookahead_recall": self.look_hits / self.look_total if self.look_total else None,
+                "predicted_loads": self.predicted_loads}
 
     def close(self) -> None:
         if self.readers is not None:

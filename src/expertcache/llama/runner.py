@@ -62,7 +62,7 @@ def measure(spec: dict) -> dict:
                  geometry=g)
     load_s = time.perf_counter() - t0
     advisor = PageAdvisor(g, mode, capacity=spec.get("managed_capacity"), policy=spec.get("policy", "lru"),
-                          readers=int(spec.get("readers", 0)))
+                          readers=int(spec.get("readers", 0)), predict=spec.get("predict"))
     routes = RoutingRecorder(weights=False)
     advisor.start()
     eng.attach(routes)
@@ -198,7 +198,8 @@ def run_roofline(g: Geometry, prompt, max_new_tokens: int, threads: int, rec: di
 def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: int | None = None,
             wall: str = "auto", headroom_bytes: int | None = None, threads: int = 1,
             timeout: float | None = None, keep_routing: bool = False, policy: str = "lru",
-            cache_bytes: int | None = None, roofline: bool = True, readers: int | None = None) -> dict:
+            cache_bytes: int | None = None, roofline: bool = True, readers: int | None = None,
+            predict: str | None = None) -> dict:
     """One run in a child process, evicted file first; the record of docs/llama.md. ``policy``
     (an online eviction rule) decides the expert residency of the ``managed`` mode, bounded by
     ``cache_bytes`` (``--cache-memory``; default the wall). A walled run's limit follows the worker
@@ -213,6 +214,8 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     if cache_bytes is not None and wall_bytes is not None and cache_bytes > wall_bytes:
         raise ConfigError(f"--cache-memory {cache_bytes} is above the --memory-wall {wall_bytes}: the pool would "
                           "not fit in the wall")
+    if predict is not None and (predict != "lookahead" or mode != "managed"):
+        raise ConfigError(f"--predict {predict}: the managed mode's option (lookahead), not --mode {mode}'s")
     managed = None
     if mode == "managed":
         managed = check_managed(g, cache_bytes if cache_bytes is not None else wall_bytes, policy)
@@ -221,7 +224,7 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
                           f"model's {g.file_bytes} bytes")
     spec = {"model": g.path, "prompt": [int(x) for x in prompt], "max_new_tokens": int(max_new_tokens),
             "mode": mode, "threads": int(threads), "managed_capacity": managed, "policy": policy,
-            "readers": readers_for(mode, readers)}
+            "readers": readers_for(mode, readers), "predict": predict}
     capacity = int(wall_bytes or g.file_bytes)
     headroom, margin, note = cap.follow_plan(capacity, headroom_bytes)
     with cap.worker_spec(spec, "expertcache-llama-", True) as (spec_path, flag):

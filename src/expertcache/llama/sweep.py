@@ -91,7 +91,7 @@ def summarize(records: list[dict], modes: list[str], walls: list[int], target: f
 def sweep(g: Geometry, prompt, max_new_tokens: int, modes: list[str], walls: list[int], *, runs: int = 3,
           seed: int = 0, wall: str = "auto", headroom_bytes: int | None = None, threads: int = 1,
           target: float | None = None, timeout: float | None = None, progress=None, policy: str = "lru",
-          readers: int | None = None, roofline: bool = True) -> dict:
+          readers: int | None = None, roofline: bool = True, predict: str | None = None) -> dict:
     """Every (wall, mode, run) once, in one seeded shuffled order; the records and :func:`summarize`.
     ``policy`` decides the ``managed`` mode's residency (checked first; a wall too small for its pool
     is a failed cell, as a run the wall killed is)."""
@@ -105,7 +105,8 @@ def sweep(g: Geometry, prompt, max_new_tokens: int, modes: list[str], walls: lis
     for i, (w, m, r) in enumerate(cells):
         try:
             rec = run_one(g, prompt, max_new_tokens, m, wall_bytes=w, wall=wall, headroom_bytes=headroom_bytes,
-                          threads=threads, timeout=timeout, policy=policy, readers=readers, roofline=roofline)
+                          threads=threads, timeout=timeout, policy=policy, readers=readers, roofline=roofline,
+                          predict=predict if m == "managed" else None)
         except ExpertcacheError as exc:  # a run the wall killed is a result of that cell, not the end of the sweep
             rec = {"mode": m, "memory_wall": w, "error": str(exc), "decode_tokens_per_s": None,
                    "read_bytes_per_token": None, "proof_ok": False, "output_sha256": None}
