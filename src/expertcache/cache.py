@@ -351,7 +351,7 @@ class SizedCache(ExpertCache):
         return order[:n]
 
     def _check_group(self, items: np.ndarray) -> None:
-        if items.size and (items.max() >= self.n_items or np.unique(items).size != items.size):
+        if items.size and (items.max() >= self.n_items or len(set(items.tolist())) != items.size):
             raise ConfigError(f"prepare: ids must be distinct and below {self.n_items}, got {items.tolist()}")
         need = int(self.item_bytes[items].sum())
         if need > self.capacity_bytes:
@@ -368,8 +368,11 @@ class SizedCache(ExpertCache):
             return self._finish(items, self._prepare_hooked(np.sort(items), t), t)
         missing = np.sort(items[self._slot[items] < 0])
         deficit = self.used_bytes + int(self.item_bytes[missing].sum()) - self.capacity_bytes
-        candidates = np.setdiff1d(np.flatnonzero(self._slot >= 0), items, assume_unique=True)
-        victims = self._victims_for(candidates, deficit, t)
+        victims = ()
+        if deficit > 0:  # the candidates only where something must go (most steps hit or fit)
+            mask = self._slot >= 0
+            mask[items] = False
+            victims = self._victims_for(np.flatnonzero(mask), deficit, t)
         step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(items.size - missing.size))
         self.policy.on_hit(items[self._slot[items] >= 0], t)
         self.policy.on_miss(missing, t)

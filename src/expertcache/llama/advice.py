@@ -64,7 +64,7 @@ import numpy as np
 from ..errors import ConfigError
 from .capture import layer_of
 from .geometry import Geometry
-from .ggml import read_2d
+from .ggml import read_2d, read_ids
 
 MODES = ("mmap", "random", "advise", "pin", "managed", "lookahead", "nocache", "prefetch", "nommap")
 MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED, MADV_COLD = 1, 3, 4, 20
@@ -254,6 +254,8 @@ class PageAdvisor:
             self.cache = SizedCache(int(capacity if capacity is not None else items.sum()), policy, items,
                                     steps_per_token=len(geometry.moe_layers))
             self.row = {layer: j for j, layer in enumerate(geometry.moe_layers)}
+            self.pool_step = max(1, self.cache.capacity_bytes // int(self.cache.item_bytes.max()))
+            """Experts one cache step may take: a prefill layer routing more takes one step per pool-full."""
         self.fd = os.open(geometry.path, os.O_RDONLY)
         self.base: int | None = None
         self.hints = self.hint_bytes = self.drops = self.locked_bytes = 0
@@ -354,7 +356,7 @@ class PageAdvisor:
     def seen(self, name: bytes, ptr: int) -> None:
         layer = layer_of(name, self._TOPK)
         if layer is not None:
-            routed = np.unique(read_2d(ptr, np.int32))
+            routed = read_ids(ptr)
             if layer in self.predicted:
                 self.look_hits += len(self.predicted.pop(layer) & set(routed.tolist()))
                 self.look_total += routed.size
@@ -396,8 +398,7 @@ class PageAdvisor:
 
     def manage(self, layer: int, routed: np.ndarray) -> None:
         """The ``managed`` step of one layer's routed experts: drop the victims, hint the loads."""
-        E, j = self.g.num_experts, self.row[layer]
-        c = max(1, self.cache.capacity_bytes // int(self.cache.item_bytes.max()))
+        E, j, c = self.g.num_experts, self.row[layer], self.pool_step
         items = routed.astype(np.int64) + j * E
         # a prefill layer may route more experts than the pool holds: one step per pool-full
         for part in (items[i:i + c] for i in range(0, items.size, c)):

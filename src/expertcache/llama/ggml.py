@@ -97,6 +97,22 @@ def tensor_name(ptr: int) -> bytes:
     return ctypes.string_at(ptr + NAME_OFFSET)
 
 
+_TYPE, _NE, _NB, _DATA = GGMLTensor.type.offset, GGMLTensor.ne.offset, GGMLTensor.nb.offset, GGMLTensor.data.offset
+
+
+def read_ids(ptr: int) -> np.ndarray:
+    """The distinct ids of an int32 tensor's first two dimensions, sorted (``np.unique`` of
+    :func:`read_2d`): a layer's routed experts. One row with contiguous ids (a decode step's
+    ``ffn_moe_topk``) is read straight from the header's fields, without building the struct (the
+    managed step runs this once a layer, a token); anything else goes through :func:`read_2d`."""
+    ne0, ne1, ne2, ne3 = np.frombuffer(ctypes.string_at(ptr + _NE, 32), dtype=np.int64)
+    if ctypes.c_int.from_address(ptr + _TYPE).value == GGML_TYPE_I32 and ne1 * ne2 * ne3 == 1 \
+            and ctypes.c_size_t.from_address(ptr + _NB).value == 4:
+        data = ctypes.c_void_p.from_address(ptr + _DATA).value
+        return np.unique(np.frombuffer(ctypes.string_at(data, 4 * int(ne0)), dtype=np.int32))
+    return np.unique(read_2d(ptr, np.int32))
+
+
 def read_2d(ptr: int, dtype, drop_leading_one: bool = False) -> np.ndarray:
     """A copy of the tensor's first two dimensions as ``[ne1, ne0]`` (rows of ``ne0``), following
     its byte strides ``nb`` (views such as ``ffn_moe_topk`` are strided). ``drop_leading_one``: a
