@@ -152,7 +152,10 @@ def test_gguf_metadata(tmp_path):
     w.close()
     spec = read_model(path)
     assert (spec.num_experts, spec.top_k, spec.moe_layers) == (4, 2, 2)
-    assert spec.expert_bytes == 3 * 6 * 8 * 2 and spec.other_bytes == 4 * (80 + 2 * 64)
+    experts = 2 * 3 * 4 * 6 * 8 * 2
+    assert spec.expert_bytes == 3 * 6 * 8 * 2 and spec.layer_expert_bytes == (3 * 6 * 8 * 2,) * 2
+    # dense: every byte of the file that is not an expert tensor (the header and padding included)
+    assert spec.other_bytes == path.stat().st_size - experts > 4 * (80 + 2 * 64)
 
 
 def test_gguf_without_the_package_is_one_line(tmp_path, monkeypatch, capsys):
@@ -160,7 +163,7 @@ def test_gguf_without_the_package_is_one_line(tmp_path, monkeypatch, capsys):
     path.write_bytes(b"GGUF" + bytes(60))
     monkeypatch.setitem(sys.modules, "gguf", None)
     rc, _, err = run(capsys, "size", "--model-config", path, "--device-memory", "24GB")
-    assert rc == 2 and err.count("\n") == 1 and "pip install 'expertcache[llama]'" in err
+    assert rc == 2 and err.count("\n") == 1 and "needs the gguf package" in err and "pip install 'expertcache[" in err
 
 
 # ------------------------------------------------------------------------------ sizing a cache
@@ -187,6 +190,9 @@ def test_no_target_uses_the_capacity_that_fits(capsys):
         assert rec["hit_rate"] == pytest.approx(ref.hit_rate)
         assert rec["ms_per_token"] == pytest.approx(1000 / 49 + ref.copies_per_token * 0.51)
         assert rec["cache_bytes"] == cap * 16 * S
+        # every miss, the cold fills of the pools emptied at each sequence included (finding (a))
+        assert rec["misses_per_token"] == pytest.approx(ref.copies_total / ref.tokens)
+        assert rec["misses_per_token"] > rec["copies_per_token"]
     assert [r["recommended"] for r in recs] == [True, False]  # belady needs the future
 
 
@@ -299,3 +305,410 @@ def test_calibrate_refusals_are_one_line(capsys, extra, message):
     assert main(["size", "--model-config", model, "--device-memory", "3MB", "--calibrate", "3", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ the issue's findings (b)-(d)
+def test_reserve_reads_correctly_without_the_non_expert_weights(capsys):
+    """Finding (b): the reserve is taken off the device memory, and the missing weights said apart."""
+    rc, out, _ = run(capsys, "size", "--expert-mb", "12.6", "--experts", "64", "--top-k", "8", "--moe-layers", "16",
+                     "--device-memory", "24GB", "--reserve", "5GB")
+    assert rc == 0
+    assert "19 GB available (24 GB - 5 GB reserve; non-expert weights not counted: give --model-config)" in out
+
+
+def _quantized_gguf(path: Path) -> Path:
+    """An OLMoE-class GGUF whose expert tensors are Q4_K but layer 0's ffn_down_exps Q6_K (as llama.cpp's
+    Q4_K_M recipe does): experts of 2988 bytes in layer 0 and 2592 in layer 1; a 64 kB f32 embedding."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "olmoe")
+    w.add_block_count(2)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((64, 256), dtype=np.float32))
+    q4, q6 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    for b in range(2):
+        w.add_tensor(f"blk.{b}.attn_q.weight", np.zeros((8, 256), dtype=np.float32))
+        for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            qt = q6 if (b, name) == (0, "ffn_down_exps") else q4
+            w.add_tensor(f"blk.{b}.{name}.weight", np.zeros((4, 6, gguf.GGML_QUANT_SIZES[qt][1]), dtype=np.uint8),
+                         raw_dtype=qt)  # 6 rows of 256 weights per expert
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+QL0, QL1 = 2 * 144 * 6 + 210 * 6, 3 * 144 * 6  # one expert of layer 0 (two Q4_K, one Q6_K slice) and of layer 1
+
+
+def test_a_quantized_gguf_counts_its_dense_bytes_and_per_layer_experts(tmp_path, capsys):
+    """Finding (c): at Q4 the sizes come from the file's own tensor table (read_geometry): each layer's
+    expert bytes exactly, and the dense bytes counted against the device."""
+    path = _quantized_gguf(tmp_path / "q4.gguf")
+    spec = read_model(path)
+    assert spec.layer_expert_bytes == (QL0, QL1) and spec.expert_bytes == (QL0 + QL1) // 2
+    experts = 4 * (QL0 + QL1)
+    dense = path.stat().st_size - experts
+    assert spec.other_bytes == dense > 64 * 256 * 4 and spec.all_experts_bytes == experts
+    rc, out, _ = run(capsys, "size", path, "--device-memory", str(dense + experts))
+    assert rc == 0 and out.startswith("fits entirely") and "non-expert weights, GGUF tensor table (exact)" in out
+    assert "x 0.00279 MB (mean; 0.002592-0.002988 MB by layer) = " in out
+    # experts alone would fit in this much; with the dense part counted they do not
+    device = dense + experts - 1
+    (rec,) = records(run(capsys, "size", "--model-config", path, "--device-memory", str(device), "-p", "lru",
+                         "--json")[1])
+    assert rec["fits_entirely"] is False and rec["all_experts_bytes"] == experts
+    assert rec["capacity_per_layer"] == (device - dense) // (QL0 + QL1) == 3
+    assert rec["cache_bytes"] == 3 * (QL0 + QL1)
+
+
+def test_host_memory_of_a_gguf_takes_its_dense_part_first(tmp_path, capsys):
+    """Finding (d): the page cache holds the GGUF's dense part before any expert."""
+    path = _quantized_gguf(tmp_path / "q4.gguf")
+    spec = read_model(path)
+    dense, experts = spec.other_bytes, spec.all_experts_bytes
+    argv = ["size", path, "--device-memory", str(dense + 2 * (QL0 + QL1) + 10), "-p", "lru"]
+    rc, out, _ = run(capsys, *argv, "--host-memory", str(experts + 1000))  # the experts alone would fit
+    assert rc == 0 and "fit in" not in out.splitlines()[-1]
+    assert "holds 0 experts" in out and "beside its" in out
+    room = 5 * spec.expert_bytes + 100
+    rc, out, _ = run(capsys, *argv, "--host-memory", str(dense + room))
+    assert f"holds {room // spec.expert_bytes:,} of the 8 experts" in out and "first reads counted" in out
+    rc, out, _ = run(capsys, *argv, "--host-memory", str(dense + experts))
+    assert "fit in" in out.splitlines()[-1]
+
+
+# ------------------------------------------------------------------------------ --memory: CPU and disk
+TINY = dict(hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, vocab_size=128, max_position_embeddings=256,
+            rms_norm_eps=1e-5, norm_topk_prob=False)
+WINDOW = 8192  # the readahead window the tests fix (the device's read_ahead_kb varies between machines)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A random OLMoE-class f16 GGUF: 8 experts of 12,288 bytes (three 4,096-byte slices) in 2 layers."""
+    pytest.importorskip("gguf", reason="the gguf package (llama or gguf extra) is not installed")
+    from expertcache.llama.convert import convert_random
+
+    out = tmp_path_factory.mktemp("disk") / "tiny.gguf"
+    convert_random(TINY, out, "f16", seed=0)
+    return out
+
+
+@pytest.fixture
+def window(monkeypatch):
+    import expertcache.costmodel.disk as dk
+
+    monkeypatch.setattr(dk, "readahead_bytes", lambda path: (WINDOW, "fixed by the test"))
+
+
+def _hand_trace(tmp_path: Path, T: int = 60):
+    """Routing written by hand: a hot set of four experts per layer most of the time, others now and then."""
+    rng = np.random.default_rng(5)
+    rows = []
+    for t in range(T):
+        row = []
+        for j in range(2):
+            pool = [0, 1, 2, 3] if rng.random() < 0.8 else list(range(8))
+            row.append(rng.choice(pool, size=2, replace=False))
+        rows.append(row)
+    import expertcache as ec
+
+    experts = np.asarray(rows)
+    return experts, ec.Trace.from_arrays(experts, num_experts=8).save(tmp_path / "hand.npz")
+
+
+def _byte_lru(groups, capacity: int, size, read):
+    """(bytes read, first-read bytes) of a byte-capacity LRU over ``groups``, started empty, written
+    from scratch: a group's items become the most recent in id order; the least recent others are
+    evicted until the misses fit; every miss reads ``read(item)``. A group larger than the capacity
+    is read whole and leaves the cache empty."""
+    from collections import OrderedDict
+
+    cache, used, total, first, seen = OrderedDict(), 0, 0, 0, set()
+    for group in groups:
+        group = sorted(set(group))
+        if sum(size(i) for i in group) > capacity:
+            total += sum(read(i) for i in group)
+            first += sum(read(i) for i in group if i not in seen)
+            seen.update(group)
+            cache, used = OrderedDict(), 0
+            continue
+        need = sum(size(i) for i in group if i not in cache)
+        while used + need > capacity:
+            victim = next(v for v in cache if v not in group)
+            used -= size(victim)
+            del cache[victim]
+        for i in group:
+            if i in cache:
+                cache.move_to_end(i)
+                continue
+            cache[i] = True
+            used += size(i)
+            total += read(i)
+            if i not in seen:
+                first += read(i)
+                seen.add(i)
+    return total, first
+
+
+def _window_units(g, experts, window: int):
+    """The readahead-window items by brute force: every ``window``-byte aligned window of the file
+    an expert's slices overlap; windows touched by exactly the same experts are one unit, numbered in
+    file order; per (token, layer) the units touched, and each unit's bytes."""
+    E = g.num_experts
+
+    def windows(j, e):
+        out = set()
+        for t in g.experts[g.moe_layers[j]].values():  # each expert tensor: E slices of nbytes / E
+            lo = t.offset + e * (t.nbytes // E)
+            out.update(range(lo // window, (lo + t.nbytes // E - 1) // window + 1))
+        return out
+
+    who: dict[int, set] = {}
+    for j in range(len(g.moe_layers)):
+        for e in range(E):
+            for w in windows(j, e):
+                who.setdefault(w, set()).add((j, e))
+    members: dict[frozenset, list[int]] = {}
+    for w in sorted(who):
+        members.setdefault(frozenset(who[w]), []).append(w)
+    order = sorted(members.values(), key=min)
+    unit_of = {w: u for u, ws in enumerate(order) for w in ws}
+    usize = [sum(min(window, g.file_bytes - w * window) for w in ws) for ws in order]
+    groups = [sorted({unit_of[w] for e in experts[t, j] if e >= 0 for w in windows(j, int(e))})
+              for t in range(len(experts)) for j in range(len(g.moe_layers))]
+    return groups, usize.__getitem__
+
+
+def _forecast(capsys, gguf_path, memory, trace, *extra):
+    rc, out, err = run(capsys, "size", gguf_path, "--memory", str(memory), "--disk-bandwidth", "2", "--compute", "50",
+                       "--trace", trace, "--json", *extra)
+    assert rc == 0, err
+    return {r["mode"]: r for r in records(out)}
+
+
+def test_forecast_by_hand(tiny_gguf, tmp_path, capsys, window):
+    """missed bytes per token from a replay written here, predicted = 1 / (1/c + D/B) exactly."""
+    from expertcache.costmodel.disk import KEYS
+    from expertcache.llama.geometry import read_geometry
+
+    g = read_geometry(str(tiny_gguf))
+    E, S, dense = 8, 12288, g.dense_bytes
+    assert g.layer_expert_bytes == [S, S]
+    experts, trace = _hand_trace(tmp_path)
+    T = len(experts)
+    groups = [[j * E + int(e) for e in experts[t, j]] for t in range(T) for j in range(2)]
+    room = 5 * S + 100  # 5 of the 16 experts beside the dense part: f = room / (16 S)
+    recs = _forecast(capsys, tiny_gguf, dense + room, trace)
+    assert list(recs) == ["mmap", "advise", "managed"] and all(list(r) == list(KEYS) for r in recs.values())
+    c, B = 50.0, 2e9
+
+    # advise: LRU of room bytes x a(f), a linear from 2.70 at f = 0.25 to 1 at f = 0.5
+    lru, lru_first = _byte_lru(groups, room, lambda i: S, lambda i: S)
+    f = room / (16 * S)
+    a = 2.70 + (1.0 - 2.70) * (f - 0.25) / 0.25
+    adv = recs["advise"]
+    assert adv["cache_bytes"] == room and adv["dense_bytes"] == dense
+    assert adv["demand_bytes_per_token"] == pytest.approx(lru / T)
+    assert adv["amplification"] == pytest.approx(a)
+    D = a * lru / T
+    assert adv["missed_bytes_per_token"] == pytest.approx(D)
+    assert adv["predicted_tokens_per_s"] == pytest.approx(1 / (1 / c + D / B))
+    assert adv["limit_tokens_per_s"] == pytest.approx(min(c, B / D))
+    assert adv["device_read_bytes_per_s_1"] == adv["device_read_bytes_per_s_4"] == B
+    assert adv["compute_tokens_per_s"] == c and adv["disk_bandwidth_source"] == "--disk-bandwidth"
+
+    # mmap: the same room over the WINDOW-byte windows an expert's slices lie in, a miss reads one
+    wgroups, wsize = _window_units(g, experts, WINDOW)
+    mm, _ = _byte_lru(wgroups, room, wsize, wsize)
+    D = max(mm / T, a * lru / T)  # never less than advise's model
+    assert mm / T > a * lru / T  # here the windows bind
+    assert recs["mmap"]["missed_bytes_per_token"] == pytest.approx(D)
+    assert recs["mmap"]["amplification"] == pytest.approx(D / (lru / T))
+    assert recs["mmap"]["predicted_tokens_per_s"] == pytest.approx(1 / (1 / c + D / B))
+    assert recs["mmap"]["readahead_bytes"] == WINDOW
+    assert "LRU over 8,192-byte readahead windows (fixed by the test)" in recs["mmap"]["note"]
+
+    # P% as 'llama run --memory-wall' reads it: the dense part + P% of the expert tensors
+    pct = _forecast(capsys, tiny_gguf, "50%", trace)
+    assert pct["advise"]["memory_wall"] == dense + 8 * S and pct["advise"]["cache_bytes"] == 8 * S
+
+    # a smaller room: f below 0.25 holds a = 2.70; mmap is never below advise's model
+    room2 = 3 * S
+    recs2 = _forecast(capsys, tiny_gguf, dense + room2, trace)
+    lru2, _ = _byte_lru(groups, room2, lambda i: S, lambda i: S)
+    mm2, _ = _byte_lru(wgroups, room2, wsize, wsize)
+    assert recs2["advise"]["missed_bytes_per_token"] == pytest.approx(2.70 * lru2 / T)
+    assert recs2["mmap"]["missed_bytes_per_token"] == pytest.approx(max(mm2, 2.70 * lru2) / T)
+
+    # managed at this memory: its pool (the wall less the dense part, the shared pages and one expert
+    # of slack) cannot hold one layer's routed experts: refused as 'llama run' refuses it
+    assert recs["managed"]["predicted_tokens_per_s"] is None and "refused" in recs["managed"]["note"]
+
+    # managed with room for its pool: exactly its LRU's misses over items of an expert and its page slack
+    from expertcache.llama.advice import PAGE, managed_budget
+
+    item = S + 2 * 3 * PAGE
+    shared = 2 * 3 * (E + 1) * PAGE
+    memory = dense + shared + item + 5 * item
+    assert managed_budget(g, memory) == 5 * item
+    recs = _forecast(capsys, tiny_gguf, memory, trace)
+    man, man_first = _byte_lru(groups, 5 * item, lambda i: item, lambda i: S)
+    D = man / T
+    r = recs["managed"]
+    assert r["cache_bytes"] == 5 * item and r["amplification"] == 1
+    assert r["missed_bytes_per_token"] == pytest.approx(D) and r["fill_bytes_per_token"] == pytest.approx(man_first / T)
+    assert r["predicted_tokens_per_s"] == pytest.approx(1 / (1 / c + D / B))
+    assert r["bound_by"] == ("disk" if D / B > 1 / c else "compute")
+
+
+def test_cold_fills_are_counted_as_reads(tiny_gguf, tmp_path, capsys, window):
+    """Every expert fits beside the dense part: the only reads are the first ones, and they count."""
+    from expertcache.llama.geometry import read_geometry
+
+    g = read_geometry(str(tiny_gguf))
+    experts, trace = _hand_trace(tmp_path)
+    recs = _forecast(capsys, tiny_gguf, g.file_bytes * 4, trace)  # managed too: its pool holds every expert
+    distinct = len({(j, int(e)) for t in range(len(experts)) for j in range(2) for e in experts[t, j]})
+    for mode in ("advise", "managed"):
+        r = recs[mode]
+        assert r["missed_bytes_per_token"] == pytest.approx(distinct * 12288 / len(experts))
+        assert r["fill_bytes_per_token"] == pytest.approx(r["missed_bytes_per_token"])
+        assert r["predicted_tokens_per_s"] < 50
+    assert recs["mmap"]["fill_bytes_per_token"] == pytest.approx(recs["mmap"]["missed_bytes_per_token"])
+    assert recs["mmap"]["missed_bytes_per_token"] > 0
+
+
+def test_forecast_text_and_synthetic_trace(tiny_gguf, capsys, window):
+    from expertcache.costmodel.disk import synthetic_tokens
+
+    rc, out, _ = run(capsys, "size", "--model-config", tiny_gguf, "--memory", "200kB", "--disk-bandwidth", "1.5GB/s",
+                     "--compute", "40tok/s")
+    assert rc == 0
+    assert "SYNTHETIC" in out and f"{synthetic_tokens(8, 2)} tokens in 1 sequence(s)" in out
+    assert "first reads counted" in out and "B1 = B4 = 1.5 GB/s (--disk-bandwidth)" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["mmap"], ["advise"],
+                                                                                                ["managed"])}
+    assert set(rows) == {"mmap", "advise", "managed"}
+    (rec,) = [r for r in records(run(capsys, "size", tiny_gguf, "--memory", "200kB", "--disk-bandwidth", "1.5",
+                                     "--compute", "40", "--json")[1]) if r["mode"] == "advise"]
+    assert rows["advise"][7] == f"{rec['predicted_tokens_per_s']:.4g}" and rec["tokens"] == synthetic_tokens(8, 2)
+    assert "1 / (1/c + read/B1)" in out and "a model" in out
+
+
+def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
+    """--auto (and the defaults): the bandwidths of O_DIRECT reads of one expert slice of the file,
+    by 1 and 4 readers, and llama.cpp's compute rate, as the roofline module measures them."""
+    import types
+
+    import expertcache.llama.roofline as rl
+    from expertcache.llama.geometry import read_geometry
+    from expertcache.llama.runner import request_bytes
+
+    seen = []
+
+    def bandwidth(path, req, readers, fresh=False):
+        seen.append((path, req, readers))
+        return {"bytes_per_s": 1e9 * readers, "request_bytes": req, "cached": False, "note": None}
+
+    monkeypatch.setattr(rl, "device_bandwidth", bandwidth)
+    monkeypatch.setattr(rl, "compute_rate", lambda path, prompt, tokens, threads, fresh=False:
+                        {"tokens_per_s": 25.0 * threads, "cached": True, "note": None})
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    g = read_geometry(str(tiny_gguf))
+    for argv in (["--auto"], [], ["--disk-bandwidth", "auto", "--compute", "auto"]):
+        seen.clear()
+        recs = records(run(capsys, "size", tiny_gguf, "--memory", "200kB", "--threads", "2", "--json", *argv)[1])
+        assert seen == [(str(tiny_gguf), request_bytes(g), 1), (str(tiny_gguf), request_bytes(g), 4)]
+        r = recs[0]
+        assert (r["device_read_bytes_per_s_1"], r["device_read_bytes_per_s_4"]) == (1e9, 4e9)
+        assert r["compute_tokens_per_s"] == 50.0 and r["threads"] == 2 and r["compute_source"].startswith("cached")
+        assert r["limit_tokens_per_s"] == pytest.approx(min(50.0, 4e9 / r["missed_bytes_per_token"]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--memory", "8GB"], "--memory forecasts a GGUF"),
+    (["--memory", "8GB", "--device-memory", "8GB"], "--device-memory sizes a GPU expert cache"),
+    (["--device-memory", "8GB", "--disk-bandwidth", "2"], "--disk-bandwidth belongs to the CPU-and-disk forecast"),
+    ([], "give --device-memory BYTES (a GPU expert cache) or --memory SIZE"),
+])
+def test_forecast_refusals_without_a_gguf(capsys, argv, message):
+    rc, _, err = run(capsys, "size", "--model-config", OLMOE, *argv)
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--memory", "100kB"], "below the smallest memory this model decodes in"),
+    (["--memory", "1MB", "--compute", "auto", "--disk-bandwidth", "2"], "give --compute TOK/S"),
+    (["--memory", "1MB", "--auto", "--compute", "40"], "--auto measures both"),
+    (["--memory", "1MB", "--tau", "1ms"], "--tau sizes a GPU expert cache"),
+    (["--memory", "1MB", "--warm", "0.5"], "--warm"),
+    (["--memory", "1MB", "--model-config", "x.gguf"], "MODEL and --model-config both"),
+    (["--memory", "1MB", "--disk-bandwidth", "auto", "--compute", "9"], "give --disk-bandwidth GB/s"),
+])
+def test_forecast_refusals_are_one_line(tiny_gguf, capsys, monkeypatch, argv, message):
+    import expertcache.llama.roofline as rl
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # the llama extra missing
+    monkeypatch.setattr(rl, "device_bandwidth", lambda *a, **k: {"bytes_per_s": None, "request_bytes": 4096,
+                                                                 "note": "O_DIRECT open failed: Invalid argument"})
+    rc, _, err = run(capsys, "size", tiny_gguf, *argv)
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--disk-bandwidth", "fast"], "expected auto or a number in GB/s"),
+    (["--compute", "-3"], "positive number in tok/s"),
+    (["--threads", "0"], "--threads"),
+])
+def test_forecast_argument_errors_are_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(["size", "m.gguf", "--memory", "1MB", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_forecast_trace_must_be_the_models(tiny_gguf, tmp_path, capsys):
+    import expertcache as ec
+
+    rng = np.random.default_rng(0)
+    one = ec.Trace.from_arrays(np.stack([rng.choice(8, 2, replace=False) for _ in range(10)])[:, None, :],
+                               num_experts=8).save(tmp_path / "one.npz")
+    rc, _, err = run(capsys, "size", tiny_gguf, "--memory", "1MB", "--disk-bandwidth", "2", "--compute", "9",
+                     "--trace", one)
+    assert rc == 2 and err.count("\n") == 1 and "1 layer(s), the model has 2 MoE layers" in err
+    wide = ec.Trace.from_arrays(np.stack([[rng.choice(16, 2, replace=False) for _ in range(2)] for _ in range(10)]),
+                                num_experts=16).save(tmp_path / "wide.npz")
+    rc, _, err = run(capsys, "size", tiny_gguf, "--memory", "1MB", "--disk-bandwidth", "2", "--compute", "9",
+                     "--trace", wide)
+    assert rc == 2 and "E=16, the model has E=8" in err
+
+
+@pytest.mark.parametrize("size", [1024, 4096, 8192, 1 << 16])
+def test_window_units_by_brute_force(tiny_gguf, tmp_path, capsys, monkeypatch, size):
+    """Windows smaller than a slice (interior windows one expert's alone), equal, larger (one window
+    holding many slices): the units and the window LRU's reads as the brute force finds them."""
+    import expertcache.costmodel.disk as dk
+    from expertcache.llama.geometry import read_geometry
+
+    g = read_geometry(str(tiny_gguf))
+    experts, trace = _hand_trace(tmp_path)
+    groups, usize = _window_units(g, experts, size)
+    units, sizes = dk.expert_windows(g, size)
+    assert [usize(u) for u in range(len(sizes))] == sizes.tolist()
+    got = [sorted(set(np.concatenate([units[j][int(e)] for e in experts[t, j]]).tolist()))
+           for t in range(len(experts)) for j in range(2)]
+    assert got == groups
+    monkeypatch.setattr(dk, "readahead_bytes", lambda path: (size, "fixed by the test"))
+    room = 6 * 12288
+    rec = _forecast(capsys, tiny_gguf, g.dense_bytes + room, trace)["mmap"]
+    T = len(experts)
+    mm, first = _byte_lru(groups, room, usize, usize)
+    advise = _forecast(capsys, tiny_gguf, g.dense_bytes + room, trace)["advise"]["missed_bytes_per_token"]
+    assert rec["missed_bytes_per_token"] == pytest.approx(max(mm / T, advise))
+    assert rec["note"].startswith("LRU over") == (mm / T >= advise)
+    if mm / T >= advise:
+        assert rec["fill_bytes_per_token"] == pytest.approx(first / T)

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..policies import make_policy
 from .budget_opts import budget_bytes
 from .common import add_json, emit_json, fraction, open_trace, positive_int, seed_int, table
-from .sizing_opts import compute_time, duration, positive_number
+from .sizing_opts import auto_or_rate, compute_time, duration, positive_number
 
 DEFAULT_POLICIES = ("lru", "lfu", "decayed", "mean-interval", "belady")
 
@@ -39,15 +39,27 @@ weights; or give --expert-mb with --experts, --top-k and --moe-layers (or a --tr
 The copies come from --trace, or, without one, from a synthetic trace matched to the model's E, k
 and layers (labelled SYNTHETIC: give your own trace for your workload). Hit rates count the cold
 fills after each sequence reset, which cap them below 1 even with every expert resident; --warm
-0.6 scores the warm (fair-window) hit rate instead. --host-memory with --tier-pool (or a GGUF
-model) adds the page-cache tier: whether the experts fit in the host's page cache.
+0.6 scores the warm (fair-window) hit rate instead; misses/tok counts them, copies/tok does not.
+--host-memory with --tier-pool (or a GGUF model) adds the page-cache tier: whether the experts fit
+in the host's page cache beside the GGUF's dense part.
+
+CPU and disk (docs/sizing.md, "Forecast for CPU and disk"): expertcache size MODEL.gguf --memory SIZE
+forecasts decode with the experts read from disk through the page cache, for the modes mmap, advise
+and managed of 'expertcache llama run': the dense bytes, the expert bytes that fit beside them in
+SIZE, the bytes a decode token reads from disk (a trace replayed from an empty page cache, first
+reads counted; per-mode models of what the kernel reads) and the decode rate
+1 / (1/c + read bytes per token / B1), with the disk bandwidth B1 and the compute rate c measured
+on the file (--disk-bandwidth auto, --compute auto) or given.
 """
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("size", help="does every expert fit, and if not, the capacity that meets a target",
+    p = sub.add_parser("size", help="does every expert fit, and if not, the capacity that meets a target; "
+                                    "with --memory, a forecast of decode on CPU with the experts read from disk",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
+    m.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model-config takes it (a .gguf file for --memory)")
     m.add_argument("--model-config", metavar="PATH", default=None,
                    help="config.json, a checkpoint folder (config.json + *.safetensors) or a .gguf file")
     m.add_argument("--expert-mb", type=positive_number, default=None, metavar="MB",
@@ -55,8 +67,9 @@ def add_parser(sub) -> None:
     m.add_argument("--experts", type=positive_int, default=None, metavar="E", help="routed experts per layer")
     m.add_argument("--top-k", type=positive_int, default=None, metavar="K", help="experts each token uses per layer")
     m.add_argument("--moe-layers", type=positive_int, default=None, metavar="L", help="layers with routed experts")
-    p.add_argument("--device-memory", type=budget_bytes, required=True, metavar="BYTES",
-                   help="device memory, e.g. 24GB (decimal; GiB binary); the non-expert weights are taken off it")
+    p.add_argument("--device-memory", type=budget_bytes, default=None, metavar="BYTES",
+                   help="device memory, e.g. 24GB (decimal; GiB binary); the non-expert weights are taken off it "
+                        "(a GPU expert cache; --memory for CPU and disk)")
     p.add_argument("--reserve", type=budget_bytes, default=None, metavar="BYTES",
                    help="device memory kept for the KV cache and activations (default none)")
     p.add_argument("--trace", default=None, help="router trace to count copies on (default: synthetic, matched)")
@@ -79,6 +92,22 @@ def add_parser(sub) -> None:
     h = p.add_argument_group("page-cache tier")
     h.add_argument("--host-memory", type=budget_bytes, default=None, metavar="BYTES", help="host memory for the page cache")
     h.add_argument("--tier-pool", metavar="DIR", default=None, help="pool written by 'expertcache tier write'")
+    f = p.add_argument_group("CPU and disk forecast (docs/sizing.md, 'Forecast for CPU and disk')")
+    f.add_argument("--memory", default=None, metavar="SIZE",
+                   help="memory the GGUF's pages may take (as 'llama run --memory-wall': bytes, e.g. 16GB, or P%% = "
+                        "the dense part + P%% of the expert tensors): forecast "
+                        "decode with the experts read from disk, for the modes mmap, advise and managed")
+    f.add_argument("--disk-bandwidth", type=auto_or_rate("GB/s"), default=None, metavar="auto|GB/s",
+                   help="bandwidth of the disk holding the GGUF: auto (default) measures O_DIRECT reads of one "
+                        "expert slice from the file itself, by 1 and by 4 readers (kept a day); a number in GB/s "
+                        "is taken as given for both")
+    f.add_argument("--compute", type=auto_or_rate("tok/s"), default=None, metavar="auto|tok/s",
+                   help="decode rate with every expert resident: auto (default) times llama.cpp on the file "
+                        "(needs the llama extra; kept a day); or give it in tok/s")
+    f.add_argument("--threads", type=positive_int, default=None, metavar="T",
+                   help="llama.cpp threads for --compute auto (default 1)")
+    f.add_argument("--auto", action="store_true", help="measure both the disk bandwidth and the compute rate "
+                                                       "(what --disk-bandwidth auto --compute auto do)")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -90,6 +119,10 @@ def _nonnegative(text: str) -> float:
 
 
 def run(args) -> int:
+    _model_argument(args)
+    if args.memory is not None:
+        return forecast_cmd(args)
+    _check_gpu(args)
     _check(args)
     if args.calibrate is not None:
         args.tau, args.c = _calibrated(args)
@@ -97,7 +130,7 @@ def run(args) -> int:
     model = _model(args, trace)
     sizing = Sizing(model.expert_bytes, args.tau, args.c)
     fit = Fit(model.expert_bytes, model.num_experts, model.moe_layers, args.device_memory, model.other_bytes or 0,
-              args.reserve or 0)
+              args.reserve or 0, model.layer_set_bytes)
     if fit.available <= 0:
         raise ConfigError(f"--device-memory {format_bytes(args.device_memory)}: the non-expert weights "
                           f"({format_bytes(fit.other_bytes)}) and --reserve leave nothing for experts")
@@ -108,6 +141,28 @@ def run(args) -> int:
         print(_fit_line(model, fit, args))
         return 0
     return _size(args, model, fit, sizing, trace)
+
+
+def _model_argument(args) -> None:
+    """The positional MODEL is --model-config given in front."""
+    if args.model is not None:
+        if args.model_config is not None:
+            raise ConfigError("MODEL and --model-config both name the model: give one")
+        args.model_config = args.model
+
+
+FORECAST_ONLY = ("disk_bandwidth", "compute", "threads", "auto")
+
+
+def _check_gpu(args) -> None:
+    """The GPU sizing takes --device-memory and none of the forecast's options."""
+    given = [o for o in FORECAST_ONLY if getattr(args, o) not in (None, False)]
+    if given:
+        raise ConfigError(f"--{given[0].replace('_', '-')} belongs to the CPU-and-disk forecast: give --memory SIZE "
+                          "(with MODEL.gguf)")
+    if args.device_memory is None:
+        raise ConfigError("give --device-memory BYTES (a GPU expert cache) or --memory SIZE (a GGUF decoded on "
+                          "CPU, its experts read from disk)")
 
 
 def _check(args) -> None:
@@ -185,12 +240,21 @@ def _gb(n: float) -> str:
 
 def _fit_line(model: ModelSpec, fit: Fit, args) -> str:
     other = (f" - {_gb(fit.other_bytes)} non-expert weights, {model.other_source}" if model.other_bytes is not None
-             else "; non-expert weights not counted: give --model-config")
+             else "")
     reserve = f" - {_gb(fit.reserve_bytes)} reserve" if fit.reserve_bytes else ""
+    missing = "; non-expert weights not counted: give --model-config" if model.other_bytes is None else ""
     rate = f"; {1000 / args.c:.4g} tok/s at c = {args.c:.4g} ms/token" if args.c else ""
-    return (f"fits entirely: {model.num_experts} experts x {model.moe_layers} layers x {model.expert_bytes / MB:.4g} MB "
+    return (f"fits entirely: {model.num_experts} experts x {model.moe_layers} layers x {_expert_mb(model)} "
             f"= {_gb(fit.all_experts_bytes)} <= {fit.available / 1e9:.4g} GB available ({format_bytes(fit.device_bytes)}"
-            f"{other}{reserve}): keep every expert resident, zero copies, no cache to size{rate}")
+            f"{other}{reserve}{missing}): keep every expert resident, zero copies, no cache to size{rate}")
+
+
+def _expert_mb(model: ModelSpec) -> str:
+    """One expert in MB; ``0.119 MB (mean; 0.1106-0.1275 MB by layer)`` where layers differ."""
+    sizes = model.layer_expert_bytes
+    if sizes is None or len(set(sizes)) == 1:
+        return f"{model.expert_bytes / MB:.4g} MB"
+    return f"{model.expert_bytes / MB:.4g} MB (mean; {min(sizes) / MB:.4g}-{max(sizes) / MB:.4g} MB by layer)"
 
 
 def _size(args, model, fit, sizing, trace) -> int:
@@ -218,7 +282,8 @@ def _size(args, model, fit, sizing, trace) -> int:
     if scale != 1:
         from dataclasses import replace
 
-        answers = [replace(a, copies_per_token=None if a.copies_per_token is None else a.copies_per_token * scale)
+        answers = [replace(a, copies_per_token=None if a.copies_per_token is None else a.copies_per_token * scale,
+                           misses_per_token=None if a.misses_per_token is None else a.misses_per_token * scale)
                    for a in answers]
     best = recommended(answers)
     records = [record(fit, sizing, a, best) for a in answers]
@@ -239,10 +304,10 @@ def print_size(args, model, fit, sizing, label, layout, scale, target_copies, re
     other = (f"{_gb(model.other_bytes)} non-expert weights ({model.other_source})" if model.other_bytes is not None
              else "non-expert weights not counted (give --model-config)")
     print(f"model: {model.source}: E={model.num_experts}, k={model.top_k}, {model.moe_layers} MoE layers, "
-          f"expert {model.expert_bytes / MB:.4g} MB; {other}")
+          f"expert {_expert_mb(model)}; {other}")
     print(f"does not fit entirely: all {model.num_experts * model.moe_layers:,} experts need "
           f"{_gb(fit.all_experts_bytes)}, {format_bytes(fit.device_bytes)} leaves {_gb(fit.available)} for experts: "
-          f"at most {fit.memory_capacity} per layer ({_gb(fit.memory_capacity * model.moe_layers * model.expert_bytes)})")
+          f"at most {fit.memory_capacity} per layer ({_gb(fit.cache_bytes(fit.memory_capacity))})")
     print(f"copies from {label}: {trace.num_tokens} tokens in {trace.num_sequences} sequence(s), "
           f"{len(layout.layer_ids)} layer(s) replayed"
           + (f", copies/token scaled by {model.moe_layers}/{len(layout.layer_ids)} to the model's layers" if scale != 1 else "")
@@ -261,10 +326,12 @@ def print_size(args, model, fit, sizing, label, layout, scale, target_copies, re
                 if r["tokens_per_s"] is not None and r["copies_per_token"] is not None else None)
         fits = None if a.capacity is None else ("yes" if a.capacity <= fit.memory_capacity else "no")
         rows.append([a.policy, "yes" if a.needs_future else "", r["capacity_per_layer"], r["hit_rate"],
-                     r["copies_per_token"], r["ms_per_token"], r["ms_per_token_overlapped"], r["tokens_per_s"],
-                     gbps, None if r["cache_bytes"] is None else r["cache_bytes"] / 1e9, fits])
-    table(rows, ["policy", "future", "C/layer", "hit rate", "copies/tok", "ms/tok", "ms/tok ovl", "tok/s", "GB/s",
-                 "cache GB", "fits"])
+                     r["copies_per_token"], r["misses_per_token"], r["ms_per_token"], r["ms_per_token_overlapped"],
+                     r["tokens_per_s"], gbps, None if r["cache_bytes"] is None else r["cache_bytes"] / 1e9, fits])
+    table(rows, ["policy", "future", "C/layer", "hit rate", "copies/tok", "misses/tok", "ms/tok", "ms/tok ovl", "tok/s",
+                 "GB/s", "cache GB", "fits"])
+    print("  copies/tok: the steady copies that evict; misses/tok: every miss, the cold fills of empty pools "
+          "(pools emptied at each sequence) included, as the hit rate counts them")
     if sizing.tau_ms is None or sizing.c_ms is None:
         print("  (add --tau and --c for ms/token, tok/s and GB/s)")
     else:
@@ -280,7 +347,7 @@ def print_size(args, model, fit, sizing, label, layout, scale, target_copies, re
         print("recommended: none (no causal rule meets the target)")
     else:
         where = "fits" if best.capacity <= fit.memory_capacity else \
-            f"needs {_gb(best.capacity * model.moe_layers * model.expert_bytes)}, more than the {_gb(fit.available)} available"
+            f"needs {_gb(fit.cache_bytes(best.capacity))}, more than the {_gb(fit.available)} available"
         print(f"recommended: {best.policy} at {best.capacity} experts per layer ({where}); rules marked 'future' "
               "read the recorded future: an offline reference, not a rule a cache can run")
     if args.host_memory is not None:
@@ -288,25 +355,148 @@ def print_size(args, model, fit, sizing, label, layout, scale, target_copies, re
 
 
 def tier_line(args, model, trace) -> str:
-    """The page-cache tier: do the experts of the pool (or GGUF) fit in --host-memory?"""
+    """The page-cache tier: do the experts of the pool (or GGUF) fit in --host-memory? For a GGUF the
+    page cache holds its dense part too (read on every token): the experts get what it leaves."""
     if args.tier_pool is not None:
         from ..tier.pool import open_pool
 
         pool = open_pool(args.tier_pool)
-        total, S, what = pool.total_bytes, pool.expert_bytes, f"pool {args.tier_pool}"
+        total, S, what, dense = pool.total_bytes, pool.expert_bytes, f"pool {args.tier_pool}", 0
     else:
         total, S, what = model.all_experts_bytes, model.expert_bytes, f"GGUF {args.model_config}"
+        dense = model.other_bytes or 0
     H = args.host_memory
-    if total <= H:
-        return (f"page-cache tier: the {_gb(total)} of experts in {what} fit in {format_bytes(H)} of host memory: "
-                "after the first read every miss is a host-to-device copy from the page cache, no disk read")
+    beside = f" beside its {format_bytes(dense)} dense part" if dense else ""
+    room = H - dense
+    if total <= room:
+        return (f"page-cache tier: the {_gb(total)} of experts in {what} fit in {format_bytes(H)} of host memory"
+                f"{beside}: after the first read every miss is a host-to-device copy from the page cache, no disk read")
     from ..sim import replay
 
-    n = H // S
+    n = max(0, room) // S
     if n < trace.top_k:
-        return f"page-cache tier: {format_bytes(H)} holds {n} experts of {what}: nearly every miss reads the disk"
+        return (f"page-cache tier: {format_bytes(H)} holds {n} experts of {what}{beside}: nearly every miss reads "
+                "the disk")
     r = replay(trace, int(n), "lru", pool="global", reset="none")
-    return (f"page-cache tier: {format_bytes(H)} holds {n:,} of the {total // S:,} experts of {what} "
-            f"({H / total:.0%}); a global LRU of that size over the trace (page cache kept across sequences) reads "
-            f"{r.copies_per_token:.4g} experts/token from disk: an estimate, the kernel's page cache is not exactly "
-            "LRU; measure with 'expertcache tier replay'")
+    return (f"page-cache tier: {format_bytes(H)} holds {n:,} of the {total // S:,} experts of {what}{beside} "
+            f"({n * S / total:.0%}); a global LRU of that size over the trace (page cache kept across sequences, "
+            f"started empty) reads {r.copies_total / r.tokens:.4g} experts/token from disk, first reads counted: an "
+            "estimate, the kernel's page cache is not exactly LRU; measure with 'expertcache tier replay' (or forecast "
+            "a GGUF with --memory)")
+
+
+# ------------------------------------------------------------------------ --memory: CPU and disk
+GPU_ONLY = (("expert_mb", "--expert-mb"), ("experts", "--experts"), ("top_k", "--top-k"),
+            ("moe_layers", "--moe-layers"), ("device_memory", "--device-memory"), ("reserve", "--reserve"),
+            ("tau", "--tau"), ("c", "--c"), ("calibrate", "--calibrate"), ("target_hit_rate", "--target-hit-rate"),
+            ("target_copies", "--target-copies"), ("target_tokens_per_s", "--target-tokens-per-s"),
+            ("host_memory", "--host-memory"), ("tier_pool", "--tier-pool"), ("policies", "--policy"))
+
+
+def forecast_cmd(args) -> int:
+    """``size MODEL.gguf --memory SIZE``: the CPU-and-disk forecast (:mod:`expertcache.costmodel.disk`)."""
+    from ..costmodel import disk as dk
+    from ..llama.geometry import read_geometry, type_sizes
+    from ..llama.sweep import parse_wall
+    from ..llama.runner import smallest_wall
+
+    for dest, option in GPU_ONLY:
+        if getattr(args, dest) is not None:
+            raise ConfigError(f"{option} sizes a GPU expert cache (--device-memory); the --memory forecast takes "
+                              "MODEL.gguf, --disk-bandwidth, --compute, --threads, --trace and --seed")
+    if args.warm:
+        raise ConfigError("--warm scores part of each stream; the --memory forecast counts every read, first reads "
+                          "included")
+    if not _is_gguf(args.model_config):
+        raise ConfigError("--memory forecasts a GGUF decoded by llama.cpp: give MODEL.gguf (or --model-config "
+                          "MODEL.gguf)")
+    if args.auto and any(isinstance(v, float) for v in (args.disk_bandwidth, args.compute)):
+        raise ConfigError("--auto measures both the disk bandwidth and the compute rate: leave out the number given "
+                          "to --disk-bandwidth or --compute (or --auto)")
+    bandwidth = args.disk_bandwidth if args.disk_bandwidth is not None else "auto"
+    compute = args.compute if args.compute is not None else "auto"
+    threads = args.threads if args.threads is not None else 1
+    type_sizes(f"--model-config {args.model_config}")  # without the gguf package: one line
+    g = read_geometry(str(args.model_config), "--model-config")
+    args.memory = parse_wall(args.memory, g, "--memory")
+    if args.memory < smallest_wall(g):
+        raise ConfigError(f"--memory {format_bytes(args.memory)}: below the smallest memory this model decodes in, "
+                          f"{format_bytes(smallest_wall(g))} ({smallest_wall(g):,} bytes: the dense part "
+                          f"{g.dense_bytes:,} plus one layer's {g.top_k} routed experts)")
+    E, k, L = g.num_experts, g.top_k, len(g.moe_layers)
+    if args.trace:
+        trace, label = open_trace(args.trace), f"trace {args.trace}"
+    else:
+        spec = ModelSpec(E, k, L, max(g.layer_expert_bytes), g.dense_bytes, f"GGUF {g.path}")
+        trace, label = synthetic_trace(spec, args.seed, tokens=dk.synthetic_tokens(E, k))
+    experts = dk.routing(trace, g)
+    if isinstance(bandwidth, float):
+        bw1 = bw4 = bandwidth * 1e9
+        from ..llama.runner import request_bytes
+
+        req, bw_source = request_bytes(g), "--disk-bandwidth"
+    else:
+        bw1, bw4, req, bw_source = dk.measure_bandwidth(g)
+    if isinstance(compute, float):
+        rate, c_source = compute, "--compute"
+    else:
+        rate, c_source = dk.measure_compute(g, threads)
+    window, window_source = dk.readahead_bytes(g.path)
+    disk = dk.Disk(bw1, bw4, req, bw_source, rate, c_source, threads)
+    records = dk.forecast(g, experts, args.memory, disk, window=window, window_source=window_source,
+                          trace_label=label)
+    if args.json:
+        emit_json(records)
+        return 0
+    print_forecast(g, trace, label, records)
+    return 0
+
+
+def _num(x, scale: float = 1.0) -> str:
+    return "-" if x is None else f"{x / scale:.4g}"
+
+
+def print_forecast(g, trace, label: str, records: list[dict]) -> None:
+    """The text report of ``size --memory``."""
+    r0 = records[0]
+    sizes = g.layer_expert_bytes
+    per = (f"{sizes[0] / MB:.4g} MB per expert" if len(set(sizes)) == 1
+           else f"{min(sizes) / MB:.4g}-{max(sizes) / MB:.4g} MB per expert by layer")
+    print(f"model: GGUF {g.path}: E={g.num_experts}, k={g.top_k}, {len(g.moe_layers)} MoE layers; dense part "
+          f"{format_bytes(g.dense_bytes)} (read every token), expert tensors {format_bytes(g.expert_tensor_bytes)} "
+          f"({per})")
+    room = r0["memory_wall"] - g.dense_bytes
+    fits = " (every expert fits: only first reads)" if room >= g.expert_tensor_bytes else ""
+    print(f"memory {format_bytes(r0['memory_wall'])}: the dense part and {format_bytes(room)} of experts beside it "
+          f"({min(room / g.expert_tensor_bytes, 1):.0%} of the expert tensors){fits}")
+    print(f"reads from {label}: {trace.num_tokens} tokens in {trace.num_sequences} sequence(s), replayed from an empty "
+          "page cache kept across sequences, first reads counted")
+    same = r0["device_read_bytes_per_s_1"] == r0["device_read_bytes_per_s_4"] and r0["disk_bandwidth_source"] == \
+        "--disk-bandwidth"
+    bws = (f"B1 = B4 = {r0['device_read_bytes_per_s_1'] / 1e9:.4g} GB/s" if same else
+           f"B1 {r0['device_read_bytes_per_s_1'] / 1e9:.4g} GB/s (one reader), B4 "
+           f"{r0['device_read_bytes_per_s_4'] / 1e9:.4g} GB/s (four readers)")
+    print(f"disk: {bws} ({r0['disk_bandwidth_source']}); compute: c = {r0['compute_tokens_per_s']:.4g} tok/s with "
+          f"every expert resident ({r0['compute_source']})")
+    head = ["mode", "dense MB", "experts MB", "demand MB/tok", "ampl", "read MB/tok", "first reads", "tok/s",
+            "ovl tok/s", "bound by"]
+    rows = []
+    for r in records:
+        D = r["missed_bytes_per_token"]
+        share = None if not D else f"{r['fill_bytes_per_token'] / D:.0%}"
+        rows.append([r["mode"], _num(r["dense_bytes"], MB), _num(r["cache_bytes"], MB),
+                     _num(r["demand_bytes_per_token"], MB), _num(r["amplification"]), _num(D, MB), share or "-",
+                     _num(r["predicted_tokens_per_s"]), _num(r["limit_tokens_per_s"]), r["bound_by"] or "-"])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    for row in [head, ["-" * w for w in widths], *rows]:
+        print("  ".join(c.ljust(w) if i in (0, len(head) - 1) else c.rjust(w) for i, (c, w) in
+                        enumerate(zip(row, widths))).rstrip())
+    print("  tok/s = 1 / (1/c + read/B1): the forecast (reads block compute in these modes); ovl tok/s = "
+          "min(c, max(B1, B4) / read): reads overlapped with compute, for reference; bound by: the larger of "
+          "1/c and read/B1")
+    print("  demand: an LRU of the mode's expert bytes (experts MB) over the trace; first reads: their share of "
+          "read MB/tok")
+    for r in records:
+        print(f"  {r['mode']}: {r['note']}")
+    print("  the read models are models (docs/sizing.md, 'Forecast for CPU and disk'): measure with "
+          "'expertcache llama run MODEL.gguf --memory-wall SIZE --mode MODE'")

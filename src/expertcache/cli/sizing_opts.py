@@ -274,3 +274,26 @@ def print_targets(records: list[dict]) -> None:
     notes = {r.get("note") for r in records if r.get("note")}
     for note in notes:
         print("  " + note)
+
+
+# ------------------------------------------------------------------------ size --memory
+def auto_or_rate(unit: str):
+    """Argparse type of ``--disk-bandwidth`` / ``--compute``: ``auto``, or a positive number in
+    ``unit`` (the unit may be written after it: ``1.78``, ``1.78GB/s``; ``34``, ``34tok/s``)."""
+
+    def parse(text: str):
+        t = str(text).strip()
+        if t.lower() == "auto":
+            return "auto"
+        if t.lower().endswith(unit.lower()):
+            t = t[: -len(unit)].strip()
+        try:
+            x = float(t)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected auto or a number in {unit}, got {str(text)[:40]!r}") from None
+        if not (math.isfinite(x) and 0 < x <= 1e9):
+            raise argparse.ArgumentTypeError(f"expected auto or a positive number in {unit} (at most 1e9), "
+                                             f"got {str(text)[:40]!r}")
+        return x
+
+    return parse

@@ -9,14 +9,17 @@ folder (``config.json`` beside ``*.safetensors``) or a GGUF file and returns a :
   ``first_k_dense_replace`` and Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``; GGUF: the
   blocks holding ``ffn_*_exps`` tensors);
 * ``expert_bytes`` S: one routed expert (:func:`~expertcache.costmodel.sizing.expert_bytes_from_config`
-  for a config; the routed-expert tensors' bytes / (E x MoE layers) for a checkpoint or a GGUF);
+  for a config; the routed-expert tensors' bytes / (E x MoE layers) for a checkpoint or a GGUF, the
+  mean over layers; a GGUF's per-layer sizes, which differ where tensor types do, are kept in
+  ``layer_expert_bytes``);
 * ``other_bytes``: every weight that is not a routed expert (embeddings, attention, routers, norms,
   shared experts, dense MLPs), which must stay on the device beside the cache. Exact for a
   checkpoint (the safetensors headers) and a GGUF (its tensor table); from a config alone it is
   estimated from the shapes (``other_source`` says which).
 
-Only headers are read (the safetensors JSON header, the GGUF metadata via the ``gguf`` package);
-no weight is loaded. Every mistake is a one-line ConfigError naming the file.
+Only headers are read (the safetensors JSON header; the GGUF header by
+:func:`expertcache.llama.geometry.read_geometry`, the one GGUF reader, which sizes tensors with the
+``gguf`` package's type table); no weight is loaded. Every mistake is a one-line ConfigError naming the file.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4,
 EXPERT_MARK = ".experts."
 """A checkpoint tensor whose name holds this is a routed expert's (``mlp.experts.3.w1``,
 ``block_sparse_moe.experts.0.w2``, fused ``mlp.experts.gate_up_proj``); ``shared_experts`` is not."""
-GGUF_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 @dataclass(frozen=True)
@@ -51,11 +53,21 @@ class ModelSpec:
     other_bytes: int | None
     source: str
     other_source: str = ""
+    layer_expert_bytes: tuple[int, ...] | None = None
+    """One expert's bytes per MoE layer where they are known to differ (a GGUF: Q4_K_M stores some
+    layers' ``ffn_down_exps`` as Q6_K); ``None``: every layer's expert is ``expert_bytes``."""
+
+    @property
+    def layer_set_bytes(self) -> int:
+        """Bytes of one expert of every MoE layer: ``sum(layer_expert_bytes)``, else ``MoE layers x S``."""
+        if self.layer_expert_bytes is not None:
+            return int(sum(self.layer_expert_bytes))
+        return self.moe_layers * self.expert_bytes
 
     @property
     def all_experts_bytes(self) -> int:
-        """``E x MoE layers x S``: every routed expert of the model."""
-        return self.num_experts * self.moe_layers * self.expert_bytes
+        """``E x MoE layers x S`` (per-layer sizes summed where known): every routed expert of the model."""
+        return self.num_experts * self.layer_set_bytes
 
 
 def read_model(path: str | Path) -> ModelSpec:
@@ -207,47 +219,17 @@ def _safetensors_header(shard: Path) -> dict:
 
 
 def _from_gguf(path: Path, where: str) -> ModelSpec:
-    try:
-        import gguf
-    except ImportError:
-        raise ConfigError(f"{where}: reading a GGUF needs the gguf package: pip install 'expertcache[llama]'") from None
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as exc:  # the package raises ValueError, struct errors, ... on a bad file
-        raise ConfigError(f"{where}: cannot read it as GGUF ({type(exc).__name__}: {str(exc)[:80]})") from None
-    fields = {name: _gguf_value(f) for name, f in reader.fields.items()}
-    arch = fields.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ConfigError(f"{where}: no general.architecture in its metadata")
-    E, k = fields.get(f"{arch}.expert_count"), fields.get(f"{arch}.expert_used_count")
-    if not isinstance(E, int) or not isinstance(k, int) or E < 1 or not 1 <= k <= E:
-        raise ConfigError(f"{where}: {arch}.expert_count / expert_used_count missing or invalid ({E}, {k}); "
-                          "not a mixture-of-experts GGUF")
-    experts, other, blocks = 0, 0, set()
-    for t in reader.tensors:
-        size = int(t.n_bytes)
-        if any(mark in t.name for mark in GGUF_EXPERT_TENSORS):
-            experts += size
-            blocks.add(t.name.split(".")[1] if t.name.startswith("blk.") else t.name)
-        else:
-            other += size
-    if not blocks:
-        raise ConfigError(f"{where}: no {'/'.join(GGUF_EXPERT_TENSORS)} tensors; not a mixture-of-experts GGUF")
-    per = experts // (E * len(blocks))
-    if not 1 <= per <= LIMITS["expert_bytes"]:
-        raise ConfigError(f"{where}: experts of {per} bytes are not plausible")
-    return ModelSpec(E, k, len(blocks), per, other, f"GGUF {path}", "GGUF tensor table (exact)")
+    """The GGUF's own tensor table, read by :func:`expertcache.llama.geometry.read_geometry` (the one
+    GGUF reader): E, k, the MoE layers, each layer's expert bytes (types may differ by layer) and the
+    dense bytes (every byte that is neither an expert tensor nor a skipped MTP block, header included).
+    ``expert_bytes`` is the mean over layers, rounded; ``layer_expert_bytes`` keeps them exactly."""
+    from ..llama.geometry import read_geometry, type_sizes
 
-
-def _gguf_value(field) -> Any:
-    """A scalar or string metadata value (``None`` for arrays and anything else)."""
-    try:
-        if len(field.data) != 1:
-            return None
-        part = field.parts[field.data[0]]
-        if field.types and field.types[0].name == "STRING":
-            return bytes(part).decode("utf-8", "replace")
-        value = part.tolist()
-        return value[0] if isinstance(value, list) and len(value) == 1 else value
-    except (AttributeError, IndexError, TypeError, ValueError):
-        return None
+    type_sizes(where)  # the gguf package first: without it, one line saying so
+    g = read_geometry(str(path), "--model-config")
+    per_layer = tuple(g.layer_expert_bytes)
+    per = round(g.expert_tensor_bytes / (g.num_experts * len(per_layer)))
+    if not 1 <= max(per_layer) <= LIMITS["expert_bytes"]:
+        raise ConfigError(f"{where}: experts of {max(per_layer)} bytes are not plausible")
+    return ModelSpec(g.num_experts, g.top_k, len(per_layer), per, g.dense_bytes, f"GGUF {path}",
+                     "GGUF tensor table (exact)", per_layer)

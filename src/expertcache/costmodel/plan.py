@@ -7,7 +7,8 @@ for activations and the KV cache ``R``, copy time ``tau`` and compute ``c`` (opt
 * ``available = D - N - R``: the bytes left for experts (``N`` = 0 when the model's weights are unknown);
 * ``all_experts_bytes = E x L x S``; ``fits_entirely`` when it is ``<= available``: keep every
   expert resident, zero copies, nothing else to decide;
-* otherwise ``memory_capacity = floor(available / (L x S))``, the most experts per layer the device holds;
+* otherwise ``memory_capacity = floor(available / (L x S))``, the most experts per layer the device holds
+  (``L x S`` the exact sum of one expert per layer where layers differ: a GGUF's types);
 * a target is ``hit_rate >= X``, ``copies_per_token <= Y``, or ``tokens_per_s >= N``, which with
   blocking copies (``ms = c + rho x tau``) is ``rho <= (1000 / N - c) / tau`` (:func:`copies_for_rate`);
 * per lossless rule, the answer is the smallest capacity per layer meeting the target (or, without
@@ -32,7 +33,8 @@ from .sizing import Sizing
 GRID = 12
 """Coarse capacities per rule before refining (LRU needs none: one stack pass gives all)."""
 KEYS = ("fits_entirely", "expert_bytes", "all_experts_bytes", "policy", "capacity_per_layer", "hit_rate",
-        "copies_per_token", "ms_per_token", "ms_per_token_overlapped", "tokens_per_s", "cache_bytes", "recommended")
+        "copies_per_token", "misses_per_token", "ms_per_token", "ms_per_token_overlapped", "tokens_per_s", "cache_bytes",
+        "recommended")
 """The fields of every ``size --json`` record, in order (docs/sizing.md)."""
 
 
@@ -58,10 +60,21 @@ class Fit:
     device_bytes: int
     other_bytes: int
     reserve_bytes: int
+    layer_set_bytes: int | None = None
+    """Bytes of one expert of every MoE layer (``ModelSpec.layer_set_bytes``: exact where layers'
+    expert sizes differ); ``None``: ``moe_layers x expert_bytes``."""
+
+    @property
+    def set_bytes(self) -> int:
+        return self.layer_set_bytes if self.layer_set_bytes is not None else self.moe_layers * self.expert_bytes
 
     @property
     def all_experts_bytes(self) -> int:
-        return self.num_experts * self.moe_layers * self.expert_bytes
+        return self.num_experts * self.set_bytes
+
+    def cache_bytes(self, capacity: int) -> int:
+        """Memory of ``capacity`` experts in every MoE layer's pool."""
+        return capacity * self.set_bytes
 
     @property
     def available(self) -> int:
@@ -74,7 +87,7 @@ class Fit:
     @property
     def memory_capacity(self) -> int:
         """Experts per layer the available memory holds, at most E."""
-        return max(0, min(self.num_experts, self.available // (self.moe_layers * self.expert_bytes)))
+        return max(0, min(self.num_experts, self.available // self.set_bytes))
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,9 @@ class Answer:
     capacity: int | None
     hit_rate: float | None
     copies_per_token: float | None
+    misses_per_token: float | None = None
+    """Every miss per token, the cold fills of empty pools included (``copies_per_token`` counts
+    only the steady copies that evict)."""
 
 
 def meets(hit: float, copies: float, target_hit_rate: float | None, target_copies: float | None) -> bool:
@@ -128,7 +144,7 @@ def search(layout, policies, *, target_hit_rate: float | None, target_copies: fl
                         found, curve = better, finer
         r = curve.at(found) if found is not None else None
         out.append(Answer(policy.spec, bool(policy.needs_future), found, r.hit_rate if r else None,
-                          r.copies_per_token if r else None))
+                          r.copies_per_token if r else None, r.copies_total / r.tokens if r and r.tokens else None))
     return out
 
 
@@ -152,35 +168,41 @@ def record(fit: Fit, sizing: Sizing, answer: Answer | None, best: Answer | None)
     S = fit.expert_bytes
     if answer is None:  # fits entirely: every expert resident, zero copies
         ms = sizing.c_ms
-        return dict(zip(KEYS, (True, S, fit.all_experts_bytes, None, fit.num_experts, None, 0.0, ms, ms,
+        return dict(zip(KEYS, (True, S, fit.all_experts_bytes, None, fit.num_experts, None, 0.0, None, ms, ms,
                                1000.0 / ms if ms else None, fit.all_experts_bytes, None)))
     figures = Sizing(S, sizing.tau_ms, sizing.c_ms).figures(
         answer.copies_per_token if answer.copies_per_token is not None else math.nan,
         capacity=answer.capacity, num_layers=fit.moe_layers) if answer.capacity is not None else None
     get = (lambda k: getattr(figures, k)) if figures is not None else (lambda k: None)
     return dict(zip(KEYS, (False, S, fit.all_experts_bytes, answer.policy, answer.capacity, answer.hit_rate,
-                           answer.copies_per_token, get("ms_per_token"), get("ms_per_token_overlapped"),
-                           get("tokens_per_s_predicted"), get("cache_bytes"),
+                           answer.copies_per_token, answer.misses_per_token, get("ms_per_token"),
+                           get("ms_per_token_overlapped"), get("tokens_per_s_predicted"),
+                           None if answer.capacity is None else fit.cache_bytes(answer.capacity),
                            best is not None and answer.policy == best.policy)))
 
 
-def synthetic_trace(model, seed: int = 0):
+def synthetic_trace(model, seed: int = 0, *, tokens: int | None = None):
     """``(trace, label)``: a synthetic trace with the model's E, k and MoE layers, when the user
     gave none. A preset of exactly those dimensions is used as it is; otherwise the preset nearest
-    in E (log scale) lends its locality with E, k and the layer count replaced. The label says
-    SYNTHETIC and which: it is the locality of a published model, not of the user's workload."""
+    in E (log scale) lends its locality with E, k and the layer count replaced. ``tokens``: instead,
+    one stream of that many tokens with the (matched or nearest) preset's locality (a decode long
+    enough for a steady state). The label says SYNTHETIC and which: it is the locality of a
+    published model, not of the user's workload."""
     from ..trace.synth import PRESETS, synthesize_preset
 
     dims = (model.num_experts, model.top_k, model.moe_layers)
+    stream = f", one stream of {tokens} tokens" if tokens is not None else ""
     for name, preset in PRESETS.items():
         p = preset.params
         if (p.num_experts, p.top_k, p.num_layers) == dims and preset.targets:
-            trace = synthesize_preset(name, seed)
+            trace = (synthesize_preset(name, seed) if tokens is None
+                     else synthesize_preset(name, seed, sequences=1, tokens=int(tokens)))
             return trace, (f"SYNTHETIC trace (no --trace given): preset {name}, which matches E={dims[0]}, k={dims[1]}, "
-                           f"{dims[2]} layers; give --trace for your own workload")
+                           f"{dims[2]} layers{stream}; give --trace for your own workload")
     candidates = [(name, pr) for name, pr in PRESETS.items() if pr.targets]
     name, preset = min(candidates, key=lambda np_: abs(math.log(np_[1].params.num_experts / dims[0])))
-    trace = synthesize_preset(name, seed, num_experts=dims[0], top_k=dims[1], num_layers=dims[2],
-                              sequences=4, tokens=min(preset.params.tokens, 400))
+    shape = dict(sequences=4, tokens=min(preset.params.tokens, 400)) if tokens is None else dict(sequences=1,
+                                                                                                 tokens=int(tokens))
+    trace = synthesize_preset(name, seed, num_experts=dims[0], top_k=dims[1], num_layers=dims[2], **shape)
     return trace, (f"SYNTHETIC trace (no --trace given): preset {name}'s locality with E={dims[0]}, k={dims[1]}, "
-                   f"{dims[2]} layers (no preset has these); give --trace for your own workload")
+                   f"{dims[2]} layers (no preset has these){stream}; give --trace for your own workload")

@@ -250,7 +250,8 @@ def _weight_bytes(where: str, quant: Mapping) -> int:
     if method == "fp8":
         return 1
     raise ConfigError(f"{where}: quantization_config quant_method {method or '?'!r} is not supported; "
-                      "give the expert size with --expert-mb instead")
+                      "give the expert size with --expert-mb instead (for 'expertcache size', the quantized "
+                      "model's GGUF or checkpoint folder as --model-config counts the non-expert weights too)")
 
 
 def _dtype_bytes(where: str, key: str, name: Any) -> int:

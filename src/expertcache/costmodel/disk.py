@@ -1,0 +1,358 @@
+"""Forecast of decode on CPU with the experts read from disk through the page cache (docs/sizing.md,
+"Forecast for CPU and disk"): ``expertcache size MODEL.gguf --memory SIZE``.
+
+For each page-cache mode of ``expertcache llama run`` (``mmap``, ``advise``, ``managed``; docs/llama.md)
+the forecast replays a router trace through a model of what that mode keeps in ``SIZE`` bytes of
+memory and counts the bytes a decode token reads from disk, ``D``; the decode rate is then the
+roofline (:func:`expertcache.llama.roofline.limits`) with ``c`` the compute rate with every expert
+resident and ``B1`` (``B4``) the device's bandwidth with one (four) readers:
+
+* ``predicted_tokens_per_s = 1 / (1/c + D/B1)``: in these modes a missed expert's read blocks the
+  compute that needs it (a page fault, or a hint the layer then waits on);
+* ``limit_tokens_per_s = min(c, max(B1, B4) / D)``: reads entirely overlapped with compute, for reference.
+
+The replay (:func:`replay_bytes`) is one global pool over every MoE layer's experts, kept across the
+trace's sequences (the page cache outlives a request), **started empty and with every first read
+counted**: on a disk a cold fill is a read like any other. ``D`` = every byte read / tokens replayed.
+
+Each mode's reads, and what the model was fitted on (``managed``'s is how the mode runs):
+
+* ``managed``: exactly an LRU pool of :func:`~expertcache.llama.advice.managed_budget` bytes over
+  items of :func:`~expertcache.llama.advice.managed_item_bytes` (an expert's slices plus two partial
+  pages each); a miss reads the expert's bytes. This is how the mode runs (docs/llama.md: its decode
+  reads equalled the bytes it hinted; 1.05x the LRU demand at a 25% wall).
+* ``advise``: the kernel's page-granular reclaim, modelled as an LRU of ``SIZE - dense bytes`` over
+  experts of their own sizes, times an amplification ``a(f)`` of the pool's share ``f`` of the
+  expert tensors (:func:`advise_amplification`): 2.70 at ``f <= 0.25``, falling linearly to 1 at
+  ``f = 0.5``, 1 above. Fitted on the benchmark of docs/llama.md (random OLMoE, 1.69 GB f16, 31
+  decode steps, 1 thread): 21.4 MB read against 7.92 MB of LRU demand per token at the 25% wall
+  (2.70x); 0.88x at 50%, taken as 1 (at 50% and above that demand was all first reads, some of which
+  the load had left in the page cache); below 25% nothing was measured and 2.70 is held.
+* ``mmap``: a fault reads the device's readahead window around it, and the window's pages then take
+  room in the page cache: modelled as the same LRU over **readahead windows** instead of experts
+  (:func:`window_groups`): the file cut into aligned windows of the device's ``read_ahead_kb``
+  (:func:`readahead_bytes`, read when the forecast runs), each expert access touching the windows
+  its slices lie in, a miss reading the whole window (windows that exactly the same experts touch
+  are one item: :func:`expert_windows`); and never less than ``advise``'s model (the
+  page-grain reclaim is the kernel's in both; ``advise`` only turns readahead off and hints): ``D =
+  max(window LRU, advise)``. On the benchmark's own routing (captured, 31 decode steps, 8 MiB
+  windows) the window LRU reads 1.17 GB per token at the 25% and 50% walls against 1.39 and 1.32 GB
+  measured, and 98.5 MB at 75% against 8 MB measured (docs/sizing.md has the table).
+
+A group (one token's routed experts at one layer) larger than the whole pool cannot stay resident:
+every item of it is read, and the pool is emptied (the kernel cycles every page).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import ConfigError
+from .sizing import MB
+
+MODES = ("mmap", "advise", "managed")
+"""The page-cache modes forecast, in the order printed (docs/llama.md defines them)."""
+ADVISE_POINTS = ((0.25, 2.70), (0.50, 1.0))
+"""``(f, a)``: the advise amplification at a pool of ``f`` of the expert tensors (module docstring);
+held at the ends."""
+COMPUTE_PROMPT_TOKENS = 16
+COMPUTE_TOKENS = 16
+"""``--compute auto``: the prompt (ids 1..16) and the tokens decoded twice by
+:func:`expertcache.llama.roofline.compute_rate`."""
+SYNTHETIC_USES = 20
+"""Without ``--trace``: the synthetic stream is long enough for each expert to be routed about this
+many times (``20 E / k`` tokens, at least 512 and at most 4096), so the first reads it counts are a
+small part of a steady decode's (:func:`synthetic_tokens`)."""
+KEYS = ("mode", "gguf", "memory_wall", "dense_bytes", "expert_tensor_bytes", "cache_bytes", "cache_fraction",
+        "demand_bytes_per_token", "amplification", "missed_bytes_per_token", "fill_bytes_per_token",
+        "readahead_bytes", "device_request_bytes", "device_read_bytes_per_s_1", "device_read_bytes_per_s_4",
+        "disk_bandwidth_source", "compute_tokens_per_s", "compute_source", "threads", "predicted_tokens_per_s",
+        "limit_tokens_per_s", "bound_by", "trace", "tokens", "note")
+"""The fields of every ``size --memory --json`` record, in order (docs/sizing.md)."""
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """Bytes read over a replay: ``missed_bytes`` every miss (cold fills included), ``fill_bytes``
+    the first reads of items never read before, over ``tokens`` tokens."""
+
+    missed_bytes: int
+    fill_bytes: int
+    tokens: int
+
+    @property
+    def per_token(self) -> float:
+        return self.missed_bytes / self.tokens if self.tokens else 0.0
+
+    @property
+    def fill_per_token(self) -> float:
+        return self.fill_bytes / self.tokens if self.tokens else 0.0
+
+
+def replay_bytes(groups: Iterator[np.ndarray], capacity_bytes: int, item_bytes, read_bytes, tokens: int,
+                 steps_per_token: int = 1, policy: str = "lru") -> Replayed:
+    """Replay ``groups`` (item ids, one array per token and layer, in order) through one
+    :class:`~expertcache.cache.SizedCache` of ``capacity_bytes`` over items of ``item_bytes``,
+    started empty and never reset; a miss reads ``read_bytes[item]``. A group whose items exceed
+    the capacity is read whole and empties the pool (every group, where one item exceeds it)."""
+    from ..cache import SizedCache
+
+    item_bytes = np.asarray(item_bytes, dtype=np.int64)
+    read_bytes = np.asarray(read_bytes, dtype=np.int64)
+    fits = int(capacity_bytes) >= int(item_bytes.max())  # else no pool: every group is read whole
+    cache = SizedCache(int(capacity_bytes), policy, item_bytes, steps_per_token=steps_per_token) if fits else None
+    seen = np.zeros(item_bytes.size, dtype=bool)
+    missed = fill = 0
+    for items in groups:
+        if not items.size:
+            continue
+        if cache is None or int(item_bytes[items].sum()) > capacity_bytes:  # cannot all be resident: each read
+            loads = items
+            if cache is not None:
+                cache.reset()  # the pool cycled
+        else:
+            step = cache.prepare(items)
+            if not step.loads:
+                continue
+            loads = np.fromiter((i for i, _ in step.loads), dtype=np.int64, count=len(step.loads))
+        missed += int(read_bytes[loads].sum())
+        new = loads[~seen[loads]]
+        fill += int(read_bytes[new].sum())
+        seen[new] = True
+    return Replayed(missed, fill, tokens)
+
+
+def routing(trace, g, where: str = "--trace") -> np.ndarray:
+    """The trace's experts ``[T, L, k]`` checked against the GGUF: the same E and one trace layer per
+    MoE layer of the file (in order); a one-line ConfigError otherwise."""
+    E, L = g.num_experts, len(g.moe_layers)
+    if trace.num_experts != E:
+        raise ConfigError(f"{where}: E={trace.num_experts}, the model has E={E}")
+    if trace.num_layers != L:
+        raise ConfigError(f"{where}: {trace.num_layers} layer(s), the model has {L} MoE layers: the page cache is "
+                          "shared by every layer, so the forecast needs the routing of all of them (capture it with "
+                          "'expertcache capture --model MODEL.gguf --generate N')")
+    return np.asarray(trace.experts, dtype=np.int64)
+
+
+def expert_groups(experts: np.ndarray, num_experts: int) -> Iterator[np.ndarray]:
+    """Item ids ``j * E + e`` of every (token, layer) in order (padding dropped)."""
+    T, L, _ = experts.shape
+    offsets = np.arange(L, dtype=np.int64)[:, None] * num_experts
+    for t in range(T):
+        row = experts[t] + offsets
+        for j in range(L):
+            ids = row[j][experts[t, j] >= 0]
+            yield np.unique(ids)
+
+
+def expert_windows(g, window: int) -> tuple[list[list[np.ndarray]], np.ndarray]:
+    """``(units, sizes)`` of the readahead-window model: the file cut into ``window``-byte aligned
+    windows (the last one clipped to the file's end); an expert's access touches every window one of
+    its slices overlaps. Windows touched by exactly the same experts are always read and used
+    together, so they are one item (a *unit*, its bytes the sum of its windows'; units numbered in
+    the file order of their first window): per MoE layer and expert, the ids of the units it
+    touches, and each unit's bytes.
+
+    O(slices): the windows strictly inside a slice belong to it alone; only the two end windows of
+    each slice can be shared."""
+    E = g.num_experts
+    ends: dict[int, set] = {}  # a slice's end window -> the experts touching it
+    spans = []
+    for j, layer in enumerate(g.moe_layers):
+        for e in range(E):
+            for off, n in g.expert_ranges(layer, e):
+                a, b = off // window, (off + n - 1) // window
+                spans.append((j, e, a, b))
+                ends.setdefault(a, set()).add((j, e))
+                ends.setdefault(b, set()).add((j, e))
+    unit_of: dict[frozenset, int] = {}
+    sizes: list[int] = []
+    first: list[int] = []  # each unit's first window: units are numbered in file order
+
+    def unit(key: frozenset, nbytes: int, w: int) -> int:
+        if key not in unit_of:
+            unit_of[key] = len(sizes)
+            sizes.append(0)
+            first.append(w)
+        u = unit_of[key]
+        sizes[u] += nbytes
+        first[u] = min(first[u], w)
+        return u
+
+    for j, e, a, b in spans:
+        if b - a > 1:
+            unit(frozenset([(j, e)]), (b - a - 1) * window, a + 1)
+    window_unit = {w: unit(frozenset(who), min(window, g.file_bytes - w * window), w) for w, who in ends.items()}
+    touched: list[list[set]] = [[set() for _ in range(E)] for _ in g.moe_layers]
+    for j, e, a, b in spans:
+        touched[j][e].update((window_unit[a], window_unit[b]))
+        if b - a > 1:
+            touched[j][e].add(unit_of[frozenset([(j, e)])])
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(np.asarray(first), kind="stable")] = np.arange(len(first))
+    units = [[np.sort(rank[np.fromiter(t, dtype=np.int64, count=len(t))]) for t in per] for per in touched]
+    return units, np.asarray(sizes, dtype=np.int64)[np.argsort(np.asarray(first), kind="stable")]
+
+
+def window_groups(experts: np.ndarray, windows: list[list[np.ndarray]]) -> Iterator[np.ndarray]:
+    """Per (token, layer), the window units its routed experts touch (each once)."""
+    T, L, _ = experts.shape
+    for t in range(T):
+        for j in range(L):
+            parts = [windows[j][int(e)] for e in experts[t, j] if e >= 0]
+            yield np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+
+def synthetic_tokens(num_experts: int, top_k: int) -> int:
+    """Tokens of the synthetic stream (:data:`SYNTHETIC_USES`)."""
+    return int(min(4096, max(512, -(-SYNTHETIC_USES * num_experts // top_k))))
+
+
+def advise_amplification(fraction: float) -> float:
+    """``a(f)``: piecewise linear through :data:`ADVISE_POINTS`, held at the ends."""
+    (f0, a0), (f1, a1) = ADVISE_POINTS
+    if fraction <= f0:
+        return a0
+    if fraction >= f1:
+        return a1
+    return a0 + (a1 - a0) * (fraction - f0) / (f1 - f0)
+
+
+def readahead_bytes(path: str) -> tuple[int, str]:
+    """``(bytes, source)``: the readahead window of the block device holding ``path``, by
+    :func:`expertcache.tier.readers.readahead_bytes` (``queue/read_ahead_kb``, the disk's for a
+    partition; 8 MiB where it cannot be read, said in ``source``)."""
+    from ..tier.readers import DEFAULT_READAHEAD, readahead_bytes as device_readahead
+
+    st = os.stat(path)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    window = device_readahead(path)
+    base = f"/sys/dev/block/{dev}"
+    readable = any(os.path.isfile(os.path.join(base, *parts, "queue", "read_ahead_kb")) for parts in ((), ("..",)))
+    if not readable and window == DEFAULT_READAHEAD:
+        return window, f"device {dev} has no read_ahead_kb: {DEFAULT_READAHEAD >> 10} KB assumed"
+    return window, f"read_ahead_kb {window >> 10} of device {dev}"
+
+
+@dataclass(frozen=True)
+class Disk:
+    """The roofline's inputs: bandwidths in bytes/s (one and four readers), the request size they
+    were measured at, the compute rate in tokens/s, and where each came from."""
+
+    bw1: float
+    bw4: float
+    request_bytes: int
+    bandwidth_source: str
+    compute: float
+    compute_source: str
+    threads: int
+
+
+def measure_bandwidth(g, fresh: bool = False) -> tuple[float, float, int, str]:
+    """``(B1, B4, request bytes, source)`` by :func:`expertcache.llama.roofline.device_bandwidth` on
+    the file itself at :func:`expertcache.llama.runner.request_bytes`; a one-line ConfigError where
+    the device cannot be read with ``O_DIRECT``."""
+    from ..llama.roofline import device_bandwidth
+    from ..llama.runner import request_bytes
+
+    req = request_bytes(g)
+    b1 = device_bandwidth(g.path, req, 1, fresh=fresh)
+    b4 = device_bandwidth(g.path, req, 4, fresh=fresh)
+    for b in (b1, b4):
+        if not b.get("bytes_per_s"):
+            raise ConfigError(f"--disk-bandwidth auto: cannot measure the device of {g.path} ({b.get('note')}): "
+                              "give --disk-bandwidth GB/s")
+    how = "cached" if b1.get("cached") and b4.get("cached") else "measured"
+    return (float(b1["bytes_per_s"]), float(b4["bytes_per_s"]), int(b1["request_bytes"]),
+            f"{how}: O_DIRECT reads of {int(b1['request_bytes']):,} bytes")
+
+
+def measure_compute(g, threads: int, fresh: bool = False) -> tuple[float, str]:
+    """``(tokens/s, source)`` by :func:`expertcache.llama.roofline.compute_rate` on the file (the
+    second of two greedy decodes of :data:`COMPUTE_TOKENS` after the prompt ids 1..16); needs the
+    llama extra (a one-line ConfigError saying to give ``--compute`` otherwise)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise ConfigError("--compute auto times llama.cpp on the file and needs the llama extra "
+                          "(pip install 'expertcache[llama]'): give --compute TOK/S") from None
+    from ..llama.roofline import compute_rate
+
+    vocab = g.metadata.get("tokenizer.ggml.tokens")
+    n = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1 else 2
+    prompt = [1 + i % (n - 1) for i in range(COMPUTE_PROMPT_TOKENS)]
+    r = compute_rate(g.path, prompt, COMPUTE_TOKENS, threads, fresh=fresh)
+    if not r.get("tokens_per_s"):
+        raise ConfigError(f"--compute auto: no decode step timed on {g.path} ({r.get('note')}): give --compute TOK/S")
+    how = "cached" if r.get("cached") else "measured"
+    return float(r["tokens_per_s"]), (f"{how}: llama.cpp, {COMPUTE_TOKENS} tokens decoded twice, "
+                                      f"{threads} thread{'s' if threads != 1 else ''}")
+
+
+def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, window_source: str,
+             trace_label: str) -> list[dict]:
+    """One record (:data:`KEYS`) per mode of :data:`MODES` (module docstring)."""
+    from ..llama.advice import managed_budget, managed_item_bytes
+    from ..llama.roofline import limits
+
+    E, L, T = g.num_experts, len(g.moe_layers), int(experts.shape[0])
+    sizes = np.repeat(np.asarray(g.layer_expert_bytes, dtype=np.int64), E)
+    room = memory - g.dense_bytes
+    total = g.expert_tensor_bytes
+    fraction = room / total
+    lru = replay_bytes(expert_groups(experts, E), room, sizes, sizes, T, L)
+    windows, wsizes = expert_windows(g, window)
+    mm = replay_bytes(window_groups(experts, windows), room, wsizes, wsizes, T, L)
+    amp = advise_amplification(fraction)
+    base = {"gguf": g.path, "memory_wall": int(memory), "dense_bytes": g.dense_bytes, "expert_tensor_bytes": total,
+            "readahead_bytes": window, "device_request_bytes": disk.request_bytes,
+            "device_read_bytes_per_s_1": disk.bw1, "device_read_bytes_per_s_4": disk.bw4,
+            "disk_bandwidth_source": disk.bandwidth_source, "compute_tokens_per_s": disk.compute,
+            "compute_source": disk.compute_source, "threads": disk.threads, "trace": trace_label, "tokens": T}
+    demand = lru.per_token
+    advise = amp * demand
+    windowed = mm.per_token >= advise
+    rows = {
+        "mmap": dict(cache_bytes=room, demand=demand, missed=max(mm.per_token, advise),
+                     fill=mm.fill_per_token if windowed else amp * lru.fill_per_token,
+                     amplification=max(mm.per_token, advise) / demand if demand else None,
+                     note=(f"LRU over {window:,}-byte readahead windows ({window_source}), which read more than "
+                           "advise's model here" if windowed else
+                           f"as advise: its LRU over {window:,}-byte readahead windows ({window_source}) reads less "
+                           f"({mm.per_token / MB:.4g} MB/token)") + ": a model"),
+        "advise": dict(cache_bytes=room, demand=demand, missed=advise, fill=amp * lru.fill_per_token,
+                       amplification=amp,
+                       note=f"LRU x {amp:.3g} for page-grain reclaim at {min(fraction, 1):.0%} of the expert tensors "
+                            "(fitted on docs/llama.md's benchmark): a model"),
+    }
+    budget = managed_budget(g, memory)
+    items = managed_item_bytes(g)
+    need = g.top_k * int(items.max())
+    if budget < need:
+        rows["managed"] = dict(cache_bytes=budget, demand=None, missed=None, fill=None, amplification=None,
+                               note=f"refused by llama run: {budget:,} bytes of pool beside the dense part and its "
+                                    f"page slack hold fewer than one layer routes ({g.top_k} experts, {need:,} bytes)")
+    else:
+        man = replay_bytes(expert_groups(experts, E), budget, items, sizes, T, L)
+        rows["managed"] = dict(cache_bytes=budget, demand=man.per_token, missed=man.per_token,
+                               fill=man.fill_per_token, amplification=1.0,
+                               note="its LRU pool's misses, exactly as the mode runs")
+    out = []
+    for mode in MODES:
+        r = rows[mode]
+        D = r["missed"]
+        lim = limits(disk.compute, D, disk.bw1, disk.bw4)
+        bound = None if D is None else ("disk" if D / disk.bw1 > 1.0 / disk.compute else "compute")
+        rec = {"mode": mode, **base, "cache_bytes": int(r["cache_bytes"]),
+               "cache_fraction": r["cache_bytes"] / total, "demand_bytes_per_token": r["demand"],
+               "amplification": r["amplification"], "missed_bytes_per_token": D, "fill_bytes_per_token": r["fill"],
+               "predicted_tokens_per_s": lim["serial_limit_tokens_per_s"] if D is not None else None,
+               "limit_tokens_per_s": lim["limit_tokens_per_s"] if D is not None else None,
+               "bound_by": bound, "note": r["note"]}
+        out.append({k: rec[k] for k in KEYS})
+    return out
