@@ -22,9 +22,8 @@ on the file through its own descriptor:
   readahead window, mostly expert pages). A wall counts the locked pages as tier bytes;
 * ``managed``: pin, plus an expertcache :class:`~expertcache.cache.ExpertCache` (``policy``, LRU by
   default; any online eviction rule) of ``capacity`` experts deciding the page cache's expert
-  residency: once loaded, the experts the load left wholly resident are adopted as the pool's
-  prefetched residents (up to its size; evicted first while unused) and every other expert page is
-  dropped; when a layer routes, the cache's step is taken, its victims are dropped from the page
+  residency: once loaded, every expert page the load left is dropped (whole tensors: the load's
+  large folios span experts) and the pool starts empty; when a layer routes, the cache's step is taken, its victims are dropped from the page
   cache (as ``nocache`` drops: the whole pages of their slices) and only its loads are hinted with WILLNEED. The
   runner sizes ``capacity`` below the wall (:func:`managed_capacity`), so the kernel never has to
   reclaim: the device reads are the policy's misses, the same policies deciding real copies as
@@ -56,7 +55,6 @@ Advice never changes what is computed: all modes give the same tokens (tested).
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 
 import numpy as np
@@ -90,6 +88,24 @@ def mapping_base(path: str) -> int | None:
     return None
 
 
+def mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """``(file offset, length)`` of every part of ``path`` this process maps (llama.cpp unmaps the
+    fragments no tensor uses, so its mapping may have holes)."""
+    st = os.stat(path)
+    out = []
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or int(parts[4]) != st.st_ino:
+                continue
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            if os.makedev(major, minor) != st.st_dev:
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((int(parts[2], 16), hi - lo))
+    return out
+
+
 def managed_item_bytes(g: Geometry) -> np.ndarray:
     """What one expert of the ``managed`` pool may hold in the page cache, per pool item (item
     ``j * E + e`` is expert ``e`` of the j-th MoE layer): its slices of the layer's expert tensors
@@ -115,6 +131,27 @@ def managed_capacity(g: Geometry, wall_bytes: int | None) -> int:
     """Experts of the largest size that :func:`managed_budget` holds (the pool holds at least this
     many; exactly this many where every layer's experts have one size)."""
     return managed_budget(g, wall_bytes) // int(managed_item_bytes(g).max())
+
+
+def hint_piece(path: str) -> int:
+    """Bytes one ``POSIX_FADV_WILLNEED`` call reads at most: the larger of the device's readahead
+    (``read_ahead_kb``) and its largest request (``max_sectors_kb``), as the kernel's
+    ``force_page_cache_ra`` caps it (a 3 MB hint on a device of 128 KB readahead and 512 KB requests
+    would read its first 512 KB)."""
+    from ..tier.procfs import read_text
+    from ..tier.readers import readahead_bytes
+
+    most = readahead_bytes(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return most
+    base = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    for q in (os.path.join(base, "queue", "max_sectors_kb"), os.path.join(base, "..", "queue", "max_sectors_kb")):
+        text, _ = read_text(q)
+        if text and text.strip().isdigit():
+            return max(most, int(text.strip()) * 1024)
+    return most
 
 
 def drop(fd: int, base: int, off: int, n: int) -> None:
@@ -246,7 +283,6 @@ class PageAdvisor:
         self.g, self.mode = geometry, mode
         self.cache = None
         self.managed_loads = self.managed_drops = 0
-        self.managed_adopted: list[int] = []
         if mode == "managed":
             from ..cache import SizedCache
 
@@ -257,6 +293,7 @@ class PageAdvisor:
             self.pool_step = max(1, self.cache.capacity_bytes // int(self.cache.item_bytes.max()))
             """Experts one cache step may take: a prefill layer routing more takes one step per pool-full."""
         self.fd = os.open(geometry.path, os.O_RDONLY)
+        self.hint_piece = hint_piece(geometry.path)
         self.base: int | None = None
         self.hints = self.hint_bytes = self.drops = self.locked_bytes = 0
         self.predicted: dict[int, set] = {}
@@ -289,44 +326,42 @@ class PageAdvisor:
             for layer in self.g.moe_layers:
                 for off, n in self.g.layer_span(layer):
                     madvise(self.base + off, n, MADV_RANDOM)
-        if self.mode in ("pin", "managed"):
-            for t in self.g.dense_tensors:
-                if t.nbytes:
-                    mlock(self.base + t.offset, t.nbytes)
-                    self.locked_bytes += t.nbytes
         if self.mode in ("managed", "nocache"):
             try:  # a freshly written file's dirty pages cannot be dropped until they are written back
                 os.fsync(self.fd)
             except OSError:
                 pass  # a read-only filesystem has nothing dirty
         if self.mode == "managed":
-            skip = tuple(f"blk.{i}." for i in self.g.skipped_layers)
-            for t in self.g.tensors.values():  # a layer the graph never runs: nothing of it stays
-                if skip and t.name.startswith(skip):
-                    drop(self.fd, self.base, t.offset, t.nbytes)
-            self._adopt_loaded()
+            self._start_empty()
+        if self.mode in ("pin", "managed"):
+            for t in self.g.dense_tensors:
+                if t.nbytes:
+                    mlock(self.base + t.offset, t.nbytes)
+                    self.locked_bytes += t.nbytes
 
-    def _adopt_loaded(self) -> None:
-        """The load left expert pages in the page cache (llama.cpp touches the whole file): keep the
-        experts wholly resident, in id order, up to the pool, as its prefetched residents (evicted
-        first while unused); drop every other expert's pages, so the pool is all the tier holds."""
-        E, keep, room = self.g.num_experts, [], self.cache.capacity_bytes
-        for j, layer in enumerate(self.g.moe_layers):
-            for e in range(E):
-                size = int(self.cache.item_bytes[j * E + e])
-                if size <= room and all(resident(self.base + off, n) for off, n in self.g.expert_ranges(layer, e)):
-                    keep.append(j * E + e)
-                    room -= size
-        self.cache.prefetch(keep)
-        self.managed_adopted = keep
-        kept = set(keep)
-        for j, layer in enumerate(self.g.moe_layers):  # each run of dropped neighbours as one range
-            for adopted, run in itertools.groupby(range(E), key=lambda e: j * E + e in kept):
-                if not adopted:
-                    run = list(run)
-                    firsts, lasts = self.g.expert_ranges(layer, run[0]), self.g.expert_ranges(layer, run[-1])
-                    for (off, _), (last, n) in zip(firsts, lasts):  # per tensor: gate, up, down
-                        drop(self.fd, self.base, off, last + n - off)
+    def _start_empty(self) -> None:
+        """The load left the file in the page cache (llama.cpp maps it with MAP_POPULATE), in large
+        folios that span neighbouring experts and tensors; the kernel drops a folio only whole, so
+        dropping one expert's range left a quarter of its pages (70 MB beside a 790 MB pool, outside
+        its account: the tier then sat at the wall and every load reclaimed). So every page of the
+        file is dropped (the pool starts empty; a layer the graph never runs, such as DeepSeek's MTP
+        layer, is never read again) and the dense part read back as single pages (hints read single
+        pages; ``MADV_RANDOM`` keeps a fault from reading around), to be locked: from here every page
+        of the tier is one the pool or the dense part accounts for, and an expert drops whole."""
+        for off, n in mapped_ranges(self.g.path):
+            madvise(self.base + off, n, MADV_RANDOM)
+            madvise(self.base + off, n, MADV_DONTNEED)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # 0, 0: the whole file
+        for t in self.g.dense_tensors:
+            if t.nbytes:
+                self.hint(t.offset, t.nbytes)
+
+    def hint(self, off: int, n: int) -> None:
+        """``POSIX_FADV_WILLNEED`` of file bytes ``[off, off + n)`` in pieces the kernel reads whole (it
+        reads at most the larger of the device's readahead and its largest request per call)."""
+        step = self.hint_piece
+        for lo in range(off, off + n, step):
+            os.posix_fadvise(self.fd, lo, min(step, off + n - lo), os.POSIX_FADV_WILLNEED)
 
     def _routers(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per MoE layer: (ffn_norm weight [H], router [E, H]) as float32, read from the file."""
@@ -422,7 +457,7 @@ class PageAdvisor:
         for item, _ in step.loads:
             layer = self.g.moe_layers[item // E]
             for off, n in self.g.expert_ranges(layer, item % E):
-                os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
+                self.hint(off, n)
                 self.hints += 1
                 self.hint_bytes += n
                 if self.readers is not None and self.base is not None:
@@ -452,7 +487,7 @@ class PageAdvisor:
     def willneed(self, layer: int, experts: np.ndarray) -> None:
         for e in experts.tolist():
             for off, n in self.g.expert_ranges(layer, int(e)):
-                os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
+                self.hint(off, n)
                 self.hints += 1
                 self.hint_bytes += n
 
@@ -479,7 +514,6 @@ class PageAdvisor:
                 "managed_capacity_bytes": self.cache.capacity_bytes if self.cache is not None else None,
                 "managed_policy": self.cache.policy.spec if self.cache is not None else None,
                 "managed_loads": self.managed_loads, "managed_drops": self.managed_drops,
-                "managed_adopted": len(self.managed_adopted), "managed_adopted_items": list(self.managed_adopted),
                 "readers": len(self.readers.threads) if self.readers is not None else 0,
                 "populated_bytes": self.readers.populated if self.readers is not None else 0,
                 "expert_hits": self.expert_hits if self.observes_routing else None,
