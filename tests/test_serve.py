@@ -171,7 +171,7 @@ def _decode_routed(b64: str, g) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i4").reshape(-1, g.num_layers, g.top_k)
 
 
-def test_routed_experts_equal_an_independent_capture_in_sglang_format(managed, small_gguf):
+def test_routed_experts_equal_an_independent_capture_in_sglang_format(managed, small_gguf, tmp_path):
     from expertcache.llama.geometry import read_geometry
 
     g = read_geometry(small_gguf)
@@ -198,6 +198,21 @@ def test_routed_experts_equal_an_independent_capture_in_sglang_format(managed, s
     assert status == 200 and len(tail) == 1 and events[tail[0]]["choices"] == []
     assert events[tail[0] - 1]["choices"][0]["finish_reason"] == "length" and "usage" in events[tail[0] + 1]
     assert np.array_equal(_decode_routed(events[tail[0]]["sglext"]["routed_experts"], g), want)
+    # the serve -> import loop: a log of this server's responses (one non-streamed, one streamed as
+    # its SSE lines) is one `expertcache import` away, each response a sequence, the dense layers out
+    log = tmp_path / "responses.jsonl"
+    log.write_text(json.dumps(done) + "\n" + raw.decode())
+    out = tmp_path / "served.npz"
+    imp = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "import", str(log), "--num-experts",
+                          str(g.num_experts), "--top-k", str(g.top_k), "--out", str(out), "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert imp.returncode == 0, imp.stderr
+    from expertcache import load_trace
+
+    trace = load_trace(out)
+    assert json.loads(imp.stdout)["format"] == "sglang-r3" and trace.num_sequences == 2
+    for s in range(2):
+        assert np.array_equal(trace.experts[trace.seq == s], want[:, g.moe_layers])
     # a chat through the openai client (extra_body), decoded from the response's extra field
     chat = managed.client().chat.completions.create(
         model="small-moe", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,

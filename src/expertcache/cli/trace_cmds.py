@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from .._text import id_ranges
 from ..errors import ConfigError
 from ..trace import units
 from ..trace.exporters import FORMATS, ORDERS, export_libcachesim
@@ -46,6 +47,20 @@ formats and their record shapes (default field names; rename with the --*-field 
   sglang       the torch.save dump SGLang's expert-distribution recorder writes in per_token mode
                (expert_distribution_recorder_<time>_<rank>.pt), or a folder of them; read without
                unpickling; physical expert ids are mapped to logical ones
+  sglang-r3    SGLang server responses (--enable-return-routed-experts, "return_routed_experts":
+               true), one per line: /v1/completions, /v1/chat/completions or /generate, streamed
+               (SSE 'data:' lines or chunk objects) or not, or {"request": ..., "response": ...}:
+                 {"choices": [...], "usage": {...}, "sglext": {"routed_experts": "<base64 int32>"}}
+                 {"text": "...", "meta_info": {"prompt_tokens": 5, ..., "routed_experts": "<base64>"}}
+               the payload is int32 [rows, layers, k] without a shape: --num-layers and --top-k,
+               or learned from the first response stating prompt and completion token counts
+  vllm-r3      vLLM server responses (--enable-return-routed-experts, stream=false):
+                 {"choices": [{..., "routed_experts": "<base64 .npy>"}], "usage": {...}}
+               (vLLM 0.21: nested lists, and "prompt_routed_experts")
+               both r3 formats: rows are token positions (from the request's routed_experts_start_len; the
+               last sampled token has none); suffixes continue their conversation's sequence;
+               layers whose ids are all 0 (dense layers) are left out; extras 'position' and
+               'row_phase' (1 prompt, 0 decode, -1 unknown) (docs/importers.md)
 
 Sequences keep their order of first appearance, tokens are sorted by token index (gaps kept in the
 'step' array), layers are sorted. Every token needs every layer (--drop-incomplete drops tokens
@@ -65,7 +80,8 @@ and Belady misses equal 'expertcache replay --reset none' copies_total.
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("import", help="import routing logs from other engines (vllm-jsonl, token-jsonl, engine-jsonl, sglang)",
+    p = sub.add_parser("import", help="import routing logs from other engines (vllm-jsonl, token-jsonl, engine-jsonl, sglang, "
+                            "sglang-r3, vllm-r3)",
                        description=IMPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                        usage="expertcache import [FORMAT] PATH --out T.npz [options]")
     p.add_argument("source", nargs="+", metavar="[FORMAT] PATH",
@@ -75,9 +91,10 @@ def add_parser(sub) -> None:
     add_out(p, "trace to write (.npz); its folder must exist")
     p.add_argument("--num-experts", type=positive_int, help="E (default: from the dump's expert map, else largest id + 1)")
     p.add_argument("--model", help="model name to record in the trace metadata")
-    p.add_argument("--phase", help="decode, prefill, teacher-forced, mixed or unknown "
-                                   "(default decode for the JSONL formats, mixed for sglang)")
-    p.add_argument("--drop-incomplete", action="store_true", help="drop tokens that lack some layer")
+    p.add_argument("--phase", help="decode, prefill, teacher-forced, mixed or unknown (default decode for the "
+                                   "JSONL formats, mixed for sglang, what the rows show for sglang-r3/vllm-r3)")
+    p.add_argument("--drop-incomplete", action="store_true",
+                   help="drop tokens that lack some layer (r3: rows whose ids at a MoE layer are all 0)")
     p.add_argument("--pad", action="store_true", help="pad id lists shorter than the longest with -1 (default: an error)")
     d, t, e = JsonlFields(), TokenFields(), EngineFields()
     g = p.add_argument_group("JSONL field names (vllm-jsonl, token-jsonl, engine-jsonl)")
@@ -90,7 +107,8 @@ def add_parser(sub) -> None:
     g = p.add_argument_group("engine-jsonl")
     g.add_argument("--iteration-field", help=f"engine iteration field (default {e.iteration})")
     g.add_argument("--top-k", type=positive_int, default=None, metavar="K",
-                   help="the router's k (default: the smallest record width, noted in the trace metadata)")
+                   help="the router's k (default: the smallest record width, noted in the trace metadata; "
+                        "sglang-r3: the payload's k, default inferred from the ids)")
     g.add_argument("--expect-tokens", type=positive_int, default=None, metavar="N",
                    help="every sequence's accepted tokens must add up to N (an error naming the sequence otherwise)")
     g = p.add_argument_group("sglang")
@@ -99,6 +117,10 @@ def add_parser(sub) -> None:
                         "'stream': one sequence per dump file; 'auto' (default): positions when every forward "
                         "pass serves one request, else stream")
     g.add_argument("--rank", type=int, default=None, help="keep only this rank's records")
+    g = p.add_argument_group("sglang-r3")
+    g.add_argument("--num-layers", type=positive_int, default=None, metavar="L",
+                   help="layers in the payload: the model's num_hidden_layers, dense ones included (default: "
+                        "learned from the first response stating its prompt and completion token counts)")
     add_json(p)
     p.set_defaults(func=run_import)
 
@@ -120,8 +142,8 @@ _APPLIES = {
     "seq_field": ("vllm-jsonl", "token-jsonl", "engine-jsonl"), "token_field": ("vllm-jsonl", "token-jsonl"),
     "experts_field": ("vllm-jsonl", "token-jsonl", "engine-jsonl"), "probs_field": ("vllm-jsonl", "token-jsonl"),
     "layer_field": ("vllm-jsonl", "engine-jsonl"), "layers_field": ("token-jsonl",), "sequences": ("sglang",),
-    "rank": ("sglang",), "iteration_field": ("engine-jsonl",), "top_k": ("engine-jsonl",),
-    "expect_tokens": ("engine-jsonl",),
+    "rank": ("sglang",), "iteration_field": ("engine-jsonl",), "top_k": ("engine-jsonl", "sglang-r3"),
+    "expect_tokens": ("engine-jsonl",), "num_layers": ("sglang-r3",),
 }
 
 
@@ -169,7 +191,7 @@ def run_import(args) -> int:
     trace, fmt = import_trace(path, fmt, vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields,
                               num_experts=args.num_experts, drop_incomplete=args.drop_incomplete, pad=args.pad,
                               model=args.model, phase=args.phase, sequences=args.sequences or "auto", rank=args.rank,
-                              top_k=args.top_k, expect_tokens=args.expect_tokens)
+                              top_k=args.top_k, expect_tokens=args.expect_tokens, num_layers=args.num_layers)
     trace.save(args.out)
     dropped = trace.meta["validation"]["tokens_dropped"]
     engine = _engine_summary(trace) if fmt == "engine-jsonl" else {}
@@ -186,10 +208,38 @@ def run_import(args) -> int:
     if fmt == "sglang" and args.sequences in (None, "auto") and trace.meta["source"]["sequences"] == "stream":
         print("note: forward passes serve several requests, so each dump file is one sequence "
               "(--sequences positions splits where positions break)", file=sys.stderr)
+    if fmt.endswith("-r3"):
+        _print_r3_notes(trace.meta)
     if dropped:
         print(f"dropped {dropped} token(s) lacking a layer", file=sys.stderr)
     print(f"wrote {args.out}")
     return 0
+
+
+def _print_r3_notes(meta: dict) -> None:
+    """What an r3 import decided or could not place (docs/importers.md), on stderr."""
+    src, v, rows = meta["source"], meta["validation"], meta["rows"]
+    print(f"rows: {rows['prefill']} prompt (prefill), {rows['decode']} decode, {rows['unknown']} of unknown phase "
+          f"in {v['responses']} responses")
+    notes = []
+    if src["dense_layers"]:
+        notes.append(f"layers {id_ranges(src['dense_layers'])} hold only 0 (dense layers): left out")
+    if src["top_k_inferred"]:
+        notes.append(f"k = {meta['top_k']} inferred from the ids (pass --top-k if the model's differs)")
+    if src["shape_from"] != "the options" and meta["source"]["format"] == "sglang-r3":
+        notes.append(f"layers x k = {src['layers_in_payload']} x {meta['top_k']} learned from {src['shape_from']}")
+    for key, text in (("choices_without_routing", "choice(s) without routed experts (SGLang's sglext holds the first "
+                       "choice's only)"), ("error_responses", "error response(s) skipped"),
+                      ("start_len_ignored", "response(s) returned every row although the request set a start "
+                       "(read from position 0)"), ("rows_replaced", "row(s) replaced by a later response's suffix")):
+        if v[key]:
+            notes.append(f"{v[key]} {text}")
+    for key, text in (("row_count_mismatches", "row count(s) disagree with prompt + completion - 1 - start"),
+                      ("unstitched_suffixes", "suffix(es) continue no sequence read before (new sequences)")):
+        if v[key]:
+            notes.append(f"{len(v[key])}{'+' if len(v[key]) == 20 else ''} {text}, first at {v[key][0]['where']}")
+    for text in notes:
+        print(f"note: {text}", file=sys.stderr)
 
 
 def _engine_summary(trace) -> dict:

@@ -190,29 +190,40 @@ def _as_int64(arr: np.ndarray) -> np.ndarray:
     return np.require(arr.astype(np.int64, copy=False), requirements="C")
 
 
+_CHECK_BLOCK = 1 << 24
+"""Ids checked at a time (whole tokens): the checks' temporaries stay near 16 M elements, not
+several copies of the whole array (a 1 GB trace would otherwise need about 2 GB more to load)."""
+
+
 def _check_ids(experts: np.ndarray, E: int, src: str) -> np.ndarray:
     """Ids in ``[0, E)`` or -1, no id twice per (token, layer); returns the compact canonical array.
 
     The range is checked on the array as stored (numpy compares any integer width with Python
-    ints exactly, unsigned included), so the narrowing that follows cannot wrap a value.
+    ints exactly, unsigned included), so the narrowing that follows cannot wrap a value. Both
+    checks run over blocks of tokens (:data:`_CHECK_BLOCK`) and report the first bad index in
+    C order, as a whole-array check would.
     """
-    bad = (experts < -1) | (experts >= E)
-    if bad.any():
-        t, l, j = np.argwhere(bad)[0]
-        raise TraceError(
-            f"{src}: experts: id {experts[t, l, j]} at token {t}, layer {l}, slot {j} is outside [0, {E}) "
-            f"(num_experts = {E}; -1 is the only padding value)"
-        )
+    step = max(1, _CHECK_BLOCK // max(1, experts[0].size))
+    for a in range(0, experts.shape[0], step):
+        blk = experts[a:a + step]
+        bad = (blk < -1) | (blk >= E)
+        if bad.any():
+            t, l, j = np.argwhere(bad)[0]
+            raise TraceError(
+                f"{src}: experts: id {blk[t, l, j]} at token {a + t}, layer {l}, slot {j} is outside [0, {E}) "
+                f"(num_experts = {E}; -1 is the only padding value)"
+            )
     compact = np.require(experts.astype(compact_dtype(E), copy=False), requirements="C")
     if compact.shape[2] > 1:
-        srt = np.sort(compact, axis=2)
-        dup = (srt[:, :, 1:] == srt[:, :, :-1]) & (srt[:, :, 1:] >= 0)
-        if dup.any():
-            t, l, j = np.argwhere(dup)[0]
-            raise TraceError(
-                f"{src}: experts: id {int(srt[t, l, j])} appears twice at token {t}, layer {l} "
-                f"(ids {compact[t, l].tolist()})"
-            )
+        for a in range(0, compact.shape[0], step):
+            srt = np.sort(compact[a:a + step], axis=2)
+            dup = (srt[:, :, 1:] == srt[:, :, :-1]) & (srt[:, :, 1:] >= 0)
+            if dup.any():
+                t, l, j = np.argwhere(dup)[0]
+                raise TraceError(
+                    f"{src}: experts: id {int(srt[t, l, j])} appears twice at token {a + t}, layer {l} "
+                    f"(ids {compact[a + t, l].tolist()})"
+                )
     return compact
 
 

@@ -7,6 +7,8 @@ vllm-jsonl     JSONL, one record per (sequence, token, layer)      :mod:`.vllm`
 token-jsonl    JSONL, one record per (sequence, token)             :mod:`.per_token`
 engine-jsonl   JSONL, one record per (iteration, layer) event      :mod:`.engine` (:mod:`.engine_passes`)
 sglang         SGLang's per-token expert-distribution dump (.pt)   :mod:`.sglang` (:mod:`.torchzip`)
+sglang-r3      JSONL of SGLang responses with routed experts       :mod:`.r3` (:mod:`.r3_wire`)
+vllm-r3        JSONL of vLLM responses with routed experts         :mod:`.r3` (:mod:`.r3_wire`)
 =============  ==================================================  ===========================
 
 JSONL input may be gzip- or zstd-compressed (found by magic bytes, streamed: :mod:`.records`);
@@ -19,6 +21,8 @@ from .detect import DEFAULT_PHASE, FORMATS, detect_format, import_trace, shapes
 from .engine import EngineFields, import_engine_jsonl
 from .engine_passes import PASS_KINDS, EngineRecord, TypedPass, TypedPasses, pass_arrays, type_passes
 from .per_token import TokenFields, import_token_jsonl
+from .r3 import import_r3
+from .r3_wire import R3_FORMATS, decode_payload
 from .records import MAX_LINE_BYTES
 from .sglang import SEQUENCE_MODES, import_sglang
 from .torchzip import read_torch_save
@@ -31,6 +35,7 @@ __all__ = [
     "MAX_EXPERTS",
     "MAX_LINE_BYTES",
     "PASS_KINDS",
+    "R3_FORMATS",
     "SEQUENCE_MODES",
     "EngineFields",
     "EngineRecord",
@@ -38,8 +43,10 @@ __all__ = [
     "TokenFields",
     "TypedPass",
     "TypedPasses",
+    "decode_payload",
     "detect_format",
     "import_engine_jsonl",
+    "import_r3",
     "import_sglang",
     "import_token_jsonl",
     "import_trace",

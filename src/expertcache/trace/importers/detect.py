@@ -2,6 +2,10 @@
 one entry point, :func:`import_trace`, for every format.
 
 Rules: a folder or a zip archive holding ``data.pkl`` (a ``torch.save`` file) is ``sglang``;
+a log of server responses (SSE lines, OpenAI-style ``choices``, ``/generate`` ``meta_info``, or
+request/response pairs; :func:`~.r3_wire.r3_kind`) is ``sglang-r3`` or ``vllm-r3``, decided by
+the first line showing either server's fields (``sglext``/``meta_info`` vs ``choices[i].routed_experts``),
+``sglang-r3`` when none of the first :data:`R3_PROBE` lines does (vLLM never streams them);
 otherwise the first :data:`PROBE` records decide (after gzip/zstd decompression): an experts
 field holding a flat id list next to a layer field is ``vllm-jsonl``; one holding a list of id
 lists, or an object keyed by layer, is ``token-jsonl``; a flat id list next to a layer field and
@@ -20,12 +24,15 @@ from ...errors import ConfigError, TraceError
 from ..core import Trace
 from .engine import EngineFields, import_engine_jsonl
 from .per_token import TokenFields, import_token_jsonl
+from .r3 import import_r3
+from .r3_wire import R3_FORMATS, r3_kind
 from .records import ZIP_MAGIC, iter_lines, open_regular, parse_record
 from .sglang import import_sglang
 from .vllm import JsonlFields, import_vllm_jsonl
 
-FORMATS = ("vllm-jsonl", "token-jsonl", "engine-jsonl", "sglang")
+FORMATS = ("vllm-jsonl", "token-jsonl", "engine-jsonl", "sglang", *R3_FORMATS)
 PROBE = 8
+R3_PROBE = 1000
 DEFAULT_PHASE = {"vllm-jsonl": "decode", "token-jsonl": "decode", "engine-jsonl": "decode", "sglang": "mixed"}
 
 
@@ -39,6 +46,9 @@ def shapes(vf: JsonlFields = JsonlFields(), tf: TokenFields = TokenFields(),
         "engine-jsonl": f"one JSON record per engine iteration and layer: {ef.iteration}/{ef.layer}/{ef.experts} "
                         f"with a flat id list and no {vf.token} (speculative decoding)",
         "sglang": "a torch.save dump of SGLang's expert-distribution recorder in per_token mode, or a folder of them",
+        "sglang-r3": "SGLang server responses with routed experts (sglext.routed_experts or meta_info.routed_experts), "
+                     "streamed or not",
+        "vllm-r3": "vLLM server responses with routed experts (choices[i].routed_experts)",
     }
 
 
@@ -64,11 +74,24 @@ def detect_format(path: str | os.PathLike, *, vllm_fields: JsonlFields = JsonlFi
                 return "sglang"
             raise _fits_none(src, "a zip archive without data.pkl", vf, tf, ef)
     found: list[tuple[str, str]] = []
+    r3: tuple[str, str] | None = None  # (first server-response line, its kind)
     with contextlib.closing(iter_lines(path)) as lines:
         for lineno, body in lines:
             if not body.strip():
                 continue
             where = f"{src}:{lineno}"
+            kind = r3_kind(body) if not found else None
+            if kind is not None:
+                if kind != "r3":
+                    return kind
+                r3 = r3 or (where, kind)
+                if lineno >= R3_PROBE:
+                    break
+                continue
+            if r3 is not None:
+                shape = _shape(parse_record(body, where), vf, tf, ef) if body.lstrip().startswith(b"{") else None
+                raise TraceError(f"{where}: {'a ' + shape + ' record' if shape else 'no server response'}, but {r3[0]} "
+                                 "is a server response (one shape per file)")
             try:
                 rec = parse_record(body, where)
             except TraceError as exc:
@@ -83,6 +106,8 @@ def detect_format(path: str | os.PathLike, *, vllm_fields: JsonlFields = JsonlFi
             found.append((where, shape))
             if len(found) == PROBE:
                 break
+    if r3 is not None:
+        return "sglang-r3"
     if not found:
         raise TraceError(f"{src}: empty file (no records)")
     return found[0][1]
@@ -118,11 +143,13 @@ def import_trace(
     rank: int | None = None,
     top_k: int | None = None,
     expect_tokens: int | None = None,
+    num_layers: int | None = None,
 ) -> tuple[Trace, str]:
     """Import ``path`` in format ``fmt`` (``'auto'``: :func:`detect_format`); returns the trace and
-    the format read. ``phase`` defaults to decode for the JSONL formats, mixed for sglang;
-    ``sequences`` and ``rank`` apply to sglang only; ``top_k`` and ``expect_tokens`` to
-    engine-jsonl only (which takes neither ``pad`` nor ``drop_incomplete``)."""
+    the format read. ``phase`` defaults to decode for the JSONL formats, mixed for sglang, and what
+    the rows show for sglang-r3/vllm-r3; ``sequences`` and ``rank`` apply to sglang only;
+    ``expect_tokens`` to engine-jsonl only (which takes neither ``pad`` nor ``drop_incomplete``);
+    ``top_k`` to engine-jsonl and sglang-r3, ``num_layers`` to sglang-r3 (neither takes ``pad``)."""
     if fmt == "auto":
         fmt = detect_format(path, vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields)
     if fmt not in FORMATS:
@@ -133,6 +160,11 @@ def import_trace(
                               "(its typing needs every record)")
         return import_engine_jsonl(path, fields=engine_fields, num_experts=num_experts, top_k=top_k,
                                    expect_tokens=expect_tokens, model=model, phase=phase or DEFAULT_PHASE[fmt]), fmt
+    if fmt in R3_FORMATS:
+        if pad:
+            raise ConfigError(f"--pad does not apply to {fmt} (every row holds the server's k ids)")
+        return import_r3(path, fmt, num_experts=num_experts, num_layers=num_layers, top_k=top_k,
+                         drop_incomplete=drop_incomplete, model=model, phase=phase), fmt
     common = dict(num_experts=num_experts, drop_incomplete=drop_incomplete, pad=pad, model=model,
                   phase=phase or DEFAULT_PHASE[fmt])
     if fmt == "vllm-jsonl":

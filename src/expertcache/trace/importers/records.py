@@ -32,8 +32,9 @@ MAX_LINE_BYTES = 64 << 20
 cannot exhaust memory."""
 
 MAX_BLANK_LINES = 1_000_000
-"""More blank lines than this end the read with an error: a routing log has records on its lines,
-and a small compressed file of blank lines would otherwise keep the reader busy for minutes."""
+"""More blank lines than this in a row end the read with an error: a routing log has records on its
+lines, and a small compressed file of blank lines would otherwise keep the reader busy for minutes.
+(Counted in a row, not in all: server-sent events put a blank line after every record.)"""
 
 _ZSTD_FEED = 1024  # compressed bytes per decompressor call: zstd expands 1 KiB to at most ~44 MiB
 
@@ -108,10 +109,12 @@ def iter_lines(path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
                 return
             lineno += 1
             body = line[:-1] if line.endswith(b"\n") else line
-            if not body.strip():
+            if body.strip():
+                blanks = 0
+            else:
                 blanks += 1
                 if blanks > MAX_BLANK_LINES:
-                    raise TraceError(f"{src}:{lineno}: more than {MAX_BLANK_LINES:,} blank lines; not a routing log")
+                    raise TraceError(f"{src}:{lineno}: more than {MAX_BLANK_LINES:,} blank lines in a row; not a routing log")
             if len(body) > MAX_LINE_BYTES:
                 limit = f"{MAX_LINE_BYTES >> 20} MiB" if MAX_LINE_BYTES >= 1 << 20 else f"{MAX_LINE_BYTES} bytes"
                 raise TraceError(f"{src}:{lineno}: line longer than {limit} (the limit for one record)")
@@ -140,8 +143,9 @@ _FAST = json.JSONDecoder()
 _SAFE = json.JSONDecoder(parse_int=_parse_int)
 
 
-def parse_record(body: bytes, where: str) -> dict:
-    """One JSON object from one line's bytes; every failure is a one-line TraceError at ``where``."""
+def parse_record(body: bytes, where: str, *, arrays: bool = False) -> dict | list:
+    """One JSON object (or, with ``arrays``, an array) from one line's bytes; every failure is a
+    one-line TraceError at ``where``."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -160,7 +164,7 @@ def parse_record(body: bytes, where: str) -> dict:
         raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
     except ValueError as exc:  # any other number the decoder cannot represent
         raise TraceError(f"{where}: unreadable JSON ({str(exc).splitlines()[0][:80]})") from None
-    if not isinstance(rec, dict):
+    if not isinstance(rec, dict) and not (arrays and isinstance(rec, list)):
         kind = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(type(rec), "a number")
         raise TraceError(f"{where}: expected a JSON object per line, got {kind}")
     return rec
