@@ -194,6 +194,10 @@ def own_bytes(d: str, version: str) -> tuple[int | None, str | None]:
     return max(0, usage - st["active_file"] - st["inactive_file"] - st.get("unevictable", 0)), None
 
 
+TRACE_ENV = "EXPERTCACHE_WALL_TRACE"
+"""Environment variable: a file to which a following wall appends one line per sample."""
+
+
 class Sampler(threading.Thread):
     """Samples a cgroup's memory.stat (and usage) every :data:`SAMPLE_S` seconds while the child runs
     (same keys on v1 and v2): the peaks of the page cache on the LRU lists (``active_file +
@@ -284,6 +288,8 @@ class Sampler(threading.Thread):
                 self._recent_own.append(vals["own_peak_bytes"])
                 self._correct(tier, usage)
                 self._follow(min(self._recent_own))
+                if os.environ.get(TRACE_ENV):
+                    self._trace(tier, usage, vals["own_peak_bytes"], file, unev)
         if flagged:  # the first following limit (if any) is written: let the worker go on (begin_following)
             with contextlib.suppress(OSError):
                 os.unlink(self.follow_flag)
@@ -291,6 +297,14 @@ class Sampler(threading.Thread):
             state = cgroup_state(self.dir, self.version)
             if state["limit_bytes"] is not None:
                 self.last_state = state
+
+    def _trace(self, tier: int, usage: int | None, own: int, file: int, unev: int) -> None:
+        """One line per following sample, in MiB, appended to the file ``$EXPERTCACHE_WALL_TRACE``
+        names (how a wall's tier, own memory, feedback and limit moved: docs/robustness.md)."""
+        with contextlib.suppress(OSError), open(os.environ[TRACE_ENV], "a", encoding="utf-8") as fh:
+            fh.write(f"{time.monotonic():.3f} tier={tier >> 20} usage={(usage or 0) >> 20} own={own >> 20} "
+                     f"min_own={min(self._recent_own) >> 20} bias={self._bias >> 20} limit={(self._limit or 0) >> 20} "
+                     f"file={file >> 20} unevictable={unev >> 20}\n")
 
     def _correct(self, tier: int, usage: int | None) -> None:
         """Feedback on the tier itself: a tier above the capacity lowers the limit by half the excess
