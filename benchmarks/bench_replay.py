@@ -7,7 +7,7 @@
    (``process_trace`` over its oracleGeneral reader; writing that file is excluded). The miss
    counts must agree; requests/s of each side and the ratio are printed. The same for ``arc``,
    ``s3fifo`` and ``sieve``: rules written once as hooks of the compiled engine
-   (``expertcache.engine``) against libCacheSim's native ``ARC``, ``S3FIFO`` and ``Sieve``.
+   (``expertcache.policies.driver``) against libCacheSim's native ``ARC``, ``S3FIFO`` and ``Sieve``.
 2. requests/s of every policy on a token-grouped trace (E=64, k=8, L=16, 4,000 tokens).
 
 Times are the best of ``--repeat`` runs after one warm-up (numba compiles on first use).

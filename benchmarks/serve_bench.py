@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from expertcache.llama.convert import convert_random  # noqa: E402
-from expertcache.llama.geometry import read_geometry  # noqa: E402
+from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.quantize import quantize  # noqa: E402
 from expertcache.llama.sweep import parse_walls  # noqa: E402
 

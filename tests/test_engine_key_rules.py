@@ -4,7 +4,7 @@
 :mod:`expertcache.kernels` (keys precomputed per group, every victim of a group chosen at once, in
 ascending ``(key, last use, id)``). Here the same rules are written a second time, as engine hooks
 in this file (a victim hook that scans the residents for the smallest ``(key, last use, id)``, one
-victim per miss, as :func:`expertcache.engine.run` asks), and both must give the same misses and
+victim per miss, as :func:`expertcache.policies.driver.run` asks), and both must give the same misses and
 evictions group for group, on k = 1 and token-grouped traces, both pools, every capacity.
 
 Where the hooks keep what the int64 state rows do not hold: ``decayed``'s float score per item
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from expertcache import Trace
-from expertcache import engine
+from expertcache.policies import driver
 from expertcache._jit import njit
 from expertcache.kernels import pool_slots
 from expertcache.policies.decayed import _order_key, _updated_score
@@ -103,7 +103,7 @@ def _loop_of(key, use):
     def loop(groups, starts, n_items, capacity, sc0, fs0):
         # a hit and an admission are uses (the key rules' on_access records them after the group's
         # misses; here they are recorded as they happen, which changes only requested, protected items)
-        return engine.run(groups, starts, n_items, capacity, 3, sc0, fs0, _init, use, _nothing, victim, _nothing, use)
+        return driver.run(groups, starts, n_items, capacity, 3, sc0, fs0, _init, use, _nothing, victim, _nothing, use)
 
     return loop
 

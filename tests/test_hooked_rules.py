@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import expertcache as ec
-from expertcache import engine
+from expertcache.policies import driver
 from expertcache._jit import njit
 from expertcache.policies.hooked import HookedPolicy
 from expertcache.trace.exporters import export_libcachesim
@@ -176,7 +176,7 @@ def test_prefetched_items_go_first_and_enter_the_rule_on_first_use():
 # -- the engine refuses a rule that breaks the group's protection --------------------------------
 @njit(cache=False)
 def _init(st, sc, fs, n, c):
-    engine.list_clear(sc, 0)
+    driver.list_clear(sc, 0)
 
 
 @njit(cache=False)
@@ -186,22 +186,22 @@ def _nop(st, sc, fs, e, t):
 
 @njit(cache=False)
 def _admit(st, sc, fs, e, t):
-    engine.push_head(st, sc, 0, e)
+    driver.push_head(st, sc, 0, e)
 
 
 @njit(cache=False)
 def _evict(st, sc, fs, v, t):
-    engine.unlink(st, sc, v)
+    driver.unlink(st, sc, v)
 
 
 @njit(cache=False)
 def _bad_victim(st, sc, fs, e, t, stamp, g, res, size):
-    return engine.head(sc, 0)  # the newest: may be the current group's
+    return driver.head(sc, 0)  # the newest: may be the current group's
 
 
 @njit(cache=False)
 def _bad_loop(groups, starts, n_items, capacity, rows, sc0, fs0):
-    return engine.run(groups, starts, n_items, capacity, rows, sc0, fs0, _init, _nop, _nop, _bad_victim, _evict, _admit)
+    return driver.run(groups, starts, n_items, capacity, rows, sc0, fs0, _init, _nop, _nop, _bad_victim, _evict, _admit)
 
 
 class _Bad(HookedPolicy):
@@ -225,7 +225,7 @@ def test_hooked_rule_without_capacity_is_one_line():
 
 
 def test_compiled_loops_are_stamped_with_every_compiled_module():
-    """A rule's cached loop inlines engine.run from another file: its cache stamp must cover that
+    """A rule's cached loop inlines driver.run from another file: its cache stamp must cover that
     file too, or an edit of the engine would leave a stale compiled loop."""
     from expertcache import _jit
     from expertcache.policies import sieve

@@ -192,7 +192,7 @@ def test_router_logit_evicts_lowest_current_probability():
         rp[2, 0, :2] = (p0, p1)
         tr = Trace.from_arrays(ex, num_experts=3, router_probs=rp)
         pol = make_policy("router-logit")
-        from expertcache.context import stream_context
+        from expertcache.trace.context import stream_context
 
         pol.set_context(stream_context(build_layout(tr), 0))
         cache = ExpertCache(2, pol, 3)

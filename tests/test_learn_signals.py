@@ -18,7 +18,7 @@ from expertcache.scorer.models import fit
 from expertcache.scorer.file import load_scorer, save_scorer
 from expertcache.scorer.signals import ALPHA, FoldedTables, fit_folded, fit_tables
 from expertcache.policies import make_policy
-from expertcache.context import stream_context
+from expertcache.trace.context import stream_context
 from expertcache.policies.learned import Learned
 from expertcache.sim import build_layout, replay_layout
 

@@ -3,7 +3,7 @@
 Three paths: the compiled loop (its own residents, the compiled feature state of
 kernels_feature_state); the Python engine driving :class:`~expertcache.policies.learned.Learned`
 through the reference cache (:class:`~expertcache.cache.ExpertCache`) with the same compiled
-feature state (:class:`~expertcache.kernels_live.LiveFeatures`, the live harness's
+feature state (:class:`~expertcache.scorer.kernels_live.LiveFeatures`, the live harness's
 path); and the Python engine with ``reference=True``, which follows the stream with
 :class:`~expertcache.scorer.features.FeatureState`, the independent Python implementation. Counts
 must be equal group for group (not approximately) for every scorer kind and feature set, in both
@@ -25,7 +25,7 @@ from expertcache.scorer.features import GATE, ONLINE, PRIOR, REUSE, ROUTER, Feat
 from expertcache.scorer.signals import fit_folded, fit_tables
 from expertcache.scorer.models import Scorer, fit
 from expertcache.scorer.file import save_scorer
-from expertcache.kernels_learned import decayed, log1p_each, score_rows
+from expertcache.scorer.kernels_learned import decayed, log1p_each, score_rows
 from expertcache.policies import make_policy
 from expertcache.policies.learned import Learned
 from expertcache.sim import build_layout, replay_layout

@@ -22,7 +22,7 @@ pytest.importorskip("transformers", reason="transformers is needed for the Huggi
 import expertcache  # noqa: E402
 from expertcache.errors import ConfigError  # noqa: E402
 from expertcache.llama.convert import convert  # noqa: E402
-from expertcache.llama.geometry import READ, TESTED, read_geometry  # noqa: E402
+from expertcache.formats.gguf import READ, TESTED, read_geometry  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = REPO / "models" / "small-moe"

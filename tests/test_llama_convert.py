@@ -45,7 +45,7 @@ from test_llama import hf_capture  # noqa: E402
 
 from expertcache.errors import ConfigError  # noqa: E402
 from expertcache.llama.convert import convert  # noqa: E402
-from expertcache.llama.geometry import read_geometry  # noqa: E402
+from expertcache.formats.gguf import read_geometry  # noqa: E402
 
 # name -> (family, config overrides); "main" cases are the toy configs, the others cover the rest of the mapping
 YARN_DS = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,

@@ -25,7 +25,7 @@ pytest.importorskip("gguf", reason="the llama extra (gguf) is not installed")
 torch = pytest.importorskip("torch", reason="torch is needed for the random checkpoint")
 pytest.importorskip("transformers", reason="transformers is needed for the random checkpoint")
 
-from expertcache.llama.geometry import read_geometry  # noqa: E402
+from expertcache.formats.gguf import read_geometry  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = REPO / "models" / "small-moe"

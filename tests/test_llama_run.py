@@ -19,7 +19,7 @@ pytest.importorskip("gguf", reason="the llama extra (gguf) is not installed")
 pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
 
 from expertcache.llama.advice import MODES  # noqa: E402
-from expertcache.llama.geometry import read_geometry  # noqa: E402
+from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.runner import demand, run_one  # noqa: E402
 from expertcache.llama.sweep import parse_walls, summarize  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_every_mode_gives_the_same_tokens(gguf_path, prompt):
 
 
 def test_cli_run_in_a_wall_reports_its_proof(gguf_path, tmp_path, prompt):
-    from expertcache.tier.capacity import detect_walls
+    from expertcache.wall.capacity import detect_walls
 
     np.save(tmp_path / "ids.npy", prompt)
     wall = str(read_geometry(str(gguf_path)).file_bytes + 4 * 10**6)

@@ -227,7 +227,7 @@ def test_save_packed_keeps_every_byte_and_loads_without_a_copy(ckpts, tmp_path):
 
 
 def _cgroup_wall() -> bool:
-    from expertcache.tier.capacity import detect_walls
+    from expertcache.wall.capacity import detect_walls
 
     try:
         return bool(detect_walls()["cgroup"]["ok"])

@@ -1,4 +1,4 @@
-"""Every policy string through one parse (policies/kinds.py), checked for every registered rule the
+"""Every policy string through one parse (policies/registry.py), checked for every registered rule the
 way scikit-learn checks every estimator with one test: kind, canonical round trip, fresh clones,
 and one wrong-kind line shared by every entry point."""
 
@@ -12,7 +12,7 @@ import pytest
 import expertcache as ec
 from expertcache.errors import PolicyError
 from expertcache.policies import KINDS, available_policies, kind_of, make_policy, parse_policy
-from expertcache.policies.kinds import HoldingSpec, check_kind
+from expertcache.policies.registry import HoldingSpec, check_kind
 
 SET_HOLDING = ["dwell:4", "dwell:4:16", "prefix:8"]
 
@@ -52,7 +52,7 @@ def test_kinds_of_the_names_the_project_uses():
 def test_the_old_spelling_static_p_is_prefix_p_with_one_notice(capsys):
     """``static`` means one thing (the pin set with bypass); ``static:P`` is read as ``prefix:P``,
     with one notice line per string and process."""
-    from expertcache.policies import kinds
+    from expertcache.policies import registry as kinds
 
     kinds._NOTICED.discard("static:24")
     spec = parse_policy("static:24", ("set-holding",))

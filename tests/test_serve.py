@@ -148,7 +148,7 @@ def _routing_of(gguf, prompt: str, new_tokens: int):
 
     from expertcache.llama.capture import RoutingRecorder
     from expertcache.llama.engine import EvalHook
-    from expertcache.llama.geometry import read_geometry
+    from expertcache.formats.gguf import read_geometry
     from expertcache.llama.textgen import ObservedLlama
 
     g = read_geometry(gguf)
@@ -172,7 +172,7 @@ def _decode_routed(b64: str, g) -> np.ndarray:
 
 
 def test_routed_experts_equal_an_independent_capture_in_sglang_format(managed, small_gguf, tmp_path):
-    from expertcache.llama.geometry import read_geometry
+    from expertcache.formats.gguf import read_geometry
 
     g = read_geometry(small_gguf)
     want, usage = _routing_of(small_gguf, PROMPT, 16)

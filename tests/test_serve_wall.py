@@ -34,7 +34,7 @@ def models(tmp_path_factory):
     from expertcache.llama.convert import convert
     from expertcache.llama.quantize import quantize
     from expertcache.offload.toy import save_toy_checkpoint
-    from expertcache.tier.capacity import detect_walls
+    from expertcache.wall.capacity import detect_walls
 
     if not detect_walls()["cgroup"]["ok"]:
         pytest.skip("no cgroup wall on this machine")

@@ -399,7 +399,7 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.fixture
 def window(monkeypatch):
-    import expertcache.costmodel.disk as dk
+    import expertcache.llama.forecast as dk
 
     monkeypatch.setattr(dk, "readahead_bytes", lambda path: (WINDOW, "fixed by the test"))
 
@@ -492,8 +492,8 @@ def _forecast(capsys, gguf_path, memory, trace, *extra):
 
 def test_forecast_by_hand(tiny_gguf, tmp_path, capsys, window):
     """missed bytes per token from a replay written here, predicted = 1 / (1/c + D/B) exactly."""
-    from expertcache.costmodel.disk import KEYS
-    from expertcache.llama.geometry import read_geometry
+    from expertcache.llama.forecast import KEYS
+    from expertcache.formats.gguf import read_geometry
 
     g = read_geometry(str(tiny_gguf))
     E, S, dense = 8, 12288, g.dense_bytes
@@ -567,7 +567,7 @@ def test_forecast_by_hand(tiny_gguf, tmp_path, capsys, window):
 
 def test_cold_fills_are_counted_as_reads(tiny_gguf, tmp_path, capsys, window):
     """Every expert fits beside the dense part: the only reads are the first ones, and they count."""
-    from expertcache.llama.geometry import read_geometry
+    from expertcache.formats.gguf import read_geometry
 
     g = read_geometry(str(tiny_gguf))
     experts, trace = _hand_trace(tmp_path)
@@ -583,7 +583,7 @@ def test_cold_fills_are_counted_as_reads(tiny_gguf, tmp_path, capsys, window):
 
 
 def test_forecast_text_and_synthetic_trace(tiny_gguf, capsys, window):
-    from expertcache.costmodel.disk import synthetic_tokens
+    from expertcache.llama.forecast import synthetic_tokens
 
     rc, out, _ = run(capsys, "size", "--model-config", tiny_gguf, "--memory", "200kB", "--disk-bandwidth", "1.5GB/s",
                      "--compute", "40tok/s")
@@ -605,7 +605,7 @@ def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
     import types
 
     import expertcache.llama.roofline as rl
-    from expertcache.llama.geometry import read_geometry
+    from expertcache.formats.gguf import read_geometry
     from expertcache.llama.runner import request_bytes
 
     seen = []
@@ -691,8 +691,8 @@ def test_forecast_trace_must_be_the_models(tiny_gguf, tmp_path, capsys):
 def test_window_units_by_brute_force(tiny_gguf, tmp_path, capsys, monkeypatch, size):
     """Windows smaller than a slice (interior windows one expert's alone), equal, larger (one window
     holding many slices): the units and the window LRU's reads as the brute force finds them."""
-    import expertcache.costmodel.disk as dk
-    from expertcache.llama.geometry import read_geometry
+    import expertcache.llama.forecast as dk
+    from expertcache.formats.gguf import read_geometry
 
     g = read_geometry(str(tiny_gguf))
     experts, trace = _hand_trace(tmp_path)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from expertcache.tier import accounting as acc
+from expertcache.wall import accounting as acc
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

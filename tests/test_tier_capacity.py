@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from expertcache.errors import ConfigError
-from expertcache.tier import accounting as acc
-from expertcache.tier import capacity as cap
-from expertcache.tier import cgroupfs
+from expertcache.wall import accounting as acc
+from expertcache.wall import capacity as cap
+from expertcache.wall import cgroupfs
 
 MB = 10**6
 

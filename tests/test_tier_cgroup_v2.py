@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from expertcache.tier import capacity as cap
-from expertcache.tier import cgroupfs as cg
-from expertcache.tier import cgroupwall as cw
+from expertcache.wall import capacity as cap
+from expertcache.wall import cgroupfs as cg
+from expertcache.wall import cgroupwall as cw
 
 MB = 10**6
 

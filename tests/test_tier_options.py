@@ -11,7 +11,7 @@ import pytest
 from expertcache import Trace
 from test_tier_replay import cli, one_line_error
 from expertcache.trace import load_trace
-from expertcache.tier import capacity as cap
+from expertcache.wall import capacity as cap
 from expertcache.tier.pool import open_pool, pool_from_trace
 
 MB = 10**6

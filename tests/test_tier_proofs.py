@@ -15,8 +15,8 @@ import pytest
 from expertcache import Trace
 from test_tier_replay import cli, one_line_error
 from expertcache.errors import ConfigError
-from expertcache.tier import accounting as acc
-from expertcache.tier import capacity as cap
+from expertcache.wall import accounting as acc
+from expertcache.wall import capacity as cap
 from expertcache.tier.pool import open_pool, pool_from_trace
 from expertcache.tier.readers import FileReader, aligned_buffer
 from expertcache.tier.sweep import compare
@@ -299,7 +299,7 @@ def test_proof_problems_of_limits_by_hand():
     """The limit checks of a cgroup wall's proof, one problem each: no limit (a named cgroup too,
     never a crash), a made wall read back wrong, a named wall above the request, and a following
     wall judged against its requested ceiling."""
-    from expertcache.tier.cgroupwall import cgroup_problems
+    from expertcache.wall.cgroupwall import cgroup_problems
 
     base = {"peak_bytes": 10 * MB, "tier_peak_bytes": 5 * MB, "own_peak_bytes": 1 * MB, "removed": True}
     for made in (True, False):

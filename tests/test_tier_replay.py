@@ -320,7 +320,7 @@ def test_pool_on_a_virtual_filesystem_reports_no_device_bytes(tmp_path):
 def test_default_headroom_is_calibrated_and_the_wall_proves_the_capacity(setup):
     """Without --headroom the harness measures the worker's own memory first; a page-cache cell below
     the working set then holds the capacity (proof_ok) instead of letting spare headroom fill with cache."""
-    from expertcache.tier.capacity import detect_walls
+    from expertcache.wall.capacity import detect_walls
 
     walls = detect_walls()
     if not walls["cgroup"]["ok"]:

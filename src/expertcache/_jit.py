@@ -44,7 +44,7 @@ if AVAILABLE:
         """SHA-256 of every module of the package that compiles code (its source holds ``njit``).
 
         numba checks a cached loop only against its own file's stamp, but loops here inline hooks
-        and helpers from other files (each rule file inlines :func:`expertcache.engine.run`); a
+        and helpers from other files (each rule file inlines :func:`expertcache.policies.driver.run`); a
         change to one of those would leave a stale compiled loop, and a silently wrong count. The
         package's cache locators add this stamp, so any change to any compiled module recompiles."""
         h = hashlib.sha256()

@@ -236,7 +236,7 @@ class ExpertCache:
         return step
 
     def _prepare_hooked(self, items: np.ndarray, t: int) -> Step:
-        """The engine's order (:mod:`expertcache.engine`): ids ascending, hits first, then each miss
+        """The engine's order (:mod:`expertcache.policies.driver`): ids ascending, hits first, then each miss
         (miss; victim and evict when full; admit). A prefetched item is new to the rule: its first
         request is a miss and an admission for the rule, a hit for the counts."""
         pol = self.policy

@@ -1,19 +1,19 @@
 """Compiled replay loops: the simulator's hot path, isolated here and nothing else.
 
 Every loop serves all streams of a :class:`~expertcache.sim.layout.StreamLayout` in one call,
-with exactly the semantics of :class:`expertcache.cache.ExpertCache` (DESIGN section 2):
+with exactly the semantics of :class:`expertcache.cache.ExpertCache` (docs/design.md section 2):
 demand fetch, a victim only among residents the current group does not request, victims in
 ascending ``(key, last use, item id)`` order, every pool empty at each stream start. They return
 two int32 arrays over groups: misses (copies) and evictions (copies once the pool is full).
 
 Three loops cover the key rules (the state-machine rules -- random, arc, s3fifo, sieve -- run on
-the engine, :mod:`expertcache.engine`):
+the engine, :mod:`expertcache.policies.driver`):
 
 * :func:`lru_loop` -- a doubly linked recency list, O(1) per request;
 * :func:`static_key_loop` -- an indexed binary heap for rules whose key is fixed from one access of
   an item to the next (LRU, LFU, decayed frequency, farthest-future, mean interval), O(log C) per
   request; the keys of every access are computed before the loop;
-* :func:`expertcache.kernels_foresight.foresight_loop` -- limited foresight: a recency list of
+* :func:`expertcache.policies.kernels_foresight.foresight_loop` -- limited foresight: a recency list of
   residents whose next request is beyond the horizon plus a heap of the visible ones, O(log C)
   per request (its own module, over this one's list and heap blocks);
 

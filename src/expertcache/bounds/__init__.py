@@ -1,4 +1,4 @@
-"""Optimality bounds of lossless schedules: ``B_flat <= B* <= B_greedy`` (DESIGN section 2).
+"""Optimality bounds of lossless schedules: ``B_flat <= B* <= B_greedy`` (docs/design.md section 2).
 
 * :mod:`.flat` -- ``B_flat``, classical MIN on streams flattened to single requests;
 * :mod:`.exact` -- ``B*``, the exact optimum by dynamic programming over resident sets;

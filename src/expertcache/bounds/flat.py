@@ -3,7 +3,7 @@
 Flattening lists each group's ids as consecutive single requests, in one of three orders
 (:data:`ORDERS`): ``router`` (as recorded), ``ascending`` or ``descending`` id. Every lossless
 schedule of the real stream also serves any flattened stream with the same insertions, so the
-MIN optimum of each order is a lower bound on ``B*``, and so is the largest of them (DESIGN
+MIN optimum of each order is a lower bound on ``B*``, and so is the largest of them (docs/design.md
 section 2). It is not tight in general: on a flattened stream MIN may evict an item right after
 its request within a token, which a lossless schedule may not do.
 

@@ -1,6 +1,6 @@
 """The sandwich ``B_flat <= B* <= B_greedy`` on a recorded trace, per stream and in total.
 
-All three are steady copies (``max(0, copies_total - C)`` per stream, DESIGN section 2), summed
+All three are steady copies (``max(0, copies_total - C)`` per stream, docs/design.md section 2), summed
 over streams:
 
 * ``b_flat``: per stream, the largest MIN optimum over the flattening orders tried

@@ -1,4 +1,4 @@
-"""Per-stream copy counts, the unit every bound is stated in (DESIGN section 2).
+"""Per-stream copy counts, the unit every bound is stated in (docs/design.md section 2).
 
 A bound is a statement about one stream (one pool's life from empty), so the functions here
 count ``copies_total`` per stream rather than per trace. ``steady = max(0, total - C)`` per

@@ -14,7 +14,7 @@ from .._progress import progress
 from .._text import first_line
 from ..errors import ConfigError
 from .common import add_json, add_layers, add_out, check_out, emit_json, positive_int
-from .eval_cmd import _read_text, _read_tokens
+from .inputs import read_text, read_tokens
 
 HELP = """Run one teacher-forced forward per sequence (batch 1, every expert resident) through a Hugging
 Face MoE checkpoint and save the router decisions as a canonical trace (phase teacher-forced): per
@@ -76,7 +76,7 @@ def run(args) -> int:
         raise ConfigError(first_line(exc)) from None
     spec = parse_record(args.record)
     offload.check_checkpoint(args.model, "--model")
-    ids = _read_tokens(args.tokens) if args.tokens else _read_text(args.model, args.text)
+    ids = read_tokens(args.tokens) if args.tokens else read_text(args.model, args.text)
     model = offload.load_model(args.model, device=args.device, dtype=args.dtype).eval()
     sequences = split_tokens(ids, args.max_len, args.max_sequences)
     if not sequences:

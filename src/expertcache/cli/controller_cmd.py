@@ -80,14 +80,14 @@ def run_train(args) -> int:
     check_out(args.out)
     if args.exchange is not None and args.price_tau is None:
         raise ConfigError("--exchange prices copies only with --price-tau (the measured copy time)")
-    from .eval_cmd import _import_hf, _read_text, _read_tokens
+    from .inputs import import_hf, read_text, read_tokens
 
-    hf = _import_hf()
+    hf = import_hf()
     hf.check_checkpoint(args.model, "--model")
     if args.tokens:
-        ids = _read_tokens(args.tokens).reshape(-1)
+        ids = read_tokens(args.tokens).reshape(-1)
     else:
-        ids = np.concatenate([_read_text(args.model, path) for path in args.text])
+        ids = np.concatenate([read_text(args.model, path) for path in args.text])
     import torch
 
     from ..offload.controller_heads import save_heads

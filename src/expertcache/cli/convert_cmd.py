@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..llama.convert import convert
-    from ..llama.geometry import read_geometry
+    from ..formats.gguf import read_geometry
 
     check_out(args.out)
     if args.quantize is None:

@@ -7,22 +7,15 @@ without them.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
-
-from .._text import first_line
 from ..errors import ConfigError
-from ..trace.npz import read_npy
+from ..costmodel.runs import HOSTS
 from ..policies import available_policies
-
-HOSTS = ("memory", "mmap", "direct")
-  # expertcache.offload.host.HOSTS (kept here: --help needs no torch)
 from .common import (add_json, add_layers, byte_size, check_out, emit_json, nonnegative_float, positive_int,
                      resamples_int, seed_int, table)
+from .inputs import import_hf, read_text, read_tokens
 
 HELP = """Teacher-force token sequences through a Hugging Face MoE checkpoint whose experts live in host
 memory behind CAPACITY device slots per offloaded layer, once per policy, and compare each run
@@ -125,11 +118,11 @@ def run(args) -> int:
     check_out(args.capture, "--capture")
     if args.headroom is not None and args.memory_wall is None:
         raise ConfigError("--headroom needs --memory-wall")
-    hf = _import_hf()
+    hf = import_hf()
     hf.check_checkpoint(args.model, "--model")
     if args.memory_wall is not None:
         return _run_walled(args)
-    ids = _read_tokens(args.tokens) if args.tokens else _read_text(args.model, args.text)  # inputs first: cheap
+    ids = read_tokens(args.tokens) if args.tokens else read_text(args.model, args.text)  # inputs first: cheap
     model = hf.load_model(args.model, device=args.device, dtype=args.dtype, host_layers=args.layers, host=args.host)
     sequences = hf.split_tokens(ids, args.max_len, args.max_sequences)
     fits = hf.fitting_capacity(model, args.capacity, args.layers, args.pool)
@@ -273,41 +266,3 @@ def _print_tiers(args, records) -> None:
                      f"{100 * r['ms_per_token_spread']:.1f}%"))
     table(rows, ["policy", "slot hits", "host memory", "page cache", "device", "device MB", "read MB (self)",
                  f"ms/token spread ({records[0]['repeats']} runs)"])
-
-
-def _import_hf():
-    """The offload functions eval needs; a missing or unsupported torch / transformers is a one-line user error."""
-    try:
-        from .. import offload
-        from ..offload.passes import split_tokens
-    except ImportError as exc:
-        raise ConfigError(first_line(exc)) from None
-    from ..offload.evaluation import fitting_capacity
-
-    return SimpleNamespace(check_checkpoint=offload.check_checkpoint, load_model=offload.load_model,
-                           evaluate=offload.evaluate, split_tokens=split_tokens, fitting_capacity=fitting_capacity)
-
-
-def _read_tokens(path: str) -> np.ndarray:
-    ids = read_npy(path, "--tokens")  # sizes checked before reading, no pickle; errors are one line
-    if ids.dtype.kind not in "iu":
-        raise ConfigError(f"--tokens {path}: expected integer token ids, got {ids.dtype}")
-    return ids
-
-
-def _read_text(model_dir: str, path: str) -> np.ndarray:
-    from transformers import AutoTokenizer
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"--text {path}: no such file")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(
-            f"--text needs a tokenizer saved in {model_dir} ({first_line(exc)}); without one, pass --tokens ids.npy"
-        ) from None
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"--text {path}: not UTF-8 text (byte {exc.start})") from None
-    return np.asarray(tokenizer(text)["input_ids"], dtype=np.int64)

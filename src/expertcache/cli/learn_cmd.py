@@ -6,7 +6,7 @@ import argparse
 
 from .._progress import progress
 from ..errors import ConfigError
-from .learn_split import add_split_arguments, run_split
+from .learn_split import add_split_arguments, run_split, unusable
 from .budget_opts import check_positions, sequence_positions
 from .common import (_int_in, add_json, add_layers, add_out, add_subcommands, check_out, emit_json, open_trace, positive_int,
                      seed_int, table)
@@ -196,7 +196,7 @@ def run_eval(args) -> int:
     results, notes, todo = [], [], []
     for path, trace in traces:
         for c in args.capacity:
-            why = _unusable(trace, c, args.folds)
+            why = unusable(trace, c, args.folds)
             if why:
                 notes.append({"trace": trace.name, "path": path, "capacity": c, "skipped": why})
             else:
@@ -238,14 +238,3 @@ def _tables_from(args):
     from ..scorer.signals import external_tables
 
     return external_tables(open_trace(args.tables_from)) if args.tables_from else None
-
-
-def _unusable(trace, capacity: int, folds: int) -> str | None:
-    if trace.num_sequences < 2 and trace.num_tokens < 2 * max(folds, 2):
-        return (f"{trace.num_sequences} sequence of {trace.num_tokens} tokens; holding out needs 2 sequences, "
-                f"or one of at least {2 * max(folds, 2)} tokens to cut into {max(folds, 2)} parts")
-    if capacity >= trace.num_experts:
-        return f"capacity {capacity} is not below E={trace.num_experts}: nothing is ever evicted"
-    if capacity < trace.top_k:
-        return f"capacity {capacity} is below top-k={trace.top_k}"
-    return None

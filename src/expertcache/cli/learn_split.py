@@ -25,11 +25,22 @@ def add_split_arguments(p) -> None:
     p.add_argument("--bootstrap-seed", type=seed_int, default=0, help="seed of the resamples (default 0)")
 
 
+def unusable(trace, capacity: int, folds: int) -> str | None:
+    """Why ``learn eval`` / ``--split`` cannot learn on ``trace`` at ``capacity`` (None: it can)."""
+    if trace.num_sequences < 2 and trace.num_tokens < 2 * max(folds, 2):
+        return (f"{trace.num_sequences} sequence of {trace.num_tokens} tokens; holding out needs 2 sequences, "
+                f"or one of at least {2 * max(folds, 2)} tokens to cut into {max(folds, 2)} parts")
+    if capacity >= trace.num_experts:
+        return f"capacity {capacity} is not below E={trace.num_experts}: nothing is ever evicted"
+    if capacity < trace.top_k:
+        return f"capacity {capacity} is below top-k={trace.top_k}"
+    return None
+
+
 def _skip_reason(trace, capacity: int, spec, parts: int) -> str | None:
-    from .learn_cmd import _unusable
     from ..learn.split import part_sizes
 
-    why = _unusable(trace, capacity, 2)
+    why = unusable(trace, capacity, 2)
     if why:
         return why
     n = parts if trace.num_sequences == 1 else trace.num_sequences

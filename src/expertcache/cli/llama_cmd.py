@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import ConfigError
 from .common import (_int_in, add_json, add_subcommands, byte_size, check_out, emit_json, float_in,
                      nonnegative_float, positive_int, seed_int, table)
-from .eval_cmd import _read_tokens
+from .inputs import read_tokens
 
 HELP = """llama.cpp as the engine: the GGUF is mmapped, so the kernel page cache is the expert tier.
 'info' prints the expert geometry; 'run' greedy-decodes a prompt in one page-cache mode (mmap,
@@ -127,7 +127,7 @@ def _nonnegative_int(text: str) -> int:
 def open_session(args):
     """The :class:`~expertcache.llama.textgen.Session` of ``generate`` / ``serve``'s options."""
     from ..llama.engine import _llama
-    from ..llama.geometry import read_geometry
+    from ..formats.gguf import read_geometry
     from ..policies import make_policy
 
     _llama()  # one line where the llama extra is missing
@@ -236,7 +236,7 @@ def _prompt_text(args) -> str | None:
 
 
 def _setup(args):
-    from ..llama.geometry import read_geometry
+    from ..formats.gguf import read_geometry
     from ..policies import make_policy
 
     make_policy(args.policy)  # a bad --policy is one line before anything runs
@@ -248,7 +248,7 @@ def _setup(args):
 
         ids = np.asarray(tokenize(g.path, _checked_text(text, args)), dtype=np.int64)
     else:
-        ids = _read_tokens(args.tokens)
+        ids = read_tokens(args.tokens)
     if ids.ndim not in (1, 2) or ids.size == 0:
         raise ConfigError(f"--tokens {args.tokens}: expected a non-empty 1-d or 2-d array of ids")
     prompt = (ids[0] if ids.ndim == 2 else ids)[: args.prompt_len]
@@ -260,7 +260,7 @@ def _setup(args):
 
 
 def run_info(args) -> int:
-    from ..llama.geometry import read_geometry
+    from ..formats.gguf import read_geometry
 
     g = read_geometry(args.model, "MODEL")
     rec = g.summary()
@@ -362,7 +362,7 @@ def run_capture(args) -> int:
     if unsupported:
         raise ConfigError(f"{unsupported[0]}: not supported with a .gguf model (llama.cpp capture records the "
                           "experts and gate weights of every MoE layer from --tokens)")
-    trace = capture_gguf(args.model, _read_tokens(args.tokens), max_len=args.max_len,
+    trace = capture_gguf(args.model, read_tokens(args.tokens), max_len=args.max_len,
                          max_sequences=args.max_sequences, generate=args.generate or 0)
     trace.save(args.out)
     rec = {"out": args.out, "model": args.model, "engine": "llama.cpp", "phase": trace.meta.get("phase"),

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..routetune.config import TARGETS, TuneConfig
 from ..routetune.reward import REWARDS
 from .common import add_json, emit_json, nonnegative_float, positive_int, seed_int, table
-from .eval_cmd import _read_text, _read_tokens
+from .inputs import read_text, read_tokens
 
 HELP = """Fine-tune the router of one MoE layer so that a simulated LRU cache of --cache slots at that
 layer hits more often on the model's own generations (GRPO, after Calanzone et al.), or, with
@@ -98,7 +98,7 @@ def run(args) -> int:
         raise ConfigError(first_line(exc)) from None
     check_out_folder(args.out)
     check_checkpoint(args.model, "--model")
-    stream = (_read_tokens(args.tokens) if args.tokens else _read_text(args.model, args.text)).ravel()
+    stream = (read_tokens(args.tokens) if args.tokens else read_text(args.model, args.text)).ravel()
     if stream.size and (stream.min() < 0):
         raise ConfigError(f"--tokens {args.tokens}: negative token id {int(stream.min())}")
     with progress(total=config.steps, desc="router-tune", disable=args.json) as bar:

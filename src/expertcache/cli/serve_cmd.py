@@ -62,7 +62,7 @@ def run(args) -> int:
     _llama()
     inside = json.loads(os.environ.pop(WALL_ENV, "null") or "null")  # set by run_walled for its child
     if inside:  # start-up over: the wall may follow this process from here, before the model loads
-        from ..tier.capacity import begin_following
+        from ..wall.capacity import begin_following
 
         begin_following(inside.get("follow_flag"))
     model_id = args.model_alias or os.path.basename(args.model).removesuffix(".gguf")
@@ -97,12 +97,12 @@ follow flag (JSON)."""
 
 def run_walled(args) -> int:
     """The server as a child inside a memory cgroup of ``--memory-wall`` bytes whose limit follows
-    its own memory (:func:`~expertcache.tier.capacity.follow_plan`), the GGUF's page cache as the
+    its own memory (:func:`~expertcache.wall.capacity.follow_plan`), the GGUF's page cache as the
     tier; output and signals pass through; the proof is one line on stderr at exit."""
-    from ..llama.geometry import read_geometry
+    from ..formats.gguf import read_geometry
     from ..llama.runner import check_wall
     from ..llama.sweep import parse_wall
-    from ..tier import accounting as acc, capacity as cap
+    from ..wall import accounting as acc, capacity as cap
 
     g = read_geometry(args.model, "MODEL")
     wall = parse_wall(args.memory_wall, g, "--memory-wall")

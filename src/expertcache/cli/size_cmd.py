@@ -394,9 +394,9 @@ GPU_ONLY = (("expert_mb", "--expert-mb"), ("experts", "--experts"), ("top_k", "-
 
 
 def forecast_cmd(args) -> int:
-    """``size MODEL.gguf --memory SIZE``: the CPU-and-disk forecast (:mod:`expertcache.costmodel.disk`)."""
-    from ..costmodel import disk as dk
-    from ..llama.geometry import read_geometry, type_sizes
+    """``size MODEL.gguf --memory SIZE``: the CPU-and-disk forecast (:mod:`expertcache.llama.forecast`)."""
+    from ..llama import forecast as dk
+    from ..formats.gguf import read_geometry, type_sizes
     from ..llama.sweep import parse_wall
     from ..llama.runner import smallest_wall
 

@@ -239,7 +239,7 @@ def _prepare(args):
 
 def _reclaim():
     try:
-        from ..tier.accounting import reclaim_setup
+        from ..wall.accounting import reclaim_setup
     except ImportError as exc:  # pragma: no cover
         return {"note": f"accounting unavailable ({exc})"}
     return reclaim_setup()

@@ -18,25 +18,21 @@ folder (``config.json`` beside ``*.safetensors``) or a GGUF file and returns a :
   estimated from the shapes (``other_source`` says which).
 
 Only headers are read (the safetensors JSON header; the GGUF header by
-:func:`expertcache.llama.geometry.read_geometry`, the one GGUF reader, which sizes tensors with the
+:func:`expertcache.formats.gguf.read_geometry`, the one GGUF reader, which sizes tensors with the
 ``gguf`` package's type table); no weight is loaded. Every mistake is a one-line ConfigError naming the file.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from ..formats.safetensors import read_header
 from .sizing import LIMITS, MAX_CONFIG_BYTES, _dtype_bytes, _weight_bytes, expert_bytes_from_config
 
-MAX_HEADER_BYTES = 100 * 2**20
-"""A safetensors JSON header larger than this is refused (real ones are a few MB at most)."""
-SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                     "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 EXPERT_MARK = ".experts."
 """A checkpoint tensor whose name holds this is a routed expert's (``mlp.experts.3.w1``,
 ``block_sparse_moe.experts.0.w2``, fused ``mlp.experts.gate_up_proj``); ``shared_experts`` is not."""
@@ -184,7 +180,7 @@ def _safetensors_bytes(shards: list[Path]) -> tuple[int, int]:
     """``(routed-expert bytes, other bytes)`` summed over the tensors of ``shards`` (headers only)."""
     experts = other = 0
     for shard in shards:
-        for name, info in _safetensors_header(shard).items():
+        for name, info in read_header(shard)[0].items():
             if name == "__metadata__":
                 continue
             try:
@@ -201,29 +197,12 @@ def _safetensors_bytes(shards: list[Path]) -> tuple[int, int]:
     return experts, other
 
 
-def _safetensors_header(shard: Path) -> dict:
-    try:
-        with open(shard, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise ConfigError(f"{shard}: shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or n > shard.stat().st_size - 8:
-                raise ConfigError(f"{shard}: header of {n:,} bytes is not plausible; not a safetensors file")
-            header = json.loads(fh.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise ConfigError(f"{shard}: the header is not JSON; not a safetensors file") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{shard}: the header is not a JSON object; not a safetensors file")
-    return header
-
-
 def _from_gguf(path: Path, where: str) -> ModelSpec:
-    """The GGUF's own tensor table, read by :func:`expertcache.llama.geometry.read_geometry` (the one
+    """The GGUF's own tensor table, read by :func:`expertcache.formats.gguf.read_geometry` (the one
     GGUF reader): E, k, the MoE layers, each layer's expert bytes (types may differ by layer) and the
     dense bytes (every byte that is neither an expert tensor nor a skipped MTP block, header included).
     ``expert_bytes`` is the mean over layers, rounded; ``layer_expert_bytes`` keeps them exactly."""
-    from ..llama.geometry import read_geometry, type_sizes
+    from ..formats.gguf import read_geometry, type_sizes
 
     type_sizes(where)  # the gguf package first: without it, one line saying so
     g = read_geometry(str(path), "--model-config")

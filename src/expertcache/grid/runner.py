@@ -92,7 +92,7 @@ def run_on_ray(address: str, jobs: int, work: list, finished: Callable[[list[dic
     fetches it once). A trace's object is released when its last task has finished. A task's
     ExpertcacheError comes back as that error, one line.
     """
-    from ..backends import ray_session
+    from ..sim.backends import ray_session
 
     with ray_session(address, cpus=jobs) as rt:
         remote = rt.remote(run_cells)

@@ -25,7 +25,7 @@ from ..cache import ExpertCache
 from ..errors import ConfigError, PolicyError
 from ..kernels import pool_slots
 from ..policies import Policy, StreamFuture, make_policy
-from ..context import stream_context
+from ..trace.context import stream_context
 from ..sim.layout import StreamLayout, build_layout
 from ..sim.replay import check_capacity
 from ..scorer.features import GROUPS, PRIOR, TABLED, FeatureState, available_features

@@ -61,7 +61,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .capture import layer_of
-from .geometry import Geometry
+from ..formats.gguf import Geometry
 from .ggml import read_2d, read_ids
 
 MODES = ("mmap", "random", "advise", "pin", "managed", "lookahead", "nocache", "prefetch", "nommap")
@@ -142,7 +142,7 @@ def hint_piece(path: str) -> int:
     (``read_ahead_kb``) and its largest request (``max_sectors_kb``), as the kernel's
     ``force_page_cache_ra`` caps it (a 3 MB hint on a device of 128 KB readahead and 512 KB requests
     would read its first 512 KB)."""
-    from ..tier.procfs import read_text
+    from ..wall.procfs import read_text
     from ..tier.readers import readahead_bytes
 
     most = readahead_bytes(path)

@@ -21,7 +21,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from .geometry import Geometry, read_geometry
+from ..formats.gguf import Geometry, read_geometry
 from .ggml import check_layout, tensor_name
 
 

@@ -4,7 +4,7 @@ a memory wall (``expertcache llama run``; numbers defined in docs/llama.md).
 The parent (:func:`run_one`) evicts the GGUF from the page cache (cgroup v1 charges a page to
 whoever touched it first, so the measured process must be the first), then runs this module as a
 child (``python -m expertcache.llama.runner SPEC.json``) through
-:func:`expertcache.tier.capacity.run_walled` (``wall="none"`` without a wall: the same path,
+:func:`expertcache.wall.capacity.run_walled` (``wall="none"`` without a wall: the same path,
 marked unproven). The child (:func:`measure`) loads the engine, applies the mode
 (:class:`~.advice.PageAdvisor`), prefills the prompt (one forward, last logits), decodes, and
 prints one JSON line: timings, its own ``/proc/self/io`` ``read_bytes`` and major faults per
@@ -24,10 +24,10 @@ import time
 import numpy as np
 
 from ..errors import ConfigError, ExpertcacheError
-from ..tier import accounting as acc, capacity as cap
+from ..wall import accounting as acc, capacity as cap
 from .advice import MODES, PageAdvisor, managed_budget, managed_item_bytes, readers_for
 from .capture import RoutingRecorder
-from .geometry import Geometry, read_geometry
+from ..formats.gguf import Geometry, read_geometry
 
 def io_counters() -> dict:
     """This process's own ``read_bytes`` (/proc/self/io) and major faults (getrusage)."""
@@ -141,7 +141,7 @@ def _online_rule(policy: str) -> None:
     """Check once per process that ``policy`` is an online eviction rule (one line otherwise), and
     compile (and cache on disk) a compiled rule here, not in each walled worker."""
     from ..cache import ExpertCache
-    from ..policies.kinds import check_kind
+    from ..policies.registry import check_kind
 
     pol = check_kind(policy, ("eviction",), "--policy")
     if pol.needs_future:
@@ -203,7 +203,7 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     """One run in a child process, evicted file first; the record of docs/llama.md. ``policy``
     (an online eviction rule) decides the expert residency of the ``managed`` mode, bounded by
     ``cache_bytes`` (``--cache-memory``; default the wall). A walled run's limit follows the worker
-    (:func:`~expertcache.tier.capacity.follow_plan`) and its tier is the GGUF's own page cache.
+    (:func:`~expertcache.wall.capacity.follow_plan`) and its tier is the GGUF's own page cache.
     ``roofline``: add the physical limit's fields (:func:`run_roofline`)."""
     if mode not in MODES:
         raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")

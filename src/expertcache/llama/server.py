@@ -616,8 +616,8 @@ class WallGauge:
     def __init__(self, path: str, capacity: int):
         import threading
 
-        from ..tier.accounting import FileCache
-        from ..tier.capacity import proof_slack
+        from ..wall.accounting import FileCache
+        from ..wall.capacity import proof_slack
 
         self.files, self.capacity, self.slack = FileCache([path]), capacity, proof_slack(capacity)
         self.peak = self.files.bytes()
@@ -629,7 +629,7 @@ class WallGauge:
             self.peak = max(self.peak, self.files.bytes())
 
     def limit(self) -> int | None:
-        from ..tier.cgroupfs import locate_memory_cgroup, read_int
+        from ..wall.cgroupfs import locate_memory_cgroup, read_int
 
         loc, _ = locate_memory_cgroup()
         if loc is None:

@@ -18,8 +18,8 @@ import statistics
 
 from .._units import parse_bytes
 from ..errors import ConfigError, ExpertcacheError
-from .geometry import Geometry
-from ..tier.capacity import follow_plan
+from ..formats.gguf import Geometry
+from ..wall.capacity import follow_plan
 from .runner import check_managed, check_wall, run_one
 
 

@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from .advice import MODES, PageAdvisor, readers_for
 from .capture import ContextRouting
 from .engine import EvalHook, _silence
-from .geometry import Geometry, read_geometry
+from ..formats.gguf import Geometry, read_geometry
 from .runner import check_managed, io_counters
 
 DEFAULT_CTX = 2048
@@ -196,7 +196,7 @@ class Session:
             routing = ContextRouting(n_ctx, g.num_layers - len(g.skipped_layers), g.top_k)
             hook.attach(routing)
         if mode == "managed":  # cold: whatever wrote or read the file before leaves no folios of its own
-            from ..tier.accounting import evict_file_pages
+            from ..wall.accounting import evict_file_pages
 
             evict_file_pages([g.path])
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@
 
 Both are reported as the median with the 10th and 90th percentiles (the spread), in
 milliseconds; ``copy_gbps`` = expert bytes / median tau. The copies and steps run exactly as
-``eval`` runs them, so tau and c plug straight into ``c + rho * tau`` (DESIGN section 2).
+``eval`` runs them, so tau and c plug straight into ``c + rho * tau`` (docs/design.md section 2).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from ..errors import ConfigError, PolicyError
 from .controller_heads import (
     Heads, beta_linear, load_heads, mu_scores, normalise, threshold_logit, top_c,
 )
-from .holding import HoldingSpec, SetHolder
+from ..policies.registry import HoldingSpec
+from .setholder import SetHolder
 
 
 @dataclass(frozen=True, eq=False)

@@ -45,7 +45,8 @@ import torch
 
 from ..errors import ConfigError
 from .controller_heads import EMA_DECAY, beta_cache, beta_linear, ema_of, init_heads, mu_scores, normalise
-from .holding import HoldingSpec, SetHolder
+from ..policies.registry import HoldingSpec
+from .setholder import SetHolder
 from .model import find_sites, model_label, select_sites
 from .routing import route_for
 

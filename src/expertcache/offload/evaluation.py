@@ -29,7 +29,7 @@ and the global pool need ``decode``. Timing: CUDA events on a GPU, ``perf_counte
 one untimed warm-up forward runs before each pass.
 
 Time per step (``ms_per_token``; a step is one token position, one token of each row) and the
-cost model (DESIGN section 2): ``c_ms`` = this run's compute per step (``ms_per_token`` minus its
+cost model (docs/design.md section 2): ``c_ms`` = this run's compute per step (``ms_per_token`` minus its
 copy time per step), ``rho`` = steady copies per step over all offloaded layers (the seeds' rho,
 ``copies_per_token``), ``dnll`` = ``nll - nll_reference``: the three fields ``expertcache choose``
 reads. ``tau_ms`` = measured copy time per copy (each counted copy, so N repeats under
@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, ExpertcacheError
-from ..policies.kinds import check_kind
+from ..policies.registry import check_kind
 from ..sim import replay
 from ..trace import Trace
 from .loading import resident

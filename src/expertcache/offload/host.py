@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
+from ..costmodel.runs import HOSTS
 from ..errors import ConfigError
 from .pagecache import resident_bytes
 
-HOSTS = ("memory", "mmap", "direct")
 ALIGN = 4096
 _HOST_ATTR = "_expertcache_host"
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -121,7 +121,7 @@ def _layer_pieces(headers, layer: int, E: int) -> list[dict[str, tuple]]:
 def map_file_experts(site, folder: Path, mode: str, device: torch.device) -> "FileExperts":
     """Where each of ``site``'s experts is in the checkpoint's files, checked byte for byte against
     the loaded tensors; refused in one line when the files do not hold those bytes."""
-    from ..tier.checkpoint import read_header
+    from ..formats.safetensors import read_header
 
     headers = [(p, *read_header(p)) for p in safetensors_files(folder)]
     gu, dn = site.experts.gate_up_proj.detach(), site.experts.down_proj.detach()

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..cache import ExpertCache
-from ..context import LiveGroups, live_context
+from ..trace.context import LiveGroups, live_context
 from ..errors import ConfigError
 from ..policies import Policy, StreamFuture
 from .experts import SlotView, attach_layer, detach_layer
@@ -100,7 +100,7 @@ class OffloadedLayer:
       own step (the compute waits on their events) and before any later copy overwrites a slot
       it reads (the copy waits on the compute's events);
     * the counters add up what the cache decided: ``copies_total`` every demand load,
-      ``copies_steady`` the demand loads that evicted a victim (DESIGN section 2), per stream
+      ``copies_steady`` the demand loads that evicted a victim (docs/design.md section 2), per stream
       from an empty pool; prefetched loads are counted apart (``prefetch_*``);
     * ``future_mismatches`` counts steps whose requested experts differ from the recorded future a
       clairvoyant policy was given (then its choices, still lossless, were made on a stale future).

@@ -6,7 +6,7 @@ deciding the copies through the same :class:`~expertcache.cache.ExpertCache` and
 the simulator replays. Leaving the block puts the weights back where they were and restores the
 model's experts implementation, so the model is exactly as before.
 
-Pools. As in the simulator (DESIGN section 2), ``pool="layer"`` (default) gives each offloaded
+Pools. As in the simulator (docs/design.md section 2), ``pool="layer"`` (default) gives each offloaded
 layer C slots of its own; ``pool="global"`` shares C slots among all of them, one cache over items
 ``layer index * E + expert`` stepped token by token, layer by layer (so it serves one token
 position per forward: decoding).
@@ -42,7 +42,7 @@ import torch
 
 from ..errors import ConfigError
 from ..policies import Policy
-from ..policies.kinds import check_kind
+from ..policies.registry import check_kind
 from ..trace import Trace
 from .experts import IMPLEMENTATION, implementation_of, set_fallback
 from .host import host_of

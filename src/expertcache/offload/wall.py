@@ -1,6 +1,6 @@
 """``eval --memory-wall C``: the live harness as a child process behind the tier's memory wall.
 
-The wall is :func:`expertcache.tier.capacity.run_walled` (a memory cgroup, limit = C + headroom,
+The wall is :func:`expertcache.wall.capacity.run_walled` (a memory cgroup, limit = C + headroom,
 swap excluded): everything the child touches, its anonymous memory and the page cache it brings
 in, is charged there, so with ``--host mmap`` the page cache holding experts is at most C (the
 host tier's capacity) and a miss beyond it pays the device.
@@ -34,10 +34,10 @@ def walled_eval(child_argv: list[str], capacity_bytes: int, *, tier_files, headr
                 wall: str = "auto", timeout: float | None = None):
     """Run ``expertcache eval`` (``child_argv``, which must print ``--json``) behind a wall of
     ``capacity_bytes`` whose limit follows the child's own memory
-    (:func:`~expertcache.tier.capacity.follow_plan`); the tier is the page cache of ``tier_files``
+    (:func:`~expertcache.wall.capacity.follow_plan`); the tier is the page cache of ``tier_files``
     (the checkpoint's shards). Returns ``(records, wall_record, stderr)``; the records are the
     child's, each with ``memory_wall`` added."""
-    from ..tier import accounting as acc, capacity as cap
+    from ..wall import accounting as acc, capacity as cap
 
     headroom, margin, note = cap.follow_plan(capacity_bytes, headroom_bytes)
     acc.evict_file_pages(list(tier_files))  # cold: the tier's pages are the child's, charged to its wall

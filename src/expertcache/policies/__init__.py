@@ -25,7 +25,7 @@ string once, where it enters, into a :class:`PolicySpec` (:mod:`.kinds`).
 """
 
 from .base import NEVER, Policy, StreamFuture
-from .kinds import KINDS, PolicySpec, kind_of, parse_policy
+from .registry import KINDS, PolicySpec, kind_of, parse_policy
 from .registry import available_policies, make_policy, register
 import importlib as _importlib
 import pkgutil as _pkgutil

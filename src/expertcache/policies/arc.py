@@ -17,7 +17,7 @@ is protected: k = 1 counts equal libCacheSim's miss for miss (``tests/test_hooke
 
 from __future__ import annotations
 
-from .. import engine
+from . import driver
 from .._jit import njit
 from .hooked import HookedPolicy
 from .registry import register
@@ -31,7 +31,7 @@ the chosen victim goes (B1, B2, or -1: dropped)."""
 @njit(cache=True, inline="always")
 def init(st, sc, fs, n_items, capacity):
     for q in range(4):
-        engine.list_clear(sc, q)
+        driver.list_clear(sc, q)
     sc[CAP] = capacity
     sc[GHOST] = -1
     sc[DEST] = -1
@@ -40,32 +40,32 @@ def init(st, sc, fs, n_items, capacity):
 
 @njit(cache=True, inline="always")
 def hit(st, sc, fs, e, t):
-    engine.unlink(st, sc, e)
-    engine.push_head(st, sc, T2, e)
+    driver.unlink(st, sc, e)
+    driver.push_head(st, sc, T2, e)
 
 
 @njit(cache=True, inline="always")
 def miss(st, sc, fs, e, t):
-    q = st[engine.WHERE, e]
+    q = st[driver.WHERE, e]
     sc[GHOST] = -1
     if q == B1:
-        fs[0] = min(fs[0] + max(engine.length(sc, B2) / engine.length(sc, B1), 1.0), float(sc[CAP]))
-        engine.unlink(st, sc, e)
+        fs[0] = min(fs[0] + max(driver.length(sc, B2) / driver.length(sc, B1), 1.0), float(sc[CAP]))
+        driver.unlink(st, sc, e)
         sc[GHOST] = B1
     elif q == B2:
-        fs[0] = max(fs[0] - max(engine.length(sc, B1) / engine.length(sc, B2), 1.0), 0.0)
-        engine.unlink(st, sc, e)
+        fs[0] = max(fs[0] - max(driver.length(sc, B1) / driver.length(sc, B2), 1.0), 0.0)
+        driver.unlink(st, sc, e)
         sc[GHOST] = B2
 
 
 @njit(cache=True, inline="always")
 def _replace(st, sc, fs, stamp, g, in_b2):
-    t1 = engine.length(sc, T1)
-    first = T1 if (t1 > 0 and (t1 > fs[0] or (t1 == fs[0] and in_b2))) or engine.length(sc, T2) == 0 else T2
-    v = engine.oldest_free(st, sc, first, stamp, g)
+    t1 = driver.length(sc, T1)
+    first = T1 if (t1 > 0 and (t1 > fs[0] or (t1 == fs[0] and in_b2))) or driver.length(sc, T2) == 0 else T2
+    v = driver.oldest_free(st, sc, first, stamp, g)
     if v < 0:
         first = T2 if first == T1 else T1
-        v = engine.oldest_free(st, sc, first, stamp, g)
+        v = driver.oldest_free(st, sc, first, stamp, g)
     sc[DEST] = B1 if first == T1 else B2
     return v
 
@@ -75,37 +75,37 @@ def victim(st, sc, fs, e, t, stamp, g, res, size):
     C = sc[CAP]
     if sc[GHOST] >= 0:
         return _replace(st, sc, fs, stamp, g, sc[GHOST] == B2)
-    if engine.length(sc, T1) + engine.length(sc, B1) + 1 > C:
-        if engine.length(sc, B1) > 0:
-            engine.unlink(st, sc, engine.tail(sc, B1))
+    if driver.length(sc, T1) + driver.length(sc, B1) + 1 > C:
+        if driver.length(sc, B1) > 0:
+            driver.unlink(st, sc, driver.tail(sc, B1))
             return _replace(st, sc, fs, stamp, g, False)
-        v = engine.oldest_free(st, sc, T1, stamp, g)
+        v = driver.oldest_free(st, sc, T1, stamp, g)
         if v >= 0:
             sc[DEST] = -1
             return v
         return _replace(st, sc, fs, stamp, g, False)
-    total = engine.length(sc, T1) + engine.length(sc, T2) + engine.length(sc, B1) + engine.length(sc, B2)
-    if total >= 2 * C and engine.length(sc, B2) > 0:
-        engine.unlink(st, sc, engine.tail(sc, B2))
+    total = driver.length(sc, T1) + driver.length(sc, T2) + driver.length(sc, B1) + driver.length(sc, B2)
+    if total >= 2 * C and driver.length(sc, B2) > 0:
+        driver.unlink(st, sc, driver.tail(sc, B2))
     return _replace(st, sc, fs, stamp, g, False)
 
 
 @njit(cache=True, inline="always")
 def evict(st, sc, fs, v, t):
-    engine.unlink(st, sc, v)
+    driver.unlink(st, sc, v)
     if sc[DEST] >= 0:
-        engine.push_head(st, sc, sc[DEST], v)
+        driver.push_head(st, sc, sc[DEST], v)
 
 
 @njit(cache=True, inline="always")
 def admit(st, sc, fs, e, t):
-    engine.push_head(st, sc, T2 if sc[GHOST] >= 0 else T1, e)
+    driver.push_head(st, sc, T2 if sc[GHOST] >= 0 else T1, e)
     sc[GHOST] = -1
 
 
 @njit(cache=True)
 def loop(groups, starts, n_items, capacity, rows, sc0, fs0):
-    return engine.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)
+    return driver.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)
 
 
 @register

@@ -11,7 +11,7 @@ in the live harness and the tier, the compiled kernels in :mod:`expertcache.sim`
 ``keys(candidates, t) -> float array``
     when it must evict at step ``t``: one key per candidate (resident items the current group
     does not request). The cache evicts in ascending ``(key, last use, item id)`` order, so every
-    rule breaks ties the same way (DESIGN section 2: least recently used, then smallest id);
+    rule breaks ties the same way (docs/design.md section 2: least recently used, then smallest id);
 ``on_access(items, t)``
     once the group requested at step ``t`` is resident.
 
@@ -21,7 +21,7 @@ and tells it what happened, libCacheSim's plugin hooks (no-ops unless a rule nee
 
 A rule that is a state machine rather than a key (ARC, S3-FIFO, SIEVE) subclasses
 :class:`~expertcache.policies.hooked.HookedPolicy` instead: it is written once, as compiled
-hooks that the cache and the compiled replay both call (:mod:`expertcache.engine`).
+hooks that the cache and the compiled replay both call (:mod:`expertcache.policies.driver`).
 
 Steps count access groups: a token at one layer in a per-layer pool, or one layer of one token in a
 global pool, where ``steps_per_token`` = number of layers so rules defined per token (decay rate,
@@ -97,7 +97,7 @@ class Policy:
     wants_context: ClassVar[bool] = False
     """Whether the policy reads the current step's side information (gate weights, router
     probabilities): the driver then calls :meth:`set_context` with the stream's
-    :class:`~expertcache.context.StreamContext` (or None) before each ``reset``."""
+    :class:`~expertcache.trace.context.StreamContext` (or None) before each ``reset``."""
 
     def __init__(self) -> None:
         self.n_items = 0

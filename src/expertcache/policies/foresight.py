@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels_foresight import ForesightPlan
+from .kernels_foresight import ForesightPlan
 from .base import Policy, parse_int
 from .registry import register
 

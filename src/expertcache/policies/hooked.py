@@ -1,11 +1,11 @@
 """Rules written once, as compiled hooks: the base class of ``arc``, ``s3fifo``, ``sieve``, ``random``.
 
 A hooked rule is a state machine (queues, ghosts, a hand) rather than a key per candidate. Its
-file defines the six hooks of :mod:`expertcache.engine` as module-level ``@njit`` functions, a
-three-line cached loop that inlines :func:`expertcache.engine.run` with them, and a subclass of
+file defines the six hooks of :mod:`expertcache.policies.driver` as module-level ``@njit`` functions, a
+three-line cached loop that inlines :func:`expertcache.policies.driver.run` with them, and a subclass of
 :class:`HookedPolicy` naming both. The same compiled hooks then run
 
-* in the compiled replay (``plan`` -> :class:`~expertcache.engine.HookPlan`), and
+* in the compiled replay (``plan`` -> :class:`~expertcache.policies.driver.HookPlan`), and
 * in :class:`~expertcache.cache.ExpertCache` (the live harness, the tier, ``engine="python"``),
   which calls them one at a time through :meth:`hook_hit` ... :meth:`hook_admit`;
 
@@ -16,7 +16,7 @@ Recipe for a new rule (the whole change is its own file: ``policies/__init__`` i
 of the package, so ``@register`` makes it known):
 
 1. choose its state: ``ROWS`` int64 rows per item (rows 0-2 are the engine's linked-list
-   prev/next/list, :mod:`expertcache.engine`), int64 scalars (list heads at ``3q``, ``3q+1``,
+   prev/next/list, :mod:`expertcache.policies.driver`), int64 scalars (list heads at ``3q``, ``3q+1``,
    ``3q+2``, then parameters) and float64 scalars;
 2. write ``init``, ``hit``, ``miss``, ``victim``, ``evict``, ``admit`` with ``@njit(cache=True,
    inline="always")`` (inlined into the engine's loop; ``ExpertCache`` calls them all the same);
@@ -24,7 +24,7 @@ of the package, so ``@register`` makes it known):
    scalars it loops over into locals first (numba cannot hoist ``sc[i]`` out of a loop: hoisting
    the seed and inlining made ``random`` 1.3x faster);
 3. ``@njit(cache=True) def loop(groups, starts, n_items, capacity, rows, sc0, fs0): return
-   engine.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)``;
+   driver.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)``;
 4. ``@register class MyRule(HookedPolicy)`` with ``name``, ``hooks = (init, hit, miss, victim,
    evict, admit)``, ``loop = staticmethod(loop)``, ``rows``, ``n_int`` and, for parameters,
    :meth:`params` and ``from_arg``/``spec`` (as :mod:`.randomized` does).
@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..engine import HookPlan
+from .driver import HookPlan
 from ..errors import PolicyError
 from .base import Policy
 
@@ -51,7 +51,7 @@ class HookedPolicy(Policy):
     hooks: ClassVar[tuple] = ()
     """``(init, hit, miss, victim, evict, admit)``: the rule's compiled hooks."""
     loop: ClassVar = None
-    """The rule's cached compiled loop over a layout (inlining :func:`expertcache.engine.run`)."""
+    """The rule's cached compiled loop over a layout (inlining :func:`expertcache.policies.driver.run`)."""
 
     def params(self) -> tuple[np.ndarray, np.ndarray]:
         """Templates of the int64 and float64 scalars at a stream start (parameters set, lists empty)."""

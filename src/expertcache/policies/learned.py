@@ -2,7 +2,7 @@
 
 The scorer file (:mod:`expertcache.scorer.file`) names its features; the policy follows the
 stream with a :class:`~expertcache.scorer.features.FeatureState` and, at each eviction, scores the
-candidates (:func:`expertcache.kernels_learned.score_rows`). Key = minus the score, so the cache's
+candidates (:func:`expertcache.scorer.kernels_learned.score_rows`). Key = minus the score, so the cache's
 usual order applies (highest score first, ties: least recently used, then smallest id). Features
 of the ``gate`` and ``router`` groups need the trace's ``probs`` / ``router_probs``: they reach the
 policy through the stream context (:mod:`.context`); a cache without them (the live harness's
@@ -10,7 +10,7 @@ context has neither; the tier passes none) or a trace without the field gets one
 at the start of the stream. The ``prior`` group reads the scorer's fitted tables, the context's
 item map and the groups served so far (any trace, and the live harness).
 
-Compiled plan (:meth:`Learned.plan`): :class:`~expertcache.kernels_learned.LearnedPlan` runs every
+Compiled plan (:meth:`Learned.plan`): :class:`~expertcache.scorer.kernels_learned.LearnedPlan` runs every
 feature of the reuse, gate, router and prior groups in one numba loop, with exactly the Python engine's
 counts (same features bit for bit, same scoring arithmetic, same residency inference; checked by
 ``tests/test_learned_compiled.py``). A scorer naming a feature the loop does not compute, or
@@ -18,7 +18,7 @@ needing context the layout cannot give (no trace attached, field absent), has no
 runs the Python engine as before (and reports the missing field there).
 
 Live, and on the simulator's Python engine, the policy follows the stream with the same compiled
-feature state (:class:`~expertcache.kernels_live.LiveFeatures`: one compiled call per
+feature state (:class:`~expertcache.scorer.kernels_live.LiveFeatures`: one compiled call per
 eviction and one per step) whenever the plan could run it; otherwise (model-side features, missing
 tables) with FeatureState. ``reference=True`` always uses FeatureState, the independent Python
 implementation the tests cross-check both compiled paths against.
@@ -33,11 +33,11 @@ import inspect
 
 import numpy as np
 
-from ..context import RouterView, stream_context
+from ..trace.context import RouterView, stream_context
 from ..errors import PolicyError
-from ..kernels_live import LiveFeatures
-from ..kernels_features import score_rows
-from ..kernels_learned import LearnedPlan, feature_codes
+from ..scorer.kernels_live import LiveFeatures
+from ..scorer.kernels_features import score_rows
+from ..scorer.kernels_learned import LearnedPlan, feature_codes
 from ..scorer.features import DECAY_RATES, GATE, LOGRATE, ONLINE, PRIOR, REUSE, ROUTER, FeatureState, \
     available_features, feature_needs
 from ..scorer.file import load_scorer
@@ -154,7 +154,7 @@ class Learned(Policy):
 
 
 def _weights(scorer):
-    """``(mlp, w, W1, b1, w2)`` as :func:`~expertcache.kernels_learned.score_row` takes them."""
+    """``(mlp, w, W1, b1, w2)`` as :func:`~expertcache.scorer.kernels_learned.score_row` takes them."""
     F = len(scorer.features)
     f64 = lambda a: np.ascontiguousarray(a, dtype=np.float64)  # noqa: E731
     if scorer.kind == "linear":
@@ -164,7 +164,7 @@ def _weights(scorer):
 
 
 def _context_arrays(gate: bool, router: bool, tables=None, online: bool = False):
-    """``(layout, s) ->`` the arrays of stream ``s`` :class:`~expertcache.kernels_learned.LearnedPlan`
+    """``(layout, s) ->`` the arrays of stream ``s`` :class:`~expertcache.scorer.kernels_learned.LearnedPlan`
     reads, from the trace's stream context (:func:`_arrays_of`)."""
     return lambda layout, s: _arrays_of(stream_context(layout, s), gate, router, tables, online)
 

@@ -5,7 +5,7 @@ eviction the victim is the resident outside the current group with the smallest 
 seen: 2**-53) to the older last request, then the smaller id. Since a key depends only on
 (seed, t, item), the victims of a group are the same whatever order its misses are served in, so
 the engine's order (ids ascending) gives the counts of any other order. Written once, as engine
-hooks (:mod:`expertcache.engine`): ``victim`` scans the residents, O(C) per eviction.
+hooks (:mod:`expertcache.policies.driver`): ``victim`` scans the residents, O(C) per eviction.
 :func:`hash_keys` is an independent numpy twin of :func:`mix64`, the tests' oracle.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import engine
+from . import driver
 from .._jit import AVAILABLE, njit
 from .base import parse_int
 from .hooked import HookedPolicy
@@ -99,7 +99,7 @@ admit = hit
 
 @njit(cache=True)
 def loop(groups, starts, n_items, capacity, rows, sc0, fs0):
-    return engine.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)
+    return driver.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)
 
 
 @register

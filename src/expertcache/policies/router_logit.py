@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..errors import PolicyError
 from .base import Policy
-from ..context import RouterView
+from ..trace.context import RouterView
 from .registry import register
 
 

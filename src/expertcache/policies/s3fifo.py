@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import engine
+from . import driver
 from .._jit import njit
 from .hooked import HookedPolicy
 from .registry import register
@@ -40,7 +40,7 @@ S_SIZE, M_SIZE, G_SIZE, EVICTED, FROM_GHOST, THRESHOLD, DEST = 9, 10, 11, 12, 13
 @njit(cache=True, inline="always")
 def init(st, sc, fs, n_items, capacity):
     for q in range(3):
-        engine.list_clear(sc, q)
+        driver.list_clear(sc, q)
     s = max(1, int(capacity * fs[0]))
     sc[S_SIZE] = s
     sc[M_SIZE] = capacity - s
@@ -59,8 +59,8 @@ def hit(st, sc, fs, e, t):
 @njit(cache=True, inline="always")
 def miss(st, sc, fs, e, t):
     sc[FROM_GHOST] = 0
-    if st[engine.WHERE, e] == GHOSTQ:
-        engine.unlink(st, sc, e)
+    if st[driver.WHERE, e] == GHOSTQ:
+        driver.unlink(st, sc, e)
         sc[FROM_GHOST] = 1
 
 
@@ -68,12 +68,12 @@ def miss(st, sc, fs, e, t):
 def _from_small(st, sc, stamp, g):
     """An S item to evict (into the ghosts), promoting used ones on the way; -1 if S has none left."""
     while True:
-        v = engine.oldest_free(st, sc, SMALL, stamp, g)
+        v = driver.oldest_free(st, sc, SMALL, stamp, g)
         if v < 0:
             return -1
         if st[FREQ, v] >= sc[THRESHOLD]:
-            engine.unlink(st, sc, v)
-            engine.push_head(st, sc, MAIN, v)
+            driver.unlink(st, sc, v)
+            driver.push_head(st, sc, MAIN, v)
             st[FREQ, v] = 0
         else:
             return v
@@ -83,12 +83,12 @@ def _from_small(st, sc, stamp, g):
 def _from_main(st, sc, stamp, g):
     """An M item to evict, reinserting used ones with a decremented counter; -1 if M has none."""
     while True:
-        v = engine.oldest_free(st, sc, MAIN, stamp, g)
+        v = driver.oldest_free(st, sc, MAIN, stamp, g)
         if v < 0:
             return -1
         if st[FREQ, v] >= 1:
-            engine.unlink(st, sc, v)
-            engine.push_head(st, sc, MAIN, v)
+            driver.unlink(st, sc, v)
+            driver.push_head(st, sc, MAIN, v)
             st[FREQ, v] -= 1
         else:
             return v
@@ -98,7 +98,7 @@ def _from_main(st, sc, stamp, g):
 def victim(st, sc, fs, e, t, stamp, g, res, size):
     sc[EVICTED] = 1
     while True:
-        if engine.length(sc, MAIN) > sc[M_SIZE] or engine.length(sc, SMALL) == 0:
+        if driver.length(sc, MAIN) > sc[M_SIZE] or driver.length(sc, SMALL) == 0:
             v = _from_main(st, sc, stamp, g)
             if v >= 0:
                 sc[DEST] = -1
@@ -112,7 +112,7 @@ def victim(st, sc, fs, e, t, stamp, g, res, size):
             if v >= 0:
                 sc[DEST] = GHOSTQ
                 return v
-            if engine.length(sc, SMALL) > 0:  # S holds only the group's items: M gives one
+            if driver.length(sc, SMALL) > 0:  # S holds only the group's items: M gives one
                 v = _from_main(st, sc, stamp, g)
                 if v >= 0:
                     sc[DEST] = -1
@@ -121,27 +121,27 @@ def victim(st, sc, fs, e, t, stamp, g, res, size):
 
 @njit(cache=True, inline="always")
 def evict(st, sc, fs, v, t):
-    engine.unlink(st, sc, v)
+    driver.unlink(st, sc, v)
     st[FREQ, v] = 0
     if sc[DEST] == GHOSTQ and sc[G_SIZE] > 0:
-        if engine.length(sc, GHOSTQ) >= sc[G_SIZE]:
-            engine.unlink(st, sc, engine.tail(sc, GHOSTQ))
-        engine.push_head(st, sc, GHOSTQ, v)
+        if driver.length(sc, GHOSTQ) >= sc[G_SIZE]:
+            driver.unlink(st, sc, driver.tail(sc, GHOSTQ))
+        driver.push_head(st, sc, GHOSTQ, v)
 
 
 @njit(cache=True, inline="always")
 def admit(st, sc, fs, e, t):
-    if sc[FROM_GHOST] == 1 or (sc[EVICTED] == 0 and engine.length(sc, SMALL) >= sc[S_SIZE]):
-        engine.push_head(st, sc, MAIN, e)
+    if sc[FROM_GHOST] == 1 or (sc[EVICTED] == 0 and driver.length(sc, SMALL) >= sc[S_SIZE]):
+        driver.push_head(st, sc, MAIN, e)
     else:
-        engine.push_head(st, sc, SMALL, e)
+        driver.push_head(st, sc, SMALL, e)
     st[FREQ, e] = 0
     sc[FROM_GHOST] = 0
 
 
 @njit(cache=True)
 def loop(groups, starts, n_items, capacity, rows, sc0, fs0):
-    return engine.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)
+    return driver.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)
 
 
 @register

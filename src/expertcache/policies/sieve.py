@@ -10,7 +10,7 @@ protected, so k = 1 counts equal libCacheSim's, ``tests/test_hooked_rules.py``).
 
 from __future__ import annotations
 
-from .. import engine
+from . import driver
 from .._jit import njit
 from .hooked import HookedPolicy
 from .registry import register
@@ -21,7 +21,7 @@ HAND = 3
 
 @njit(cache=True, inline="always")
 def init(st, sc, fs, n_items, capacity):
-    engine.list_clear(sc, 0)
+    driver.list_clear(sc, 0)
     sc[HAND] = -1
 
 
@@ -37,32 +37,32 @@ def miss(st, sc, fs, e, t):
 
 @njit(cache=True, inline="always")
 def victim(st, sc, fs, e, t, stamp, g, res, size):
-    v = sc[HAND] if sc[HAND] >= 0 else engine.tail(sc, 0)
+    v = sc[HAND] if sc[HAND] >= 0 else driver.tail(sc, 0)
     while stamp[v] == g or st[VISITED, v] > 0:
         if stamp[v] != g:
             st[VISITED, v] = 0
-        v = st[engine.PREV, v]
+        v = st[driver.PREV, v]
         if v < 0:
-            v = engine.tail(sc, 0)
+            v = driver.tail(sc, 0)
     return v
 
 
 @njit(cache=True, inline="always")
 def evict(st, sc, fs, v, t):
-    sc[HAND] = st[engine.PREV, v]
-    engine.unlink(st, sc, v)
+    sc[HAND] = st[driver.PREV, v]
+    driver.unlink(st, sc, v)
     st[VISITED, v] = 0
 
 
 @njit(cache=True, inline="always")
 def admit(st, sc, fs, e, t):
-    engine.push_head(st, sc, 0, e)
+    driver.push_head(st, sc, 0, e)
     st[VISITED, e] = 0
 
 
 @njit(cache=True)
 def loop(groups, starts, n_items, capacity, rows, sc0, fs0):
-    return engine.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)
+    return driver.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)
 
 
 @register

@@ -1,4 +1,4 @@
-"""``static``: a pin set with bypass (the incumbent tier design; DESIGN section 2, "Bypass").
+"""``static``: a pin set with bypass (the incumbent tier design; docs/design.md section 2, "Bypass").
 
 The pool holds the ``C`` experts most requested in a profile window and never changes: a request
 outside the pin set is a miss whose expert is streamed, not inserted, so nothing is ever evicted.

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels_features import decayed, log1p_each
+from .kernels_features import decayed, log1p_each
 from ..errors import ConfigError
-from ..context import RouterView, StreamContext
+from ..trace.context import RouterView, StreamContext
 from .online import ONLINE, OnlineFeatures, online_fits
 from .prior import PRIOR, PriorFeatures
 from .signals import DEFAULT_OFF, NEEDS, SIGNAL_GROUPS, SignalFeatures
@@ -26,7 +26,7 @@ from .signals import DEFAULT_OFF, NEEDS, SIGNAL_GROUPS, SignalFeatures
 DECAY_RATES = (0.5, 0.8, 0.95, 0.99)
 LOGRATE = -np.log(np.asarray(DECAY_RATES))
 """``-ln b`` per decay rate. ``exp`` and ``log1p`` below go through the scalar helpers of
-:mod:`expertcache.kernels_learned`, so the compiled replay computes the same bits."""
+:mod:`expertcache.scorer.kernels_learned`, so the compiled replay computes the same bits."""
 
 REUSE = ("age", "log_age", "count", "log_count", "rate",
          *(f"decay_{b:g}" for b in DECAY_RATES),

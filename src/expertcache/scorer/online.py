@@ -14,7 +14,7 @@ Where the routing priors (:mod:`.prior`) carry what training text says, this car
 sequence says; it helps where sequences differ (Mixtral's prompts), and it needs no out-of-fold
 fitting. Invariant (no leakage): the counts at step ``t`` cover the stream's groups ``0..t`` (group
 ``t`` is the request being served), never a later one. Both replay paths count and average through
-:func:`expertcache.kernels_features.online_observe` / :func:`~expertcache.kernels_features.online_at`,
+:func:`expertcache.scorer.kernels_features.online_observe` / :func:`~expertcache.scorer.kernels_features.online_at`,
 so the compiled loop computes the same bits.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels_features import online_column, online_step
+from .kernels_features import online_column, online_step
 
 ONLINE = ("online_h1",)
 ONLINE_MAX_BYTES = 64 << 20

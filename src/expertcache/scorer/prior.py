@@ -16,7 +16,7 @@ candidate's layer, ``e`` its expert, ``r`` the trace row being served:
 Invariant (no leakage): the features at step ``t`` read the stream's groups ``0..t`` (group ``t``
 is the request being served) and the fitted tables, never a later request; ``tests/test_learn.py``
 perturbs a trace's future and checks it. Both replay paths average the transition rows through
-:func:`expertcache.kernels_learned.trans_at`, so the compiled loop computes the same bits.
+:func:`expertcache.scorer.kernels_learned.trans_at`, so the compiled loop computes the same bits.
 """
 
 from __future__ import annotations
@@ -24,35 +24,15 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError
-from ..kernels_features import trans_column
+from .kernels_features import trans_column
 from .online import LatestGroups
-from .signals import HORIZONS, item_index
+from .signals import HORIZONS, TRANS_MAX_BYTES, item_index, trans_bytes  # noqa: F401 (the table's size limit, re-exported)
 
 PRIOR = ("pop", *(f"trans_h{h}" for h in HORIZONS))
-TRANS_MAX_BYTES = 16 << 20
-"""Largest transition table (float32 ``[H, L, E, E]``) fitted and stored: the scorer file's field limit.
-At 3 horizons that is E = 64 up to 341 layers, E = 128 up to 85, E = 256 up to 21."""
-
-
-def trans_bytes(num_layers: int, num_experts: int, horizons: int = 3) -> int:
-    return 4 * horizons * int(num_layers) * int(num_experts) ** 2
-
-
-def fit_transitions(used: np.ndarray, target: np.ndarray, ok: np.ndarray, succ_prior: np.ndarray,
-                    alpha: float) -> np.ndarray:
-    """float32 ``[L, E, E]``: P(e in ``target`` row r | a in ``used`` row r) per layer over rows ``ok``,
-    smoothed towards ``succ_prior [L, E]``. ``used``/``target``: bool ``[T, L, E]``."""
-    rows = np.flatnonzero(ok)
-    U = used[rows].astype(np.float32).transpose(1, 2, 0)  # [L, E, n]
-    Y = target[rows].astype(np.float32).transpose(1, 0, 2)  # [L, n, E]
-    counts = np.matmul(U, Y).astype(np.float64)  # [L, a, e]
-    n = U.sum(axis=2, dtype=np.float64)  # [L, a]
-    p = (counts + alpha * succ_prior[:, None, :]) / (n[:, :, None] + alpha)
-    return p.astype(np.float32)
 
 
 class PriorFeatures(LatestGroups):
-    """The prior columns of one stream; ``context`` is its :class:`~expertcache.context.StreamContext`
+    """The prior columns of one stream; ``context`` is its :class:`~expertcache.trace.context.StreamContext`
     (groups and the pool's item map), ``tables`` a :class:`~.signals.Tables` with ``trans``."""
 
     def __init__(self, tables, context):

@@ -58,6 +58,29 @@ ALPHA = 1.0
 RIDGE = 1.0
 
 
+# the routing priors' transition table (fitted here with the other tables; read by :mod:`.prior`)
+TRANS_MAX_BYTES = 16 << 20
+"""Largest transition table (float32 ``[H, L, E, E]``) fitted and stored: the scorer file's field limit.
+At 3 horizons that is E = 64 up to 341 layers, E = 128 up to 85, E = 256 up to 21."""
+
+
+def trans_bytes(num_layers: int, num_experts: int, horizons: int = 3) -> int:
+    return 4 * horizons * int(num_layers) * int(num_experts) ** 2
+
+
+def fit_transitions(used: np.ndarray, target: np.ndarray, ok: np.ndarray, succ_prior: np.ndarray,
+                    alpha: float) -> np.ndarray:
+    """float32 ``[L, E, E]``: P(e in ``target`` row r | a in ``used`` row r) per layer over rows ``ok``,
+    smoothed towards ``succ_prior [L, E]``. ``used``/``target``: bool ``[T, L, E]``."""
+    rows = np.flatnonzero(ok)
+    U = used[rows].astype(np.float32).transpose(1, 2, 0)  # [L, E, n]
+    Y = target[rows].astype(np.float32).transpose(1, 0, 2)  # [L, n, E]
+    counts = np.matmul(U, Y).astype(np.float64)  # [L, a, e]
+    n = U.sum(axis=2, dtype=np.float64)  # [L, a]
+    p = (counts + alpha * succ_prior[:, None, :]) / (n[:, :, None] + alpha)
+    return p.astype(np.float32)
+
+
 @dataclass
 class Tables:
     """Routing tables of one training set. ``tok [L, V, E]`` P(e at layer | token); ``succ [H, L, V, E]``
@@ -110,9 +133,7 @@ def _windows(used: np.ndarray, bounds: np.ndarray, h: int) -> tuple[np.ndarray, 
 def fit_tables(trace, alpha: float = ALPHA, ridge: float = RIDGE) -> Tables:
     """Tables from every row of ``trace`` (its training sequences). Without ``token_ids`` the token
     tables are empty (V = 0) and only the routing priors (:mod:`.prior`) and the hidden ridge are fitted;
-    ``trans`` is None when it would exceed :data:`~.prior.TRANS_MAX_BYTES`."""
-    from .prior import TRANS_MAX_BYTES, fit_transitions, trans_bytes
-
+    ``trans`` is None when it would exceed :data:`TRANS_MAX_BYTES`."""
     T, L, E = trace.num_tokens, trace.num_layers, trace.num_experts
     used = np.zeros((T, L, E), dtype=bool)
     t_idx, l_idx, j_idx = np.nonzero(trace.experts >= 0)

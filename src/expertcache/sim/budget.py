@@ -1,4 +1,4 @@
-"""Byte budgets: capacities in the units a host tier is planned in (DESIGN section 2, "Budgets in bytes").
+"""Byte budgets: capacities in the units a host tier is planned in (docs/design.md section 2, "Budgets in bytes").
 
 A budget of ``B`` bytes with experts of ``S`` bytes holds ``n = floor(B / S)`` experts
 (``budget_experts``). A global pool is one pool of ``n`` ``(layer, expert)`` items; per-layer pools

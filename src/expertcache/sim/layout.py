@@ -41,7 +41,7 @@ class StreamLayout:
         streamed: int32 ``[G]`` requests of each group served without admission (``admission``
             other than ``"all"``; they are removed from ``groups`` and count as misses).
         source, cols: the trace the layout came from and its selected layer columns (side
-            information for policies that read it: :mod:`expertcache.context`).
+            information for policies that read it: :mod:`expertcache.trace.context`).
     """
 
     groups: np.ndarray
@@ -136,7 +136,7 @@ def build_layout(trace: Trace, options: StreamOptions | None = None, **kwargs) -
     keep. ``warm``: fraction of each stream's tokens (rounded down) that warms the pool unscored;
     on an engine trace (``iteration`` extra) the fraction counts engine iterations, so a failed
     speculation and its fallback pass fall on the same side. ``admission``: ``"all"`` (every miss
-    is inserted: the default, DESIGN section 2) or ``"second"`` (an expert's first request in a
+    is inserted: the default, docs/design.md section 2) or ``"second"`` (an expert's first request in a
     stream is streamed without insertion; it is admitted from its second request on).
     """
     if options is not None and kwargs:

@@ -128,7 +128,7 @@ class StreamReplayer:
                                              initializer=attach, initargs=(self._shared.spec,))
             list(self._pool.map(_ready, range(len(self.chunks))))  # start every worker now
         else:
-            from ..backends import ray_session
+            from .backends import ray_session
 
             self._ray_cm = ray_session(self.ray_address, cpus=self.jobs)
             self._ray = self._ray_cm.__enter__()

@@ -36,7 +36,7 @@ from ..cache import ExpertCache
 from ..kernels import pool_slots
 from ..errors import ConfigError
 from ..policies import Policy, StreamFuture, make_policy
-from ..context import stream_context
+from ..trace.context import stream_context
 from ..trace import Trace
 from .gap import as_record, gap_recovered
 from .layout import StreamLayout, build_layout

@@ -4,7 +4,6 @@ Modules, one concept each: ``pool`` (pool folders, manifest, checks) and ``check
 bytes from safetensors); ``readers`` (pagecache / nocache / direct reads), ``arena`` (the mlocked
 arena, fail-stop), ``loop`` (one pass: iterations, thread pool, reused buffers), ``advice`` (the
 one-slot advice worker); ``worker`` (the measured process), ``harness`` (cells and runs, the
-record), ``demand`` (LRU demand model, advice headroom), ``sweep`` (T(C)); ``accounting``
-(block-layer and /proc snapshots, residency), ``capacity`` (cgroup / balloon walls) and ``plan``
-(the ownership calculus). Only the standard library and numpy: no torch.
+record), ``demand`` (LRU demand model, advice headroom), ``sweep`` (T(C)) and ``plan``
+(the ownership calculus). The wall it runs behind, and its accounting, are :mod:`expertcache.wall`. Only the standard library and numpy: no torch.
 """

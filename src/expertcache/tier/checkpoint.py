@@ -17,48 +17,14 @@ hold the same expert ids 0..E-1, else the checkpoint is refused with one line.
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..formats.safetensors import read_header
 
-MAX_HEADER = 100 * 2**20
 _PER_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\..*?experts\.(\d+)\.(.+)$")
 _PACKED = re.compile(r"(?:^|\.)layers\.(\d+)\..*?experts\.([A-Za-z_][\w.]*)$")
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-
-
-def read_header(path: Path) -> tuple[dict, int]:
-    """(header dict, start of the data section) of one safetensors file; ConfigError naming it if malformed."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise ConfigError(f"{path}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER or 8 + n > size:
-            raise ConfigError(f"{path}: safetensors header length {n} is out of bounds (file has {size} bytes)")
-        try:
-            header = json.loads(fh.read(n))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: safetensors header is not JSON ({str(exc).splitlines()[0]})") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{path}: safetensors header is not a JSON object")
-    data_start = 8 + n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            a, b = info["data_offsets"]
-            ok = isinstance(a, int) and isinstance(b, int) and 0 <= a <= b and data_start + b <= size
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise ConfigError(f"{path}: tensor {name!r}: data_offsets missing or outside the file")
-    return header, data_start
 
 
 def expert_tensors(model_dir: str | Path) -> tuple[list[int], int, dict, str]:

@@ -1,7 +1,7 @@
 """One tier measurement cell and its runs: the parent side of ``tier replay`` (docs/tier.md).
 
 A cell is (mode, capacity). Each run of a cell starts the measured process
-(:mod:`expertcache.tier.worker`) inside the capacity wall (:func:`expertcache.tier.capacity.run_walled`),
+(:mod:`expertcache.tier.worker`) inside the capacity wall (:func:`expertcache.wall.capacity.run_walled`),
 reads its result and adds what the parent knows: the demand model at that capacity, the
 amplification, the capacity proof, and -- once every run of the cell is in -- the spread.
 
@@ -48,11 +48,11 @@ class CellOptions:
 
 
 def capacity_module():
-    """expertcache.tier.capacity, or a ConfigError saying it is missing."""
+    """expertcache.wall.capacity, or a ConfigError saying it is missing."""
     try:
-        from . import capacity
+        from ..wall import capacity
     except ImportError as exc:  # pragma: no cover - only while the module is being written
-        raise ConfigError(f"expertcache.tier.capacity is not available ({exc})") from None
+        raise ConfigError(f"expertcache.wall.capacity is not available ({exc})") from None
     return capacity
 
 

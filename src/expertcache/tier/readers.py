@@ -25,7 +25,7 @@ import errno
 import mmap
 import os
 
-from .procfs import read_text
+from ..wall.procfs import read_text
 
 from .pool import ALIGN, Pool
 

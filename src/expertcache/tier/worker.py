@@ -1,6 +1,6 @@
 """The measured process: ``python -m expertcache.tier.worker SPEC.json`` -> one JSON object on stdout.
 
-It is what runs inside the capacity wall (:func:`expertcache.tier.capacity.run_walled`), following
+It is what runs inside the capacity wall (:func:`expertcache.wall.capacity.run_walled`), following
 the tiering paper's Algorithm 1 in one process (warm-up and measurement share one scope):
 
 1. open the pool (manifest and sizes checked) and the trace;
@@ -46,9 +46,9 @@ from .readers import MODES, FileReader
 def accounting():
     """The accounting module, or a ConfigError saying it is missing."""
     try:
-        from . import accounting as acc
+        from ..wall import accounting as acc
     except ImportError as exc:  # pragma: no cover - only while the module is being written
-        raise ConfigError(f"expertcache.tier.accounting is not available ({exc})") from None
+        raise ConfigError(f"expertcache.wall.accounting is not available ({exc})") from None
     return acc
 
 
@@ -142,7 +142,7 @@ def run(spec: dict) -> dict:
     if spec.get("calibrate"):
         return out | _calibrate(spec, pool, experts, rep, reader, arena, hints, skip)
     if spec.get("follow_flag"):  # set up: the wall may follow this process's own memory now
-        from .capacity import begin_following
+        from ..wall.capacity import begin_following
 
         begin_following(spec["follow_flag"])
     try:
@@ -231,7 +231,7 @@ def _calibrate(spec, pool, experts, rep, reader, arena, hints, skip) -> dict:
 
 def _own_bytes() -> tuple[int | None, str | None]:
     """What this process's memory cgroup is charged for beyond the tier, now (None where unreadable)."""
-    from . import cgroupfs
+    from ..wall import cgroupfs
     loc, why = cgroupfs.locate_memory_cgroup()
     return cgroupfs.own_bytes(loc["dir"], loc["version"]) if loc else (None, why)
 

@@ -1,7 +1,7 @@
 """Batch unions: b traces merged step by step into the trace a batch-b decode would request.
 
 Batch-b decoding runs the b rows' tokens through each layer together, so one cache step per layer
-serves the *union* of the rows' expert sets (DESIGN section 2, "Batches"). :func:`batch_union`
+serves the *union* of the rows' expert sets (docs/design.md section 2, "Batches"). :func:`batch_union`
 merges b traces that way:
 
 * Sequence ``s`` of the union merges sequence ``s`` (by position) of every input that has one; a

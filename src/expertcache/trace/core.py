@@ -34,7 +34,7 @@ from .._text import id_ranges
 from ..errors import ConfigError, TraceError
 from .model_signals import SIGNAL_EXTRAS
 from .npz import read_npz, resolve_trace_path
-from .validate import MAX_LAYER_ID, MAX_LAYERS, build, compact_dtype, parse_meta, seq_bounds
+from .validate import MAX_LAYER_ID, MAX_LAYERS, check, compact_dtype, parse_meta, seq_bounds
 
 CORE_ARRAYS = ("experts", "seq", "probs", "router_probs")
 
@@ -95,7 +95,7 @@ class Trace:
             arrays["router_probs"] = np.asarray(router_probs)
         for name, value in (extras or {}).items():
             arrays[name] = np.asarray(value)
-        return build(arrays, meta, source, fill_meta=True)
+        return Trace(**check(arrays, meta, source, fill_meta=True))
 
     # ------------------------------------------------------------------ shape
     @property
@@ -222,7 +222,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
 
     ``path`` may be the ``.npz`` file or a folder holding ``routing.npz``. The archive is read by
     :func:`~expertcache.trace.npz.read_npz` (sizes checked before allocating, no pickle) and
-    validated by :func:`~expertcache.trace.validate.build`; any problem is one
+    validated by :func:`~expertcache.trace.validate.check`; any problem is one
     :class:`~expertcache.errors.TraceError` line naming the file, the field and the index.
     """
     src = str(path)
@@ -237,7 +237,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
         except UnicodeDecodeError as exc:
             raise TraceError(f"{src}: meta: not UTF-8 text (byte {exc.start})") from None
         meta = parse_meta(text, src)
-    return build(arrays, meta, src, fill_meta=meta_arr is None)
+    return Trace(**check(arrays, meta, src, fill_meta=meta_arr is None))
 
 
 def _narrow(seq: np.ndarray) -> np.ndarray:

@@ -77,7 +77,7 @@ def _non_negative_ints(name: str, arr: np.ndarray, src: str) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SignalRows:
-    """The model-side signals one stream can read (a :class:`~expertcache.context.StreamContext`'s
+    """The model-side signals one stream can read (a :class:`~expertcache.trace.context.StreamContext`'s
     ``signals``): the trace's signal extras (whole arrays), the trace row of each step (``rows``, the
     stream's rows span ``first_row..last_row``), the stream's sequence id, and the layer id and expert
     of each item of the stream's pool."""

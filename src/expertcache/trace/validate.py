@@ -59,10 +59,9 @@ def parse_meta(text: str, src: str) -> dict:
     return meta
 
 
-def build(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: bool):
-    """Validate arrays + meta and return a Trace. With ``fill_meta`` missing keys are derived."""
-    from .core import Trace
-
+def check(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: bool) -> dict:
+    """Validate arrays + meta and return a Trace's fields (``Trace(**check(...))``, as
+    :mod:`.core` builds every trace). With ``fill_meta`` missing keys are derived."""
     arrays = dict(arrays)
     for name, arr in arrays.items():
         if not isinstance(arr, np.ndarray):
@@ -123,9 +122,7 @@ def build(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: boo
                                "sequences": len(bounds) - 1}, src)
     extras = {name: _check_extra(name, arr, bounds, T, L, src) for name, arr in arrays.items()}
     check_signal_pairs(extras, src)
-    return Trace(
-        experts=experts, seq=seq, meta=meta, probs=probs, router_probs=router_probs, extras=extras, source=src
-    )
+    return dict(experts=experts, seq=seq, meta=meta, probs=probs, router_probs=router_probs, extras=extras, source=src)
 
 
 # ---------------------------------------------------------------------- meta

@@ -9,8 +9,8 @@ described (feature by feature) and scored, O(C F) linear, O(C F H) mlp.
 
 The feature state (last, first and previous use, count, decayed counts, gate sums, router rows,
 the residency inference ``since_load`` reads) and its steps are
-:mod:`expertcache.kernels_feature_state`'s, the same compiled functions the live policy calls
-(:class:`~expertcache.kernels_live.LiveFeatures`); this loop adds only the cache. The
+:mod:`expertcache.scorer.kernels_feature_state`'s, the same compiled functions the live policy calls
+(:class:`~expertcache.scorer.kernels_live.LiveFeatures`); this loop adds only the cache. The
 Python reference, :class:`expertcache.scorer.features.FeatureState`, is an independent
 implementation of the same definitions, and the floats agree bit for bit: the same operations in
 the same order, ``exp`` and ``log1p`` always the scalar ``math.exp`` / ``math.log1p``, every score
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import njit
-from .kernels import pool_slots, swap_remove
+from .._jit import njit
+from ..kernels import pool_slots, swap_remove
 from .kernels_feature_state import (access_group, describe, feature_codes, not_inferred, observe_group, observe_router,
                                     online_arrays, order_prefix, reset_online, reset_state, score_keys,
                                     tables)
@@ -40,7 +40,7 @@ __all__ = ["LearnedPlan", "decayed", "feature_codes", "learned_loop", "log1p_eac
            "trans_at", "trans_column"]
 
 TABLE_MAX = 1 << 16
-"""Longest table of :func:`~expertcache.kernels_feature_state.tables` (bounded memory on long streams;
+"""Longest table of :func:`~expertcache.scorer.kernels_feature_state.tables` (bounded memory on long streams;
 larger values are computed)."""
 
 
@@ -56,7 +56,7 @@ def learned_loop(groups, starts, n_items, capacity, spt, codes, mean, scale, mlp
     the longest :func:`tables` (:data:`TABLE_MAX`); prior tables (``pop [L, E]``, ``trans [H, L,
     E, E]``, ``succp [H, L, E]`` float64, ``item_li``/``item_e [n_items]``) or empty arrays;
     ``item_ll [n_items]`` each item's local layer for the online counts, or empty. The feature
-    state and its steps are :mod:`expertcache.kernels_feature_state`'s, the ones the live policy
+    state and its steps are :mod:`expertcache.scorer.kernels_feature_state`'s, the ones the live policy
     calls; this loop adds the cache (residents, protection of the group, real evictions)."""
     G, k = groups.shape
     R = lograte.size

@@ -15,7 +15,7 @@ import os
 import socket
 from typing import Iterator
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 INSTALL = "pip install 'expertcache[ray]'"
 
@@ -92,7 +92,7 @@ def ray_session(address: str, cpus: int | None = None, option: str = "--ray") ->
                 raise
             ray.init(num_cpus=cpus, include_dashboard=False, **quiet)
     except Exception as err:  # noqa: BLE001 - Ray's own errors vary by version; report one line
-        from ._text import first_line
+        from .._text import first_line
 
         raise ConfigError(f"{option} {address}: could not {'start' if address == 'auto' else 'join'} Ray: "
                           f"{first_line(err)}") from None

@@ -4,8 +4,8 @@
 collected with it); this module is the compiled implementation of the same definitions, written
 once and called by both compiled users:
 
-* the compiled replay (:func:`expertcache.kernels_learned.learned_loop`), which runs whole streams;
-* the live policy (:class:`expertcache.kernels_live.LiveFeatures`, used by
+* the compiled replay (:func:`expertcache.scorer.kernels_learned.learned_loop`), which runs whole streams;
+* the live policy (:class:`expertcache.scorer.kernels_live.LiveFeatures`, used by
   :class:`expertcache.policies.learned.Learned`): the cache step of the live harness
   (:class:`expertcache.cache.ExpertCache`), the tier and the simulator's Python engine, one
   compiled call per eviction and one per step.
@@ -26,7 +26,7 @@ use, inferred load; -1 = never), ``count`` int64 ``[n]``, ``decay`` float64 ``[R
 count right after its last use), ``values`` float64 ``[4, n]`` (last gate weight, gate sum, latest
 router probability, its average), ``inferred`` bool ``[n]``. The floats agree with FeatureState's
 bit for bit (same operations, same order, scalar ``math.exp``/``math.log1p``; see
-:mod:`expertcache.kernels_features`); ``tests/test_learned_compiled.py`` checks all three paths
+:mod:`expertcache.scorer.kernels_features`); ``tests/test_learned_compiled.py`` checks all three paths
 (compiled replay, live state, FeatureState) count for count.
 """
 
@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 
-from ._jit import njit
+from .._jit import njit
 from .kernels_features import online_at, online_observe, score_row, trans_at
 
 DECAY0 = 5

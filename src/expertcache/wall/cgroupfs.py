@@ -1,6 +1,6 @@
 """This process's memory cgroup and the files of the cgroups expertcache makes under it.
 
-Invariants: the only cgroups written are children created by :mod:`expertcache.tier.capacity`
+Invariants: the only cgroups written are children created by :mod:`expertcache.wall.capacity`
 (and a probe made and removed at once by :func:`probe_child`); the process's own cgroup and every
 other one are only read. v1 (the memory controller's hierarchy) and v2 (cgroup2 with memory
 enabled in the own cgroup's ``cgroup.subtree_control``) use the file names in :data:`FILES`.
@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 
+from .pagecache import FileCache
 from .procfs import keyed_numbers, read_text
 
 SAMPLE_S = 0.05
@@ -207,7 +208,7 @@ class Sampler(threading.Thread):
     of files that are not the tier, such as the libraries the worker loads), per sample.
 
     The tier: with ``tier_files`` (the files whose page cache is the tier: a GGUF, a checkpoint's
-    shards, a pool) their cached bytes (:class:`~.accounting.FileCache`), plus ``unevictable`` when
+    shards, a pool) their cached bytes (:class:`~.pagecache.FileCache`), plus ``unevictable`` when
     ``tier_locked`` (the worker locks anonymous memory as part of its tier: the file tier's arena);
     without them, every file page and locked page charged to the cgroup (which counts the worker's
     libraries too: a cold import of torch charged 60-90 MB of them to a 50 MB wall). ``last_state``
@@ -243,7 +244,6 @@ class Sampler(threading.Thread):
         self.tier_locked = tier_locked
         self.files = None
         if tier_files:
-            from .accounting import FileCache
             self.files = FileCache(tier_files)
         self.limits: dict = {"min_limit_bytes": None, "max_limit_bytes": None, "limit_writes": 0,
                              "limit_write_errors": 0, "oom_waits": 0}

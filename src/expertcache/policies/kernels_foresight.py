@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import njit
-from .kernels import NEVER, _append, _pop_victim, _push, _remove, _sorted_group, _unlink, pool_slots
+from .._jit import njit
+from ..kernels import NEVER, _append, _pop_victim, _push, _remove, _sorted_group, _unlink, pool_slots
 
 _NEVER = np.int64(NEVER)
 

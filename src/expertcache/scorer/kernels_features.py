@@ -1,4 +1,4 @@
-"""The float arithmetic both replay paths of ``learned:`` scorers share (:mod:`expertcache.kernels_learned`).
+"""The float arithmetic both replay paths of ``learned:`` scorers share (:mod:`expertcache.scorer.kernels_learned`).
 
 The Python engine (:class:`expertcache.scorer.features.FeatureState` and the policy) and the compiled
 loop call these same functions, so they compute the same bits: ``exp`` and ``log1p`` always the
@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ._jit import njit
+from .._jit import njit
 
 
 @njit(cache=True)

@@ -24,7 +24,7 @@ failed (limit not read back, the tier's page cache + locked memory above or sque
 capacity by more than :func:`proof_slack`, OOM kill, balloon not fully locked or dead, timeout,
 cgroup not removed); a capacity + headroom above what the machine can hold
 (:func:`enforceable_bytes`) is refused, since a wall there enforces nothing. The cgroup files and
-the memory.stat sampler live in :mod:`expertcache.tier.cgroupfs`.
+the memory.stat sampler live in :mod:`expertcache.wall.cgroupfs`.
 """
 
 from __future__ import annotations

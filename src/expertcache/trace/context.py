@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .trace.model_signals import SignalRows, signal_rows
+from .model_signals import SignalRows, signal_rows
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import ConfigError
-from .sizing import MB
+from ..costmodel.sizing import MB
 
 MODES = ("mmap", "advise", "managed")
 """The page-cache modes forecast, in the order printed (docs/llama.md defines them)."""
@@ -257,8 +257,8 @@ def measure_bandwidth(g, fresh: bool = False) -> tuple[float, float, int, str]:
     """``(B1, B4, request bytes, source)`` by :func:`expertcache.llama.roofline.device_bandwidth` on
     the file itself at :func:`expertcache.llama.runner.request_bytes`; a one-line ConfigError where
     the device cannot be read with ``O_DIRECT``."""
-    from ..llama.roofline import device_bandwidth
-    from ..llama.runner import request_bytes
+    from .roofline import device_bandwidth
+    from .runner import request_bytes
 
     req = request_bytes(g)
     b1 = device_bandwidth(g.path, req, 1, fresh=fresh)
@@ -281,7 +281,7 @@ def measure_compute(g, threads: int, fresh: bool = False) -> tuple[float, str]:
     except ImportError:
         raise ConfigError("--compute auto times llama.cpp on the file and needs the llama extra "
                           "(pip install 'expertcache[llama]'): give --compute TOK/S") from None
-    from ..llama.roofline import compute_rate
+    from .roofline import compute_rate
 
     vocab = g.metadata.get("tokenizer.ggml.tokens")
     n = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1 else 2
@@ -297,8 +297,8 @@ def measure_compute(g, threads: int, fresh: bool = False) -> tuple[float, str]:
 def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, window_source: str,
              trace_label: str) -> list[dict]:
     """One record (:data:`KEYS`) per mode of :data:`MODES` (module docstring)."""
-    from ..llama.advice import managed_budget, managed_item_bytes
-    from ..llama.roofline import limits
+    from .advice import managed_budget, managed_item_bytes
+    from .roofline import limits
 
     E, L, T = g.num_experts, len(g.moe_layers), int(experts.shape[0])
     sizes = np.repeat(np.asarray(g.layer_expert_bytes, dtype=np.int64), E)

@@ -3,7 +3,7 @@
 :class:`LiveFeatures` is what :class:`expertcache.policies.learned.Learned` runs inside
 :class:`expertcache.cache.ExpertCache` (the live harness's cache step, the tier, the simulator's
 Python engine): one compiled call per eviction (:func:`live_keys`) and one per step
-(:func:`live_access`), over the functions of :mod:`expertcache.kernels_feature_state` that the
+(:func:`live_access`), over the functions of :mod:`expertcache.scorer.kernels_feature_state` that the
 compiled replay calls too, so both compute the same bits.
 
 The state travels as one object, :class:`LiveState` (a numba structref of the arrays, tables and
@@ -20,7 +20,7 @@ import functools
 
 import numpy as np
 
-from ._jit import AVAILABLE, njit
+from .._jit import AVAILABLE, njit
 from .kernels_feature_state import (LIVE_TABLE, access_group, describe, not_inferred, observe_group, observe_router,
                                     online_arrays, order_prefix, score_keys, tables)
 
@@ -69,7 +69,7 @@ def _observe(S, row):
 
 @njit(cache=True)
 def observe_state(S, row):
-    """:func:`~expertcache.kernels_feature_state.observe_group` of group ``row`` on the state ``S``."""
+    """:func:`~expertcache.scorer.kernels_feature_state.observe_group` of group ``row`` on the state ``S``."""
     _observe(S, row)
 
 
@@ -93,7 +93,7 @@ def live_keys(cand, t, row, observe, S):
 def live_access(row, prow, t, nc, orow, observe, S):
     """With ``observe``, step ``t``'s group ``orow`` is observed first; then the step's residency
     inference from the keys of its eviction (``S.pcand[:nc]``, ``S.ckey``; ``nc`` = 0 when it evicted
-    nothing), then :func:`~expertcache.kernels_feature_state.access_group` of ``row`` (gate weights ``prow``)."""
+    nothing), then :func:`~expertcache.scorer.kernels_feature_state.access_group` of ``row`` (gate weights ``prow``)."""
     if observe:
         _observe(S, orow)
     if nc > 0:
@@ -107,7 +107,7 @@ def live_access(row, prow, t, nc, orow, observe, S):
 class LiveFeatures:
     """The compiled state of one stream, driven step by step through the policy protocol.
 
-    ``plan``: the scorer's :class:`~expertcache.kernels_learned.LearnedPlan` (codes, weights);
+    ``plan``: the scorer's :class:`~expertcache.scorer.kernels_learned.LearnedPlan` (codes, weights);
     ``arrays``: its context arrays for this stream (``item_li``, ``item_e``, ``pop``, ``trans``,
     ``succp`` for the prior group, ``item_ll``/``item_e`` for the online group), or ``{}``;
     ``context``: the stream context (its ``groups`` give each step's group; ``probs``, ``router``,
@@ -184,6 +184,6 @@ class LiveFeatures:
 
 @functools.lru_cache(maxsize=16)
 def _live_tables(spt: float, lograte: bytes):
-    """:func:`~expertcache.kernels_feature_state.tables` of :data:`LIVE_TABLE` entries, once per
+    """:func:`~expertcache.scorer.kernels_feature_state.tables` of :data:`LIVE_TABLE` entries, once per
     process and ``(spt, lograte)`` (shared: never written)."""
     return tables(LIVE_TABLE, spt, np.frombuffer(lograte, dtype=np.float64).copy())

@@ -1,6 +1,6 @@
-"""One compiled cache engine for rules written as hooks: libCacheSim's plugin protocol, token-grouped.
+"""One compiled driver for cache rules written as hooks: libCacheSim's plugin protocol, token-grouped.
 
-The engine owns everything that is not the rule: residency, the current group's protection, the
+The driver owns everything that is not the rule: residency, the current group's protection, the
 fill, and the counts. A rule owns its own state and is told what happens, through six compiled
 hooks (each a module-level ``@njit`` function of the rule's own file, :mod:`expertcache.policies`):
 
@@ -29,7 +29,7 @@ order of ids within a group. With one id per group (k = 1) this is exactly libCa
 
 The same hooks run in two drivers: :func:`run` here (the compiled replay: each rule's file has a
 three-line cached loop that inlines it) and :class:`expertcache.cache.ExpertCache` (the live
-harness's cache step, calling the compiled hooks one by one). The engine checks every victim:
+harness's cache step, calling the compiled hooks one by one). The driver checks every victim:
 a rule that proposes a non-resident or protected item stops the replay with an error.
 """
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import njit
-from .kernels import _sorted_group, pool_slots, swap_remove
+from .._jit import njit
+from ..kernels import _sorted_group, pool_slots, swap_remove
 
 # ------------------------------------------------------------------------------ linked lists
 # Lists over item ids that rules share: list ``q`` has head sc[base + 3q], tail sc[base + 3q + 1],
@@ -112,7 +112,7 @@ def oldest_free(st, sc, q, stamp, g):
     return v
 
 
-# ------------------------------------------------------------------------------ the engine
+# ------------------------------------------------------------------------------ the driver
 @njit(cache=True, inline="always")
 def run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit):
     """Replay every stream of a layout (``groups [G, k]``, ``starts``) through one rule's hooks;

@@ -1,0 +1,58 @@
+"""Inputs several commands read (``eval``, ``capture``, ``llama``, ``router-tune``, ``controller``):
+token ids from a ``.npy``, text through a checkpoint's tokenizer, and the Hugging Face side of the
+package. Each is one line on a bad input (exit 2). transformers and torch are imported inside the
+functions that need them: the commands that never touch a checkpoint run without them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from .._text import first_line
+from ..errors import ConfigError
+from ..trace.npz import read_npy
+
+__all__ = ["import_hf", "read_tokens", "read_text"]
+
+
+def import_hf():
+    """The offload functions eval needs; a missing or unsupported torch / transformers is a one-line user error."""
+    try:
+        from .. import offload
+        from ..offload.passes import split_tokens
+    except ImportError as exc:
+        raise ConfigError(first_line(exc)) from None
+    from ..offload.evaluation import fitting_capacity
+
+    return SimpleNamespace(check_checkpoint=offload.check_checkpoint, load_model=offload.load_model,
+                           evaluate=offload.evaluate, split_tokens=split_tokens, fitting_capacity=fitting_capacity)
+
+
+def read_tokens(path: str) -> np.ndarray:
+    """Integer token ids from the ``.npy`` at ``path`` (``--tokens``), any shape."""
+    ids = read_npy(path, "--tokens")  # sizes checked before reading, no pickle; errors are one line
+    if ids.dtype.kind not in "iu":
+        raise ConfigError(f"--tokens {path}: expected integer token ids, got {ids.dtype}")
+    return ids
+
+
+def read_text(model_dir: str, path: str) -> np.ndarray:
+    """The UTF-8 text file ``path`` (``--text``) as token ids, by the tokenizer saved in ``model_dir``."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--text {path}: no such file")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"--text needs a tokenizer saved in {model_dir} ({first_line(exc)}); without one, pass --tokens ids.npy"
+        ) from None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--text {path}: not UTF-8 text (byte {exc.start})") from None
+    return np.asarray(tokenizer(text)["input_ids"], dtype=np.int64)
