@@ -287,7 +287,7 @@ class Sampler(threading.Thread):
             if self._following:
                 self._recent_own.append(vals["own_peak_bytes"])
                 self._correct(tier, usage)
-                self._follow(min(self._recent_own), usage)
+                self._follow(min(self._recent_own), usage, tier)
                 if os.environ.get(TRACE_ENV):
                     self._trace(tier, usage, vals["own_peak_bytes"], file, unev)
         if flagged:  # the first following limit (if any) is written: let the worker go on (begin_following)
@@ -320,29 +320,31 @@ class Sampler(threading.Thread):
             self._bias -= min(self._bias, (capacity - margin - tier) // 2)
         self.limits["max_bias_bytes"] = max(self.limits.get("max_bias_bytes", 0), self._bias)
 
-    def _follow(self, own: int, usage: int | None = None) -> None:
-        """Write the limit: ``capacity + own + margin - bias`` (``own`` the window's least). On v1,
-        while the worker waits for memory, the last limit plus one step of at most the margin (the
-        room a step leaves is all the tier can take before the next sample, so a step keeps it
-        within capacity + 2 margins, the proof's slack); once it no longer waits, a limit below
-        ``usage`` (which v1 refuses to write, EBUSY) is written at ``usage``, so the room the steps
-        left is taken back at once, not when the window has caught up with the worker's grown memory
-        (seen: 8 MiB steps during a server's start-up left 5 MiB the model's load filled, 4.9 MB of
-        page cache against a 3.2 MB wall)."""
+    def _follow(self, own: int, usage: int | None = None, tier: int = 0) -> None:
+        """Write the limit: ``capacity + own + margin - bias`` (``own`` the window's least). Room above
+        ``usage`` is room the tier can take before the next sample, so on v1 it is kept within
+        ``capacity + 2.5 margins - tier`` (the proof's slack is 2 margins), never under one margin
+        (the worker's system calls fail with ENOMEM, not wait, at the limit): while the worker waits
+        for memory, the last limit plus a step; once it no longer waits, a limit below ``usage``
+        (v1 refuses it, EBUSY) is written at the last limit or that bound, whichever is lower.
+        Seen before the bound: 8 MiB steps during a server's start-up left room the model's load
+        filled (5.1 MB of page cache against a 3.2 MB wall)."""
         capacity, ceiling, margin = self.follow
         limit = min(ceiling, capacity + own + margin - self._bias)
+        room = max(margin, capacity + margin + margin // 2 - tier)
         if self.version == "v1" and under_oom(self.dir):  # the worker waits for memory: give it some now
             self.limits["oom_waits"] += 1
             now = time.monotonic()
             self._oom_since = self._oom_since or now
-            limit = min(ceiling, max(limit, (self._limit or limit) + min(OOM_STEP, margin)))
+            step = (self._limit or limit) + max(OOM_STEP, (self._limit or limit) // 20)
+            limit = min(ceiling, max(limit, step if usage is None else min(step, usage + room)))
             if limit >= ceiling and now - self._oom_since > OOM_PATIENCE_S:
                 with contextlib.suppress(OSError):  # it needs more than the ceiling: let the kernel kill it
                     write(os.path.join(self.dir, "memory.oom_control"), "0")
         else:
             self._oom_since = None
             if self.version == "v1" and usage is not None and limit < usage:
-                limit = min(ceiling, usage + 4095)
+                limit = min(ceiling, max(limit, min(self._limit or usage + room, usage + room)))
         limit -= limit % 4096
         if limit == self._limit:
             return
