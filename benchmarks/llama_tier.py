@@ -1,21 +1,29 @@
 #!/usr/bin/env python
-"""llama.cpp decode under a memory wall, every page-cache mode (issue 21, docs/llama.md "Benchmark").
+"""llama.cpp decode and prefill under a memory wall, forecast then measured (issue 33; docs/llama.md
+"Benchmark: the targets").
 
-1. Builds (once) a random-weight OLMoE-class GGUF of 1.69 GB (f16; hidden 1024, expert width 512,
-   64 experts, top-8, 8 layers, vocab 2048: the feasibility probe's model) under --scratch, never
-   in the repository, with ``expertcache.llama.convert.convert_random``.
-2. Unwalled reference: ``mmap`` and ``nommap`` (--runs each).
-3. ``expertcache.llama.sweep.sweep`` over --walls (P% = dense bytes + P% of the expert tensors)
-   for every walled mode, --runs per cell, one seeded shuffled order, headroom calibrated once per mode.
-4. The trained ``models/small-moe`` (f16 GGUF) through the same sweep, for realistic routing
-   (its lookahead recall).
-5. The table (median [min-max] decode tokens/s, read and demand MB per token, amplification,
-   proof), the ratios the issue names, and the plot, written between the benchmark markers of
-   docs/llama.md and to docs/img/llama_tier.png; the full records to --json-out.
+1. Builds (once, under --scratch, never in the repository) two random-weight GGUFs with the
+   small-moe tokenizer: an OLMoE-geometry f16 file of 1.69 GB (hidden 1024, expert width 512, 64
+   experts, top-8, 8 layers) and a Qwen3-MoE-geometry one quantized to Q4_K_M (hidden 1024, expert
+   width 512, 128 experts, top-8, 12 layers, grouped-query attention, per-head q/k norms).
+2. Per model and thread count (--threads, default 1 and 2):
+   * the forecast first: ``expertcache size MODEL --memory WALL --threads T --trace CAPTURED --json``
+     at every wall (the trace: this prompt's own decode captured by ``expertcache capture``), and
+     once more without ``--trace`` (the matched synthetic trace a user without a capture gets);
+   * then the measurement: the unwalled ``mmap`` reference and every (wall, mode) cell, --runs runs
+     each, in one seeded shuffled order (``expertcache.llama.runner.run_one``: a child in a memory
+     cgroup whose limit follows it, the GGUF's page cache the tier, cold start, the proof);
+   * per cell: median [min-max] decode tok/s, the ratio to the unwalled median, read and demand MB
+     per token, the roofline's limit and efficiency, the managed step's own cost, the proof, the
+     forecast and its error (forecast / measured median - 1).
+3. Prefill of a --prefill-tokens prompt at the 25% wall (mmap, managed, prefetch; 1 thread): prefill
+   tok/s, read bytes against the routed experts' bytes.
+4. The targets of issue 33 checked against the medians, each printed as met or missed; everything
+   written between the benchmark markers of docs/llama.md; the records to --json-out.
 
-Run (about 20 minutes on the shared 2-core machine)::
+Run (about an hour and a half on the shared 2-core machine)::
 
-    nice -n 10 .venv/bin/python benchmarks/llama_tier.py --scratch /work/scratch --json-out /tmp/llama_tier.json
+    nice -n 5 .venv/bin/python benchmarks/llama_tier.py --scratch /work/scratch --json-out /work/scratch/llama_tier.json
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,139 +43,276 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from expertcache.llama.convert import convert, convert_random  # noqa: E402
-from expertcache.llama.geometry import read_geometry  # noqa: E402
+from expertcache.errors import ExpertcacheError  # noqa: E402
+from expertcache.llama.convert import convert_random  # noqa: E402
+from expertcache.formats.gguf import read_geometry  # noqa: E402
+from expertcache.llama.quantize import quantize  # noqa: E402
 from expertcache.llama.runner import run_one  # noqa: E402
-from expertcache.llama.sweep import parse_walls, plot_sweep, sweep  # noqa: E402
+from expertcache.llama.sweep import parse_walls  # noqa: E402
+from expertcache.llama.textgen import tokenize  # noqa: E402
 
-BIG = dict(hidden_size=1024, intermediate_size=512, num_experts=64, num_experts_per_tok=8, num_hidden_layers=8,
-           num_attention_heads=16, num_key_value_heads=16, vocab_size=2048, max_position_embeddings=4096,
-           rms_norm_eps=1e-5, norm_topk_prob=False)
+OLMOE = dict(model_type="olmoe", hidden_size=1024, intermediate_size=512, num_experts=64, num_experts_per_tok=8,
+             num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, vocab_size=2048,
+             max_position_embeddings=4096, rms_norm_eps=1e-5, norm_topk_prob=False)
+QWEN3 = dict(model_type="qwen3_moe", hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048,
+             num_experts=128, num_experts_per_tok=8, num_hidden_layers=12, num_attention_heads=16,
+             num_key_value_heads=4, head_dim=64, vocab_size=2048, max_position_embeddings=4096, rms_norm_eps=1e-6,
+             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+PROMPT = ("The history of the city begins with a small settlement on the river, where traders from the north "
+          "met farmers from the valley and exchanged grain, salt and iron.")
 START, END = "<!-- llama-bench:start -->", "<!-- llama-bench:end -->"
+FORECAST_MODES = ("mmap", "advise", "managed")
 
 
-def fmt_rate(c) -> str:
-    s = c["decode_tokens_per_s"]
-    return f"{s['median']:.3g} [{s['min']:.3g}-{s['max']:.3g}]"
+def build(scratch: Path) -> dict[str, Path]:
+    tok = REPO / "models" / "small-moe"
+    olmoe = scratch / "serve-bench-olmoe-f16.gguf"  # the serve benchmark's file: the same seed and geometry
+    if not olmoe.exists():
+        print("building", olmoe, flush=True)
+        convert_random(OLMOE, olmoe, "f16", seed=0, tokenizer=tok)
+    qwen = scratch / "tier-qwen3moe-q4_k_m.gguf"
+    if not qwen.exists():
+        f16 = scratch / "tier-qwen3moe-f16.gguf"
+        print("building", f16, "then", qwen, flush=True)
+        convert_random(QWEN3, f16, "f16", seed=0, tokenizer=tok)
+        quantize(f16, qwen, "q4_k_m")
+        f16.unlink()
+    return {"olmoe-f16": olmoe, "qwen3moe-q4_k_m": qwen}
+
+
+def cli(*args: str) -> list[dict]:
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"expertcache {' '.join(args[:3])}: {done.stderr.strip()[-400:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def capture(gguf: Path, prompt: list[int], tokens: int, scratch: Path) -> Path:
+    """This prompt's decode captured (what a user would give ``size --trace``)."""
+    ids = scratch / f"{gguf.stem}.prompt.npy"
+    out = scratch / f"{gguf.stem}.decode{tokens}.npz"
+    np.save(ids, np.asarray(prompt, dtype=np.int64))
+    if not out.exists():
+        cli("capture", "--model", str(gguf), "--tokens", str(ids), "--out", str(out), "--generate", str(tokens))
+    return out
+
+
+def forecast(gguf: Path, wall: int, threads: int, trace: Path | None) -> dict[str, dict]:
+    args = ["size", str(gguf), "--memory", str(wall), "--threads", str(threads), "--json"]
+    if trace is not None:
+        args += ["--trace", str(trace)]
+    return {r["mode"]: r for r in cli(*args) if r.get("mode") in FORECAST_MODES}
+
+
+def spread(values: list) -> dict:
+    v = [x for x in values if x is not None]
+    return {"median": statistics.median(v), "min": min(v), "max": max(v)} if v else {"median": None, "min": None, "max": None}
+
+
+def measure(g, prompt, args, walls, threads, modes) -> tuple[list, dict]:
+    cells = [(w, m, r) for w in walls for m in modes for r in range(args.runs)]
+    cells += [(None, "mmap", r) for r in range(args.runs)]
+    random.Random(args.seed).shuffle(cells)
+    recs = []
+    for i, (w, m, r) in enumerate(cells, 1):
+        try:
+            rec = run_one(g, prompt, args.new_tokens, m, wall_bytes=w, threads=threads, timeout=args.timeout)
+        except ExpertcacheError as exc:
+            rec = {"mode": m, "memory_wall": w, "error": str(exc)}
+        rec.pop("proof", None)
+        recs.append(rec)
+        what = rec.get("error") or (f"{rec['decode_tokens_per_s']:.3g} tok/s, read {rec['read_bytes_per_token'] / 1e6:.3g} "
+                                    f"MB/token, proof {rec['proof_ok']}")
+        print(f"  [{i}/{len(cells)}] {m:8s} wall {(w or 0) / 1e6:6.0f} MB T{threads}: {what}", flush=True)
+    groups: dict = {}
+    for rec in recs:
+        groups.setdefault((rec["memory_wall"], rec["mode"]), []).append(rec)
+    return recs, groups
+
+
+def cell(rs: list[dict]) -> dict:
+    ok = [r for r in rs if not r.get("error")]
+    out = {"runs": len(ok), "failed": len(rs) - len(ok), "errors": [r["error"] for r in rs if r.get("error")]}
+    for key in ("decode_tokens_per_s", "read_bytes_per_token", "demand_bytes_per_token", "limit_tokens_per_s",
+                "serial_limit_tokens_per_s", "efficiency", "advice_seconds_per_token", "compute_tokens_per_s"):
+        out[key] = spread([r.get(key) for r in ok])
+    out["proof_ok"] = bool(ok) and all(r["proof_ok"] for r in ok)
+    out["shas"] = sorted({r["output_sha256"] for r in ok})
+    return out
 
 
 def mb(x) -> str:
     return "-" if x is None else f"{x / 1e6:.3g}"
 
 
-def table(res: dict, ref: dict, title: str) -> list[str]:
-    lines = [f"**{title}**", "", "| wall | mode | runs | decode tok/s median [min-max] | read MB/token | "
-             "demand MB/token | amplification | proof |", "|---|---|---|---|---|---|---|---|"]
-    for mode, rs in ref.items():
-        rates = [r["decode_tokens_per_s"] for r in rs]
-        lines.append(f"| none | {mode} | {len(rs)} | {statistics.median(rates):.3g} [{min(rates):.3g}-{max(rates):.3g}] | "
-                     f"{mb(statistics.median(r['read_bytes_per_token'] for r in rs))} | - | - | unwalled |")
-    for c in sorted(res["cells"], key=lambda c: (c["memory_wall"], c["mode"])):
-        amp = c["amplification"]["median"]
-        if not c["runs"]:
-            lines.append(f"| {c['memory_wall'] / 1e6:.0f} MB | {c['mode']} | 0 of {c['failed_runs']} | failed: "
-                         f"{c['errors'][0][:80]} | | | | failed |")
-            continue
-        runs = f"{c['runs']} (+{c['failed_runs']} failed)" if c["failed_runs"] else str(c["runs"])
-        lines.append(f"| {c['memory_wall'] / 1e6:.0f} MB | {c['mode']} | {runs} | {fmt_rate(c)} | "
-                     f"{mb(c['read_bytes_per_token']['median'])} | {mb(c['demand_bytes_per_token'])} | "
-                     f"{'-' if amp is None else f'{amp:.2f}'} | {'ok' if c['proof_ok'] else 'failed'} |")
-    return lines
+def rate(s: dict) -> str:
+    return "-" if s["median"] is None else f"{s['median']:.3g} [{s['min']:.3g}-{s['max']:.3g}]"
 
 
-def ratios(res: dict, ref: dict, labels: dict) -> list[str]:
-    med = {(c["mode"], c["memory_wall"]): c["decode_tokens_per_s"]["median"] for c in res["cells"]}
-    walls = sorted({w for _, w in med})
-    unwalled = statistics.median(r["decode_tokens_per_s"] for r in ref.get("mmap", [])) if ref.get("mmap") else None
-    out = ["| wall | advise / mmap | pin / advise | managed / advise | lookahead / advise | mmap / nocache | "
-           "advise / nocache | advise / unwalled mmap |", "|---|---|---|---|---|---|---|---|"]
-
-    def r(a, b):
-        return f"{a / b:.2f}x" if a and b else "-"
-
+def model_block(name, g, threads, groups, fc, fc_syn, walls, labels) -> tuple[list[str], dict]:
+    ref = cell(groups[(None, "mmap")])
+    unwalled = ref["decode_tokens_per_s"]["median"]
+    lines = [f"**{name}, {g.file_bytes / 1e9:.2f} GB, {threads} thread{'s' if threads > 1 else ''}** (unwalled mmap: "
+             f"{rate(ref['decode_tokens_per_s'])} tok/s; compute rate {ref['compute_tokens_per_s']['median']:.3g} tok/s)", "",
+             "| wall | mode | decode tok/s median [min-max] | x unwalled | read MB/token | demand MB/token | read/demand | "
+             "limit tok/s | efficiency | step ms/token | proof | forecast tok/s | error | synthetic forecast | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary = {}
     for w in walls:
-        g = lambda m: med.get((m, w))  # noqa: E731
-        out.append(f"| {labels.get(w, '')} {w / 1e6:.0f} MB | {r(g('advise'), g('mmap'))} | {r(g('pin'), g('advise'))} | "
-                   f"{r(g('managed'), g('advise'))} | {r(g('lookahead'), g('advise'))} | "
-                   f"{r(g('mmap'), g('nocache'))} | {r(g('advise'), g('nocache'))} | {r(g('advise'), unwalled)} |")
+        for mode in sorted({m for (ww, m) in groups if ww == w}, key=["mmap", "advise", "prefetch", "managed"].index):
+            c = cell(groups[(w, mode)])
+            med = c["decode_tokens_per_s"]["median"]
+            rd, dm = c["read_bytes_per_token"]["median"], c["demand_bytes_per_token"]["median"]
+            f = fc.get(w, {}).get(mode, {}).get("predicted_tokens_per_s")
+            fs = fc_syn.get(w, {}).get(mode, {}).get("predicted_tokens_per_s")
+            err = (f / med - 1) if f and med else None
+            errs = (fs / med - 1) if fs and med else None
+            step = c["advice_seconds_per_token"]["median"]
+            summary[(w, mode)] = {**c, "ratio": med / unwalled if med and unwalled else None, "forecast": f,
+                                  "forecast_error": err, "synthetic_forecast": fs, "synthetic_error": errs}
+            if not c["runs"]:
+                lines.append(f"| {labels[w]} | {mode} | failed: {c['errors'][0][:60]} |" + " |" * 12)
+                continue
+            lines.append(
+                f"| {labels[w]} {w / 1e6:.0f} MB | {mode} | {rate(c['decode_tokens_per_s'])} | "
+                f"{med / unwalled:.2f} | {mb(rd)} | {mb(dm)} | {'-' if not (rd is not None and dm) else f'{rd / dm:.2f}'} | "
+                f"{c['limit_tokens_per_s']['median']:.3g} | {c['efficiency']['median']:.2f} | "
+                f"{'-' if step is None or mode != 'managed' else f'{step * 1e3:.2f}'} | {'ok' if c['proof_ok'] else 'FAILED'} | "
+                f"{'-' if f is None else f'{f:.3g}'} | {'-' if err is None else f'{err:+.0%}'} | "
+                f"{'-' if fs is None else f'{fs:.3g}'} | {'-' if errs is None else f'{errs:+.0%}'} |")
+    summary["unwalled"] = unwalled
+    return lines, summary
+
+
+def prefill(g, args, labels) -> tuple[list[str], dict]:
+    rng = np.random.default_rng(7)
+    ids = rng.integers(3, 2048, size=args.prefill_tokens)
+    w = parse_walls("25%", g)[0]
+    out: dict = {}
+    cells = [(m, r) for m in ("mmap", "managed", "prefetch") for r in range(args.runs)]
+    random.Random(args.seed).shuffle(cells)
+    for m, r in cells:
+        rec = run_one(g, ids, 2, m, wall_bytes=w, roofline=False, timeout=args.timeout)
+        out.setdefault(m, []).append(rec)
+        print(f"  prefill {m:8s}: {rec['prefill_tokens_per_s']:.3g} tok/s, read {rec['prefill_read_bytes'] / 1e6:.4g} MB "
+              f"of {rec['prefill_routed_bytes'] / 1e6:.4g} routed, proof {rec['proof_ok']}", flush=True)
+    lines = [f"**Prefill of {args.prefill_tokens} tokens at the 25% wall ({w / 1e6:.0f} MB), {g.file_bytes / 1e9:.2f} GB "
+             "OLMoE f16, 1 thread**", "", "| mode | prefill tok/s median [min-max] | read MB | routed experts MB | "
+             "read / routed | proof |", "|---|---|---|---|---|---|"]
+    for m, rs in out.items():
+        s = spread([r["prefill_tokens_per_s"] for r in rs])
+        rd, rt = statistics.median(r["prefill_read_bytes"] for r in rs), statistics.median(r["prefill_routed_bytes"] for r in rs)
+        lines.append(f"| {m} | {rate(s)} | {rd / 1e6:.4g} | {rt / 1e6:.4g} | {rd / rt:.2f} | "
+                     f"{'ok' if all(r['proof_ok'] for r in rs) else 'FAILED'} |")
+    return lines, out
+
+
+def targets(results: dict, pre: dict) -> list[str]:
+    """Issue 33's targets against the medians: one line each, met or missed."""
+    out = []
+
+    def line(ok, text):
+        out.append(f"- {'met' if ok else '**missed**'}: {text}")
+
+    for key, s in results.items():
+        name, threads = key
+        cells = {k: v for k, v in s.items() if k != "unwalled"}
+        walls = sorted({w for (w, _) in cells})
+        for w, frac, want in ((walls[1], "50%", 0.95), (walls[0], "25%", 0.85)):
+            c = cells.get((w, "managed"))
+            if c and c["ratio"] is not None:
+                line(c["ratio"] >= want, f"{name} T{threads} managed at {frac}: {c['ratio']:.2f}x unwalled (target {want})")
+        for (w, mode), c in sorted(cells.items(), key=lambda kv: kv[0][0]):
+            if mode != "managed" or not c["runs"]:
+                continue
+            rd, dm = c["read_bytes_per_token"]["median"], c["demand_bytes_per_token"]["median"]
+            if rd is not None and dm:
+                line(rd <= 1.1 * dm, f"{name} T{threads} managed at {w / 1e6:.0f} MB: reads {rd / dm:.2f}x demand (<= 1.1)")
+            eff = c["efficiency"]["median"]
+            line(eff is not None and eff >= 0.8, f"{name} T{threads} managed at {w / 1e6:.0f} MB: efficiency {eff:.2f} (>= 0.8)")
+        for w in walls[:2]:
+            m, p = cells.get((w, "managed")), cells.get((w, "prefetch"))
+            if m and p and m["runs"] and p["runs"]:
+                mm, pm = m["decode_tokens_per_s"], p["decode_tokens_per_s"]
+                beats = mm["median"] > pm["max"]
+                tie_less = mm["max"] >= pm["min"] and m["read_bytes_per_token"]["median"] < p["read_bytes_per_token"]["median"]
+                line(beats or tie_less, f"{name} T{threads} at {w / 1e6:.0f} MB: managed {mm['median']:.3g} vs prefetch "
+                     f"{pm['median']:.3g} tok/s, reads {mb(m['read_bytes_per_token']['median'])} vs "
+                     f"{mb(p['read_bytes_per_token']['median'])} MB/token")
+        for (w, mode), c in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            if c.get("forecast_error") is not None:
+                line(abs(c["forecast_error"]) <= 0.15, f"{name} T{threads} forecast {mode} at {w / 1e6:.0f} MB: "
+                     f"{c['forecast']:.3g} vs {c['decode_tokens_per_s']['median']:.3g} measured ({c['forecast_error']:+.0%})")
+    if pre:
+        m = statistics.median(r["prefill_read_bytes"] / r["prefill_routed_bytes"] for r in pre["managed"])
+        line(m <= 1.2, f"prefill at 25%: managed read {m:.2f}x the routed experts' bytes (<= 1.2)")
+        rm = statistics.median(r["prefill_tokens_per_s"] for r in pre["managed"])
+        rp = statistics.median(r["prefill_tokens_per_s"] for r in pre["mmap"])
+        line(rm >= 2 * rp, f"prefill at 25%: managed {rm:.3g} tok/s vs mmap {rp:.3g} ({rm / rp:.2f}x, >= 2)")
     return out
-
-
-def run_model(path: str, prompt, args, modes, title) -> tuple[dict, dict, list[str]]:
-    g = read_geometry(path)
-    ref = {m: [run_one(g, prompt, args.new_tokens, m, threads=args.threads) for _ in range(args.runs)]
-           for m in ("mmap", "nommap")}
-    walls = parse_walls(args.walls, g)
-    labels = dict(zip(walls, [p.strip() for p in args.walls.split(",")]))
-
-    def progress(i, n, rec):
-        if rec.get("error"):
-            print(f"  [{i}/{n}] {rec['mode']:9s} wall {rec['memory_wall'] / 1e6:7.0f} MB: failed: {rec['error']}", flush=True)
-            return
-        print(f"  [{i}/{n}] {rec['mode']:9s} wall {rec['memory_wall'] / 1e6:7.0f} MB: {rec['decode_tokens_per_s']:.3g} tok/s, "
-              f"{mb(rec['read_bytes_per_token'])} MB/token, proof {rec['proof_ok']}", flush=True)
-
-    res = sweep(g, prompt, args.new_tokens, modes, walls, runs=args.runs, seed=args.seed, threads=args.threads,
-                progress=progress)
-    shas = {r["output_sha256"] for r in res["records"] if r["output_sha256"]} | {r["output_sha256"] for rs in ref.values() for r in rs}
-    lines = table(res, ref, title) + [""] + ratios(res, ref, labels) + [
-        "", f"Every run's generated ids identical (one output_sha256 over {len(res['records']) + 2 * args.runs} runs): "
-        f"{len(shas) == 1}. Headroom: {res['headroom_note']}."]
-    recall = [r["advice"]["lookahead_recall"] for r in res["records"] if r["mode"] == "lookahead" and not r.get("error")]
-    if recall:
-        lines.append(f"Lookahead recall (predicted experts the next layer routed): median {statistics.median(recall):.3f}.")
-    return res, ref, lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scratch", default="/work/scratch", help="folder for the GGUFs (outside the repository)")
-    ap.add_argument("--walls", default="25%,50%,75%,100%")
-    ap.add_argument("--modes", default="mmap,random,advise,pin,managed,lookahead,nocache")
+    ap.add_argument("--walls", default="25%,50%,75%")
+    ap.add_argument("--modes", default="mmap,advise,prefetch,managed")
+    ap.add_argument("--models", default="olmoe-f16,qwen3moe-q4_k_m")
+    ap.add_argument("--threads", default="1,2")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--doc", default=str(REPO / "docs" / "llama.md"))
-    ap.add_argument("--plot", default=str(REPO / "docs" / "img" / "llama_tier.png"))
+    ap.add_argument("--no-prefill", action="store_true")
     args = ap.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
     scratch = Path(args.scratch)
-    big = scratch / "olmoe-random-1.7g.gguf"
-    t0 = time.time()
-    if not big.exists():
-        print("building", big, flush=True)
-        convert_random(BIG, big, "f16", seed=0)
-    small = scratch / "small-moe-f16.gguf"
-    if not small.exists():
-        convert(REPO / "models" / "small-moe", small, "f16")
-    load0 = os.getloadavg()
-    prompt = np.random.default_rng(1).integers(0, BIG["vocab_size"], size=args.prompt_len)
-    res, ref, lines = run_model(str(big), prompt, args, modes, f"Random OLMoE, {big.stat().st_size / 1e9:.2f} GB f16")
-    plot_sweep(res, args.plot, f"llama.cpp decode, random OLMoE {big.stat().st_size / 1e9:.2f} GB, 1 thread")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"big": res, "big_unwalled": ref, "big_lines": lines}))
-    held = np.load(REPO / "models" / "small-moe" / "heldout_ids.npy")[0][: args.prompt_len]
-    sres, sref, slines = run_model(str(small), held, args, modes, "Trained models/small-moe, f16 (realistic routing)")
-    load1 = os.getloadavg()
-    head = [f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - t0:.0f} s, "
-            f"load average {load0[0]:.1f} at the start and {load1[0]:.1f} at the end (2 cores, shared: noise is large), "
-            f"{args.threads} thread, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens "
-            f"({args.new_tokens - 1} decode steps), {args.runs} runs per cell, shuffled order seed {args.seed}.", "",
-            "![decode against the wall](img/llama_tier.png)", ""]
-    block = "\n".join([START, *head, *lines, "", *slines, END])
+    scratch.mkdir(parents=True, exist_ok=True)
+    t0, load0 = time.time(), os.getloadavg()[0]
+    files = build(scratch)
+    modes = [m for m in args.modes.split(",") if m]
+    blocks, results, dump = [], {}, {}
+    for name in args.models.split(","):
+        g = read_geometry(str(files[name]))
+        prompt = tokenize(g.path, PROMPT)
+        trace = capture(files[name], prompt, args.new_tokens, scratch)
+        walls = parse_walls(args.walls, g)
+        labels = dict(zip(walls, [p.strip() for p in args.walls.split(",")]))
+        for threads in [int(t) for t in args.threads.split(",")]:
+            fc = {w: forecast(files[name], w, threads, trace) for w in walls}  # predicted before anything is measured
+            fc_syn = {w: forecast(files[name], w, threads, None) for w in walls}
+            print(f"{name} T{threads}: forecast " + ", ".join(
+                f"{labels[w]} {m} {fc[w][m]['predicted_tokens_per_s']:.3g}" for w in walls for m in fc[w]), flush=True)
+            recs, groups = measure(g, prompt, args, walls, threads, modes)
+            lines, summary = model_block(name, g, threads, groups, fc, fc_syn, walls, labels)
+            blocks += lines + [""]
+            results[(name, threads)] = summary
+            dump[f"{name} T{threads}"] = {"records": recs, "forecast": {str(w): v for w, v in fc.items()},
+                                          "synthetic_forecast": {str(w): v for w, v in fc_syn.items()}}
+            if args.json_out:
+                Path(args.json_out).write_text(json.dumps(dump, default=str))
+    pre_lines, pre = ([], {}) if args.no_prefill else prefill(read_geometry(str(files["olmoe-f16"])), args, {})
+    head = [START, f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `benchmarks/llama_tier.py` "
+            f"({(time.time() - t0) / 60:.0f} min; load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
+            f"end; 2 cores, shared), read-ahead {Path('/sys/block/vda/queue/read_ahead_kb').read_text().strip() if Path('/sys/block/vda/queue/read_ahead_kb').exists() else '?'} KB, "
+            f"prompt {len(prompt)} tokens, {args.new_tokens} new tokens ({args.new_tokens - 1} decode steps), "
+            f"{args.runs} runs per cell in one seeded shuffled order. A wall P% = the dense part + P% of the expert "
+            "tensors. Forecasts by `expertcache size MODEL --memory WALL --threads T` made before the runs: with "
+            "`--trace` (this prompt's decode captured) and without (a matched synthetic trace); error = forecast / "
+            "measured median - 1.", ""]
+    tgt = targets(results, pre)
+    block = "\n".join(head + blocks + pre_lines + ["", "**Targets (issue 33)**", "", *tgt, END])
     doc = Path(args.doc)
-    text = doc.read_text() if doc.exists() else ""
-    if START in text and END in text:
-        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
-    else:
-        text += "\n" + block + "\n"
+    text = doc.read_text()
+    text = text[: text.index(START)] + block + text[text.index(END) + len(END):] if START in text and END in text \
+        else text + "\n" + block + "\n"
     doc.write_text(text)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"big": res, "big_unwalled": ref, "small": sres, "small_unwalled": sref,
-                                                   "big_lines": lines, "small_lines": slines}))
+        dump["prefill"] = pre
+        Path(args.json_out).write_text(json.dumps(dump, default=str))
     print(block)
     return 0
 
