@@ -2,9 +2,11 @@
 modules, counting imports inside functions too (a cycle closed by a function-level import is still
 one). ``TYPE_CHECKING`` imports (annotations only) do not count.
 
-Layers, bottom up (each imports only what is below it): the core (errors, _jit, kernels*,
-engine, context, trace) -> scorer (a learned scorer's features, model and file) -> policies ->
-cache -> sim -> learn, tier, offload, ... -> cli."""
+Layers, bottom up (each imports only what is below it): the floors of docs/design.md, section 1
+(errors, _jit, kernels -> trace, formats, wall -> scorer -> policies -> cache -> sim -> studies ->
+offload, llama -> routetune -> cli). The module-level figures (circles between modules, arrows from
+a floor to a higher one, loose top-level modules) come from ``tools/import_graph.py``, a second
+reading of the imports written apart from this one."""
 
 from __future__ import annotations
 
@@ -100,3 +102,17 @@ def test_the_scorer_layer_sits_below_policies():
 
 def test_the_checker_sees_a_cycle():
     assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_modules_sit_on_their_floors():
+    """No circle between two modules, no import from a floor to a higher one, at most nine loose
+    top-level modules (what every floor shares), by ``tools/import_graph.py`` (issue 35)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("import_graph", PKG.parents[1] / "tools" / "import_graph.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    f = tool.figures(PKG)
+    assert f["circles"] == [] and f["up"] == []
+    assert len(f["loose"]) <= 9, f["loose"]
+    assert tool.circles(["a", "b", "c"], {("a", "b"), ("b", "a"), ("b", "c")}) == [["a", "b"]]
