@@ -76,27 +76,9 @@ if _mlock2 is not None:
 MLOCK_ONFAULT = 1
 
 
-def mapping_base(path: str) -> int | None:
-    """The address where this process maps byte 0 of ``path`` (llama.cpp's mapping), or None."""
+def _file_maps(path: str):
+    """``(start, end, file offset)`` of each line of ``/proc/self/maps`` that maps ``path``."""
     st = os.stat(path)
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or int(parts[4]) != st.st_ino:
-                continue
-            major, minor = (int(x, 16) for x in parts[3].split(":"))
-            if os.makedev(major, minor) != st.st_dev:
-                continue
-            start = int(parts[0].split("-")[0], 16)
-            return start - int(parts[2], 16)
-    return None
-
-
-def mapped_ranges(path: str) -> list[tuple[int, int]]:
-    """``(file offset, length)`` of every part of ``path`` this process maps (llama.cpp unmaps the
-    fragments no tensor uses, so its mapping may have holes)."""
-    st = os.stat(path)
-    out = []
     with open("/proc/self/maps") as fh:
         for line in fh:
             parts = line.split(maxsplit=5)
@@ -106,8 +88,20 @@ def mapped_ranges(path: str) -> list[tuple[int, int]]:
             if os.makedev(major, minor) != st.st_dev:
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            out.append((int(parts[2], 16), hi - lo))
-    return out
+            yield lo, hi, int(parts[2], 16)
+
+
+def mapping_base(path: str) -> int | None:
+    """The address where this process maps byte 0 of ``path`` (llama.cpp's mapping), or None."""
+    for lo, _, off in _file_maps(path):
+        return lo - off
+    return None
+
+
+def mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """``(file offset, length)`` of every part of ``path`` this process maps (llama.cpp unmaps the
+    fragments no tensor uses, so its mapping may have holes)."""
+    return [(off, hi - lo) for lo, hi, off in _file_maps(path)]
 
 
 def managed_item_bytes(g: Geometry) -> np.ndarray:
@@ -142,20 +136,10 @@ def hint_piece(path: str) -> int:
     (``read_ahead_kb``) and its largest request (``max_sectors_kb``), as the kernel's
     ``force_page_cache_ra`` caps it (a 3 MB hint on a device of 128 KB readahead and 512 KB requests
     would read its first 512 KB)."""
-    from ..wall.procfs import read_text
-    from ..tier.readers import readahead_bytes
+    from ..tier.readers import queue_value, readahead_bytes
 
-    most = readahead_bytes(path)
-    try:
-        st = os.stat(path)
-    except OSError:
-        return most
-    base = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    for q in (os.path.join(base, "queue", "max_sectors_kb"), os.path.join(base, "..", "queue", "max_sectors_kb")):
-        text, _ = read_text(q)
-        if text and text.strip().isdigit():
-            return max(most, int(text.strip()) * 1024)
-    return most
+    sectors = queue_value(path, "max_sectors_kb")
+    return max(readahead_bytes(path), (sectors or 0) * 1024)
 
 
 def drop(fd: int, base: int, off: int, n: int) -> None:

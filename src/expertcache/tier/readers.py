@@ -34,19 +34,26 @@ DEFAULT_READAHEAD = 8 << 20
 """Readahead window (bytes) assumed where the device's ``read_ahead_kb`` cannot be read."""
 
 
-def readahead_bytes(path: str) -> int:
-    """The readahead window of the block device holding ``path`` (``queue/read_ahead_kb``, the
-    partition's disk for a partition), else :data:`DEFAULT_READAHEAD`."""
+def queue_value(path: str, name: str) -> int | None:
+    """The integer in ``queue/<name>`` of the block device holding ``path`` (the partition's disk
+    for a partition), or None where it cannot be read."""
     try:
         st = os.stat(path)
     except OSError:
-        return DEFAULT_READAHEAD
+        return None
     base = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    for q in (os.path.join(base, "queue", "read_ahead_kb"), os.path.join(base, "..", "queue", "read_ahead_kb")):
+    for q in (os.path.join(base, "queue", name), os.path.join(base, "..", "queue", name)):
         text, _ = read_text(q)
         if text and text.strip().isdigit():
-            return int(text.strip()) * 1024
-    return DEFAULT_READAHEAD
+            return int(text.strip())
+    return None
+
+
+def readahead_bytes(path: str) -> int:
+    """The readahead window of the block device holding ``path`` (``queue/read_ahead_kb``, the
+    partition's disk for a partition), else :data:`DEFAULT_READAHEAD`."""
+    kb = queue_value(path, "read_ahead_kb")
+    return DEFAULT_READAHEAD if kb is None else kb * 1024
 
 
 def drop_behind(fd: int, offset: int, size: int, window: int) -> None:
