@@ -323,7 +323,7 @@ class Sampler(threading.Thread):
     def _follow(self, own: int, usage: int | None = None, tier: int = 0) -> None:
         """Write the limit: ``capacity + own + margin - bias`` (``own`` the window's least). Room above
         ``usage`` is room the tier can take before the next sample, so on v1 it is kept within
-        ``capacity + 2.5 margins - tier`` (the proof's slack is 2 margins), never under one margin
+        ``capacity + 1.5 margins - tier`` (the proof's slack is 2 margins), never under one margin
         (the worker's system calls fail with ENOMEM, not wait, at the limit): while the worker waits
         for memory, the last limit plus a step; once it no longer waits, a limit below ``usage``
         (v1 refuses it, EBUSY) is written at the last limit or that bound, whichever is lower.
