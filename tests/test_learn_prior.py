@@ -15,7 +15,7 @@ from expertcache.errors import ConfigError
 from expertcache.learn.dataset import build_dataset, collect, load_events, resolve_features, save_events
 from expertcache.scorer.features import FEATURES, ONLINE, PRIOR, feature_group
 from expertcache.scorer.models import fit
-from expertcache.scorer.prior import TRANS_MAX_BYTES, trans_bytes
+from expertcache.scorer.signals import TRANS_MAX_BYTES, trans_bytes
 from expertcache.scorer.file import load_scorer, save_scorer
 from expertcache.scorer.signals import fit_folded, fit_tables, halved
 from expertcache.policies import make_policy

@@ -159,7 +159,7 @@ def resolve_features(trace, groups: str | None = None) -> tuple[str, ...]:
     trace can supply, and those that read fitted tables only when it has two sequences or more). A
     group the trace cannot supply is a ConfigError."""
     from ..scorer.online import ONLINE_MAX_BYTES, online_bytes
-    from ..scorer.prior import TRANS_MAX_BYTES, trans_bytes
+    from ..scorer.signals import TRANS_MAX_BYTES, trans_bytes
 
     L, E = trace.num_layers, trace.num_experts  # sized for a global pool, the larger
     limits = {"prior": (trans_bytes(L, E), TRANS_MAX_BYTES), "online": (online_bytes(L * E, E), ONLINE_MAX_BYTES)}

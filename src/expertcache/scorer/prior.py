@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import ConfigError
 from .kernels_features import trans_column
 from .online import LatestGroups
-from .signals import HORIZONS, TRANS_MAX_BYTES, item_index, trans_bytes  # noqa: F401 (the table's size limit, re-exported)
+from .signals import HORIZONS, TRANS_MAX_BYTES, item_index
 
 PRIOR = ("pop", *(f"trans_h{h}" for h in HORIZONS))
 
