@@ -124,8 +124,9 @@ def _nonnegative_int(text: str) -> int:
     return _int_in(text, 0, 64, "a number of threads", "in 0..64")
 
 
-def open_session(args):
-    """The :class:`~expertcache.llama.textgen.Session` of ``generate`` / ``serve``'s options."""
+def open_session(args, before_load=None):
+    """The :class:`~expertcache.llama.textgen.Session` of ``generate`` / ``serve``'s options
+    (``before_load``: :meth:`~expertcache.llama.textgen.Session.open`'s)."""
     from ..llama.engine import _llama
     from ..formats.gguf import read_geometry
     from ..policies import make_policy
@@ -140,7 +141,8 @@ def open_session(args):
     mode = args.mode or ("managed" if cache is not None else "mmap")
     return Session.open(g.path, mode=mode, cache_bytes=cache, policy=args.policy, n_ctx=args.ctx or DEFAULT_CTX,
                         threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format,
-                        readers=args.readers, routed_experts=getattr(args, "enable_return_routed_experts", False))
+                        readers=args.readers, routed_experts=getattr(args, "enable_return_routed_experts", False),
+                        before_load=before_load)
 
 
 def run_generate(args) -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import signal
 import sys
 
 from .. import __version__
@@ -61,12 +63,13 @@ def run(args) -> int:
 
     _llama()
     inside = json.loads(os.environ.pop(WALL_ENV, "null") or "null")  # set by run_walled for its child
-    if inside:  # start-up over: the wall may follow this process from here, before the model loads
+    before_load = None
+    if inside:  # the wall follows this process once all but the model's load is set up
         from ..wall.capacity import begin_following
 
-        begin_following(inside.get("follow_flag"))
+        before_load = functools.partial(begin_following, inside.get("follow_flag"))
     model_id = args.model_alias or os.path.basename(args.model).removesuffix(".gguf")
-    with open_session(args) as session:
+    with open_session(args, before_load) as session:
         def announce(url: str) -> None:
             rec = {"url": url, "model": model_id, "gguf": session.geometry.path, "mode": session.mode,
                    "cache_memory": session.cache_bytes, "policy": session.policy if session.mode == "managed" else None,
@@ -138,5 +141,8 @@ def run_walled(args) -> int:
           f"own peak {p.get('own_peak_bytes')}; {note}; proof {'ok' if run.proof_ok else 'FAILED: ' + run.note}",
           file=sys.stderr)
     if run.returncode not in (0, None):
+        how = (f"signal {signal.Signals(-run.returncode).name}" if run.returncode < 0 and
+               -run.returncode in signal.valid_signals() else f"status {run.returncode}")
+        print(f"expertcache serve: the server inside the wall exited with {how}", file=sys.stderr)
         return 2
     return 0 if run.proof_ok else 1

@@ -171,7 +171,12 @@ class Session:
     @classmethod
     def open(cls, path: str, *, mode: str = "mmap", cache_bytes: int | None = None, policy: str = "lru",
              n_ctx: int = DEFAULT_CTX, threads: int = 1, seed: int = 0, chat_format: str | None = None,
-             where: str = "MODEL", readers: int | None = None, routed_experts: bool = False) -> "Session":
+             where: str = "MODEL", readers: int | None = None, routed_experts: bool = False,
+             before_load=None) -> "Session":
+        """``before_load``: called once the options are checked and the managed rule compiled, before
+        more than its header is read (a following memory wall begins there:
+        :func:`~expertcache.wall.capacity.begin_following`, so that the start-up's compiling and
+        importing happen before the wall hugs the process)."""
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         g = read_geometry(path, where)
@@ -185,6 +190,8 @@ class Session:
             known = ", ".join(sorted(llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers))
             raise ConfigError(f"--chat-format: {chat_format!r} is not one of llama-cpp-python's formats ({known})")
         _silence(llama_cpp)
+        if before_load is not None:  # checked and compiled (check_managed); next the advisor reads the file
+            before_load()
         advisor = PageAdvisor(g, mode, capacity=budget, policy=policy, count_hits=True,
                               readers=readers_for(mode, readers))
         hook = routing = None

@@ -23,6 +23,11 @@ SAMPLE_S = 0.05
 """Interval (s) at which a cgroup's memory.stat is sampled during the run."""
 FOLLOW_WINDOW = 20
 """Samples (one second) over which a following wall takes the least own memory it saw."""
+FLOOR_BYTES = 4 << 20
+"""The least room a following wall leaves above its worker's usage, free or in reclaimable page
+cache (at most half the capacity, at least one margin): on v1 a system call's charge at the limit
+fails with ENOMEM where nothing is reclaimable (:meth:`Sampler._follow`). Half the capacity at most,
+so the tier (which the room's page cache is) stays within the capacity when the floor is what binds."""
 OOM_STEP = 8 << 20
 """The least a following wall raises its limit by when its worker waits for memory (v1)."""
 OOM_PATIENCE_S = 5.0
@@ -287,10 +292,13 @@ class Sampler(threading.Thread):
             if self._following:
                 self._recent_own.append(vals["own_peak_bytes"])
                 self._correct(tier, usage)
-                self._follow(min(self._recent_own), usage, tier)
+                self._follow(min(self._recent_own), usage, tier, file)
                 if os.environ.get(TRACE_ENV):
                     self._trace(tier, usage, vals["own_peak_bytes"], file, unev)
-        if flagged:  # the first following limit (if any) is written: let the worker go on (begin_following)
+        if flagged and (self.follow is None or self._limit is not None):
+            # a following limit is written: let the worker go on (begin_following); a first write that
+            # failed (v1 refuses a limit below a usage that grew meanwhile: EBUSY) is retried next sample
+            # rather than leave the worker's model load under the start-up ceiling
             with contextlib.suppress(OSError):
                 os.unlink(self.follow_flag)
         if self.keep_state:
@@ -320,31 +328,39 @@ class Sampler(threading.Thread):
             self._bias -= min(self._bias, (capacity - margin - tier) // 2)
         self.limits["max_bias_bytes"] = max(self.limits.get("max_bias_bytes", 0), self._bias)
 
-    def _follow(self, own: int, usage: int | None = None, tier: int = 0) -> None:
-        """Write the limit: ``capacity + own + margin - bias`` (``own`` the window's least). Room above
-        ``usage`` is room the tier can take before the next sample, so on v1 it is kept within
-        ``capacity + 1.5 margins - tier`` (the proof's slack is 2 margins), never under one margin
-        (the worker's system calls fail with ENOMEM, not wait, at the limit): while the worker waits
-        for memory, the last limit plus a step; once it no longer waits, a limit below ``usage``
-        (v1 refuses it, EBUSY) is written at the last limit or that bound, whichever is lower.
-        Seen before the bound: 8 MiB steps during a server's start-up left room the model's load
-        filled (5.1 MB of page cache against a 3.2 MB wall)."""
+    def _follow(self, own: int, usage: int | None = None, tier: int = 0, file: int = 0) -> None:
+        """Write the limit: ``capacity + own + margin - bias`` (``own`` the window's least), with room
+        above ``usage`` of at most ``capacity + 1.5 margins - tier`` (the proof's slack is 2 margins)
+        and room plus reclaimable page cache (``file``: the cgroup's page cache on the LRU lists) of
+        at least :data:`FLOOR_BYTES` (within half the capacity and one margin). The room is room the tier can take before the next sample; the floor is
+        there because on v1 a system call's charge at the limit fails (ENOMEM: LLVM's code memory
+        for a compiled rule, a ``read`` of a module, ``mlock``) where nothing can be reclaimed,
+        instead of waiting as a fault does: a limit left at the usage (a sample that found the worker
+        grown up to the last limit but not yet waiting) aborted a server's start-up. While the worker
+        waits for memory the limit steps up from the last one, within the room; once it no longer
+        waits, a limit below ``usage`` (the worker grew past the window's least) stays at the last
+        one, within the room (v1 refuses a limit below the usage: EBUSY). Seen before the room's bound: 8 MiB
+        steps during a server's start-up left room the model's load filled (5.1 MB of page cache
+        against a 3.2 MB wall)."""
         capacity, ceiling, margin = self.follow
         limit = min(ceiling, capacity + own + margin - self._bias)
         room = max(margin, capacity + margin + margin // 2 - tier)
-        if self.version == "v1" and under_oom(self.dir):  # the worker waits for memory: give it some now
+        waiting = self.version == "v1" and under_oom(self.dir)
+        if waiting:  # the worker waits for memory: give it some now
             self.limits["oom_waits"] += 1
-            now = time.monotonic()
-            self._oom_since = self._oom_since or now
-            step = (self._limit or limit) + max(OOM_STEP, (self._limit or limit) // 20)
-            limit = min(ceiling, max(limit, step if usage is None else min(step, usage + room)))
-            if limit >= ceiling and now - self._oom_since > OOM_PATIENCE_S:
-                with contextlib.suppress(OSError):  # it needs more than the ceiling: let the kernel kill it
-                    write(os.path.join(self.dir, "memory.oom_control"), "0")
+            self._oom_since = self._oom_since or time.monotonic()
+            limit = max(limit, (self._limit or limit) + max(OOM_STEP, (self._limit or limit) // 20))
         else:
             self._oom_since = None
-            if self.version == "v1" and usage is not None and limit < usage:
-                limit = min(ceiling, max(limit, min(self._limit or usage + room, usage + room)))
+            if usage is not None and limit < usage and self._limit is not None:
+                limit = max(limit, self._limit)  # own grew past the window's least: not below the last limit
+        if usage is not None:
+            floor = max(margin, min(FLOOR_BYTES, capacity // 2))
+            limit = max(usage + max(0, floor - file), min(limit, usage + room))
+        limit = min(ceiling, limit)
+        if waiting and limit >= ceiling and time.monotonic() - self._oom_since > OOM_PATIENCE_S:
+            with contextlib.suppress(OSError):  # it needs more than the ceiling: let the kernel kill it
+                write(os.path.join(self.dir, "memory.oom_control"), "0")
         limit -= limit % 4096
         if limit == self._limit:
             return

@@ -1,0 +1,118 @@
+"""The following wall's limit, sample by sample, on a fake cgroup v1 directory (no kernel needed):
+the room it leaves above the worker's usage (a floor for the worker's system calls, a bound for
+the tier), the steps while the worker waits for memory, and the follow flag released only once a
+following limit is written (wall/cgroupfs.py, ``Sampler``; docs/robustness.md, "Under load")."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from expertcache.wall import cgroupfs as cg
+
+MiB = 1 << 20
+CAPACITY, MARGIN, CEILING = 8 * MiB, MiB // 2, 4096 * MiB
+
+
+class FakeCgroup:
+    """The files a v1 Sampler reads and writes, in a temporary folder."""
+
+    def __init__(self, d):
+        self.d = str(d)
+        self.set(usage=0, file=0)
+
+    def set(self, *, usage: int, file: int, anon: int | None = None, unevictable: int = 0,
+            under_oom: bool = False) -> None:
+        anon = usage - file - unevictable if anon is None else anon
+        stat = {"active_file": file, "inactive_file": 0, "active_anon": anon, "inactive_anon": 0,
+                "unevictable": unevictable}
+        with open(os.path.join(self.d, "memory.stat"), "w") as fh:
+            fh.write("".join(f"{k} {v}\n" for k, v in stat.items()))
+        with open(os.path.join(self.d, "memory.usage_in_bytes"), "w") as fh:
+            fh.write(f"{usage}\n")
+        with open(os.path.join(self.d, "memory.oom_control"), "w") as fh:
+            fh.write(f"oom_kill_disable 1\nunder_oom {int(under_oom)}\n")
+
+    @property
+    def limit(self) -> int:
+        with open(os.path.join(self.d, "memory.limit_in_bytes")) as fh:
+            return int(fh.read())
+
+
+@pytest.fixture
+def cgroup(tmp_path):
+    return FakeCgroup(tmp_path)
+
+
+def sampler(cgroup, flag=None) -> cg.Sampler:
+    s = cg.Sampler(cgroup.d, "v1", follow=(CAPACITY, CEILING, MARGIN), follow_flag=flag)
+    s._following = True
+    return s
+
+
+def floor() -> int:
+    return max(MARGIN, min(cg.FLOOR_BYTES, CAPACITY // 2))
+
+
+def test_the_limit_follows_own_memory_plus_the_capacity(cgroup):
+    s = sampler(cgroup)
+    cgroup.set(usage=100 * MiB, file=0)
+    s.sample()
+    assert cgroup.limit == 100 * MiB + CAPACITY + MARGIN
+
+
+def test_a_worker_grown_up_to_its_limit_keeps_room_for_its_system_calls(cgroup):
+    """Own memory grew past the window's least without waiting yet: the last limit would sit at the
+    usage, where a system call's charge fails (ENOMEM) on v1; the floor leaves room above it."""
+    s = sampler(cgroup)
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()
+    cgroup.set(usage=90 * MiB + CAPACITY + MARGIN, file=0)  # grown up to the limit, nothing reclaimable
+    s.sample()
+    assert cgroup.limit - (90 * MiB + CAPACITY + MARGIN) >= floor() - 4096
+
+
+def test_reclaimable_page_cache_counts_toward_the_floor(cgroup):
+    """Where the cgroup holds page cache the kernel can reclaim for a system call, the floor adds
+    nothing: the limit stays where the tier's bound puts it."""
+    s = sampler(cgroup)
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()
+    usage = 90 * MiB + CAPACITY + MARGIN
+    cgroup.set(usage=usage, file=CAPACITY)  # the tier fills the capacity: reclaimable
+    s.sample()
+    assert cgroup.limit <= usage + MARGIN
+
+
+def test_steps_while_the_worker_waits_stay_within_what_the_tier_may_take(cgroup):
+    """A worker waiting for memory gets a step, but never more room above its usage than the tier
+    may fill without leaving the proof's slack (capacity + 1.5 margins - tier)."""
+    s = sampler(cgroup)
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()
+    for tier in (0, CAPACITY // 2, CAPACITY, CAPACITY + MARGIN):
+        usage = cgroup.limit
+        cgroup.set(usage=usage, file=tier, under_oom=True)
+        s.sample()
+        room = cgroup.limit - usage
+        assert room > 0, tier
+        assert room <= max(MARGIN, CAPACITY + MARGIN + MARGIN // 2 - tier) + 4096, tier
+    assert s.limits["oom_waits"] == 4
+
+
+def test_the_flag_is_released_only_once_a_following_limit_is_written(cgroup, tmp_path):
+    """v1 refuses a limit (EBUSY) below a usage that grew between the read and the write: the
+    worker, waiting on its flag, must not go on to load its model under the start-up ceiling."""
+    flag = str(tmp_path / "worker.follow")
+    open(flag, "w").close()
+    limit_file = os.path.join(cgroup.d, "memory.limit_in_bytes")
+    os.mkdir(limit_file)  # writing it fails, as a refused limit does
+    s = cg.Sampler(cgroup.d, "v1", follow=(CAPACITY, CEILING, MARGIN), follow_flag=flag)
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()
+    assert os.path.exists(flag) and s.limits["limit_write_errors"] == 1
+    os.rmdir(limit_file)
+    s.sample()
+    assert not os.path.exists(flag)
+    assert cgroup.limit == 90 * MiB + CAPACITY + MARGIN
