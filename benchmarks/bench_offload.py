@@ -31,8 +31,8 @@ import torch
 import transformers
 
 import expertcache
-from expertcache.offload.passes import run_pass
-from expertcache.offload.toy import toy_model
+from expertcache.hf.passes import run_pass
+from expertcache.hf.toy import toy_model
 
 
 def where(device: torch.device) -> str:

@@ -1,4 +1,4 @@
-"""One GPU check of expertcache.offload: every figure the CPU cannot show, each with PASS/FAIL.
+"""One GPU check of expertcache.hf: every figure the CPU cannot show, each with PASS/FAIL.
 
 Builds a random-weight OLMoE-family checkpoint sized so copies matter (default hidden 2048, 64
 experts, top-8, expert intermediate 1024, 8 layers, bf16: 12.6 MB per expert, 6.4 GB of experts),
@@ -47,9 +47,9 @@ import torch
 import transformers
 
 import expertcache
-from expertcache.offload import evaluate, load_model, load_offloaded
-from expertcache.offload.passes import run_pass
-from expertcache.offload.toy import toy_config
+from expertcache.hf import evaluate, load_model, load_offloaded
+from expertcache.hf.passes import run_pass
+from expertcache.hf.toy import toy_config
 
 FAILS: list[str] = []
 FIGURES: dict = {}
@@ -78,7 +78,7 @@ def sync(device):
 
 
 def decode_logits(model, x):
-    from expertcache.offload.model import cache_argument
+    from expertcache.hf.model import cache_argument
 
     key, cache, rows = cache_argument(model), None, []
     with torch.inference_mode():
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
         host_modes(tmp, device, args.dtype, seqs, C, lru)
 
         # -- copies delayed on their stream ----------------------------------------------------
-        from expertcache.offload import OffloadRun
+        from expertcache.hf import OffloadRun
 
         with OffloadRun(model, C, "lru", prefetch="next-layer", device=device):
             expected = decode_logits(model, x)

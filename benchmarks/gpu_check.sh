@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of expertcache.offload (issue 8): runs the project from src with this machine's
+# The GPU check of expertcache.hf (issue 8): runs the project from src with this machine's
 # python3, installs nothing, prints every figure with PASS/FAIL, exits non-zero on any FAIL.
 #   bash benchmarks/gpu_check.sh [--json OUT.json] [any option of benchmarks/gpu_check.py]
 set -euo pipefail

@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from controller_frontier import eval_rows, training_text  # noqa: E402
 from policy_frontier import run as cli_out  # noqa: E402  (runs one CLI command, exits on failure)
-from expertcache.offload.loading import load_model  # noqa: E402
+from expertcache.hf.loading import load_model  # noqa: E402
 from expertcache.routetune import TuneConfig, cache_tag  # noqa: E402
 from expertcache.routetune.grpo import simulated_hit_rate  # noqa: E402
 from expertcache.routetune.rollout import make_prompts  # noqa: E402

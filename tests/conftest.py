@@ -119,8 +119,8 @@ def assert_bad_fields(path, cases, load, tmp_path):
 @pytest.fixture(scope="module")
 def one_thread():
     """torch on one CPU thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``):
-    toy-sized matmuls run fastest and steadiest on a shared machine that way (offload.toy.single_thread)."""
-    from expertcache.offload.toy import single_thread
+    toy-sized matmuls run fastest and steadiest on a shared machine that way (hf.toy.single_thread)."""
+    from expertcache.hf.toy import single_thread
 
     with single_thread():
         yield

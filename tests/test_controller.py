@@ -22,11 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from expertcache import ConfigError, PolicyError  # noqa: E402
 from expertcache.cli.main import main  # noqa: E402
-from expertcache.offload import evaluate  # noqa: E402
-from expertcache.offload.controller import ControllerSpec, parse_controller  # noqa: E402
-from expertcache.offload.controller_heads import Heads, init_heads, load_heads, save_heads  # noqa: E402
-from expertcache.offload.controller_train import TrainOptions, train_controller  # noqa: E402
-from expertcache.offload.holding import parse_holding  # noqa: E402
+from expertcache.hf import evaluate  # noqa: E402
+from expertcache.hf.controller import ControllerSpec, parse_controller  # noqa: E402
+from expertcache.hf.controller_heads import Heads, init_heads, load_heads, save_heads  # noqa: E402
+from expertcache.hf.controller_train import TrainOptions, train_controller  # noqa: E402
+from expertcache.hf.holding import parse_holding  # noqa: E402
 
 FOLDER = Path(__file__).resolve().parents[1] / "models" / "small-moe"
 pytestmark = [pytest.mark.skipif(not (FOLDER / "config.json").is_file(), reason="models/small-moe is not in this checkout"),

@@ -64,7 +64,7 @@ def _parses(spec: str) -> None:
         if name not in HOLDING:
             raise
     pytest.importorskip("torch")
-    from expertcache.offload.holding import parse_holding
+    from expertcache.hf.holding import parse_holding
 
     assert parse_holding(spec) is not None, spec
 

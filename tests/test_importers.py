@@ -436,7 +436,7 @@ def test_no_unpickling_and_no_torch_in_the_package():
         for banned in ("pickle.load", "torch.load", "import torch", "Unpickler", "eval(", "exec("):
             assert banned not in text, (path.name, banned)
         assert len(text.splitlines()) < 400, path.name
-    code = "import sys, expertcache.trace.importers, expertcache.cli.trace_cmds; print('torch' in sys.modules)"
+    code = "import sys, expertcache.trace.importers, expertcache.cli.import_cmd, expertcache.cli.export_cmd; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 

@@ -25,9 +25,11 @@ from expertcache.sim.curves import sweep
 from expertcache.sim.curves.stack import _lowest_bit, _popcount, stack_histograms
 from expertcache.sim.layout import build_layout
 from expertcache.trace.synth import SynthParams, synthesize, synthesize_preset
+from test_rule_conformance import plain_specs
 
-POLICIES = ["lru", "lfu", "decayed", "decayed:0.8", "belady", "foresight:2", "random:3", "mean-interval", "arc", "s3fifo",
-            "sieve"]
+POLICIES = plain_specs() + ["decayed:0.8"]
+"""Every registered rule that replays on both engines from a plain trace (with the parameter examples of
+tests/test_rule_conformance.py), and one more decay rate."""
 
 
 def compute() -> dict:

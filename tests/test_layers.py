@@ -4,7 +4,7 @@ one). ``TYPE_CHECKING`` imports (annotations only) do not count.
 
 Layers, bottom up (each imports only what is below it): the floors of docs/design.md, section 1
 (errors, _jit, kernels -> trace, formats, wall -> scorer -> policies -> cache -> sim -> studies ->
-offload, llama -> routetune -> cli). The module-level figures (circles between modules, arrows from
+hf, llama -> routetune -> cli). The module-level figures (circles between modules, arrows from
 a floor to a higher one, loose top-level modules) come from ``tools/import_graph.py``, a second
 reading of the imports written apart from this one."""
 
@@ -95,8 +95,8 @@ def test_the_packages_import_no_cycle():
 def test_the_scorer_layer_sits_below_policies():
     g = import_graph()
     assert "policies" in g["learn"] and "scorer" in g["policies"] and "scorer" in g["learn"]
-    assert not g["scorer"] & {"policies", "learn", "sim", "cache", "cli", "offload"}
-    assert not g["policies"] & {"learn", "sim", "offload", "cli"}
+    assert not g["scorer"] & {"policies", "learn", "sim", "cache", "cli", "hf"}
+    assert not g["policies"] & {"learn", "sim", "hf", "cli"}
     assert not g["learn"] & {"cli"}
 
 

@@ -176,7 +176,7 @@ def test_capture_records_signals_equal_to_the_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     import expertcache
-    from expertcache.offload.signals import parse_record, projection
+    from expertcache.hf.signals import parse_record, projection
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()

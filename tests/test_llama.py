@@ -35,7 +35,7 @@ def _needs_llama():
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A random OLMoE checkpoint (3 layers, 8 experts, top-2) and its f32 and f16 GGUFs."""
-    from expertcache.offload.toy import save_toy_checkpoint
+    from expertcache.hf.toy import save_toy_checkpoint
 
     d = tmp_path_factory.mktemp("toy")
     save_toy_checkpoint("olmoe", d / "hf", seed=3)
@@ -55,7 +55,7 @@ def small_gguf(tmp_path_factory):
 
 
 def hf_capture(folder, rows, generate: int = 0):
-    from expertcache.offload import load_model
+    from expertcache.hf import load_model
 
     torch.set_num_threads(1)
     model = load_model(str(folder), dtype="float32").eval()
@@ -262,7 +262,7 @@ def test_other_families_route_as_hf(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from expertcache.llama.capture import capture_gguf
-    from expertcache.offload.toy import toy_config
+    from expertcache.hf.toy import toy_config
 
     cfg = toy_config(family)
     if family == "qwen3_moe":

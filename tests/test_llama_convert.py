@@ -74,7 +74,7 @@ def build(family: str, folder: Path, seed: int = 5, **overrides) -> Path:
     transformers initializes to zeros, drawn too so that it takes part in the routing."""
     from transformers import AutoModelForCausalLM
 
-    from expertcache.offload.toy import toy_config
+    from expertcache.hf.toy import toy_config
 
     cfg = toy_config(family)
     for k, v in overrides.items():
@@ -385,7 +385,7 @@ def test_f16_and_q8_0_load_and_generate(ckpts, tmp_path, name, dtype):
 def test_chat_template_is_written(ckpts, tmp_path):
     """``chat_template.jinja`` first, else ``tokenizer_config.json``'s string or named list; for
     every class (OLMoE here too)."""
-    from expertcache.offload.toy import save_toy_checkpoint
+    from expertcache.hf.toy import save_toy_checkpoint
 
     olmoe = save_toy_checkpoint("olmoe", tmp_path / "olmoe", seed=1)
     (olmoe / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0].content }}"}))
@@ -473,7 +473,7 @@ def test_bf16_is_read_exactly_and_fp8_is_refused(tmp_path):
     """Released checkpoints of these classes ship in bfloat16: widened exactly; float8 is refused."""
     from safetensors.torch import load_file, save_file
 
-    from expertcache.offload.toy import toy_model
+    from expertcache.hf.toy import toy_model
 
     model = toy_model("glm4_moe", seed=2).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "hf")

@@ -41,7 +41,7 @@ def files(tmp_path_factory):
     Q4_K_M; a gpt-oss (expert biases) as MXFP4 (``mxfp4_moe``, its released type)."""
     from expertcache.llama.convert import convert
     from expertcache.llama.quantize import quantize
-    from expertcache.offload.toy import save_toy_checkpoint
+    from expertcache.hf.toy import save_toy_checkpoint
 
     if not (SMALL / "tokenizer.json").is_file():
         pytest.skip("models/small-moe is not in this checkout")

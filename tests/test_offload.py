@@ -21,12 +21,12 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import expertcache  # noqa: E402
 from expertcache import ConfigError, PolicyError, load_trace, replay  # noqa: E402
-from expertcache.offload import IMPLEMENTATION, find_sites  # noqa: E402
-from expertcache.offload.evaluation import ExactnessError, evaluate  # noqa: E402
-from expertcache.offload.passes import split_tokens  # noqa: E402
-from expertcache.offload.layer import OffloadedLayer  # noqa: E402
-from expertcache.offload.model import cache_argument  # noqa: E402
-from expertcache.offload.toy import FAMILIES, save_toy_checkpoint  # noqa: E402
+from expertcache.hf import IMPLEMENTATION, find_sites  # noqa: E402
+from expertcache.hf.evaluation import ExactnessError, evaluate  # noqa: E402
+from expertcache.hf.passes import split_tokens  # noqa: E402
+from expertcache.hf.layer import OffloadedLayer  # noqa: E402
+from expertcache.hf.model import cache_argument  # noqa: E402
+from expertcache.hf.toy import FAMILIES, save_toy_checkpoint  # noqa: E402
 
 E, K = 8, 2
 
@@ -62,6 +62,20 @@ def test_core_import_does_not_import_torch():
         "assert callable(expertcache.offload) and callable(expertcache.capture)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_offload_is_the_function_of_the_hf_package():
+    """``expertcache.offload`` is a plain function, not a callable module (issue 35): the package is
+    ``expertcache.hf``, and importing it or its submodules leaves the top-level names alone."""
+    import types
+
+    import expertcache.hf
+    import expertcache.hf.run  # noqa: F401
+    from expertcache import load_offloaded, offload
+
+    assert isinstance(offload, types.FunctionType) and offload is expertcache.hf.offload
+    assert expertcache.offload is expertcache.hf.offload and load_offloaded is expertcache.hf.load_offloaded
+    assert type(expertcache.hf) is types.ModuleType and "expertcache.offload" not in sys.modules
 
 
 def test_opt_in_by_name(checkpoints):
@@ -306,7 +320,7 @@ def test_full_capacity_decode_is_bitwise_equal_under_the_default_implementation(
 
 
 def test_transformers_range_is_checked():
-    from expertcache.offload.model import require_transformers
+    from expertcache.hf.model import require_transformers
 
     require_transformers("5.17.0")
     require_transformers("5.24.0")
@@ -318,7 +332,7 @@ def test_transformers_range_is_checked():
 def test_evaluate_bootstrap_gives_paired_dnll_intervals_by_hand(checkpoints):
     """--bootstrap: per-sequence NLLs add up to the pass's, and each policy's dnll interval is the
     percentile interval of the resampled per-token dnll, recomputed here by hand."""
-    from expertcache.offload.intervals import draws
+    from expertcache.hf.intervals import draws
 
     model = load(checkpoints, "olmoe")
     seqs = split_tokens(np.random.default_rng(3).integers(0, 95, 120), max_len=12)

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from expertcache import load_trace, replay  # noqa: E402
 from expertcache.cli.main import main  # noqa: E402
-from expertcache.offload.toy import save_toy_checkpoint  # noqa: E402
+from expertcache.hf.toy import save_toy_checkpoint  # noqa: E402
 
 REQUIRED = {"policy", "capacity", "tokens", "nll", "nll_reference", "exact", "copies_total", "copies_steady",
             "copies_per_token", "tokens_per_s", "copy_seconds"}
@@ -71,7 +71,7 @@ def test_eval_text_with_local_tokenizer_and_table(capsys, ckpt, tmp_path):
 
 
 def test_eval_fails_loudly_when_inexact(capsys, ckpt, ids, monkeypatch):
-    from expertcache.offload.layer import OffloadedLayer
+    from expertcache.hf.layer import OffloadedLayer
 
     original = OffloadedLayer.__call__
     monkeypatch.setattr(OffloadedLayer, "__call__", lambda self, h, i, w: original(self, h, i, w) + 1.0)
@@ -120,7 +120,7 @@ def bad_inputs(tmp_path_factory, ckpt, ids):
     "argv, message",
     [
         (["--model", "{missing}", "--tokens", "{ids}"], "no such folder"),
-        (["--model", "{gpt}", "--tokens", "{ids}"], "not supported by expertcache.offload"),
+        (["--model", "{gpt}", "--tokens", "{ids}"], "not supported by expertcache.hf"),
         (["--model", "{ckpt}", "--tokens", "{ids}", "--layers", "7-9"], "not MoE layers"),
         (["--model", "{ckpt}", "--tokens", "{big}"], "outside the model's vocabulary"),
         (["--model", "{ckpt}", "--tokens", "{text}"], "not a valid .npy header"),

@@ -20,10 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import expertcache  # noqa: E402
 from expertcache import ConfigError, PolicyError  # noqa: E402
 from expertcache.cli.main import main  # noqa: E402
-from expertcache.offload import find_sites  # noqa: E402
-from expertcache.offload.holding import SetHolder, parse_holding  # noqa: E402
-from expertcache.offload.routing import ROUTES, route_for  # noqa: E402
-from expertcache.offload.toy import save_toy_checkpoint, toy_model  # noqa: E402
+from expertcache.hf import find_sites  # noqa: E402
+from expertcache.hf.holding import SetHolder, parse_holding  # noqa: E402
+from expertcache.hf.routing import ROUTES, route_for  # noqa: E402
+from expertcache.hf.toy import save_toy_checkpoint, toy_model  # noqa: E402
 
 SOFTMAX_FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
 

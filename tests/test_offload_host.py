@@ -15,10 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from expertcache.cli.main import main  # noqa: E402
 from expertcache.errors import ConfigError  # noqa: E402
-from expertcache.offload import OffloadRun, evaluate, load_model  # noqa: E402
-from expertcache.offload.host import HOSTS, host_of  # noqa: E402
-from expertcache.offload.pagecache import read_bytes_self  # noqa: E402
-from expertcache.offload.toy import save_toy_checkpoint  # noqa: E402
+from expertcache.hf import OffloadRun, evaluate, load_model  # noqa: E402
+from expertcache.hf.host import HOSTS, host_of  # noqa: E402
+from expertcache.hf.pagecache import read_bytes_self  # noqa: E402
+from expertcache.hf.toy import save_toy_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -123,7 +123,7 @@ def test_mmap_starts_cold_then_hits_the_page_cache(tmp_path):
 def test_files_hold_the_loaded_bytes_and_the_model_releases_its_copy(ckpts):
     mem = load_model(ckpts["mixtral"])
     files = load_model(ckpts["mixtral"], host="mmap")
-    from expertcache.offload.model import find_sites
+    from expertcache.hf.model import find_sites
 
     for a, b in zip(find_sites(mem), find_sites(files)):
         fx = host_of(b.experts)
@@ -210,8 +210,8 @@ def test_read_bytes_self_is_this_process():
 
 
 def test_save_packed_keeps_every_byte_and_loads_without_a_copy(ckpts, tmp_path):
-    from expertcache.offload.model import find_sites
-    from expertcache.offload.wall import save_packed
+    from expertcache.hf.model import find_sites
+    from expertcache.hf.wall import save_packed
 
     out = save_packed(ckpts["olmoe"], tmp_path / "packed")
     with pytest.raises(ConfigError, match="already exists"):

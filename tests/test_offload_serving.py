@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import expertcache  # noqa: E402
 from expertcache import ConfigError, ExpertCache, replay  # noqa: E402
-from expertcache.offload import find_sites, load_offloaded  # noqa: E402
-from expertcache.offload.evaluation import evaluate  # noqa: E402
-from expertcache.offload.model import cache_argument  # noqa: E402
-from expertcache.offload.toy import save_toy_checkpoint, toy_model  # noqa: E402
-from expertcache.offload.timing import Stopwatch  # noqa: E402
+from expertcache.hf import find_sites, load_offloaded  # noqa: E402
+from expertcache.hf.evaluation import evaluate  # noqa: E402
+from expertcache.hf.model import cache_argument  # noqa: E402
+from expertcache.hf.toy import save_toy_checkpoint, toy_model  # noqa: E402
+from expertcache.hf.timing import Stopwatch  # noqa: E402
 
 E, K = 8, 2
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -90,7 +90,7 @@ def test_a_rule_of_another_kind_is_named_as_such(spec, says):
 
 
 def test_eval_static_without_p_says_where_plain_static_runs():
-    from expertcache.offload.holding import parse_holding
+    from expertcache.hf.holding import parse_holding
 
     with pytest.raises(PolicyError, match="plain 'static', runs in replay and sweep"):
         parse_holding("static")

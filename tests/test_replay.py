@@ -19,17 +19,8 @@ from oracle import naive_replay
 
 RULES = ["lru", "lfu", "decayed", "decayed:0.5", "belady", "foresight:0", "foresight:2", "mean-interval", "random:3"]
 ORACLE_RULES = [r for r in RULES if not r.startswith("random")]
-
-
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("engine", ["compiled", "python"])
-def test_seed_three_token_case(seed_case, rule, engine):
-    """C=3, {a,b},{c,d},{a,b} from empty: 5 copies under every rule, 2 of them steady."""
-    r = ec.replay(seed_case, 3, rule, engine=engine)
-    assert (r.copies_total, r.copies_steady, r.copies_fill) == (5, 2, 3)
-    assert r.tokens == 3 and r.requests == 6
-    assert r.hit_rate == pytest.approx(1 - 5 / 6)
-    assert r.copies_per_token == pytest.approx(2 / 3)
+"""The rules of the invariants below. The seeds' three-token case (5 copies, 2 steady) on both engines is
+tests/test_rule_conformance.py's, for every registered eviction rule."""
 
 
 @st.composite

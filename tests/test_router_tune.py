@@ -186,7 +186,7 @@ def test_routing_read_by_the_rollout_is_what_capture_records(runs):
     import torch
 
     from expertcache import capture
-    from expertcache.offload.loading import load_model
+    from expertcache.hf.loading import load_model
     from expertcache.routetune.grpo import site_at
     from expertcache.routetune.rollout import score
 

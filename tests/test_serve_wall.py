@@ -33,7 +33,7 @@ PROMPT = "def parse(text):"
 def models(tmp_path_factory):
     from expertcache.llama.convert import convert
     from expertcache.llama.quantize import quantize
-    from expertcache.offload.toy import save_toy_checkpoint
+    from expertcache.hf.toy import save_toy_checkpoint
     from expertcache.wall.capacity import detect_walls
 
     if not detect_walls()["cgroup"]["ok"]:

@@ -87,7 +87,7 @@ def test_policies_on_a_trained_model_lossless_keep_the_nll_held_sets_pay_for_few
     """The eviction paper's shape where NLL means something: lossless rules within 5e-3 nats of the
     all-resident model, dwell:1:1 equal to on-demand loading, dwell and static copying less than
     lru at the same capacity and paying in NLL (a positive dNLL)."""
-    from expertcache.offload import evaluate, load_model
+    from expertcache.hf import evaluate, load_model
 
     model = load_model(FOLDER, device="cpu")
     ev = evaluate(model, list(heldout[:2]), 8, ["lru", "decayed:0.9", "belady", "dwell:1:1", "dwell:4:32", "prefix:32"])

@@ -30,7 +30,7 @@ FLOORS = [
     {"cache"},
     {"sim", "analysis"},
     {"bounds", "costmodel", "learn", "tier", "grid", "report"},
-    {"offload", "llama"},
+    {"hf", "llama"},
     {"routetune"},
     {"cli"},
 ]

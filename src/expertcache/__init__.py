@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 def capture(model, **options):
     """Record a model's router decisions while the ``with`` block runs; ``cap.trace`` is the result.
-    ``model``: a torch MoE model (:func:`expertcache.offload.capture`, needs torch) or a llama.cpp
+    ``model``: a torch MoE model (:func:`expertcache.hf.capture`, needs torch) or a llama.cpp
     :class:`expertcache.llama.engine.Engine` (:class:`expertcache.llama.capture.LlamaCapture`;
     options ``phase`` and ``label``)."""
     if type(model).__module__ == "expertcache.llama.engine":
@@ -20,16 +20,16 @@ def capture(model, **options):
         return LlamaCapture(model, **options)
     import importlib
 
-    return importlib.import_module(f"{__name__}.offload").capture(model, **options)
+    return importlib.import_module(f"{__name__}.hf").capture(model, **options)
 
 
 def __getattr__(name: str):
-    """``offload`` and ``load_offloaded`` need torch and transformers, so they load on first use."""
+    """``offload`` and ``load_offloaded`` (functions of :mod:`expertcache.hf`) need torch and
+    transformers, so they load on first use."""
     if name in ("offload", "load_offloaded"):
         import importlib
 
-        package = importlib.import_module(f"{__name__}.offload")  # callable: expertcache.offload(model, ...)
-        return package if name == "offload" else getattr(package, name)
+        return getattr(importlib.import_module(f"{__name__}.hf"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -1,5 +1,5 @@
 """Bootstrap resampling, one rule for every interval the project reports (``eval --bootstrap`` over
-sequences, :mod:`expertcache.offload.intervals`; ``learn eval --bootstrap`` over test sequences,
+sequences, :mod:`expertcache.hf.intervals`; ``learn eval --bootstrap`` over test sequences,
 :mod:`expertcache.learn.bootstrap`). Callers check their own inputs; this module only draws and
 reads percentiles."""
 

@@ -47,8 +47,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     try:
-        from ..offload import load_model
-        from ..offload.calibrate import calibrate
+        from ..hf import load_model
+        from ..hf.calibrate import calibrate
     except ImportError as exc:
         raise ConfigError(first_line(exc)) from None
     model = load_model(args.model, device=args.device, dtype=args.dtype, host_layers=args.layers, host=args.host)

@@ -67,17 +67,17 @@ def run(args) -> int:
     try:
         import torch
 
-        from .. import offload
-        from ..offload.loading import resident
-        from ..offload.model import find_sites, model_device
-        from ..offload.passes import split_tokens, vocab_size
-        from ..offload.signals import parse_record
+        from .. import hf
+        from ..hf.loading import resident
+        from ..hf.model import find_sites, model_device
+        from ..hf.passes import split_tokens, vocab_size
+        from ..hf.signals import parse_record
     except ImportError as exc:
         raise ConfigError(first_line(exc)) from None
     spec = parse_record(args.record)
-    offload.check_checkpoint(args.model, "--model")
+    hf.check_checkpoint(args.model, "--model")
     ids = read_tokens(args.tokens) if args.tokens else read_text(args.model, args.text)
-    model = offload.load_model(args.model, device=args.device, dtype=args.dtype).eval()
+    model = hf.load_model(args.model, device=args.device, dtype=args.dtype).eval()
     sequences = split_tokens(ids, args.max_len, args.max_sequences)
     if not sequences:
         raise ConfigError("no sequence of at least 2 tokens to capture")
@@ -87,7 +87,7 @@ def run(args) -> int:
         raise ConfigError(f"token id {lo if lo < 0 else hi} is outside the model's vocabulary [0, {vocab})")
     dev = model_device(model)
     with torch.no_grad(), resident(find_sites(model), dev), \
-            offload.capture(model, phase="all", router_probs=args.router_probs, layers=args.layers, record=spec) as cap:
+            hf.capture(model, phase="all", router_probs=args.router_probs, layers=args.layers, record=spec) as cap:
         for s in progress(sequences, desc="capture", disable=args.json):
             model(torch.as_tensor(np.asarray(s, dtype=np.int64)[None, :], device=dev))
     trace = cap.trace

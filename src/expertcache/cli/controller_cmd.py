@@ -90,8 +90,8 @@ def run_train(args) -> int:
         ids = np.concatenate([read_text(args.model, path) for path in args.text])
     import torch
 
-    from ..offload.controller_heads import save_heads
-    from ..offload.controller_train import TrainOptions, train_controller
+    from ..hf.controller_heads import save_heads
+    from ..hf.controller_train import TrainOptions, train_controller
 
     if args.threads:
         torch.set_num_threads(args.threads)

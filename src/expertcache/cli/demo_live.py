@@ -70,7 +70,7 @@ def live_section(repeats: int = REPEATS) -> None:
         return
     from ..costmodel.choose import choose, validate
     from ..costmodel.runs import run_from_record
-    from ..offload import evaluate, load_model
+    from ..hf import evaluate, load_model
     from ..trace.npz import read_npy
     from .common import table
 

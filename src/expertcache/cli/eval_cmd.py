@@ -222,8 +222,8 @@ def _child_argv(args, **override) -> list[str]:
 
 
 def _run_walled(args) -> int:
-    """``eval`` as a child behind the memory wall (see expertcache.offload.wall); its records + the proof."""
-    from ..offload.wall import walled_eval
+    """``eval`` as a child behind the memory wall (see expertcache.hf.wall); its records + the proof."""
+    from ..hf.wall import walled_eval
 
     reference = "offloaded" if args.reference == "auto" else args.reference  # all resident would fill the wall
     child = _child_argv(args, reference=reference)

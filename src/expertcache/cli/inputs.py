@@ -19,16 +19,16 @@ __all__ = ["import_hf", "read_tokens", "read_text"]
 
 
 def import_hf():
-    """The offload functions eval needs; a missing or unsupported torch / transformers is a one-line user error."""
+    """The :mod:`expertcache.hf` functions eval needs; a missing or unsupported torch / transformers is a one-line user error."""
     try:
-        from .. import offload
-        from ..offload.passes import split_tokens
+        from .. import hf
+        from ..hf.passes import split_tokens
     except ImportError as exc:
         raise ConfigError(first_line(exc)) from None
-    from ..offload.evaluation import fitting_capacity
+    from ..hf.evaluation import fitting_capacity
 
-    return SimpleNamespace(check_checkpoint=offload.check_checkpoint, load_model=offload.load_model,
-                           evaluate=offload.evaluate, split_tokens=split_tokens, fitting_capacity=fitting_capacity)
+    return SimpleNamespace(check_checkpoint=hf.check_checkpoint, load_model=hf.load_model,
+                           evaluate=hf.evaluate, split_tokens=split_tokens, fitting_capacity=fitting_capacity)
 
 
 def read_tokens(path: str) -> np.ndarray:

@@ -94,7 +94,8 @@ def _shown(values) -> str:
 
 COMMAND_MODULES = [
     "replay_cmd",
-    "trace_cmds",
+    "import_cmd",
+    "export_cmd",
     "bounds_cmd",
     "synth_cmd",
     "stats_cmd",
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return 0
         except OSError as err:  # the machine, not the input: a full disk, a permission, a vanished file
+            if os.environ.get("EXPERTCACHE_DEBUG"):
+                raise
             where = f"{err.filename}: " if err.filename else ""
             print(f"{name}: error: {where}{err.strerror or _one_line(err)}", file=sys.stderr)
             return EXIT_USAGE

@@ -93,7 +93,7 @@ def run(args) -> int:
     try:
         from ..routetune.output import check_out_folder
         from ..routetune.run import router_tune
-        from ..offload.loading import check_checkpoint
+        from ..hf.loading import check_checkpoint
     except ImportError as exc:
         raise ConfigError(first_line(exc)) from None
     check_out_folder(args.out)

@@ -190,7 +190,7 @@ def _check(args) -> None:
 
 def _calibrated(args) -> tuple[float, float]:
     """(tau, c) in ms measured on the checkpoint folder ``--model-config`` (the median of
-    ``--calibrate`` samples each, through :func:`expertcache.offload.calibrate.calibrate`); the
+    ``--calibrate`` samples each, through :func:`expertcache.hf.calibrate.calibrate`); the
     measurement and its spread go to stderr so stdout stays the answer."""
     import sys
 
@@ -201,8 +201,8 @@ def _calibrated(args) -> tuple[float, float]:
     if folder is None or not folder.is_dir():
         raise ConfigError("--calibrate needs a checkpoint folder as --model-config (config.json and *.safetensors)")
     try:
-        from ..offload import load_model
-        from ..offload.calibrate import calibrate
+        from ..hf import load_model
+        from ..hf.calibrate import calibrate
     except ImportError as exc:
         raise ConfigError(f"--calibrate needs the hf extra ({first_line(exc)})") from None
     r = calibrate(load_model(str(folder)), repeats=args.calibrate)

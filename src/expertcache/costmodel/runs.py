@@ -43,7 +43,7 @@ MAX_RUNS_BYTES = 1 << 26
 
 REQUIRED = ("policy", "c_ms", "rho", "dnll")
 HOSTS = ("memory", "mmap", "direct")
-"""The host modes of the live harness (``eval --host``; :mod:`expertcache.offload.host`)."""
+"""The host modes of the live harness (``eval --host``; :mod:`expertcache.hf.host`)."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ when B1 is empty); otherwise, with ``|T1| + |T2| + |B1| + |B2| >= 2C``, B2's old
 
 Token-grouped rule: "least recent" is the least recent item the current group does not request
 (the other resident list's when a list holds only such items). With one request per step nothing
-is protected: k = 1 counts equal libCacheSim's miss for miss (``tests/test_hooked_rules.py``).
+is protected: k = 1 counts equal libCacheSim's miss for miss (``tests/test_rule_conformance.py``).
 """
 
 from __future__ import annotations

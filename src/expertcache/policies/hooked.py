@@ -10,7 +10,7 @@ three-line cached loop that inlines :func:`expertcache.policies.driver.run` with
   which calls them one at a time through :meth:`hook_hit` ... :meth:`hook_admit`;
 
 so the rule exists once, and the two drivers are checked against each other and against
-libCacheSim (``tests/test_hooked_rules.py``).
+libCacheSim (``tests/test_rule_conformance.py``).
 
 Recipe for a new rule (the whole change is its own file: ``policies/__init__`` imports every module
 of the package, so ``@register`` makes it known):

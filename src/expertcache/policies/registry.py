@@ -41,7 +41,7 @@ RUNS_IN = {
 SET_HOLDING = ("dwell:k[:w]", "prefix:P", "controller:HEADS.pt:THR[:W]")
 HOLDING_MAKERS: dict = {}
 """Set-holding rules defined above this module, by name -> ``maker(text)``: the offloaded runtime
-registers the learned controller (``expertcache.offload.holding``), so the policy layer never
+registers the learned controller (``expertcache.hf.holding``), so the policy layer never
 imports the runtime."""
 RENAMED = {"static": "prefix"}
 """Old set-holding names (with a parameter) still accepted: old -> new."""
@@ -168,7 +168,7 @@ class PolicySpec:
             return HOLDING_MAKERS[self.name](self.text)
         if self.name == "controller":
             raise PolicyError(f"policy {self.text[:60]!r}: the learned controller's heads load in the offloaded runtime "
-                              "(import expertcache.offload; needs the hf extra: pip install 'expertcache[hf]')")
+                              "(import expertcache.hf; needs the hf extra: pip install 'expertcache[hf]')")
         return parse_holding_spec(self.text)
 
 

@@ -16,7 +16,7 @@ C = 10 its small queue is 0 objects and it aborts; from 10 to 19 it is 1 object,
 large as the small queue is never inserted, so (with unit objects) no miss is ever inserted and
 every request misses -- a 4-object loop misses all its requests at C = 10-19. Here ``s`` is at
 least 1 and unit items always fit; from C = 20 on, counts equal libCacheSim's miss for miss
-(``tests/test_hooked_rules.py``).
+(``tests/test_rule_conformance.py``).
 
 Token-grouped rule: "the oldest" is the oldest item the current group does not request; a queue
 holding only such items hands over to the other queue. With one request per step nothing is

@@ -5,7 +5,7 @@ a hand walks from where it stopped (the tail at first) toward the head, clearing
 evicts the first item whose bit is clear; the hand then rests on the evicted item's newer
 neighbour (past the head it starts again at the tail). Items of the current group are passed over
 without touching their bit (the token-grouped rule; with one request per step nothing is ever
-protected, so k = 1 counts equal libCacheSim's, ``tests/test_hooked_rules.py``).
+protected, so k = 1 counts equal libCacheSim's, ``tests/test_rule_conformance.py``).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from .config import TuneConfig
 from .lora import merge, trainable
 from .reward import group_advantages, reward_of
 from .rollout import balance_loss, router_logits_of, sample, score
-from ..offload.model import ExpertsSite, find_sites, top_k_of
+from ..hf.model import ExpertsSite, find_sites, top_k_of
 
 
 @dataclass

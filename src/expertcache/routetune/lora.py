@@ -17,7 +17,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from ..errors import ConfigError
-from ..offload.model import ExpertsSite
+from ..hf.model import ExpertsSite
 
 
 class LoRADelta(torch.nn.Module):

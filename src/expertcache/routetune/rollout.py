@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..offload.model import ExpertsSite, cache_argument
+from ..hf.model import ExpertsSite, cache_argument
 
 
 def make_prompts(stream: np.ndarray, steps: int, per_step: int, length: int, seed: int,

@@ -18,8 +18,8 @@ import transformers
 
 from .._text import first_line
 from ..errors import ConfigError
-from ..offload.loading import check_checkpoint, load_model
-from ..offload.model import find_sites, top_k_of
+from ..hf.loading import check_checkpoint, load_model
+from ..hf.model import find_sites, top_k_of
 from .config import TuneConfig, cache_tag
 from .grpo import TuneResult, tune
 from .output import check_out_folder, save_folder

@@ -11,7 +11,7 @@ merges b traces that way:
   iteration ``j`` is the union of the inputs' ``p``-th pass of their iteration ``j``, so every
   speculative and fallback pass is preserved, as issued.
 * Each union row holds the union sorted ascending and -1 padded to ``min(sum of the inputs'
-  widths, E)``: the live harness's batch capture (:mod:`expertcache.offload.recorder`) writes the
+  widths, E)``: the live harness's batch capture (:mod:`expertcache.hf.recorder`) writes the
   same rows. The union of one trace is that trace with each row's ids sorted (same sets, same counts).
 * Extras: ``accepted`` sums the merged rows' accepted tokens (the denominator of per-token figures:
   every row's tokens count), ``iteration`` numbers the union iterations, and ``batch_rows``

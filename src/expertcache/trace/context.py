@@ -5,7 +5,7 @@ A policy that sets ``wants_context = True`` receives a :class:`StreamContext` th
 (:func:`expertcache.sim.replay_layout` with no compiled plan) builds one per stream from the trace
 the layout came from. Every other policy is called exactly as before.
 
-The live harness (:mod:`expertcache.offload`) gives a :func:`live_context`: its groups grow as the
+The live harness (:mod:`expertcache.hf`) gives a :func:`live_context`: its groups grow as the
 steps are served (:class:`LiveGroups`), with the item map but no gate weights or router rows.
 
 Invariant (causality): a context holds rows for every step of the stream, but a policy may read

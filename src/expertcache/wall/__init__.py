@@ -1,6 +1,6 @@
 """The memory wall: a capacity enforced on a worker process and the proof that it held (docs/tier.md,
 docs/llama.md, docs/robustness.md). Used alike by the file tier (``tier/``), the Hugging Face
-harness (``offload/``), the llama.cpp engine (``llama/``) and the server.
+harness (``hf/``), the llama.cpp engine (``llama/``) and the server.
 
 Modules, bottom up: ``procfs`` (bounded reads of /proc and /sys), ``pagecache`` (a file's resident
 pages: mincore, cachestat, drops), ``cgroupfs`` (cgroup v1/v2 files, the sampler whose limit

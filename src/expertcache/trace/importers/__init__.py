@@ -12,9 +12,10 @@ vllm-r3        JSONL of vLLM responses with routed experts         :mod:`.r3` (:
 =============  ==================================================  ===========================
 
 JSONL input may be gzip- or zstd-compressed (found by magic bytes, streamed: :mod:`.records`);
-``auto`` tells the shapes apart (:mod:`.detect`). Every user error is a one-line
-:class:`~expertcache.errors.TraceError` or :class:`~expertcache.errors.ConfigError` naming the file
-and line (or record) and the field. Nothing here unpickles or imports torch.
+each format registers itself by name (:mod:`.registry`); ``auto`` tells the shapes apart
+(:mod:`.detect`). Every user error is a one-line :class:`~expertcache.errors.TraceError` or
+:class:`~expertcache.errors.ConfigError` naming the file and line (or record) and the field.
+Nothing here unpickles or imports torch.
 """
 
 from .detect import DEFAULT_PHASE, FORMATS, detect_format, import_trace, shapes

@@ -26,6 +26,7 @@ from ..core import Trace
 from ..validate import MAX_EXPERTS
 from .engine_passes import PASS_KINDS, EngineRecord, TypedPasses, pass_arrays, type_passes
 from .records import HugeInt, display_name, iter_records
+from .registry import Importer, Options, register
 from .values import check_num_experts, check_phase, field, index_value, is_int, seq_value, short
 
 DEFAULT_SEQ = "seq"
@@ -147,6 +148,29 @@ def trace_of_passes(typed: TypedPasses, *, src: str, num_experts: int | None, me
     if num_experts is None:
         full["num_experts_inferred"] = True
     return Trace.from_arrays(experts, seq, meta=full, extras=arrays, source=src)
+
+
+def _read(path: str | os.PathLike, fmt: str, o: Options) -> Trace:
+    if o.pad or o.drop_incomplete:
+        raise ConfigError(f"--{'pad' if o.pad else 'drop-incomplete'} does not apply to engine-jsonl "
+                          "(its typing needs every record)")
+    return import_engine_jsonl(path, fields=o.engine_fields, num_experts=o.num_experts, top_k=o.top_k,
+                               expect_tokens=o.expect_tokens, model=o.model, phase=o.phase)
+
+
+def _fits(rec: dict, o: Options) -> bool:
+    f, ex = o.engine_fields, rec.get(o.engine_fields.experts)
+    return (f.layer in rec and f.iteration in rec and o.vllm_fields.token not in rec and isinstance(ex, list)
+            and not any(isinstance(x, (list, dict)) for x in ex))
+
+
+def _shape(o: Options) -> str:
+    f = o.engine_fields
+    return (f"one JSON record per engine iteration and layer: {f.iteration}/{f.layer}/{f.experts} "
+            f"with a flat id list and no {o.vllm_fields.token} (speculative decoding)")
+
+
+register(Importer("engine-jsonl", shape=_shape, read=_read, phase="decode", claims_record=_fits))
 
 
 __all__ = ["DEFAULT_SEQ", "PASS_KINDS", "EngineFields", "import_engine_jsonl", "read_engine_records", "trace_of_passes"]

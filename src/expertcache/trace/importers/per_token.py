@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from ...errors import TraceError
 from ..core import Trace
 from .records import display_name, iter_records
+from .registry import Importer, Options, register
 from .table import RoutingTable
 from .values import check_num_experts, check_phase, field, id_list, index_value, layer_key, prob_list, seq_value, short
 
@@ -124,3 +125,21 @@ def _layers(rec: dict, experts: object, probs: object, f: TokenFields, has_layer
         ids = id_list(ids, f"{f.experts}[{i}]", where, num_experts)
         pr = None if probs is None else prob_list(probs[i], len(ids), f"{f.probs}[{i}]", where)
         yield layer, ids, pr
+
+
+def _fits(rec: dict, o: Options) -> bool:
+    ex = rec.get(o.token_fields.experts)
+    return isinstance(ex, dict) or (isinstance(ex, list) and bool(ex) and all(isinstance(x, list) for x in ex))
+
+
+def _shape(o: Options) -> str:
+    f = o.token_fields
+    return (f"one JSON record per token: {f.seq}/{f.token}/{f.experts} holding a list of id lists "
+            "or an object keyed by layer")
+
+
+def _read(path: str | os.PathLike, fmt: str, o: Options) -> Trace:
+    return import_token_jsonl(path, fields=o.token_fields, **o.common())
+
+
+register(Importer("token-jsonl", shape=_shape, read=_read, phase="decode", claims_record=_fits))

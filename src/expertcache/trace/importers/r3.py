@@ -40,8 +40,9 @@ from ...errors import ConfigError, TraceError
 from ..core import Trace
 from ..validate import MAX_LAYERS, compact_dtype
 from .engine import MAX_TOP_K
-from .r3_wire import R3_FORMATS, R3Part, R3Reader
+from .r3_wire import R3_FORMATS, R3Part, R3Reader, r3_kind
 from .records import display_name
+from .registry import Importer, Options, register
 from .values import check_num_experts, check_phase, is_int
 
 RECENT = 256  # sequences a suffix may continue
@@ -279,3 +280,16 @@ def _learn_lk(path, src: str, fmt: str, num_experts: int | None, divisor: int | 
                      "the payload's layers x k is unknown; pass --num-layers and --top-k")
 
 
+def _read(path: str | os.PathLike, fmt: str, o: Options) -> Trace:
+    if o.pad:
+        raise ConfigError(f"--pad does not apply to {fmt} (every row holds the server's k ids)")
+    return import_r3(path, fmt, num_experts=o.num_experts, num_layers=o.num_layers, top_k=o.top_k,
+                     drop_incomplete=o.drop_incomplete, model=o.model, phase=o.phase)
+
+
+register(Importer("sglang-r3", shape=lambda o: "SGLang server responses with routed experts (sglext.routed_experts "
+                                               "or meta_info.routed_experts), streamed or not",
+                  read=_read, claims_line=r3_kind))
+# no probe of its own: sglang-r3's (r3_kind) tells the two servers apart
+register(Importer("vllm-r3", shape=lambda o: "vLLM server responses with routed experts (choices[i].routed_experts)",
+                  read=_read))

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from ...errors import ConfigError, TraceError
 from ..core import Trace
-from .records import display_name
+from .records import ZIP_MAGIC, display_name, open_regular
+from .registry import Importer, Options, register
 from .torchzip import read_torch_save
 from .values import INT32_MAX, MAX_EXPERTS, check_num_experts, check_phase, is_int, short
 
@@ -273,3 +275,26 @@ def _int_list(rec: dict, key: str, n: int | None, where: str) -> np.ndarray:
     if x and (min(x) < 0 or max(x) > INT32_MAX):
         raise TraceError(f"{where}: {key}: value outside [0, 2^31)")
     return np.asarray(x, dtype=np.int64)
+
+
+def _holds_dump(path: str | os.PathLike, head: bytes) -> bool:
+    """A folder, or a zip archive holding ``data.pkl`` (a ``torch.save`` file)."""
+    if Path(path).is_dir():
+        return True
+    if not head.startswith(ZIP_MAGIC):
+        return False
+    with open_regular(path) as fh:
+        try:
+            names = zipfile.ZipFile(fh).namelist()
+        except (zipfile.BadZipFile, OSError, ValueError):
+            names = []
+    return any(n == "data.pkl" or n.endswith("/data.pkl") for n in names)
+
+
+def _read(path: str | os.PathLike, fmt: str, o: Options) -> Trace:
+    return import_sglang(path, sequences=o.sequences, rank=o.rank, **o.common())
+
+
+register(Importer("sglang", shape=lambda o: "a torch.save dump of SGLang's expert-distribution recorder in per_token "
+                                            "mode, or a folder of them",
+                  read=_read, phase="mixed", claims_path=_holds_dump))

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from ..core import Trace
 from .records import iter_records, display_name
+from .registry import Importer, Options, register
 from .table import RoutingTable
 from .values import check_num_experts, check_phase, field, id_list, index_value, prob_list, seq_value
 
@@ -84,3 +85,21 @@ def import_vllm_jsonl(
         "source": {"format": "vllm-jsonl", "path": src, "fields": asdict(f)},
     }
     return table.build(num_experts=num_experts, drop_incomplete=drop_incomplete, meta=meta, records=records)
+
+
+def _fits(rec: dict, o: Options) -> bool:
+    ex = rec.get(o.vllm_fields.experts)
+    return o.vllm_fields.layer in rec and isinstance(ex, list) and not any(isinstance(x, (list, dict)) for x in ex)
+
+
+def _shape(o: Options) -> str:
+    f = o.vllm_fields
+    return f"one JSON record per token and layer: {f.seq}/{f.layer}/{f.token}/{f.experts} with a flat id list"
+
+
+def _read(path: str | os.PathLike, fmt: str, o: Options) -> Trace:
+    return import_vllm_jsonl(path, fields=o.vllm_fields, **o.common())
+
+
+# loose: an engine-jsonl record fits this shape too, so the other record probes go first
+register(Importer("vllm-jsonl", shape=_shape, read=_read, phase="decode", claims_record=_fits, loose=True))

@@ -1,4 +1,4 @@
-"""``expertcache import`` and ``expertcache export``: traces in from other engines, out to other tools."""
+"""``expertcache import``: routing logs from other engines in, as canonical traces."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import sys
 from .._text import id_ranges
 from ..errors import ConfigError
 from ..trace import units
-from ..trace.exporters import FORMATS, ORDERS, export_libcachesim
 from ..trace.importers import (
     FORMATS as IMPORT_FORMATS,
     PASS_KINDS,
@@ -20,7 +19,7 @@ from ..trace.importers import (
     detect_format,
     import_trace,
 )
-from .common import add_json, add_subcommands, add_layers, add_out, check_out, describe, emit_json, open_trace, positive_int
+from .common import add_json, add_out, check_out, describe, emit_json, positive_int
 
 IMPORT_HELP = """Convert a routing log from another engine into a canonical trace (.npz).
 
@@ -69,16 +68,6 @@ named by an option must be present; the default gate-weight and layer-id fields 
 present in every record. Errors name the file, the line (or dump record) and the field.
 """
 
-EXPORT_HELP = """Write a trace as a single-request stream for libCacheSim.
-
-Each token's experts become consecutive requests in --order; object id = layer_id * E + expert;
-tokens go in order, layers in order within a token. 'csv' writes time,obj_id,obj_size (size 1, so
-cache sizes count experts); 'oracle' writes libCacheSim's oracleGeneral binary with next-access
-indices, which its Belady needs. libCacheSim has no sequences: pools carry over. For k = 1 its LRU
-and Belady misses equal 'expertcache replay --reset none' copies_total.
-"""
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("import", help="import routing logs from other engines (vllm-jsonl, token-jsonl, engine-jsonl, sglang, "
                             "sglang-r3, vllm-r3)",
@@ -123,19 +112,6 @@ def add_parser(sub) -> None:
                         "learned from the first response stating its prompt and completion token counts)")
     add_json(p)
     p.set_defaults(func=run_import)
-
-    exp = sub.add_parser("export", help="export a trace for other tools",
-                         description="Export a trace for other cache simulators.")
-    esub = add_subcommands(exp, "format", "FORMAT")
-    p = esub.add_parser("libcachesim", help="libCacheSim csv or oracleGeneral trace", description=EXPORT_HELP,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", help="canonical trace (.npz)")
-    add_out(p, "file to write; its folder must exist")
-    p.add_argument("--order", choices=ORDERS, default="router", help="order of a token's experts (default router)")
-    p.add_argument("--format", dest="fmt", choices=FORMATS, default="csv", help="csv (default) or oracle (binary)")
-    add_layers(p, "layer ids to export")
-    add_json(p)
-    p.set_defaults(func=run_export)
 
 
 _APPLIES = {
@@ -267,14 +243,3 @@ def _print_engine(e: dict, expect: int | None, shown: int = 20) -> None:
                      for i, r in enumerate(per[:shown]))
     more = f", ... ({len(per)} sequences)" if len(per) > shown else ""
     print(f"accepted tokens per sequence: {text}{more}")
-
-
-def run_export(args) -> int:
-    check_out(args.out)
-    trace = open_trace(args.trace)
-    n = export_libcachesim(trace, args.out, order=args.order, layers=args.layers, fmt=args.fmt)
-    if args.json:
-        emit_json([{"out": args.out, "requests": n, "format": args.fmt, "order": args.order}])
-    else:
-        print(f"wrote {n} requests ({args.fmt}, {args.order} order) to {args.out}")
-    return 0

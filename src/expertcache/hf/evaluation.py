@@ -10,7 +10,7 @@ Protocol (the seeds' harness, extended to batches): every sequence teacher-force
    capacity under ``lru`` (lossless, so the same NLL), for a model whose experts do not fit the
    device; ``"auto"`` (default) is ``resident`` unless the host-held experts exceed 90% of the
    device's free memory.
-2. *One pass per policy* under :func:`~expertcache.offload.offload` (a pool per layer, or one
+2. *One pass per policy* under :func:`~expertcache.hf.offload` (a pool per layer, or one
    global pool shared by all offloaded layers): NLL, time, copies (fill and steady, per layer),
    copy time, prefetch counts, memory, and a capture of what the live run requested.
 
@@ -91,7 +91,7 @@ class PolicyResult:
     ms_runs: list = field(default_factory=list)  # ms per step of each round (--repeats), in round order
     ms_runs_reference: list = field(default_factory=list)
     counts_repeat: bool = True  # every round made the same copies
-    dnll_ci: list | None = None  # --bootstrap: 95% interval of dnll over the sequences (offload.intervals)
+    dnll_ci: list | None = None  # --bootstrap: 95% interval of dnll over the sequences (hf.intervals)
     bootstrap: int = 0
     bootstrap_seed: int = 0
 

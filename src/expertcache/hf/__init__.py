@@ -1,8 +1,8 @@
 """Hugging Face integration: real MoE models with their experts offloaded to host memory.
 
-``expertcache.offload`` is this package, and it is callable: ``expertcache.offload(model, ...)`` is
-:func:`offload` (a package and a function cannot share the name otherwise, since importing a
-submodule rebinds the package attribute).
+``expertcache.hf`` is this package; ``expertcache.offload(model, ...)`` and
+``expertcache.load_offloaded(...)`` are its :func:`offload` and :func:`load_offloaded`, loaded from
+here on first use (``expertcache.capture`` dispatches to :func:`capture` for a torch model).
 
 ==============  ===============================================================================
 module          concept
@@ -32,15 +32,12 @@ Needs torch and transformers (``pip install 'expertcache[hf]'``); ``import exper
 
 from __future__ import annotations
 
-import sys
-import types
-
 try:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        f"expertcache.offload needs torch and transformers ({exc.name} is missing): pip install 'expertcache[hf]'"
+        f"expertcache.hf needs torch and transformers ({exc.name} is missing): pip install 'expertcache[hf]'"
     ) from exc
 
 from ..errors import ConfigError
@@ -64,13 +61,3 @@ __all__ = [
     "OffloadRun", "OffloadStats", "PolicyResult", "capture", "evaluate", "find_sites", "load_model",
     "load_offloaded", "offload",
 ]
-
-
-class _CallableModule(types.ModuleType):
-    """This package, callable as :func:`offload`."""
-
-    def __call__(self, *args, **kwargs) -> OffloadRun:
-        return offload(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

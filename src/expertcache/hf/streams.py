@@ -1,6 +1,6 @@
 """Ordering copies into slots against the compute that reads them: a copy stream and two events per slot.
 
-On a CUDA device the copies of a :class:`~expertcache.offload.pool.SlotPool` run on their own
+On a CUDA device the copies of a :class:`~expertcache.hf.pool.SlotPool` run on their own
 stream, so they can overlap the expert matmuls (and, with prefetching, the next layer's copies
 can run while this layer computes). Two events per slot keep that correct:
 

@@ -26,7 +26,7 @@ stream, as the simulator replays it.
 
 Devices. The slots live on ``device`` (default: where the model's input embeddings are). The
 offloaded experts stay in host memory, page-locked when the slots are on a CUDA device; a model
-loaded with its experts already in (pinned) host memory, as :func:`~expertcache.offload.load_offloaded`
+loaded with its experts already in (pinned) host memory, as :func:`~expertcache.hf.load_offloaded`
 does, is used as it is, so the device never holds more than the C slots of an offloaded layer.
 
 Offloaded experts are for inference: copies run under ``no_grad``.

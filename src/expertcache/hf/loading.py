@@ -175,7 +175,7 @@ def load_offloaded(
 
     Returns ``(model, run)``: the model is ready to run (``model(...)``, ``model.generate(...)``),
     ``run`` is the attached :class:`OffloadRun` (``run.stats()``, ``run.memory()``). ``options`` are
-    :func:`~expertcache.offload.offload`'s (``future``, ``reset``, ``prefetch``). ``run.detach()``
+    :func:`~expertcache.hf.offload`'s (``future``, ``reset``, ``prefetch``). ``run.detach()``
     leaves the experts in host memory, where they were loaded.
     """
     dev = resolve_device(device)

@@ -42,7 +42,7 @@ def require_transformers(version: str | None = None) -> None:
     lo, hi = TRANSFORMERS_RANGE
     if not lo <= found < hi:
         raise ConfigError(
-            f"expertcache.offload supports transformers >={lo},<{hi}; found {found} "
+            f"expertcache.hf supports transformers >={lo},<{hi}; found {found} "
             "(pip install 'expertcache[hf]')"
         )
 
@@ -159,19 +159,19 @@ def find_sites(model: torch.nn.Module) -> list[ExpertsSite]:
         problem = layout_problem(module)
         if problem:
             raise ConfigError(
-                f"{label} is not supported by expertcache.offload: the experts at layer {layer} ({name}) {problem}; "
+                f"{label} is not supported by expertcache.hf: the experts at layer {layer} ({name}) {problem}; "
                 f"supported: {SUPPORTED_LAYOUT}"
             )
         if layer in sites:
             raise ConfigError(
-                f"{label} is not supported by expertcache.offload: experts modules {sites[layer].name!r} and {name!r} "
+                f"{label} is not supported by expertcache.hf: experts modules {sites[layer].name!r} and {name!r} "
                 f"both sit at layer {layer} (models with several MoE stacks are not supported)"
             )
         router, index = _router_of(name, modules, routers)
         sites[layer] = ExpertsSite(layer, name, module, router, index)
     if not sites:
         raise ConfigError(
-            f"{label} is not supported by expertcache.offload: it has no transformers v5 experts module "
+            f"{label} is not supported by expertcache.hf: it has no transformers v5 experts module "
             f"(mlp.experts(hidden_states, top_k_index, top_k_weights) with {SUPPORTED_LAYOUT})"
         )
     return [sites[k] for k in sorted(sites)]
