@@ -8,6 +8,8 @@ import os
 import pytest
 
 from expertcache.wall import accounting as acc
+from expertcache.wall.pagecache import evict_file_pages, residency
+from expertcache.wall.procfs import vmlck_bytes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -32,23 +34,23 @@ def test_residency_read_then_evict(tmp_path):
     f = _write(tmp_path / "a.bin", 3 * (1 << 20) + 123)  # a partial last page
     empty = _write(tmp_path / "empty.bin", 0)
     _read_all(f)
-    res, total = acc.residency([f, empty])
+    res, total = residency([f, empty])
     assert total == 3 * (1 << 20) + 123
     assert 0 < res <= total
-    out = acc.evict_file_pages([f, empty])
+    out = evict_file_pages([f, empty])
     assert out["total_bytes"] == total and out["errors"] == []
     assert out["resident_after_bytes"] == 0 and out["cold"] is True
-    assert acc.residency([f]) == (0, total)
+    assert residency([f]) == (0, total)
     with open(f, "rb") as fh:  # touch exactly the first page: residency says one page
         fh.read(10)
-    res, _ = acc.residency([f])
+    res, _ = residency([f])
     assert res >= PAGE and res % PAGE == 0 or res == total  # readahead may bring more, never a fraction
-    assert acc.residency([]) == (0, 0)
+    assert residency([]) == (0, 0)
 
 
 def test_residency_missing_file_is_oserror(tmp_path):
     with pytest.raises(OSError):
-        acc.residency([str(tmp_path / "nope")])
+        residency([str(tmp_path / "nope")])
     snap = acc.snapshot([str(tmp_path / "nope")])
     assert snap["residency"] is None and "nope" in snap["residency_note"]
     assert snap["block_device"] is None and snap["block_device_note"]
@@ -56,7 +58,7 @@ def test_residency_missing_file_is_oserror(tmp_path):
 
 def test_device_bytes_cover_a_cold_read(tmp_path):
     f = _write(tmp_path / "b.bin", 8 * (1 << 20))
-    assert acc.evict_file_pages([f])["cold"]
+    assert evict_file_pages([f])["cold"]
     pre = acc.snapshot([f])
     if pre["diskstats"] is None:
         pytest.skip(f"no diskstats for the temp folder: {pre['diskstats_note']}")
@@ -116,4 +118,4 @@ def test_reclaim_setup_reads_or_explains():
     assert setup["kernel"] == os.uname().release
     for key in ("mglru", "swap", "thp", "cgroup"):
         assert setup[key] is not None or setup.get(f"{key}_note")
-    assert acc.vmlck_bytes() is None or acc.vmlck_bytes() >= 0
+    assert vmlck_bytes() is None or vmlck_bytes() >= 0

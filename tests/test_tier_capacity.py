@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from expertcache.errors import ConfigError
-from expertcache.wall import accounting as acc
+from expertcache.wall.pagecache import evict_file_pages
 from expertcache.wall import capacity as cap
 from expertcache.wall import cgroupfs
 
@@ -41,7 +41,7 @@ def _big_file(tmp_path, n_mb: int) -> str:
             fh.write(block)
         fh.flush()
         os.fsync(fh.fileno())
-    acc.evict_file_pages([str(path)])
+    evict_file_pages([str(path)])
     return str(path)
 
 

@@ -16,6 +16,7 @@ from expertcache import Trace
 from test_tier_replay import cli, one_line_error
 from expertcache.errors import ConfigError
 from expertcache.wall import accounting as acc
+from expertcache.wall.pagecache import evict_file_pages, residency
 from expertcache.wall import capacity as cap
 from expertcache.tier.pool import open_pool, pool_from_trace
 from expertcache.tier.readers import FileReader, aligned_buffer
@@ -124,7 +125,7 @@ def test_slack_is_relative_and_a_tiny_capacity_fails_its_proof(tmp_path, walls):
         pytest.skip(f"no cgroup wall here: {walls['cgroup']['reason']}")
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(8 * MB))
-    acc.evict_file_pages([str(path)])
+    evict_file_pages([str(path)])
     run = cap.run_walled([sys.executable, "-c", f"open({str(path)!r}, 'rb').read()"], capacity_bytes=1,
                          headroom_bytes=64 * MB)
     assert run.returncode == 0 and run.proof_ok is False and "above the capacity 1" in run.note
@@ -144,7 +145,7 @@ def test_a_following_wall_keeps_unused_headroom_out_of_the_page_cache(tmp_path, 
              "        while f.read(1 << 20): time.sleep(0.004)" % str(path)]
     fixed, followed = [], []
     for follow, out in ((None, fixed), (1 << 20, followed)):
-        acc.evict_file_pages([str(path)])
+        evict_file_pages([str(path)])
         out.append(cap.run_walled(child, capacity_bytes=32 * MB, headroom_bytes=80 * MB, follow_margin=follow))
     (a,), (b,) = fixed, followed
     assert a.returncode == 0 and a.proof_ok is False and "exceeds what the worker needed" in a.note
@@ -215,7 +216,7 @@ def test_nocache_on_the_packed_layout_leaves_nothing_resident(setup):
     """Dropping only the entry's range left the neighbours' readahead resident (12-15 of 65 MB)."""
     d, tr = setup
     pool = open_pool(d / "packed")
-    acc.evict_file_pages(pool.paths)
+    evict_file_pages(pool.paths)
     reader = FileReader(pool, "nocache")
     buf = aligned_buffer(reader.buffer_bytes())
     try:
@@ -227,7 +228,7 @@ def test_nocache_on_the_packed_layout_leaves_nothing_resident(setup):
     finally:
         reader.close()
         buf.close()
-    resident, total = acc.residency(pool.paths)
+    resident, total = residency(pool.paths)
     assert total >= 64 * MB and resident <= 1 * MB, resident
 
 

@@ -14,7 +14,8 @@ from .._units import format_bytes, parse_byte_range, parse_bytes
 from ..errors import ConfigError
 from ..sim.budget import Budget
 from ..sim.options import ADMISSIONS
-from .common import describe, emit_json, open_trace, positive_int, setup_line, table
+from .common import describe, emit_json, future_mark, open_trace, positive_int, setup_line, table
+from .sizing_opts import SizingSetup
 
 UNITS = ("token", "iteration")
 
@@ -227,3 +228,19 @@ def select_sequences(trace, spec, policies):
         raise ConfigError("--sequences heldout: the scorers were trained on every sequence of this trace; "
                           "train on a subset ('learn dataset --sequences 0-7')")
     return trace.select_sequences(held)
+
+
+def print_results(results, setup: SizingSetup | None = None, *, unit: str = "token") -> None:
+    """The policy table: copies per accepted token (or per engine iteration), steady and total
+    copies, hit rate, gap recovered, whether the policy needs the future, and the sizing figures
+    (per accepted token) when ``setup`` is active."""
+    setup = setup or SizingSetup()
+    if setup.active:
+        print(setup.describe())
+    rows = [
+        (r.policy, future_mark(r.needs_future), per_unit(r, unit), r.copies_steady, r.copies_total, r.hit_rate,
+         r.gap_recovered, *setup.result_cells(r))
+        for r in results
+    ]
+    table(rows, ["policy", "future", per_unit_header(unit), "steady", "total", "hit rate", "gap recovered",
+                 *setup.headers()])

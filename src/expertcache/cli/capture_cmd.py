@@ -59,8 +59,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     check_out(args.out)
     if str(args.model).lower().endswith(".gguf"):
-        from .llama_cmd import run_capture
-        return run_capture(args)
+        return run_gguf(args)
     if args.generate is not None:
         raise ConfigError("--generate: supported with a .gguf model (llama.cpp); for a checkpoint use "
                           "expertcache.capture around model.generate")
@@ -101,4 +100,29 @@ def run(args) -> int:
         extra = f"; extras {', '.join(rec['extras'])}" if rec["extras"] else ""
         print(f"{args.out}: {trace.num_tokens} tokens in {trace.num_sequences} sequence(s), L={trace.num_layers}, "
               f"k={trace.top_k} of E={trace.num_experts}{' with router_probs' if rec['router_probs'] else ''}{extra}")
+    return 0
+
+
+def run_gguf(args) -> int:
+    """``expertcache capture --model MODEL.gguf``: the router trace from llama.cpp (teacher-forced, or
+    the decode steps with ``--generate N``)."""
+    from ..llama.capture import capture_gguf
+
+    unsupported = [opt for opt, on in (("--text", args.text), ("--router-probs", args.router_probs),
+                                       ("--record", args.record), ("--layers", args.layers),
+                                       ("--device", args.device)) if on]
+    if unsupported:
+        raise ConfigError(f"{unsupported[0]}: not supported with a .gguf model (llama.cpp capture records the "
+                          "experts and gate weights of every MoE layer from --tokens)")
+    trace = capture_gguf(args.model, read_tokens(args.tokens), max_len=args.max_len,
+                         max_sequences=args.max_sequences, generate=args.generate or 0)
+    trace.save(args.out)
+    rec = {"out": args.out, "model": args.model, "engine": "llama.cpp", "phase": trace.meta.get("phase"),
+           "sequences": trace.num_sequences, "tokens": trace.num_tokens, "layers": trace.layer_ids,
+           "num_experts": trace.num_experts, "top_k": trace.top_k, "expert_bytes": trace.meta.get("expert_bytes")}
+    if args.json:
+        emit_json([rec])
+    else:
+        print(f"{args.out}: {trace.num_tokens} {rec['phase']} tokens in {trace.num_sequences} sequence(s) from llama.cpp, "
+              f"L={trace.num_layers}, k={trace.top_k} of E={trace.num_experts}")
     return 0

@@ -18,9 +18,8 @@ from ..costmodel.choose import choose, is_lossless
 from ..costmodel.runs import HOSTS, base_host, check_unique, is_replay_record, read_records, replay_rows, run_from_record
 from ..errors import ConfigError, PolicyError
 from ..policies import make_policy
-from .common import add_json, emit_json, layer_ids, nonnegative_float, open_trace, positive_int, table
-from .curves_cmd import check_plot, future_note, wrote
-from .replay_cmd import future_mark
+from .common import (add_json, check_plot, emit_json, future_mark, future_note, layer_ids, nonnegative_float, open_trace,
+                     positive_int, table, wrote)
 from .sizing_opts import compute_time, duration
 
 HELP = """Choose the fastest policy within a quality tolerance, from measured runs (docs/choose.md).

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Sequence
 from .._io import check_not_input, check_writable
 from .._resample import MAX_RESAMPLES
 from ..errors import ConfigError
+from ..report.plots import plot_format
 from ..trace import Trace, load_trace, parse_layers
 
 MAX_INT = 2**62
@@ -277,3 +278,24 @@ def setup_line(run, what: str) -> str:
         + (f", scored engine iterations {run.iterations}" if getattr(run, "iterations", 0) not in (0, run.tokens) else "")
         + (f" (warm fraction {run.warm:g})" if run.warm else "")
     )
+
+
+def check_plot(path: str | None) -> None:
+    """Refuse a ``--plot`` path with an unknown extension or a missing folder, before any work."""
+    if path is not None:
+        plot_format(path)
+        check_out(path, "--plot")
+
+
+def wrote(path) -> None:
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def future_note(names: list[str]) -> str:
+    """The line under a table naming the policies that need the future (empty when none)."""
+    return f"needs the future (clairvoyant, an offline reference): {', '.join(names)}" if names else ""
+
+
+def future_mark(needs_future: bool) -> str:
+    """The 'future' column: ``yes`` for a policy that reads the recorded future (clairvoyant)."""
+    return "yes" if needs_future else ""

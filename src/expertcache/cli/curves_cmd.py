@@ -21,19 +21,17 @@ from typing import Iterator
 from ..costmodel import FIGURES
 from ..errors import ConfigError
 from ..policies import available_policies, make_policy
-from ..report.plots import plot_format
 from ..sim import StreamOptions, build_layout
 from ..sim.curves import (
     CAUSAL_RULES, DEFAULT_HORIZONS, DEFAULT_POLICIES, FAIR_WARM, capacity_bounds, compare_pools,
     foresight_curve, sweep_layout,
 )
 from .common import (
-    add_json, add_parallel_options, add_replay_options, check_out, describe, emit_json, nonnegative_float, open_trace,
-    parallel_jobs, positive_int, setup_line, table,
+    add_json, add_parallel_options, add_replay_options, check_plot, describe, emit_json, future_mark, future_note,
+    nonnegative_float, open_trace, parallel_jobs, positive_int, setup_line, table, wrote,
 )
 from .budget_opts import (add_tier_options, attach_profile, budget_capacities, budget_range, clamp_capacity,
                           clip_capacities, per_unit, print_budget_sweep)
-from .replay_cmd import future_mark
 from .sizing_opts import add_sizing_options, print_targets, resolve_sizing, target_records
 
 POLICY_HELP = (
@@ -173,13 +171,6 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-def check_plot(path: str | None) -> None:
-    """Refuse a ``--plot`` path with an unknown extension or a missing folder, before any work."""
-    if path is not None:
-        plot_format(path)
-        check_out(path, "--plot")
-
-
 @contextlib.contextmanager
 def progress(total: int, what: str) -> Iterator:
     """A callable advancing a progress bar on stderr (tqdm, when installed and stderr is a
@@ -195,15 +186,6 @@ def progress(total: int, what: str) -> Iterator:
     finally:
         if bar is not None:
             bar.close()
-
-
-def wrote(path) -> None:
-    print(f"wrote {path}", file=sys.stderr)
-
-
-def future_note(names: list[str]) -> str:
-    """The line under a table naming the policies that need the future (empty when none)."""
-    return f"needs the future (clairvoyant, an offline reference): {', '.join(names)}" if names else ""
 
 
 # ------------------------------------------------------------------------------------ commands

@@ -26,8 +26,8 @@ from ..sim import replay_many
 from ..sim.curves import foresight_curve, sweep
 from ..trace import load_trace
 from ..trace.synth import get_preset, synthesize_preset
+from .budget_opts import print_results
 from .common import describe, emit_json, open_trace, positive_int, seed_int, setup_line
-from .replay_cmd import print_results
 from .sizing_opts import add_sizing_options, resolve_sizing
 
 POLICIES = ("lru", "lfu", "decayed", "mean-interval", "random", "foresight:16", "belady")

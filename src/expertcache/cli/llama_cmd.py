@@ -3,15 +3,14 @@ decode under a memory wall (``run``) and the capacity response (``sweep``). docs
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
 
 from ..errors import ConfigError
-from .common import (_int_in, add_json, add_subcommands, byte_size, check_out, emit_json, float_in,
-                     nonnegative_float, positive_int, seed_int, table)
+from .common import add_json, add_subcommands, byte_size, check_out, emit_json, positive_int, seed_int, table
 from .inputs import read_tokens
+from .llama_opts import add_generation_options, add_readers, open_session
 
 HELP = """llama.cpp as the engine: the GGUF is mmapped, so the kernel page cache is the expert tier.
 'info' prints the expert geometry; 'run' greedy-decodes a prompt in one page-cache mode (mmap,
@@ -79,70 +78,6 @@ def add_parser(sub) -> None:
     gen.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N",
                      help="tokens generated at most (default 128)")
     gen.set_defaults(func=run_generate)
-
-
-def add_generation_options(p) -> None:
-    """The options ``llama generate`` and ``serve`` share: the model, its mode and its sampling."""
-    from ..llama.advice import MODES
-
-    p.add_argument("model", metavar="MODEL.gguf")
-    if p.prog.endswith("generate"):
-        src = p.add_mutually_exclusive_group(required=True)
-        src.add_argument("--prompt", metavar="TEXT", help="complete this text")
-        src.add_argument("--prompt-file", metavar="PATH", help="complete the text of this UTF-8 file")
-        src.add_argument("--chat", metavar="TEXT", help="answer this user message with the model's chat template")
-        p.add_argument("--system", metavar="TEXT", default=None, help="a system message before --chat")
-        p.add_argument("--temperature", type=nonnegative_float, default=0.0, metavar="TEMP",
-                       help="0 is greedy (default 0)")
-        p.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0, metavar="P",
-                       help="nucleus sampling (default 1)")
-        p.add_argument("--seed", type=seed_int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--mode", choices=MODES, default=None,
-                   help="page-cache mode (default: managed with --cache-memory, else mmap; docs/llama.md)")
-    p.add_argument("--cache-memory", default=None, metavar="SIZE",
-                   help="bound the managed mode's page cache: bytes (800MB) or P%% of the experts beside the "
-                        "dense part")
-    p.add_argument("--policy", default="lru", metavar="NAME",
-                   help="online eviction rule of the managed mode (default lru)")
-    p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
-    add_readers(p)
-    p.add_argument("--ctx", type=positive_int, default=None, metavar="N", help="context tokens (default 2048)")
-    p.add_argument("--chat-format", default=None, metavar="NAME",
-                   help="a llama-cpp-python chat format (chatml, ...) for a GGUF without its own chat template")
-    add_json(p)
-
-
-
-
-def add_readers(p) -> None:
-    p.add_argument("--readers", type=_nonnegative_int, default=None, metavar="N",
-                   help="threads that read the experts being loaded (managed, prefetch; default 4 for prefetch, "
-                        "0 otherwise)")
-
-
-def _nonnegative_int(text: str) -> int:
-    return _int_in(text, 0, 64, "a number of threads", "in 0..64")
-
-
-def open_session(args, before_load=None):
-    """The :class:`~expertcache.llama.textgen.Session` of ``generate`` / ``serve``'s options
-    (``before_load``: :meth:`~expertcache.llama.textgen.Session.open`'s)."""
-    from ..llama.engine import _llama
-    from ..formats.gguf import read_geometry
-    from ..policies import make_policy
-
-    _llama()  # one line where the llama extra is missing
-    from ..llama.sweep import parse_wall
-    from ..llama.textgen import DEFAULT_CTX, Session
-
-    make_policy(args.policy)
-    g = read_geometry(args.model, "MODEL")
-    cache = parse_wall(args.cache_memory, g, "--cache-memory")
-    mode = args.mode or ("managed" if cache is not None else "mmap")
-    return Session.open(g.path, mode=mode, cache_bytes=cache, policy=args.policy, n_ctx=args.ctx or DEFAULT_CTX,
-                        threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format,
-                        readers=args.readers, routed_experts=getattr(args, "enable_return_routed_experts", False),
-                        before_load=before_load)
 
 
 def run_generate(args) -> int:
@@ -352,27 +287,3 @@ def run_sweep(args) -> int:
             print(f"{mode}: smallest wall reaching {args.target_tokens_per_s:g} tok/s: {wall if wall else 'none'}")
     return 0
 
-
-def run_capture(args) -> int:
-    """``expertcache capture --model MODEL.gguf``: the router trace from llama.cpp (teacher-forced, or
-    the decode steps with ``--generate N``)."""
-    from ..llama.capture import capture_gguf
-
-    unsupported = [opt for opt, on in (("--text", args.text), ("--router-probs", args.router_probs),
-                                       ("--record", args.record), ("--layers", args.layers),
-                                       ("--device", args.device)) if on]
-    if unsupported:
-        raise ConfigError(f"{unsupported[0]}: not supported with a .gguf model (llama.cpp capture records the "
-                          "experts and gate weights of every MoE layer from --tokens)")
-    trace = capture_gguf(args.model, read_tokens(args.tokens), max_len=args.max_len,
-                         max_sequences=args.max_sequences, generate=args.generate or 0)
-    trace.save(args.out)
-    rec = {"out": args.out, "model": args.model, "engine": "llama.cpp", "phase": trace.meta.get("phase"),
-           "sequences": trace.num_sequences, "tokens": trace.num_tokens, "layers": trace.layer_ids,
-           "num_experts": trace.num_experts, "top_k": trace.top_k, "expert_bytes": trace.meta.get("expert_bytes")}
-    if args.json:
-        emit_json([rec])
-    else:
-        print(f"{args.out}: {trace.num_tokens} {rec['phase']} tokens in {trace.num_sequences} sequence(s) from llama.cpp, "
-              f"L={trace.num_layers}, k={trace.top_k} of E={trace.num_experts}")
-    return 0

@@ -6,11 +6,10 @@ import argparse
 
 from ..policies import available_policies, make_policy
 from ..sim import StreamOptions, build_layout, fill_gap, replay_layout
-from .budget_opts import (add_capacity_or_budget, add_tier_options, attach_profile, budget_capacity, per_unit,
-                          per_unit_header, select_sequences, sequence_positions)
-from .common import (add_json, add_parallel_options, add_replay_options, describe, emit_json, open_trace,
-                     parallel_jobs, setup_line, table)
-from .sizing_opts import SizingSetup, add_sizing_options, resolve_sizing
+from .budget_opts import (add_capacity_or_budget, add_tier_options, attach_profile, budget_capacity, print_results,
+                          select_sequences, sequence_positions)
+from .common import add_json, add_parallel_options, add_replay_options, describe, emit_json, open_trace, parallel_jobs, setup_line
+from .sizing_opts import add_sizing_options, resolve_sizing
 
 HELP = """Replay a trace through eviction policies at one capacity (lossless, demand fetch).
 
@@ -85,23 +84,3 @@ def run(args) -> int:
     print_results(results, setup, unit=args.unit)
     return 0
 
-
-def future_mark(needs_future: bool) -> str:
-    """The 'future' column: ``yes`` for a policy that reads the recorded future (clairvoyant)."""
-    return "yes" if needs_future else ""
-
-
-def print_results(results, setup: SizingSetup | None = None, *, unit: str = "token") -> None:
-    """The policy table: copies per accepted token (or per engine iteration), steady and total
-    copies, hit rate, gap recovered, whether the policy needs the future, and the sizing figures
-    (per accepted token) when ``setup`` is active."""
-    setup = setup or SizingSetup()
-    if setup.active:
-        print(setup.describe())
-    rows = [
-        (r.policy, future_mark(r.needs_future), per_unit(r, unit), r.copies_steady, r.copies_total, r.hit_rate,
-         r.gap_recovered, *setup.result_cells(r))
-        for r in results
-    ]
-    table(rows, ["policy", "future", per_unit_header(unit), "steady", "total", "hit rate", "gap recovered",
-                 *setup.headers()])

@@ -12,7 +12,7 @@ import sys
 from .. import __version__
 from ..errors import ConfigError
 from .common import _int_in, byte_size, emit_json
-from .llama_cmd import add_generation_options, open_session
+from .llama_opts import add_generation_options, open_session
 
 HELP = """Serve a GGUF MoE over HTTP with the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions,
 streamed or not), /health and /metrics (Prometheus), with llama-cpp-python's Llama (tokenizer, chat
@@ -105,7 +105,8 @@ def run_walled(args) -> int:
     from ..formats.gguf import read_geometry
     from ..llama.runner import check_wall
     from ..llama.sweep import parse_wall
-    from ..wall import accounting as acc, capacity as cap
+    from ..wall import capacity as cap
+    from ..wall.pagecache import evict_file_pages
 
     g = read_geometry(args.model, "MODEL")
     wall = parse_wall(args.memory_wall, g, "--memory-wall")
@@ -130,7 +131,7 @@ def run_walled(args) -> int:
     with cap.worker_spec({}, "expertcache-serve-", True) as (_spec, flag):
         os.environ[WALL_ENV] = json.dumps({"capacity": wall, "follow_flag": flag})
         try:
-            acc.evict_file_pages([g.path])
+            evict_file_pages([g.path])
             run = cap.run_walled(argv, capacity_bytes=wall, wall="cgroup", headroom_bytes=headroom,
                                  follow_margin=margin, follow_flag=flag, tier_files=[g.path], tier_locked=False,
                                  passthrough=True)

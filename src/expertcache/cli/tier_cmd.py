@@ -299,7 +299,7 @@ def run_replay(args) -> int:
 
 def run_sweep(args) -> int:
     from ..tier.sweep import comparisons, plot, shuffled_order, summarize
-    from .curves_cmd import check_plot
+    from .common import check_plot
     caps = parse_byte_range(args.capacities, "--capacities")
     check_plot(args.plot)
     trace, pool, records, keep = _run_cells(args, caps, order=shuffled_order(args.seed))

@@ -37,10 +37,11 @@ def walled_eval(child_argv: list[str], capacity_bytes: int, *, tier_files, headr
     (:func:`~expertcache.wall.capacity.follow_plan`); the tier is the page cache of ``tier_files``
     (the checkpoint's shards). Returns ``(records, wall_record, stderr)``; the records are the
     child's, each with ``memory_wall`` added."""
-    from ..wall import accounting as acc, capacity as cap
+    from ..wall import capacity as cap
+    from ..wall.pagecache import evict_file_pages
 
     headroom, margin, note = cap.follow_plan(capacity_bytes, headroom_bytes)
-    acc.evict_file_pages(list(tier_files))  # cold: the tier's pages are the child's, charged to its wall
+    evict_file_pages(list(tier_files))  # cold: the tier's pages are the child's, charged to its wall
     run = cap.run_walled(_python(child_argv), capacity_bytes=capacity_bytes, wall=wall, headroom_bytes=headroom,
                          timeout=timeout, follow_margin=margin, tier_files=list(tier_files), tier_locked=False)
     records = _records(run, "the walled run")

@@ -24,7 +24,8 @@ import time
 import numpy as np
 
 from ..errors import ConfigError, ExpertcacheError
-from ..wall import accounting as acc, capacity as cap
+from ..wall import capacity as cap
+from ..wall.pagecache import evict_file_pages
 from .advice import MODES, PageAdvisor, managed_budget, managed_item_bytes, readers_for
 from .capture import RoutingRecorder
 from ..formats.gguf import Geometry, read_geometry
@@ -228,7 +229,7 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     capacity = int(wall_bytes or g.file_bytes)
     headroom, margin, note = cap.follow_plan(capacity, headroom_bytes)
     with cap.worker_spec(spec, "expertcache-llama-", True) as (spec_path, flag):
-        evicted = acc.evict_file_pages([g.path])
+        evicted = evict_file_pages([g.path])
         argv = [sys.executable, "-m", "expertcache.llama.runner", spec_path]
         walled = cap.run_walled(argv, capacity_bytes=capacity, wall=wall if wall_bytes else "none",
                                 headroom_bytes=headroom, timeout=timeout, follow_margin=margin, follow_flag=flag,

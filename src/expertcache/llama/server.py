@@ -616,7 +616,7 @@ class WallGauge:
     def __init__(self, path: str, capacity: int):
         import threading
 
-        from ..wall.accounting import FileCache
+        from ..wall.pagecache import FileCache
         from ..wall.capacity import proof_slack
 
         self.files, self.capacity, self.slack = FileCache([path]), capacity, proof_slack(capacity)

@@ -203,7 +203,7 @@ class Session:
             routing = ContextRouting(n_ctx, g.num_layers - len(g.skipped_layers), g.top_k)
             hook.attach(routing)
         if mode == "managed":  # cold: whatever wrote or read the file before leaves no folios of its own
-            from ..wall.accounting import evict_file_pages
+            from ..wall.pagecache import evict_file_pages
 
             evict_file_pages([g.path])
         t0 = time.perf_counter()

@@ -36,6 +36,8 @@ import numpy as np
 
 from ..errors import ConfigError, ExpertcacheError
 from ..trace import load_trace
+from ..wall.pagecache import evict_file_pages
+from ..wall.procfs import vmlck_bytes
 from .advice import Advisor, load_plan, parse_advice
 from .arena import Arena, MlockError, drop_ipc_lock, top_experts
 from .loop import Replayer, iteration_starts
@@ -116,7 +118,7 @@ def run(spec: dict) -> dict:
            "expert_bytes": pool.expert_bytes, "pool_bytes": pool.total_bytes, "layout": pool.layout}
 
     dropped = drop_caches() if spec.get("drop_caches") and spec.get("cold_start", True) else None
-    out["cold_start"] = acc.evict_file_pages(paths) if spec.get("cold_start", True) else None
+    out["cold_start"] = evict_file_pages(paths) if spec.get("cold_start", True) else None
     if out["cold_start"] is not None:
         out["cold_start"]["drop_caches"] = dropped
     # arena: user space owns the cache, the rest is streamed with direct I/O, nothing cached (the
@@ -160,7 +162,7 @@ def run(spec: dict) -> dict:
         reader.close()
     out["own_bytes_end"] = _own_bytes()[0]
     if arena is not None:
-        out["arena"]["vmlck_bytes_after"] = acc.vmlck_bytes()
+        out["arena"]["vmlck_bytes_after"] = vmlck_bytes()
         arena.close()
     out["accounting"] = acc.delta(pre, post)
     return out | _summary(out["accounting"], measured, warm, trace)
@@ -178,7 +180,7 @@ def _preload_arena(spec: dict, mode: str, trace, capacity: int, pool, acc):
     arena.preload()
     return arena, {"budget_bytes": budget, "entries": len(arena.slots), "bytes": arena.bytes,
                    "locked_bytes": arena.locked_bytes, "profile_window": window,
-                   "preload_note": arena.preload_note, "vmlck_bytes": acc.vmlck_bytes()}
+                   "preload_note": arena.preload_note, "vmlck_bytes": vmlck_bytes()}
 
 
 def _summary(a: dict, measured, warm, trace) -> dict:

@@ -22,12 +22,11 @@ import time
 from typing import Sequence
 
 from . import cgroupfs
-from .pagecache import FileCache, evict_file_pages, residency  # noqa: F401 (re-exported: the tier's callers)
+from .pagecache import residency
 from .procfs import (cgroup_version, read_meminfo, read_memcg, read_pressure, read_self_io, read_text, read_vmstat,
                      vmlck_bytes)
 
-__all__ = ["snapshot", "delta", "residency", "FileCache", "evict_file_pages", "reclaim_setup", "vmlck_bytes", "block_device",
-           "diskstats_row", "read_meminfo", "read_text"]
+__all__ = ["snapshot", "delta", "reclaim_setup", "block_device", "diskstats_row"]
 
 SECTOR = 512
 """/proc/diskstats counts sectors of 512 bytes, whatever the device's block size."""

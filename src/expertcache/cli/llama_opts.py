@@ -1,0 +1,71 @@
+"""Options and the session that ``llama generate`` and ``serve`` share: the model, its page-cache
+mode, its sampling, the expert readers, and :func:`open_session` (the
+:class:`~expertcache.llama.textgen.Session` those options describe). The llama extra is imported
+inside the functions: every command's module is imported to build the parser, and ``expertcache
+--help`` must not load llama.cpp."""
+
+from __future__ import annotations
+
+from .common import _int_in, add_json, float_in, nonnegative_float, positive_int, seed_int
+
+
+def add_generation_options(p) -> None:
+    """The options ``llama generate`` and ``serve`` share: the model, its mode and its sampling."""
+    from ..llama.advice import MODES
+
+    p.add_argument("model", metavar="MODEL.gguf")
+    if p.prog.endswith("generate"):
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--prompt", metavar="TEXT", help="complete this text")
+        src.add_argument("--prompt-file", metavar="PATH", help="complete the text of this UTF-8 file")
+        src.add_argument("--chat", metavar="TEXT", help="answer this user message with the model's chat template")
+        p.add_argument("--system", metavar="TEXT", default=None, help="a system message before --chat")
+        p.add_argument("--temperature", type=nonnegative_float, default=0.0, metavar="TEMP",
+                       help="0 is greedy (default 0)")
+        p.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0, metavar="P",
+                       help="nucleus sampling (default 1)")
+        p.add_argument("--seed", type=seed_int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="page-cache mode (default: managed with --cache-memory, else mmap; docs/llama.md)")
+    p.add_argument("--cache-memory", default=None, metavar="SIZE",
+                   help="bound the managed mode's page cache: bytes (800MB) or P%% of the experts beside the "
+                        "dense part")
+    p.add_argument("--policy", default="lru", metavar="NAME",
+                   help="online eviction rule of the managed mode (default lru)")
+    p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
+    add_readers(p)
+    p.add_argument("--ctx", type=positive_int, default=None, metavar="N", help="context tokens (default 2048)")
+    p.add_argument("--chat-format", default=None, metavar="NAME",
+                   help="a llama-cpp-python chat format (chatml, ...) for a GGUF without its own chat template")
+    add_json(p)
+
+
+def add_readers(p) -> None:
+    p.add_argument("--readers", type=_nonnegative_int, default=None, metavar="N",
+                   help="threads that read the experts being loaded (managed, prefetch; default 4 for prefetch, "
+                        "0 otherwise)")
+
+
+def _nonnegative_int(text: str) -> int:
+    return _int_in(text, 0, 64, "a number of threads", "in 0..64")
+
+
+def open_session(args, before_load=None):
+    """The :class:`~expertcache.llama.textgen.Session` of ``generate`` / ``serve``'s options
+    (``before_load``: :meth:`~expertcache.llama.textgen.Session.open`'s)."""
+    from ..llama.engine import _llama
+    from ..formats.gguf import read_geometry
+    from ..policies import make_policy
+
+    _llama()  # one line where the llama extra is missing
+    from ..llama.sweep import parse_wall
+    from ..llama.textgen import DEFAULT_CTX, Session
+
+    make_policy(args.policy)
+    g = read_geometry(args.model, "MODEL")
+    cache = parse_wall(args.cache_memory, g, "--cache-memory")
+    mode = args.mode or ("managed" if cache is not None else "mmap")
+    return Session.open(g.path, mode=mode, cache_bytes=cache, policy=args.policy, n_ctx=args.ctx or DEFAULT_CTX,
+                        threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format,
+                        readers=args.readers, routed_experts=getattr(args, "enable_return_routed_experts", False),
+                        before_load=before_load)
