@@ -52,7 +52,7 @@ def sampler(cgroup, flag=None) -> cg.Sampler:
 
 
 def floor() -> int:
-    return max(MARGIN, min(cg.FLOOR_BYTES, CAPACITY // 2))
+    return max(MARGIN, min(cg.FLOOR_BYTES, CAPACITY + MARGIN + MARGIN // 2))  # within the room of an empty tier
 
 
 def test_the_limit_follows_own_memory_plus_the_capacity(cgroup):
@@ -83,6 +83,18 @@ def test_reclaimable_page_cache_counts_toward_the_floor(cgroup):
     cgroup.set(usage=usage, file=CAPACITY)  # the tier fills the capacity: reclaimable
     s.sample()
     assert cgroup.limit <= usage + MARGIN
+
+
+def test_the_floor_never_gives_the_tier_more_than_its_bound(cgroup):
+    """A tier of locked memory at the capacity, nothing reclaimable: the floor would leave 4 MiB
+    above the usage, but the tier may take only one margin more, and that bound wins."""
+    s = sampler(cgroup)
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()
+    usage = 90 * MiB + CAPACITY + MARGIN
+    cgroup.set(usage=usage, file=0, unevictable=CAPACITY + MARGIN)
+    s.sample()
+    assert cgroup.limit - usage <= MARGIN
 
 
 def test_steps_while_the_worker_waits_stay_within_what_the_tier_may_take(cgroup):

@@ -248,6 +248,9 @@ def begin_following(flag: str | None) -> None:
     deadline = time.monotonic() + FOLLOW_WAIT_S
     while os.path.exists(flag) and time.monotonic() < deadline:
         time.sleep(0.002)
+    if os.path.exists(flag):
+        print(f"expertcache: the memory wall took no following limit within {FOLLOW_WAIT_S:g} s; going on "
+              "(its proof says whether the budget held)", file=sys.stderr, flush=True)
 
 
 def _ack_flag(flag: str | None, done) -> None:

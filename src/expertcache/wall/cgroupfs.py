@@ -21,13 +21,16 @@ from .procfs import keyed_numbers, read_text
 
 SAMPLE_S = 0.05
 """Interval (s) at which a cgroup's memory.stat is sampled during the run."""
+SAMPLE_FAST_S = 0.01
+"""The interval of a following wall while its worker grows (waits for memory, or grew by a margin
+since the last sample): a server's start-up grew 3.8 MB within one 50 ms sample, and on v1 a
+system call that meets the limit fails with ENOMEM."""
 FOLLOW_WINDOW = 20
 """Samples (one second) over which a following wall takes the least own memory it saw."""
 FLOOR_BYTES = 4 << 20
 """The least room a following wall leaves above its worker's usage, free or in reclaimable page
-cache (at most half the capacity, at least one margin): on v1 a system call's charge at the limit
-fails with ENOMEM where nothing is reclaimable (:meth:`Sampler._follow`). Half the capacity at most,
-so the tier (which the room's page cache is) stays within the capacity when the floor is what binds."""
+cache (at least one margin, never more than the room the tier may take): on v1 a system call's
+charge at the limit fails with ENOMEM where nothing is reclaimable (:meth:`Sampler._follow`)."""
 OOM_STEP = 8 << 20
 """The least a following wall raises its limit by when its worker waits for memory (v1)."""
 OOM_PATIENCE_S = 5.0
@@ -258,6 +261,9 @@ class Sampler(threading.Thread):
         self._bias = 0
         self._oom_since: float | None = None
         self._halt = threading.Event()
+        self.interval = SAMPLE_S
+        self._last_usage: int | None = None
+        """Until the next sample: :data:`SAMPLE_FAST_S` while a following worker presses on its limit."""
 
     @property
     def tier_measure(self) -> str:
@@ -293,8 +299,10 @@ class Sampler(threading.Thread):
                 self._recent_own.append(vals["own_peak_bytes"])
                 self._correct(tier, usage)
                 self._follow(min(self._recent_own), usage, tier, file)
-                if os.environ.get(TRACE_ENV):
-                    self._trace(tier, usage, vals["own_peak_bytes"], file, unev)
+            if os.environ.get(TRACE_ENV):
+                self._trace(tier, usage, vals["own_peak_bytes"], file, unev)
+        if flagged:
+            self._note(f"flag seen, limit {'written' if self._limit is not None else 'not written'}")
         if flagged and (self.follow is None or self._limit is not None):
             # a following limit is written: let the worker go on (begin_following); a first write that
             # failed (v1 refuses a limit below a usage that grew meanwhile: EBUSY) is retried next sample
@@ -307,12 +315,20 @@ class Sampler(threading.Thread):
                 self.last_state = state
 
     def _trace(self, tier: int, usage: int | None, own: int, file: int, unev: int) -> None:
-        """One line per following sample, in MiB, appended to the file ``$EXPERTCACHE_WALL_TRACE``
-        names (how a wall's tier, own memory, feedback and limit moved: docs/robustness.md)."""
+        """One line per sample of a following wall, in KiB, appended to the file
+        ``$EXPERTCACHE_WALL_TRACE`` names (how a wall's tier, own memory, feedback and limit moved:
+        docs/robustness.md); the cgroup's name first, so that walls running at once can be told apart."""
         with contextlib.suppress(OSError), open(os.environ[TRACE_ENV], "a", encoding="utf-8") as fh:
-            fh.write(f"{time.monotonic():.3f} tier={tier >> 20} usage={(usage or 0) >> 20} own={own >> 20} "
-                     f"min_own={min(self._recent_own) >> 20} bias={self._bias >> 20} limit={(self._limit or 0) >> 20} "
-                     f"file={file >> 20} unevictable={unev >> 20}\n")
+            fh.write(f"{time.monotonic():.3f} {os.path.basename(self.dir)} tier={tier >> 10} usage={(usage or 0) >> 10} "
+                     f"own={own >> 10} min_own={min(self._recent_own, default=0) >> 10} bias={self._bias >> 10} "
+                     f"limit={(self._limit or 0) >> 10} file={file >> 10} unevictable={unev >> 10}"
+                     f"{'' if self._following else ' not-following'}\n")
+
+    def _note(self, what: str) -> None:
+        """An event line in the ``$EXPERTCACHE_WALL_TRACE`` file (when set)."""
+        if os.environ.get(TRACE_ENV):
+            with contextlib.suppress(OSError), open(os.environ[TRACE_ENV], "a", encoding="utf-8") as fh:
+                fh.write(f"{time.monotonic():.3f} {os.path.basename(self.dir)} {what}\n")
 
     def _correct(self, tier: int, usage: int | None) -> None:
         """Feedback on the tier itself: a tier above the capacity lowers the limit by half the excess
@@ -332,7 +348,8 @@ class Sampler(threading.Thread):
         """Write the limit: ``capacity + own + margin - bias`` (``own`` the window's least), with room
         above ``usage`` of at most ``capacity + 1.5 margins - tier`` (the proof's slack is 2 margins)
         and room plus reclaimable page cache (``file``: the cgroup's page cache on the LRU lists) of
-        at least :data:`FLOOR_BYTES` (within half the capacity and one margin). The room is room the tier can take before the next sample; the floor is
+        at least :data:`FLOOR_BYTES` (never above the first bound, so that the tier's bound holds
+        whatever binds). The room is room the tier can take before the next sample; the floor is
         there because on v1 a system call's charge at the limit fails (ENOMEM: LLVM's code memory
         for a compiled rule, a ``read`` of a module, ``mlock``) where nothing can be reclaimed,
         instead of waiting as a fault does: a limit left at the usage (a sample that found the worker
@@ -355,9 +372,12 @@ class Sampler(threading.Thread):
             if usage is not None and limit < usage and self._limit is not None:
                 limit = max(limit, self._limit)  # own grew past the window's least: not below the last limit
         if usage is not None:
-            floor = max(margin, min(FLOOR_BYTES, capacity // 2))
-            limit = max(usage + max(0, floor - file), min(limit, usage + room))
+            floor = max(margin, FLOOR_BYTES)
+            limit = max(usage + min(room, max(0, floor - file)), min(limit, usage + room))
         limit = min(ceiling, limit)
+        grew = usage is not None and self._last_usage is not None and usage - self._last_usage >= margin
+        self.interval = SAMPLE_FAST_S if waiting or grew else SAMPLE_S
+        self._last_usage = usage
         if waiting and limit >= ceiling and time.monotonic() - self._oom_since > OOM_PATIENCE_S:
             with contextlib.suppress(OSError):  # it needs more than the ceiling: let the kernel kill it
                 write(os.path.join(self.dir, "memory.oom_control"), "0")
@@ -366,8 +386,9 @@ class Sampler(threading.Thread):
             return
         try:
             write(os.path.join(self.dir, FILES[self.version]["follow"]), str(limit))
-        except OSError:  # v1 refuses (EBUSY) a limit it cannot reclaim down to: the next sample retries
+        except OSError as exc:  # v1 refuses (EBUSY) a limit it cannot reclaim down to: the next sample retries
             self.limits["limit_write_errors"] += 1
+            self._note(f"limit {limit >> 10} KiB refused: {exc.strerror}")
             return
         self._limit = limit
         lim = self.limits
@@ -378,7 +399,7 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         if self.follow is not None:  # a following wall takes its first limit at once, not a period later
             self.sample()
-        while not self._halt.wait(SAMPLE_S):
+        while not self._halt.wait(self.interval):
             self.sample()
 
     def stop(self) -> None:
