@@ -128,3 +128,34 @@ def test_the_flag_is_released_only_once_a_following_limit_is_written(cgroup, tmp
     s.sample()
     assert not os.path.exists(flag)
     assert cgroup.limit == 90 * MiB + CAPACITY + MARGIN
+
+
+def test_a_model_load_gets_no_room_from_other_files_page_cache(cgroup, tmp_path):
+    """While the worker loads its model (llama.cpp maps the GGUF with MAP_POPULATE, faster than a
+    sample), the page cache of other files charged to the wall is room the kernel reclaims for the
+    load: the wall counts it as room, so the tier cannot pass its bound; the worker's mark is removed
+    once such a limit is written, and the phase ends when the worker says so."""
+    from expertcache.wall.pagecache import evict_file_pages
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"\0" * (1 << 16))
+    evict_file_pages([str(gguf)])
+    flag = str(tmp_path / "worker.follow")
+    s = cg.Sampler(cgroup.d, "v1", follow=(CAPACITY, CEILING, MARGIN), follow_flag=flag, tier_files=[str(gguf)],
+                   tier_locked=False)
+    open(flag, "w").close()
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()  # following from here (begin_following)
+    assert not os.path.exists(flag)
+    other = 24 * MiB  # the libraries' page cache, charged to the wall
+    cgroup.set(usage=100 * MiB, file=other)
+    open(flag + cg.LOAD_SUFFIX, "w").close()  # model_load: the worker waits for the mark to go
+    s.sample()
+    assert not os.path.exists(flag + cg.LOAD_SUFFIX)
+    tier = s.files.bytes()
+    assert cgroup.limit - (100 * MiB - other) <= CAPACITY + MARGIN - tier + 4096
+    open(flag + cg.LOADED_SUFFIX, "w").close()  # the load is over
+    s.sample()
+    assert not os.path.exists(flag + cg.LOADED_SUFFIX)
+    assert cgroup.limit >= 100 * MiB  # other files' pages are the worker's own memory again
+    s.files.close()

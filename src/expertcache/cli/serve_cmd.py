@@ -63,13 +63,14 @@ def run(args) -> int:
 
     _llama()
     inside = json.loads(os.environ.pop(WALL_ENV, "null") or "null")  # set by run_walled for its child
-    before_load = None
+    before_load = loading = None
     if inside:  # the wall follows this process once all but the model's load is set up
-        from ..wall.capacity import begin_following
+        from ..wall.capacity import begin_following, model_load
 
         before_load = functools.partial(begin_following, inside.get("follow_flag"))
+        loading = model_load(inside.get("follow_flag"))
     model_id = args.model_alias or os.path.basename(args.model).removesuffix(".gguf")
-    with open_session(args, before_load) as session:
+    with open_session(args, before_load, loading) as session:
         def announce(url: str) -> None:
             rec = {"url": url, "model": model_id, "gguf": session.geometry.path, "mode": session.mode,
                    "cache_memory": session.cache_bytes, "policy": session.policy if session.mode == "managed" else None,

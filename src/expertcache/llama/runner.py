@@ -58,10 +58,11 @@ def measure(spec: dict) -> dict:
     mode = spec["mode"]
     _llama()  # the bindings loaded: the start-up is over before the tier is touched
     cap.begin_following(spec.get("follow_flag"))
-    t0 = time.perf_counter()
-    eng = Engine(g.path, n_ctx=len(prompt) + n_new + 1, threads=int(spec.get("threads", 1)), mmap=mode != "nommap",
-                 geometry=g)
-    load_s = time.perf_counter() - t0
+    with cap.model_load(spec.get("follow_flag")):
+        t0 = time.perf_counter()
+        eng = Engine(g.path, n_ctx=len(prompt) + n_new + 1, threads=int(spec.get("threads", 1)),
+                     mmap=mode != "nommap", geometry=g)
+        load_s = time.perf_counter() - t0
     advisor = PageAdvisor(g, mode, capacity=spec.get("managed_capacity"), policy=spec.get("policy", "lru"),
                           readers=int(spec.get("readers", 0)), predict=spec.get("predict"))
     routes = RoutingRecorder(weights=False)

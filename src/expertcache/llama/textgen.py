@@ -172,11 +172,13 @@ class Session:
     def open(cls, path: str, *, mode: str = "mmap", cache_bytes: int | None = None, policy: str = "lru",
              n_ctx: int = DEFAULT_CTX, threads: int = 1, seed: int = 0, chat_format: str | None = None,
              where: str = "MODEL", readers: int | None = None, routed_experts: bool = False,
-             before_load=None) -> "Session":
+             before_load=None, loading=None) -> "Session":
         """``before_load``: called once the options are checked and the managed rule compiled, before
         more than its header is read (a following memory wall begins there:
         :func:`~expertcache.wall.capacity.begin_following`, so that the start-up's compiling and
-        importing happen before the wall hugs the process)."""
+        importing happen before the wall hugs the process); ``loading``: a context manager held
+        around llama.cpp's load and the advisor's start (the wall's load phase:
+        :func:`~expertcache.wall.capacity.model_load`)."""
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         g = read_geometry(path, where)
@@ -206,21 +208,22 @@ class Session:
             from ..wall.pagecache import evict_file_pages
 
             evict_file_pages([g.path])
-        t0 = time.perf_counter()
-        try:
-            llm = ObservedLlama(g.path, hook=hook, routing=routing, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=threads,
-                                n_threads_batch=threads, use_mmap=mode != "nommap", seed=seed, verbose=False,
-                                chat_format=chat_format)
-        except ValueError as exc:  # llama-cpp-python's "Failed to load model from file" and the like
-            advisor.close()
-            raise ConfigError(f"{where} {path}: llama.cpp could not load it ({exc})") from None
-        load_s = time.perf_counter() - t0
-        try:
-            advisor.start()
-        except BaseException:
-            llm.close()
-            advisor.close()
-            raise
+        with loading if loading is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            try:
+                llm = ObservedLlama(g.path, hook=hook, routing=routing, n_ctx=n_ctx, n_batch=min(512, n_ctx),
+                                    n_threads=threads, n_threads_batch=threads, use_mmap=mode != "nommap", seed=seed,
+                                    verbose=False, chat_format=chat_format)
+            except ValueError as exc:  # llama-cpp-python's "Failed to load model from file" and the like
+                advisor.close()
+                raise ConfigError(f"{where} {path}: llama.cpp could not load it ({exc})") from None
+            load_s = time.perf_counter() - t0
+            try:
+                advisor.start()
+            except BaseException:
+                llm.close()
+                advisor.close()
+                raise
         return cls(g, mode, policy, advisor, llm, budget, n_ctx, load_s, chat_format is not None)
 
     @property

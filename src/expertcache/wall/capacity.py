@@ -44,7 +44,7 @@ from .cgroupwall import (CAPACITY_SLACK, SLACK_BYTES, WallRun, WallUnavailable, 
 from .cgroupwall import spawn as _spawn
 from .procfs import read_meminfo, read_text
 
-__all__ = ["WALLS", "DEFAULT_HEADROOM", "FOLLOW_CEILING", "follow_plan", "begin_following", "MIN_LEFT", "CAPACITY_SLACK", "SLACK_BYTES", "WallRun", "WallUnavailable",
+__all__ = ["WALLS", "DEFAULT_HEADROOM", "FOLLOW_CEILING", "follow_plan", "begin_following", "model_load", "MIN_LEFT", "CAPACITY_SLACK", "SLACK_BYTES", "WallRun", "WallUnavailable",
            "proof_slack", "enforceable_bytes", "detect_walls", "balloon_plan", "run_walled", "worker_spec", "cgroup_target",
            "child_result"]
 
@@ -226,8 +226,9 @@ def worker_spec(spec: dict, prefix: str, follow: bool):
     finally:
         os.unlink(path)
         if flag:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(flag)
+            for left in (flag, flag + cg.LOAD_SUFFIX, flag + cg.LOADED_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(left)
 
 
 FOLLOW_WAIT_S = 5.0
@@ -251,6 +252,38 @@ def begin_following(flag: str | None) -> None:
     if os.path.exists(flag):
         print(f"expertcache: the memory wall took no following limit within {FOLLOW_WAIT_S:g} s; going on "
               "(its proof says whether the budget held)", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def model_load(flag: str | None):
+    """The worker's model load as a following wall's load phase (a no-op without a flag). On entry
+    the worker creates ``flag + LOAD_SUFFIX`` and waits (at most :data:`FOLLOW_WAIT_S`) until the
+    wall has written a limit that leaves the tier no more room than its bound, counting the other
+    files' page cache charged to the wall as room (the kernel reclaims it to make room for the load:
+    llama.cpp maps the GGUF with ``MAP_POPULATE``, which filled 4.5 MB of a 3.5 MB wall from the
+    libraries' 24 MB of page cache within one sample); on exit it creates ``flag + LOADED_SUFFIX``
+    and the wall follows as before. Hold it around the load and nothing else."""
+    if not flag:
+        yield
+        return
+    import time
+
+    mark = flag + cg.LOAD_SUFFIX
+    with open(mark, "w"):
+        pass
+    deadline = time.monotonic() + FOLLOW_WAIT_S
+    while os.path.exists(mark) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    if os.path.exists(mark):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(mark)
+        print(f"expertcache: the memory wall made no room for the model's load within {FOLLOW_WAIT_S:g} s; "
+              "going on (its proof says whether the budget held)", file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        with open(flag + cg.LOADED_SUFFIX, "w"):
+            pass
 
 
 def _ack_flag(flag: str | None, done) -> None:

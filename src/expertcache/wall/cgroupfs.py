@@ -203,6 +203,11 @@ def own_bytes(d: str, version: str) -> tuple[int | None, str | None]:
     return max(0, usage - st["active_file"] - st["inactive_file"] - st.get("unevictable", 0)), None
 
 
+LOAD_SUFFIX, LOADED_SUFFIX = ".load", ".loaded"
+"""A following wall's worker about to load a model creates ``follow_flag + LOAD_SUFFIX`` and waits
+until the wall removes it; it creates ``follow_flag + LOADED_SUFFIX`` when the load is over
+(:func:`~.capacity.model_load`; :meth:`Sampler._follow`, the load phase)."""
+
 TRACE_ENV = "EXPERTCACHE_WALL_TRACE"
 """Environment variable: a file to which a following wall appends one line per sample."""
 
@@ -262,6 +267,8 @@ class Sampler(threading.Thread):
         self._oom_since: float | None = None
         self._halt = threading.Event()
         self.interval = SAMPLE_S
+        self._loading = False
+        self._squeezed = False
         self._last_usage: int | None = None
         """Until the next sample: :data:`SAMPLE_FAST_S` while a following worker presses on its limit."""
 
@@ -293,16 +300,29 @@ class Sampler(threading.Thread):
                 self.peaks[k] = v if self.peaks[k] is None else max(self.peaks[k], v)
         self.peaks["samples"] += 1
         flagged = bool(self.follow_flag and os.path.exists(self.follow_flag))
+        load_mark = self.follow_flag and not flagged and os.path.exists(self.follow_flag + LOAD_SUFFIX)
+        if self._loading and self.follow_flag and os.path.exists(self.follow_flag + LOADED_SUFFIX):
+            self._loading = False
+            self._note("load over")
+            with contextlib.suppress(OSError):
+                os.unlink(self.follow_flag + LOADED_SUFFIX)
+        if load_mark and self._following:
+            self._loading = True
+        other = max(0, file - tier + (0 if self.tier_locked else unev)) if self.files is not None else 0
         if self.follow is not None and vals["own_peak_bytes"] is not None:
             self._following = self._following or tier * 2 >= self.follow[0] or flagged
             if self._following:
                 self._recent_own.append(vals["own_peak_bytes"])
                 self._correct(tier, usage)
-                self._follow(min(self._recent_own), usage, tier, file)
+                self._follow(min(self._recent_own), usage, tier, file, other)
             if os.environ.get(TRACE_ENV):
                 self._trace(tier, usage, vals["own_peak_bytes"], file, unev)
         if flagged:
             self._note(f"flag seen, limit {'written' if self._limit is not None else 'not written'}")
+        if load_mark and self._loading and self._squeezed:  # other files' cache is out: the load may begin
+            self._note("load begins")
+            with contextlib.suppress(OSError):
+                os.unlink(self.follow_flag + LOAD_SUFFIX)
         if flagged and (self.follow is None or self._limit is not None):
             # a following limit is written: let the worker go on (begin_following); a first write that
             # failed (v1 refuses a limit below a usage that grew meanwhile: EBUSY) is retried next sample
@@ -344,7 +364,7 @@ class Sampler(threading.Thread):
             self._bias -= min(self._bias, (capacity - margin - tier) // 2)
         self.limits["max_bias_bytes"] = max(self.limits.get("max_bias_bytes", 0), self._bias)
 
-    def _follow(self, own: int, usage: int | None = None, tier: int = 0, file: int = 0) -> None:
+    def _follow(self, own: int, usage: int | None = None, tier: int = 0, file: int = 0, other: int = 0) -> None:
         """Write the limit: ``capacity + own + margin - bias`` (``own`` the window's least), with room
         above ``usage`` of at most ``capacity + 1.5 margins - tier`` (the proof's slack is 2 margins)
         and room plus reclaimable page cache (``file``: the cgroup's page cache on the LRU lists) of
@@ -371,7 +391,11 @@ class Sampler(threading.Thread):
             self._oom_since = None
             if usage is not None and limit < usage and self._limit is not None:
                 limit = max(limit, self._limit)  # own grew past the window's least: not below the last limit
-        if usage is not None:
+        self._squeezed = False
+        if usage is not None and self._loading:  # the other files' page cache is room the load would take
+            base = usage - other  # and the load fills any room at once: the tier's bound less a margin's
+            limit = max(base + max(0, margin - file), min(limit, base + max(0, capacity + margin - tier)))
+        elif usage is not None:
             floor = max(margin, FLOOR_BYTES)
             limit = max(usage + min(room, max(0, floor - file)), min(limit, usage + room))
         limit = min(ceiling, limit)
@@ -383,6 +407,7 @@ class Sampler(threading.Thread):
                 write(os.path.join(self.dir, "memory.oom_control"), "0")
         limit -= limit % 4096
         if limit == self._limit:
+            self._squeezed = self._loading
             return
         try:
             write(os.path.join(self.dir, FILES[self.version]["follow"]), str(limit))
@@ -391,6 +416,7 @@ class Sampler(threading.Thread):
             self._note(f"limit {limit >> 10} KiB refused: {exc.strerror}")
             return
         self._limit = limit
+        self._squeezed = self._loading
         lim = self.limits
         lim["limit_writes"] += 1
         lim["min_limit_bytes"] = limit if lim["min_limit_bytes"] is None else min(lim["min_limit_bytes"], limit)
