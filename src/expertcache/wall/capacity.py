@@ -235,23 +235,30 @@ FOLLOW_WAIT_S = 5.0
 """How long a worker waits for its wall to take the first following limit (:func:`begin_following`)."""
 
 
+def _handshake(mark: str, what: str) -> None:
+    """Create ``mark`` and wait (at most :data:`FOLLOW_WAIT_S`) until the wall removes it; say so on
+    stderr, and go on, where it does not (the proof then says whether the budget held)."""
+    import time
+
+    with open(mark, "w"):
+        pass
+    deadline = time.monotonic() + FOLLOW_WAIT_S
+    while os.path.exists(mark) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    if os.path.exists(mark):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(mark)
+        print(f"expertcache: the memory wall {what} within {FOLLOW_WAIT_S:g} s; going on (its proof says whether "
+              "the budget held)", file=sys.stderr, flush=True)
+
+
 def begin_following(flag: str | None) -> None:
     """The worker's side of a following wall: its start-up is over, so create ``flag`` and wait (at
     most :data:`FOLLOW_WAIT_S`) until the wall has taken its first following limit and removed the
     flag, before the worker touches the tier (a model that loads in less than a sample would
     otherwise fill the page cache under the start-up ceiling). A no-op without a flag."""
-    if not flag:
-        return
-    import time
-
-    with open(flag, "w"):
-        pass
-    deadline = time.monotonic() + FOLLOW_WAIT_S
-    while os.path.exists(flag) and time.monotonic() < deadline:
-        time.sleep(0.002)
-    if os.path.exists(flag):
-        print(f"expertcache: the memory wall took no following limit within {FOLLOW_WAIT_S:g} s; going on "
-              "(its proof says whether the budget held)", file=sys.stderr, flush=True)
+    if flag:
+        _handshake(flag, "took no following limit")
 
 
 @contextlib.contextmanager
@@ -266,19 +273,7 @@ def model_load(flag: str | None):
     if not flag:
         yield
         return
-    import time
-
-    mark = flag + cg.LOAD_SUFFIX
-    with open(mark, "w"):
-        pass
-    deadline = time.monotonic() + FOLLOW_WAIT_S
-    while os.path.exists(mark) and time.monotonic() < deadline:
-        time.sleep(0.002)
-    if os.path.exists(mark):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(mark)
-        print(f"expertcache: the memory wall made no room for the model's load within {FOLLOW_WAIT_S:g} s; "
-              "going on (its proof says whether the budget held)", file=sys.stderr, flush=True)
+    _handshake(flag + cg.LOAD_SUFFIX, "made no room for the model's load")
     try:
         yield
     finally:
@@ -288,15 +283,16 @@ def model_load(flag: str | None):
 
 def _ack_flag(flag: str | None, done) -> None:
     """Remove ``flag`` whenever it appears, until ``done`` is set: a wall that follows nothing (none,
-    balloon) must not keep :func:`begin_following` waiting."""
+    balloon) must not keep :func:`begin_following` or :func:`model_load` waiting."""
     import threading
     import time
 
     def run():
         while not done.is_set():
-            if flag and os.path.exists(flag):
-                with contextlib.suppress(OSError):
-                    os.unlink(flag)
+            for mark in (flag, flag + cg.LOAD_SUFFIX):
+                if os.path.exists(mark):
+                    with contextlib.suppress(OSError):
+                        os.unlink(mark)
             time.sleep(0.002)
     if flag:
         threading.Thread(target=run, daemon=True).start()
