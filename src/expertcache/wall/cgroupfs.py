@@ -267,10 +267,10 @@ class Sampler(threading.Thread):
         self._oom_since: float | None = None
         self._halt = threading.Event()
         self.interval = SAMPLE_S
-        self._loading = False
-        self._squeezed = False
+        """Until the next sample: :data:`SAMPLE_FAST_S` while a following worker grows."""
         self._last_usage: int | None = None
-        """Until the next sample: :data:`SAMPLE_FAST_S` while a following worker presses on its limit."""
+        self._loading = False  # the worker's model load (LOAD_SUFFIX seen, LOADED_SUFFIX not yet)
+        self._squeezed = False  # a limit of the load phase is written: the worker may load
 
     @property
     def tier_measure(self) -> str:
@@ -378,7 +378,12 @@ class Sampler(threading.Thread):
         waits, a limit below ``usage`` (the worker grew past the window's least) stays at the last
         one, within the room (v1 refuses a limit below the usage: EBUSY). Seen before the room's bound: 8 MiB
         steps during a server's start-up left room the model's load filled (5.1 MB of page cache
-        against a 3.2 MB wall)."""
+        against a 3.2 MB wall).
+
+        During a model load (:func:`~.capacity.model_load`) the other files' page cache charged to
+        the wall (``other``) counts as room too, since the kernel reclaims it for the load, and the
+        tier's room is ``capacity + margin - tier``: the limit is ``usage - other`` plus that, and
+        plus what makes one margin of reclaimable or free memory."""
         capacity, ceiling, margin = self.follow
         limit = min(ceiling, capacity + own + margin - self._bias)
         room = max(margin, capacity + margin + margin // 2 - tier)
