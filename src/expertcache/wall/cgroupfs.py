@@ -338,14 +338,13 @@ class Sampler(threading.Thread):
         """One line per sample of a following wall, in KiB, appended to the file
         ``$EXPERTCACHE_WALL_TRACE`` names (how a wall's tier, own memory, feedback and limit moved:
         docs/robustness.md); the cgroup's name first, so that walls running at once can be told apart."""
-        with contextlib.suppress(OSError), open(os.environ[TRACE_ENV], "a", encoding="utf-8") as fh:
-            fh.write(f"{time.monotonic():.3f} {os.path.basename(self.dir)} tier={tier >> 10} usage={(usage or 0) >> 10} "
-                     f"own={own >> 10} min_own={min(self._recent_own, default=0) >> 10} bias={self._bias >> 10} "
-                     f"limit={(self._limit or 0) >> 10} file={file >> 10} unevictable={unev >> 10}"
-                     f"{'' if self._following else ' not-following'}\n")
+        self._note(f"tier={tier >> 10} usage={(usage or 0) >> 10} own={own >> 10} "
+                   f"min_own={min(self._recent_own, default=0) >> 10} bias={self._bias >> 10} "
+                   f"limit={(self._limit or 0) >> 10} file={file >> 10} unevictable={unev >> 10}"
+                   f"{'' if self._following else ' not-following'}")
 
     def _note(self, what: str) -> None:
-        """An event line in the ``$EXPERTCACHE_WALL_TRACE`` file (when set)."""
+        """A line of the ``$EXPERTCACHE_WALL_TRACE`` file (when set): the time, the cgroup's name, ``what``."""
         if os.environ.get(TRACE_ENV):
             with contextlib.suppress(OSError), open(os.environ[TRACE_ENV], "a", encoding="utf-8") as fh:
                 fh.write(f"{time.monotonic():.3f} {os.path.basename(self.dir)} {what}\n")
