@@ -31,6 +31,8 @@ FLOOR_BYTES = 4 << 20
 """The least room a following wall leaves above its worker's usage, free or in reclaimable page
 cache (at least one margin, never more than the room the tier may take): on v1 a system call's
 charge at the limit fails with ENOMEM where nothing is reclaimable (:meth:`Sampler._follow`)."""
+SAMPLER_NICE = -10
+"""Nice value of a following wall's sampler thread, where the process may raise its priority."""
 OOM_STEP = 8 << 20
 """The least a following wall raises its limit by when its worker waits for memory (v1)."""
 OOM_PATIENCE_S = 5.0
@@ -427,8 +429,14 @@ class Sampler(threading.Thread):
         lim["max_limit_bytes"] = limit if lim["max_limit_bytes"] is None else max(lim["max_limit_bytes"], limit)
 
     def run(self) -> None:
-        if self.follow is not None:  # a following wall takes its first limit at once, not a period later
-            self.sample()
+        if self.follow is not None:
+            # A following wall is a control loop: a sample that comes late lets the worker grow up to
+            # the limit, and on v1 its next system call's charge fails (a server died with "can't start
+            # new thread" beside two CPU burners and two test workers). Where allowed (root, or
+            # CAP_SYS_NICE), this thread runs at nice SAMPLER_NICE so a busy neighbour cannot starve it.
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAMPLER_NICE)
+            self.sample()  # the first limit at once, not a period later
         while not self._halt.wait(self.interval):
             self.sample()
 
