@@ -72,3 +72,21 @@ def test_cli_replay_ray_matches_serial(local_ray, tmp_path, capsys):
         return strip([json.loads(line) for line in capsys.readouterr().out.splitlines()])
 
     assert records("--ray", "auto", "--jobs", "2") == records()
+
+
+def test_chunks_replayed_as_ray_tasks_equal_serial(local_ray, tmp_path):
+    from expertcache.sim.chunked import replay_chunked, sweep_chunked
+    from expertcache.trace.chunked import ChunkWriter, open_chunked
+    from expertcache.trace.synth import PRESETS, synthesize_chunks
+
+    params = PRESETS["olmoe"].params.with_overrides(tokens=60, sequences=6)
+    with ChunkWriter(tmp_path / "ch") as w:
+        for piece in synthesize_chunks(params, 0, chunk_sequences=2, preset="olmoe"):
+            w.add(piece)
+    ct = open_chunked(tmp_path / "ch")
+    serial = replay_chunked(ct, 16, ["lru", "belady"])
+    on_ray = replay_chunked(ct, 16, ["lru", "belady"], jobs=2, ray="auto")
+    assert strip([r.to_dict() for r in on_ray]) == strip([r.to_dict() for r in serial])
+    a = sweep_chunked(ct, [8, 24], ["lru", "arc"], ray="auto")
+    b = sweep_chunked(ct, [8, 24], ["lru", "arc"])
+    assert [list(map(int, c.copies_steady)) for c in a] == [list(map(int, c.copies_steady)) for c in b]

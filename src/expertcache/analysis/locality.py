@@ -158,38 +158,56 @@ def reuse_within(trace: Trace, windows: Iterable[int] = DEFAULT_WINDOWS) -> np.n
 
     See the module docstring for which tokens are scored; NaN for a layer with none.
     """
-    windows = _check_windows(windows)
+    sums, counts = reuse_sums(trace, _check_windows(windows))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.where(counts > 0, counts, 1), np.nan)
+
+
+def reuse_sums(trace: Trace, windows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """``(sums [len(windows), L], counts [L])`` behind :func:`reuse_within`: the fractions summed
+    over each layer's scored tokens, and how many there are (traces of whole sequences add up)."""
     steps = token_steps(trace)
     scored = scored_tokens(trace, steps)
-    out = np.full((len(windows), trace.num_layers), np.nan)
+    sums = np.zeros((len(windows), trace.num_layers))
+    counts = np.zeros(trace.num_layers, dtype=np.int64)
     for col in range(trace.num_layers):
         gaps = reuse_gaps(trace, col, steps)
         n_valid = np.count_nonzero(trace.experts[:, col, :] >= 0, axis=1)
         rows = scored & (n_valid > 0)
-        if not rows.any():
+        counts[col] = np.count_nonzero(rows)
+        if not counts[col]:
             continue
         g, nv = gaps[rows], n_valid[rows]
         for i, w in enumerate(windows):
-            out[i, col] = float(np.mean(np.count_nonzero(g <= w, axis=1) / nv))
-    return out
+            sums[i, col] = float(np.sum(np.count_nonzero(g <= w, axis=1) / nv))
+    return sums, counts
 
 
 def coverage_curve(trace: Trace, checkpoints: Iterable[int] | None = None) -> list[tuple[int, float]]:
     """``(n, share)`` pairs: the share of the pool's ``L * E`` (layer, expert) pairs selected by
     the first ``n`` tokens in trace order. Default checkpoints: 16, 64, 256, ... below ``T``, and ``T``."""
-    T, L, k = trace.experts.shape
+    first_token = np.full(trace.num_layers * trace.num_experts, trace.num_tokens, dtype=np.int64)
+    first_tokens(trace, 0, first_token)
+    return _coverage(first_token, trace.num_tokens, checkpoints)
+
+
+def first_tokens(trace: Trace, offset: int, out: np.ndarray) -> None:
+    """Lower ``out[l * E + e]`` to the first token (counted from ``offset``) selecting expert e at
+    layer column l (a running minimum over a trace's pieces)."""
     E = trace.num_experts
-    if checkpoints is None:
-        checkpoints = [4**i for i in range(2, 40) if 4**i < T] + [T]
-    points = sorted({min(int(n), T) for n in checkpoints if int(n) > 0})
-    first_token = np.full(L * E, T, dtype=np.int64)  # T: never selected
-    for col in range(L):
+    for col in range(trace.num_layers):
         ex = trace.experts[:, col, :]
         tok, slot = np.nonzero(ex >= 0)
         ids = ex[tok, slot].astype(np.int64)
-        np.minimum.at(first_token, col * E + ids, tok)
+        np.minimum.at(out, col * E + ids, tok + offset)
+
+
+def _coverage(first_token: np.ndarray, T: int, checkpoints: Iterable[int] | None) -> list[tuple[int, float]]:
+    if checkpoints is None:
+        checkpoints = [4**i for i in range(2, 40) if 4**i < T] + [T]
+    points = sorted({min(int(n), T) for n in checkpoints if int(n) > 0})
     seen_by = np.cumsum(np.bincount(first_token, minlength=T + 1)[:T])  # seen_by[n-1]: touched by n tokens
-    return [(n, float(seen_by[n - 1]) / (L * E)) for n in points]
+    return [(n, float(seen_by[n - 1]) / first_token.size) for n in points]
 
 
 def _check_windows(windows: Iterable[int]) -> list[int]:
@@ -306,12 +324,40 @@ def locality_report(
 ) -> LocalityReport:
     """Every locality statistic of ``trace`` (per layer, overall, coverage curve, hot sets)."""
     windows = _check_windows(windows)
-    counts = expert_counts(trace)
-    reuse = reuse_within(trace, windows)
+    return _report(trace.name, trace.num_experts, trace.top_k, trace.num_tokens, trace.num_sequences,
+                   int(np.count_nonzero(scored_tokens(trace))), windows, top, expert_counts(trace),
+                   reuse_within(trace, windows), coverage_curve(trace, checkpoints), trace.layer_ids,
+                   trace.meta.get("model"))
+
+
+def locality_report_chunked(ct, *, windows: Iterable[int] = DEFAULT_WINDOWS, top: int = DEFAULT_TOP,
+                            checkpoints: Iterable[int] | None = None) -> LocalityReport:
+    """:func:`locality_report` of a chunked trace (:mod:`expertcache.trace.chunked`), one chunk in
+    memory at a time: counts, reuse sums and first uses add over chunks of whole sequences (the
+    reuse means equal the whole trace's up to float rounding; the rest exactly)."""
+    windows = _check_windows(windows)
+    L, E, T = ct.num_layers, ct.num_experts, ct.num_tokens
+    counts = np.zeros((L, E), dtype=np.int64)
+    sums, n = np.zeros((len(windows), L)), np.zeros(L, dtype=np.int64)
+    first_token = np.full(L * E, T, dtype=np.int64)
+    scored, offset = 0, 0
+    for chunk in ct.iter_chunks():
+        counts += expert_counts(chunk)
+        s, c = reuse_sums(chunk, windows)
+        sums, n = sums + s, n + c
+        first_tokens(chunk, offset, first_token)
+        scored += int(np.count_nonzero(scored_tokens(chunk)))
+        offset += chunk.num_tokens
+    with np.errstate(invalid="ignore", divide="ignore"):
+        reuse = np.where(n > 0, sums / np.where(n > 0, n, 1), np.nan)
+    return _report(ct.name, E, ct.top_k, T, ct.num_sequences, scored, windows, top, counts, reuse,
+                   _coverage(first_token, T, checkpoints), ct.layer_ids, ct.meta.get("model"))
+
+
+def _report(name, E, k, tokens, sequences, scored, windows, top, counts, reuse, coverage, layer_ids, model):
     shares = top_share(counts, top)
-    E = trace.num_experts
     layers = []
-    for col, lid in enumerate(trace.layer_ids):
+    for col, lid in enumerate(layer_ids):
         distinct = int(np.count_nonzero(counts[col]))
         layers.append(LayerLocality(
             layer=lid,
@@ -322,21 +368,9 @@ def locality_report(
             top_share=float(shares[col]),
             reuse={w: float(reuse[i, col]) for i, w in enumerate(windows)},
         ))
-    return LocalityReport(
-        name=trace.name,
-        num_experts=E,
-        top_k=trace.top_k,
-        tokens=trace.num_tokens,
-        sequences=trace.num_sequences,
-        scored_tokens=int(np.count_nonzero(scored_tokens(trace))),
-        windows=windows,
-        top=top,
-        layers=layers,
-        coverage=coverage_curve(trace, checkpoints),
-        hot=hot_sets(counts, top),
-        layer_ids=trace.layer_ids,
-        model=trace.meta.get("model"),
-    )
+    return LocalityReport(name=name, num_experts=E, top_k=k, tokens=tokens, sequences=sequences, scored_tokens=scored,
+                          windows=windows, top=top, layers=layers, coverage=coverage, hot=hot_sets(counts, top),
+                          layer_ids=list(layer_ids), model=model)
 
 
 # ---------------------------------------------------------------------------- hot-set overlap

@@ -191,6 +191,21 @@ def open_trace(path: str) -> Trace:
     return load_trace(path)
 
 
+def open_trace_or_chunked(path: str):
+    """A :class:`~expertcache.trace.Trace`, or a :class:`~expertcache.trace.chunked.ChunkedTrace`
+    when ``path`` is a folder holding ``chunks.json`` (the commands that stream one: replay, sweep)."""
+    from ..trace.chunked import is_chunked, open_chunked
+
+    return open_chunked(path) if is_chunked(path) else load_trace(path)
+
+
+def describe_chunked(ct) -> str:
+    """The :func:`describe` line of a chunked trace (from its manifest: no chunk is read)."""
+    return (f"trace {ct.name}: T={ct.num_tokens} tokens in {ct.num_sequences} sequence(s), {ct.num_chunks} chunk(s) "
+            f"on disk, L={ct.num_layers} layers, k={ct.top_k} of E={ct.num_experts}, "
+            f"phase {ct.meta.get('phase', 'unknown')}")
+
+
 def _short(text: str) -> str:
     return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
 
@@ -247,6 +262,9 @@ def _fmt(v: Any) -> str:
 
 
 def describe(trace: Trace) -> str:
+    """One line: the trace's name and shape (a chunked trace's from its manifest)."""
+    if not isinstance(trace, Trace):
+        return describe_chunked(trace)
     rows = f"T={trace.num_tokens} tokens"
     if "iteration" in trace.extras or "accepted" in trace.extras:  # an engine trace: rows are router passes
         from ..trace.units import accepted_tokens, iterations

@@ -22,13 +22,15 @@ from ..costmodel import FIGURES
 from ..errors import ConfigError
 from ..policies import available_policies, make_policy
 from ..sim import StreamOptions, build_layout
+from ..trace import Trace
 from ..sim.curves import (
     CAUSAL_RULES, DEFAULT_HORIZONS, DEFAULT_POLICIES, FAIR_WARM, capacity_bounds, compare_pools,
     foresight_curve, sweep_layout,
 )
 from .common import (
-    add_json, add_parallel_options, add_replay_options, check_plot, describe, emit_json, future_mark, future_note,
-    nonnegative_float, open_trace, parallel_jobs, positive_int, setup_line, table, wrote,
+    add_json, add_parallel_options, add_replay_options, check_plot, describe, emit_json, future_mark,
+    future_note, nonnegative_float, open_trace, open_trace_or_chunked, parallel_jobs, positive_int, require, setup_line,
+    table, wrote,
 )
 from .budget_opts import (add_tier_options, attach_profile, budget_capacities, budget_range, clamp_capacity,
                           clip_capacities, per_unit, print_budget_sweep)
@@ -109,6 +111,9 @@ protected is a stack algorithm); other policies are replayed at each capacity on
 With --target-hit-rate/--target-copies it reports, per policy, the smallest swept capacity that
 meets the target, and says so when a larger capacity misses it again. The sizing options add
 MB/token, GB/s, ms/token, tokens/s and cache memory (docs/sizing.md).
+
+TRACE may be a chunked trace's folder ('expertcache synth --chunk-sequences'): it is swept one
+chunk (or block of layers) at a time in bounded memory, with the same counts (docs/scale.md).
 """
 
 FORESIGHT_HELP = """Limited foresight: the share of the LRU-to-Belady gap in steady copies that farthest-future
@@ -194,12 +199,21 @@ def run_sweep(args) -> int:
     targeted = args.target_hit_rate is not None or args.target_copies is not None
     if targeted and args.budgets is not None:  # before any work or output
         raise ConfigError("--target-hit-rate/--target-copies work on --capacities; with --budgets read the table")
-    trace = open_trace(args.trace)
+    trace = open_trace_or_chunked(args.trace)
+    chunked = not isinstance(trace, Trace)
     setup = resolve_sizing(args, trace)
     policies = [make_policy(s) for s in (args.policies or ["lru", "belady"])]
     attach_profile(policies, args.profile)
     specs = [p if getattr(p, "takes_profile", False) else p.spec for p in policies]
-    layout = build_layout(trace, StreamOptions.from_args(args))
+    options = StreamOptions.from_args(args)
+    if chunked:  # a chunked trace: unit by unit, in bounded memory (sim.chunked); the layout's shape only
+        from ..sim.chunked import pool_shape
+
+        require(not targeted, "--target-hit-rate/--target-copies need the whole trace's layout; a chunked trace "
+                              "gives the curve (read the table)")
+        layout = pool_shape(trace, options)
+    else:
+        layout = build_layout(trace, options)
     capacities, budgets, clipped = args.capacities, None, ""
     if capacities is not None:
         capacities, clipped = clip_capacities(capacities, int(layout.n_items), layout.pool)
@@ -211,9 +225,16 @@ def run_sweep(args) -> int:
     lo, hi = capacity_bounds(layout)
     n_caps = len(capacities) if capacities else hi - lo + 1
     units = sum(1 if p.spec == "lru" and not args.replay_lru else n_caps for p in policies)
-    with progress(units, "sweep") as tick:
-        curves = sweep_layout(layout, capacities, specs, one_pass=not args.replay_lru, progress=tick,
-                              jobs=parallel_jobs(args), ray=args.ray)
+    if chunked:
+        from ..sim.chunked import plan_units, sweep_chunked
+
+        with progress(len(plan_units(trace, options)), "sweep") as tick:
+            curves = sweep_chunked(trace, capacities, specs, options, one_pass=not args.replay_lru, progress=tick,
+                                   jobs=parallel_jobs(args), ray=args.ray)
+    else:
+        with progress(units, "sweep") as tick:
+            curves = sweep_layout(layout, capacities, specs, one_pass=not args.replay_lru, progress=tick,
+                                  jobs=parallel_jobs(args), ray=args.ray)
     if args.plot:
         from ..report.plots import plot_mrc
 

@@ -6,8 +6,9 @@ import argparse
 import itertools
 
 from ..analysis import DEFAULT_WINDOWS, hot_set_overlap, locality_report
-from ..analysis.locality import DEFAULT_TOP, LocalityReport
-from .common import add_json, describe, emit_json, open_trace, positive_int, table
+from ..analysis.locality import DEFAULT_TOP, LocalityReport, locality_report_chunked
+from ..trace import Trace
+from .common import add_json, describe, emit_json, open_trace_or_chunked, positive_int, table
 
 HELP = """Locality of router traces, per layer and overall (definitions: docs/locality.md).
 
@@ -20,13 +21,14 @@ HELP = """Locality of router traces, per layer and overall (definitions: docs/lo
 Overall values are means over layers. The coverage curve is the share of all L x E (layer,
 expert) pairs touched by the first n tokens. With two or more traces, the Jaccard overlap of
 their hot sets (top N per layer) is reported for each pair with the same E, over shared layer ids.
+A chunked trace's folder is read one chunk at a time (docs/scale.md).
 """
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("stats", help="locality report of traces (skew, reuse, hot sets, coverage)", description=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("traces", nargs="+", metavar="TRACE", help="canonical traces (.npz, or folders holding routing.npz)")
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="canonical traces (.npz, or folders holding routing.npz, or chunked traces' folders)")
     p.add_argument("--top", type=positive_int, default=DEFAULT_TOP, metavar="N",
                    help=f"hot-set size: the N most selected experts per layer (default {DEFAULT_TOP})")
     p.add_argument("--windows", type=_windows, default=list(DEFAULT_WINDOWS), metavar="W,W,...",
@@ -37,8 +39,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    traces = [open_trace(path) for path in args.traces]
-    reports = [locality_report(t, windows=args.windows, top=args.top) for t in traces]
+    traces = [open_trace_or_chunked(path) for path in args.traces]
+    reports = [(locality_report if isinstance(t, Trace) else locality_report_chunked)(t, windows=args.windows, top=args.top)
+               for t in traces]
     pairs = [hot_set_overlap(a, b) for a, b in itertools.combinations(reports, 2)]
     if args.json:
         emit_json([r.to_dict() | {"path": path} for r, path in zip(reports, args.traces)] + [p.to_dict() for p in pairs])

@@ -7,7 +7,8 @@ import time
 from dataclasses import asdict
 
 from ..errors import ConfigError
-from ..trace.synth import PRESETS, get_preset, synthesize
+from ..trace.chunked import ChunkWriter, open_chunked
+from ..trace.synth import PRESETS, get_preset, synthesize, synthesize_chunks
 from .common import add_json, add_out, check_out, describe, emit_json, positive_int, require, seed_int, table
 
 HELP = """Generate a synthetic router trace with realistic locality and save it (.npz, atomically).
@@ -20,6 +21,12 @@ parameter can be overridden; the seed makes the output identical on every machin
 
 'expertcache synth engine-jsonl' writes an engine-iteration routing log with speculative decoding
 instead (see 'expertcache synth engine-jsonl --help').
+
+With --chunk-sequences N it writes a chunked trace instead: a folder (--out without .npz) of
+chunks of N sequences each, generated and written one at a time in bounded memory, which replay
+and sweep read chunk by chunk (docs/scale.md). Chunks share the model (each layer's popularity
+order comes from the seed) and draw their sequences from their own streams: the same output for
+the same seed and N, equal in distribution to the one-file trace but not token for token.
 """
 
 # Generator parameters with a flag of their own below; the rest get --<name-with-dashes>.
@@ -53,6 +60,8 @@ def add_parser(sub) -> None:
     p.add_argument("--num-layers", type=positive_int, metavar="L", help="number of MoE layers (default: the preset's)")
     p.add_argument("--num-experts", type=positive_int, metavar="E", help="experts per layer (default: the preset's)")
     p.add_argument("--top-k", type=positive_int, metavar="K", help="experts per token and layer (default: the preset's)")
+    p.add_argument("--chunk-sequences", type=positive_int, metavar="N",
+                   help="write a chunked trace: --out is a folder, each chunk N whole sequences (docs/scale.md)")
     for name, help_text in _HELP.items():
         kind = int if name == "max_lag" else float
         p.add_argument("--" + name.replace("_", "-"), type=kind, metavar="X", help=help_text)
@@ -68,15 +77,15 @@ def run(args) -> int:
         return _list(args.json)
     require(args.preset is not None, "--preset is required (see 'expertcache synth --list')")
     require(args.out is not None, "--out is required (the .npz file to write)")
+    if args.chunk_sequences is not None:
+        return _run_chunked(args)
     require(args.out.endswith(".npz"), f"--out: expected a path ending in .npz, got {args.out!r}")
     check_out(args.out)
-    preset = get_preset(args.preset)
-    overrides = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in _NAMED.items()}
-    overrides |= {name: getattr(args, name) for name in _HELP}
-    params = preset.params.with_overrides(**overrides)
+    preset, params = _params(args)
     selections = params.tokens * params.sequences * params.num_layers * params.top_k
     require(selections <= MAX_SELECTIONS,
-            f"{selections:,} expert selections (tokens x sequences x layers x k) is more than {MAX_SELECTIONS:,}")
+            f"{selections:,} expert selections (tokens x sequences x layers x k) is more than {MAX_SELECTIONS:,} "
+            "(write it chunked: --chunk-sequences)")
     t0 = time.perf_counter()
     trace = synthesize(params, args.seed, preset=preset.name)
     try:
@@ -92,6 +101,43 @@ def run(args) -> int:
         return 0
     print(f"wrote {path} ({seconds:.2f} s, seed {args.seed})")
     print(describe(trace))
+    return 0
+
+
+def _params(args):
+    """The preset and its parameters with the command line's overrides."""
+    preset = get_preset(args.preset)
+    overrides = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in _NAMED.items()}
+    overrides |= {name: getattr(args, name) for name in _HELP}
+    return preset, preset.params.with_overrides(**overrides)
+
+
+def _run_chunked(args) -> int:
+    """``--chunk-sequences N``: a chunked trace in the folder ``--out``, one chunk at a time."""
+    require(not args.out.endswith(".npz"), f"--out: with --chunk-sequences it is a folder, got {args.out!r}")
+    preset, params = _params(args)
+    n = min(args.chunk_sequences, params.sequences)
+    selections = params.tokens * n * params.num_layers * params.top_k
+    require(selections <= MAX_SELECTIONS, f"{selections:,} expert selections in one chunk is more than "
+                                          f"{MAX_SELECTIONS:,}: lower --chunk-sequences")
+    t0 = time.perf_counter()
+    try:
+        with ChunkWriter(args.out) as writer:
+            for piece in synthesize_chunks(params, args.seed, chunk_sequences=n, preset=preset.name):
+                writer.add(piece)
+    except OSError as err:
+        raise ConfigError(f"--out {args.out}: cannot write it ({err.strerror or err})") from None
+    seconds = time.perf_counter() - t0
+    ct = open_chunked(args.out)
+    if args.json:
+        emit_json([{"out": str(ct.root), "preset": preset.name, "seed": args.seed, "tokens": ct.num_tokens,
+                    "sequences": ct.num_sequences, "chunks": ct.num_chunks, "layers": ct.layer_ids,
+                    "num_layers": ct.num_layers, "num_experts": ct.num_experts, "top_k": ct.top_k,
+                    "requests": ct.num_requests_upper, "params": asdict(params), "seconds": seconds}])
+        return 0
+    print(f"wrote {ct.root}/ ({ct.num_chunks} chunks, {ct.num_requests_upper:,} requests, {seconds:.2f} s, "
+          f"seed {args.seed})")
+    print(describe(ct))
     return 0
 
 

@@ -18,7 +18,9 @@ from typing import Callable
 
 from ..costmodel.sizing import MB
 from ..errors import ConfigError, ExpertcacheError
-from ..sim import build_layout, fill_gap, replay_layout
+from ..sim import StreamOptions, build_layout, fill_gap, replay_layout
+from ..sim.chunked import pool_shape, replay_chunked
+from ..trace import Trace
 from ..sim.budget import Budget
 from .cells import Task, plan_tasks
 from .spec import GridSpec
@@ -137,14 +139,19 @@ def run_cells(task: Task, todo: tuple[str, ...], trace) -> list[dict]:
     task's lru and belady are replayed too when the grid has them, so ``gap_recovered`` is always
     filled alike."""
     try:
-        layout = build_layout(trace, pool=task.pool, reset=task.reset, warm=task.warm,
-                              layers=list(task.layers) if task.layers is not None else None)
+        options = StreamOptions.of(pool=task.pool, reset=task.reset, warm=task.warm,
+                                   layers=list(task.layers) if task.layers is not None else None)
+        chunked = not isinstance(trace, Trace)  # a chunked trace: replayed unit by unit (sim.chunked)
+        layout = pool_shape(trace, options) if chunked else build_layout(trace, options)
         capacity, budget = task.capacity, None
         if task.budget is not None:
             budget = Budget(task.budget[1], _expert_bytes(task, trace))
             capacity = budget.capacity(task.pool, len(layout.layer_ids))
         run = [p for p in task.policies if p in todo or p in ("lru", "belady")]
-        results = {p: replay_layout(layout, capacity, p) for p in run}
+        if chunked:
+            results = dict(zip(run, replay_chunked(trace, capacity, run, options)))
+        else:
+            results = {p: replay_layout(layout, capacity, p) for p in run}
         fill_gap(list(results.values()))
     except ExpertcacheError as err:
         size = f"budget {task.budget[0]}" if task.budget else f"capacity {task.capacity}"

@@ -23,6 +23,7 @@ from ..errors import ConfigError, ExpertcacheError
 from ..policies import make_policy
 from ..sim.options import POOLS, RESETS
 from ..trace import parse_layers
+from ..trace.chunked import MANIFEST, is_chunked, open_chunked
 from ..trace.npz import resolve_trace_path
 from ..trace.synth import PRESETS
 
@@ -57,7 +58,7 @@ class TraceSource:
         if self.path is not None:
             from ..trace import load_trace
 
-            return load_trace(self.path)
+            return open_chunked(self.path) if is_chunked(self.path) else load_trace(self.path)
         from ..trace.synth import synthesize
 
         params = PRESETS[self.preset].params.with_overrides(**dict(self.overrides))
@@ -171,6 +172,9 @@ def _file_traces(value, where: str, base: Path) -> list[TraceSource]:
         if not matches:
             raise ConfigError(f"{where}: traces: {pattern!r} matches no file")
         for m in matches:
+            if is_chunked(m):  # a chunked trace: identified by its manifest (names, sizes, sequence ranges)
+                out.append(TraceSource(label=m, path=m, checksum=file_sha256(Path(m) / MANIFEST)))
+                continue
             try:
                 file = resolve_trace_path(m)
             except ExpertcacheError as err:

@@ -199,8 +199,9 @@ class Trace:
         )
 
     # ------------------------------------------------------------------ persistence
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the canonical ``.npz`` atomically (temp file + rename); returns the path."""
+    def save(self, path: str | os.PathLike, *, compressed: bool = True) -> Path:
+        """Write the canonical ``.npz`` atomically (temp file + rename); returns the path.
+        ``compressed=False`` stores the arrays (a chunk of a chunked trace: read by copying)."""
         path = Path(path)
         arrays: dict[str, np.ndarray] = {
             "experts": self.experts.astype(compact_dtype(self.num_experts), copy=False),
@@ -212,7 +213,7 @@ class Trace:
             arrays["router_probs"] = self.router_probs
         arrays.update(self.extras)
         arrays["meta"] = np.array(json.dumps(self.meta, sort_keys=False))
-        write_npz(path, arrays, compressed=True)
+        write_npz(path, arrays, compressed=compressed)
         return path
 
 

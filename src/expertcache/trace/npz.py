@@ -68,6 +68,9 @@ def resolve_trace_path(path: str | os.PathLike) -> Path:
     if stat.S_ISDIR(st.st_mode):
         inner = p / "routing.npz"
         if not inner.exists():
+            if (p / "chunks.json").is_file():
+                raise TraceError(f"{src}: is a chunked trace (chunks.json); replay and sweep read it chunk by chunk, "
+                                 "other commands need a whole trace (docs/scale.md)")
             raise TraceError(f"{src}: is a folder without routing.npz (name the trace file, or a folder holding routing.npz)")
         p = inner
         try:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -257,39 +257,82 @@ def synthesize(params: SynthParams, seed: int = 0, *, preset: str | None = None)
     params.validate()
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
-    E, k, L, T, S = params.num_experts, params.top_k, params.num_layers, params.tokens, params.sequences
+    E, L, T, S = params.num_experts, params.num_layers, params.tokens, params.sequences
     rng = np.random.default_rng(seed)
-    lag_cdf = _cdf(np.arange(1, params.max_lag + 1, dtype=np.float64) ** -params.lag_exponent)
-    n_shuffled = int(round(params.domain_shuffle * E))
-    swaps_per_token = max(1, math.ceil(params.drift_rate)) if params.drift_rate > 0 else 0
-    swap_prob = params.drift_rate / swaps_per_token if swaps_per_token else 0.0
     dtype = np.int16 if E <= np.iinfo(np.int16).max else np.int32
-    experts = np.empty((S * T, L, k), dtype=dtype)
+    experts = np.empty((S * T, L, params.top_k), dtype=dtype)
     for col in range(L):
-        rank_cdf = _cdf(params.popularity(col))
         base = rng.permutation(E).astype(np.int32)
-        start_rank = np.empty((S, E), dtype=np.int32)
-        for s in range(S):
-            start_rank[s] = base
-            if n_shuffled > 1:
-                ranks = rng.choice(E, n_shuffled, replace=False)
-                start_rank[s, ranks] = base[rng.permutation(ranks)]
-        u_pick = rng.random((S, T, k))
-        u_slot = rng.random((S, T, k))
-        u_drift = rng.random((S, T, swaps_per_token))
-        out = np.empty((S, T, k), dtype=np.int32)
-        _sample_layer(out, start_rank, rank_cdf, lag_cdf, params.reuse_prob, u_pick, u_slot, u_drift, swap_prob)
-        experts[:, col, :] = out.reshape(S * T, k)
+        experts[:, col, :] = _layer(params, col, base, rng, S)
+    seq = np.repeat(np.arange(S, dtype=np.int32), T)
+    return Trace.from_arrays(experts, seq, num_experts=E, meta=_meta(params, seed, preset),
+                             source=f"<synthetic:{preset or 'custom'}>")
+
+
+def _meta(params: SynthParams, seed: int, preset: str | None) -> dict:
     name = preset or "custom"
-    meta = {
+    return {
         "name": f"synthetic-{name}",
         "model": f"synthetic:{name}",
         "phase": "decode",
         **(PRESETS[preset].meta if preset in PRESETS else {}),
         "provenance": {"generator": GENERATOR, "preset": preset, "seed": int(seed), "params": asdict(params)},
     }
-    seq = np.repeat(np.arange(S, dtype=np.int32), T)
-    return Trace.from_arrays(experts, seq, num_experts=E, meta=meta, source=f"<synthetic:{name}>")
+
+
+def synthesize_chunks(params: SynthParams, seed: int = 0, *, chunk_sequences: int,
+                      preset: str | None = None) -> Iterator[Trace]:
+    """The trace of ``params`` as pieces of ``chunk_sequences`` whole sequences each (the last may
+    hold fewer), generated one piece at a time, for :class:`~expertcache.trace.chunked.ChunkWriter`.
+
+    One model for all pieces: each layer's base popularity order is drawn from ``seed`` alone; each
+    piece's sequences from its own stream ``default_rng([seed, piece])``. Sequence ids run on from
+    piece to piece (0 .. S-1 over the whole). The pieces are therefore the same for every run with
+    the same seed and ``chunk_sequences``, but not the same draws as :func:`synthesize` (which
+    interleaves one stream over all sequences): equal in distribution, not token for token.
+    """
+    params.validate()
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
+    if isinstance(chunk_sequences, bool) or not isinstance(chunk_sequences, (int, np.integer)) or chunk_sequences < 1:
+        raise ConfigError(f"chunk_sequences must be a positive integer, got {chunk_sequences!r}")
+    E, L, T, S = params.num_experts, params.num_layers, params.tokens, params.sequences
+    model = np.random.default_rng(seed)
+    bases = [model.permutation(E).astype(np.int32) for _ in range(L)]
+    dtype = np.int16 if E <= np.iinfo(np.int16).max else np.int32
+    name = preset or "custom"
+    meta = _meta(params, seed, preset)
+    meta["provenance"]["chunk_sequences"] = int(chunk_sequences)
+    for piece, s0 in enumerate(range(0, S, chunk_sequences)):
+        n = min(chunk_sequences, S - s0)
+        rng = np.random.default_rng([seed, piece])
+        experts = np.empty((n * T, L, params.top_k), dtype=dtype)
+        for col in range(L):
+            experts[:, col, :] = _layer(params, col, bases[col], rng, n)
+        seq = np.repeat(np.arange(s0, s0 + n, dtype=np.int64), T)
+        yield Trace.from_arrays(experts, seq, num_experts=E, meta=meta, source=f"<synthetic:{name}:{piece}>")
+
+
+def _layer(params: SynthParams, col: int, base: np.ndarray, rng: np.random.Generator, S: int) -> np.ndarray:
+    """Layer ``col`` of ``S`` sequences: ``[S * T, k]`` expert ids, drawn from ``rng`` in a fixed order."""
+    E, k, T = params.num_experts, params.top_k, params.tokens
+    lag_cdf = _cdf(np.arange(1, params.max_lag + 1, dtype=np.float64) ** -params.lag_exponent)
+    n_shuffled = int(round(params.domain_shuffle * E))
+    swaps_per_token = max(1, math.ceil(params.drift_rate)) if params.drift_rate > 0 else 0
+    swap_prob = params.drift_rate / swaps_per_token if swaps_per_token else 0.0
+    rank_cdf = _cdf(params.popularity(col))
+    start_rank = np.empty((S, E), dtype=np.int32)
+    for s in range(S):
+        start_rank[s] = base
+        if n_shuffled > 1:
+            ranks = rng.choice(E, n_shuffled, replace=False)
+            start_rank[s, ranks] = base[rng.permutation(ranks)]
+    u_pick = rng.random((S, T, k))
+    u_slot = rng.random((S, T, k))
+    u_drift = rng.random((S, T, swaps_per_token))
+    out = np.empty((S, T, k), dtype=np.int32)
+    _sample_layer(out, start_rank, rank_cdf, lag_cdf, params.reuse_prob, u_pick, u_slot, u_drift, swap_prob)
+    return out.reshape(S * T, k)
 
 
 def synthesize_preset(name: str, seed: int = 0, **overrides: Any) -> Trace:
