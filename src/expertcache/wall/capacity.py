@@ -269,7 +269,9 @@ def model_load(flag: str | None):
     files' page cache charged to the wall as room (the kernel reclaims it to make room for the load:
     llama.cpp maps the GGUF with ``MAP_POPULATE``, which filled 4.5 MB of a 3.5 MB wall from the
     libraries' 24 MB of page cache within one sample); on exit it creates ``flag + LOADED_SUFFIX``
-    and the wall follows as before. Hold it around the load and nothing else."""
+    and waits until the wall has written its limit after the load and removed the mark (the load
+    leaves the cgroup at its limit, where a system call's charge fails: a server's next thread
+    start did), then the wall follows as before. Hold it around the load and nothing else."""
     if not flag:
         yield
         return
@@ -277,8 +279,7 @@ def model_load(flag: str | None):
     try:
         yield
     finally:
-        with open(flag + cg.LOADED_SUFFIX, "w"):
-            pass
+        _handshake(flag + cg.LOADED_SUFFIX, "took no limit after the model's load")
 
 
 def _ack_flag(flag: str | None, done) -> None:
@@ -289,7 +290,7 @@ def _ack_flag(flag: str | None, done) -> None:
 
     def run():
         while not done.is_set():
-            for mark in (flag, flag + cg.LOAD_SUFFIX):
+            for mark in (flag, flag + cg.LOAD_SUFFIX, flag + cg.LOADED_SUFFIX):
                 if os.path.exists(mark):
                     with contextlib.suppress(OSError):
                         os.unlink(mark)

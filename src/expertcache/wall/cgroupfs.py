@@ -207,7 +207,8 @@ def own_bytes(d: str, version: str) -> tuple[int | None, str | None]:
 
 LOAD_SUFFIX, LOADED_SUFFIX = ".load", ".loaded"
 """A following wall's worker about to load a model creates ``follow_flag + LOAD_SUFFIX`` and waits
-until the wall removes it; it creates ``follow_flag + LOADED_SUFFIX`` when the load is over
+until the wall removes it; it creates ``follow_flag + LOADED_SUFFIX`` when the load is over and waits
+until the wall, its limit after the load written, removes that too
 (:func:`~.capacity.model_load`; :meth:`Sampler._follow`, the load phase)."""
 
 TRACE_ENV = "EXPERTCACHE_WALL_TRACE"
@@ -273,6 +274,7 @@ class Sampler(threading.Thread):
         self._last_usage: int | None = None
         self._loading = False  # the worker's model load (LOAD_SUFFIX seen, LOADED_SUFFIX not yet)
         self._squeezed = False  # a limit of the load phase is written: the worker may load
+        self._written = False  # the last sample's limit is in place (written, or unchanged)
 
     @property
     def tier_measure(self) -> str:
@@ -303,11 +305,10 @@ class Sampler(threading.Thread):
         self.peaks["samples"] += 1
         flagged = bool(self.follow_flag and os.path.exists(self.follow_flag))
         load_mark = self.follow_flag and not flagged and os.path.exists(self.follow_flag + LOAD_SUFFIX)
-        if self._loading and self.follow_flag and os.path.exists(self.follow_flag + LOADED_SUFFIX):
+        loaded = bool(self.follow_flag) and os.path.exists(self.follow_flag + LOADED_SUFFIX)
+        if self._loading and loaded:
             self._loading = False
             self._note("load over")
-            with contextlib.suppress(OSError):
-                os.unlink(self.follow_flag + LOADED_SUFFIX)
         if load_mark and self._following:
             self._loading = True
         other = max(0, file - tier + (0 if self.tier_locked else unev)) if self.files is not None else 0
@@ -325,6 +326,12 @@ class Sampler(threading.Thread):
             self._note("load begins")
             with contextlib.suppress(OSError):
                 os.unlink(self.follow_flag + LOAD_SUFFIX)
+        if loaded and not self._loading and (not self._following or self._written):
+            # the limit after the load is written: the worker goes on (model_load's exit); until then
+            # its system calls would meet the load's limit, which the load filled (a server's next
+            # thread start failed: "can't start new thread")
+            with contextlib.suppress(OSError):
+                os.unlink(self.follow_flag + LOADED_SUFFIX)
         if flagged and (self.follow is None or self._limit is not None):
             # a following limit is written: let the worker go on (begin_following); a first write that
             # failed (v1 refuses a limit below a usage that grew meanwhile: EBUSY) is retried next sample
@@ -412,8 +419,10 @@ class Sampler(threading.Thread):
             with contextlib.suppress(OSError):  # it needs more than the ceiling: let the kernel kill it
                 write(os.path.join(self.dir, "memory.oom_control"), "0")
         limit -= limit % 4096
+        self._written = False
         if limit == self._limit:
             self._squeezed = self._loading
+            self._written = True
             return
         try:
             write(os.path.join(self.dir, FILES[self.version]["follow"]), str(limit))
@@ -423,6 +432,7 @@ class Sampler(threading.Thread):
             return
         self._limit = limit
         self._squeezed = self._loading
+        self._written = True
         lim = self.limits
         lim["limit_writes"] += 1
         lim["min_limit_bytes"] = limit if lim["min_limit_bytes"] is None else min(lim["min_limit_bytes"], limit)
@@ -444,6 +454,9 @@ class Sampler(threading.Thread):
         self._halt.set()
         self.join(timeout=5)
         self.sample()  # charged page cache stays with the cgroup after the child exits
+        if self.version == "v1":  # charges the limit refused (a fault waits; a system call's fails)
+            self._note(" ".join(f"{name}={read_int(os.path.join(self.dir, name))}"
+                                for name in ("memory.failcnt", "memory.kmem.failcnt")))
         if self.files is not None:
             self.files.close()
 
