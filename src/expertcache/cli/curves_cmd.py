@@ -14,9 +14,7 @@ name things as ``replay`` does (``capacity``, ``policy``, ``layers``, ``trace``,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from typing import Iterator
 
 from ..costmodel import FIGURES
 from ..errors import ConfigError
@@ -27,6 +25,7 @@ from ..sim.curves import (
     CAUSAL_RULES, DEFAULT_HORIZONS, DEFAULT_POLICIES, FAIR_WARM, capacity_bounds, compare_pools,
     foresight_curve, sweep_layout,
 )
+from .._progress import progress
 from .common import (
     add_json, add_parallel_options, add_replay_options, check_plot, describe, emit_json, future_mark,
     future_note, nonnegative_float, open_trace, open_trace_or_chunked, parallel_jobs, positive_int, require, setup_line,
@@ -176,23 +175,6 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-@contextlib.contextmanager
-def progress(total: int, what: str) -> Iterator:
-    """A callable advancing a progress bar on stderr (tqdm, when installed and stderr is a
-    terminal); a no-op otherwise, so pipes and JSON output stay clean."""
-    bar = None
-    if sys.stderr.isatty():
-        with contextlib.suppress(ImportError):
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, desc=what, unit="replay", leave=False, file=sys.stderr)
-    try:
-        yield (bar.update if bar is not None else (lambda n: None))
-    finally:
-        if bar is not None:
-            bar.close()
-
-
 # ------------------------------------------------------------------------------------ commands
 def run_sweep(args) -> int:
     check_plot(args.plot)
@@ -228,12 +210,12 @@ def run_sweep(args) -> int:
     if chunked:
         from ..sim.chunked import plan_units, sweep_chunked
 
-        with progress(len(plan_units(trace, options)), "sweep") as tick:
-            curves = sweep_chunked(trace, capacities, specs, options, one_pass=not args.replay_lru, progress=tick,
+        with progress(total=len(plan_units(trace, options)), desc="sweep", disable=args.json) as bar:
+            curves = sweep_chunked(trace, capacities, specs, options, one_pass=not args.replay_lru, progress=bar.update,
                                    jobs=parallel_jobs(args), ray=args.ray)
     else:
-        with progress(units, "sweep") as tick:
-            curves = sweep_layout(layout, capacities, specs, one_pass=not args.replay_lru, progress=tick,
+        with progress(total=units, desc="sweep", disable=args.json) as bar:
+            curves = sweep_layout(layout, capacities, specs, one_pass=not args.replay_lru, progress=bar.update,
                                   jobs=parallel_jobs(args), ray=args.ray)
     if args.plot:
         from ..report.plots import plot_mrc
@@ -281,9 +263,9 @@ def run_foresight(args) -> int:
     check_plot(args.plot)
     trace = open_trace(args.trace)
     refs = [make_policy(s).spec for s in (args.policies or CAUSAL_RULES)]
-    with progress(2 + len(args.horizons) + len(refs), "foresight") as tick:
+    with progress(total=2 + len(args.horizons) + len(refs), desc="foresight", disable=args.json) as bar:
         curve = foresight_curve(trace, args.capacity, args.horizons, refs, pool=args.pool, reset=args.reset,
-                                layers=args.layers, warm=args.warm, progress=tick)
+                                layers=args.layers, warm=args.warm, progress=bar.update)
     if args.plot:
         from ..report.plots import plot_foresight
 
@@ -306,9 +288,9 @@ def run_pools(args) -> int:
     setup = resolve_sizing(args, trace)
     specs = [make_policy(s).spec for s in (args.policies or DEFAULT_POLICIES)]
     capacities, note = _pool_capacities(args, trace)
-    with progress(2 * len(specs) * len(capacities), "compare-pools") as tick:
+    with progress(total=2 * len(specs) * len(capacities), desc="compare-pools", disable=args.json) as bar:
         comps = compare_pools(trace, capacities, specs, warm=args.warm, reset=args.reset, layers=args.layers,
-                              progress=tick)
+                              progress=bar.update)
     if args.plot:
         from ..report.plots import plot_pools
 
