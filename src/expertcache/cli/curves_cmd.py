@@ -28,8 +28,8 @@ from ..sim.curves import (
 from .._progress import progress
 from .common import (
     add_json, add_parallel_options, add_replay_options, check_plot, describe, emit_json, future_mark,
-    future_note, nonnegative_float, open_trace, open_trace_or_chunked, parallel_jobs, positive_int, require, setup_line,
-    table, wrote,
+    future_note, nonnegative_float, open_trace, open_trace_or_chunked, parallel_jobs, positive_int, require, seed_int,
+    setup_line, table, wrote,
 )
 from .budget_opts import (add_tier_options, attach_profile, budget_capacities, budget_range, clamp_capacity,
                           clip_capacities, per_unit, print_budget_sweep)
@@ -59,6 +59,14 @@ def add_parser(sub) -> None:
     p.add_argument("--target-copies", type=nonnegative_float, default=None, metavar="Y",
                    help="report, per policy, the smallest swept capacity with copies/token <= Y (Y >= 0); "
                         "with --target-hit-rate both must hold")
+    sample = p.add_mutually_exclusive_group()
+    sample.add_argument("--sample-rate", type=unit_fraction, default=None, metavar="R",
+                        help="estimate the curves from the (layer, expert) items a hash keeps at rate R in (0, 1] "
+                             "(SHARDS-style; needs --capacities; docs/scale.md says where it is accurate)")
+    sample.add_argument("--target-error", type=unit_fraction, default=None, metavar="X",
+                        help="sample at the smallest rate (1%%, 2%%, 4%%, ...) at which independent hashes agree on "
+                             "the miss ratio within a standard error of X")
+    p.add_argument("--sample-seed", type=seed_int, default=0, metavar="N", help="the hash's seed, a non-negative integer (default 0)")
     add_replay_options(p)
     add_tier_options(p)
     add_sizing_options(p)
@@ -176,8 +184,18 @@ def _number(text: str) -> float:
 
 
 # ------------------------------------------------------------------------------------ commands
+def unit_fraction(text: str) -> float:
+    """A rate or an error in (0, 1]."""
+    value = _number(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside (0, 1]")
+    return value
+
+
 def run_sweep(args) -> int:
     check_plot(args.plot)
+    if args.sample_rate is not None or args.target_error is not None:
+        return run_sampled(args)
     targeted = args.target_hit_rate is not None or args.target_copies is not None
     if targeted and args.budgets is not None:  # before any work or output
         raise ConfigError("--target-hit-rate/--target-copies work on --capacities; with --budgets read the table")
@@ -256,6 +274,43 @@ def run_sweep(args) -> int:
         table(rows, ["capacity", "policy", "future", *setup.headers()])
     if targets:
         print_targets(targets)
+    return 0
+
+
+def run_sampled(args) -> int:
+    """``sweep --sample-rate R`` / ``--target-error X``: estimated curves from sampled items (sim.sampled)."""
+    from ..sim.sampled import MIN_POOL_ITEMS, choose_rate, sampled_curve
+
+    require(args.capacities is not None, "--sample-rate/--target-error need --capacities (the full trace's)")
+    for flag, value in (("--budgets", args.budgets), ("--target-hit-rate", args.target_hit_rate),
+                        ("--target-copies", args.target_copies), ("--plot", args.plot)):
+        require(value is None, f"{flag} does not combine with a sampled sweep")
+    trace = open_trace(args.trace)
+    options = StreamOptions.from_args(args)
+    specs = args.policies or ["lru", "belady"]
+    curves, chosen = [], {}
+    for spec in specs:
+        rate, spread = (args.sample_rate, None) if args.sample_rate is not None else \
+            choose_rate(trace, args.capacities, spec, args.target_error, options=options)
+        chosen[spec] = (rate, spread)
+        curves.append(sampled_curve(trace, args.capacities, spec, rate, seed=args.sample_seed, options=options))
+    if args.json:
+        emit_json(rec | {"trace": trace.name, "method": "sampled", "standard_error": chosen[spec][1]}
+                  for spec, c in zip(specs, curves) for rec in c.records())
+        return 0
+    print(describe(trace))
+    for spec, c in zip(specs, curves):
+        rate, spread = chosen[spec]
+        how = f", chosen for a standard error of {args.target_error:g} (measured {spread:.4f})" if spread is not None else ""
+        print(f"{c.policy}: sampled at rate {rate:g}{how}: {c.kept:,} of {c.items:,} (layer, expert) items kept "
+              f"({c.pool_kept:,.1f} a pool), {c.requests:,} requests replayed, {c.seconds:.2f} s")
+        if c.pool_kept < MIN_POOL_ITEMS:
+            print(f"  note: fewer than {MIN_POOL_ITEMS} items a pool: too few for an estimate (raise the rate)")
+    headers = ["capacity"] + [f"{c.policy} {col}" for c in curves for col in ("copies/tok", "hit", "C sampled")]
+    rows = [[int(cap)] + [x for c in curves for x in (c.copies_per_token[i], c.hit_rate[i], int(c.sampled_capacities[i]))]
+            for i, cap in enumerate(curves[0].capacities)]
+    table(rows, headers)
+    print("estimates from a sample of the items (docs/scale.md): hit rate of the sample, copies scaled by the kept share")
     return 0
 
 
