@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
                    help=POLICY_HELP + " (default: lru and belady)")
     p.add_argument("--replay-lru", action="store_true",
                    help="replay LRU at each capacity instead of the one-pass stack computation (same numbers)")
-    p.add_argument("--target-hit-rate", type=hit_rate_target, default=None, metavar="X",
+    p.add_argument("--target-hit-rate", type=unit_fraction, default=None, metavar="X",
                    help="report, per policy, the smallest swept capacity with hit rate >= X (X in (0, 1])")
     p.add_argument("--target-copies", type=nonnegative_float, default=None, metavar="Y",
                    help="report, per policy, the smallest swept capacity with copies/token <= Y (Y >= 0); "
@@ -169,7 +169,8 @@ def int_list(text: str) -> list[int]:
     return sorted(set(out))
 
 
-def hit_rate_target(text: str) -> float:
+def unit_fraction(text: str) -> float:
+    """A hit rate, a sampling rate or an error: a number in (0, 1]."""
     x = _number(text)
     if not 0.0 < x <= 1.0:
         raise argparse.ArgumentTypeError(f"{text} is outside (0, 1]")
@@ -184,14 +185,6 @@ def _number(text: str) -> float:
 
 
 # ------------------------------------------------------------------------------------ commands
-def unit_fraction(text: str) -> float:
-    """A rate or an error in (0, 1]."""
-    value = _number(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is outside (0, 1]")
-    return value
-
-
 def run_sweep(args) -> int:
     check_plot(args.plot)
     if args.sample_rate is not None or args.target_error is not None:
