@@ -159,3 +159,47 @@ def test_a_model_load_gets_no_room_from_other_files_page_cache(cgroup, tmp_path)
     assert not os.path.exists(flag + cg.LOADED_SUFFIX)
     assert cgroup.limit >= 100 * MiB  # other files' pages are the worker's own memory again
     s.files.close()
+
+
+def test_the_load_ends_only_once_the_limit_after_it_is_written(cgroup, tmp_path):
+    """The load fills the room it is given, so when it ends the cgroup sits at its limit, where a
+    system call's charge fails (a server's next thread start did): the worker's end-of-load mark
+    stays until the wall has written its limit after the load, with room above the usage."""
+    flag = str(tmp_path / "worker.follow")
+    s = cg.Sampler(cgroup.d, "v1", follow=(CAPACITY, CEILING, MARGIN), follow_flag=flag)
+    open(flag, "w").close()
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()
+    open(flag + cg.LOAD_SUFFIX, "w").close()
+    s.sample()
+    assert not os.path.exists(flag + cg.LOAD_SUFFIX)
+    full = cgroup.limit
+    cgroup.set(usage=full, file=MARGIN)  # at its limit, little of it reclaimable
+    limit_file = os.path.join(cgroup.d, "memory.limit_in_bytes")
+    os.rename(limit_file, limit_file + ".x")
+    os.mkdir(limit_file)  # the write after the load is refused once
+    open(flag + cg.LOADED_SUFFIX, "w").close()
+    s.sample()
+    assert os.path.exists(flag + cg.LOADED_SUFFIX)  # no limit after the load yet: the worker waits
+    os.rmdir(limit_file)
+    os.rename(limit_file + ".x", limit_file)
+    s.sample()
+    assert not os.path.exists(flag + cg.LOADED_SUFFIX)
+    assert cgroup.limit - full >= cg.FLOOR_BYTES - MARGIN  # room and reclaimable cache: the floor
+
+
+def test_the_load_end_mark_of_a_wall_that_follows_nothing_goes_at_once(tmp_path):
+    """A wall that follows nothing (none, balloon) acknowledges every mark, the end of a load too."""
+    import threading
+    import time
+
+    from expertcache.wall.capacity import _ack_flag, model_load
+
+    flag = str(tmp_path / "worker.follow")
+    done = threading.Event()
+    _ack_flag(flag, done)
+    t0 = time.monotonic()
+    with model_load(flag):
+        pass
+    done.set()
+    assert time.monotonic() - t0 < 2 and not os.path.exists(flag + cg.LOADED_SUFFIX)
