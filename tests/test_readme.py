@@ -33,7 +33,8 @@ NEEDS = {
 }
 """Chapter -> the chapters whose files it reads, run before it in its folder."""
 WRITES = {"Command line": ["olmoe.npz"], "In your units: bytes, bandwidth, time, memory": ["mrc.svg"],
-          "Offloaded Hugging Face models": ["cap.npz"], "Run an MoE bigger than your RAM": ["toy-dsv3.gguf"]}
+          "Offloaded Hugging Face models": ["cap.npz"], "Run an MoE bigger than your RAM": ["toy-dsv3.gguf", "served.npz"],
+          "Traces larger than memory": ["kimi-chunks/chunks.json", "kimi.npz"]}
 """Chapter -> files its examples must have written."""
 
 
