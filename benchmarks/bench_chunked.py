@@ -14,7 +14,9 @@ Steps, each timed in this run:
    worker processes. Its wall time and the peak of the summed resident memory of the command and
    its workers (sampled from /proc every 0.2 s) are the figures the target is about;
 3. the reference: a prefix of about 1% of the sequences, written chunked (chunks of 2
-   sequences) and swept both ways, chunk by chunk and loaded whole; the counts must be equal.
+   sequences) and swept both ways, chunk by chunk and loaded whole; the counts must be equal;
+4. an R3 log of ``--r3-mb`` MB (SGLang responses at Kimi-K2's 61 layers, k = 8, E = 384) imported
+   whole and with ``--chunk-sequences 64``, the peak resident memory of each.
 
 Requests per second are the trace's requests times the replays the sweep made (one stack pass for
 LRU, one replay per capacity for Belady) over the sweep's wall time.
@@ -82,6 +84,31 @@ def run_measured(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float, in
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.perf_counter() - t0, peak[0]
 
 
+def write_r3_log(path: Path, size: int, seed: int = 0) -> int:
+    """SGLang /v1/completions responses (sglext.routed_experts: base64 int32 [rows, 61, 8], Kimi-K2's
+    layers and k, E = 384, the first layer dense) until the file holds ``size`` bytes; the rows."""
+    import base64
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows_total, i = 0, 0
+    with open(path, "w") as fh:
+        while fh.tell() < size:
+            P, C = int(rng.integers(16, 256)), int(rng.integers(16, 256))
+            rows = P + C - 1
+            ids = ((np.arange(8) * 48 + rng.integers(0, 384, (rows, 61, 1))) % 384).astype("<i4")  # 8 distinct
+            ids[:, 0] = 0
+            body = {"id": f"cmpl-{i}", "object": "text_completion", "created": 1, "model": "kimi",
+                    "choices": [{"index": 0, "text": "...", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": P, "completion_tokens": C, "total_tokens": P + C},
+                    "sglext": {"routed_experts": base64.b64encode(ids.tobytes()).decode()}}
+            fh.write(json.dumps(body) + "\n")
+            rows_total += rows
+            i += 1
+    return rows_total
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sequences", type=int, default=1024)
@@ -91,6 +118,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/bench-chunked", help="where the chunked trace is written")
     ap.add_argument("--keep", action="store_true", help="keep the trace (and reuse it when it is there)")
+    ap.add_argument("--r3-mb", type=int, default=1024, help="size of the R3 log imported both ways (0: skip)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     root = Path(args.dir)
@@ -156,6 +184,21 @@ def main() -> int:
                "prefix_chunked_seconds": t_chunked, "prefix_whole_seconds": t_whole}
     print(f"1% prefix ({n} sequences, {pct.num_requests_upper:,} requests, {pct.num_chunks} chunks): chunked "
           f"{t_chunked:.1f} s, whole {t_whole:.1f} s; counts {'agree' if agree else 'DIFFER'}")
+    # 4. an R3 log: imported whole and chunked, peak memory of each
+    if args.r3_mb:
+        log = root / "r3.jsonl"
+        rows_written = write_r3_log(log, args.r3_mb << 20)
+        size = log.stat().st_size
+        for label, extra, out in (("whole", [], root / "r3.npz"), ("chunked", ["--chunk-sequences", "64"], root / "r3-chunks")):
+            r, secs, peak = run_measured(exe + ["import", str(log), "--num-experts", "384", "--top-k", "8", "--out",
+                                                str(out), *extra, "--json"])
+            ok = r.returncode == 0
+            record[f"r3_{label}"] = {"seconds": secs, "peak_rss_mb": peak / 2**20, "ok": ok,
+                                     "error": None if ok else r.stderr.strip()[-300:]}
+            print(f"R3 import of a {size / 2**20:,.0f} MB log ({rows_written:,} rows), {label}: "
+                  + (f"{secs:.1f} s, peak RSS {peak / 2**20:,.0f} MB" if ok else f"failed: {r.stderr.strip()[-200:]}"))
+            shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
+        log.unlink()
     if not args.keep:
         shutil.rmtree(big, ignore_errors=True)
     shutil.rmtree(prefix, ignore_errors=True)

@@ -427,3 +427,45 @@ def test_mixed_shapes_and_block_wise_id_checks(tmp_path, monkeypatch):
         arr[bad] = E if "outside" in message else arr[bad[0], bad[1], 1]
         with pytest.raises(TraceError, match=message.format(arr[bad]).replace("(", r"\(")):
             ec.Trace.from_arrays(arr, num_experts=E)
+
+
+# ---------------------------------------------------------------------- chunked (bounded memory)
+def by_name(trace_or_chunks):
+    """{sequence name: (experts, position, row_phase)} of a trace or of every chunk of a chunked one."""
+    pieces = trace_or_chunks.iter_chunks() if hasattr(trace_or_chunks, "iter_chunks") else [trace_or_chunks]
+    out = {}
+    for t in pieces:
+        ids = t.meta["sequence_ids"]
+        for j in range(t.num_sequences):
+            one = t.select_sequences([j])
+            out[ids[str(j)]] = (one.experts.tolist(), one.extras["position"].tolist(), one.extras["row_phase"].tolist())
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_chunked_import_holds_the_same_sequences(tmp_path, capsys, monkeypatch, chunk):
+    """import --chunk-sequences: the same sequences (rows, ids, positions, phases) as the whole import,
+    with suffixes stitched across other conversations, written while the log is read (a sequence
+    once no later response can continue it: RECENT made small here so that most are written early)."""
+    from expertcache.trace.importers import r3
+
+    monkeypatch.setattr(r3, "RECENT", 3)
+    lines = []
+    for s in range(8):
+        p1, o1, p2, o2, R = conversation(s + 10)
+        cut = len(p1) + len(o1) - 1
+        lines.append(turn(f"a{s}", p1, o1, R[:cut], 0))
+        if s % 2:  # every other conversation continues right away, the others never
+            lines.append(turn(f"b{s}", p2, o2, R[cut:], cut))
+    lines.append(sgl_completion("c", 3, 2, sgl_b64(routing(99, 4)), n=1))
+    log = write(tmp_path / "log.jsonl", lines)
+    whole = r3.import_r3(log, num_experts=E, top_k=K)
+    ct = r3.import_r3_chunked(log, tmp_path / "chunks", chunk_sequences=chunk, num_experts=E, top_k=K)
+    assert ct.num_sequences == whole.num_sequences == 9 and ct.num_tokens == whole.num_tokens
+    assert ct.num_chunks == -(-9 // chunk) and ct.layer_ids == whole.layer_ids
+    assert by_name(ct) == by_name(whole)
+    assert ct.meta["validation"]["responses"] == whole.meta["validation"]["responses"]
+    rc, out, err = run_cli(capsys, log, "--num-experts", E, "--top-k", K, "--chunk-sequences", chunk,
+                           "--out", tmp_path / "cli-chunks")
+    assert rc == 0, err
+    assert by_name(ec.trace.chunked.open_chunked(tmp_path / "cli-chunks")) == by_name(whole)

@@ -110,6 +110,9 @@ def add_parser(sub) -> None:
     g.add_argument("--num-layers", type=positive_int, default=None, metavar="L",
                    help="layers in the payload: the model's num_hidden_layers, dense ones included (default: "
                         "learned from the first response stating its prompt and completion token counts)")
+    g.add_argument("--chunk-sequences", type=positive_int, default=None, metavar="N",
+                   help="write a chunked trace instead (--out a folder), N sequences a chunk, in memory bounded by "
+                        "the open conversations rather than the log (two passes over it; docs/scale.md)")
     add_json(p)
     p.set_defaults(func=run_import)
 
@@ -119,7 +122,7 @@ _APPLIES = {
     "experts_field": ("vllm-jsonl", "token-jsonl", "engine-jsonl"), "probs_field": ("vllm-jsonl", "token-jsonl"),
     "layer_field": ("vllm-jsonl", "engine-jsonl"), "layers_field": ("token-jsonl",), "sequences": ("sglang",),
     "rank": ("sglang",), "iteration_field": ("engine-jsonl",), "top_k": ("engine-jsonl", "sglang-r3"),
-    "expect_tokens": ("engine-jsonl",), "num_layers": ("sglang-r3",),
+    "expect_tokens": ("engine-jsonl",), "num_layers": ("sglang-r3",), "chunk_sequences": ("sglang-r3", "vllm-r3"),
 }
 
 
@@ -156,7 +159,10 @@ def _engine_fields(args) -> EngineFields:
 
 def run_import(args) -> int:
     fmt, path = _source(args)
-    check_out(args.out)
+    if args.chunk_sequences is None:
+        check_out(args.out)
+    elif args.out.endswith(".npz"):
+        raise ConfigError(f"--out: with --chunk-sequences it is a folder, got {args.out!r}")
     vllm_fields, token_fields = _fields(args)
     engine_fields = _engine_fields(args)
     if fmt == "auto":
@@ -164,6 +170,8 @@ def run_import(args) -> int:
     for name, formats in _APPLIES.items():
         if getattr(args, name) is not None and fmt not in formats:
             raise ConfigError(f"--{name.replace('_', '-')} does not apply to {fmt} (only to {', '.join(formats)})")
+    if args.chunk_sequences is not None:
+        return _run_chunked(args, path, fmt)
     trace, fmt = import_trace(path, fmt, vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields,
                               num_experts=args.num_experts, drop_incomplete=args.drop_incomplete, pad=args.pad,
                               model=args.model, phase=args.phase, sequences=args.sequences or "auto", rank=args.rank,
@@ -189,6 +197,23 @@ def run_import(args) -> int:
     if dropped:
         print(f"dropped {dropped} token(s) lacking a layer", file=sys.stderr)
     print(f"wrote {args.out}")
+    return 0
+
+
+def _run_chunked(args, path: str, fmt: str) -> int:
+    """``--chunk-sequences N``: an R3 log written as a chunked trace while it is read (trace.importers.r3)."""
+    from ..trace.importers.r3 import import_r3_chunked
+
+    ct = import_r3_chunked(path, args.out, fmt, chunk_sequences=args.chunk_sequences, num_experts=args.num_experts,
+                           num_layers=args.num_layers, top_k=args.top_k, drop_incomplete=args.drop_incomplete,
+                           model=args.model, phase=args.phase)
+    if args.json:
+        emit_json([{"out": args.out, "format": fmt, "tokens": ct.num_tokens, "sequences": ct.num_sequences,
+                    "chunks": ct.num_chunks, "layers": ct.layer_ids, "num_layers": ct.num_layers, "top_k": ct.top_k,
+                    "num_experts": ct.num_experts}])
+        return 0
+    print(describe(ct) + f" (read as {fmt})")
+    print(f"wrote {args.out}/")
     return 0
 
 

@@ -272,6 +272,9 @@ class ChunkWriter:
         self.rows: list[dict] = []
         self.shape: tuple | None = None
         self.meta: dict = {}
+        self.meta_override: dict | None = None
+        """The manifest's meta when set before :meth:`close` (e.g. counts known only at the end);
+        else the first chunk's meta."""
 
     def __enter__(self) -> "ChunkWriter":
         return self
@@ -314,7 +317,9 @@ class ChunkWriter:
         E, k, layers = self.shape
         doc = {"format": FORMAT, "version": VERSION, "num_experts": E, "top_k": k, "layer_ids": list(layers),
                "tokens": sum(r["tokens"] for r in self.rows), "sequences": sum(r["sequences"] for r in self.rows),
-               "meta": self.meta, "chunks": self.rows}
+               "meta": self.meta if self.meta_override is None else
+               {k: v for k, v in self.meta_override.items() if k not in ("tokens", "sequences")},
+               "chunks": self.rows}
         with open(self.tmp / MANIFEST, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=1)
             fh.flush()

@@ -61,8 +61,10 @@ class _Seq:
 class _Build:
     """Parts -> positioned segments of sequences (module invariants) -> one :class:`Trace`."""
 
-    def __init__(self, src: str, lk: int | None, L: int | None, K: int | None, drop: bool):
+    def __init__(self, src: str, lk: int | None, L: int | None, K: int | None, drop: bool,
+                 keep_rows: int | None = None):
         self.src, self.lk, self.L, self.K, self.drop = src, lk, L, K, drop
+        self.keep_rows = keep_rows  # a scan: keep only the first rows (for an inferred k), no payload after
         self.shape_where = ""
         self.chunks: list = []
         self.owner: list[R3Part] = []
@@ -98,6 +100,18 @@ class _Build:
             return
         s, link = self._start(p, rows)
         S = self._sequence(p, s, link)
+        if self.keep_rows is not None:  # a scan: the first rows only, and what decides the shape
+            kept = sum(c.shape[0] for c in self.chunks)
+            arr_kept = arr[: max(0, self.keep_rows - kept)]
+            nz = arr.any(axis=0)
+            self.nonzero = nz if self.nonzero is None else self.nonzero | nz
+            self.top = max(self.top, int(arr.max()))
+            if arr_kept.shape[0]:
+                self.chunks.append(arr_kept)
+            S.end, S.resp = s + rows, p.resp
+            S.tokens = None if p.prompt is None else p.prompt + (p.output or [])
+            p.ids = None
+            return
         self.chunks.append(arr)
         self.owner.append(p)
         S.segs.append([len(self.chunks) - 1, 0, rows, s, p.P])
@@ -210,6 +224,16 @@ class _Build:
         extras = {"position": pos, "step": pos, "row_phase": phase_of}
         return Trace.from_arrays(experts, seq, meta=meta, extras=extras, source=self.src)
 
+    def piece(self, index: list[int], nonzero, top: int, meta: dict, phase: str | None, E: int,
+              stats: dict) -> Trace:
+        """The sequences at ``index`` as a trace of their own, with the whole file's dense layers
+        (``nonzero``), top id and E (:func:`import_r3_chunked`); their payloads are freed."""
+        part = _Build(self.src, self.lk, self.L, self.K, self.drop)
+        part.shape_where, part.chunks, part.owner = self.shape_where, self.chunks, self.owner
+        part.seqs, part.nonzero, part.top = [self.seqs[i] for i in index], nonzero, top
+        piece = part.trace({**meta, "source": dict(meta["source"])}, phase, E, stats)
+        return piece
+
     def _check(self, sub: np.ndarray, p: R3Part, lo: int, p0: int, keep: np.ndarray) -> np.ndarray:
         """Rows of ``sub`` lacking a layer (k >= 2 zeros: nothing recorded); an id twice is an error."""
         if sub.shape[2] < 2:
@@ -255,12 +279,87 @@ def import_r3(path: str | os.PathLike, fmt: str = "sglang-r3", *, num_experts: i
     with contextlib.closing(reader.parts(path)) as parts:
         for p in parts:
             build.add(p)
+    return build.trace(_r3_meta(path, src, fmt, model, reader), phase, num_experts, reader.stats)
+
+
+def import_r3_chunked(path: str | os.PathLike, out: str | os.PathLike, fmt: str = "sglang-r3", *,
+                      chunk_sequences: int, num_experts: int | None = None, num_layers: int | None = None,
+                      top_k: int | None = None, drop_incomplete: bool = False, model: str | None = None,
+                      phase: str | None = None):
+    """:func:`import_r3` written as a chunked trace (:mod:`~expertcache.trace.chunked`) at ``out``,
+    ``chunk_sequences`` sequences a chunk, in memory bounded by the log's open sequences rather
+    than by the log. Two passes over the file: the first learns what the whole file decides (L x
+    k, k, the dense layers, E) keeping no payload; the second builds sequences as
+    :func:`import_r3` does and writes each one once no later response can continue it (it has
+    left the :data:`RECENT` sequences a suffix may continue), or at the end.
+
+    The same rows, ids, positions and phases as :func:`import_r3`; sequences in the order they
+    were completed (a conversation continued later comes after the ones it outlived), not of
+    their first response. Returns the opened :class:`~expertcache.trace.chunked.ChunkedTrace`."""
+    from ..chunked import ChunkWriter, open_chunked
+
+    if isinstance(chunk_sequences, bool) or not isinstance(chunk_sequences, int) or chunk_sequences < 1:
+        raise ConfigError(f"--chunk-sequences: expected a positive integer, got {chunk_sequences!r}")
+    if fmt not in R3_FORMATS:
+        raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(R3_FORMATS)}")
+    if phase is not None:
+        check_phase(phase)
+    check_num_experts(num_experts)
+    src = str(path)
+    lk, where = (num_layers * top_k, "") if num_layers and top_k else (None, "")
+    if lk is None and fmt == "sglang-r3":
+        lk, where = _learn_lk(path, src, fmt, num_experts, num_layers or top_k)
+    scan = _Build(src, lk, num_layers, top_k, drop_incomplete, keep_rows=SAMPLE_ROWS)  # pass 1
+    scan.shape_where = where
+    with contextlib.closing(R3Reader(src, fmt, num_experts).parts(path)) as parts:
+        for p in parts:
+            scan.add(p)
+    if not scan.seqs:
+        raise TraceError(f"{src}: no routed-expert rows in any response")
+    inferred = scan.K is None and scan.L is None
+    K = scan.K or (scan.lk // scan.L if scan.L else scan._infer_k())
+    build = _Build(src, scan.lk, scan.lk // K, K, drop_incomplete)  # pass 2
+    build.shape_where = scan.shape_where
+    reader = R3Reader(src, fmt, num_experts)
+    meta = _r3_meta(path, src, fmt, model, reader)
+    E = num_experts or scan.top + 1
+    done, known, unwritten = 0, 0, set()  # sequences written; seen; seen and not written (bounded)
+
+    def flush(final: bool) -> None:
+        nonlocal done
+        recent = set(build.recent)
+        ready = sorted(i for i in unwritten if final or i not in recent)
+        while ready and (final or len(ready) >= chunk_sequences):
+            batch, ready = ready[:chunk_sequences], ready[chunk_sequences:]
+            piece = build.piece(batch, scan.nonzero, scan.top, meta, phase, E, reader.stats)
+            writer.add(piece, seq_offset=done)
+            done += piece.num_sequences
+            unwritten.difference_update(batch)
+            for i in batch:  # drop what a written sequence held
+                build.seqs[i].segs, build.seqs[i].tokens = [], None
+
+    with ChunkWriter(out) as writer:
+        with contextlib.closing(reader.parts(path)) as parts:
+            for p in parts:
+                build.add(p)
+                unwritten.update(range(known, len(build.seqs)))
+                known = len(build.seqs)
+                if len(unwritten) - len(build.recent) >= chunk_sequences:
+                    flush(False)
+        flush(True)
+        final_meta = {**meta, "phase": phase or "mixed", "num_experts": E}
+        final_meta["source"].update(top_k_inferred=inferred)
+        final_meta["validation"] = {**reader.stats, **build.notes}
+        writer.meta_override = final_meta
+    return open_chunked(out)
+
+
+def _r3_meta(path, src: str, fmt: str, model: str | None, reader: R3Reader) -> dict:
     encodings = {"sglang-r3": "base64 int32 [rows, layers, k], little-endian",
                  "vllm-r3": "base64 .npy [rows, layers, k] (vLLM >= 0.22) or JSON lists (0.21)"}
-    meta = {"name": display_name(path), "model": model or "unknown",
+    return {"name": display_name(path), "model": model or "unknown",
             "source": {"format": fmt, "path": src, "encoding": encodings[fmt], "locations": reader.locations,
                        "positions": "row i of a payload = token position start + i"}}
-    return build.trace(meta, phase, num_experts, reader.stats)
 
 
 def _learn_lk(path, src: str, fmt: str, num_experts: int | None, divisor: int | None) -> tuple[int, str]:
