@@ -57,14 +57,14 @@ def item_mask(num_layers: int, num_experts: int, rate: float, seed: int = 0) -> 
 
 
 def sample_trace(trace: Trace, mask: np.ndarray) -> Trace:
-    """``trace`` with the ids of items outside ``mask`` (``[L, E]``, by layer column) made padding;
-    each group's kept ids first, in router order. Tokens, sequences and extras are unchanged."""
+    """``trace`` with the ids of items outside ``mask`` (``[L, E]``, by layer column) made padding
+    in place (every rule and the layout take padding anywhere in a group). Tokens, sequences and
+    extras are unchanged; gate weights are dropped."""
     ex = trace.experts
-    cols = np.arange(trace.num_layers)[None, :, None]
-    keep = (ex >= 0) & mask[cols, np.maximum(ex, 0)]
-    order = np.argsort(~keep, axis=2, kind="stable")  # kept slots first, in their order
-    out = np.where(np.take_along_axis(keep, order, axis=2), np.take_along_axis(ex, order, axis=2), -1)
-    return dataclasses.replace(trace, experts=out.astype(ex.dtype, copy=False), probs=None, router_probs=None)
+    flat = (np.arange(trace.num_layers, dtype=np.int64) * trace.num_experts)[None, :, None] + ex
+    keep = (ex >= 0) & mask.reshape(-1)[np.maximum(flat, 0)]
+    return dataclasses.replace(trace, experts=np.where(keep, ex, -1).astype(ex.dtype, copy=False), probs=None,
+                               router_probs=None)
 
 
 @dataclasses.dataclass
