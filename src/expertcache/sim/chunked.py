@@ -34,9 +34,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
 from ..policies import Policy, make_policy
 from ..trace.chunked import ChunkedTrace, open_chunked
+from ..trace.core import layer_columns
 from .curves.mrc import DEFAULT_GRID, MissRatioCurve, _fill_gaps, sweep_layout
 from .layout import build_layout
 from .options import StreamOptions
@@ -69,15 +69,8 @@ def plan_units(ct: ChunkedTrace, options: StreamOptions) -> list[Unit]:
 
 
 def _selected_cols(ct: ChunkedTrace, options: StreamOptions) -> list[int]:
-    if options.layers is None:
-        return list(range(ct.num_layers))
-    missing = [lid for lid in options.layers if lid not in ct.layer_ids]
-    if missing:
-        raise ConfigError(f"--layers: layer {missing[0]} is not in {ct.root} (layer ids {ct.layer_ids[0]}.."
-                          f"{ct.layer_ids[-1]})")
-    if len(set(options.layers)) != len(options.layers):
-        raise ConfigError(f"--layers: a layer is named twice in {list(options.layers)}")
-    return sorted(ct.layer_ids.index(lid) for lid in options.layers)
+    """The layer columns ``options.layers`` selects (the same checks and lines as a whole trace's)."""
+    return [int(c) for c in layer_columns(ct.layer_ids, options.layers, str(ct.root))]
 
 
 def unit_layout(ct: ChunkedTrace, unit: Unit, options: StreamOptions):

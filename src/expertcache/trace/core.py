@@ -146,17 +146,7 @@ class Trace:
     # ------------------------------------------------------------------ views
     def layer_index(self, layers: Iterable[int] | None) -> np.ndarray:
         """Column indices of the given layer ids (``None``: all layers)."""
-        ids = self.layer_ids
-        if layers is None:
-            return np.arange(self.num_layers)
-        out = []
-        for lid in layers:
-            if lid not in ids:
-                raise TraceError(f"{self.source}: layers: layer {lid} is not in this trace (layer ids {id_ranges(ids)})")
-            out.append(ids.index(lid))
-        if len(set(out)) != len(out):
-            raise TraceError(f"{self.source}: layers: a layer is named twice in {list(layers)}")
-        return np.asarray(sorted(out), dtype=np.int64)
+        return layer_columns(self.layer_ids, layers, self.source)
 
     def select_layers(self, layers: Iterable[int] | None) -> "Trace":
         """A trace holding only the given layer ids, in trace order."""
@@ -239,6 +229,21 @@ def load_trace(path: str | os.PathLike) -> Trace:
             raise TraceError(f"{src}: meta: not UTF-8 text (byte {exc.start})") from None
         meta = parse_meta(text, src)
     return Trace(**check(arrays, meta, src, fill_meta=meta_arr is None))
+
+
+def layer_columns(ids: list[int], layers: Iterable[int] | None, source: str) -> np.ndarray:
+    """Column indices, ascending, of the layer ids ``layers`` among a trace's ``ids`` (``None``: all);
+    a layer the trace lacks, or one named twice, is a TraceError naming ``source``."""
+    if layers is None:
+        return np.arange(len(ids))
+    out = []
+    for lid in layers:
+        if lid not in ids:
+            raise TraceError(f"{source}: layers: layer {lid} is not in this trace (layer ids {id_ranges(ids)})")
+        out.append(ids.index(lid))
+    if len(set(out)) != len(out):
+        raise TraceError(f"{source}: layers: a layer is named twice in {list(layers)}")
+    return np.asarray(sorted(out), dtype=np.int64)
 
 
 def _narrow(seq: np.ndarray) -> np.ndarray:
