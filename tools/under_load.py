@@ -8,6 +8,14 @@ with ``O_DIRECT`` in 4 MiB requests (device bandwidth taken, page cache untouche
 start before the first run and stop after the last. Per run: the exit status, the passed / failed /
 error / skipped counts (from pytest's JUnit XML) and the seconds; then the totals, and the failing
 test ids with how often each failed. Nothing is retried: a run that fails is a failure.
+
+With ``--fresh-clone``, each run is what CI does on a clean machine: ``git clone`` of this checkout
+beside it (so ``../shared`` is found as it is here), checked out at the commit HEAD named when the
+harness started (commits made meanwhile do not change what later runs test), the Makefile's install
+(timed on its own and not counted), then ``make test`` (the pytest arguments after ``--`` are not
+used; ``make test`` is the measure). The clone is removed after the run.
+
+    python tools/under_load.py --fresh-clone --runs 5 --burners 2
 """
 
 from __future__ import annotations
@@ -65,6 +73,28 @@ def counts(xml_path: str) -> dict:
             "failures": bad}
 
 
+def fresh_clone_run(xml: str, commit: str):
+    """Clone this checkout beside it at ``commit``, install with the Makefile, run ``make test``:
+    ``(process, {"seconds": make test's, "install_seconds": the install's})``; the clone is removed after."""
+    clone = Path(tempfile.mkdtemp(prefix=".under-load-clone-", dir=REPO.parent))
+    try:
+        subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+        subprocess.run(["git", "checkout", "-q", commit], cwd=clone, check=True)
+        t0 = time.monotonic()
+        stamp = subprocess.run(["make", "-s", "-f", "-", "stamp"], cwd=clone, input="include Makefile\nstamp:\n\t@echo $(TEST_STAMP)\n",
+                               capture_output=True, text=True, check=True).stdout.strip()
+        done = subprocess.run(["make", stamp], cwd=clone, capture_output=True, text=True)
+        install = round(time.monotonic() - t0, 1)
+        if done.returncode != 0:
+            return done, {"seconds": 0.0, "install_seconds": install}
+        env = dict(os.environ, PYTEST_ADDOPTS=f"--junitxml={xml} -p no:cacheprovider")
+        t0 = time.monotonic()
+        done = subprocess.run(["make", "test"], cwd=clone, env=env, capture_output=True, text=True)
+        return done, {"seconds": round(time.monotonic() - t0, 1), "install_seconds": install}
+    finally:
+        subprocess.run(["rm", "-rf", str(clone)])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=20, help="pytest runs (default 20)")
@@ -72,12 +102,23 @@ def main(argv=None) -> int:
     p.add_argument("--disk-reader", action="store_true", help="also an O_DIRECT reader of a scratch file")
     p.add_argument("--disk-mb", type=int, default=1024, help="size of the reader's scratch file (default 1024 MB)")
     p.add_argument("--json", action="store_true", help="one JSON object per run, then the totals")
-    p.add_argument("--keep", default=None, metavar="DIR", help="write each failing run's pytest output to DIR")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="write each failing run's pytest output to DIR (with --fresh-clone: every run's)")
+    p.add_argument("--fresh-clone", action="store_true",
+                   help="each run: clone this checkout's HEAD (as it was at the start) beside it, install with the Makefile, "
+                        "time 'make test' there")
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: the pytest arguments")
     args = p.parse_args(argv)
     pytest_args = [a for a in args.pytest_args if a != "--"] or ["tests"]
     if args.runs < 1 or args.burners < 0:
         p.error("--runs must be >= 1 and --burners >= 0")
+    commit = None
+    if args.fresh_clone:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        if head.returncode != 0:
+            p.error(f"--fresh-clone: {REPO} is not a git checkout ({head.stderr.strip()})")
+        commit = head.stdout.strip()
+        print(f"fresh clones of {commit[:12]} beside {REPO}", flush=True)
     stop = mp.Event()
     workers = [mp.Process(target=burn, args=(stop,), daemon=True) for _ in range(args.burners)]
     scratch = None
@@ -96,14 +137,18 @@ def main(argv=None) -> int:
         for run in range(1, args.runs + 1):
             with tempfile.TemporaryDirectory() as tmp:
                 xml = os.path.join(tmp, "junit.xml")
-                t0 = time.monotonic()
-                done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                       f"--junitxml={xml}", *pytest_args], cwd=REPO, capture_output=True, text=True)
-                rec = {"run": run, "returncode": done.returncode, "seconds": round(time.monotonic() - t0, 1),
-                       **counts(xml)}
+                extra = {}
+                if args.fresh_clone:
+                    done, extra = fresh_clone_run(xml, commit)
+                else:
+                    t0 = time.monotonic()
+                    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                           f"--junitxml={xml}", *pytest_args], cwd=REPO, capture_output=True, text=True)
+                    extra = {"seconds": round(time.monotonic() - t0, 1)}
+                rec = {"run": run, "returncode": done.returncode, **extra, **counts(xml)}
             for t in rec["failures"]:
                 failing[t] = failing.get(t, 0) + 1
-            if args.keep and done.returncode != 0:
+            if args.keep and (done.returncode != 0 or args.fresh_clone):  # a fresh clone's output: its slowest tests
                 os.makedirs(args.keep, exist_ok=True)
                 Path(args.keep, f"run-{run}.txt").write_text(done.stdout + done.stderr, encoding="utf-8")
             results.append(rec)
@@ -112,6 +157,7 @@ def main(argv=None) -> int:
             else:
                 print(f"run {run}/{args.runs}: rc {rec['returncode']}, {rec['passed']} passed, {rec['failed']} failed, "
                       f"{rec['errors']} errors, {rec['skipped']} skipped, {rec['seconds']} s"
+                      + (f" (install {rec['install_seconds']} s, not counted)" if "install_seconds" in rec else "")
                       + (f"; failed: {', '.join(rec['failures'])}" if rec["failures"] else ""), flush=True)
     finally:
         stop.set()
@@ -123,7 +169,7 @@ def main(argv=None) -> int:
             os.unlink(scratch.name)
     green = sum(r["returncode"] == 0 for r in results)
     summary = {"runs": len(results), "green_runs": green, "burners": args.burners, "disk_reader": args.disk_reader,
-               "pytest_args": pytest_args, "failing_tests": failing,
+               "pytest_args": ["make test (fresh clone)"] if args.fresh_clone else pytest_args, "failing_tests": failing,
                "seconds": [r["seconds"] for r in results]}
     if args.json:
         print(json.dumps(summary))
