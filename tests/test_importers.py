@@ -555,6 +555,10 @@ def test_sglang_dump_hand_computed(tmp_path):
     assert rc == 0 and info["format"] == "sglang" and info["sequences"] == 1
     u = ec.load_trace(tmp_path / "u.npz")
     assert u.extras["step"].tolist() == list(range(8)) and u.extras["position"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    rc, info = cli("sglang", dump, "--out", tmp_path / "chunks", "--chunk-sequences", "1")  # read whole, then chunked
+    assert rc == 0 and (info["chunks"], info["sequences"], info["tokens"]) == (2, 2, 8)
+    back = ec.trace.chunked.open_chunked(tmp_path / "chunks").load()
+    assert back.experts.tolist() == SGLANG_EXPERTS and back.extras["forward_pass"].tolist() == [0, 0, 0, 1, 2, 3, 3, 4]
 
 
 def test_sglang_folder_ranks_and_batched_passes(tmp_path):

@@ -32,7 +32,7 @@ NEEDS = {
     "Budgets in bytes, pin sets, batches (the tiering paper's trace side)": ["Importing routing logs"],  # run.npz
 }
 """Chapter -> the chapters whose files it reads, run before it in its folder."""
-WRITES = {"Command line": ["olmoe.npz"], "In your units: bytes, bandwidth, time, memory": ["mrc.svg"],
+WRITES = {"Command line": ["olmoe.npz"], "Importing routing logs": ["imported.npz", "routing-chunks/chunks.json"], "In your units: bytes, bandwidth, time, memory": ["mrc.svg"],
           "Offloaded Hugging Face models": ["cap.npz"], "Run an MoE bigger than your RAM": ["toy-dsv3.gguf", "served.npz"],
           "Traces larger than memory": ["kimi-chunks/chunks.json", "kimi.npz"]}
 """Chapter -> files its examples must have written."""

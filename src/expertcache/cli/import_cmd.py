@@ -17,6 +17,7 @@ from ..trace.importers import (
     JsonlFields,
     TokenFields,
     detect_format,
+    import_chunked,
     import_trace,
 )
 from .common import add_json, add_out, check_out, describe, emit_json, positive_int
@@ -85,6 +86,10 @@ def add_parser(sub) -> None:
     p.add_argument("--drop-incomplete", action="store_true",
                    help="drop tokens that lack some layer (r3: rows whose ids at a MoE layer are all 0)")
     p.add_argument("--pad", action="store_true", help="pad id lists shorter than the longest with -1 (default: an error)")
+    p.add_argument("--chunk-sequences", type=positive_int, default=None, metavar="N",
+                   help="write a chunked trace instead (--out a folder), N sequences a chunk; the JSONL and R3 logs "
+                        "are written while they are read (two passes), in memory bounded by the sequences open at "
+                        "once rather than the log; a dump is read whole, then written chunked (docs/scale.md)")
     d, t, e = JsonlFields(), TokenFields(), EngineFields()
     g = p.add_argument_group("JSONL field names (vllm-jsonl, token-jsonl, engine-jsonl)")
     g.add_argument("--seq-field", help=f"sequence id field (default {d.seq}; engine-jsonl: {e.seq}, read when present)")
@@ -110,9 +115,6 @@ def add_parser(sub) -> None:
     g.add_argument("--num-layers", type=positive_int, default=None, metavar="L",
                    help="layers in the payload: the model's num_hidden_layers, dense ones included (default: "
                         "learned from the first response stating its prompt and completion token counts)")
-    g.add_argument("--chunk-sequences", type=positive_int, default=None, metavar="N",
-                   help="write a chunked trace instead (--out a folder), N sequences a chunk, in memory bounded by "
-                        "the open conversations rather than the log (two passes over it; docs/scale.md)")
     add_json(p)
     p.set_defaults(func=run_import)
 
@@ -122,7 +124,7 @@ _APPLIES = {
     "experts_field": ("vllm-jsonl", "token-jsonl", "engine-jsonl"), "probs_field": ("vllm-jsonl", "token-jsonl"),
     "layer_field": ("vllm-jsonl", "engine-jsonl"), "layers_field": ("token-jsonl",), "sequences": ("sglang",),
     "rank": ("sglang",), "iteration_field": ("engine-jsonl",), "top_k": ("engine-jsonl", "sglang-r3"),
-    "expect_tokens": ("engine-jsonl",), "num_layers": ("sglang-r3",), "chunk_sequences": ("sglang-r3", "vllm-r3"),
+    "expect_tokens": ("engine-jsonl",), "num_layers": ("sglang-r3",),
 }
 
 
@@ -171,7 +173,7 @@ def run_import(args) -> int:
         if getattr(args, name) is not None and fmt not in formats:
             raise ConfigError(f"--{name.replace('_', '-')} does not apply to {fmt} (only to {', '.join(formats)})")
     if args.chunk_sequences is not None:
-        return _run_chunked(args, path, fmt)
+        return _run_chunked(args, path, fmt, vllm_fields, token_fields, engine_fields)
     trace, fmt = import_trace(path, fmt, vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields,
                               num_experts=args.num_experts, drop_incomplete=args.drop_incomplete, pad=args.pad,
                               model=args.model, phase=args.phase, sequences=args.sequences or "auto", rank=args.rank,
@@ -200,19 +202,24 @@ def run_import(args) -> int:
     return 0
 
 
-def _run_chunked(args, path: str, fmt: str) -> int:
-    """``--chunk-sequences N``: an R3 log written as a chunked trace while it is read (trace.importers.r3)."""
-    from ..trace.importers.r3 import import_r3_chunked
-
-    ct = import_r3_chunked(path, args.out, fmt, chunk_sequences=args.chunk_sequences, num_experts=args.num_experts,
-                           num_layers=args.num_layers, top_k=args.top_k, drop_incomplete=args.drop_incomplete,
-                           model=args.model, phase=args.phase)
+def _run_chunked(args, path: str, fmt: str, vllm_fields, token_fields, engine_fields) -> int:
+    """``--chunk-sequences N``: the log written as a chunked trace (trace.importers.detect.import_chunked)."""
+    ct, fmt = import_chunked(path, args.out, fmt, chunk_sequences=args.chunk_sequences, vllm_fields=vllm_fields,
+                             token_fields=token_fields, engine_fields=engine_fields, num_experts=args.num_experts,
+                             drop_incomplete=args.drop_incomplete, pad=args.pad, model=args.model, phase=args.phase,
+                             sequences=args.sequences or "auto", rank=args.rank, top_k=args.top_k,
+                             expect_tokens=args.expect_tokens, num_layers=args.num_layers)
+    dropped = ct.meta.get("validation", {}).get("tokens_dropped", 0)
     if args.json:
         emit_json([{"out": args.out, "format": fmt, "tokens": ct.num_tokens, "sequences": ct.num_sequences,
                     "chunks": ct.num_chunks, "layers": ct.layer_ids, "num_layers": ct.num_layers, "top_k": ct.top_k,
-                    "num_experts": ct.num_experts}])
+                    "num_experts": ct.num_experts, "tokens_dropped": dropped}])
         return 0
     print(describe(ct) + f" (read as {fmt})")
+    if ct.meta.get("num_experts_inferred"):
+        print(f"note: E = {ct.num_experts} inferred from the largest id; pass --num-experts if the model has more", file=sys.stderr)
+    if dropped:
+        print(f"dropped {dropped} token(s) lacking a layer", file=sys.stderr)
     print(f"wrote {args.out}/")
     return 0
 

@@ -247,6 +247,30 @@ def open_chunked(path: str | os.PathLike) -> ChunkedTrace:
 
 
 # ---------------------------------------------------------------------------------- writing
+def check_chunk_sequences(chunk_sequences) -> int:
+    """``--chunk-sequences``: a positive integer (a ConfigError line otherwise)."""
+    if isinstance(chunk_sequences, bool) or not isinstance(chunk_sequences, (int, np.integer)) or chunk_sequences < 1:
+        raise ConfigError(f"--chunk-sequences: expected a positive integer, got {chunk_sequences!r}")
+    return int(chunk_sequences)
+
+
+def write_trace_chunked(trace: Trace, out: str | os.PathLike, *, chunk_sequences: int,
+                        option: str = "--out") -> "ChunkedTrace":
+    """``trace`` written as a chunked trace at ``out``, ``chunk_sequences`` sequences a chunk in trace
+    order, renumbered 0, 1, ... (each chunk's meta keeps the trace's); returns it opened."""
+    chunk_sequences = check_chunk_sequences(chunk_sequences)
+    bounds = trace.seq_bounds
+    with ChunkWriter(out, option=option) as writer:
+        for first in range(0, trace.num_sequences, chunk_sequences):
+            index = range(first, min(first + chunk_sequences, trace.num_sequences))
+            piece = trace.select_sequences(index)
+            seq = np.repeat(np.arange(first, first + len(index), dtype=np.int64), np.diff(bounds[index.start:index.stop + 1]))
+            writer.add(Trace(experts=piece.experts, seq=seq, meta=piece.meta, probs=piece.probs,
+                             router_probs=piece.router_probs, extras=piece.extras, source=piece.source))
+        writer.meta_override = trace.meta
+    return open_chunked(out)
+
+
 class ChunkWriter:
     """Write a chunked trace one chunk at a time; ``close()`` publishes it (atomically).
 

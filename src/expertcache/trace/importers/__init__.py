@@ -18,7 +18,7 @@ each format registers itself by name (:mod:`.registry`); ``auto`` tells the shap
 Nothing here unpickles or imports torch.
 """
 
-from .detect import DEFAULT_PHASE, FORMATS, detect_format, import_trace, shapes
+from .detect import DEFAULT_PHASE, FORMATS, detect_format, import_chunked, import_trace, shapes
 from .engine import EngineFields, import_engine_jsonl
 from .engine_passes import PASS_KINDS, EngineRecord, TypedPass, TypedPasses, pass_arrays, type_passes
 from .per_token import TokenFields, import_token_jsonl
@@ -46,6 +46,7 @@ __all__ = [
     "TypedPasses",
     "decode_payload",
     "detect_format",
+    "import_chunked",
     "import_engine_jsonl",
     "import_r3",
     "import_sglang",

@@ -23,12 +23,13 @@ import os
 from pathlib import Path
 
 from ...errors import ConfigError, TraceError
+from ..chunked import check_chunk_sequences, write_trace_chunked
 from ..core import Trace
 from . import vllm, per_token, engine, sglang, r3  # noqa: F401  (they register, in FORMATS' order: keep it first)
 from .engine import EngineFields
 from .per_token import TokenFields
 from .records import ZIP_MAGIC, iter_lines, parse_record, sniff
-from .registry import Options, get, importers
+from .registry import Importer, Options, get, importers
 from .vllm import JsonlFields
 
 FORMATS = tuple(f.name for f in importers())
@@ -143,6 +144,33 @@ def import_trace(
     the rows show for sglang-r3/vllm-r3; ``sequences`` and ``rank`` apply to sglang only;
     ``expect_tokens`` to engine-jsonl only (which takes neither ``pad`` nor ``drop_incomplete``);
     ``top_k`` to engine-jsonl and sglang-r3, ``num_layers`` to sglang-r3 (neither takes ``pad``)."""
+    f, fmt, o = _resolve(path, fmt, vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields,
+                         num_experts=num_experts, drop_incomplete=drop_incomplete, pad=pad, model=model, phase=phase,
+                         sequences=sequences, rank=rank, top_k=top_k, expect_tokens=expect_tokens, num_layers=num_layers)
+    return f.read(path, fmt, o), fmt
+
+
+def import_chunked(path: str | os.PathLike, out: str | os.PathLike, fmt: str = "auto", *, chunk_sequences: int,
+                   **options):
+    """:func:`import_trace` written as a chunked trace at ``out`` (:mod:`expertcache.trace.chunked`),
+    ``chunk_sequences`` sequences a chunk; ``options`` are :func:`import_trace`'s. A format that
+    registers ``write_chunked`` (the JSONL logs and the R3 server logs) is written while it is read,
+    in memory bounded by the sequences open at once; any other is read whole, then written chunked
+    in trace order (engine traces are refused: an iteration batches several sequences). Returns
+    ``(ChunkedTrace, format read)``."""
+    check_chunk_sequences(chunk_sequences)
+    f, fmt, o = _resolve(path, fmt, **options)
+    if f.write_chunked is not None:
+        return f.write_chunked(path, out, fmt, o, chunk_sequences), fmt
+    return write_trace_chunked(f.read(path, fmt, o), out, chunk_sequences=chunk_sequences), fmt
+
+
+def _resolve(path, fmt: str, *, vllm_fields: JsonlFields = JsonlFields(), token_fields: TokenFields = TokenFields(),
+             engine_fields: EngineFields = EngineFields(), num_experts: int | None = None, drop_incomplete: bool = False,
+             pad: bool = False, model: str | None = None, phase: str | None = None, sequences: str = "auto",
+             rank: int | None = None, top_k: int | None = None, expect_tokens: int | None = None,
+             num_layers: int | None = None) -> tuple[Importer, str, Options]:
+    """The importer of ``fmt`` (``'auto'``: detected), the format's name and the options it is given."""
     if fmt == "auto":
         fmt = detect_format(path, vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields)
     f = get(fmt)
@@ -151,4 +179,4 @@ def import_trace(
     o = Options(vllm_fields, token_fields, engine_fields, num_experts=num_experts, drop_incomplete=drop_incomplete,
                 pad=pad, model=model, phase=(phase or f.phase) if f.phase is not None else phase, sequences=sequences,
                 rank=rank, top_k=top_k, expect_tokens=expect_tokens, num_layers=num_layers)
-    return f.read(path, fmt, o), fmt
+    return f, fmt, o

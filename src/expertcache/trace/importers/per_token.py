@@ -13,13 +13,13 @@ must be present.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ...errors import TraceError
 from ..core import Trace
-from .records import display_name, iter_records
+from .records import iter_records
 from .registry import Importer, Options, register
-from .table import RoutingTable
+from .table import RoutingTable, jsonl_meta, jsonl_names, write_jsonl_chunked
 from .values import check_num_experts, check_phase, field, id_list, index_value, layer_key, prob_list, seq_value, short
 
 DEFAULT_PROBS = "gating_probs"
@@ -56,8 +56,14 @@ def import_token_jsonl(
     check_phase(phase)
     check_num_experts(num_experts)
     src = str(path)
-    f = fields
-    table = RoutingTable(src, {"seq": f.seq, "token": f.token, "experts": f.experts, "probs": f.probs}, pad=pad)
+    table = RoutingTable(src, jsonl_names(fields), pad=pad)
+    records = _feed(path, fields, num_experts, table)
+    return table.build(num_experts=num_experts, drop_incomplete=drop_incomplete, records=records,
+                       meta=jsonl_meta(path, "token-jsonl", fields, model, phase))
+
+
+def _feed(path, f: TokenFields, num_experts: int | None, table: RoutingTable) -> int:
+    """Every record of ``path`` into ``table`` (its entries and gate-weight presence); the records read."""
     need_probs = f.probs is not None and f.probs != DEFAULT_PROBS
     need_layers = f.layers is not None and f.layers != DEFAULT_LAYERS
     named: tuple[bool, str] | None = None  # (layer-id field present, where first seen)
@@ -82,13 +88,7 @@ def import_token_jsonl(
         for layer, ids, pr in _layers(rec, experts, probs, f, has_layers, where, num_experts):
             table.add(s, tok, layer, ids, pr, where)
         records += 1
-    meta = {
-        "name": display_name(path),
-        "model": model or "unknown",
-        "phase": phase,
-        "source": {"format": "token-jsonl", "path": src, "fields": asdict(f)},
-    }
-    return table.build(num_experts=num_experts, drop_incomplete=drop_incomplete, meta=meta, records=records)
+    return records
 
 
 def _layers(rec: dict, experts: object, probs: object, f: TokenFields, has_layers: bool, where: str, num_experts: int | None):
@@ -142,4 +142,10 @@ def _read(path: str | os.PathLike, fmt: str, o: Options) -> Trace:
     return import_token_jsonl(path, fields=o.token_fields, **o.common())
 
 
-register(Importer("token-jsonl", shape=_shape, read=_read, phase="decode", claims_record=_fits))
+def _write_chunked(path: str | os.PathLike, out: str | os.PathLike, fmt: str, o: Options, chunk_sequences: int):
+    return write_jsonl_chunked(path, out, fmt, o.token_fields, lambda table: _feed(path, o.token_fields, o.num_experts, table),
+                               chunk_sequences=chunk_sequences, **o.common())
+
+
+register(Importer("token-jsonl", shape=_shape, read=_read, phase="decode", claims_record=_fits,
+                  write_chunked=_write_chunked))

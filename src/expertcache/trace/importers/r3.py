@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...errors import ConfigError, TraceError
+from ..chunked import ChunkWriter, check_chunk_sequences, open_chunked
 from ..core import Trace
 from ..validate import MAX_LAYERS, compact_dtype
 from .engine import MAX_TOP_K
@@ -282,10 +283,9 @@ def import_r3(path: str | os.PathLike, fmt: str = "sglang-r3", *, num_experts: i
     return build.trace(_r3_meta(path, src, fmt, model, reader), phase, num_experts, reader.stats)
 
 
-def import_r3_chunked(path: str | os.PathLike, out: str | os.PathLike, fmt: str = "sglang-r3", *,
-                      chunk_sequences: int, num_experts: int | None = None, num_layers: int | None = None,
-                      top_k: int | None = None, drop_incomplete: bool = False, model: str | None = None,
-                      phase: str | None = None):
+def import_r3_chunked(path: str | os.PathLike, out: str | os.PathLike, fmt: str = "sglang-r3", *, chunk_sequences: int,
+                      num_experts: int | None = None, num_layers: int | None = None, top_k: int | None = None,
+                      drop_incomplete: bool = False, model: str | None = None, phase: str | None = None):
     """:func:`import_r3` written as a chunked trace (:mod:`~expertcache.trace.chunked`) at ``out``,
     ``chunk_sequences`` sequences a chunk, in memory bounded by the log's open sequences rather
     than by the log. Two passes over the file: the first learns what the whole file decides (L x
@@ -296,10 +296,7 @@ def import_r3_chunked(path: str | os.PathLike, out: str | os.PathLike, fmt: str 
     The same rows, ids, positions and phases as :func:`import_r3`; sequences in the order they
     were completed (a conversation continued later comes after the ones it outlived), not of
     their first response. Returns the opened :class:`~expertcache.trace.chunked.ChunkedTrace`."""
-    from ..chunked import ChunkWriter, open_chunked
-
-    if isinstance(chunk_sequences, bool) or not isinstance(chunk_sequences, int) or chunk_sequences < 1:
-        raise ConfigError(f"--chunk-sequences: expected a positive integer, got {chunk_sequences!r}")
+    check_chunk_sequences(chunk_sequences)
     if fmt not in R3_FORMATS:
         raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(R3_FORMATS)}")
     if phase is not None:
@@ -379,16 +376,24 @@ def _learn_lk(path, src: str, fmt: str, num_experts: int | None, divisor: int | 
                      "the payload's layers x k is unknown; pass --num-layers and --top-k")
 
 
-def _read(path: str | os.PathLike, fmt: str, o: Options) -> Trace:
+def _options(fmt: str, o: Options) -> dict:
     if o.pad:
         raise ConfigError(f"--pad does not apply to {fmt} (every row holds the server's k ids)")
-    return import_r3(path, fmt, num_experts=o.num_experts, num_layers=o.num_layers, top_k=o.top_k,
-                     drop_incomplete=o.drop_incomplete, model=o.model, phase=o.phase)
+    return dict(num_experts=o.num_experts, num_layers=o.num_layers, top_k=o.top_k, drop_incomplete=o.drop_incomplete,
+                model=o.model, phase=o.phase)
+
+
+def _read(path: str | os.PathLike, fmt: str, o: Options) -> Trace:
+    return import_r3(path, fmt, **_options(fmt, o))
+
+
+def _write_chunked(path: str | os.PathLike, out: str | os.PathLike, fmt: str, o: Options, chunk_sequences: int):
+    return import_r3_chunked(path, out, fmt, chunk_sequences=chunk_sequences, **_options(fmt, o))
 
 
 register(Importer("sglang-r3", shape=lambda o: "SGLang server responses with routed experts (sglext.routed_experts "
                                                "or meta_info.routed_experts), streamed or not",
-                  read=_read, claims_line=r3_kind))
+                  read=_read, claims_line=r3_kind, write_chunked=_write_chunked))
 # no probe of its own: sglang-r3's (r3_kind) tells the two servers apart
 register(Importer("vllm-r3", shape=lambda o: "vLLM server responses with routed experts (choices[i].routed_experts)",
-                  read=_read))
+                  read=_read, write_chunked=_write_chunked))

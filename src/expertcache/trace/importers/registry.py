@@ -56,6 +56,10 @@ class Importer:
     ``claims_line(line)`` -> the name of the format a server-response line shows, another true value
     for a server response that does not tell (this format, unless a later line tells), or None;
     ``claims_record(record, options)`` -> bool, ``loose`` for a shape others' records also fit.
+    ``write_chunked(path, out, fmt, options, chunk_sequences) -> ChunkedTrace``, where the format
+    can be written as a chunked trace while it is read (memory bounded by what is open at once, not
+    by the file); formats without it are read whole, then written chunked
+    (:func:`~.detect.import_chunked`).
     """
 
     name: str
@@ -66,6 +70,7 @@ class Importer:
     claims_line: Callable[[bytes], Any] | None = None
     claims_record: Callable[[dict, Options], bool] | None = None
     loose: bool = False
+    write_chunked: Callable[[str | os.PathLike, str | os.PathLike, str, Options, int], Any] | None = None
 
 
 _REGISTRY: dict[str, Importer] = {}

@@ -10,12 +10,12 @@ present (in every record or in none); a gate-weight field named otherwise must b
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..core import Trace
-from .records import iter_records, display_name
+from .records import iter_records
 from .registry import Importer, Options, register
-from .table import RoutingTable
+from .table import RoutingTable, jsonl_meta, jsonl_names, write_jsonl_chunked
 from .values import check_num_experts, check_phase, field, id_list, index_value, prob_list, seq_value
 
 DEFAULT_PROBS = "gating_probs"
@@ -61,8 +61,14 @@ def import_vllm_jsonl(
     check_phase(phase)
     check_num_experts(num_experts)
     src = str(path)
-    f = fields
-    table = RoutingTable(src, {"seq": f.seq, "token": f.token, "experts": f.experts, "probs": f.probs}, pad=pad)
+    table = RoutingTable(src, jsonl_names(fields), pad=pad)
+    records = _feed(path, fields, num_experts, table)
+    return table.build(num_experts=num_experts, drop_incomplete=drop_incomplete, records=records,
+                       meta=jsonl_meta(path, "vllm-jsonl", fields, model, phase))
+
+
+def _feed(path, f: JsonlFields, num_experts: int | None, table: RoutingTable) -> int:
+    """Every record of ``path`` into ``table`` (its entries and gate-weight presence); the records read."""
     probs_required = f.probs is not None and f.probs != DEFAULT_PROBS
     records = 0
     for where, rec in iter_records(path):
@@ -78,13 +84,7 @@ def import_vllm_jsonl(
                 probs = prob_list(field(rec, f.probs, where), len(ids), f.probs, where)
         table.add(s, tok, layer, ids, probs, where)
         records += 1
-    meta = {
-        "name": display_name(path),
-        "model": model or "unknown",
-        "phase": phase,
-        "source": {"format": "vllm-jsonl", "path": src, "fields": asdict(f)},
-    }
-    return table.build(num_experts=num_experts, drop_incomplete=drop_incomplete, meta=meta, records=records)
+    return records
 
 
 def _fits(rec: dict, o: Options) -> bool:
@@ -101,5 +101,10 @@ def _read(path: str | os.PathLike, fmt: str, o: Options) -> Trace:
     return import_vllm_jsonl(path, fields=o.vllm_fields, **o.common())
 
 
-# loose: an engine-jsonl record fits this shape too, so the other record probes go first
-register(Importer("vllm-jsonl", shape=_shape, read=_read, phase="decode", claims_record=_fits, loose=True))
+def _write_chunked(path: str | os.PathLike, out: str | os.PathLike, fmt: str, o: Options, chunk_sequences: int):
+    return write_jsonl_chunked(path, out, fmt, o.vllm_fields, lambda table: _feed(path, o.vllm_fields, o.num_experts, table),
+                               chunk_sequences=chunk_sequences, **o.common())
+
+
+register(Importer("vllm-jsonl", shape=_shape, read=_read, phase="decode", claims_record=_fits, loose=True,
+                  write_chunked=_write_chunked))
