@@ -12,7 +12,9 @@ import pytest
 from expertcache.cli.main import main
 from expertcache.sim import StreamOptions, build_layout
 from expertcache.sim.curves.mrc import sweep_layout
-from expertcache.sim.sampled import MIN_POOL_ITEMS, choose_rate, curve_error, item_mask, sample_trace, sampled_curve
+from expertcache.sim.sampled import MIN_POOL_ITEMS, choose_rate, curve_error, sampled_curve
+from expertcache.trace.chunked import write_trace_chunked
+from expertcache.trace.sampling import item_mask, sample_trace
 from expertcache.trace.synth import synthesize_preset
 
 
@@ -77,6 +79,11 @@ def test_cli_sampled_sweep(tmp_path, capsys, monkeypatch, olmoe):
     assert all(0 < r["kept_items"] < r["items"] == 1024 for r in rows)
     assert main(["sweep", "t.npz", "--capacities", "8", "--sample-rate", "0.1"]) == 0
     assert "too few for an estimate" in capsys.readouterr().out
+    write_trace_chunked(olmoe, "ch", chunk_sequences=1)  # the same trace, chunked: the same estimates, on 2 workers
+    assert main(["sweep", "ch", "--capacities", "100,400", "--pool", "global", "--sample-rate", "0.5", "--jobs", "2",
+                 "--json"]) == 0
+    strip = [{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in capsys.readouterr().out.splitlines()]
+    assert strip == [{k: v for k, v in r.items() if k != "seconds"} | {"trace": strip[0]["trace"]} for r in rows]
     for argv, message in ((["--sample-rate", "0.5"], "need --capacities"),
                           (["--capacities", "8", "--sample-rate", "0"], "outside (0, 1]"),
                           (["--capacities", "8", "--sample-rate", "0.5", "--target-error", "0.1"], "not allowed with"),
@@ -88,3 +95,23 @@ def test_cli_sampled_sweep(tmp_path, capsys, monkeypatch, olmoe):
         assert rc == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("pool", ["layer", "global"])
+@pytest.mark.parametrize("reset", ["sequence", "none"])
+def test_a_chunked_trace_is_sampled_as_the_whole(tmp_path, pool, reset):
+    """sweep --sample-rate on a chunked trace: every unit keeps the same items, and the estimates
+    equal the whole trace's, for rules with and without foresight, with a layer selection too."""
+    whole = synthesize_preset("olmoe", 1, tokens=60, sequences=5)
+    ct = write_trace_chunked(whole, tmp_path / "c", chunk_sequences=2)
+    for extra in ({}, {"layers": (1, 3, 4, 9)}):
+        options = StreamOptions.of(pool=pool, reset=reset, **extra)
+        caps = [8, 16, 40] if pool == "layer" else [16, 100, 300]
+        for policy, rate in (("lru", 0.5), ("belady", 0.3), ("arc", 0.5)):
+            a = sampled_curve(whole, caps, policy, rate, seed=2, options=options)
+            b = sampled_curve(ct, caps, policy, rate, seed=2, options=options)
+            assert (a.kept, a.items, a.requests) == (b.kept, b.items, b.requests)
+            assert np.array_equal(a.sampled_capacities, b.sampled_capacities)
+            assert np.array_equal(a.hit_rate, b.hit_rate) and np.array_equal(a.copies_per_token, b.copies_per_token)
+    rates = [choose_rate(x, [16, 100], "lru", 0.2, options=StreamOptions.of(pool="global")) for x in (whole, ct)]
+    assert rates[0] == rates[1]

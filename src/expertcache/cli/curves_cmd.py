@@ -278,15 +278,16 @@ def run_sampled(args) -> int:
     for flag, value in (("--budgets", args.budgets), ("--target-hit-rate", args.target_hit_rate),
                         ("--target-copies", args.target_copies), ("--plot", args.plot)):
         require(value is None, f"{flag} does not combine with a sampled sweep")
-    trace = open_trace(args.trace)
+    trace = open_trace_or_chunked(args.trace)  # a chunked trace: sampled unit by unit (sim.sampled)
     options = StreamOptions.from_args(args)
     specs = args.policies or ["lru", "belady"]
+    run = dict(options=options, jobs=parallel_jobs(args), ray=args.ray)
     curves, chosen = [], {}
     for spec in specs:
         rate, spread = (args.sample_rate, None) if args.sample_rate is not None else \
-            choose_rate(trace, args.capacities, spec, args.target_error, options=options)
+            choose_rate(trace, args.capacities, spec, args.target_error, **run)
         chosen[spec] = (rate, spread)
-        curves.append(sampled_curve(trace, args.capacities, spec, rate, seed=args.sample_seed, options=options))
+        curves.append(sampled_curve(trace, args.capacities, spec, rate, seed=args.sample_seed, **run))
     if args.json:
         emit_json(rec | {"trace": trace.name, "method": "sampled", "standard_error": chosen[spec][1]}
                   for spec, c in zip(specs, curves) for rec in c.records())

@@ -36,7 +36,8 @@ import numpy as np
 
 from ..policies import Policy, make_policy
 from ..trace.chunked import ChunkedTrace, open_chunked
-from ..trace.core import layer_columns
+from ..trace.core import Trace, layer_columns
+from ..trace.sampling import sample_trace
 from .curves.mrc import DEFAULT_GRID, MissRatioCurve, _fill_gaps, sweep_layout
 from .layout import build_layout
 from .options import StreamOptions
@@ -62,24 +63,29 @@ def plan_units(ct: ChunkedTrace, options: StreamOptions) -> list[Unit]:
         return [Unit(i, None, "tokens") for i in range(ct.num_chunks)]
     if options.pool == "global":
         return [Unit(None, None, "tokens")]
-    cols = _selected_cols(ct, options)
+    cols = selected_cols(ct, options)
     per_layer = max(1, ct.num_tokens * ct.top_k * 12)
     block = max(1, min(len(cols), UNIT_BYTES // per_layer))
     return [Unit(None, tuple(cols[i: i + block]), "layers") for i in range(0, len(cols), block)]
 
 
-def _selected_cols(ct: ChunkedTrace, options: StreamOptions) -> list[int]:
-    """The layer columns ``options.layers`` selects (the same checks and lines as a whole trace's)."""
-    return [int(c) for c in layer_columns(ct.layer_ids, options.layers, str(ct.root))]
+def selected_cols(trace: "ChunkedTrace | Trace", options: StreamOptions) -> list[int]:
+    """The layer columns ``options.layers`` selects (the same checks and lines for a whole trace and
+    a chunked one)."""
+    if isinstance(trace, Trace):
+        return [int(c) for c in trace.layer_index(options.layers)]
+    return [int(c) for c in layer_columns(trace.layer_ids, options.layers, str(trace.root))]
 
 
-def unit_layout(ct: ChunkedTrace, unit: Unit, options: StreamOptions):
-    """The stream layout of one unit."""
-    if unit.chunk is not None:
-        return build_layout(ct.chunk(unit.chunk), options)
-    if unit.cols is None:
-        return build_layout(ct.load(), options)
+def unit_layout(ct: ChunkedTrace, unit: Unit, options: StreamOptions, mask: np.ndarray | None = None):
+    """The stream layout of one unit; with ``mask`` (bool ``[L, E]`` over the trace's layer columns)
+    of its sampled items only (:func:`~expertcache.trace.sampling.sample_trace`)."""
+    if unit.chunk is not None or unit.cols is None:
+        trace = ct.chunk(unit.chunk) if unit.chunk is not None else ct.load()
+        return build_layout(trace if mask is None else sample_trace(trace, mask), options)
     trace = ct.load_layers(np.asarray(unit.cols))
+    if mask is not None:
+        trace = sample_trace(trace, mask[list(unit.cols)])
     return build_layout(trace, dataclasses.replace(options, layers=None))
 
 
@@ -100,17 +106,29 @@ def replay_chunked(ct: "ChunkedTrace | str", capacity: int, policies: Sequence["
 
 def sweep_chunked(ct: "ChunkedTrace | str", capacities: Sequence[int] | None, policies: Sequence["str | Policy"],
                   options: StreamOptions | None = None, *, one_pass: bool = True, jobs: int = 1,
-                  ray: str | None = None, progress: Callable[[int], None] | None = None) -> list[MissRatioCurve]:
+                  ray: str | None = None, progress: Callable[[int], None] | None = None,
+                  mask: np.ndarray | None = None) -> list[MissRatioCurve]:
     """One :class:`~expertcache.sim.curves.mrc.MissRatioCurve` per policy, equal to sweeping the
-    whole trace (LRU by one stack pass per unit when ``one_pass``)."""
+    whole trace (LRU by one stack pass per unit when ``one_pass``); with ``mask``, the whole trace
+    sampled by it (:func:`~expertcache.trace.sampling.sample_trace`)."""
     ct = ct if isinstance(ct, ChunkedTrace) else open_chunked(ct)
     options = options or StreamOptions()
     caps = default_capacities(ct, options) if capacities is None else sorted({int(c) for c in capacities})
     units = plan_units(ct, options)
-    parts = _run_units(ct, units, options, ("sweep", caps, one_pass), list(policies), jobs, ray, progress)
+    parts = _run_units(ct, units, options, ("sweep", caps, one_pass), list(policies), jobs, ray, progress, mask)
     curves = [join_curves([part[i] for part in parts], units) for i in range(len(policies))]
     _fill_gaps(curves)
     return curves
+
+
+def widest_group(ct: "ChunkedTrace | str", options: StreamOptions | None = None, *, mask: np.ndarray | None = None,
+                 jobs: int = 1, ray: str | None = None) -> int:
+    """The widest group of the whole trace's layout (of its sampled items with ``mask``): the largest
+    of its units' (units split groups never, so the largest is the whole trace's)."""
+    ct = ct if isinstance(ct, ChunkedTrace) else open_chunked(ct)
+    options = options or StreamOptions()
+    parts = _run_units(ct, plan_units(ct, options), options, ("widest",), [], jobs, ray, None, mask)
+    return max(part[0] for part in parts)
 
 
 def default_capacities(ct: ChunkedTrace, options: StreamOptions) -> list[int]:
@@ -163,16 +181,16 @@ def join_curves(parts: list[MissRatioCurve], units: list[Unit]) -> MissRatioCurv
 
 
 # ------------------------------------------------------------------------------------ running
-def _run_units(ct, units, options, job, policies, jobs, ray, progress) -> list[list]:
+def _run_units(ct, units, options, job, policies, jobs, ray, progress, mask=None) -> list[list]:
     tick = progress or (lambda n: None)
     parallel = (jobs > 1 or ray is not None) and len(units) > 1 and all(isinstance(p, str) for p in policies)
     if not parallel:
         out = []
         for unit in units:
-            out.append(run_unit(ct, unit, options, job, policies))
+            out.append(run_unit(ct, unit, options, job, policies, mask))
             tick(1)
         return out
-    tasks = [(str(ct.root), unit, options, job, policies) for unit in units]
+    tasks = [(str(ct.root), unit, options, job, policies, mask) for unit in units]
     if ray is None:
         with ProcessPoolExecutor(max_workers=min(jobs, len(units)), mp_context=get_context("spawn")) as pool:
             out = []
@@ -192,10 +210,14 @@ def _run_units(ct, units, options, job, policies, jobs, ray, progress) -> list[l
         return out
 
 
-def run_unit(ct: ChunkedTrace, unit: Unit, options: StreamOptions, job: tuple, policies: list) -> list:
-    """The results of ``policies`` on one unit: a ReplayResult each (``job = ("replay", C)``) or a
-    MissRatioCurve each (``job = ("sweep", capacities, one_pass)``)."""
-    layout = unit_layout(ct, unit, options)
+def run_unit(ct: ChunkedTrace, unit: Unit, options: StreamOptions, job: tuple, policies: list,
+             mask: np.ndarray | None = None) -> list:
+    """The results of ``policies`` on one unit (its items sampled by ``mask`` when given): a
+    ReplayResult each (``job = ("replay", C)``), a MissRatioCurve each (``job = ("sweep",
+    capacities, one_pass)``), or ``[the layout's widest group]`` (``job = ("widest",)``)."""
+    layout = unit_layout(ct, unit, options, mask)
+    if job[0] == "widest":
+        return [layout.widest]
     if job[0] == "replay":
         return [replay_layout(layout, job[1], make_policy(p) if isinstance(p, str) else p) for p in policies]
     return sweep_layout(layout, job[1], policies, one_pass=job[2])
@@ -203,8 +225,8 @@ def run_unit(ct: ChunkedTrace, unit: Unit, options: StreamOptions, job: tuple, p
 
 def _run_task(task) -> list:
     """A worker's unit: it opens the chunked trace itself (only the path was sent)."""
-    root, unit, options, job, policies = task
-    return run_unit(open_chunked(root), unit, options, job, policies)
+    root, unit, options, job, policies, mask = task
+    return run_unit(open_chunked(root), unit, options, job, policies, mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +242,6 @@ class PoolShape:
 
 def pool_shape(ct: ChunkedTrace, options: StreamOptions) -> PoolShape:
     """The :class:`PoolShape` of ``ct`` laid out under ``options``."""
-    cols = _selected_cols(ct, options)
+    cols = selected_cols(ct, options)
     n_items = ct.num_experts * (len(cols) if options.pool == "global" else 1)
     return PoolShape(n_items, options.pool, [ct.layer_ids[c] for c in cols], ct.top_k)

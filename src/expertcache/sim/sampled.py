@@ -31,6 +31,9 @@ import numpy as np
 from ..errors import ConfigError
 from ..policies import Policy
 from ..trace import Trace
+from ..trace.chunked import ChunkedTrace
+from ..trace.sampling import item_mask, sample_trace
+from .chunked import selected_cols, sweep_chunked, widest_group
 from .curves.mrc import MissRatioCurve, sweep_layout
 from .layout import build_layout
 from .options import StreamOptions
@@ -40,31 +43,6 @@ SEEDS = 4
 MIN_POOL_ITEMS = 64
 """Fewest items one sampled pool may expect to keep (``rate x`` its items) before seeds' agreement
 means anything: below it a sample's capacity covers every kept item and every hash says 'all hits'."""
-
-
-def item_mask(num_layers: int, num_experts: int, rate: float, seed: int = 0) -> np.ndarray:
-    """bool ``[L, E]``: the items a hash of ``(layer, expert, seed)`` keeps at ``rate``."""
-    if not (isinstance(rate, (int, float)) and 0.0 < rate <= 1.0) or isinstance(rate, bool):
-        raise ConfigError(f"--sample-rate: {rate!r} is outside (0, 1]")
-    layer = np.arange(num_layers, dtype=np.uint64)[:, None]
-    expert = np.arange(num_experts, dtype=np.uint64)[None, :]
-    with np.errstate(over="ignore"):
-        x = (layer << np.uint64(32)) ^ expert ^ (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15))
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finalizer
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53) < rate
-
-
-def sample_trace(trace: Trace, mask: np.ndarray) -> Trace:
-    """``trace`` with the ids of items outside ``mask`` (``[L, E]``, by layer column) made padding
-    in place (every rule and the layout take padding anywhere in a group). Tokens, sequences and
-    extras are unchanged; gate weights are dropped."""
-    ex = trace.experts
-    flat = (np.arange(trace.num_layers, dtype=np.int64) * trace.num_experts)[None, :, None] + ex
-    keep = (ex >= 0) & mask.reshape(-1)[np.maximum(flat, 0)]
-    return dataclasses.replace(trace, experts=np.where(keep, ex, -1).astype(ex.dtype, copy=False), probs=None,
-                               router_probs=None)
 
 
 @dataclasses.dataclass
@@ -108,25 +86,37 @@ class SampledCurve:
                 for c, sc, h, cpt in zip(self.capacities, self.sampled_capacities, self.hit_rate, self.copies_per_token)]
 
 
-def sampled_curve(trace: Trace, capacities: Sequence[int], policy: "str | Policy", rate: float, *,
-                  seed: int = 0, options: StreamOptions | None = None) -> SampledCurve:
-    """The estimated curve of ``policy`` at ``capacities`` from the items sampled at ``rate``."""
+def sampled_curve(trace: "Trace | ChunkedTrace", capacities: Sequence[int], policy: "str | Policy", rate: float, *,
+                  seed: int = 0, options: StreamOptions | None = None, jobs: int = 1,
+                  ray: str | None = None) -> SampledCurve:
+    """The estimated curve of ``policy`` at ``capacities`` from the items sampled at ``rate``. A
+    chunked trace is sampled unit by unit (:mod:`expertcache.sim.chunked`: the same items in every
+    chunk, ``jobs``/``ray`` as its sweep), with the whole trace's estimates: one pass finds the
+    widest sampled group, a second sweeps."""
     t0 = time.perf_counter()
     options = options or StreamOptions()
-    cols = trace.layer_index(options.layers)
+    cols = selected_cols(trace, options)
     mask = np.zeros((trace.num_layers, trace.num_experts), dtype=bool)
     mask[cols] = item_mask(len(cols), trace.num_experts, rate, seed)
     kept, items = int(mask[cols].sum()), len(cols) * trace.num_experts
     if not kept:
         raise ConfigError(f"--sample-rate {rate:g} keeps none of the {items:,} items (layer, expert): raise it")
-    layout = build_layout(sample_trace(trace, mask), options)
+    if isinstance(trace, ChunkedTrace):
+        widest = max(widest_group(trace, options, mask=mask, jobs=jobs, ray=ray), 1)
+
+        def sweep_at(caps):
+            return sweep_chunked(trace, caps, [policy], options, jobs=jobs, ray=ray, mask=mask)[0]
+    else:
+        layout = build_layout(sample_trace(trace, mask), options)
+        widest = max(layout.widest, 1)
+
+        def sweep_at(caps):
+            return sweep_layout(layout, caps, [policy])[0]
     share = kept / items
     pool_items = items if options.pool == "global" else trace.num_experts
     caps = np.asarray(sorted({int(c) for c in capacities}), dtype=np.int64)
-    widest = max(layout.widest, 1)
     scaled = np.maximum(widest, np.minimum(np.rint(caps * share), max(widest, round(pool_items * share)))).astype(np.int64)
-    unique = sorted({int(c) for c in scaled})
-    [curve] = sweep_layout(layout, unique, [policy])
+    curve = sweep_at(sorted({int(c) for c in scaled}))
     at = {int(c): i for i, c in enumerate(curve.capacities)}
     idx = np.array([at[int(c)] for c in scaled])
     tokens = curve.tokens
@@ -144,8 +134,9 @@ def curve_error(sampled: SampledCurve, exact: MissRatioCurve) -> float:
     return float(np.mean(np.abs((1 - sampled.hit_rate) - (1 - truth))))
 
 
-def choose_rate(trace: Trace, capacities: Sequence[int], policy: "str | Policy", target: float, *,
-                options: StreamOptions | None = None, start: float = 0.01) -> tuple[float, float]:
+def choose_rate(trace: "Trace | ChunkedTrace", capacities: Sequence[int], policy: "str | Policy", target: float, *,
+                options: StreamOptions | None = None, start: float = 0.01, jobs: int = 1,
+                ray: str | None = None) -> tuple[float, float]:
     """``(rate, spread)``: the smallest of ``start, 2 start, 4 start, ... 1`` at which a pool expects
     at least :data:`MIN_POOL_ITEMS` items and :data:`SEEDS` independent hashes give miss ratios whose
     standard error (their standard deviation over ``sqrt(SEEDS)``, the mean over capacities) is at
@@ -154,7 +145,7 @@ def choose_rate(trace: Trace, capacities: Sequence[int], policy: "str | Policy",
     if not (isinstance(target, float) and 0 < target < 1):
         raise ConfigError(f"--target-error: {target!r} is outside (0, 1)")
     options = options or StreamOptions()
-    L = len(trace.layer_index(options.layers))
+    L = len(selected_cols(trace, options))
     pool_items = trace.num_experts * (L if options.pool == "global" else 1)
     rate = start
     while rate < 1.0 and rate * pool_items < MIN_POOL_ITEMS:  # too few items for any estimate
@@ -163,7 +154,8 @@ def choose_rate(trace: Trace, capacities: Sequence[int], policy: "str | Policy",
         runs = []
         for seed in range(SEEDS):
             try:
-                runs.append(1 - sampled_curve(trace, capacities, policy, rate, seed=seed, options=options).hit_rate)
+                runs.append(1 - sampled_curve(trace, capacities, policy, rate, seed=seed, options=options, jobs=jobs,
+                                              ray=ray).hit_rate)
             except ConfigError:  # no item kept at this rate with this seed
                 runs = []
                 break
