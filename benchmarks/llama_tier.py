@@ -64,14 +64,15 @@ START, END = "<!-- llama-bench:start -->", "<!-- llama-bench:end -->"
 FORECAST_MODES = ("mmap", "advise", "managed")
 
 
-def build(scratch: Path) -> dict[str, Path]:
+def build(scratch: Path, wanted: set[str] | None = None) -> dict[str, Path]:
+    """The two GGUFs under ``scratch`` (those named in ``wanted`` built where missing; None: both)."""
     tok = REPO / "models" / "small-moe"
     olmoe = scratch / "serve-bench-olmoe-f16.gguf"  # the serve benchmark's file: the same seed and geometry
-    if not olmoe.exists():
+    if not olmoe.exists() and (wanted is None or "olmoe-f16" in wanted):
         print("building", olmoe, flush=True)
         convert_random(OLMOE, olmoe, "f16", seed=0, tokenizer=tok)
     qwen = scratch / "tier-qwen3moe-q4_k_m.gguf"
-    if not qwen.exists():
+    if not qwen.exists() and (wanted is None or "qwen3moe-q4_k_m" in wanted):
         f16 = scratch / "tier-qwen3moe-f16.gguf"
         print("building", f16, "then", qwen, flush=True)
         convert_random(QWEN3, f16, "f16", seed=0, tokenizer=tok)
@@ -272,7 +273,8 @@ def main() -> int:
     scratch = Path(args.scratch)
     scratch.mkdir(parents=True, exist_ok=True)
     t0, load0 = time.time(), os.getloadavg()[0]
-    files = build(scratch)
+    wanted = set(args.models.split(",")) | (set() if args.no_prefill else {"olmoe-f16"})  # prefill runs on olmoe
+    files = build(scratch, wanted)
     modes = [m for m in args.modes.split(",") if m]
     blocks, results, dump = [], {}, {}
     for name in args.models.split(","):

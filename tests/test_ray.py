@@ -10,6 +10,7 @@ import pytest
 from expertcache.cli.main import main
 from expertcache.errors import ConfigError
 from expertcache.sim import build_layout, replay_layout
+from expertcache.sim.backends import init_local
 from expertcache.sim.parallel import StreamReplayer
 from expertcache.trace.synth import synthesize_preset
 
@@ -26,11 +27,22 @@ def local_ray():
     """One local Ray of 2 CPUs for the module; ``ray_session`` uses a connection already made."""
     with ray_lock():  # no other test worker's --ray auto joins this cluster while it lives
         try:
-            ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+            init_local(ray, 2, logging_level="ERROR", log_to_driver=False)
         except Exception as err:  # noqa: BLE001 - any reason Ray can't start here is a skip, said
             pytest.skip(f"a local Ray could not start here: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
         yield ray
         ray.shutdown()
+
+
+def test_a_local_rays_workers_run_at_our_niceness(local_ray):
+    """Ray starts workers at nice 15 unless told; beside busy neighbours they then crawl (sim/backends)."""
+    import os
+
+    @local_ray.remote
+    def niceness():
+        return os.nice(0)
+
+    assert local_ray.get(niceness.remote()) == os.nice(0)
 
 
 def test_grid_on_ray_equals_the_process_pool(local_ray, grid):
