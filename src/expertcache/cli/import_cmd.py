@@ -172,12 +172,13 @@ def run_import(args) -> int:
     for name, formats in _APPLIES.items():
         if getattr(args, name) is not None and fmt not in formats:
             raise ConfigError(f"--{name.replace('_', '-')} does not apply to {fmt} (only to {', '.join(formats)})")
+    options = dict(vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields,
+                   num_experts=args.num_experts, drop_incomplete=args.drop_incomplete, pad=args.pad, model=args.model,
+                   phase=args.phase, sequences=args.sequences or "auto", rank=args.rank, top_k=args.top_k,
+                   expect_tokens=args.expect_tokens, num_layers=args.num_layers)
     if args.chunk_sequences is not None:
-        return _run_chunked(args, path, fmt, vllm_fields, token_fields, engine_fields)
-    trace, fmt = import_trace(path, fmt, vllm_fields=vllm_fields, token_fields=token_fields, engine_fields=engine_fields,
-                              num_experts=args.num_experts, drop_incomplete=args.drop_incomplete, pad=args.pad,
-                              model=args.model, phase=args.phase, sequences=args.sequences or "auto", rank=args.rank,
-                              top_k=args.top_k, expect_tokens=args.expect_tokens, num_layers=args.num_layers)
+        return _run_chunked(args, path, fmt, options)
+    trace, fmt = import_trace(path, fmt, **options)
     trace.save(args.out)
     dropped = trace.meta["validation"]["tokens_dropped"]
     engine = _engine_summary(trace) if fmt == "engine-jsonl" else {}
@@ -202,13 +203,10 @@ def run_import(args) -> int:
     return 0
 
 
-def _run_chunked(args, path: str, fmt: str, vllm_fields, token_fields, engine_fields) -> int:
-    """``--chunk-sequences N``: the log written as a chunked trace (trace.importers.detect.import_chunked)."""
-    ct, fmt = import_chunked(path, args.out, fmt, chunk_sequences=args.chunk_sequences, vllm_fields=vllm_fields,
-                             token_fields=token_fields, engine_fields=engine_fields, num_experts=args.num_experts,
-                             drop_incomplete=args.drop_incomplete, pad=args.pad, model=args.model, phase=args.phase,
-                             sequences=args.sequences or "auto", rank=args.rank, top_k=args.top_k,
-                             expect_tokens=args.expect_tokens, num_layers=args.num_layers)
+def _run_chunked(args, path: str, fmt: str, options: dict) -> int:
+    """``--chunk-sequences N``: the log written as a chunked trace (trace.importers.detect.import_chunked),
+    given the whole import's ``options``."""
+    ct, fmt = import_chunked(path, args.out, fmt, chunk_sequences=args.chunk_sequences, **options)
     dropped = ct.meta.get("validation", {}).get("tokens_dropped", 0)
     if args.json:
         emit_json([{"out": args.out, "format": fmt, "tokens": ct.num_tokens, "sequences": ct.num_sequences,
