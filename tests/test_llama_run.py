@@ -123,17 +123,25 @@ def test_walls_and_summary(gguf_path):
     assert s["smallest_wall"] == {"mmap": 20} and not s["cells"][1]["proof_ok"]
 
 
+def covered_bytes(g) -> int:
+    """The most bytes of whole pages one expert's slices cover (the managed pool's item), by hand."""
+    from expertcache.llama.advice import PAGE
+
+    return max(sum(((off + n + PAGE - 1) // PAGE - off // PAGE) * PAGE for off, n in g.expert_ranges(layer, e))
+               for layer in g.moe_layers for e in range(g.num_experts))
+
+
 def test_managed_mode_hints_exactly_the_policys_loads(gguf_path, prompt):
     """managed: an ExpertCache decides residency; its loads are the only experts hinted, its pool is
     sized by hand below the wall, and an offline rule or a pool below one layer is refused."""
     from expertcache.errors import ConfigError
-    from expertcache.llama.advice import PAGE, managed_capacity
+    from expertcache.llama.advice import managed_capacity
     from expertcache.llama.runner import check_managed
 
     g = read_geometry(str(gguf_path))
     dense = g.dense_bytes
     L, E = len(g.moe_layers), g.num_experts
-    wall = dense + L * 3 * (E + 1) * PAGE + 12 * (g.uniform_expert_bytes + 6 * PAGE)
+    wall = dense + 12 * covered_bytes(g)  # 11 experts and one of slack
     assert managed_capacity(g, wall) == 11 and managed_capacity(g, None) == L * E
     rec = run_one(g, prompt, 10, "managed", keep_routing=True)  # no wall: the pool holds every expert
     adv = rec["advice"]
@@ -162,13 +170,12 @@ def test_managed_mode_replays_its_own_cache(gguf_path, prompt):
     the run's own routing from an empty pool (prefill groups split at the pool size, as the mode
     splits them)."""
     from expertcache.cache import ExpertCache
-    from expertcache.llama.advice import PAGE
 
     g = read_geometry(str(gguf_path))
     dense = g.dense_bytes
     L, E = len(g.moe_layers), g.num_experts
     cap = 2 * g.top_k
-    wall = dense + L * 3 * (E + 1) * PAGE + (cap + 1) * (g.uniform_expert_bytes + 6 * PAGE)
+    wall = dense + (cap + 1) * covered_bytes(g)
     rec = run_one(g, prompt, 10, "managed", wall_bytes=wall, wall="none", keep_routing=True)
     assert rec["advice"]["managed_capacity"] == cap
     cache = ExpertCache(cap, "lru", L * E, steps_per_token=L)

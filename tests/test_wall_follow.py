@@ -161,17 +161,23 @@ def test_a_model_load_gets_no_room_from_other_files_page_cache(cgroup, tmp_path)
     s.files.close()
 
 
+def loading(cgroup, tmp_path, usage: int) -> tuple[cg.Sampler, str]:
+    """A following sampler whose worker (``usage`` bytes) has begun its model load: ``(sampler, flag)``."""
+    flag = str(tmp_path / "worker.follow")
+    s = cg.Sampler(cgroup.d, "v1", follow=(CAPACITY, CEILING, MARGIN), follow_flag=flag)
+    open(flag, "w").close()
+    cgroup.set(usage=usage, file=0)
+    s.sample()
+    open(flag + cg.LOAD_SUFFIX, "w").close()
+    s.sample()
+    return s, flag
+
+
 def test_the_load_ends_only_once_the_limit_after_it_is_written(cgroup, tmp_path):
     """The load fills the room it is given, so when it ends the cgroup sits at its limit, where a
     system call's charge fails (a server's next thread start did): the worker's end-of-load mark
     stays until the wall has written its limit after the load, with room above the usage."""
-    flag = str(tmp_path / "worker.follow")
-    s = cg.Sampler(cgroup.d, "v1", follow=(CAPACITY, CEILING, MARGIN), follow_flag=flag)
-    open(flag, "w").close()
-    cgroup.set(usage=90 * MiB, file=0)
-    s.sample()
-    open(flag + cg.LOAD_SUFFIX, "w").close()
-    s.sample()
+    s, flag = loading(cgroup, tmp_path, 90 * MiB)
     assert not os.path.exists(flag + cg.LOAD_SUFFIX)
     full = cgroup.limit
     cgroup.set(usage=full, file=MARGIN)  # at its limit, little of it reclaimable
@@ -203,3 +209,47 @@ def test_the_load_end_mark_of_a_wall_that_follows_nothing_goes_at_once(tmp_path)
         pass
     done.set()
     assert time.monotonic() - t0 < 2 and not os.path.exists(flag + cg.LOADED_SUFFIX)
+
+
+def test_after_the_load_the_limit_follows_the_worker_at_once(cgroup, tmp_path):
+    """The window's samples and the tier's feedback (bias) of a load describe a worker that has not
+    yet allocated what it allocates at the load's end (llama.cpp's buffers) and a thrash that is
+    over: both restart when the load ends, so the limit follows the worker's own memory from the
+    next sample (kept, the window's least held it 40 MB low for a second, and the squeezed tier
+    lost pages a sized pool held)."""
+    s, flag = loading(cgroup, tmp_path, 50 * MiB)
+    s._bias = 3 * MiB  # what a load's thrash leaves
+    open(flag + cg.LOADED_SUFFIX, "w").close()
+    cgroup.set(usage=90 * MiB, file=0)  # the worker's buffers, allocated as the load ends
+    s.sample()
+    assert s._bias == 0 and list(s._recent_own) == [90 * MiB]
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()
+    assert cgroup.limit == 90 * MiB + CAPACITY + MARGIN
+
+
+def test_a_sample_taken_while_the_tier_moves_does_not_measure_own_memory(cgroup, tmp_path):
+    """The tier is read on both sides of the usage; where it moved by more than a quarter margin
+    between them (a prefill reading 1 GB/s), usage - tier is no measure of the worker's own memory
+    and the sample stays out of the window (its least would have held the limit low)."""
+    from expertcache.wall.pagecache import FileCache
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"\0" * (1 << 16))
+    s = cg.Sampler(cgroup.d, "v1", follow=(CAPACITY, CEILING, MARGIN), tier_files=[str(gguf)], tier_locked=False)
+    s._following = True
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()
+    assert list(s._recent_own) == [90 * MiB - s.files.bytes()]
+    reads = iter([0, MARGIN])  # the tier grew by a margin during the sample
+
+    class Moving(FileCache):
+        def bytes(self):
+            return next(reads)
+
+    s.files.close()
+    s.files = Moving([str(gguf)])
+    cgroup.set(usage=80 * MiB, file=0)
+    s.sample()
+    assert len(s._recent_own) == 1  # the moving sample was left out
+    s.files.close()

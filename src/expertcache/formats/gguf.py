@@ -149,6 +149,16 @@ class Geometry:
         E = self.num_experts
         return [(t.offset + expert * (t.nbytes // E), t.nbytes // E) for t in self.experts[layer].values()]
 
+    def compute_ranges(self, layer: int, experts) -> list[tuple[int, int]]:
+        """File ``(offset, length)`` of ``experts`` of MoE layer ``layer``, in the order llama.cpp's
+        graph consumes them: tensor by tensor in :data:`COMPUTE_ORDER` (gate, up, then down; a
+        bias after its weight), and within a tensor the experts by ascending id, as ggml's
+        ``mul_mat_id`` walks them. Reads issued in this order let the first experts' matmuls start
+        while the rest are read (file order puts ``down`` first in a quantized file)."""
+        E, ids = self.num_experts, sorted({int(e) for e in experts})
+        tensors = sorted(self.experts[layer].items(), key=lambda kv: compute_rank(kv[0]))
+        return [(t.offset + e * (t.nbytes // E), t.nbytes // E) for _, t in tensors for e in ids]
+
     def layer_span(self, layer: int) -> list[tuple[int, int]]:
         """File ``(offset, length)`` of the whole expert tensors of ``layer``."""
         return [(t.offset, t.nbytes) for t in self.experts[layer].values()]
@@ -274,6 +284,18 @@ def read_header(path: str, where: str = "--model") -> tuple[dict, dict[str, Tens
                               f"the file has {size}")
         tensors[name] = t
     return meta, tensors, size
+
+
+COMPUTE_ORDER = ("gate_up", "gate", "up", "down")
+"""The expert matmuls of one MoE layer in llama.cpp's graph order (``ffn_moe_gate``, ``ffn_moe_up``,
+``ffn_moe_down``; a fused ``gate_up`` first)."""
+
+
+def compute_rank(kind: str) -> tuple[int, int]:
+    """Sort key of an expert tensor kind (``ffn_gate_exps.weight``) in :data:`COMPUTE_ORDER`; an
+    unknown kind last, a bias after its weight."""
+    stem = kind.split(".")[0].removeprefix("ffn_").removesuffix("_exps")
+    return (COMPUTE_ORDER.index(stem) if stem in COMPUTE_ORDER else len(COMPUTE_ORDER), kind.endswith(".bias"))
 
 
 def _layer_and_kind(name: str) -> tuple[int, str] | None:

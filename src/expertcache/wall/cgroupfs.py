@@ -289,13 +289,22 @@ class Sampler(threading.Thread):
             return
         file = st["active_file"] + st["inactive_file"]
         unev = st.get("unevictable", 0)
-        usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
         tier = file + unev
+        moving = False
         if self.files is not None:
             try:
-                tier = self.files.bytes() + (unev if self.tier_locked else 0)
+                before = self.files.bytes()
+                usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
+                after = self.files.bytes()
             except OSError:
                 return
+            tier = (before + after) // 2 + (unev if self.tier_locked else 0)
+            # the tier read on both sides of the usage: while a prefill reads at 1 GB/s a
+            # millisecond between them moves it by a MB, and the own memory (usage - tier) read
+            # off one side came out 5-11 MB low, a dip the window's least then kept for a second
+            moving = self.follow is not None and after - before > self.follow[2] // 4
+        else:
+            usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
         vals = {"file_peak_bytes": file, "anon_peak_bytes": st["active_anon"] + st["inactive_anon"],
                 "unevictable_peak_bytes": unev, "tier_peak_bytes": tier,
                 "own_peak_bytes": None if usage is None else max(0, usage - tier)}
@@ -308,6 +317,15 @@ class Sampler(threading.Thread):
         loaded = bool(self.follow_flag) and os.path.exists(self.follow_flag + LOADED_SUFFIX)
         if self._loading and loaded:
             self._loading = False
+            # the window's samples are the load's: a worker that had not yet allocated what it
+            # allocates at the end of the load (llama.cpp's context, KV cache and compute buffers:
+            # 40 MB of a 1.7 GB OLMoE file's worker). Kept, its least held the limit that much too
+            # low for a window's length after the load, and the squeezed tier lost the pages just
+            # read for the prefill (1,000-5,000 of them faulted back one by one in the decode).
+            # The bias corrected the load's thrash (its pages on their way out read as own
+            # memory); carried over it held the limit 0-24 MB low after it, the same way.
+            self._recent_own.clear()
+            self._bias = 0
             self._note("load over")
         if load_mark and self._following:
             self._loading = True
@@ -315,7 +333,8 @@ class Sampler(threading.Thread):
         if self.follow is not None and vals["own_peak_bytes"] is not None:
             self._following = self._following or tier * 2 >= self.follow[0] or flagged
             if self._following:
-                self._recent_own.append(vals["own_peak_bytes"])
+                if not moving or not self._recent_own:  # a moving tier's sample does not measure own
+                    self._recent_own.append(vals["own_peak_bytes"])
                 self._correct(tier, usage)
                 self._follow(min(self._recent_own), usage, tier, file, other)
             if os.environ.get(TRACE_ENV):
