@@ -7,6 +7,9 @@
    experts, top-8, 8 layers) and a Qwen3-MoE-geometry one quantized to Q4_K_M (hidden 1024, expert
    width 512, 128 experts, top-8, 12 layers, grouped-query attention, per-head q/k norms).
 2. Per model and thread count (--threads, default 1 and 2):
+   * the compute rates (``size``'s and this prompt's) and the device's bandwidths measured afresh,
+     into the cache the forecasts and the runs' roofline read (a cached figure lives a day, and this
+     shared host's speed drifts by more than the targets' 15% within one);
    * the forecast first: ``expertcache size MODEL --memory WALL --threads T --trace CAPTURED --json``
      at every wall (the trace: this prompt's own decode captured by ``expertcache capture``), and
      once more without ``--trace`` (the matched synthetic trace a user without a capture gets);
@@ -21,7 +24,7 @@
 4. The targets of issue 33 checked against the medians, each printed as met or missed; everything
    written between the benchmark markers of docs/llama.md; the records to --json-out.
 
-Run (about an hour and a half on the shared 2-core machine)::
+Run (12 minutes for both models and thread counts on the shared 2-core machine, once the GGUFs are built)::
 
     nice -n 5 .venv/bin/python benchmarks/llama_tier.py --scratch /work/scratch --json-out /work/scratch/llama_tier.json
 """
@@ -47,7 +50,9 @@ from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.llama.convert import convert_random  # noqa: E402
 from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.quantize import quantize  # noqa: E402
-from expertcache.llama.runner import run_one  # noqa: E402
+from expertcache.llama.forecast import measure_bandwidth, measure_compute  # noqa: E402
+from expertcache.llama.roofline import roofline  # noqa: E402
+from expertcache.llama.runner import request_bytes, run_one  # noqa: E402
 from expertcache.llama.sweep import parse_walls  # noqa: E402
 from expertcache.llama.textgen import tokenize  # noqa: E402
 
@@ -284,6 +289,12 @@ def main() -> int:
         walls = parse_walls(args.walls, g)
         labels = dict(zip(walls, [p.strip() for p in args.walls.split(",")]))
         for threads in [int(t) for t in args.threads.split(",")]:
+            # this block's compute rates and bandwidths measured now, into the cache the forecasts and
+            # the runs' roofline read: a day-old figure from a host twice as fast misled both by 60%
+            measure_bandwidth(g, fresh=True)
+            c_size, _ = measure_compute(g, threads, fresh=True)
+            c_run = roofline(g.path, request_bytes(g), prompt, args.new_tokens, threads, fresh=True)["compute_tokens_per_s"]
+            print(f"{name} T{threads}: compute rate {c_size:.3g} tok/s (size's prompt), {c_run:.3g} (this prompt)", flush=True)
             fc = {w: forecast(files[name], w, threads, trace) for w in walls}  # predicted before anything is measured
             fc_syn = {w: forecast(files[name], w, threads, None) for w in walls}
             print(f"{name} T{threads}: forecast " + ", ".join(

@@ -211,37 +211,40 @@ def test_the_load_end_mark_of_a_wall_that_follows_nothing_goes_at_once(tmp_path)
     assert time.monotonic() - t0 < 2 and not os.path.exists(flag + cg.LOADED_SUFFIX)
 
 
-def test_after_the_load_the_limit_follows_the_worker_at_once(cgroup, tmp_path):
-    """The window's samples and the tier's feedback (bias) of a load describe a worker that has not
-    yet allocated what it allocates at the load's end (llama.cpp's buffers) and a thrash that is
-    over: both restart when the load ends, so the limit follows the worker's own memory from the
-    next sample (kept, the window's least held it 40 MB low for a second, and the squeezed tier
-    lost pages a sized pool held)."""
+def test_a_settled_worker_restarts_the_window(cgroup, tmp_path):
+    """A worker that has warmed up (its first forward's buffers touched) says so with the settled
+    mark: the window restarts from that sample, the limit counts its memory at once, and the mark
+    goes once that limit is written (llama run's managed mode does this before its pool fills)."""
     s, flag = loading(cgroup, tmp_path, 50 * MiB)
-    s._bias = 3 * MiB  # what a load's thrash leaves
     open(flag + cg.LOADED_SUFFIX, "w").close()
-    cgroup.set(usage=90 * MiB, file=0)  # the worker's buffers, allocated as the load ends
     s.sample()
-    assert s._bias == 0 and list(s._recent_own) == [90 * MiB]
-    cgroup.set(usage=90 * MiB, file=0)
+    cgroup.set(usage=60 * MiB, file=0)  # the warm-up's buffers
     s.sample()
-    assert cgroup.limit == 90 * MiB + CAPACITY + MARGIN
+    assert min(s._recent_own) == 50 * MiB  # the window's least still the load's end
+    open(flag + cg.SETTLED_SUFFIX, "w").close()
+    s.sample()
+    assert not os.path.exists(flag + cg.SETTLED_SUFFIX)
+    assert list(s._recent_own) == [60 * MiB] and cgroup.limit == 60 * MiB + CAPACITY + MARGIN and s._bias == 0
 
 
-def test_a_sample_taken_while_the_tier_moves_does_not_measure_own_memory(cgroup, tmp_path):
-    """The tier is read on both sides of the usage; where it moved by more than a quarter margin
-    between them (a prefill reading 1 GB/s), usage - tier is no measure of the worker's own memory
-    and the sample stays out of the window (its least would have held the limit low)."""
+def test_after_it_settled_a_sample_taken_while_the_tier_moves_stays_out(cgroup, tmp_path):
+    """Once the worker has settled, the tier is read on both sides of the usage; a sample in which
+    it moved by more than a quarter margin (a prefill reading 1 GB/s) and whose own memory would
+    lower the window's least stays out (its dip held the limit low for a second); one that would
+    not lower it is kept, so the window slides."""
     from expertcache.wall.pagecache import FileCache
 
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"\0" * (1 << 16))
-    s = cg.Sampler(cgroup.d, "v1", follow=(CAPACITY, CEILING, MARGIN), tier_files=[str(gguf)], tier_locked=False)
+    flag = str(tmp_path / "worker.follow")
+    s = cg.Sampler(cgroup.d, "v1", follow=(CAPACITY, CEILING, MARGIN), follow_flag=flag, tier_files=[str(gguf)],
+                   tier_locked=False)
     s._following = True
+    open(flag + cg.SETTLED_SUFFIX, "w").close()
     cgroup.set(usage=90 * MiB, file=0)
     s.sample()
-    assert list(s._recent_own) == [90 * MiB - s.files.bytes()]
-    reads = iter([0, MARGIN])  # the tier grew by a margin during the sample
+    assert s._settled and not os.path.exists(flag + cg.SETTLED_SUFFIX)
+    reads = iter([0, MARGIN, 0, MARGIN])  # the tier grew by a margin during each of the next two samples
 
     class Moving(FileCache):
         def bytes(self):
@@ -249,7 +252,10 @@ def test_a_sample_taken_while_the_tier_moves_does_not_measure_own_memory(cgroup,
 
     s.files.close()
     s.files = Moving([str(gguf)])
-    cgroup.set(usage=80 * MiB, file=0)
+    base = list(s._recent_own)
+    cgroup.set(usage=80 * MiB, file=0)  # own read low: left out
     s.sample()
-    assert len(s._recent_own) == 1  # the moving sample was left out
-    s.files.close()
+    assert list(s._recent_own) == base
+    cgroup.set(usage=100 * MiB, file=0)  # own read high: kept
+    s.sample()
+    assert list(s._recent_own) == base + [100 * MiB - MARGIN]

@@ -358,6 +358,8 @@ class PageAdvisor:
             """Experts one cache step may take: a prefill layer routing more takes one step per pool-full."""
             self.edges = EdgePages(geometry)
         self.edge_drops = 0
+        self.hinted_now: set[int] = set()  # managed items hinted within the current forward
+        self.pending_drops: set[int] = set()  # victims among them, to be dropped again
         self.fd = os.open(geometry.path, os.O_RDONLY)
         self.hint_piece = hint_piece(geometry.path)
         self.base: int | None = None
@@ -422,6 +424,31 @@ class PageAdvisor:
             if t.nbytes:
                 self.hint(t.offset, t.nbytes)
 
+    def restart(self) -> None:
+        """Empty the ``managed`` pool after a warm-up forward and forget what the warm-up counted:
+        every resident expert's pages dropped (its partial pages too, once nothing resident or dense
+        shares them), the cache's state and every counter reset. The dense part stays locked. A
+        no-op for the other modes' state but their counters."""
+        if self.cache is not None:
+            E, resident = self.g.num_experts, self.cache.resident.tolist()
+            if self.readers is not None:
+                for item in resident:
+                    self.readers.settle(item)
+            self.cache.reset()
+            if self.base is not None:
+                for item in resident:
+                    for off, n in self.g.expert_ranges(self.g.moe_layers[item // E], item % E):
+                        drop(self.fd, self.base, off, n)
+                    for page in self.edges.droppable(item, self._resident):
+                        drop(self.fd, self.base, page, PAGE)
+        self.managed_loads = self.managed_drops = self.edge_drops = self.predicted_loads = 0
+        self.hints = self.hint_bytes = self.drops = 0
+        self.expert_hits = self.expert_misses = self.look_hits = self.look_total = 0
+        self.predicted.clear()
+        self.warmed.clear()
+        self._redrop()
+        self.hinted_now.clear()
+
     def hint(self, off: int, n: int) -> None:
         """``POSIX_FADV_WILLNEED`` of file bytes ``[off, off + n)`` in pieces the kernel reads whole (it
         reads at most the larger of the device's readahead and its largest request per call)."""
@@ -446,6 +473,25 @@ class PageAdvisor:
     # -- observer --------------------------------------------------------------------------
     def begin(self, n_tokens: int, starts_sequence: bool, all_logits: bool) -> None:
         self.n_tokens = n_tokens
+        self._redrop()
+        self.hinted_now.clear()
+
+    def _redrop(self) -> None:
+        """Drop again the victims whose pages may have been in flight when they were dropped (loaded
+        within this forward, then evicted: an unused lookahead guess, a prefill's pool-full step):
+        ``POSIX_FADV_DONTNEED`` skips a page still being read, which then stayed in the page cache
+        outside the pool's account (0.6 MB past a 2.3 MB pool with ``--predict lookahead``)."""
+        if not self.pending_drops or self.base is None:
+            self.pending_drops.clear()
+            return
+        E = self.g.num_experts
+        for item in self.pending_drops:
+            if self.cache.slots_of(np.asarray([item]))[0] < 0:
+                for off, n in self.g.expert_ranges(self.g.moe_layers[item // E], item % E):
+                    drop(self.fd, self.base, off, n)
+                for page in self.edges.droppable(item, self._resident):
+                    drop(self.fd, self.base, page, PAGE)
+        self.pending_drops.clear()
 
     def wants(self, name: bytes) -> bool:
         if self.observes_routing and layer_of(name, self._TOPK) is not None:
@@ -500,6 +546,7 @@ class PageAdvisor:
     def manage(self, layer: int, routed: np.ndarray) -> None:
         """The ``managed`` step of one layer's routed experts: drop the victims, hint the loads."""
         E, j, c = self.g.num_experts, self.row[layer], self.pool_step
+        self._redrop()  # the last layer's computed: what it evicted in flight has landed
         items = routed.astype(np.int64) + j * E
         # a prefill layer may route more experts than the pool holds: one step per pool-full
         for part in (items[i:i + c] for i in range(0, items.size, c)):
@@ -523,12 +570,15 @@ class PageAdvisor:
                 for page in self.edges.droppable(item, self._resident):
                     drop(self.fd, self.base, page, PAGE)
                     self.edge_drops += 1
+                if item in self.hinted_now:  # its read may still be under way: dropped again later
+                    self.pending_drops.add(item)
         self.managed_drops += len(step.evicted)
         by_layer: dict[int, list[int]] = {}
         for item, _ in step.loads:
             by_layer.setdefault(item // E, []).append(item % E)
         for j, experts in by_layer.items():
             layer = self.g.moe_layers[j]
+            self.hinted_now.update(j * E + e for e in experts)
             owner = {off: e for e in experts for off, _ in self.g.expert_ranges(layer, e)}
             for off, n in self.g.compute_ranges(layer, experts):
                 self.hint(off, n)

@@ -18,8 +18,8 @@ counted**: on a disk a cold fill is a read like any other. ``D`` = every byte re
 Each mode's reads, and what the model was fitted on (``managed``'s is how the mode runs):
 
 * ``managed``: exactly an LRU pool of :func:`~expertcache.llama.advice.managed_budget` bytes over
-  items of :func:`~expertcache.llama.advice.managed_item_bytes` (an expert's slices plus two partial
-  pages each); a miss reads the expert's bytes. This is how the mode runs (docs/llama.md: its decode
+  items of :func:`~expertcache.llama.advice.managed_item_bytes` (the whole pages an expert's slices
+  cover); a miss reads the expert's bytes. This is how the mode runs (docs/llama.md: its decode
   reads equalled the bytes it hinted; 1.05x the LRU demand at a 25% wall).
 * ``advise``: the kernel's page-granular reclaim, modelled as an LRU of ``SIZE - dense bytes`` over
   experts of their own sizes, times an amplification ``a(f)`` of the pool's share ``f`` of the
@@ -335,8 +335,8 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
     need = g.top_k * int(items.max())
     if budget < need:
         rows["managed"] = dict(cache_bytes=budget, demand=None, missed=None, fill=None, amplification=None,
-                               note=f"refused by llama run: {budget:,} bytes of pool beside the dense part and its "
-                                    f"page slack hold fewer than one layer routes ({g.top_k} experts, {need:,} bytes)")
+                               note=f"refused by llama run: {budget:,} bytes of pool beside the dense part and one expert "
+                                    f"of slack hold fewer than one layer routes ({g.top_k} experts, {need:,} bytes)")
     else:
         man = replay_bytes(expert_groups(experts, E), budget, items, sizes, T, L)
         rows["managed"] = dict(cache_bytes=budget, demand=man.per_token, missed=man.per_token,

@@ -44,7 +44,7 @@ from .cgroupwall import (CAPACITY_SLACK, SLACK_BYTES, WallRun, WallUnavailable, 
 from .cgroupwall import spawn as _spawn
 from .procfs import read_meminfo, read_text
 
-__all__ = ["WALLS", "DEFAULT_HEADROOM", "FOLLOW_CEILING", "follow_plan", "begin_following", "model_load", "MIN_LEFT", "CAPACITY_SLACK", "SLACK_BYTES", "WallRun", "WallUnavailable",
+__all__ = ["WALLS", "DEFAULT_HEADROOM", "FOLLOW_CEILING", "follow_plan", "begin_following", "model_load", "settled", "MIN_LEFT", "CAPACITY_SLACK", "SLACK_BYTES", "WallRun", "WallUnavailable",
            "proof_slack", "enforceable_bytes", "detect_walls", "balloon_plan", "run_walled", "worker_spec", "cgroup_target",
            "child_result"]
 
@@ -226,7 +226,7 @@ def worker_spec(spec: dict, prefix: str, follow: bool):
     finally:
         os.unlink(path)
         if flag:
-            for left in (flag, flag + cg.LOAD_SUFFIX, flag + cg.LOADED_SUFFIX):
+            for left in (flag, flag + cg.LOAD_SUFFIX, flag + cg.LOADED_SUFFIX, flag + cg.SETTLED_SUFFIX):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(left)
 
@@ -282,6 +282,15 @@ def model_load(flag: str | None):
         _handshake(flag + cg.LOADED_SUFFIX, "took no limit after the model's load")
 
 
+def settled(flag: str | None) -> None:
+    """The worker's own memory is at its steady state (a warm-up has touched what its first forward
+    allocates): create ``flag + SETTLED_SUFFIX`` and wait until the wall has restarted its window of
+    own-memory samples from now and written the limit, so that a pool sized to the capacity fills
+    under a limit that already counts that memory (a no-op without a flag)."""
+    if flag:
+        _handshake(flag + cg.SETTLED_SUFFIX, "took no limit after the worker settled")
+
+
 def _ack_flag(flag: str | None, done) -> None:
     """Remove ``flag`` whenever it appears, until ``done`` is set: a wall that follows nothing (none,
     balloon) must not keep :func:`begin_following` or :func:`model_load` waiting."""
@@ -290,7 +299,7 @@ def _ack_flag(flag: str | None, done) -> None:
 
     def run():
         while not done.is_set():
-            for mark in (flag, flag + cg.LOAD_SUFFIX, flag + cg.LOADED_SUFFIX):
+            for mark in (flag, flag + cg.LOAD_SUFFIX, flag + cg.LOADED_SUFFIX, flag + cg.SETTLED_SUFFIX):
                 if os.path.exists(mark):
                     with contextlib.suppress(OSError):
                         os.unlink(mark)

@@ -205,11 +205,14 @@ def own_bytes(d: str, version: str) -> tuple[int | None, str | None]:
     return max(0, usage - st["active_file"] - st["inactive_file"] - st.get("unevictable", 0)), None
 
 
-LOAD_SUFFIX, LOADED_SUFFIX = ".load", ".loaded"
+LOAD_SUFFIX, LOADED_SUFFIX, SETTLED_SUFFIX = ".load", ".loaded", ".settled"
 """A following wall's worker about to load a model creates ``follow_flag + LOAD_SUFFIX`` and waits
 until the wall removes it; it creates ``follow_flag + LOADED_SUFFIX`` when the load is over and waits
 until the wall, its limit after the load written, removes that too
-(:func:`~.capacity.model_load`; :meth:`Sampler._follow`, the load phase)."""
+(:func:`~.capacity.model_load`; :meth:`Sampler._follow`, the load phase). A worker whose own memory
+has reached its steady state after a warm-up creates ``follow_flag + SETTLED_SUFFIX`` and waits until
+the wall, its window restarted from this sample and the limit written, removes it
+(:func:`~.capacity.settled`)."""
 
 TRACE_ENV = "EXPERTCACHE_WALL_TRACE"
 """Environment variable: a file to which a following wall appends one line per sample."""
@@ -272,6 +275,7 @@ class Sampler(threading.Thread):
         self.interval = SAMPLE_S
         """Until the next sample: :data:`SAMPLE_FAST_S` while a following worker grows."""
         self._last_usage: int | None = None
+        self._settled = False  # the worker said its own memory is at its steady state (SETTLED_SUFFIX)
         self._loading = False  # the worker's model load (LOAD_SUFFIX seen, LOADED_SUFFIX not yet)
         self._squeezed = False  # a limit of the load phase is written: the worker may load
         self._written = False  # the last sample's limit is in place (written, or unchanged)
@@ -293,16 +297,18 @@ class Sampler(threading.Thread):
         moving = False
         if self.files is not None:
             try:
-                before = self.files.bytes()
+                # after a worker settled (:func:`~.capacity.settled`) the tier is read on both sides
+                # of the usage: while a prefill reads at 1 GB/s a millisecond between them moves it
+                # by a MB, and the own memory (usage - tier) came out 5-11 MB low, a dip the window's
+                # least kept for a second, squeezing a pool sized to the capacity (the tier counted
+                # is the later read, as before: the proof's side)
+                before = self.files.bytes() if self._settled else None
                 usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
                 after = self.files.bytes()
             except OSError:
                 return
-            tier = (before + after) // 2 + (unev if self.tier_locked else 0)
-            # the tier read on both sides of the usage: while a prefill reads at 1 GB/s a
-            # millisecond between them moves it by a MB, and the own memory (usage - tier) read
-            # off one side came out 5-11 MB low, a dip the window's least then kept for a second
-            moving = self.follow is not None and after - before > self.follow[2] // 4
+            tier = after + (unev if self.tier_locked else 0)
+            moving = before is not None and self.follow is not None and after - before > self.follow[2] // 4
         else:
             usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
         vals = {"file_peak_bytes": file, "anon_peak_bytes": st["active_anon"] + st["inactive_anon"],
@@ -315,17 +321,13 @@ class Sampler(threading.Thread):
         flagged = bool(self.follow_flag and os.path.exists(self.follow_flag))
         load_mark = self.follow_flag and not flagged and os.path.exists(self.follow_flag + LOAD_SUFFIX)
         loaded = bool(self.follow_flag) and os.path.exists(self.follow_flag + LOADED_SUFFIX)
+        settled = bool(self.follow_flag) and os.path.exists(self.follow_flag + SETTLED_SUFFIX)
+        if settled:  # the worker's memory is at its steady state: window and feedback restart from here
+            self._recent_own.clear()  # (a warm-up in the page cache the load left, the tier a few MB
+            self._bias = 0  # over the capacity, took the bias to 23 MB: a pool then squeezed by it)
+            self._settled = True
         if self._loading and loaded:
             self._loading = False
-            # the window's samples are the load's: a worker that had not yet allocated what it
-            # allocates at the end of the load (llama.cpp's context, KV cache and compute buffers:
-            # 40 MB of a 1.7 GB OLMoE file's worker). Kept, its least held the limit that much too
-            # low for a window's length after the load, and the squeezed tier lost the pages just
-            # read for the prefill (1,000-5,000 of them faulted back one by one in the decode).
-            # The bias corrected the load's thrash (its pages on their way out read as own
-            # memory); carried over it held the limit 0-24 MB low after it, the same way.
-            self._recent_own.clear()
-            self._bias = 0
             self._note("load over")
         if load_mark and self._following:
             self._loading = True
@@ -333,7 +335,9 @@ class Sampler(threading.Thread):
         if self.follow is not None and vals["own_peak_bytes"] is not None:
             self._following = self._following or tier * 2 >= self.follow[0] or flagged
             if self._following:
-                if not moving or not self._recent_own:  # a moving tier's sample does not measure own
+                # a moving tier's sample does not measure own: kept out where it would lower the
+                # window's least (the dip it makes), kept where it would not (the window still slides)
+                if not (moving and self._recent_own and vals["own_peak_bytes"] < min(self._recent_own)):
                     self._recent_own.append(vals["own_peak_bytes"])
                 self._correct(tier, usage)
                 self._follow(min(self._recent_own), usage, tier, file, other)
@@ -351,6 +355,9 @@ class Sampler(threading.Thread):
             # thread start failed: "can't start new thread")
             with contextlib.suppress(OSError):
                 os.unlink(self.follow_flag + LOADED_SUFFIX)
+        if settled and (not self._following or self._written):
+            with contextlib.suppress(OSError):
+                os.unlink(self.follow_flag + SETTLED_SUFFIX)
         if flagged and (self.follow is None or self._limit is not None):
             # a following limit is written: let the worker go on (begin_following); a first write that
             # failed (v1 refuses a limit below a usage that grew meanwhile: EBUSY) is retried next sample
