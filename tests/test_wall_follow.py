@@ -259,3 +259,40 @@ def test_after_it_settled_a_sample_taken_while_the_tier_moves_stays_out(cgroup, 
     cgroup.set(usage=100 * MiB, file=0)  # own read high: kept
     s.sample()
     assert list(s._recent_own) == base + [100 * MiB - MARGIN]
+
+
+def test_a_mark_refused_for_memory_is_tried_again(tmp_path, monkeypatch):
+    """On v1 a system call charged at the limit fails with ENOMEM instead of waiting; creating a
+    handshake mark at the end of a model's load met it beside two burners. The worker tries again
+    until the wall's next limit gives room (within the handshake's wait), then waits as before."""
+    import builtins
+    import errno
+    import threading
+    import time
+
+    from expertcache.wall import capacity
+
+    mark = str(tmp_path / "worker.follow.loaded")
+    refusals = [2]
+
+    def fake_open(path, *a, **k):
+        if path == mark and refusals[0]:
+            refusals[0] -= 1
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return builtins.open(path, *a, **k)
+
+    def wall():  # removes the mark once it appears, as the sampler does
+        while not os.path.exists(mark):
+            time.sleep(0.001)
+        os.unlink(mark)
+
+    monkeypatch.setattr(capacity, "open", fake_open, raising=False)
+    t = threading.Thread(target=wall, daemon=True)
+    t.start()
+    capacity._handshake(mark, "took no limit")
+    t.join(timeout=5)
+    assert refusals[0] == 0 and not os.path.exists(mark)
+    refusals[0] = 10**9  # refused for good: the error, once the handshake's wait is over
+    monkeypatch.setattr(capacity, "FOLLOW_WAIT_S", 0.05)
+    with pytest.raises(OSError):
+        capacity._handshake(mark, "took no limit")
