@@ -100,3 +100,41 @@ def test_drops_keep_the_cache_within_the_residents_pages(seed):
         assert held <= cached, "a page a resident or a dense tensor uses was dropped"
         assert cached <= held, "a page nobody holds stayed"
         assert len(cached - dense) * PAGE <= items[resident].sum()
+
+
+def test_mlock_refused_for_memory_is_tried_again(monkeypatch):
+    """On a v1 memory cgroup at its limit mlock's own kernel memory fails to charge (ENOMEM) instead
+    of waiting; the lock is tried again until the wall's next limit gives room, and a refusal that
+    lasts, or of another kind, fails in one line."""
+    import ctypes
+    import errno
+
+    from expertcache.errors import ConfigError
+    from expertcache.llama import advice
+
+    buf = np.zeros(4 * PAGE, dtype=np.uint8)
+    addr = (buf.ctypes.data + PAGE - 1) // PAGE * PAGE  # one whole page inside the buffer
+    calls = []
+
+    def refusing(n, code):
+        def lock(lo, length, flags):
+            calls.append(lo)
+            if len(calls) <= n:
+                ctypes.set_errno(code)
+                return -1
+            return 0
+        return lock
+
+    monkeypatch.setattr(advice, "_mlock2", refusing(2, errno.ENOMEM))
+    advice.mlock(addr, PAGE)
+    assert len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(advice, "MLOCK_RETRY_S", 0.02)
+    monkeypatch.setattr(advice, "_mlock2", refusing(10**9, errno.ENOMEM))
+    with pytest.raises(ConfigError, match="mlock of 4096 bytes failed: Cannot allocate memory"):
+        advice.mlock(addr, PAGE)
+    calls.clear()
+    monkeypatch.setattr(advice, "_mlock2", refusing(10**9, errno.EPERM))
+    with pytest.raises(ConfigError, match="Operation not permitted"):
+        advice.mlock(addr, PAGE)
+    assert len(calls) == 1
