@@ -50,7 +50,7 @@ from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.llama.convert import convert_random  # noqa: E402
 from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.quantize import quantize  # noqa: E402
-from expertcache.llama.forecast import measure_bandwidth, measure_compute  # noqa: E402
+from expertcache.llama.forecast import measure_compute  # noqa: E402
 from expertcache.llama.roofline import roofline  # noqa: E402
 from expertcache.llama.runner import request_bytes, run_one  # noqa: E402
 from expertcache.llama.sweep import parse_walls  # noqa: E402
@@ -291,8 +291,7 @@ def main() -> int:
         for threads in [int(t) for t in args.threads.split(",")]:
             # this block's compute rates and bandwidths measured now, into the cache the forecasts and
             # the runs' roofline read: a day-old figure from a host twice as fast misled both by 60%
-            measure_bandwidth(g, fresh=True)
-            c_size, _ = measure_compute(g, threads, fresh=True)
+            c_size, _ = measure_compute(g, threads, fresh=True)  # roofline's bandwidths are size's too
             c_run = roofline(g.path, request_bytes(g), prompt, args.new_tokens, threads, fresh=True)["compute_tokens_per_s"]
             print(f"{name} T{threads}: compute rate {c_size:.3g} tok/s (size's prompt), {c_run:.3g} (this prompt)", flush=True)
             fc = {w: forecast(files[name], w, threads, trace) for w in walls}  # predicted before anything is measured

@@ -244,26 +244,23 @@ def mlock(addr: int, length: int, mode: str = "pin") -> None:
     processes (the limit follows a sample late): ``mlock`` of the 0.5 MB dense part failed 3 runs
     in 4. Without ``mlock2`` (glibc < 2.27), a plain ``mlock``."""
     import errno
-    import time
+
+    from ..wall.cgroupfs import retry_at_limit
 
     lo, hi = _pages(addr, length)
-    deadline = time.monotonic() + MLOCK_RETRY_S
-    while True:
-        if _mlock2 is not None:
-            rc = _mlock2(lo, hi - lo, MLOCK_ONFAULT)
-        else:
-            rc = _libc.mlock(lo, hi - lo)
-        err = ctypes.get_errno() if rc != 0 else 0
-        # on a v1 memory cgroup at its limit the call's own kernel memory (a split mapping) fails to
-        # charge (ENOMEM, EAGAIN) instead of waiting; a following wall's next limit gives room
-        # (seen: a served DeepSeek at a 3.2 MB wall, in a quiet fresh-clone suite)
-        if rc == 0 or err not in (errno.ENOMEM, errno.EAGAIN) or time.monotonic() > deadline:
-            break
-        time.sleep(0.005)
-    if rc != 0:
-        ctypes.set_errno(err)
-        raise ConfigError(f"--mode {mode}: mlock of {hi - lo} bytes failed: {os.strerror(ctypes.get_errno())} "
-                          "(RLIMIT_MEMLOCK: ulimit -l, or CAP_IPC_LOCK)")
+
+    def lock() -> None:
+        rc = _mlock2(lo, hi - lo, MLOCK_ONFAULT) if _mlock2 is not None else _libc.mlock(lo, hi - lo)
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    try:  # the split mapping's kernel memory, charged at a v1 limit, fails instead of waiting (seen:
+        # a served DeepSeek at a 3.2 MB wall, in a quiet fresh-clone suite)
+        retry_at_limit(lock, MLOCK_RETRY_S, (errno.ENOMEM, errno.EAGAIN))
+    except OSError as exc:
+        raise ConfigError(f"--mode {mode}: mlock of {hi - lo} bytes failed: {exc.strerror} "
+                          "(RLIMIT_MEMLOCK: ulimit -l, or CAP_IPC_LOCK)") from None
     if _mlock2 is not None:
         pages = np.frombuffer((ctypes.c_char * (hi - lo)).from_address(lo), dtype=np.uint8)
         int(pages[::PAGE].sum())  # each page faulted in and locked (a user fault waits for memory)
@@ -445,17 +442,11 @@ class PageAdvisor:
         shares them), the cache's state and every counter reset. The dense part stays locked. A
         no-op for the other modes' state but their counters."""
         if self.cache is not None:
-            E, resident = self.g.num_experts, self.cache.resident.tolist()
-            if self.readers is not None:
-                for item in resident:
-                    self.readers.settle(item)
-            self.cache.reset()
+            resident = self.cache.resident.tolist()
+            self.cache.reset()  # first: then no page two of them share is kept for the other
             if self.base is not None:
                 for item in resident:
-                    for off, n in self.g.expert_ranges(self.g.moe_layers[item // E], item % E):
-                        drop(self.fd, self.base, off, n)
-                    for page in self.edges.droppable(item, self._resident):
-                        drop(self.fd, self.base, page, PAGE)
+                    self._drop_expert(item)
         self.managed_loads = self.managed_drops = self.edge_drops = self.predicted_loads = 0
         self.hints = self.hint_bytes = self.drops = 0
         self.expert_hits = self.expert_misses = self.look_hits = self.look_total = 0
@@ -496,16 +487,10 @@ class PageAdvisor:
         within this forward, then evicted: an unused lookahead guess, a prefill's pool-full step):
         ``POSIX_FADV_DONTNEED`` skips a page still being read, which then stayed in the page cache
         outside the pool's account (0.6 MB past a 2.3 MB pool with ``--predict lookahead``)."""
-        if not self.pending_drops or self.base is None:
-            self.pending_drops.clear()
-            return
-        E = self.g.num_experts
-        for item in self.pending_drops:
-            if self.cache.slots_of(np.asarray([item]))[0] < 0:
-                for off, n in self.g.expert_ranges(self.g.moe_layers[item // E], item % E):
-                    drop(self.fd, self.base, off, n)
-                for page in self.edges.droppable(item, self._resident):
-                    drop(self.fd, self.base, page, PAGE)
+        if self.pending_drops and self.base is not None:
+            for item in self.pending_drops:
+                if not self._resident([item])[0]:
+                    self._drop_expert(item)
         self.pending_drops.clear()
 
     def wants(self, name: bytes) -> bool:
@@ -577,14 +562,7 @@ class PageAdvisor:
         E = self.g.num_experts
         if self.base is not None:
             for item in step.evicted:
-                if self.readers is not None:
-                    self.readers.settle(item)
-                for off, n in self.g.expert_ranges(self.g.moe_layers[item // E], item % E):
-                    drop(self.fd, self.base, off, n)
-            for item in step.evicted:  # their shared pages, once every victim is out
-                for page in self.edges.droppable(item, self._resident):
-                    drop(self.fd, self.base, page, PAGE)
-                    self.edge_drops += 1
+                self.edge_drops += self._drop_expert(item)
                 if item in self.hinted_now:  # its read may still be under way: dropped again later
                     self.pending_drops.add(item)
         self.managed_drops += len(step.evicted)
@@ -601,6 +579,21 @@ class PageAdvisor:
                 self.hint_bytes += n
                 if self.readers is not None and self.base is not None:
                     self.readers.submit(j * E + owner[off], self.base + off, n)
+
+    def _drop_expert(self, item: int) -> int:
+        """Evict pool item ``item``'s pages (once the readers' population of it is over): the whole
+        pages inside its slices, then its partial pages that no resident item and no dense tensor
+        shares (the cache's residency is read, so call it once the step has taken ``item`` out).
+        Returns how many partial pages went."""
+        E = self.g.num_experts
+        if self.readers is not None:
+            self.readers.settle(item)
+        for off, n in self.g.expert_ranges(self.g.moe_layers[item // E], item % E):
+            drop(self.fd, self.base, off, n)
+        pages = self.edges.droppable(item, self._resident)
+        for page in pages:
+            drop(self.fd, self.base, page, PAGE)
+        return len(pages)
 
     def _resident(self, items) -> np.ndarray:
         return self.cache.slots_of(np.asarray(items, dtype=np.int64)) >= 0

@@ -238,19 +238,12 @@ FOLLOW_WAIT_S = 5.0
 def _handshake(mark: str, what: str) -> None:
     """Create ``mark`` and wait (at most :data:`FOLLOW_WAIT_S`) until the wall removes it; say so on
     stderr, and go on, where it does not (the proof then says whether the budget held)."""
-    import errno
     import time
 
     deadline = time.monotonic() + FOLLOW_WAIT_S
-    while True:  # on v1 a system call charged at the limit fails (ENOMEM) instead of waiting: the end
-        try:  # of a model's load leaves the cgroup there, and the wall's next limit gives room
-            with open(mark, "w"):  # (seen: the .loaded mark of a 3 MB wall, beside two burners)
-                pass
-            break
-        except OSError as exc:
-            if exc.errno != errno.ENOMEM or time.monotonic() > deadline:
-                raise
-            time.sleep(0.005)
+    # the end of a model's load leaves the cgroup at its limit, where creating the mark can fail
+    # (seen: the .loaded mark of a 3 MB wall, beside two burners)
+    cg.retry_at_limit(lambda: open(mark, "w").close(), FOLLOW_WAIT_S)
     while os.path.exists(mark) and time.monotonic() < deadline:
         time.sleep(0.002)
     if os.path.exists(mark):

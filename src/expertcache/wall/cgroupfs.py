@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import secrets
 import signal
@@ -203,6 +204,21 @@ def own_bytes(d: str, version: str) -> tuple[int | None, str | None]:
     if usage is None or not {"active_file", "inactive_file"} <= st.keys():
         return None, why or f"{d}: usage or memory.stat unreadable"
     return max(0, usage - st["active_file"] - st["inactive_file"] - st.get("unevictable", 0)), None
+
+
+def retry_at_limit(call, seconds: float, errnos: tuple[int, ...] = (errno.ENOMEM,)):
+    """``call()``'s result. On a v1 memory cgroup at its limit a system call's own kernel memory
+    fails to charge (an ``OSError`` with ``errnos``) instead of waiting, as a fault would, while a
+    following wall's next limit gives room: such an error is tried again every 5 ms for ``seconds``,
+    then raised; any other error at once."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return call()
+        except OSError as exc:
+            if exc.errno not in errnos or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 LOAD_SUFFIX, LOADED_SUFFIX, SETTLED_SUFFIX = ".load", ".loaded", ".settled"
