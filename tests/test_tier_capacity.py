@@ -194,3 +194,38 @@ def test_own_cgroup_discovery_v2_and_v1(monkeypatch):
     _fake_proc(monkeypatch, {"/proc/self/cgroup": "1:cpu:/\n", "/proc/self/mountinfo": ""})
     own, why = cgroupfs.own_memory_cgroup()
     assert own is None and why
+
+
+def test_worker_main_prints_one_json_object_or_one_error_line(tmp_path, capsys):
+    """Both measured processes (llama/runner.py, tier/worker.py) answer through wall.cgroupwall.worker_main:
+    the result as one JSON line, or one ``error:`` line and the status child_result reads."""
+    from expertcache.errors import ExpertcacheError
+    from expertcache.tier.arena import MlockError
+    from expertcache.wall.cgroupwall import worker_main
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"n": 3}))
+
+    def run(s):
+        if s["n"] == 1:
+            raise ExpertcacheError("refused\n  on two lines")
+        if s["n"] == 2:
+            raise MlockError("mlock: no room")
+        return {"twice": 2 * s["n"], "extra": {1, 2}}
+
+    codes = ((MlockError, 3),)
+    assert worker_main([str(spec)], run, "m.w", codes, default=sorted) == 0
+    assert json.loads(capsys.readouterr().out) == {"twice": 6, "extra": [1, 2]}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    cases = [(None, [], "usage: python -m m.w SPEC.json", 2),
+             (None, [str(tmp_path / "absent.json")], f"error: {tmp_path / 'absent.json'}: No such file or directory", 2),
+             (None, [str(bad)], "error: measured process: JSONDecodeError:", 2),
+             (1, [str(spec)], "error: refused on two lines", 2),
+             (2, [str(spec)], "error: mlock: no room", 3),
+             ("x", [str(spec)], "error: measured process: KeyError:", 2)]
+    for n, argv, line, rc in cases:
+        spec.write_text(json.dumps({"n": n} if n != "x" else {}))
+        assert worker_main(argv, run, "m.w", codes, default=sorted) == rc
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith(line), (argv, err)

@@ -114,6 +114,15 @@ def _sorted_group(groups, g, buf, stamp):
 # A binary min-heap of residents ordered by (key, last use, id), stored inline in three arrays
 # (hk, hl, hi) so a comparison touches no other memory; pos[item] is the item's heap index.
 @njit(cache=True, inline="always")
+def heap_buffers(capacity, k, like):
+    """Empty heap arrays ``(hk, hl, hi)`` for ``capacity`` residents and the victim buffers
+    ``(ak, al, ai)`` for one group of ``k``; the keys take the dtype of the array ``like``."""
+    return (np.empty(capacity, dtype=like.dtype), np.empty(capacity, dtype=np.int64),
+            np.empty(capacity, dtype=np.int64), np.empty(k, dtype=like.dtype), np.empty(k, dtype=np.int64),
+            np.empty(k, dtype=np.int64))
+
+
+@njit(cache=True, inline="always")
 def _lt(ka, la, ia, kb, lb, ib):
     if ka != kb:
         return ka < kb
@@ -264,12 +273,7 @@ def static_key_loop(groups, keys, starts, n_items, capacity, negate):
     evictions = np.zeros(G, dtype=np.int32)
     pos = np.full(n_items, -1, dtype=np.int64)
     stamp = np.full(n_items, -1, dtype=np.int64)
-    hk = np.empty(capacity, dtype=keys.dtype)
-    hl = np.empty(capacity, dtype=np.int64)
-    hi = np.empty(capacity, dtype=np.int64)
-    ak = np.empty(k, dtype=keys.dtype)
-    al = np.empty(k, dtype=np.int64)
-    ai = np.empty(k, dtype=np.int64)
+    hk, hl, hi, ak, al, ai = heap_buffers(capacity, k, keys)
     for s in range(starts.size - 1):
         a = starts[s]
         size = 0

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import resource
 import sys
 import time
 
 import numpy as np
 
-from ..errors import ConfigError, ExpertcacheError
+from ..errors import ConfigError
 from ..wall import capacity as cap
+from ..wall.cgroupwall import worker_main
 from ..wall.pagecache import evict_file_pages
 from .advice import MODES, PageAdvisor, managed_budget, managed_item_bytes, readers_for
 from .capture import RoutingRecorder
@@ -272,19 +272,7 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        with open(argv[0], encoding="utf-8") as fh:
-            spec = json.load(fh)
-        rec = measure(spec)
-    except ExpertcacheError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, KeyError, IndexError) as exc:  # a bad spec or a vanished file: one line
-        print(f"error: measured process: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(rec))
-    return 0
+    return worker_main(argv, measure, "expertcache.llama.runner")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._jit import njit
-from ..kernels import NEVER, _append, _pop_victim, _push, _remove, _sorted_group, _unlink, pool_slots
+from ..kernels import NEVER, _append, _pop_victim, _push, _remove, _sorted_group, _unlink, heap_buffers, pool_slots
 
 _NEVER = np.int64(NEVER)
 
@@ -37,12 +37,7 @@ def foresight_loop(groups, nuse, starts, n_items, capacity, horizon):
     nxt = np.full(n_items, -1, dtype=np.int64)
     stamp = np.full(n_items, -1, dtype=np.int64)
     pos = np.full(n_items, -1, dtype=np.int64)
-    hk = np.empty(capacity, dtype=np.float64)
-    hl = np.empty(capacity, dtype=np.int64)
-    hi = np.empty(capacity, dtype=np.int64)
-    ak = np.empty(k, dtype=np.float64)
-    al = np.empty(k, dtype=np.int64)
-    ai = np.empty(k, dtype=np.int64)
+    hk, hl, hi, ak, al, ai = heap_buffers(capacity, k, np.empty(0, dtype=np.float64))
     ev_head = np.full(G + 1, -1, dtype=np.int64)  # events due at each (global) step
     ev_item = np.empty(G * k + 1, dtype=np.int64)
     ev_next = np.empty(G * k + 1, dtype=np.int64)

@@ -26,7 +26,6 @@ Exit status: 0 ok, 2 a user error, 3 mlock failed (fail-stop).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -34,8 +33,9 @@ import time
 
 import numpy as np
 
-from ..errors import ConfigError, ExpertcacheError
+from ..errors import ConfigError
 from ..trace import load_trace
+from ..wall.cgroupwall import worker_main
 from ..wall.pagecache import evict_file_pages
 from ..wall.procfs import vmlck_bytes
 from .advice import Advisor, load_plan, parse_advice
@@ -239,25 +239,7 @@ def _own_bytes() -> tuple[int | None, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m expertcache.tier.worker SPEC.json", file=sys.stderr)
-        return 2
-    try:
-        with open(argv[0], encoding="utf-8") as fh:
-            spec = json.load(fh)
-        result = run(spec)
-    except MlockError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
-    except ExpertcacheError as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"error: {err.filename + ': ' if err.filename else ''}{err.strerror or err}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, default=_jsonable))
-    return 0
+    return worker_main(argv, run, "expertcache.tier.worker", exit_codes=((MlockError, 3),), default=_jsonable)
 
 
 def _jsonable(x):

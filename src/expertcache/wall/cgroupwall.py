@@ -27,6 +27,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -87,6 +88,36 @@ def child_result(run: WallRun, where: str, timeout: float | None = None) -> dict
     if not isinstance(rec, dict):
         raise ConfigError(f"{where}: the measured process printed no JSON object")
     return rec
+
+
+def worker_main(argv: list[str] | None, run, module: str, exit_codes: tuple = (), default=None) -> int:
+    """The walled child's side of :func:`child_result`: ``python -m MODULE SPEC.json`` reads the spec,
+    calls ``run(spec)`` and prints its result as one JSON object (``default`` serialises what json
+    cannot). Any refusal is one ``error: ...`` line on stderr and exit 2 (``exit_codes``: pairs of an
+    exception type and its own status, tried first); never a traceback."""
+    import json
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(f"usage: python -m {module} SPEC.json", file=sys.stderr)
+        return 2
+    try:
+        with open(argv[0], encoding="utf-8") as fh:
+            spec = json.load(fh)
+        result = run(spec)
+    except Exception as exc:
+        code = next((c for kind, c in exit_codes if isinstance(exc, kind)), None)
+        if code is not None or isinstance(exc, ExpertcacheError):
+            why = " ".join(str(exc).split())
+        elif isinstance(exc, OSError):
+            why = f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}"
+        elif isinstance(exc, (ValueError, KeyError, IndexError, TypeError)):  # a bad spec: one line
+            why = f"measured process: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        else:
+            raise
+        print(f"error: {why}", file=sys.stderr)
+        return code or 2
+    print(json.dumps(result, default=default))
+    return 0
 
 
 def proof_slack(capacity_bytes: int) -> float:
