@@ -73,16 +73,24 @@ def test_served_behind_a_half_wall_with_its_proof_by_default(models, family):
         assert line, proc.stderr.read()
         info = json.loads(line)
         assert info["mode"] == "managed" and info["cache_memory"] > 0
+        import urllib.request
+
+        def metrics():
+            text = urllib.request.urlopen(info["url"] + "/metrics", timeout=60).read().decode()
+            return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+
+        # the start's warm-up batch ran through the pool, then was forgotten before the first request
+        assert info["warm_up_tokens"] > 0
+        m = metrics()
+        assert m["expertcache_expert_hits_total"] == m["expertcache_expert_misses_total"] == 0
+        assert m["expertcache_resident_expert_bytes"] == 0 and m["expertcache_decode_steps_total"] == 0
         client = openai.OpenAI(base_url=info["url"] + "/v1", api_key="unused", timeout=120, max_retries=0)
         got = client.completions.create(model=info["model"], prompt=PROMPT, max_tokens=12, temperature=0)
         assert got.choices[0].text == want  # greedy tokens identical to unmanaged llama.cpp
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model=info["model"], prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
         assert streamed == want
-        import urllib.request
-
-        text = urllib.request.urlopen(info["url"] + "/metrics", timeout=60).read().decode()
-        m = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
+        m = metrics()
         assert m["expertcache_wall_proof_ok"] == 1
         assert m["expertcache_wall_tier_peak_bytes"] <= m["expertcache_wall_capacity_bytes"] * 1.02 + (4 << 20)
         assert m["expertcache_resident_expert_bytes"] <= m["expertcache_cache_memory_bytes"]

@@ -63,18 +63,21 @@ def run(args) -> int:
 
     _llama()
     inside = json.loads(os.environ.pop(WALL_ENV, "null") or "null")  # set by run_walled for its child
-    before_load = loading = None
+    before_load = loading = settled = None
     if inside:  # the wall follows this process once all but the model's load is set up
         from ..wall.capacity import begin_following, model_load
+        from ..wall.capacity import settled as settled_mark
 
         before_load = functools.partial(begin_following, inside.get("follow_flag"))
         loading = model_load(inside.get("follow_flag"))
+        # managed: a warm-up forward, then the wall restarts its window (Session.warm_up)
+        settled = functools.partial(settled_mark, inside.get("follow_flag"))
     model_id = args.model_alias or os.path.basename(args.model).removesuffix(".gguf")
-    with open_session(args, before_load, loading) as session:
+    with open_session(args, before_load, loading, settled) as session:
         def announce(url: str) -> None:
             rec = {"url": url, "model": model_id, "gguf": session.geometry.path, "mode": session.mode,
                    "cache_memory": session.cache_bytes, "policy": session.policy if session.mode == "managed" else None,
-                   "n_ctx": session.n_ctx, "pid": os.getpid(),
+                   "n_ctx": session.n_ctx, "pid": os.getpid(), "warm_up_tokens": session.warm_up_tokens,
                    "routed_experts": session.llama.routing is not None}
             if args.json:
                 emit_json([rec])
