@@ -214,3 +214,18 @@ def test_roofline_by_hand_and_in_a_run(gguf_path, prompt, tmp_path, monkeypatch)
     assert rec["compute_tokens_per_s"] > 0 and rec["device_read_bytes_per_s_1"] > 0
     assert rec["limit_tokens_per_s"] >= rec["serial_limit_tokens_per_s"] > 0
     assert rec["efficiency"] == pytest.approx(rec["decode_tokens_per_s"] / rec["limit_tokens_per_s"])
+
+
+def test_prefill_compute_rate_is_timed_once_per_prompt(gguf_path, prompt, tmp_path, monkeypatch):
+    """The prefill's compute rate (the benchmark's prefill limit): the median of timed prefills in one
+    process, kept per (file, threads, prompt) in the cache file; another prompt is timed afresh."""
+    from expertcache.llama.roofline import prefill_compute_rate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = prefill_compute_rate(str(gguf_path), prompt)
+    again = prefill_compute_rate(str(gguf_path), prompt)
+    other = prefill_compute_rate(str(gguf_path), list(prompt)[:-1])
+    assert first["tokens_per_s"] > 0 and not first["cached"] and first["note"] is None and first["repeats"] == 3
+    assert first["tokens_per_s_min"] <= first["tokens_per_s"] <= first["tokens_per_s_max"]
+    assert again["cached"] and again["tokens_per_s"] == first["tokens_per_s"]
+    assert not other["cached"] and other["tokens_per_s"] > 0

@@ -61,7 +61,8 @@ ADVISE_POINTS = ((0.25, 2.70), (0.50, 1.0))
 held at the ends."""
 COMPUTE_PROMPT_TOKENS = 16
 COMPUTE_TOKENS = 16
-"""``--compute auto``: the prompt (ids 1..16) and the tokens decoded twice by
+"""``--compute auto``: the prompt (ids 1..16) and the tokens decoded (once to read the experts in,
+then timed :data:`~expertcache.llama.roofline.COMPUTE_REPEATS` times) by
 :func:`expertcache.llama.roofline.compute_rate`."""
 SYNTHETIC_USES = 20
 """Without ``--trace``: the synthetic stream is long enough for each expert to be routed about this
@@ -274,14 +275,15 @@ def measure_bandwidth(g, fresh: bool = False) -> tuple[float, float, int, str]:
 
 def measure_compute(g, threads: int, fresh: bool = False) -> tuple[float, str]:
     """``(tokens/s, source)`` by :func:`expertcache.llama.roofline.compute_rate` on the file (the
-    second of two greedy decodes of :data:`COMPUTE_TOKENS` after the prompt ids 1..16); needs the
+    median of timed greedy decodes of :data:`COMPUTE_TOKENS` after the prompt ids 1..16, once the
+    first has read the experts in); needs the
     llama extra (a one-line ConfigError saying to give ``--compute`` otherwise)."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         raise ConfigError("--compute auto times llama.cpp on the file and needs the llama extra "
                           "(pip install 'expertcache[llama]'): give --compute TOK/S") from None
-    from .roofline import compute_rate
+    from .roofline import COMPUTE_REPEATS, compute_rate
 
     vocab = g.metadata.get("tokenizer.ggml.tokens")
     n = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1 else 2
@@ -290,7 +292,7 @@ def measure_compute(g, threads: int, fresh: bool = False) -> tuple[float, str]:
     if not r.get("tokens_per_s"):
         raise ConfigError(f"--compute auto: no decode step timed on {g.path} ({r.get('note')}): give --compute TOK/S")
     how = "cached" if r.get("cached") else "measured"
-    return float(r["tokens_per_s"]), (f"{how}: llama.cpp, {COMPUTE_TOKENS} tokens decoded twice, "
+    return float(r["tokens_per_s"]), (f"{how}: llama.cpp, {COMPUTE_TOKENS} tokens decoded, median of {COMPUTE_REPEATS} passes, "
                                       f"{threads} thread{'s' if threads != 1 else ''}")
 
 

@@ -6,10 +6,14 @@ what the compute can do with every expert resident, and the decode rate the two 
   offsets, by 1 and by 4 concurrent readers, for about ``seconds`` each; bytes / second. Cached per
   (device, request size, readers) in ``$XDG_CACHE_HOME/expertcache/devices.json`` for a day (a sweep
   pays it once); ``fresh`` measures again.
-* :func:`compute_rate` decodes the prompt twice in one process with the file mapped: the second
-  pass routes the same tokens to the same experts, which the first pass left in the page cache, so
-  its one-token forwards time the compute with every expert it needs resident; tokens / second.
+* :func:`compute_rate` decodes after the prompt in one process with the file mapped, once to read
+  the experts in, then :data:`COMPUTE_REPEATS` more times: those passes route the same tokens to the
+  same experts, which the first left in the page cache, so their one-token forwards time the compute
+  with every expert they need resident; the median of their tokens / second (and its spread).
   Cached per (file, size, mtime, threads, prompt, tokens) in the same file.
+* :func:`prefill_compute_rate` times prefills of a prompt the same way (the
+  prefill's ``c``: a prefill's limit is ``min(c, max(B1, B4) / D)`` with ``D`` its routed experts'
+  bytes per prompt token, each expert once).
 * :func:`limits`: with ``c`` that compute rate, ``D`` the bytes a decode token misses and ``B1``,
   ``B4`` the device's bandwidth with 1 and 4 readers,
 
@@ -30,6 +34,7 @@ import mmap
 import os
 import random
 import secrets
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -132,27 +137,62 @@ def device_bandwidth(path: str, request_bytes: int, readers: int, *, seconds: fl
     return {**out, "cached": False}
 
 
-def compute_rate(path: str, prompt, tokens: int, threads: int = 1, *, fresh: bool = False) -> dict:
-    """``{"tokens_per_s", "cached", "note"}``: the second of two identical greedy decodes of
-    ``tokens`` after ``prompt`` in one process (every expert the second pass routes was read by the
-    first: its one-token forwards time the compute alone)."""
+COMPUTE_REPEATS = 3
+"""Timed passes of :func:`compute_rate` and :func:`prefill_compute_rate` after the one that reads the
+experts in; the median is kept. One pass moved by 20-50% on this shared 2-core host (a Qwen3 2-thread
+decode timed 147 tok/s once, 96-103 in three passes an hour later)."""
+
+
+def _timed(kind: str, extra: str, path: str, prompt: list, threads: int, n_ctx: int, one_pass, fresh: bool) -> dict:
+    """The median and spread of ``one_pass(engine)`` (a rate, or None) over :data:`COMPUTE_REPEATS`
+    passes after one that reads the experts in, in one process with ``path`` mapped; cached per
+    (``kind``, file, size, mtime, threads, ``extra``, prompt)."""
     st = os.stat(path)
-    prompt = [int(x) for x in prompt]
     digest = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
-    key = f"compute {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)} {threads} {tokens} {digest}"
+    key = f"{kind} {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)} {threads}{extra} {digest}"
     hit = _cached(key, fresh)
     if hit is not None:
         return {**hit, "cached": True}
     from .engine import Engine
 
-    steps = max(2, int(tokens))
-    with Engine(path, n_ctx=len(prompt) + steps + 1, threads=threads) as eng:
-        eng.generate(prompt, steps)
-        _, t = eng.generate(prompt, steps)
-    rate = t["decode_steps"] / t["decode_seconds"] if t["decode_seconds"] else None
-    out = {"tokens_per_s": rate, "at": time.time(), "note": None if rate else "no decode step timed"}
+    with Engine(path, n_ctx=n_ctx, threads=threads) as eng:
+        one_pass(eng)
+        rates = [r for r in (one_pass(eng) for _ in range(COMPUTE_REPEATS)) if r]
+    if not rates:
+        return {"tokens_per_s": None, "cached": False, "note": "nothing timed"}
+    out = {"tokens_per_s": statistics.median(rates), "tokens_per_s_min": min(rates),
+           "tokens_per_s_max": max(rates), "repeats": len(rates), "at": time.time(), "note": None}
     _store(key, out)
     return {**out, "cached": False}
+
+
+def compute_rate(path: str, prompt, tokens: int, threads: int = 1, *, fresh: bool = False) -> dict:
+    """``{"tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "repeats", "cached", "note"}``:
+    greedy decodes of ``tokens`` after ``prompt`` in one process, the first reading every expert the
+    others route (their one-token forwards time the compute alone), then :data:`COMPUTE_REPEATS`
+    timed ones: their median rate and its spread."""
+    prompt = [int(x) for x in prompt]
+    steps = max(2, int(tokens))
+
+    def one(eng):
+        _, t = eng.generate(prompt, steps)
+        return t["decode_steps"] / t["decode_seconds"] if t["decode_seconds"] else None
+    return _timed("compute", f" {tokens}", path, prompt, threads, len(prompt) + steps + 1, one, fresh)
+
+
+def prefill_compute_rate(path: str, prompt, threads: int = 1, *, fresh: bool = False) -> dict:
+    """``{"tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "repeats", "cached", "note"}``: the
+    prefill's compute rate, forwards of ``prompt`` in one process with the file mapped, the first
+    reading every expert the others route, then :data:`COMPUTE_REPEATS` timed ones (the compute with
+    them resident, no eval callback): their median and spread. Cached as :func:`compute_rate`."""
+    prompt = [int(x) for x in prompt]
+
+    def one(eng):
+        eng.reset()
+        t0 = time.perf_counter()
+        eng.forward(prompt, logits="last")
+        return len(prompt) / (time.perf_counter() - t0)
+    return _timed("prefill", "", path, prompt, threads, len(prompt) + 1, one, fresh)
 
 
 def limits(compute_tokens_per_s: float | None, missed_bytes_per_token: float | None, bw1: float | None,
