@@ -15,12 +15,15 @@
      once more without ``--trace`` (the matched synthetic trace a user without a capture gets);
    * then the measurement: the unwalled ``mmap`` reference and every (wall, mode) cell, --runs runs
      each, in one seeded shuffled order (``expertcache.llama.runner.run_one``: a child in a memory
-     cgroup whose limit follows it, the GGUF's page cache the tier, cold start, the proof);
+     cgroup whose limit follows it, the GGUF's page cache the tier, cold start, the proof), with
+     --runs compute-rate cells among them; every record's roofline is taken again with the median of
+     those (the rate the table prints), so the limit and the runs see the same drift of the host;
    * per cell: median [min-max] decode tok/s, the ratio to the unwalled median, read and demand MB
      per token, the roofline's limit and efficiency, the managed step's own cost, the proof, the
      forecast and its error (forecast / measured median - 1).
 3. Prefill of a --prefill-tokens prompt at the 25% wall (mmap, managed, prefetch; 1 thread): prefill
-   tok/s, read bytes against the routed experts' bytes.
+   tok/s, read bytes against the routed experts' bytes, and the prefill's limit (its compute rate,
+   ``roofline.prefill_compute_rate``, and the device's bandwidth) with each mode's efficiency.
 4. The targets of issue 33 checked against the medians, each printed as met or missed; everything
    written between the benchmark markers of docs/llama.md; the records to --json-out.
 
@@ -51,7 +54,7 @@ from expertcache.llama.convert import convert_random  # noqa: E402
 from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.quantize import quantize  # noqa: E402
 from expertcache.llama.forecast import measure_compute  # noqa: E402
-from expertcache.llama.roofline import device_bandwidth, limits, prefill_compute_rate, roofline  # noqa: E402
+from expertcache.llama.roofline import compute_rate, device_bandwidth, limits, prefill_compute_rate, roofline  # noqa: E402
 from expertcache.llama.runner import request_bytes, run_one  # noqa: E402
 from expertcache.llama.sweep import parse_walls  # noqa: E402
 from expertcache.llama.textgen import tokenize  # noqa: E402
@@ -117,11 +120,20 @@ def spread(values: list) -> dict:
 
 
 def measure(g, prompt, args, walls, threads, modes) -> tuple[list, dict]:
+    """Every cell's runs in one seeded shuffled order, with ``args.runs`` compute-rate cells among
+    them (:func:`compute_rate` afresh: the median of 3 passes). The host's speed drifts over a block
+    (a compute rate timed once at its start put Qwen3's 1-thread efficiency at 1.06-1.08 and its
+    2-thread one at 0.72-0.78 in one run), so every record's roofline is then taken again with the
+    median of the block's compute cells: measured and limit under the same drift."""
     cells = [(w, m, r) for w in walls for m in modes for r in range(args.runs)]
-    cells += [(None, "mmap", r) for r in range(args.runs)]
+    cells += [(None, "mmap", r) for r in range(args.runs)] + [(None, "compute", r) for r in range(args.runs)]
     random.Random(args.seed).shuffle(cells)
-    recs = []
+    recs, rates = [], []
     for i, (w, m, r) in enumerate(cells, 1):
+        if m == "compute":
+            rates.append(compute_rate(g.path, prompt, args.new_tokens, threads, fresh=True)["tokens_per_s"])
+            print(f"  [{i}/{len(cells)}] compute rate T{threads}: {rates[-1]:.3g} tok/s (median of 3 passes)", flush=True)
+            continue
         try:
             rec = run_one(g, prompt, args.new_tokens, m, wall_bytes=w, threads=threads, timeout=args.timeout)
         except ExpertcacheError as exc:
@@ -131,6 +143,13 @@ def measure(g, prompt, args, walls, threads, modes) -> tuple[list, dict]:
         what = rec.get("error") or (f"{rec['decode_tokens_per_s']:.3g} tok/s, read {rec['read_bytes_per_token'] / 1e6:.3g} "
                                     f"MB/token, proof {rec['proof_ok']}")
         print(f"  [{i}/{len(cells)}] {m:8s} wall {(w or 0) / 1e6:6.0f} MB T{threads}: {what}", flush=True)
+    c = statistics.median(rates)
+    for rec in recs:
+        if not rec.get("error"):
+            rec["compute_tokens_per_s"] = c
+            rec["compute_tokens_per_s_block"] = rates
+            rec.update(limits(c, rec["read_bytes_per_token"], rec["device_read_bytes_per_s_1"],
+                              rec["device_read_bytes_per_s_4"], rec["decode_tokens_per_s"]))
     groups: dict = {}
     for rec in recs:
         groups.setdefault((rec["memory_wall"], rec["mode"]), []).append(rec)
