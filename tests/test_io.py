@@ -105,6 +105,15 @@ def test_machine_errors_and_bugs_are_one_line(monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"expertcache stats: error: {tmp_path / 't.npz'}: No space left on device"]
 
+    def no_memory(args):  # a system call's error names no file: the line says where it was raised
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(stats_cmd, "run", no_memory)
+    assert main(["stats", "t.npz"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["expertcache stats: error: Cannot allocate memory (in test_io.py:"
+                   f"{no_memory.__code__.co_firstlineno + 1}, no_memory)"]
+
     def bug(args):
         raise KeyError("oops")
 
