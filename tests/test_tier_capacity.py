@@ -196,7 +196,7 @@ def test_own_cgroup_discovery_v2_and_v1(monkeypatch):
     assert own is None and why
 
 
-def test_worker_main_prints_one_json_object_or_one_error_line(tmp_path, capsys):
+def test_worker_main_prints_one_json_object_or_one_error_line(tmp_path, capsys, monkeypatch):
     """Both measured processes (llama/runner.py, tier/worker.py) answer through wall.cgroupwall.worker_main:
     the result as one JSON line, or one ``error:`` line and the status child_result reads."""
     from expertcache.errors import ExpertcacheError
@@ -211,6 +211,10 @@ def test_worker_main_prints_one_json_object_or_one_error_line(tmp_path, capsys):
             raise ExpertcacheError("refused\n  on two lines")
         if s["n"] == 2:
             raise MlockError("mlock: no room")
+        if s["n"] == 4:
+            raise OSError(12, "Cannot allocate memory")  # a system call's error: says where
+        if s["n"] == 5:
+            raise RuntimeError("a bug")
         return {"twice": 2 * s["n"], "extra": {1, 2}}
 
     codes = ((MlockError, 3),)
@@ -223,7 +227,10 @@ def test_worker_main_prints_one_json_object_or_one_error_line(tmp_path, capsys):
              (None, [str(bad)], "error: measured process: JSONDecodeError:", 2),
              (1, [str(spec)], "error: refused on two lines", 2),
              (2, [str(spec)], "error: mlock: no room", 3),
-             ("x", [str(spec)], "error: measured process: KeyError:", 2)]
+             ("x", [str(spec)], "error: measured process: KeyError:", 2),
+             (4, [str(spec)], "error: Cannot allocate memory (in test_tier_capacity.py:", 2),
+             (5, [str(spec)], "error: measured process: internal error (a bug): RuntimeError: a bug", 70)]
+    monkeypatch.delenv("EXPERTCACHE_DEBUG", raising=False)
     for n, argv, line, rc in cases:
         spec.write_text(json.dumps({"n": n} if n != "x" else {}))
         assert worker_main(argv, run, "m.w", codes, default=sorted) == rc

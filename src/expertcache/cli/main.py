@@ -19,11 +19,10 @@ import importlib
 import os
 import re
 import sys
-import traceback
 import warnings
 
 from .. import __version__
-from ..errors import ExpertcacheError
+from ..errors import ExpertcacheError, raised_at
 from .common import refuse_overwriting_inputs
 
 EXIT_USAGE = 2
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("EXPERTCACHE_DEBUG"):
                 raise
             where = f"{err.filename}: " if err.filename else ""
-            print(f"{name}: error: {where}{err.strerror or _one_line(err)}{_raised_at(err)}", file=sys.stderr)
+            print(f"{name}: error: {where}{err.strerror or _one_line(err)}{raised_at(err)}", file=sys.stderr)
             return EXIT_USAGE
         except Exception as err:  # a bug: still one line, unless asked for the traceback
             if os.environ.get("EXPERTCACHE_DEBUG"):
@@ -165,15 +164,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: internal error (a bug in expertcache {__version__}; please report it with the command): "
                   f"{type(err).__name__}: {_one_line(err)}", file=sys.stderr)
             return EXIT_BUG
-
-
-def _raised_at(err: OSError) -> str:
-    """Where a system call failed, for an error that names no file (``Cannot allocate memory`` alone
-    says nothing of which call): `` (in module.py:LINE, function)``, the innermost frame; else ""."""
-    if err.filename or err.__traceback__ is None:
-        return ""
-    frame = traceback.extract_tb(err.__traceback__)[-1]
-    return f" (in {os.path.basename(frame.filename)}:{frame.lineno}, {frame.name})"
 
 
 def _one_line(err: BaseException) -> str:

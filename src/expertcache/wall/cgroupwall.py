@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..errors import ConfigError, ExpertcacheError
+from ..errors import ConfigError, ExpertcacheError, raised_at
 from . import cgroupfs as cg
 from .procfs import read_meminfo, read_text
 
@@ -94,7 +94,8 @@ def worker_main(argv: list[str] | None, run, module: str, exit_codes: tuple = ()
     """The walled child's side of :func:`child_result`: ``python -m MODULE SPEC.json`` reads the spec,
     calls ``run(spec)`` and prints its result as one JSON object (``default`` serialises what json
     cannot). Any refusal is one ``error: ...`` line on stderr and exit 2 (``exit_codes``: pairs of an
-    exception type and its own status, tried first); never a traceback."""
+    exception type and its own status, tried first); anything else is a bug, one line too, exit 70
+    (``EXPERTCACHE_DEBUG=1`` shows its traceback)."""
     import json
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -109,11 +110,13 @@ def worker_main(argv: list[str] | None, run, module: str, exit_codes: tuple = ()
         if code is not None or isinstance(exc, ExpertcacheError):
             why = " ".join(str(exc).split())
         elif isinstance(exc, OSError):
-            why = f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}"
+            why = f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}{raised_at(exc)}"
         elif isinstance(exc, (ValueError, KeyError, IndexError, TypeError)):  # a bad spec: one line
             why = f"measured process: {type(exc).__name__}: {' '.join(str(exc).split())}"
-        else:
+        elif os.environ.get("EXPERTCACHE_DEBUG"):
             raise
+        else:
+            why, code = f"measured process: internal error (a bug): {type(exc).__name__}: {' '.join(str(exc).split())}", 70
         print(f"error: {why}", file=sys.stderr)
         return code or 2
     print(json.dumps(result, default=default))
