@@ -1,5 +1,10 @@
 """Errors a user can cause, reported as one line saying what is wrong and where."""
 
+from __future__ import annotations
+
+import os
+import traceback
+
 
 class ExpertcacheError(Exception):
     """Base class for user-facing errors: the CLI prints ``str(err)`` and exits non-zero."""
@@ -20,10 +25,14 @@ class ConfigError(ExpertcacheError, ValueError):
 def raised_at(err: OSError) -> str:
     """Where a system call failed, for an error that names no file (``Cannot allocate memory`` alone
     says nothing of which call): `` (in module.py:LINE, function)``, the innermost frame; else ""."""
-    import os
-    import traceback
-
     if err.filename or err.__traceback__ is None:
         return ""
     frame = traceback.extract_tb(err.__traceback__)[-1]
     return f" (in {os.path.basename(frame.filename)}:{frame.lineno}, {frame.name})"
+
+
+def one_line(err: BaseException) -> str:
+    """``str(err)`` on one line (white space folded; the type's name where it is empty), at most
+    2,000 characters: what an error line says (the CLI's, a walled worker's)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 2000 else text[:1997] + "..."

@@ -22,7 +22,7 @@ import sys
 import warnings
 
 from .. import __version__
-from ..errors import ExpertcacheError, raised_at
+from ..errors import ExpertcacheError, one_line, raised_at
 from .common import refuse_overwriting_inputs
 
 EXIT_USAGE = 2
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             refuse_overwriting_inputs(args)  # every command: no output may replace an input
             return int(args.func(args) or 0)
         except ExpertcacheError as err:
-            print(f"{name}: error: {_one_line(err)}", file=sys.stderr)
+            print(f"{name}: error: {one_line(err)}", file=sys.stderr)
             return EXIT_USAGE
         except MemoryError:
             print(f"{name}: error: not enough memory for this input (try fewer layers, tokens or capacities)",
@@ -156,23 +156,18 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("EXPERTCACHE_DEBUG"):
                 raise
             where = f"{err.filename}: " if err.filename else ""
-            print(f"{name}: error: {where}{err.strerror or _one_line(err)}{raised_at(err)}", file=sys.stderr)
+            print(f"{name}: error: {where}{err.strerror or one_line(err)}{raised_at(err)}", file=sys.stderr)
             return EXIT_USAGE
         except Exception as err:  # a bug: still one line, unless asked for the traceback
             if os.environ.get("EXPERTCACHE_DEBUG"):
                 raise
             print(f"{name}: internal error (a bug in expertcache {__version__}; please report it with the command): "
-                  f"{type(err).__name__}: {_one_line(err)}", file=sys.stderr)
+                  f"{type(err).__name__}: {one_line(err)}", file=sys.stderr)
             return EXIT_BUG
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= 2000 else text[:1997] + "..."
-
-
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"expertcache: warning: {_one_line(Warning(str(message)))}", file=sys.stderr)
+    print(f"expertcache: warning: {one_line(Warning(str(message)))}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

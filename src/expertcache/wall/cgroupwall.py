@@ -22,6 +22,7 @@ shows the wall failed (see :func:`cgroup_problems`).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -31,7 +32,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..errors import ConfigError, ExpertcacheError, raised_at
+from ..errors import ConfigError, ExpertcacheError, one_line, raised_at
 from . import cgroupfs as cg
 from .procfs import read_meminfo, read_text
 
@@ -70,7 +71,6 @@ def child_result(run: WallRun, where: str, timeout: float | None = None) -> dict
     """The walled child's result: the last line of its stdout as a JSON object. A timeout, a failed
     or killed child (its last stderr line, or the signal and the wall's note) or no JSON is one
     ConfigError naming ``where``."""
-    import json
     if run.timed_out:
         raise ConfigError(f"{where}: timed out after {timeout:g} s (--timeout); the run was killed" if timeout
                           else f"{where}: timed out; the run was killed")
@@ -96,7 +96,6 @@ def worker_main(argv: list[str] | None, run, module: str, exit_codes: tuple = ()
     cannot). Any refusal is one ``error: ...`` line on stderr and exit 2 (``exit_codes``: pairs of an
     exception type and its own status, tried first); anything else is a bug, one line too, exit 70
     (``EXPERTCACHE_DEBUG=1`` shows its traceback)."""
-    import json
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print(f"usage: python -m {module} SPEC.json", file=sys.stderr)
@@ -108,15 +107,15 @@ def worker_main(argv: list[str] | None, run, module: str, exit_codes: tuple = ()
     except Exception as exc:
         code = next((c for kind, c in exit_codes if isinstance(exc, kind)), None)
         if code is not None or isinstance(exc, ExpertcacheError):
-            why = " ".join(str(exc).split())
+            why = one_line(exc)
         elif isinstance(exc, OSError):
             why = f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}{raised_at(exc)}"
         elif isinstance(exc, (ValueError, KeyError, IndexError, TypeError)):  # a bad spec: one line
-            why = f"measured process: {type(exc).__name__}: {' '.join(str(exc).split())}"
+            why = f"measured process: {type(exc).__name__}: {one_line(exc)}"
         elif os.environ.get("EXPERTCACHE_DEBUG"):
             raise
         else:
-            why, code = f"measured process: internal error (a bug): {type(exc).__name__}: {' '.join(str(exc).split())}", 70
+            why, code = f"measured process: internal error (a bug): {type(exc).__name__}: {one_line(exc)}", 70
         print(f"error: {why}", file=sys.stderr)
         return code or 2
     print(json.dumps(result, default=default))
