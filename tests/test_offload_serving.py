@@ -394,3 +394,25 @@ def test_gpu_check_script_runs_end_to_end_on_a_tiny_model():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "gpu_check: all checks PASS" in proc.stdout and "FAIL " not in proc.stdout
     assert proc.stdout.count("PASS ") >= 14
+
+
+def test_gpu_profile_script_runs_end_to_end_on_a_tiny_model(tmp_path):
+    """benchmarks/gpu_profile.py (where C = E's time goes on a GPU): every step on a tiny model on the
+    CPU, its JSON holding the three runs with paired ratios, and 0 copies in the timed C = E passes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_profile.py"), "--small", "--device", "cpu",
+                           "--tokens", "8", "--repeat", "2", "--profile-tokens", "2", "--top", "5",
+                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "copies in the timed C = E passes: 0 " in proc.stdout
+    rows = json.loads((tmp_path / "gpu_profile.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["stock", "stock + sync", "C = E"]
+    assert rows[0]["x_stock_speed_paired"] == 1.0 and all(r["repeats"] == 2 for r in rows)
+    assert all(r["min"] <= r["ms_per_token"] <= r["max"] for r in rows)
+    assert {p.name for p in tmp_path.iterdir()} >= {"python-stock.txt", "python-CE.txt", "profile-CE.txt"}
