@@ -49,8 +49,9 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def decode(model, ids, device) -> float:
-    """Seconds to decode ``ids`` one position per forward (KV cache), the device drained at both ends."""
+def decode(model, ids, device, logits: list | None = None) -> float:
+    """Seconds to decode ``ids`` one position per forward (KV cache), the device drained at both ends
+    (``logits``: a list that receives each step's logits, outside the timing's purpose)."""
     key, cache = cache_argument(model), None
     x = torch.as_tensor(ids[None], device=device)
     sync(device)
@@ -59,6 +60,8 @@ def decode(model, ids, device) -> float:
         for i in range(x.shape[1]):
             out = model(input_ids=x[:, i : i + 1], use_cache=True, **{key: cache})
             cache = out["cache"] if "cache" in out else out.get("past_key_values")
+            if logits is not None:
+                logits.append(out.logits[:, -1].float())
     sync(device)
     return time.perf_counter() - t0
 
@@ -110,6 +113,7 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, device "
           f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", flush=True)
     rows: list[dict] = []
+    same, diff = None, None
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         cfg = toy_config("olmoe", hidden=hidden, intermediate=inter, experts=E, top_k=k, layers=layers,
                          heads=max(hidden // 128, 4), vocab=4096, positions=4096)
@@ -140,6 +144,14 @@ def main(argv=None) -> int:
             use_sync(sync_on)
             decode(m, ids, device)
         copies_warm = run.stats().copies_total
+        ref, got = [], []
+        use_sync(False)
+        decode(stock, ids, device, ref)
+        decode(model, ids, device, got)
+        diff = float((torch.stack(got) - torch.stack(ref)).abs().max())
+        same = all(torch.equal(a, b) for a, b in zip(got, ref))
+        print(f"C = E against stock over {len(ids)} decode steps: bitwise {'equal' if same else 'different'}, "
+              f"max |dlogit| {diff:.3g}", flush=True)
         # interleaved rounds, the order rotated each round, so a machine that drifts slows every run alike
         ms = {name: [] for name in runs}
         names = list(runs)
@@ -170,7 +182,8 @@ def main(argv=None) -> int:
     print("summary: " + ", ".join(f"{r['run']} {r['ms_per_token']:.2f} ms ({r['x_stock_speed_paired']:.3f}x)" for r in rows))
     if args.out:
         with open(os.path.join(args.out, "gpu_profile.json"), "w", encoding="utf-8") as fh:
-            json.dump({"layers": layers, "experts": E, "top_k": k, "tokens": args.tokens, "rows": rows}, fh, indent=1)
+            json.dump({"layers": layers, "experts": E, "top_k": k, "tokens": args.tokens, "rows": rows,
+                       "c_equals_e_bitwise_equal": same, "c_equals_e_max_abs_logit_diff": diff}, fh, indent=1)
     return 0
 
 

@@ -411,7 +411,9 @@ def test_gpu_profile_script_runs_end_to_end_on_a_tiny_model(tmp_path):
                            "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "copies in the timed C = E passes: 0 " in proc.stdout
-    rows = json.loads((tmp_path / "gpu_profile.json").read_text())["rows"]
+    figures = json.loads((tmp_path / "gpu_profile.json").read_text())
+    assert figures["c_equals_e_bitwise_equal"] is True and figures["c_equals_e_max_abs_logit_diff"] == 0.0
+    rows = figures["rows"]
     assert [r["run"] for r in rows] == ["stock", "stock + sync", "C = E"]
     assert rows[0]["x_stock_speed_paired"] == 1.0 and all(r["repeats"] == 2 for r in rows)
     assert all(r["min"] <= r["ms_per_token"] <= r["max"] for r in rows)

@@ -116,3 +116,56 @@ def test_refusals():
         cache.prepare([0, 1, 2])
     with pytest.raises(ConfigError, match="distinct"):
         cache.prepare([1, 1])
+
+
+@pytest.mark.parametrize("rule", _rules())
+def test_a_step_of_hits_alone_decides_as_the_full_step(rule):
+    """The fast path of a step whose items are all resident (and none an unused prefetch) skips the
+    victim search: it must decide exactly as the full step, slot and byte caches alike, on a stream
+    with many such steps and with prefetches in between (the full step forced by clearing the flag)."""
+    rng = np.random.default_rng(11)
+    n_items, C, k = 20, 12, 3
+    sizes = rng.choice([3, 4, 5], size=n_items)
+    groups = _groups(rng, 300, n_items, k)
+    future = StreamFuture(groups) if make_policy(rule).needs_future else None
+    makers = (lambda: ExpertCache(C, rule, n_items, future=future),
+              lambda: SizedCache(int(sizes.sum() * 0.6), rule, sizes, future=future))
+    for make in makers:
+        fast, full = make(), make()
+        full._all_hit_fast = False
+        taken = 0
+        for t, g in enumerate(groups):
+            if t % 13 == 4:
+                want = rng.choice(n_items, size=2, replace=False)
+                pf, pu = fast.prefetch(want), full.prefetch(want)
+                assert (pf.hits, pf.loads, pf.evicted) == (pu.hits, pu.loads, pu.evicted), (rule, t)
+            taken += fast._all_hit_fast and fast._all_resident(np.asarray(g, dtype=np.int64))
+            sf, su = fast.prepare(g), full.prepare(g)
+            assert (sf.hits, sf.loads, sf.evicted) == (su.hits, su.loads, su.evicted), (rule, t)
+            assert np.array_equal(sf.slots, su.slots) and np.array_equal(fast.resident, full.resident)
+        assert (fast.copies, fast.evictions, fast.prefetch_hits, fast.prefetch_wasted, fast.prefetch_pending) == \
+               (full.copies, full.evictions, full.prefetch_hits, full.prefetch_wasted, full.prefetch_pending)
+        assert taken >= 30 or make_policy(rule).hooked, (rule, taken)  # the stream did exercise the fast path
+
+
+def test_a_rule_that_overrides_a_miss_hook_is_told_of_every_step():
+    """A rule whose on_miss / on_evict / on_admit is its own is told of every step, the steps of hits
+    alone included (with empty sets), as the hooks' contract says; the fast path is for the base no-ops."""
+    from expertcache.policies.lru import LRU
+
+    class Told(LRU):
+        name = "told-test"
+
+        def reset(self, n_items, future=None, steps_per_token=1):
+            super().reset(n_items, future, steps_per_token)
+            self.told = []
+
+        def on_miss(self, items, t):
+            self.told.append((t, np.asarray(items).tolist()))
+
+    cache = ExpertCache(4, Told(), 8)
+    assert not cache._all_hit_fast
+    for g in ([0, 1], [0, 1], [2, 3], [0, 1]):
+        cache.prepare(g)
+    assert cache.policy.told == [(0, [0, 1]), (1, []), (2, [2, 3]), (3, [])]
+    assert ExpertCache(4, "lru", 8)._all_hit_fast

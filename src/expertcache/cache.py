@@ -74,6 +74,12 @@ class ExpertCache:
         self.n_items = int(n_items)
         self.policy = make_policy(policy)
         self.policy.bind(min(self.capacity, self.n_items))
+        # a step whose items are all resident and not speculative only tells on_hit/on_access when
+        # the rule's miss, evict and admit hooks are the base class's no-ops (a rule that overrides
+        # one is told of the empty sets too, as on every step)
+        cls = type(self.policy)
+        self._all_hit_fast = not self.policy.hooked and all(
+            getattr(cls, m) is getattr(Policy, m) for m in ("on_miss", "on_evict", "on_admit"))
         self.steps_per_token = steps_per_token
         self._slot = np.full(self.n_items, -1, dtype=np.int64)
         self._last = np.full(self.n_items, -1, dtype=np.int64)
@@ -203,7 +209,10 @@ class ExpertCache:
         if items.size > self.capacity:
             raise ConfigError(f"prepare: {items.size} experts requested at once but capacity is {self.capacity}")
         t = self.t
-        if self.policy.hooked:
+        if self._all_hit_fast and self._all_resident(items):
+            step = Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(items.size))
+            self.policy.on_hit(items, t)
+        elif self.policy.hooked:
             step = self._prepare_hooked(np.sort(items), t)
         else:
             missing = np.sort(items[self._slot[items] < 0])
@@ -220,6 +229,11 @@ class ExpertCache:
             self.policy.on_evict(np.asarray(step.evicted, dtype=np.int64), t)
             self.policy.on_admit(missing, t)
         return self._finish(items, step, t)
+
+    def _all_resident(self, items: np.ndarray) -> bool:
+        """Every item resident and none an unused prefetched one (a step of hits alone: the decode
+        steps of a warm pool, where :meth:`prepare` skips the victim search)."""
+        return bool((self._slot[items] >= 0).all()) and not self._speculative[items].any()
 
     def _finish(self, items: np.ndarray, step: Step, t: int) -> Step:
         """The end of every step: prefetched items now used, last uses, counters, ``on_access``."""
@@ -364,6 +378,9 @@ class SizedCache(ExpertCache):
         items = items[items >= 0]
         self._check_group(items)
         t = self.t
+        if self._all_hit_fast and self._all_resident(items):
+            self.policy.on_hit(items, t)
+            return self._finish(items, Step(items=items, slots=np.empty(0, dtype=np.int64), hits=int(items.size)), t)
         if self.policy.hooked:
             return self._finish(items, self._prepare_hooked(np.sort(items), t), t)
         missing = np.sort(items[self._slot[items] < 0])

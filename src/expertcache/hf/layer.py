@@ -248,6 +248,52 @@ class OffloadedLayer:
         else:  # one synchronisation for both
             both = torch.cat([top_k_index.detach().to(torch.int64), predicted.to(torch.int64)], dim=1).cpu().numpy()
             ids, predicted = both[:, :k], both[:, k:]
+        if single and self.holder is None:
+            out = self._one_step(hidden_states, ids, top_k_weights)
+        else:
+            out = self._steps(hidden_states, ids, top_k_weights, b, n, k)
+        if single and self.prefetch_mode != "none":
+            wanted = np.unique(predicted) if predicted is not None else self.next._future_row()
+            self.next.prefetch(np.asarray(wanted, dtype=np.int64))
+        return out
+
+    def _one_step(self, hidden_states, ids: np.ndarray, top_k_weights):
+        """A forward of one token position (decoding; every row of a batch at that position): the
+        one cache step of :meth:`_steps` without its per-step bookkeeping, which one step does not
+        need (one segment: every load queued, then one call)."""
+        row = ids.reshape(-1)
+        union = np.unique(row)
+        if union.size and union[0] < 0:
+            union = union[union >= 0]
+        self._check_union(union, ids.shape[0], ids.shape[1])
+        self._count_step(union)
+        self._check_future(union)
+        if self.state.live is not None:
+            self.state.live.append(union + self.offset)
+        step = self.cache.prepare(union + self.offset)
+        self.copies_steady += len(step.evicted)
+        self.copies_total += len(step.loads)
+        items = row if self.offset == 0 else np.where(row >= 0, row + self.offset, -1)
+        slot_ids = self.cache.slots_of(items).reshape(ids.shape)
+        index = torch.from_numpy(slot_ids).to(top_k_weights.device, non_blocking=True)
+        read = step.slots.tolist()
+        if step.loads:
+            self.pool.load(step.loads, self.copy_watch)
+        self.pool.before_read(read)
+        out = self.compute(self.view, hidden_states, index, top_k_weights)
+        self.pool.after_read(read)
+        return out
+
+    def _check_union(self, union: np.ndarray, b: int, k: int) -> None:
+        if union.size > self.capacity:
+            raise ConfigError(
+                f"layer {self.layer}: a batch of {b} rows requests {union.size} distinct experts at one step, "
+                f"above the capacity of {self.capacity} slots (use a capacity >= {min(b * k, self.pool.num_experts)})"
+            )
+
+    def _steps(self, hidden_states, ids: np.ndarray, top_k_weights, b: int, n: int, k: int):
+        """A forward of ``n`` token positions of ``b`` rows: one cache step per position, in order,
+        and the rows computed segment by segment (see the module docstring)."""
         # step-major order: step t holds rows t, n + t, 2n + t, ... of the forward
         by_step = ids.reshape(b, n, k).transpose(1, 0, 2).reshape(n, b * k)
         plan, self._plan = self._plan, None
@@ -259,11 +305,7 @@ class OffloadedLayer:
         for t in range(n):
             union = np.unique(by_step[t])
             union = union[union >= 0]
-            if union.size > self.capacity:
-                raise ConfigError(
-                    f"layer {self.layer}: a batch of {b} rows requests {union.size} distinct experts at one step, "
-                    f"above the capacity of {self.capacity} slots (use a capacity >= {min(b * k, self.pool.num_experts)})"
-                )
+            self._check_union(union, b, k)
             self._count_step(union)
             if plan is not None:  # set-holding: the router hook decided the copies and the slots
                 step_loads, steady, slot_of = plan[t]
@@ -287,11 +329,7 @@ class OffloadedLayer:
             loads.extend(step_loads)
             read.update(step_slots.tolist())
         segments.append((start, n, loads, read))
-        out = self._compute(hidden_states, slot_ids, top_k_weights, b, n, k, segments)
-        if single and self.prefetch_mode != "none":
-            wanted = np.unique(predicted) if predicted is not None else self.next._future_row()
-            self.next.prefetch(np.asarray(wanted, dtype=np.int64))
-        return out
+        return self._compute(hidden_states, slot_ids, top_k_weights, b, n, k, segments)
 
     def _compute(self, hidden_states, slot_ids, top_k_weights, b, n, k, segments):
         device = top_k_weights.device
