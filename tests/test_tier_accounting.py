@@ -119,3 +119,49 @@ def test_reclaim_setup_reads_or_explains():
     for key in ("mglru", "swap", "thp", "cgroup"):
         assert setup[key] is not None or setup.get(f"{key}_note")
     assert vmlck_bytes() is None or vmlck_bytes() >= 0
+
+
+def test_a_proc_file_kept_open_is_read_again_whole_and_current(tmp_path, monkeypatch):
+    """OpenProcFile (what a walled process reads /proc through: opening a file inside a cgroup at its
+    limit can fail with ENOMEM): once made, reading opens nothing; each read is the file's current
+    text (a mapping made after the open is there, at its file offset); the io counters move with
+    this process's reads; a text over the cap and a closed file are reasons, never a short text."""
+    import builtins
+    import mmap
+
+    from expertcache.llama.advice import mapped_ranges, mapping_base
+    from expertcache.wall.procfs import SELF_IO, OpenProcFile, file_mappings, read_self_io
+
+    path = _write(tmp_path / "f.bin", 8 * PAGE)
+    maps, io = OpenProcFile("/proc/self/maps"), OpenProcFile(SELF_IO)
+    before, _ = read_self_io(io)
+
+    def refuse(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        m = mmap.mmap(fd, 4 * PAGE, prot=mmap.PROT_READ, offset=2 * PAGE)  # file pages 2..5
+        with monkeypatch.context() as mp:  # from here no file may be opened
+            mp.setattr(os, "open", refuse)
+            mp.setattr(builtins, "open", refuse)
+            os.pread(fd, 4 * PAGE, 0)
+            text, why = maps.read()
+            assert why is None
+            (lo, hi, off), = file_mappings(text, path)
+            assert (hi - lo, off) == (4 * PAGE, 2 * PAGE)
+            assert mapping_base(path, maps) == lo - 2 * PAGE and mapped_ranges(path, maps) == [(2 * PAGE, 4 * PAGE)]
+            after, _ = read_self_io(io)
+        assert after["rchar"] >= before["rchar"] + 4 * PAGE and after["syscr"] > before["syscr"]
+        m.close()
+        text, _ = maps.read()
+        assert file_mappings(text, path) == []  # the mapping went: the next read says so
+    finally:
+        os.close(fd)
+    small = OpenProcFile("/proc/self/maps", cap=64)
+    assert small.read() == (None, "/proc/self/maps: longer than 64 bytes")
+    small.close()
+    maps.close()
+    io.close()
+    text, why = maps.read()
+    assert text is None and "/proc/self/maps" in why

@@ -17,6 +17,8 @@ import os
 import numpy as np
 import torch
 
+from ..wall.procfs import file_mappings, read_self_io, read_text
+
 PAGE = mmap.PAGESIZE
 
 _libc = None
@@ -42,18 +44,15 @@ def resident_bytes(t: torch.Tensor) -> int:
 
 
 def mapped_ranges(paths) -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of ``paths`` (``/proc/self/maps``)."""
-    wanted = {os.path.realpath(p) for p in paths}
+    """Address ranges of this process's mappings of ``paths`` (``/proc/self/maps``; none where it
+    or a path cannot be read)."""
+    text, _ = read_text("/proc/self/maps")
     out = []
-    try:
-        with open("/proc/self/maps") as fh:
-            for line in fh:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and os.path.realpath(parts[5].strip()) in wanted:
-                    a, b = parts[0].split("-")
-                    out.append((int(a, 16), int(b, 16)))
-    except OSError:
-        return []
+    for p in paths if text is not None else ():
+        try:
+            out += [(lo, hi) for lo, hi, _ in file_mappings(text, p)]
+        except OSError:
+            continue
     return out
 
 
@@ -93,11 +92,5 @@ def drop_cached(paths) -> None:
 def read_bytes_self() -> int | None:
     """This process's ``read_bytes`` from ``/proc/self/io`` (bytes it caused to be fetched from
     storage, readahead included; other tenants' reads are not in it), or ``None`` when unreadable."""
-    try:
-        with open("/proc/self/io", "rb") as fh:
-            for line in fh.read(4096).decode().splitlines():
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
+    counters, _ = read_self_io()
+    return counters["read_bytes"] if counters else None

@@ -63,6 +63,7 @@ import numpy as np
 from ..errors import ConfigError
 from .capture import layer_of
 from ..formats.gguf import Geometry
+from ..wall.procfs import MAPS_CAP, OpenProcFile, file_mappings
 from .ggml import read_2d, read_ids
 
 MODES = ("mmap", "random", "advise", "pin", "managed", "lookahead", "nocache", "prefetch", "nommap")
@@ -77,32 +78,26 @@ if _mlock2 is not None:
 MLOCK_ONFAULT = 1
 
 
-def _file_maps(path: str):
-    """``(start, end, file offset)`` of each line of ``/proc/self/maps`` that maps ``path``."""
-    st = os.stat(path)
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or int(parts[4]) != st.st_ino:
-                continue
-            major, minor = (int(x, 16) for x in parts[3].split(":"))
-            if os.makedev(major, minor) != st.st_dev:
-                continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            yield lo, hi, int(parts[2], 16)
+def _file_maps(path: str, maps: OpenProcFile):
+    """``(start, end, file offset)`` of this process's mappings of ``path`` (``maps``: its
+    /proc/self/maps, opened before the engine loaded: :class:`~expertcache.wall.procfs.OpenProcFile`)."""
+    text, why = maps.read()
+    if text is None:
+        raise ConfigError(f"cannot find llama.cpp's mapping of {path}: {why}")
+    return file_mappings(text, path)
 
 
-def mapping_base(path: str) -> int | None:
+def mapping_base(path: str, maps: OpenProcFile) -> int | None:
     """The address where this process maps byte 0 of ``path`` (llama.cpp's mapping), or None."""
-    for lo, _, off in _file_maps(path):
+    for lo, _, off in _file_maps(path, maps):
         return lo - off
     return None
 
 
-def mapped_ranges(path: str) -> list[tuple[int, int]]:
+def mapped_ranges(path: str, maps: OpenProcFile) -> list[tuple[int, int]]:
     """``(file offset, length)`` of every part of ``path`` this process maps (llama.cpp unmaps the
     fragments no tensor uses, so its mapping may have holes)."""
-    return [(off, hi - lo) for lo, hi, off in _file_maps(path)]
+    return [(off, hi - lo) for lo, hi, off in _file_maps(path, maps)]
 
 
 def managed_item_bytes(g: Geometry) -> np.ndarray:
@@ -373,6 +368,8 @@ class PageAdvisor:
         self.hinted_now: set[int] = set()  # managed items hinted within the current forward
         self.pending_drops: set[int] = set()  # victims among them, to be dropped again
         self.fd = os.open(geometry.path, os.O_RDONLY)
+        # before the engine loads: inside a wall the engine fills, a later open may fail (ENOMEM)
+        self.maps = OpenProcFile("/proc/self/maps", MAPS_CAP) if mode != "nommap" else None
         self.hint_piece = hint_piece(geometry.path)
         self.base: int | None = None
         self.hints = self.hint_bytes = self.drops = self.locked_bytes = 0
@@ -399,7 +396,7 @@ class PageAdvisor:
         """After the engine has loaded: find the mapping and apply MADV_RANDOM where the mode asks."""
         if self.mode == "nommap":
             return
-        self.base = mapping_base(self.g.path)
+        self.base = mapping_base(self.g.path, self.maps)
         if self.base is None:
             raise ConfigError(f"{self.g.path}: llama.cpp has not mapped the file (mode {self.mode} needs the mapping)")
         if self.mode != "mmap":
@@ -428,7 +425,7 @@ class PageAdvisor:
         layer, is never read again) and the dense part read back as single pages (hints read single
         pages; ``MADV_RANDOM`` keeps a fault from reading around), to be locked: from here every page
         of the tier is one the pool or the dense part accounts for, and an expert drops whole."""
-        for off, n in mapped_ranges(self.g.path):
+        for off, n in mapped_ranges(self.g.path, self.maps):
             madvise(self.base + off, n, MADV_RANDOM)
             madvise(self.base + off, n, MADV_DONTNEED)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # 0, 0: the whole file
@@ -659,4 +656,6 @@ class PageAdvisor:
     def close(self) -> None:
         if self.readers is not None:
             self.readers.close()
+        if self.maps is not None:
+            self.maps.close()
         os.close(self.fd)

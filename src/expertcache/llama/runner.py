@@ -29,19 +29,14 @@ from ..wall.pagecache import evict_file_pages
 from .advice import MODES, PageAdvisor, managed_budget, managed_item_bytes, readers_for
 from .capture import RoutingRecorder
 from ..formats.gguf import Geometry, read_geometry
+from ..wall.procfs import SELF_IO, OpenProcFile, read_self_io
 
-def io_counters() -> dict:
-    """This process's own ``read_bytes`` (/proc/self/io) and major faults (getrusage)."""
-    out = {"read_bytes": None, "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt}
-    try:
-        with open("/proc/self/io") as fh:
-            for line in fh:
-                k, _, v = line.partition(":")
-                if k == "read_bytes":
-                    out["read_bytes"] = int(v)
-    except (OSError, ValueError):
-        pass
-    return out
+def io_counters(io: OpenProcFile | None = None) -> dict:
+    """This process's own ``read_bytes`` (/proc/self/io; ``io``: that file kept open since before the
+    engine loaded, as a walled process needs) and major faults (getrusage)."""
+    counters, _ = read_self_io(io)
+    return {"read_bytes": counters["read_bytes"] if counters else None,
+            "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt}
 
 
 def _diff(a: dict, b: dict) -> dict:
@@ -57,14 +52,17 @@ def measure(spec: dict) -> dict:
     n_new = int(spec["max_new_tokens"])
     mode = spec["mode"]
     _llama()  # the bindings loaded: the start-up is over before the tier is touched
+    # the files this process reads inside the wall are opened first, while there is room: a wall
+    # the load fills can refuse a later open (ENOMEM; wall.procfs.OpenProcFile)
+    selfio = OpenProcFile(SELF_IO)
+    advisor = PageAdvisor(g, mode, capacity=spec.get("managed_capacity"), policy=spec.get("policy", "lru"),
+                          readers=int(spec.get("readers", 0)), predict=spec.get("predict"))
     cap.begin_following(spec.get("follow_flag"))
     with cap.model_load(spec.get("follow_flag")):
         t0 = time.perf_counter()
         eng = Engine(g.path, n_ctx=len(prompt) + n_new + 1, threads=int(spec.get("threads", 1)),
                      mmap=mode != "nommap", geometry=g)
         load_s = time.perf_counter() - t0
-    advisor = PageAdvisor(g, mode, capacity=spec.get("managed_capacity"), policy=spec.get("policy", "lru"),
-                          readers=int(spec.get("readers", 0)), predict=spec.get("predict"))
     routes = RoutingRecorder(weights=False)
     advisor.start()
     if mode == "managed":
@@ -84,11 +82,11 @@ def measure(spec: dict) -> dict:
         cap.settled(spec.get("follow_flag"))
     eng.attach(routes)
     eng.attach(advisor)
-    c0 = io_counters()
+    c0 = io_counters(selfio)
     t1 = time.perf_counter()
     logits = eng.forward(prompt, logits="last")
     t2 = time.perf_counter()
-    c1 = io_counters()
+    c1 = io_counters(selfio)
     hinted = advisor.hint_bytes
     h0, a0 = eng.hook.callback_seconds, eng.hook.seconds_in(advisor)
     out = [int(np.argmax(logits[-1]))]
@@ -96,7 +94,7 @@ def measure(spec: dict) -> dict:
         out.append(int(np.argmax(eng.forward([out[-1]], logits="last")[-1])))
     t3 = time.perf_counter()
     h1, a1 = eng.hook.callback_seconds, eng.hook.seconds_in(advisor)
-    c2 = io_counters()
+    c2 = io_counters(selfio)
     pre, dec = _diff(c0, c1), _diff(c1, c2)
     steps = n_new - 1
     ids = np.asarray(out, dtype="<i4")
@@ -114,6 +112,7 @@ def measure(spec: dict) -> dict:
            "callback_seconds_per_token": (h1 - h0) / steps if steps else None}
     advisor.close()
     eng.close()
+    selfio.close()
     return rec
 
 

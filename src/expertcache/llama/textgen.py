@@ -36,6 +36,7 @@ from .capture import ContextRouting
 from .engine import EvalHook, _silence
 from ..formats.gguf import Geometry, read_geometry
 from .runner import check_managed, io_counters
+from ..wall.procfs import SELF_IO, OpenProcFile
 
 DEFAULT_CTX = 2048
 """Context (tokens) of ``generate`` and ``serve`` unless ``--ctx`` says otherwise."""
@@ -51,6 +52,9 @@ class ObservedLlama(llama_cpp.Llama):
         """Where each position's routing is kept (``serve --enable-return-routed-experts``): every
         forward then computes every row (llama.cpp otherwise drops all rows but the last from the
         last layer, its MoE included)."""
+        self.io = OpenProcFile(SELF_IO)
+        """This process's /proc/self/io, opened before the load (inside a wall the load fills, opening
+        it at each step could fail: :class:`~expertcache.wall.procfs.OpenProcFile`)."""
         self.stats = {"prefill_forwards": 0, "prefill_tokens": 0, "prefill_seconds": 0.0, "decode_steps": 0,
                       "decode_seconds": 0.0, "decode_read_bytes": 0, "resident_steps": 0, "resident_seconds": 0.0}
         """Cumulative forwards: a decode step is the one-token forward of a token just sampled;
@@ -89,6 +93,10 @@ class ObservedLlama(llama_cpp.Llama):
             params.cb_eval_user_data = self.hook.user_data
         self._context_params = params
 
+    def close(self) -> None:
+        super().close()
+        self.io.close()
+
     def generate(self, *args, **kwargs):
         self._decoding = False
         return (yield from super().generate(*args, **kwargs))
@@ -104,7 +112,7 @@ class ObservedLlama(llama_cpp.Llama):
     def eval(self, tokens) -> None:
         decode = self._decoding and len(tokens) == 1
         self._decoding = decode
-        r0 = _read_bytes() if decode else None
+        r0 = io_counters(self.io)["read_bytes"] if decode else None
         t0 = time.perf_counter()
         if self.hook is None:
             super().eval(tokens)
@@ -120,7 +128,7 @@ class ObservedLlama(llama_cpp.Llama):
         if decode:
             st["decode_steps"] += 1
             st["decode_seconds"] += dt
-            read = _read_bytes()
+            read = io_counters(self.io)["read_bytes"]
             if read is not None and r0 is not None:
                 st["decode_read_bytes"] += read - r0
                 if read == r0:
@@ -148,10 +156,6 @@ class ObservedLlama(llama_cpp.Llama):
             self.input_ids[n_past: n_past + n] = batch
             self.n_tokens += n
             self._requires_eval = False
-
-
-def _read_bytes() -> int | None:
-    return io_counters()["read_bytes"]
 
 
 @dataclass
@@ -276,7 +280,7 @@ class Session:
         """Cumulative counters now: the forwards (:attr:`ObservedLlama.stats`), this process's own read
         bytes and major faults, the mode's expert hits and misses (None where it does not observe
         the routing)."""
-        io = io_counters()
+        io = io_counters(self.llama.io)
         adv = self.advisor
         return {**self.llama.stats, "read_bytes": io["read_bytes"], "major_faults": io["major_faults"],
                 "expert_hits": adv.expert_hits if adv.observes_routing else None,

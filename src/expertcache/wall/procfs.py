@@ -27,6 +27,65 @@ def read_text(path: str) -> tuple[str | None, str | None]:
     return data.decode("utf-8", "replace"), None
 
 
+class OpenProcFile:
+    """One /proc file of this process, opened once and read again, whole, from the same open file.
+
+    Inside a memory cgroup at its limit, opening a file can fail with ENOMEM: the kernel charges
+    the open file and its seq_file buffer to the cgroup. A model served behind a tight wall failed
+    so at start, opening /proc/self/maps once llama.cpp had filled the wall (1 run in 6 beside two
+    CPU burners and a disk reader). Opened and read once while there is room, the file is read
+    again with ``pread`` from offset 0, which has the kernel regenerate its text into the buffer
+    the first read allocated (as ``top`` re-reads /proc/stat): no new allocation while each line
+    fits that buffer. ``read`` gives ``(text, None)`` or ``(None, reason)``; a file longer than
+    ``cap`` bytes is a reason, never a truncated text."""
+
+    def __init__(self, path: str, cap: int = READ_CAP):
+        self.path, self.cap = path, int(cap)
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.read()  # the kernel's buffer for this file is allocated now, while there is room
+
+    def read(self) -> tuple[str | None, str | None]:
+        chunks, size = [], 0
+        try:
+            while True:
+                data = os.pread(self.fd, 1 << 16, size)
+                if not data:
+                    break
+                chunks.append(data)
+                size += len(data)
+                if size > self.cap:
+                    return None, f"{self.path}: longer than {self.cap} bytes"
+        except OSError as exc:
+            return None, f"{self.path}: {exc.strerror or exc}"
+        return b"".join(chunks).decode("utf-8", "replace"), None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+MAPS_CAP = 64 << 20
+"""Most bytes of /proc/self/maps read (a process with torch and llama.cpp loaded maps ~200 KB)."""
+
+
+def file_mappings(maps: str, path: str) -> list[tuple[int, int, int]]:
+    """``(start, end, file offset)`` of each line of a /proc/<pid>/maps text that maps the file at
+    ``path`` (matched by device and inode, so a renamed or deleted path still matches)."""
+    st = os.stat(path)
+    out = []
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[4].isdigit() or int(parts[4]) != st.st_ino:
+            continue
+        major, minor = (int(x, 16) for x in parts[3].split(":"))
+        if os.makedev(major, minor) != st.st_dev:
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        out.append((lo, hi, int(parts[2], 16)))
+    return out
+
+
 def keyed_numbers(text: str) -> dict[str, int]:
     """``name value`` lines (vmstat, memory.events, oom_control) as a dict; other lines skipped."""
     out: dict[str, int] = {}
@@ -113,11 +172,12 @@ def cgroup_version() -> tuple[str | None, str | None]:
 SELF_IO = "/proc/self/io"
 
 
-def read_self_io() -> tuple[dict | None, str | None]:
+def read_self_io(source: OpenProcFile | None = None) -> tuple[dict | None, str | None]:
     """This process's own I/O counters (/proc/self/io: every thread of it): ``read_bytes`` (bytes it
     caused to be read from storage: its reads, their readahead, its O_DIRECT reads), ``rchar``
-    (bytes returned by read calls, cache hits included), ``syscr``; ``(None, reason)`` if unreadable."""
-    text, why = read_text(SELF_IO)
+    (bytes returned by read calls, cache hits included), ``syscr``; ``(None, reason)`` if unreadable.
+    ``source``: the file kept open (:class:`OpenProcFile`), for a process inside a tight wall."""
+    text, why = source.read() if source is not None else read_text(SELF_IO)
     if text is None:
         return None, why
     nums = {k.rstrip(":"): v for k, v in keyed_numbers(text.replace(":", " ")).items()}
