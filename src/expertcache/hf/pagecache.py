@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from ..wall.procfs import file_mappings, read_self_io, read_text
+from ..wall.procfs import MAPS_CAP, OpenProcFile, file_mappings, read_self_io
 
 PAGE = mmap.PAGESIZE
 
@@ -46,7 +46,12 @@ def resident_bytes(t: torch.Tensor) -> int:
 def mapped_ranges(paths) -> list[tuple[int, int]]:
     """Address ranges of this process's mappings of ``paths`` (``/proc/self/maps``; none where it
     or a path cannot be read)."""
-    text, _ = read_text("/proc/self/maps")
+    try:
+        maps = OpenProcFile("/proc/self/maps", MAPS_CAP)
+    except OSError:
+        return []
+    text, _ = maps.read()
+    maps.close()
     out = []
     for p in paths if text is not None else ():
         try:

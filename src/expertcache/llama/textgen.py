@@ -46,15 +46,16 @@ class ObservedLlama(llama_cpp.Llama):
     """``llama_cpp.Llama`` with an :class:`EvalHook` on its context (see the module docstring)."""
 
     def __init__(self, model_path: str, *, hook: EvalHook | None = None, routing: ContextRouting | None = None,
-                 **kwargs):
+                 io: OpenProcFile | None = None, **kwargs):
         self.hook = hook
         self.routing = routing
         """Where each position's routing is kept (``serve --enable-return-routed-experts``): every
         forward then computes every row (llama.cpp otherwise drops all rows but the last from the
         last layer, its MoE included)."""
-        self.io = OpenProcFile(SELF_IO)
-        """This process's /proc/self/io, opened before the load (inside a wall the load fills, opening
-        it at each step could fail: :class:`~expertcache.wall.procfs.OpenProcFile`)."""
+        self.io = io if io is not None else OpenProcFile(SELF_IO)
+        """This process's /proc/self/io (closed with this object), opened before the load: inside a
+        wall the load fills, opening it at each step could fail
+        (:class:`~expertcache.wall.procfs.OpenProcFile`)."""
         self.stats = {"prefill_forwards": 0, "prefill_tokens": 0, "prefill_seconds": 0.0, "decode_steps": 0,
                       "decode_seconds": 0.0, "decode_read_bytes": 0, "resident_steps": 0, "resident_seconds": 0.0}
         """Cumulative forwards: a decode step is the one-token forward of a token just sampled;
@@ -204,6 +205,7 @@ class Session:
             before_load()
         advisor = PageAdvisor(g, mode, capacity=budget, policy=policy, count_hits=True,
                               readers=readers_for(mode, readers))
+        selfio = OpenProcFile(SELF_IO)  # like the advisor's maps: opened before the load fills the wall
         hook = routing = None
         if advisor.observes_routing or routed_experts:
             hook = EvalHook(llama_cpp)
@@ -219,11 +221,12 @@ class Session:
         with loading if loading is not None else contextlib.nullcontext():
             t0 = time.perf_counter()
             try:
-                llm = ObservedLlama(g.path, hook=hook, routing=routing, n_ctx=n_ctx, n_batch=min(512, n_ctx),
-                                    n_threads=threads, n_threads_batch=threads, use_mmap=mode != "nommap", seed=seed,
-                                    verbose=False, chat_format=chat_format)
+                llm = ObservedLlama(g.path, hook=hook, routing=routing, io=selfio, n_ctx=n_ctx,
+                                    n_batch=min(512, n_ctx), n_threads=threads, n_threads_batch=threads,
+                                    use_mmap=mode != "nommap", seed=seed, verbose=False, chat_format=chat_format)
             except ValueError as exc:  # llama-cpp-python's "Failed to load model from file" and the like
                 advisor.close()
+                selfio.close()
                 raise ConfigError(f"{where} {path}: llama.cpp could not load it ({exc})") from None
             load_s = time.perf_counter() - t0
             try:
