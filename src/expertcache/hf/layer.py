@@ -262,19 +262,10 @@ class OffloadedLayer:
         one cache step of :meth:`_steps` without its per-step bookkeeping, which one step does not
         need (one segment: every load queued, then one call)."""
         row = ids.reshape(-1)
-        union = np.unique(row)
-        if union.size and union[0] < 0:
-            union = union[union >= 0]
-        self._check_union(union, ids.shape[0], ids.shape[1])
-        self._count_step(union)
-        self._check_future(union)
-        if self.state.live is not None:
-            self.state.live.append(union + self.offset)
-        step = self.cache.prepare(union + self.offset)
-        self.copies_steady += len(step.evicted)
+        union = self._union(row, ids.shape[0], ids.shape[1])
+        step, slots = self._demand_step(union, row)
         self.copies_total += len(step.loads)
-        items = row if self.offset == 0 else np.where(row >= 0, row + self.offset, -1)
-        slot_ids = self.cache.slots_of(items).reshape(ids.shape)
+        slot_ids = slots.reshape(ids.shape)
         index = torch.from_numpy(slot_ids).to(top_k_weights.device, non_blocking=True)
         read = step.slots.tolist()
         if step.loads:
@@ -284,12 +275,30 @@ class OffloadedLayer:
         self.pool.after_read(read)
         return out
 
-    def _check_union(self, union: np.ndarray, b: int, k: int) -> None:
+    def _union(self, row: np.ndarray, b: int, k: int) -> np.ndarray:
+        """The distinct experts one step's ``row`` (its ``b`` rows' ``k`` choices; -1 a pad) requests,
+        within the capacity, counted as a step."""
+        union = np.unique(row)
+        if union.size and union[0] < 0:
+            union = union[union >= 0]
         if union.size > self.capacity:
             raise ConfigError(
                 f"layer {self.layer}: a batch of {b} rows requests {union.size} distinct experts at one step, "
                 f"above the capacity of {self.capacity} slots (use a capacity >= {min(b * k, self.pool.num_experts)})"
             )
+        self._count_step(union)
+        return union
+
+    def _demand_step(self, union: np.ndarray, row: np.ndarray):
+        """The cache step of a step requesting ``union``: ``(its Step, the slot of each id of row)``;
+        ``copies_steady`` counted (the caller counts the loads it queues)."""
+        self._check_future(union)
+        if self.state.live is not None:
+            self.state.live.append(union + self.offset)  # the step has begun: its request is known
+        step = self.cache.prepare(union + self.offset)
+        self.copies_steady += len(step.evicted)
+        items = row if self.offset == 0 else np.where(row >= 0, row + self.offset, -1)
+        return step, self.cache.slots_of(items)
 
     def _steps(self, hidden_states, ids: np.ndarray, top_k_weights, b: int, n: int, k: int):
         """A forward of ``n`` token positions of ``b`` rows: one cache step per position, in order,
@@ -303,10 +312,7 @@ class OffloadedLayer:
         segments: list[tuple[int, int, list[tuple[int, int]], set]] = []
         start, loads, read = 0, [], set()
         for t in range(n):
-            union = np.unique(by_step[t])
-            union = union[union >= 0]
-            self._check_union(union, b, k)
-            self._count_step(union)
+            union = self._union(by_step[t], b, k)
             if plan is not None:  # set-holding: the router hook decided the copies and the slots
                 step_loads, steady, slot_of = plan[t]
                 self.copies_steady += steady
@@ -315,13 +321,8 @@ class OffloadedLayer:
                 if (step_slots < 0).any():
                     raise RuntimeError(f"layer {self.layer}: the router chose an expert outside the held set")
             else:
-                self._check_future(union)
-                if self.state.live is not None:
-                    self.state.live.append(union + self.offset)  # the step has begun: its request is known
-                step = self.cache.prepare(union + self.offset)
+                step, slot_ids[t] = self._demand_step(union, by_step[t])
                 step_loads, step_slots = step.loads, step.slots
-                self.copies_steady += len(step.evicted)
-                slot_ids[t] = self.cache.slots_of(np.where(by_step[t] >= 0, by_step[t] + self.offset, -1))
             self.copies_total += len(step_loads)
             if read and any(slot in read for _, slot in step_loads):
                 segments.append((start, t, loads, read))

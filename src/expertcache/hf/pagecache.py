@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from ..wall.procfs import MAPS_CAP, OpenProcFile, file_mappings, read_self_io
+from ..wall.procfs import MAPS_CAP, file_mappings, read_self_io, read_whole
 
 PAGE = mmap.PAGESIZE
 
@@ -46,12 +46,7 @@ def resident_bytes(t: torch.Tensor) -> int:
 def mapped_ranges(paths) -> list[tuple[int, int]]:
     """Address ranges of this process's mappings of ``paths`` (``/proc/self/maps``; none where it
     or a path cannot be read)."""
-    try:
-        maps = OpenProcFile("/proc/self/maps", MAPS_CAP)
-    except OSError:
-        return []
-    text, _ = maps.read()
-    maps.close()
+    text, _ = read_whole("/proc/self/maps", MAPS_CAP)
     out = []
     for p in paths if text is not None else ():
         try:

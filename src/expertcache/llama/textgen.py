@@ -36,7 +36,7 @@ from .capture import ContextRouting
 from .engine import EvalHook, _silence
 from ..formats.gguf import Geometry, read_geometry
 from .runner import check_managed, io_counters
-from ..wall.procfs import SELF_IO, OpenProcFile
+from ..wall.procfs import SELF_IO, OpenProcFile, read_self_io
 
 DEFAULT_CTX = 2048
 """Context (tokens) of ``generate`` and ``serve`` unless ``--ctx`` says otherwise."""
@@ -98,6 +98,10 @@ class ObservedLlama(llama_cpp.Llama):
         super().close()
         self.io.close()
 
+    def _read_bytes(self) -> int | None:
+        counters, _ = read_self_io(self.io)
+        return counters["read_bytes"] if counters else None
+
     def generate(self, *args, **kwargs):
         self._decoding = False
         return (yield from super().generate(*args, **kwargs))
@@ -113,7 +117,7 @@ class ObservedLlama(llama_cpp.Llama):
     def eval(self, tokens) -> None:
         decode = self._decoding and len(tokens) == 1
         self._decoding = decode
-        r0 = io_counters(self.io)["read_bytes"] if decode else None
+        r0 = self._read_bytes() if decode else None
         t0 = time.perf_counter()
         if self.hook is None:
             super().eval(tokens)
@@ -129,7 +133,7 @@ class ObservedLlama(llama_cpp.Llama):
         if decode:
             st["decode_steps"] += 1
             st["decode_seconds"] += dt
-            read = io_counters(self.io)["read_bytes"]
+            read = self._read_bytes()
             if read is not None and r0 is not None:
                 st["decode_read_bytes"] += read - r0
                 if read == r0:

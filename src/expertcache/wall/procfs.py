@@ -27,6 +27,36 @@ def read_text(path: str) -> tuple[str | None, str | None]:
     return data.decode("utf-8", "replace"), None
 
 
+def _read_whole(fd: int, path: str, cap: int) -> tuple[str | None, str | None]:
+    """The whole text of the open file ``fd`` from offset 0 (``pread``), or ``(None, reason)`` where
+    it cannot be read or is longer than ``cap`` bytes (never a truncated text)."""
+    chunks, size = [], 0
+    try:
+        while True:
+            data = os.pread(fd, 1 << 16, size)
+            if not data:
+                break
+            chunks.append(data)
+            size += len(data)
+            if size > cap:
+                return None, f"{path}: longer than {cap} bytes"
+    except OSError as exc:
+        return None, f"{path}: {exc.strerror or exc}"
+    return b"".join(chunks).decode("utf-8", "replace"), None
+
+
+def read_whole(path: str, cap: int) -> tuple[str | None, str | None]:
+    """:func:`read_text` for a file that must be read whole: longer than ``cap`` bytes is a reason."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return None, f"{path}: {exc.strerror or exc}"
+    try:
+        return _read_whole(fd, path, cap)
+    finally:
+        os.close(fd)
+
+
 class OpenProcFile:
     """One /proc file of this process, opened once and read again, whole, from the same open file.
 
@@ -45,19 +75,7 @@ class OpenProcFile:
         self.read()  # the kernel's buffer for this file is allocated now, while there is room
 
     def read(self) -> tuple[str | None, str | None]:
-        chunks, size = [], 0
-        try:
-            while True:
-                data = os.pread(self.fd, 1 << 16, size)
-                if not data:
-                    break
-                chunks.append(data)
-                size += len(data)
-                if size > self.cap:
-                    return None, f"{self.path}: longer than {self.cap} bytes"
-        except OSError as exc:
-            return None, f"{self.path}: {exc.strerror or exc}"
-        return b"".join(chunks).decode("utf-8", "replace"), None
+        return _read_whole(self.fd, self.path, self.cap)
 
     def close(self) -> None:
         if self.fd >= 0:
