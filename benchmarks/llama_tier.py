@@ -13,8 +13,9 @@
    * the forecast first: ``expertcache size MODEL --memory WALL --threads T --trace CAPTURED --json``
      at every wall (the trace: this prompt's own decode captured by ``expertcache capture``), and
      once more without ``--trace`` (the matched synthetic trace a user without a capture gets);
-   * then the measurement: the unwalled ``mmap`` reference and every (wall, mode) cell, --runs runs
-     each, in one seeded shuffled order (``expertcache.llama.runner.run_one``: a child in a memory
+   * then the measurement: the unwalled ``mmap`` reference (no observer, no graph split: plain
+     llama.cpp) and every (wall, mode) cell, --runs runs each (``managed-python``: the ``managed`` mode
+     with its Python step instead of the compiled one, the A/B), in one seeded shuffled order (``expertcache.llama.runner.run_one``: a child in a memory
      cgroup whose limit follows it, the GGUF's page cache the tier, cold start, the proof), with
      --runs compute-rate cells among them; every record's roofline is taken again with the median of
      those (the rate the table prints), so the limit and the runs see the same drift of the host;
@@ -27,7 +28,7 @@
 4. The targets of issue 33 checked against the medians, each printed as met or missed; everything
    written between the benchmark markers of docs/llama.md; the records to --json-out.
 
-Run (12 minutes for both models and thread counts on the shared 2-core machine, once the GGUFs are built)::
+Run (16 minutes for both models and thread counts on the shared 2-core machine, once the GGUFs are built)::
 
     nice -n 5 .venv/bin/python benchmarks/llama_tier.py --scratch /work/scratch --json-out /work/scratch/llama_tier.json
 """
@@ -70,6 +71,9 @@ PROMPT = ("The history of the city begins with a small settlement on the river, 
           "met farmers from the valley and exchanged grain, salt and iron.")
 START, END = "<!-- llama-bench:start -->", "<!-- llama-bench:end -->"
 FORECAST_MODES = ("mmap", "advise", "managed")
+MODE_ORDER = ["mmap", "advise", "prefetch", "managed", "managed-python"]
+"""The table's rows: ``managed-python`` is ``managed`` with its Python step (``run_one(compiled=False)``),
+measured beside the compiled one for the A/B."""
 
 
 def build(scratch: Path, wanted: set[str] | None = None) -> dict[str, Path]:
@@ -134,8 +138,10 @@ def measure(g, prompt, args, walls, threads, modes) -> tuple[list, dict]:
             rates.append(compute_rate(g.path, prompt, args.new_tokens, threads, fresh=True)["tokens_per_s"])
             print(f"  [{i}/{len(cells)}] compute rate T{threads}: {rates[-1]:.3g} tok/s (median of 3 passes)", flush=True)
             continue
-        try:
-            rec = run_one(g, prompt, args.new_tokens, m, wall_bytes=w, threads=threads, timeout=args.timeout)
+        try:  # managed-python: the managed mode with its Python step (the A/B of the compiled one)
+            rec = run_one(g, prompt, args.new_tokens, m.removesuffix("-python"), wall_bytes=w, threads=threads,
+                          timeout=args.timeout, compiled=m != "managed-python")
+            rec["mode"] = m
         except ExpertcacheError as exc:
             rec = {"mode": m, "memory_wall": w, "error": str(exc)}
         rec.pop("proof", None)
@@ -185,7 +191,7 @@ def model_block(name, g, threads, groups, fc, fc_syn, walls, labels) -> tuple[li
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     summary = {}
     for w in walls:
-        for mode in sorted({m for (ww, m) in groups if ww == w}, key=["mmap", "advise", "prefetch", "managed"].index):
+        for mode in sorted({m for (ww, m) in groups if ww == w}, key=MODE_ORDER.index):
             c = cell(groups[(w, mode)])
             med = c["decode_tokens_per_s"]["median"]
             rd, dm = c["read_bytes_per_token"]["median"], c["demand_bytes_per_token"]["median"]
@@ -203,7 +209,7 @@ def model_block(name, g, threads, groups, fc, fc_syn, walls, labels) -> tuple[li
                 f"| {labels[w]} {w / 1e6:.0f} MB | {mode} | {rate(c['decode_tokens_per_s'])} | "
                 f"{med / unwalled:.2f} | {mb(rd)} | {mb(dm)} | {'-' if not (rd is not None and dm) else f'{rd / dm:.2f}'} | "
                 f"{c['limit_tokens_per_s']['median']:.3g} | {c['efficiency']['median']:.2f} | "
-                f"{'-' if step is None or mode != 'managed' else f'{step * 1e3:.2f}'} | {'ok' if c['proof_ok'] else 'FAILED'} | "
+                f"{'-' if step is None or not mode.startswith('managed') else f'{step * 1e3:.2f}'} | {'ok' if c['proof_ok'] else 'FAILED'} | "
                 f"{'-' if f is None else f'{f:.3g}'} | {'-' if err is None else f'{err:+.0%}'} | "
                 f"{'-' if fs is None else f'{fs:.3g}'} | {'-' if errs is None else f'{errs:+.0%}'} |")
     summary["unwalled"] = unwalled
@@ -299,7 +305,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scratch", default="/work/scratch", help="folder for the GGUFs (outside the repository)")
     ap.add_argument("--walls", default="25%,50%,75%")
-    ap.add_argument("--modes", default="mmap,advise,prefetch,managed")
+    ap.add_argument("--modes", default="mmap,advise,prefetch,managed,managed-python")
     ap.add_argument("--models", default="olmoe-f16,qwen3moe-q4_k_m")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--runs", type=int, default=3)
@@ -348,7 +354,8 @@ def main() -> int:
             f"end; 2 cores, shared), read-ahead {Path('/sys/block/vda/queue/read_ahead_kb').read_text().strip() if Path('/sys/block/vda/queue/read_ahead_kb').exists() else '?'} KB, "
             f"prompt {len(prompt)} tokens, {args.new_tokens} new tokens ({args.new_tokens - 1} decode steps), "
             f"{args.runs} runs per cell in one seeded shuffled order. A wall P% = the dense part + P% of the expert "
-            "tensors. Forecasts by `expertcache size MODEL --memory WALL --threads T` made before the runs: with "
+            "tensors; the unwalled reference has no observer (plain llama.cpp); `managed-python` is `managed` with its "
+            "Python step instead of the compiled one (the A/B). Forecasts by `expertcache size MODEL --memory WALL --threads T` made before the runs: with "
             "`--trace` (this prompt's decode captured) and without (a matched synthetic trace); error = forecast / "
             "measured median - 1.", ""]
     tgt = targets(results, pre)

@@ -26,6 +26,7 @@ from expertcache.sim.curves.stack import _lowest_bit, _popcount, stack_histogram
 from expertcache.sim.layout import build_layout
 from expertcache.trace.synth import SynthParams, synthesize, synthesize_preset
 from test_rule_conformance import plain_specs
+from test_managed_step import drive
 
 POLICIES = plain_specs() + ["decayed:0.8"]
 """Every registered rule that replays on both engines from a plain trace (with the parameter examples of
@@ -69,6 +70,8 @@ def compute() -> dict:
     pop, low = _jit.njit(bits)(values)  # the intrinsics are callable from compiled code only
     out["bits"] = [pop.tolist(), low.tolist()]
     out["mix64"] = [mix64(s, t, e) for s, t, e in ((0, 0, 0), (3, 1, 7), (2**62, 12345, 99), (7, 2**40, 2**20))]
+    # the managed mode's compiled step (its pool, the tensor reads and system calls by address)
+    out["managed_step"] = json.loads(json.dumps(drive(True, 0, 3)))
     return out
 
 

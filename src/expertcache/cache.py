@@ -303,6 +303,28 @@ class ExpertCache:
         return int(victim)
 
 
+def sized_items(capacity_bytes: int, item_bytes) -> np.ndarray:
+    """``item_bytes`` as int64, checked: non-empty, positive, none above ``capacity_bytes``."""
+    sizes = np.asarray(item_bytes, dtype=np.int64).ravel()
+    if sizes.size == 0 or int(sizes.min()) < 1:
+        raise ConfigError("item_bytes must be a non-empty array of positive sizes")
+    if capacity_bytes < int(sizes.max()):
+        raise ConfigError(f"capacity {capacity_bytes} bytes is below the largest item ({int(sizes.max())} bytes)")
+    return sizes
+
+
+def check_sized_group(items: np.ndarray, item_bytes: np.ndarray, capacity_bytes: int) -> None:
+    """One access group of a byte-capacity pool: distinct ids below ``len(item_bytes)`` whose sizes
+    fit the capacity together; a one-line ConfigError otherwise."""
+    n = item_bytes.size
+    if items.size and (items.max() >= n or len(set(items.tolist())) != items.size):
+        raise ConfigError(f"prepare: ids must be distinct and below {n}, got {items.tolist()}")
+    need = int(item_bytes[items].sum())
+    if need > capacity_bytes:
+        raise ConfigError(f"prepare: {items.size} experts of {need} bytes requested at once but the capacity is "
+                          f"{capacity_bytes} bytes")
+
+
 class SizedCache(ExpertCache):
     """:class:`ExpertCache` with a capacity in bytes over items of different sizes (``item_bytes``),
     as libCacheSim sizes objects: a GGUF whose expert tensors differ in type by layer (Q4_K_M) has
@@ -320,11 +342,7 @@ class SizedCache(ExpertCache):
 
     def __init__(self, capacity_bytes: int, policy: Policy | str, item_bytes, *,
                  future: StreamFuture | None = None, steps_per_token: int = 1):
-        sizes = np.asarray(item_bytes, dtype=np.int64).ravel()
-        if sizes.size == 0 or int(sizes.min()) < 1:
-            raise ConfigError("item_bytes must be a non-empty array of positive sizes")
-        if capacity_bytes < int(sizes.max()):
-            raise ConfigError(f"capacity {capacity_bytes} bytes is below the largest item ({int(sizes.max())} bytes)")
+        sizes = sized_items(capacity_bytes, item_bytes)
         self.item_bytes = sizes
         self.capacity_bytes = int(capacity_bytes)
         self.used_bytes = 0
@@ -365,12 +383,7 @@ class SizedCache(ExpertCache):
         return order[:n]
 
     def _check_group(self, items: np.ndarray) -> None:
-        if items.size and (items.max() >= self.n_items or len(set(items.tolist())) != items.size):
-            raise ConfigError(f"prepare: ids must be distinct and below {self.n_items}, got {items.tolist()}")
-        need = int(self.item_bytes[items].sum())
-        if need > self.capacity_bytes:
-            raise ConfigError(f"prepare: {items.size} experts of {need} bytes requested at once but the capacity is "
-                              f"{self.capacity_bytes} bytes")
+        check_sized_group(items, self.item_bytes, self.capacity_bytes)
 
     def prepare(self, items) -> Step:
         """Make every item of this access group resident; see the class invariants."""

@@ -28,7 +28,9 @@ on the file through its own descriptor:
   runner sizes ``capacity`` below the wall (:func:`managed_capacity`), so the kernel never has to
   reclaim: the device reads are the policy's misses, the same policies deciding real copies as
   in the live harness. A policy's eviction replaces the kernel's, whose page-granular two-list LRU
-  under a cgroup limit read 2-3x the LRU demand at a 25% wall (docs/llama.md);
+  under a cgroup limit read 2-3x the LRU demand at a 25% wall (docs/llama.md). With ``lru``, no
+  readers and no prediction, a one-row step (every decode step) is one compiled call
+  (:mod:`expertcache.llama.managed`), which makes the same system calls as the Python path;
 * ``nocache``: advise (the routed experts read whole, as the incumbent's ``pread`` reads them), plus,
   after each layer's ``ffn_moe_out``, its three expert tensors dropped: ``madvise(MADV_DONTNEED)``
   on the mapping (unmaps this process's pages) then ``posix_fadvise(DONTNEED)`` (evicts the clean
@@ -344,34 +346,49 @@ class PageAdvisor:
     _TOPK, _INP, _OUT = (b"ffn_moe_topk-",), (b"ffn_inp-",), (b"ffn_moe_out-",)
 
     def __init__(self, geometry: Geometry, mode: str, *, capacity: int | None = None, policy: str = "lru",
-                 count_hits: bool = False, readers: int = 0, predict: str | None = None):
+                 count_hits: bool = False, readers: int = 0, predict: str | None = None,
+                 compiled: bool = True, record: bool = False):
         """``capacity``: the ``managed`` pool in bytes (:func:`managed_budget`; default every expert).
         ``count_hits``: count ``expert_hits`` / ``expert_misses`` of the modes that observe the routing
         (``managed``: its cache's step; the others: whether every page of a routed expert was
-        resident, by ``mincore``, when its layer routed)."""
+        resident, by ``mincore``, when its layer routed). ``compiled``: ``managed`` with ``lru``, no
+        readers and no prediction takes each one-row step in compiled code
+        (:mod:`expertcache.llama.managed`; False: the Python path, for the A/B). ``record``: keep
+        each forward's routed experts per MoE layer (:attr:`routing`; modes that observe the
+        routing), so that no second observer reads them again."""
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         self.g, self.mode = geometry, mode
         self.cache = None
+        self.steps = None
         self.managed_loads = self.managed_drops = 0
+        self.fd = os.open(geometry.path, os.O_RDONLY)
+        self.hint_piece = hint_piece(geometry.path)
         if mode == "managed":
-            from ..cache import SizedCache
-
             items = managed_item_bytes(geometry)
-            self.cache = SizedCache(int(capacity if capacity is not None else items.sum()), policy, items,
-                                    steps_per_token=len(geometry.moe_layers))
+            budget = int(capacity if capacity is not None else items.sum())
+            self.edges = EdgePages(geometry)
+            if compiled and policy == "lru" and readers == 0 and predict is None:
+                from .managed import LRUPool, PageSteps
+
+                self.cache = LRUPool(budget, items)
+                self.steps = PageSteps(geometry, self.cache, self.fd, self.hint_piece, self.edges)
+            else:
+                from ..cache import SizedCache
+
+                self.cache = SizedCache(budget, policy, items, steps_per_token=len(geometry.moe_layers))
             self.row = {layer: j for j, layer in enumerate(geometry.moe_layers)}
             self.pool_step = max(1, self.cache.capacity_bytes // int(self.cache.item_bytes.max()))
             """Experts one cache step may take: a prefill layer routing more takes one step per pool-full."""
-            self.edges = EdgePages(geometry)
         self.edge_drops = 0
         self.hinted_now: set[int] = set()  # managed items hinted within the current forward
         self.pending_drops: set[int] = set()  # victims among them, to be dropped again
-        self.fd = os.open(geometry.path, os.O_RDONLY)
         # before the engine loads: inside a wall the engine fills, a later open may fail (ENOMEM)
         self.maps = OpenProcFile("/proc/self/maps", MAPS_CAP) if mode != "nommap" else None
-        self.hint_piece = hint_piece(geometry.path)
         self.base: int | None = None
+        self.record = record
+        self.routing: list[dict[int, np.ndarray]] = []
+        """With ``record``: per forward, each MoE layer's routed experts (distinct, ascending)."""
         self.hints = self.hint_bytes = self.drops = self.locked_bytes = 0
         self.predicted: dict[int, set] = {}
         self.look_hits = self.look_total = 0
@@ -408,6 +425,8 @@ class PageAdvisor:
                 os.fsync(self.fd)
             except OSError:
                 pass  # a read-only filesystem has nothing dirty
+        if self.steps is not None:
+            self.steps.base = self.base
         if self.mode == "managed":
             self._start_empty()
         if self.mode in ("pin", "managed"):
@@ -451,6 +470,9 @@ class PageAdvisor:
         self.warmed.clear()
         self._redrop()
         self.hinted_now.clear()
+        if self.steps is not None:
+            self.steps.reset()
+        self.routing.clear()
 
     def hint(self, off: int, n: int) -> None:
         """``POSIX_FADV_WILLNEED`` of file bytes ``[off, off + n)`` in pieces the kernel reads whole (it
@@ -476,18 +498,40 @@ class PageAdvisor:
     # -- observer --------------------------------------------------------------------------
     def begin(self, n_tokens: int, starts_sequence: bool, all_logits: bool) -> None:
         self.n_tokens = n_tokens
+        self.sync_counters()
         self._redrop()
         self.hinted_now.clear()
+        if self.steps is not None:
+            self.steps.begin()
+        if self.record:
+            self.routing.append({})
+
+    def sync_counters(self) -> None:
+        """Add the compiled step's counters to the advisor's (and zero them there)."""
+        if self.steps is not None and self.steps.cnt.any():
+            from .managed import DROPS, EDGE_DROPS, HINT_BYTES, HINTS, HITS, LOADS, MISSES
+
+            c = self.steps.cnt.tolist()
+            self.managed_loads += c[LOADS]
+            self.expert_hits += c[HITS]
+            self.expert_misses += c[MISSES]
+            self.managed_drops += c[DROPS]
+            self.edge_drops += c[EDGE_DROPS]
+            self.hints += c[HINTS]
+            self.hint_bytes += c[HINT_BYTES]
+            self.steps.cnt[:] = 0
 
     def _redrop(self) -> None:
         """Drop again the victims whose pages may have been in flight when they were dropped (loaded
         within this forward, then evicted: an unused lookahead guess, a prefill's pool-full step):
         ``POSIX_FADV_DONTNEED`` skips a page still being read, which then stayed in the page cache
         outside the pool's account (0.6 MB past a 2.3 MB pool with ``--predict lookahead``)."""
+        if self.steps is not None:
+            self.pending_drops.update(self.steps.take_pending())
         if self.pending_drops and self.base is not None:
             for item in self.pending_drops:
                 if not self._resident([item])[0]:
-                    self._drop_expert(item)
+                    self.edge_drops += self._drop_expert(item)
         self.pending_drops.clear()
 
     def wants(self, name: bytes) -> bool:
@@ -500,7 +544,15 @@ class PageAdvisor:
     def seen(self, name: bytes, ptr: int) -> None:
         layer = layer_of(name, self._TOPK)
         if layer is not None:
+            if self.steps is not None and self.base is not None:
+                routed = self.steps.layer(ptr, self.row[layer])
+                if routed is not None:  # one row: the whole step taken in compiled code
+                    if self.record:
+                        self._record(layer, routed.copy())
+                    return
             routed = read_ids(ptr)
+            if self.record:
+                self._record(layer, routed)
             if layer in self.predicted:
                 self.look_hits += len(self.predicted.pop(layer) & set(routed.tolist()))
                 self.look_total += routed.size
@@ -540,6 +592,12 @@ class PageAdvisor:
                 drop(self.fd, self.base, off, n)
             self.drops += 1
 
+    def _record(self, layer: int, routed: np.ndarray) -> None:
+        if not self.routing:
+            self.routing.append({})
+        f = self.routing[-1]
+        f[layer] = routed if layer not in f else np.union1d(f[layer], routed)  # a forward of several graphs
+
     def manage(self, layer: int, routed: np.ndarray) -> None:
         """The ``managed`` step of one layer's routed experts: drop the victims, hint the loads."""
         E, j, c = self.g.num_experts, self.row[layer], self.pool_step
@@ -560,7 +618,10 @@ class PageAdvisor:
         if self.base is not None:
             for item in step.evicted:
                 self.edge_drops += self._drop_expert(item)
-                if item in self.hinted_now:  # its read may still be under way: dropped again later
+                if self.steps is not None:  # the hints and the queue of the compiled step
+                    if self.steps.hinted_now(item):
+                        self.steps.queue(item)
+                elif item in self.hinted_now:  # its read may still be under way: dropped again later
                     self.pending_drops.add(item)
         self.managed_drops += len(step.evicted)
         by_layer: dict[int, list[int]] = {}
@@ -568,7 +629,10 @@ class PageAdvisor:
             by_layer.setdefault(item // E, []).append(item % E)
         for j, experts in by_layer.items():
             layer = self.g.moe_layers[j]
-            self.hinted_now.update(j * E + e for e in experts)
+            if self.steps is not None:
+                self.steps.mark_hinted([j * E + e for e in experts])
+            else:
+                self.hinted_now.update(j * E + e for e in experts)
             owner = {off: e for e in experts for off, _ in self.g.expert_ranges(layer, e)}
             for off, n in self.g.compute_ranges(layer, experts):
                 self.hint(off, n)
@@ -639,6 +703,7 @@ class PageAdvisor:
                    if all(resident(self.base + off, n) for off, n in self.g.expert_ranges(layer, e)))
 
     def stats(self) -> dict:
+        self.sync_counters()
         return {"hints": self.hints, "hint_bytes": self.hint_bytes, "layer_drops": self.drops,
                 "locked_bytes": self.locked_bytes,
                 "managed_capacity": self.cache.capacity if self.cache is not None else None,

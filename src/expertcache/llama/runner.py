@@ -55,15 +55,20 @@ def measure(spec: dict) -> dict:
     # the files this process reads inside the wall are opened first, while there is room: a wall
     # the load fills can refuse a later open (ENOMEM; wall.procfs.OpenProcFile)
     selfio = OpenProcFile(SELF_IO)
+    # the routing, for the demand model (walled runs) and prefill_routed_bytes: read by the advisor
+    # where its mode observes it anyway, else by a recorder (whose graph splits an unwalled mmap
+    # run, the reference, would otherwise pay: plain llama.cpp has none)
+    need_routing = bool(spec.get("routing", True))
     advisor = PageAdvisor(g, mode, capacity=spec.get("managed_capacity"), policy=spec.get("policy", "lru"),
-                          readers=int(spec.get("readers", 0)), predict=spec.get("predict"))
+                          readers=int(spec.get("readers", 0)), predict=spec.get("predict"),
+                          compiled=bool(spec.get("compiled", True)), record=need_routing)
     cap.begin_following(spec.get("follow_flag"))
     with cap.model_load(spec.get("follow_flag")):
         t0 = time.perf_counter()
         eng = Engine(g.path, n_ctx=len(prompt) + n_new + 1, threads=int(spec.get("threads", 1)),
                      mmap=mode != "nommap", geometry=g)
         load_s = time.perf_counter() - t0
-    routes = RoutingRecorder(weights=False)
+    routes = RoutingRecorder(weights=False) if need_routing and not advisor.observes_routing else None
     advisor.start()
     if mode == "managed":
         # the worker's memory at its steady state before the pool fills: a first forward touches
@@ -80,14 +85,15 @@ def measure(spec: dict) -> dict:
         eng.detach(advisor)
         advisor.restart()
         cap.settled(spec.get("follow_flag"))
-    eng.attach(routes)
+    if routes is not None:
+        eng.attach(routes)
     eng.attach(advisor)
     c0 = io_counters(selfio)
     t1 = time.perf_counter()
     logits = eng.forward(prompt, logits="last")
     t2 = time.perf_counter()
     c1 = io_counters(selfio)
-    hinted = advisor.hint_bytes
+    hinted = advisor.stats()["hint_bytes"]
     h0, a0 = eng.hook.callback_seconds, eng.hook.seconds_in(advisor)
     out = [int(np.argmax(logits[-1]))]
     for _ in range(n_new - 1):
@@ -96,6 +102,11 @@ def measure(spec: dict) -> dict:
     h1, a1 = eng.hook.callback_seconds, eng.hook.seconds_in(advisor)
     c2 = io_counters(selfio)
     pre, dec = _diff(c0, c1), _diff(c1, c2)
+    adv = advisor.stats()
+    if routes is not None:
+        routing = [[np.unique(fe[lid]).tolist() for lid in g.moe_layers] for fe in (f.experts for f in routes.forwards)]
+    else:
+        routing = [[f[lid].tolist() for lid in g.moe_layers] for f in advisor.routing] if need_routing else []
     steps = n_new - 1
     ids = np.asarray(out, dtype="<i4")
     rec = {"mode": mode, "load_seconds": load_s, "prefill_tokens": len(prompt), "prefill_seconds": t2 - t1,
@@ -106,8 +117,7 @@ def measure(spec: dict) -> dict:
            "major_faults": dec["major_faults"], "prefill_major_faults": pre["major_faults"],
            "major_faults_per_token": dec["major_faults"] / steps if steps else None,
            "output_ids": out, "output_sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
-           "routing": [[np.unique(fe[lid]).tolist() for lid in g.moe_layers] for fe in (f.experts for f in routes.forwards)],
-           "advice": advisor.stats(), "decode_hint_bytes": advisor.hint_bytes - hinted, "threads": int(spec.get("threads", 1)),
+           "routing": routing, "advice": adv, "decode_hint_bytes": adv["hint_bytes"] - hinted, "threads": int(spec.get("threads", 1)),
            "advice_seconds_per_token": (a1 - a0) / steps if steps else None,
            "callback_seconds_per_token": (h1 - h0) / steps if steps else None}
     advisor.close()
@@ -165,6 +175,10 @@ def _online_rule(policy: str) -> None:
     warm = ExpertCache(2, pol, 4)
     for i in range(4):
         warm.prepare([i])
+    if policy == "lru":  # the managed mode's compiled step (llama/managed.py)
+        from .managed import compile_step
+
+        compile_step()
 
 
 def check_managed(g: Geometry, wall_bytes: int | None, policy: str) -> int:
@@ -215,12 +229,15 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
             wall: str = "auto", headroom_bytes: int | None = None, threads: int = 1,
             timeout: float | None = None, keep_routing: bool = False, policy: str = "lru",
             cache_bytes: int | None = None, roofline: bool = True, readers: int | None = None,
-            predict: str | None = None) -> dict:
+            predict: str | None = None, compiled: bool = True) -> dict:
     """One run in a child process, evicted file first; the record of docs/llama.md. ``policy``
     (an online eviction rule) decides the expert residency of the ``managed`` mode, bounded by
     ``cache_bytes`` (``--cache-memory``; default the wall). A walled run's limit follows the worker
     (:func:`~expertcache.wall.capacity.follow_plan`) and its tier is the GGUF's own page cache.
-    ``roofline``: add the physical limit's fields (:func:`run_roofline`)."""
+    ``roofline``: add the physical limit's fields (:func:`run_roofline`). ``compiled``: the ``managed``
+    mode's one-row steps in compiled code (False: its Python path, for the A/B). The routing is
+    recorded only where it is used (a wall, or ``keep_routing``): an unwalled ``mmap`` run has no
+    observer, as plain llama.cpp has none."""
     if mode not in MODES:
         raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
     check_wall(g, wall_bytes)
@@ -240,7 +257,8 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
                           f"model's {g.file_bytes} bytes")
     spec = {"model": g.path, "prompt": [int(x) for x in prompt], "max_new_tokens": int(max_new_tokens),
             "mode": mode, "threads": int(threads), "managed_capacity": managed, "policy": policy,
-            "readers": readers_for(mode, readers), "predict": predict}
+            "readers": readers_for(mode, readers), "predict": predict, "compiled": bool(compiled),
+            "routing": bool(wall_bytes) or bool(keep_routing)}
     capacity = int(wall_bytes or g.file_bytes)
     headroom, margin, note = cap.follow_plan(capacity, headroom_bytes)
     with cap.worker_spec(spec, "expertcache-llama-", True) as (spec_path, flag):
@@ -256,6 +274,7 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
                wall_note=walled.note if wall_bytes else "no wall", cold_start=evicted.get("cold"),
                proof=walled.proof if wall_bytes else {}, headroom_note=note if wall_bytes else None)
     rec.update(demand(rec["routing"], g, wall_bytes))
+    rec["prefill_routed_bytes"] = rec["prefill_read_ratio"] = None  # without the routing (unwalled, not kept)
     if rec["routing"]:  # the prefill's routed experts (each once), against what the prefill read
         sizes = g.layer_expert_bytes
         rec["prefill_routed_bytes"] = sum(len(experts) * sizes[j] for j, experts in enumerate(rec["routing"][0]))

@@ -289,6 +289,7 @@ class Session:
         the routing)."""
         io = io_counters(self.llama.io)
         adv = self.advisor
+        adv.sync_counters()
         return {**self.llama.stats, "read_bytes": io["read_bytes"], "major_faults": io["major_faults"],
                 "expert_hits": adv.expert_hits if adv.observes_routing else None,
                 "expert_misses": adv.expert_misses if adv.observes_routing else None}
