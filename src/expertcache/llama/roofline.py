@@ -3,7 +3,8 @@ what the compute can do with every expert resident, and the decode rate the two 
 
 * :func:`device_bandwidth` reads the model file itself with ``O_DIRECT`` (the page cache neither
   helps nor is disturbed) in requests of one expert slice (rounded up to 4 KiB) at random aligned
-  offsets, by 1 and by 4 concurrent readers, for about ``seconds`` each; bytes / second. Cached per
+  offsets, by 1 and by 4 concurrent readers, in :data:`BANDWIDTH_PASSES` timed passes (about
+  ``seconds`` in all); bytes / second, the median pass, and its spread. Cached per
   (device, request size, readers) in ``$XDG_CACHE_HOME/expertcache/devices.json`` for a day (a sweep
   pays it once); ``fresh`` measures again.
 * :func:`compute_rate` decodes after the prompt in one process with the file mapped, once to read
@@ -83,11 +84,18 @@ def device_key(path: str) -> str:
     return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
 
-def device_bandwidth(path: str, request_bytes: int, readers: int, *, seconds: float = 1.0,
+BANDWIDTH_PASSES = 3
+"""Timed passes of :func:`device_bandwidth` per reader count; the median is kept. One second of
+reads moved by 20-50% between the blocks of one benchmark run on this shared host (B1 1.29-1.92 GB/s)."""
+
+
+def device_bandwidth(path: str, request_bytes: int, readers: int, *, seconds: float = 1.5,
                      fresh: bool = False) -> dict:
-    """``{"bytes_per_s", "requests", "readers", "request_bytes", "device", "cached", "note"}`` of
-    random ``O_DIRECT`` reads of ``request_bytes`` (rounded up to 4 KiB) from ``path`` by ``readers``
-    threads for about ``seconds``; ``bytes_per_s`` None (and ``note`` why) where ``O_DIRECT`` fails."""
+    """``{"bytes_per_s", "bytes_per_s_min", "bytes_per_s_max", "passes", "requests", "readers",
+    "request_bytes", "device", "cached", "note"}`` of random ``O_DIRECT`` reads of
+    ``request_bytes`` (rounded up to 4 KiB) from ``path`` by ``readers`` threads: the median of
+    :data:`BANDWIDTH_PASSES` passes of ``seconds / passes`` each, and their spread;
+    ``bytes_per_s`` None (and ``note`` why) where ``O_DIRECT`` fails."""
     size = os.path.getsize(path)
     req = max(BLOCK, -(-int(request_bytes) // BLOCK) * BLOCK)
     req = min(req, max(BLOCK, size // BLOCK * BLOCK))
@@ -100,38 +108,46 @@ def device_bandwidth(path: str, request_bytes: int, readers: int, *, seconds: fl
     except OSError as exc:
         return {"bytes_per_s": None, "readers": readers, "request_bytes": req, "device": device_key(path),
                 "cached": False, "note": f"O_DIRECT open failed: {exc.strerror or exc}"}
-    done = [0] * readers
-    errors: list[str] = []
-    stop = time.monotonic() + seconds
     slots = max(1, (size - req) // BLOCK)
+    rates, total, errors = [], 0, []
+    try:
+        for p in range(BANDWIDTH_PASSES):
+            done = [0] * readers
+            stop = time.monotonic() + seconds / BANDWIDTH_PASSES
 
-    def worker(i: int) -> None:
-        buf = mmap.mmap(-1, req)  # page-aligned, as O_DIRECT wants
-        rng = random.Random(i)
-        try:
-            while time.monotonic() < stop:
-                off = rng.randrange(slots) * BLOCK
-                n = os.preadv(fd, [buf], off)
-                if n <= 0:
-                    break
-                done[i] += n
-        except OSError as exc:
-            errors.append(exc.strerror or str(exc))
-        finally:
-            buf.close()
+            def worker(i: int) -> None:
+                buf = mmap.mmap(-1, req)  # page-aligned, as O_DIRECT wants
+                rng = random.Random(p * 1000 + i)
+                try:
+                    while time.monotonic() < stop:
+                        off = rng.randrange(slots) * BLOCK
+                        n = os.preadv(fd, [buf], off)
+                        if n <= 0:
+                            break
+                        done[i] += n
+                except OSError as exc:
+                    errors.append(exc.strerror or str(exc))
+                finally:
+                    buf.close()
 
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(readers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.monotonic() - t0
-    os.close(fd)
-    if errors or not sum(done):
+            t0 = time.monotonic()
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(readers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            elapsed = time.monotonic() - t0
+            if errors or not sum(done):
+                break
+            rates.append(sum(done) / elapsed)
+            total += sum(done)
+    finally:
+        os.close(fd)
+    if errors or not rates:
         return {"bytes_per_s": None, "readers": readers, "request_bytes": req, "device": device_key(path),
                 "cached": False, "note": f"O_DIRECT read failed: {errors[0] if errors else 'nothing read'}"}
-    out = {"bytes_per_s": sum(done) / elapsed, "requests": sum(done) // req, "readers": readers, "request_bytes": req,
+    out = {"bytes_per_s": statistics.median(rates), "bytes_per_s_min": min(rates), "bytes_per_s_max": max(rates),
+           "passes": len(rates), "requests": total // req, "readers": readers, "request_bytes": req,
            "device": device_key(path), "at": time.time(), "note": None}
     _store(key, out)
     return {**out, "cached": False}
