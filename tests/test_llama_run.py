@@ -141,8 +141,8 @@ def test_managed_mode_hints_exactly_the_policys_loads(gguf_path, prompt):
     g = read_geometry(str(gguf_path))
     dense = g.dense_bytes
     L, E = len(g.moe_layers), g.num_experts
-    wall = dense + 12 * covered_bytes(g)  # 11 experts and one of slack
-    assert managed_capacity(g, wall) == 11 and managed_capacity(g, None) == L * E
+    wall = dense + 12 * covered_bytes(g)  # 12 experts beside the dense part
+    assert managed_capacity(g, wall) == 12 and managed_capacity(g, None) == L * E
     rec = run_one(g, prompt, 10, "managed", keep_routing=True)  # no wall: the pool holds every expert
     adv = rec["advice"]
     assert adv["managed_capacity"] == L * E and adv["managed_policy"] == "lru" and adv["managed_drops"] == 0
@@ -175,7 +175,7 @@ def test_managed_mode_replays_its_own_cache(gguf_path, prompt):
     dense = g.dense_bytes
     L, E = len(g.moe_layers), g.num_experts
     cap = 2 * g.top_k
-    wall = dense + (cap + 1) * covered_bytes(g)
+    wall = dense + cap * covered_bytes(g)
     rec = run_one(g, prompt, 10, "managed", wall_bytes=wall, wall="none", keep_routing=True)
     assert rec["advice"]["managed_capacity"] == cap
     cache = ExpertCache(cap, "lru", L * E, steps_per_token=L)

@@ -544,10 +544,6 @@ def test_forecast_by_hand(tiny_gguf, tmp_path, capsys, window):
     assert recs2["advise"]["missed_bytes_per_token"] == pytest.approx(2.70 * lru2 / T)
     assert recs2["mmap"]["missed_bytes_per_token"] == pytest.approx(max(mm2, 2.70 * lru2) / T)
 
-    # managed at this memory: its pool (the wall less the dense part and one expert of slack) cannot
-    # hold one layer's routed experts: refused as 'llama run' refuses it
-    assert recs["managed"]["predicted_tokens_per_s"] is None and "refused" in recs["managed"]["note"]
-
     # managed with room for its pool: exactly its LRU's misses over items of the whole pages an
     # expert's slices cover
     from expertcache.llama.advice import PAGE, managed_budget
@@ -555,7 +551,12 @@ def test_forecast_by_hand(tiny_gguf, tmp_path, capsys, window):
     item = max(sum(((off + n + PAGE - 1) // PAGE - off // PAGE) * PAGE for off, n in g.expert_ranges(layer, e))
                for layer in g.moe_layers for e in range(E))
     assert S < item <= S + 2 * 3 * PAGE
-    memory = dense + item + 5 * item
+    # managed where its pool (the wall less the dense part) is one byte short of one layer's routed
+    # experts: refused as 'llama run' refuses it
+    short = _forecast(capsys, tiny_gguf, dense + g.top_k * item - 1, trace)["managed"]
+    assert managed_budget(g, dense + g.top_k * item - 1) < g.top_k * item
+    assert short["predicted_tokens_per_s"] is None and "refused" in short["note"]
+    memory = dense + 5 * item
     assert managed_budget(g, memory) == 5 * item
     recs = _forecast(capsys, tiny_gguf, memory, trace)
     man, man_first = _byte_lru(groups, 5 * item, lambda i: item, lambda i: S)

@@ -337,8 +337,8 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
     need = g.top_k * int(items.max())
     if budget < need:
         rows["managed"] = dict(cache_bytes=budget, demand=None, missed=None, fill=None, amplification=None,
-                               note=f"refused by llama run: {budget:,} bytes of pool beside the dense part and one expert "
-                                    f"of slack hold fewer than one layer routes ({g.top_k} experts, {need:,} bytes)")
+                               note=f"refused by llama run: {budget:,} bytes of pool beside the dense part hold fewer "
+                                    f"than one layer routes ({g.top_k} experts, {need:,} bytes)")
     else:
         man = replay_bytes(expert_groups(experts, E), budget, items, sizes, T, L)
         rows["managed"] = dict(cache_bytes=budget, demand=man.per_token, missed=man.per_token,

@@ -62,6 +62,16 @@ def measure(spec: dict) -> dict:
     advisor = PageAdvisor(g, mode, capacity=spec.get("managed_capacity"), policy=spec.get("policy", "lru"),
                           readers=int(spec.get("readers", 0)), predict=spec.get("predict"),
                           compiled=bool(spec.get("compiled", True)), record=need_routing)
+    # numba's cached machine code loaded here too, not inside the load phase (the engine's eval
+    # filter; the managed step): loading it opens the package's files and numba's cache files,
+    # and an open at the load's tight limit failed with ENOMEM (1 run in 2 beside the load harness)
+    from .evalfilter import compiled
+
+    compiled()
+    if advisor.steps is not None:
+        from .managed import compile_step
+
+        compile_step()
     cap.begin_following(spec.get("follow_flag"))
     with cap.model_load(spec.get("follow_flag")):
         t0 = time.perf_counter()
