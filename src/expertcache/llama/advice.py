@@ -67,6 +67,7 @@ from .capture import layer_of
 from ..formats.gguf import Geometry
 from ..wall.procfs import MAPS_CAP, OpenProcFile, file_mappings
 from .ggml import read_2d, read_ids
+from .managed import DROPS, EDGE_DROPS, HINT_BYTES, HINTS, HITS, LOADS, MISSES, LRUPool, PageSteps
 
 MODES = ("mmap", "random", "advise", "pin", "managed", "lookahead", "nocache", "prefetch", "nommap")
 MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED, MADV_COLD = 1, 3, 4, 20
@@ -375,8 +376,6 @@ class PageAdvisor:
             budget = int(capacity if capacity is not None else items.sum())
             self.edges = EdgePages(geometry)
             if compiled and policy == "lru" and readers == 0 and predict is None:
-                from .managed import LRUPool, PageSteps
-
                 self.cache = LRUPool(budget, items)
                 self.steps = PageSteps(geometry, self.cache, self.fd, self.hint_piece, self.edges)
             else:
@@ -515,8 +514,6 @@ class PageAdvisor:
     def sync_counters(self) -> None:
         """Add the compiled step's counters to the advisor's (and zero them there)."""
         if self.steps is not None and self.steps.cnt.any():
-            from .managed import DROPS, EDGE_DROPS, HINT_BYTES, HINTS, HITS, LOADS, MISSES
-
             c = self.steps.cnt.tolist()
             self.managed_loads += c[LOADS]
             self.expert_hits += c[HITS]

@@ -39,7 +39,9 @@ import os
 import numpy as np
 
 from .._jit import AVAILABLE, njit
+from ..cache import Step, check_sized_group, sized_items
 from ..errors import ConfigError
+from ..formats.gguf import compute_rank
 from .ggml import GGML_TYPE_I32, GGMLTensor
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -208,8 +210,6 @@ class LRUPool:
     policy = _Spec()
 
     def __init__(self, capacity_bytes: int, item_bytes):
-        from ..cache import sized_items
-
         sizes = sized_items(capacity_bytes, item_bytes)
         self.item_bytes = sizes
         self.capacity_bytes = int(capacity_bytes)
@@ -252,8 +252,6 @@ class LRUPool:
 
     def prepare(self, items):
         """One step (``SizedCache.prepare``'s checks and result: a :class:`~expertcache.cache.Step`)."""
-        from ..cache import Step, check_sized_group
-
         items = np.asarray(items, dtype=np.int64).ravel()
         items = items[items >= 0]
         check_sized_group(items, self.item_bytes, self.capacity_bytes)
@@ -376,8 +374,6 @@ class PageSteps:
     """The geometry of one file as arrays and a pool's page-cache state, for :func:`_layer`."""
 
     def __init__(self, g, pool: LRUPool, fd: int, piece: int, edges):
-        from ..formats.gguf import compute_rank
-
         E, L = g.num_experts, len(g.moe_layers)
         S = max(len(g.experts[layer]) for layer in g.moe_layers)
         self.E, self.pool, self.fd, self.piece = E, pool, int(fd), int(piece)

@@ -28,6 +28,8 @@ from ..wall.cgroupwall import worker_main
 from ..wall.pagecache import evict_file_pages
 from .advice import MODES, PageAdvisor, managed_budget, managed_item_bytes, readers_for
 from .capture import RoutingRecorder
+from .evalfilter import compiled
+from .managed import compile_step
 from ..formats.gguf import Geometry, read_geometry
 from ..wall.procfs import SELF_IO, OpenProcFile, read_self_io
 
@@ -65,12 +67,8 @@ def measure(spec: dict) -> dict:
     # numba's cached machine code loaded here too, not inside the load phase (the engine's eval
     # filter; the managed step): loading it opens the package's files and numba's cache files,
     # and an open at the load's tight limit failed with ENOMEM (1 run in 2 beside the load harness)
-    from .evalfilter import compiled
-
     compiled()
     if advisor.steps is not None:
-        from .managed import compile_step
-
         compile_step()
     cap.begin_following(spec.get("follow_flag"))
     with cap.model_load(spec.get("follow_flag")):
@@ -186,8 +184,6 @@ def _online_rule(policy: str) -> None:
     for i in range(4):
         warm.prepare([i])
     if policy == "lru":  # the managed mode's compiled step (llama/managed.py)
-        from .managed import compile_step
-
         compile_step()
 
 
