@@ -67,7 +67,7 @@ from .capture import layer_of
 from ..formats.gguf import Geometry
 from ..wall.procfs import MAPS_CAP, OpenProcFile, file_mappings
 from .ggml import read_2d, read_ids
-from .managed import DROPS, EDGE_DROPS, HINT_BYTES, HINTS, HITS, LOADS, MISSES, LRUPool, PageSteps
+from .managed import DROPS, EDGE_DROPS, HINT_BYTES, HINTS, HITS, LOADS, MISSES, SUPPORTED, LRUPool, PageSteps
 
 MODES = ("mmap", "random", "advise", "pin", "managed", "lookahead", "nocache", "prefetch", "nommap")
 MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED, MADV_COLD = 1, 3, 4, 20
@@ -375,7 +375,7 @@ class PageAdvisor:
             items = managed_item_bytes(geometry)
             budget = int(capacity if capacity is not None else items.sum())
             self.edges = EdgePages(geometry)
-            if compiled and policy == "lru" and readers == 0 and predict is None:
+            if compiled and SUPPORTED and policy == "lru" and readers == 0 and predict is None:
                 self.cache = LRUPool(budget, items)
                 self.steps = PageSteps(geometry, self.cache, self.fd, self.hint_piece, self.edges)
             else:

@@ -46,7 +46,8 @@ from .ggml import GGML_TYPE_I32, GGMLTensor
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MADV_DONTNEED = 4
-FADV_WILLNEED, FADV_DONTNEED = os.POSIX_FADV_WILLNEED, os.POSIX_FADV_DONTNEED
+FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", 3)
+FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
 NOT_ONE_ROW = -1
 """:func:`_layer`: the tensor is not one contiguous int32 row (the Python path reads it)."""
 BAD_ID = -2
@@ -66,9 +67,18 @@ _OFF_NB = GGMLTensor.nb.offset
 _OFF_DATA = GGMLTensor.data.offset
 
 _libc = ctypes.CDLL(None)
-MADVISE = ctypes.cast(_libc.madvise, ctypes.c_void_p).value
-FADVISE = ctypes.cast(_libc.posix_fadvise, ctypes.c_void_p).value
-"""Addresses of libc's ``madvise`` and ``posix_fadvise``, which the compiled step calls."""
+
+
+def _address(name: str) -> int:
+    fn = getattr(_libc, name, None)
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0 if fn is not None else 0
+
+
+MADVISE, FADVISE = _address("madvise"), _address("posix_fadvise")
+"""Addresses of libc's ``madvise`` and ``posix_fadvise``, which the compiled step calls (0 where the
+C library lacks one: macOS has no ``posix_fadvise``)."""
+SUPPORTED = bool(MADVISE and FADVISE)
+"""Whether the compiled step can run here (else the advisor keeps its Python path)."""
 
 
 if AVAILABLE:
