@@ -3,7 +3,7 @@ routing from its ``ffn_moe_topk`` tensor, takes the LRU pool's step, drops the v
 hints the loads, where the Python path (a :class:`~expertcache.cache.SizedCache` and
 ``PageAdvisor._apply``) took 1.17 ms a decode token on the 12 MoE layers of the Qwen3-MoE benchmark
 model with 2 threads (read 0.28, cache step 0.39, hints 0.26, the advisor's own code the rest;
-docs/llama.md, "The managed step compiled").
+docs/llama.md, "The managed step, compiled").
 
 * :class:`LRUPool` is the pool: ``capacity_bytes`` over items of ``item_bytes``, the victims the
   least recently used (ties: the smaller id first). It has the part of ``SizedCache``'s interface
@@ -24,8 +24,10 @@ Invariants (``tests/test_managed_step.py``):
   ``POSIX_FADV_DONTNEED``), then its partial pages that no resident item and no dense tensor
   shares; a victim hinted within this forward queued to be dropped again (``_redrop``); the loads
   hinted with ``POSIX_FADV_WILLNEED`` tensor by tensor in compute order, experts ascending, in pieces
-  of ``hint_piece`` bytes; the same counters. Tested against the Python path on one model's file
-  (the same drops, hints and counters).
+  of ``hint_piece`` bytes; the same counters. Tested against the Python path on a made-up
+  geometry whose slices share partial pages: the same system calls in the same order with the
+  same arguments (logged, not made), counters and routing; the benchmark's runs on real files
+  give the same reads, tokens and proofs on both paths.
 * A routing it cannot read as one contiguous int32 row (a prefill's rows, another type) is left to
   the Python path (:func:`_layer` returns :data:`NOT_ONE_ROW`); an id outside ``[0, E)`` or a
   failed system call is an error the caller raises as one line.
