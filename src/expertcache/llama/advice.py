@@ -67,7 +67,7 @@ from .capture import layer_of
 from ..formats.gguf import Geometry
 from ..wall.procfs import MAPS_CAP, OpenProcFile, file_mappings
 from .ggml import read_2d, read_ids
-from .managed import DROPS, EDGE_DROPS, HINT_BYTES, HINTS, HITS, LOADS, MISSES, SUPPORTED, LRUPool, PageSteps
+from .managed import DROPS, EDGE_DROPS, HINT_BYTES, HINTS, HITS, LOADS, MISSES, SUPPORTED, LRUPool, PageSteps, pool_step
 
 MODES = ("mmap", "random", "advise", "pin", "managed", "lookahead", "nocache", "prefetch", "nommap")
 MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED, MADV_COLD = 1, 3, 4, 20
@@ -383,7 +383,7 @@ class PageAdvisor:
 
                 self.cache = SizedCache(budget, policy, items, steps_per_token=len(geometry.moe_layers))
             self.row = {layer: j for j, layer in enumerate(geometry.moe_layers)}
-            self.pool_step = max(1, self.cache.capacity_bytes // int(self.cache.item_bytes.max()))
+            self.pool_step = pool_step(self.cache.capacity_bytes, self.cache.item_bytes)
             """Experts one cache step may take: a prefill layer routing more takes one step per pool-full."""
         self.edge_drops = 0
         self.hinted_now: set[int] = set()  # managed items hinted within the current forward

@@ -310,12 +310,13 @@ def _drop_item(v, fns, fd, base, slices, edge_ptr, edge_page, own_ptr, owners, r
 
 
 @njit(cache=True)
-def _layer(tensor, j, E, cap, sizes, st, prv, nxt, res, grp, ps, hinted, pending, queued, fns, fd, base, piece,
+def _layer(tensor, j, E, cap, pool_cap, sizes, st, prv, nxt, res, grp, ps, hinted, pending, queued, fns, fd, base, piece,
            slices, tensors, edge_ptr, edge_page, own_ptr, owners, cnt, ids, loads, victims):
     """The managed step of MoE layer row ``j`` whose ``ffn_moe_topk`` tensor is at ``tensor``:
     the pending victims dropped again where no longer resident, the routed ids read (sorted into
     ``ids``), the pool's step, its victims dropped and its loads hinted. Returns how many distinct
-    ids were routed, or :data:`NOT_ONE_ROW`, :data:`BAD_ID`, :data:`SYSCALL_FAILED`."""
+    ids were routed, or :data:`NOT_ONE_ROW`, :data:`BAD_ID`, :data:`SYSCALL_FAILED`. ``pool_cap``: the
+    experts one pool step may take (``cap`` // the largest item)."""
     typ = _peek32(tensor + _OFF_TYPE)
     k = _peek64(tensor + _OFF_NE)
     rows = _peek64(tensor + _OFF_NE + 8) * _peek64(tensor + _OFF_NE + 16) * _peek64(tensor + _OFF_NE + 24)
@@ -345,7 +346,6 @@ def _layer(tensor, j, E, cap, sizes, st, prv, nxt, res, grp, ps, hinted, pending
             ids[q] = ids[q - 1]
         ids[pos] = e
         n += 1
-    pool_cap = max(1, cap // sizes.max())
     fwd = ps[FORWARD]
     for start in range(0, n, pool_cap):  # a layer routing more than the pool holds: one step per pool-full
         stop = min(n, start + pool_cap)
@@ -382,6 +382,12 @@ def _layer(tensor, j, E, cap, sizes, st, prv, nxt, res, grp, ps, hinted, pending
     return n
 
 
+def pool_step(capacity_bytes: int, item_bytes: np.ndarray) -> int:
+    """Experts one step of a pool of ``capacity_bytes`` may take, whatever their sizes: a prefill's
+    layer routing more takes one step per pool-full."""
+    return max(1, int(capacity_bytes) // int(item_bytes.max()))
+
+
 class PageSteps:
     """The geometry of one file as arrays and a pool's page-cache state, for :func:`_layer`."""
 
@@ -389,6 +395,7 @@ class PageSteps:
         E, L = g.num_experts, len(g.moe_layers)
         S = max(len(g.experts[layer]) for layer in g.moe_layers)
         self.E, self.pool, self.fd, self.piece = E, pool, int(fd), int(piece)
+        self.pool_step = pool_step(pool.capacity_bytes, pool.item_bytes)
         self.slices = np.zeros((L * E, S, 2), dtype=np.int64)  # each item's (offset, length), file order
         self.tensors = np.zeros((L, S, 2), dtype=np.int64)  # each layer's (tensor offset, slice), compute order
         for j, layer in enumerate(g.moe_layers):
@@ -453,7 +460,7 @@ class PageSteps:
         """The step of MoE layer row ``j`` (see :func:`_layer`): the routed ids (a view, sorted), or
         None where the tensor is not one contiguous row (the Python path reads it)."""
         p = self.pool
-        n = _layer(int(tensor), int(j), self.E, p.capacity_bytes, p.item_bytes, p.st, p.prv, p.nxt, p.res, p.grp,
+        n = _layer(int(tensor), int(j), self.E, p.capacity_bytes, self.pool_step, p.item_bytes, p.st, p.prv, p.nxt, p.res, p.grp,
                    self.ps, self.hinted, self.pending, self.queued, self.fns, self.fd, self.base, self.piece, self.slices, self.tensors,
                    self.edge_ptr, self.edge_page, self.own_ptr, self.owners, self.cnt, self.ids, p._loads,
                    p._victims)
@@ -478,7 +485,7 @@ def compile_step() -> None:
     t.ne[:] = (1, 2, 1, 1)
     t.nb[:] = (4, 4, 8, 8)
     z1, z3 = np.zeros(1, dtype=np.int64), np.zeros((1, 1, 2), dtype=np.int64)
-    _layer(ctypes.addressof(t), 0, 4, pool.capacity_bytes, pool.item_bytes, pool.st, pool.prv, pool.nxt, pool.res,
+    _layer(ctypes.addressof(t), 0, 4, pool.capacity_bytes, 2, pool.item_bytes, pool.st, pool.prv, pool.nxt, pool.res,
            pool.grp, np.zeros(2, dtype=np.int64), np.full(4, -1, dtype=np.int64), np.zeros(4, dtype=np.int64),
            np.zeros(4, dtype=np.int8), np.zeros(2, dtype=np.int64), -1, 0, PAGE, np.zeros((4, 1, 2), dtype=np.int64),
            z3, np.zeros(5, dtype=np.int64), z1[:0], z1, z1[:0], np.zeros(8, dtype=np.int64), np.zeros(4, dtype=np.int64),
