@@ -226,7 +226,8 @@ def worker_spec(spec: dict, prefix: str, follow: bool):
     finally:
         os.unlink(path)
         if flag:
-            for left in (flag, flag + cg.LOAD_SUFFIX, flag + cg.LOADED_SUFFIX, flag + cg.SETTLED_SUFFIX):
+            for left in (flag, flag + cg.LOAD_SUFFIX, flag + cg.LOADED_SUFFIX, flag + cg.SETTLED_SUFFIX,
+                         flag + cg.STEADY_SUFFIX):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(left)
 
@@ -290,6 +291,15 @@ def settled(flag: str | None) -> None:
     under a limit that already counts that memory (a no-op without a flag)."""
     if flag:
         _handshake(flag + cg.SETTLED_SUFFIX, "took no limit after the worker settled")
+
+
+def steady(flag: str | None) -> None:
+    """The worker's first forward has run, so its allocations are done: create ``flag +
+    STEADY_SUFFIX`` (no wait, no window restart; a no-op without a flag) and the wall samples at
+    the pace that bounds its tier readings' share of a core (:data:`~.cgroupfs.TIER_CPU_SHARE`)."""
+    if flag:
+        with contextlib.suppress(OSError):
+            open(flag + cg.STEADY_SUFFIX, "x").close()
 
 
 def _ack_flag(flag: str | None, done) -> None:

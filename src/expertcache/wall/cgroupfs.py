@@ -34,6 +34,14 @@ cache (at least one margin, never more than the room the tier may take): on v1 a
 charge at the limit fails with ENOMEM where nothing is reclaimable (:meth:`Sampler._follow`)."""
 SAMPLER_NICE = -10
 """Nice value of a following wall's sampler thread, where the process may raise its priority."""
+TIER_CPU_SHARE = 0.02
+"""Once a following wall's worker has settled or said it is steady (:data:`STEADY_SUFFIX`), the most of one core its tier's readings may take:
+the next sample waits ``cost / TIER_CPU_SHARE`` (at least :data:`SAMPLE_S`, at most
+:data:`SETTLED_MAX_S`). A reading walks the page cache of the tier's files (``cachestat``: 3.2 ms
+for a 1.2 GB cached GGUF; two readings a sample once settled), so at 20 samples a second it took
+13% of a core from a two-thread decode on two cores (docs/robustness.md: 46.7 against 51.9 tok/s)."""
+SETTLED_MAX_S = 1.0
+"""The longest a settled following wall waits between samples."""
 OOM_STEP = 8 << 20
 """The least a following wall raises its limit by when its worker waits for memory (v1)."""
 OOM_PATIENCE_S = 5.0
@@ -221,14 +229,16 @@ def retry_at_limit(call, seconds: float, errnos: tuple[int, ...] = (errno.ENOMEM
             time.sleep(0.005)
 
 
-LOAD_SUFFIX, LOADED_SUFFIX, SETTLED_SUFFIX = ".load", ".loaded", ".settled"
+LOAD_SUFFIX, LOADED_SUFFIX, SETTLED_SUFFIX, STEADY_SUFFIX = ".load", ".loaded", ".settled", ".steady"
 """A following wall's worker about to load a model creates ``follow_flag + LOAD_SUFFIX`` and waits
 until the wall removes it; it creates ``follow_flag + LOADED_SUFFIX`` when the load is over and waits
 until the wall, its limit after the load written, removes that too
 (:func:`~.capacity.model_load`; :meth:`Sampler._follow`, the load phase). A worker whose own memory
 has reached its steady state after a warm-up creates ``follow_flag + SETTLED_SUFFIX`` and waits until
 the wall, its window restarted from this sample and the limit written, removes it
-(:func:`~.capacity.settled`)."""
+(:func:`~.capacity.settled`). A worker whose first forward has run (its allocations done) creates
+``follow_flag + STEADY_SUFFIX`` and goes on (:func:`~.capacity.steady`): no handshake, no restart;
+from then on, as once settled, the wall samples at :data:`TIER_CPU_SHARE`'s pace."""
 
 TRACE_ENV = "EXPERTCACHE_WALL_TRACE"
 """Environment variable: a file to which a following wall appends one line per sample."""
@@ -292,6 +302,7 @@ class Sampler(threading.Thread):
         """Until the next sample: :data:`SAMPLE_FAST_S` while a following worker grows."""
         self._last_usage: int | None = None
         self._settled = False  # the worker said its own memory is at its steady state (SETTLED_SUFFIX)
+        self._steady = False  # ... or that its first forward has run (STEADY_SUFFIX): samples at TIER_CPU_SHARE's pace
         self._loading = False  # the worker's model load (LOAD_SUFFIX seen, LOADED_SUFFIX not yet)
         self._squeezed = False  # a limit of the load phase is written: the worker may load
         self._written = False  # the last sample's limit is in place (written, or unchanged)
@@ -318,9 +329,11 @@ class Sampler(threading.Thread):
                 # by a MB, and the own memory (usage - tier) came out 5-11 MB low, a dip the window's
                 # least kept for a second, squeezing a pool sized to the capacity (the tier counted
                 # is the later read, as before: the proof's side)
+                t0 = time.thread_time()  # this thread's CPU: what the readings take from the worker
                 before = self.files.bytes() if self._settled else None
                 usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
                 after = self.files.bytes()
+                tier_cost = time.thread_time() - t0
             except OSError:
                 return
             tier = after + (unev if self.tier_locked else 0)
@@ -338,6 +351,8 @@ class Sampler(threading.Thread):
         load_mark = self.follow_flag and not flagged and os.path.exists(self.follow_flag + LOAD_SUFFIX)
         loaded = bool(self.follow_flag) and os.path.exists(self.follow_flag + LOADED_SUFFIX)
         settled = bool(self.follow_flag) and os.path.exists(self.follow_flag + SETTLED_SUFFIX)
+        self._steady = self._steady or settled or (bool(self.follow_flag)
+                                                   and os.path.exists(self.follow_flag + STEADY_SUFFIX))
         if settled:  # the worker's memory is at its steady state: window and feedback restart from here
             self._recent_own.clear()  # (a warm-up in the page cache the load left, the tier a few MB
             self._bias = 0  # over the capacity, took the bias to 23 MB: a pool then squeezed by it)
@@ -357,6 +372,8 @@ class Sampler(threading.Thread):
                     self._recent_own.append(vals["own_peak_bytes"])
                 self._correct(tier, usage)
                 self._follow(min(self._recent_own), usage, tier, file, other)
+                if self._steady and self.files is not None and self.interval == SAMPLE_S:
+                    self.interval = min(SETTLED_MAX_S, max(SAMPLE_S, tier_cost / TIER_CPU_SHARE))
             if os.environ.get(TRACE_ENV):
                 self._trace(tier, usage, vals["own_peak_bytes"], file, unev)
         if flagged:
