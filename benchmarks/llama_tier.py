@@ -11,7 +11,8 @@
      into the cache the forecasts and the runs' roofline read (a cached figure lives a day, and this
      shared host's speed drifts by more than the targets' 15% within one);
    * the forecast first: ``expertcache size MODEL --memory WALL --threads T --trace CAPTURED --json``
-     at every wall (the trace: this prompt's own decode captured by ``expertcache capture``), and
+     at every wall (the trace: this prompt's own decode captured by ``expertcache capture --keep-prompt``,
+     whose prompt rows warm the managed pool's replay as the run's prefill warms its pool), and
      once more without ``--trace`` (the matched synthetic trace a user without a capture gets);
    * then the measurement: the unwalled ``mmap`` reference (no observer, no graph split: plain
      llama.cpp) and every (wall, mode) cell, --runs runs each (``managed-python``: the ``managed`` mode
@@ -102,12 +103,14 @@ def cli(*args: str) -> list[dict]:
 
 
 def capture(gguf: Path, prompt: list[int], tokens: int, scratch: Path) -> Path:
-    """This prompt's decode captured (what a user would give ``size --trace``)."""
+    """This prompt's decode captured with the prompt's forward flagged (what a user would give
+    ``size --trace``: ``capture --generate N --keep-prompt``)."""
     ids = scratch / f"{gguf.stem}.prompt.npy"
-    out = scratch / f"{gguf.stem}.decode{tokens}.npz"
+    out = scratch / f"{gguf.stem}.prompt-decode{tokens}.npz"
     np.save(ids, np.asarray(prompt, dtype=np.int64))
     if not out.exists():
-        cli("capture", "--model", str(gguf), "--tokens", str(ids), "--out", str(out), "--generate", str(tokens))
+        cli("capture", "--model", str(gguf), "--tokens", str(ids), "--out", str(out), "--generate", str(tokens),
+            "--keep-prompt")
     return out
 
 
@@ -356,7 +359,8 @@ def main() -> int:
             f"{args.runs} runs per cell in one seeded shuffled order. A wall P% = the dense part + P% of the expert "
             "tensors; the unwalled reference has no observer (plain llama.cpp); `managed-python` is `managed` with its "
             "Python step instead of the compiled one (the A/B). Forecasts by `expertcache size MODEL --memory WALL --threads T` made before the runs: with "
-            "`--trace` (this prompt's decode captured) and without (a matched synthetic trace); error = forecast / "
+            "`--trace` (this prompt's forward and decode captured: `capture --generate N --keep-prompt`, the prompt "
+            "warming the managed pool's replay) and without (a matched synthetic trace); error = forecast / "
             "measured median - 1.", ""]
     tgt = targets(results, pre)
     block = "\n".join(head + blocks + pre_lines + ["", "**Targets (issue 33)**", "", *tgt, END])

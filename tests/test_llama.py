@@ -190,6 +190,29 @@ def test_capture_decode_equals_hf(toy):
     np.testing.assert_array_equal(got.experts, ref.experts)
 
 
+def test_capture_keeps_the_prompt_as_llama_cpp_routed_it(toy):
+    """``keep_prompt``: each generation's prompt forward is kept and flagged; its rows equal a
+    teacher-forced capture of the same ids at every MoE layer but the last, where llama.cpp routed
+    the output row only (the others -1); the decode rows equal a plain ``generate`` capture's."""
+    _needs_llama()
+    from expertcache.llama.capture import capture_gguf
+
+    path = str(toy / "f32.gguf")
+    rows = np.random.default_rng(1).integers(0, 96, size=(2, 12))
+    got = capture_gguf(path, rows, generate=9, keep_prompt=True)
+    flags = got.extras["prefill"]
+    assert got.meta["phase"] == "mixed" and got.experts.shape == (24 + 16, 3, 2)
+    np.testing.assert_array_equal(flags, np.r_[np.ones(12), np.zeros(8), np.ones(12), np.zeros(8)])
+    np.testing.assert_array_equal(got.experts[flags == 0], capture_gguf(path, rows, generate=9).experts)
+    forced = capture_gguf(path, rows).experts  # every row's logits: every row routes at every layer
+    prompt = got.experts[flags == 1]
+    np.testing.assert_array_equal(prompt[:, :-1], forced[:, :-1])
+    last = prompt[:, -1].reshape(2, 12, 2)
+    assert (last[:, :-1] == -1).all()
+    np.testing.assert_array_equal(last[:, -1], forced[:, -1].reshape(2, 12, 2)[:, -1])
+    assert np.array_equal(got.seq, np.repeat([0, 1], 20))
+
+
 def test_small_moe_capture_equals_hf(small_gguf):
     _needs_llama()
     from expertcache.llama.capture import capture_gguf

@@ -585,6 +585,60 @@ def test_cold_fills_are_counted_as_reads(tiny_gguf, tmp_path, capsys, window):
     assert recs["mmap"]["missed_bytes_per_token"] > 0
 
 
+def test_prompt_rows_warm_the_managed_pool_only(tiny_gguf, tmp_path, capsys, window):
+    """A trace whose 'prefill' array flags prompt rows (``capture --generate N --keep-prompt``): each
+    sequence's prompt is one forward (per layer, the union of its rows, as llama.cpp's prefill routes
+    them) replayed through the managed pool uncounted before that sequence's decode rows, as a run's
+    prefill warms it; the kernel modes are forecast on the decode rows alone, as before."""
+    import expertcache as ec
+    from expertcache.formats.gguf import read_geometry
+    from expertcache.llama.advice import PAGE
+
+    g = read_geometry(str(tiny_gguf))
+    E, S, dense = 8, 12288, g.dense_bytes
+    experts, _ = _hand_trace(tmp_path, T=80)
+    seq = np.repeat([0, 1], 40)
+    flags = np.zeros(80, dtype=np.uint8)
+    flags[:10] = flags[40:52] = 1  # a 10-row prompt, then a 12-row one
+    experts[9:10, 1] = -1  # the prompt's last layer routed its output row only (llama.cpp)
+    warm = ec.Trace.from_arrays(experts, seq, num_experts=8, extras={"prefill": flags}).save(tmp_path / "warm.npz")
+    cold = ec.Trace.from_arrays(experts[flags == 0], seq[flags == 0], num_experts=8).save(tmp_path / "cold.npz")
+    item = max(sum(((off + n + PAGE - 1) // PAGE - off // PAGE) * PAGE for off, n in g.expert_ranges(layer, e))
+               for layer in g.moe_layers for e in range(E))
+    memory = dense + 5 * item
+    got, ref = _forecast(capsys, tiny_gguf, memory, warm), _forecast(capsys, tiny_gguf, memory, cold)
+    for mode in ("mmap", "advise"):  # the decode rows alone
+        for key in ("missed_bytes_per_token", "fill_bytes_per_token", "demand_bytes_per_token", "tokens"):
+            assert got[mode][key] == ref[mode][key]
+    groups, counted = [], []
+    for lo, hi, dec in ((0, 10, 10), (40, 52, 52)):
+        for j in range(2):  # the prompt: one forward, uncounted
+            groups.append(sorted({j * E + int(e) for e in experts[lo:hi, j].ravel() if e >= 0}))
+            counted.append(False)
+        for t in range(hi, lo + 40):
+            for j in range(2):
+                groups.append([j * E + int(e) for e in experts[t, j]])
+                counted.append(True)
+    # the counted reads: the whole replay's less those of its groups up to each uncounted one
+    total = first = 0
+    for i, c in enumerate(counted):
+        if c:
+            a, fa = _byte_lru(groups[:i + 1], 5 * item, lambda x: item, lambda x: S)
+            b, fb = _byte_lru(groups[:i], 5 * item, lambda x: item, lambda x: S)
+            total, first = total + a - b, first + fa - fb
+    r = got["managed"]
+    assert r["tokens"] == 58 and r["missed_bytes_per_token"] == pytest.approx(total / 58)
+    assert r["fill_bytes_per_token"] == pytest.approx(first / 58)
+    assert "warmed by the trace's 22 prompt rows" in r["note"]
+    rc, out, _ = run(capsys, "size", tiny_gguf, "--memory", str(memory), "--disk-bandwidth", "2", "--compute", "50",
+                     "--trace", warm)
+    assert rc == 0 and "58 decode tokens in 2 sequence(s) (22 prompt rows besides" in out
+    bad = ec.Trace.from_arrays(experts, seq, num_experts=8, extras={"prefill": np.ones(80, dtype=np.uint8)})
+    rc, _, err = run(capsys, "size", tiny_gguf, "--memory", str(memory), "--disk-bandwidth", "2", "--compute", "50",
+                     "--trace", bad.save(tmp_path / "all.npz"))
+    assert rc == 2 and "no decode step" in err and len(err.strip().splitlines()) == 1
+
+
 def test_forecast_text_and_synthetic_trace(tiny_gguf, capsys, window):
     from expertcache.llama.forecast import synthetic_tokens
 

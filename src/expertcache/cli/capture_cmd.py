@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
     add_layers(p, "MoE layer ids to record (default all)")
     p.add_argument("--generate", type=positive_int, default=None, metavar="N",
                    help="with a .gguf model: greedy-decode N tokens after each sequence, keep the decode steps only")
+    p.add_argument("--keep-prompt", action="store_true",
+                   help="with --generate: keep each prompt's forward too, as llama.cpp routed it, its rows flagged "
+                        "in the trace's 'prefill' array (size --trace warms the managed pool with them)")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32",
                    help="weights dtype (default float32)")
@@ -60,6 +63,8 @@ def run(args) -> int:
     check_out(args.out)
     if str(args.model).lower().endswith(".gguf"):
         return run_gguf(args)
+    if args.keep_prompt:
+        raise ConfigError("--keep-prompt: supported with a .gguf model and --generate")
     if args.generate is not None:
         raise ConfigError("--generate: supported with a .gguf model (llama.cpp); for a checkpoint use "
                           "expertcache.capture around model.generate")
@@ -114,8 +119,10 @@ def run_gguf(args) -> int:
     if unsupported:
         raise ConfigError(f"{unsupported[0]}: not supported with a .gguf model (llama.cpp capture records the "
                           "experts and gate weights of every MoE layer from --tokens)")
+    if args.keep_prompt and not args.generate:
+        raise ConfigError("--keep-prompt: with --generate N (a teacher-forced capture keeps every row already)")
     trace = capture_gguf(args.model, read_tokens(args.tokens), max_len=args.max_len,
-                         max_sequences=args.max_sequences, generate=args.generate or 0)
+                         max_sequences=args.max_sequences, generate=args.generate or 0, keep_prompt=args.keep_prompt)
     trace.save(args.out)
     rec = {"out": args.out, "model": args.model, "engine": "llama.cpp", "phase": trace.meta.get("phase"),
            "sequences": trace.num_sequences, "tokens": trace.num_tokens, "layers": trace.layer_ids,

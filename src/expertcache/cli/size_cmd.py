@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
 from .._units import format_bytes
 from ..costmodel import MB, Sizing
 from ..costmodel.model import ModelSpec, read_model
@@ -430,6 +432,7 @@ def forecast_cmd(args) -> int:
         spec = ModelSpec(E, k, L, max(g.layer_expert_bytes), g.dense_bytes, f"GGUF {g.path}")
         trace, label = synthetic_trace(spec, args.seed, tokens=dk.synthetic_tokens(E, k))
     experts = dk.routing(trace, g)
+    prompt = dk.prompt_rows(trace) if args.trace else None
     if isinstance(bandwidth, float):
         bw1 = bw4 = bandwidth * 1e9
         from ..llama.runner import request_bytes
@@ -444,11 +447,11 @@ def forecast_cmd(args) -> int:
     window, window_source = dk.readahead_bytes(g.path)
     disk = dk.Disk(bw1, bw4, req, bw_source, rate, c_source, threads)
     records = dk.forecast(g, experts, args.memory, disk, window=window, window_source=window_source,
-                          trace_label=label)
+                          trace_label=label, prompt=prompt, seq=np.asarray(trace.seq))
     if args.json:
         emit_json(records)
         return 0
-    print_forecast(g, trace, label, records)
+    print_forecast(g, trace, label, records, prompt)
     return 0
 
 
@@ -456,7 +459,7 @@ def _num(x, scale: float = 1.0) -> str:
     return "-" if x is None else f"{x / scale:.4g}"
 
 
-def print_forecast(g, trace, label: str, records: list[dict]) -> None:
+def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> None:
     """The text report of ``size --memory``."""
     r0 = records[0]
     sizes = g.layer_expert_bytes
@@ -469,8 +472,12 @@ def print_forecast(g, trace, label: str, records: list[dict]) -> None:
     fits = " (every expert fits: only first reads)" if room >= g.expert_tensor_bytes else ""
     print(f"memory {format_bytes(r0['memory_wall'])}: the dense part and {format_bytes(room)} of experts beside it "
           f"({min(room / g.expert_tensor_bytes, 1):.0%} of the expert tensors){fits}")
-    print(f"reads from {label}: {trace.num_tokens} tokens in {trace.num_sequences} sequence(s), replayed from an empty "
-          "page cache kept across sequences, first reads counted")
+    decode = trace.num_tokens - (0 if prompt is None else int(prompt.sum()))
+    warm = "" if prompt is None else (f" ({int(prompt.sum())} prompt rows besides: they warm the managed pool "
+                                      "uncounted, as a run's prefill does)")
+    print(f"reads from {label}: {decode} {'decode ' if prompt is not None else ''}tokens in {trace.num_sequences} "
+          f"sequence(s){warm}, replayed from an "
+          "empty page cache kept across sequences, first reads counted")
     same = r0["device_read_bytes_per_s_1"] == r0["device_read_bytes_per_s_4"] and r0["disk_bandwidth_source"] == \
         "--disk-bandwidth"
     bws = (f"B1 = B4 = {r0['device_read_bytes_per_s_1'] / 1e9:.4g} GB/s" if same else

@@ -11,7 +11,10 @@ each layer in token order. :class:`LlamaCapture` turns the forwards into a canon
 :class:`~expertcache.Trace` with the Hugging Face capture's phase rules (``auto``: decode steps
 only if any was seen; ``decode``; ``all``). Invariant: a forward whose rows are kept was computed
 with every row's logits, otherwise llama.cpp's last layer routed only the last row and the trace
-would be short there; such a forward in a kept phase is refused, never silently padded.
+would be short there; such a forward in a kept phase is refused, never silently padded. The one
+exception is asked for and flagged: ``keep_prompt`` keeps each generation's prompt forward as
+llama.cpp routed it, the rows its last layer did not route being -1 there, and every prompt row
+flagged 1 in ``extras["prefill"]`` (what a run's prefill reads, kept apart from the decode steps).
 """
 
 from __future__ import annotations
@@ -148,10 +151,10 @@ class ContextRouting:
 class LlamaCapture:
     """``with LlamaCapture(engine) as cap: ...`` then ``cap.trace`` (phase rules in the module docstring)."""
 
-    def __init__(self, engine, *, phase: str = "auto", label: str | None = None):
+    def __init__(self, engine, *, phase: str = "auto", label: str | None = None, keep_prompt: bool = False):
         if phase not in PHASES:
             raise ConfigError(f"phase: {phase!r} is not one of {', '.join(PHASES)}")
-        self.engine, self.phase, self.label = engine, phase, label
+        self.engine, self.phase, self.label, self.keep_prompt = engine, phase, label, keep_prompt
         self.recorder = RoutingRecorder()
 
     def __enter__(self) -> "LlamaCapture":
@@ -167,38 +170,54 @@ class LlamaCapture:
         forwards = [f for f in self.recorder.forwards if f.expert_parts]
         saw_decode = any(not f.starts_sequence for f in forwards)
         decode_only = self.phase == "decode" or (self.phase == "auto" and saw_decode)
-        kept = {id(f) for f in forwards if not (decode_only and f.starts_sequence)}
+        prompts = self.keep_prompt and decode_only  # the prompts kept too, their rows flagged (extras["prefill"])
+        kept = {id(f) for f in forwards if prompts or not (decode_only and f.starts_sequence)}
         if not kept:
             raise ConfigError("capture: no positions recorded" + (" (decode steps only are kept)" if decode_only else ""))
         layers = g.moe_layers
-        seq, experts, weights, s = [], [], [], -1
+        seq, experts, weights, flags, s = [], [], [], [], -1
         for f in forwards:
             s += f.starts_sequence
             if id(f) not in kept:
                 continue
-            if f.n_tokens > 1 and not f.all_logits:
+            partial = f.n_tokens > 1 and not f.all_logits
+            if partial and not (prompts and f.starts_sequence):
                 raise ConfigError("capture: a forward computed only its last row's logits, so llama.cpp's last "
                                   "layer routed 1 of its rows; forward with logits='all'")
             fe, fw = f.experts, f.weights
             missing = [lid for lid in layers if lid not in fe]
             if missing:
                 raise ConfigError(f"capture: a forward did not reach MoE layer {missing[0]}")
+            if partial:  # a layer that routed only the output rows (llama.cpp's last): the others are -1
+                fe = {lid: _pad_rows(a, f.n_tokens, -1) for lid, a in fe.items()}
+                fw = {lid: _pad_rows(a, f.n_tokens, 0.0) for lid, a in fw.items()}
             experts.append(np.stack([fe[lid] for lid in layers], axis=1))
             have_w = all(lid in fw for lid in layers)
             weights.append(np.stack([fw[lid] for lid in layers], axis=1) if have_w else None)
             seq.append(np.full(f.n_tokens, max(s, 0), dtype=np.int64))
+            flags.append(np.full(f.n_tokens, bool(prompts and f.starts_sequence), dtype=np.uint8))
         probs = np.concatenate(weights).astype(np.float32) if all(w is not None for w in weights) else None
-        phase = self.label or ("decode" if decode_only else "mixed" if saw_decode else "teacher-forced")
+        phase = self.label or ("mixed" if prompts else "decode" if decode_only else "mixed" if saw_decode
+                               else "teacher-forced")
         meta = {"model": g.path, "model_type": g.architecture, "num_experts": g.num_experts, "layer_ids": layers,
                 "phase": phase, "engine": "llama.cpp", "gguf": g.path, "layer_expert_bytes": g.layer_expert_bytes,
                 "provenance": {"tool": "expertcache.llama.capture", "llama_cpp_python": self.engine.bindings,
                                "python": platform.python_version(),
-                               "prefill": "excluded" if decode_only else "included",
+                               "prefill": ("flagged (extras: prefill)" if prompts else
+                                           "excluded" if decode_only else "included"),
                                "source": "eval callback: ffn_moe_topk (experts), ffn_moe_weights* (gate weights)"}}
         if g.uniform_expert_bytes is not None:  # one size: the sizing commands' units (else they ask for it)
             meta["expert_bytes"] = g.uniform_expert_bytes
-        return Trace.from_arrays(np.concatenate(experts), np.concatenate(seq), probs=probs, meta=meta,
+        extras = {"prefill": np.concatenate(flags)} if prompts else None
+        return Trace.from_arrays(np.concatenate(experts), np.concatenate(seq), probs=probs, meta=meta, extras=extras,
                                  source=f"<llama.cpp capture of {g.path}>")
+
+
+def _pad_rows(rows: np.ndarray, n: int, fill) -> np.ndarray:
+    """``rows`` (the last rows of an ``n``-row forward) preceded by rows of ``fill``."""
+    if rows.shape[0] >= n:
+        return rows
+    return np.concatenate([np.full((n - rows.shape[0], *rows.shape[1:]), fill, dtype=rows.dtype), rows])
 
 
 def sequences(ids: np.ndarray, max_len: int, max_sequences: int | None) -> list[np.ndarray]:
@@ -211,16 +230,19 @@ def sequences(ids: np.ndarray, max_len: int, max_sequences: int | None) -> list[
 
 
 def capture_gguf(path: str, ids: np.ndarray, *, max_len: int = 384, max_sequences: int | None = None,
-                 generate: int = 0, threads: int = 1) -> Trace:
+                 generate: int = 0, threads: int = 1, keep_prompt: bool = False) -> Trace:
     """Teacher-force each sequence (every row's logits, so every row routes in every layer), or with
-    ``generate`` > 0 greedy-decode that many tokens after each sequence and keep the decode steps."""
+    ``generate`` > 0 greedy-decode that many tokens after each sequence and keep the decode steps;
+    ``keep_prompt`` (with ``generate``) keeps each prompt's forward too, as llama.cpp routed it (the
+    last MoE layer routes only the output row: the others are -1 there), its rows flagged 1 in
+    ``extras["prefill"]`` (``size --trace`` warms the managed pool with them, as a run's prefill does)."""
     from .engine import Engine
 
     seqs = sequences(ids, max_len, max_sequences)
     if not seqs:
         raise ConfigError("no sequence of at least 2 tokens to capture")
     need = max(s.size for s in seqs) + max(generate, 0)
-    with Engine(path, n_ctx=max(need, 8), threads=threads) as eng, LlamaCapture(eng) as cap:
+    with Engine(path, n_ctx=max(need, 8), threads=threads) as eng, LlamaCapture(eng, keep_prompt=keep_prompt) as cap:
         for s in seqs:
             if generate > 0:
                 eng.generate(s, generate)

@@ -14,6 +14,11 @@ resident and ``B1`` (``B4``) the device's bandwidth with one (four) readers:
 The replay (:func:`replay_bytes`) is one global pool over every MoE layer's experts, kept across the
 trace's sequences (the page cache outlives a request), **started empty and with every first read
 counted**: on a disk a cold fill is a read like any other. ``D`` = every byte read / tokens replayed.
+A trace that carries its prompts (``capture --generate N --keep-prompt``: a ``prefill`` flag per
+row, :func:`prompt_rows`) has each sequence's prompt replayed through the ``managed`` pool first, as
+one forward and uncounted, as a run's prefill fills the pool before its decode (the run's own demand
+model, ``runner.demand``, does the same); the kernel modes' models, fitted on cold replays of the
+decode steps, leave the prompt rows out.
 
 Each mode's reads, and what the model was fitted on (``managed``'s is how the mode runs):
 
@@ -94,12 +99,14 @@ class Replayed:
         return self.fill_bytes / self.tokens if self.tokens else 0.0
 
 
-def replay_bytes(groups: Iterator[np.ndarray], capacity_bytes: int, item_bytes, read_bytes, tokens: int,
-                 steps_per_token: int = 1, policy: str = "lru") -> Replayed:
-    """Replay ``groups`` (item ids, one array per token and layer, in order) through one
+def replay_bytes(groups: Iterator[tuple[np.ndarray, bool]], capacity_bytes: int, item_bytes, read_bytes,
+                 tokens: int, steps_per_token: int = 1, policy: str = "lru") -> Replayed:
+    """Replay ``groups`` (``(item ids, counted)``, one per token and layer, in order) through one
     :class:`~expertcache.cache.SizedCache` of ``capacity_bytes`` over items of ``item_bytes``,
-    started empty and never reset; a miss reads ``read_bytes[item]``. A group whose items exceed
-    the capacity is read whole and empties the pool (every group, where one item exceeds it)."""
+    started empty and never reset; a miss reads ``read_bytes[item]``, counted where the group is (a
+    prompt's forward is replayed uncounted: its reads are the prefill's, not the decode's). A group
+    whose items exceed the capacity is read whole and empties the pool (every group, where one item
+    exceeds it)."""
     from ..cache import SizedCache
 
     item_bytes = np.asarray(item_bytes, dtype=np.int64)
@@ -108,7 +115,7 @@ def replay_bytes(groups: Iterator[np.ndarray], capacity_bytes: int, item_bytes, 
     cache = SizedCache(int(capacity_bytes), policy, item_bytes, steps_per_token=steps_per_token) if fits else None
     seen = np.zeros(item_bytes.size, dtype=bool)
     missed = fill = 0
-    for items in groups:
+    for items, counted in groups:
         if not items.size:
             continue
         if cache is None or int(item_bytes[items].sum()) > capacity_bytes:  # cannot all be resident: each read
@@ -120,10 +127,11 @@ def replay_bytes(groups: Iterator[np.ndarray], capacity_bytes: int, item_bytes, 
             if not step.loads:
                 continue
             loads = np.fromiter((i for i, _ in step.loads), dtype=np.int64, count=len(step.loads))
-        missed += int(read_bytes[loads].sum())
         new = loads[~seen[loads]]
-        fill += int(read_bytes[new].sum())
         seen[new] = True
+        if counted:
+            missed += int(read_bytes[loads].sum())
+            fill += int(read_bytes[new].sum())
     return Replayed(missed, fill, tokens)
 
 
@@ -140,15 +148,44 @@ def routing(trace, g, where: str = "--trace") -> np.ndarray:
     return np.asarray(trace.experts, dtype=np.int64)
 
 
-def expert_groups(experts: np.ndarray, num_experts: int) -> Iterator[np.ndarray]:
-    """Item ids ``j * E + e`` of every (token, layer) in order (padding dropped)."""
+def prompt_rows(trace, where: str = "--trace") -> np.ndarray | None:
+    """The trace's ``prefill`` extra (``capture --generate N --keep-prompt``): a 0/1 flag per row,
+    1 for a prompt's rows (one forward per sequence's run of them); None where the trace has none. A
+    one-line ConfigError where it is not a flag per row, or flags every row (no decode step)."""
+    flags = trace.extras.get("prefill")
+    if flags is None:
+        return None
+    flags = np.asarray(flags)
+    if flags.shape != (trace.num_tokens,) or not np.isin(flags, (0, 1)).all():
+        raise ConfigError(f"{where}: its 'prefill' array must hold a 0 or 1 per row ({trace.num_tokens} rows), "
+                          f"got shape {flags.shape}")
+    if flags.all():
+        raise ConfigError(f"{where}: every row is a prompt's ('prefill' all 1): no decode step to forecast")
+    return flags.astype(bool)
+
+
+def expert_groups(experts: np.ndarray, num_experts: int, prompt: np.ndarray | None = None,
+                  seq: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, bool]]:
+    """``(item ids j * E + e, counted)`` of every (token, layer) in order (padding dropped). With
+    ``prompt`` (a flag per row) and ``seq``, each sequence's run of prompt rows is one forward, as
+    llama.cpp runs a prefill: per layer, the union of its rows' experts, uncounted."""
     T, L, _ = experts.shape
     offsets = np.arange(L, dtype=np.int64)[:, None] * num_experts
-    for t in range(T):
+    t = 0
+    while t < T:
+        if prompt is not None and prompt[t]:
+            end = t + 1
+            while end < T and prompt[end] and (seq is None or seq[end] == seq[t]):
+                end += 1
+            rows = experts[t:end] + offsets
+            for j in range(L):
+                yield np.unique(rows[:, j][experts[t:end, j] >= 0]), False
+            t = end
+            continue
         row = experts[t] + offsets
         for j in range(L):
-            ids = row[j][experts[t, j] >= 0]
-            yield np.unique(ids)
+            yield np.unique(row[j][experts[t, j] >= 0]), True
+        t += 1
 
 
 def expert_windows(g, window: int) -> tuple[list[list[np.ndarray]], np.ndarray]:
@@ -200,13 +237,13 @@ def expert_windows(g, window: int) -> tuple[list[list[np.ndarray]], np.ndarray]:
     return units, np.asarray(sizes, dtype=np.int64)[np.argsort(np.asarray(first), kind="stable")]
 
 
-def window_groups(experts: np.ndarray, windows: list[list[np.ndarray]]) -> Iterator[np.ndarray]:
-    """Per (token, layer), the window units its routed experts touch (each once)."""
+def window_groups(experts: np.ndarray, windows: list[list[np.ndarray]]) -> Iterator[tuple[np.ndarray, bool]]:
+    """Per (token, layer), the window units its routed experts touch (each once), counted."""
     T, L, _ = experts.shape
     for t in range(T):
         for j in range(L):
             parts = [windows[j][int(e)] for e in experts[t, j] if e >= 0]
-            yield np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+            yield (np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)), True
 
 
 def synthetic_tokens(num_experts: int, top_k: int) -> int:
@@ -297,19 +334,23 @@ def measure_compute(g, threads: int, fresh: bool = False) -> tuple[float, str]:
 
 
 def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, window_source: str,
-             trace_label: str) -> list[dict]:
-    """One record (:data:`KEYS`) per mode of :data:`MODES` (module docstring)."""
+             trace_label: str, prompt: np.ndarray | None = None, seq: np.ndarray | None = None) -> list[dict]:
+    """One record (:data:`KEYS`) per mode of :data:`MODES` (module docstring). ``prompt`` (a flag per
+    row of ``experts``, :func:`prompt_rows`; ``seq`` the rows' sequences): the prompts' rows warm the
+    ``managed`` pool uncounted, as a run's prefill does; the kernel modes' read models, fitted on the
+    decode steps replayed cold, leave them out; ``tokens`` counts the decode rows."""
     from .advice import managed_budget, managed_item_bytes
     from .roofline import limits
 
-    E, L, T = g.num_experts, len(g.moe_layers), int(experts.shape[0])
+    decode = experts if prompt is None else experts[~prompt]
+    E, L, T = g.num_experts, len(g.moe_layers), int(decode.shape[0])
     sizes = np.repeat(np.asarray(g.layer_expert_bytes, dtype=np.int64), E)
     room = memory - g.dense_bytes
     total = g.expert_tensor_bytes
     fraction = room / total
-    lru = replay_bytes(expert_groups(experts, E), room, sizes, sizes, T, L)
+    lru = replay_bytes(expert_groups(decode, E), room, sizes, sizes, T, L)
     windows, wsizes = expert_windows(g, window)
-    mm = replay_bytes(window_groups(experts, windows), room, wsizes, wsizes, T, L)
+    mm = replay_bytes(window_groups(decode, windows), room, wsizes, wsizes, T, L)
     amp = advise_amplification(fraction)
     base = {"gguf": g.path, "memory_wall": int(memory), "dense_bytes": g.dense_bytes, "expert_tensor_bytes": total,
             "readahead_bytes": window, "device_request_bytes": disk.request_bytes,
@@ -340,10 +381,11 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
                                note=f"refused by llama run: {budget:,} bytes of pool beside the dense part hold fewer "
                                     f"than one layer routes ({g.top_k} experts, {need:,} bytes)")
     else:
-        man = replay_bytes(expert_groups(experts, E), budget, items, sizes, T, L)
+        man = replay_bytes(expert_groups(experts, E, prompt, seq), budget, items, sizes, T, L)
+        warmed = "" if prompt is None else f", warmed by the trace's {int(prompt.sum())} prompt rows as a run's prefill"
         rows["managed"] = dict(cache_bytes=budget, demand=man.per_token, missed=man.per_token,
                                fill=man.fill_per_token, amplification=1.0,
-                               note="its LRU pool's misses, exactly as the mode runs")
+                               note=f"its LRU pool's misses, exactly as the mode runs{warmed}")
     out = []
     for mode in MODES:
         r = rows[mode]
