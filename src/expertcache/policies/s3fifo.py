@@ -65,58 +65,36 @@ def miss(st, sc, fs, e, t):
 
 
 @njit(cache=True, inline="always")
-def _from_small(st, sc, stamp, g):
-    """An S item to evict (into the ghosts), promoting used ones on the way; -1 if S has none left."""
+def _take(st, sc, stamp, g, q):
+    """An item of queue ``q`` (S or M) to evict, -1 if ``q`` has none left: its oldest item the group
+    does not request, once the used ones met on the way went to M's head (from S: used at least
+    THRESHOLD times, counter reset; in M: used at all, counter decremented). An S item goes to the
+    ghosts (``DEST``), an M item nowhere."""
+    used = sc[THRESHOLD] if q == SMALL else 1
     while True:
-        v = driver.oldest_free(st, sc, SMALL, stamp, g)
+        v = driver.oldest_free(st, sc, q, stamp, g)
         if v < 0:
             return -1
-        if st[FREQ, v] >= sc[THRESHOLD]:
-            driver.unlink(st, sc, v)
-            driver.push_head(st, sc, MAIN, v)
-            st[FREQ, v] = 0
-        else:
+        if st[FREQ, v] < used:
+            sc[DEST] = GHOSTQ if q == SMALL else -1
             return v
-
-
-@njit(cache=True, inline="always")
-def _from_main(st, sc, stamp, g):
-    """An M item to evict, reinserting used ones with a decremented counter; -1 if M has none."""
-    while True:
-        v = driver.oldest_free(st, sc, MAIN, stamp, g)
-        if v < 0:
-            return -1
-        if st[FREQ, v] >= 1:
-            driver.unlink(st, sc, v)
-            driver.push_head(st, sc, MAIN, v)
-            st[FREQ, v] -= 1
-        else:
-            return v
+        driver.unlink(st, sc, v)
+        driver.push_head(st, sc, MAIN, v)
+        st[FREQ, v] = 0 if q == SMALL else st[FREQ, v] - 1
 
 
 @njit(cache=True, inline="always")
 def victim(st, sc, fs, e, t, stamp, g, res, size):
     sc[EVICTED] = 1
     while True:
-        if driver.length(sc, MAIN) > sc[M_SIZE] or driver.length(sc, SMALL) == 0:
-            v = _from_main(st, sc, stamp, g)
+        main_first = driver.length(sc, MAIN) > sc[M_SIZE] or driver.length(sc, SMALL) == 0
+        v = _take(st, sc, stamp, g, MAIN if main_first else SMALL)
+        if v >= 0:
+            return v
+        if main_first or driver.length(sc, SMALL) > 0:  # (S holding only the group's items: M gives one)
+            v = _take(st, sc, stamp, g, SMALL if main_first else MAIN)
             if v >= 0:
-                sc[DEST] = -1
                 return v
-            v = _from_small(st, sc, stamp, g)
-            if v >= 0:
-                sc[DEST] = GHOSTQ
-                return v
-        else:
-            v = _from_small(st, sc, stamp, g)
-            if v >= 0:
-                sc[DEST] = GHOSTQ
-                return v
-            if driver.length(sc, SMALL) > 0:  # S holds only the group's items: M gives one
-                v = _from_main(st, sc, stamp, g)
-                if v >= 0:
-                    sc[DEST] = -1
-                    return v
 
 
 @njit(cache=True, inline="always")
