@@ -637,6 +637,11 @@ def test_prompt_rows_warm_the_managed_pool_only(tiny_gguf, tmp_path, capsys, win
     rc, _, err = run(capsys, "size", tiny_gguf, "--memory", str(memory), "--disk-bandwidth", "2", "--compute", "50",
                      "--trace", bad.save(tmp_path / "all.npz"))
     assert rc == 2 and "no decode step" in err and len(err.strip().splitlines()) == 1
+    for flags, message in ((np.arange(80) % 3, "row 2 holds"), (np.zeros(7, dtype=np.uint8), "got shape (7,)")):
+        odd = ec.Trace.from_arrays(experts, seq, num_experts=8, extras={"prefill": flags}).save(tmp_path / "odd.npz")
+        rc, _, err = run(capsys, "size", tiny_gguf, "--memory", str(memory), "--disk-bandwidth", "2", "--compute",
+                         "50", "--trace", odd)
+        assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_forecast_text_and_synthetic_trace(tiny_gguf, capsys, window):

@@ -156,9 +156,12 @@ def prompt_rows(trace, where: str = "--trace") -> np.ndarray | None:
     if flags is None:
         return None
     flags = np.asarray(flags)
-    if flags.shape != (trace.num_tokens,) or not np.isin(flags, (0, 1)).all():
+    if flags.shape != (trace.num_tokens,):
         raise ConfigError(f"{where}: its 'prefill' array must hold a 0 or 1 per row ({trace.num_tokens} rows), "
                           f"got shape {flags.shape}")
+    if not np.isin(flags, (0, 1)).all():
+        bad = int(np.flatnonzero(~np.isin(flags, (0, 1)))[0])
+        raise ConfigError(f"{where}: its 'prefill' array must hold 0 or 1, row {bad} holds {flags[bad].item()!r}")
     if flags.all():
         raise ConfigError(f"{where}: every row is a prompt's ('prefill' all 1): no decode step to forecast")
     return flags.astype(bool)
