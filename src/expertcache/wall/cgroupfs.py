@@ -35,11 +35,13 @@ charge at the limit fails with ENOMEM where nothing is reclaimable (:meth:`Sampl
 SAMPLER_NICE = -10
 """Nice value of a following wall's sampler thread, where the process may raise its priority."""
 TIER_CPU_SHARE = 0.02
-"""Once a following wall's worker has settled or said it is steady (:data:`STEADY_SUFFIX`), the most of one core its tier's readings may take:
-the next sample waits ``cost / TIER_CPU_SHARE`` (at least :data:`SAMPLE_S`, at most
-:data:`SETTLED_MAX_S`). A reading walks the page cache of the tier's files (``cachestat``: 3.2 ms
-for a 1.2 GB cached GGUF; two readings a sample once settled), so at 20 samples a second it took
-13% of a core from a two-thread decode on two cores (docs/robustness.md: 46.7 against 51.9 tok/s)."""
+"""Once a following wall's worker has settled or said it is steady (:data:`STEADY_SUFFIX`), the most
+of one core its tier's readings may take: the next sample waits ``cost / TIER_CPU_SHARE`` (at least
+:data:`SAMPLE_S`, at most :data:`SETTLED_MAX_S`; ``cost`` the sampler thread's CPU time for them). A
+reading walks the page cache of the tier's files (``cachestat``: 3.2 ms for a 1.2 GB cached GGUF;
+two readings a sample once settled), so at 20 samples a second they took 13% of a core, which a
+two-thread decode on two cores lost (docs/llama.md, "What the wall's samples cost": 46.7 against
+51.9 tok/s)."""
 SETTLED_MAX_S = 1.0
 """The longest a settled following wall waits between samples."""
 OOM_STEP = 8 << 20
