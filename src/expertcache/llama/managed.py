@@ -44,6 +44,7 @@ from .._jit import AVAILABLE, njit
 from ..cache import Step, check_sized_group, sized_items
 from ..errors import ConfigError
 from ..formats.gguf import compute_rank
+from ..kernels import _append, _unlink  # the recency list's two operations, shared with the replay loops
 from .ggml import GGML_TYPE_I32, GGMLTensor
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -147,20 +148,6 @@ else:  # plain Python (expertcache._jit): the same four, through ctypes
 
 
 # -- the pool ------------------------------------------------------------------------------------
-@njit(cache=True, inline="always")
-def _unlink(st, prv, nxt, v):
-    """Take ``v`` out of the list (its links are left stale)."""
-    p, q = prv[v], nxt[v]
-    if p >= 0:
-        nxt[p] = q
-    else:
-        st[HEAD] = q
-    if q >= 0:
-        prv[q] = p
-    else:
-        st[TAIL] = p
-
-
 @njit(cache=True)
 def _pool_step(items, sizes, cap, st, prv, nxt, res, grp, loads, victims):
     """One LRU step over ``items`` (distinct, ascending); returns ``(hits, n_loads, n_victims)``
@@ -188,7 +175,7 @@ def _pool_step(items, sizes, cap, st, prv, nxt, res, grp, loads, victims):
             victims[n_vic] = v
             n_vic += 1
             deficit -= sizes[v]
-            _unlink(st, prv, nxt, v)
+            st[HEAD], st[TAIL] = _unlink(prv, nxt, v, st[HEAD], st[TAIL])
             res[v] = 0
             st[USED] -= sizes[v]
         v = nv
@@ -196,18 +183,11 @@ def _pool_step(items, sizes, cap, st, prv, nxt, res, grp, loads, victims):
     for i in range(items.size):
         e = items[i]
         if res[e]:
-            _unlink(st, prv, nxt, e)
+            st[HEAD], st[TAIL] = _unlink(prv, nxt, e, st[HEAD], st[TAIL])
         else:
             res[e] = 1
             st[USED] += sizes[e]
-        tail = st[TAIL]
-        prv[e] = tail
-        nxt[e] = -1
-        if tail >= 0:
-            nxt[tail] = e
-        else:
-            st[HEAD] = e
-        st[TAIL] = e
+        st[HEAD], st[TAIL] = _append(prv, nxt, e, st[HEAD], st[TAIL])
     st[T] = t + 1
     return hits, n_loads, n_vic
 
