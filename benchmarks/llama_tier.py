@@ -7,7 +7,8 @@
    experts, top-8, 8 layers) and a Qwen3-MoE-geometry one quantized to Q4_K_M (hidden 1024, expert
    width 512, 128 experts, top-8, 12 layers, grouped-query attention, per-head q/k norms).
 2. Per model and thread count (--threads, default 1 and 2):
-   * the compute rates (``size``'s and this prompt's) and the device's bandwidths measured afresh,
+   * the compute rates (``size``'s and this prompt's, in both page states of
+     ``roofline.PAGE_STATES``) and the device's bandwidths measured afresh,
      into the cache the forecasts and the runs' roofline read (a cached figure lives a day, and this
      shared host's speed drifts by more than the targets' 15% within one);
    * the forecast first: ``expertcache size MODEL --memory WALL --threads T --trace CAPTURED --json``
@@ -18,8 +19,9 @@
      llama.cpp) and every (wall, mode) cell, --runs runs each (``managed-python``: the ``managed`` mode
      with its Python step instead of the compiled one, the A/B), in one seeded shuffled order (``expertcache.llama.runner.run_one``: a child in a memory
      cgroup whose limit follows it, the GGUF's page cache the tier, cold start, the proof), with
-     --runs compute-rate cells among them; every record's roofline is taken again with the median of
-     those (the rate the table prints), so the limit and the runs see the same drift of the host;
+     --runs compute-rate cells per page state among them; every record's roofline is taken again with
+     the median of those in its mode's page state (``roofline.pages_of``: the rates the table prints),
+     so the limit and the runs see the same drift of the host;
    * per cell: median [min-max] decode tok/s, the ratio to the unwalled median, read and demand MB
      per token, the roofline's limit and efficiency, the managed step's own cost, the proof, the
      forecast and its error (forecast / measured median - 1).
@@ -56,7 +58,8 @@ from expertcache.llama.convert import convert_random  # noqa: E402
 from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.quantize import quantize  # noqa: E402
 from expertcache.llama.forecast import measure_compute  # noqa: E402
-from expertcache.llama.roofline import compute_rate, device_bandwidth, limits, prefill_compute_rate, roofline  # noqa: E402
+from expertcache.llama.roofline import (PAGE_STATES, compute_rate, device_bandwidth, limits, pages_of,  # noqa: E402
+                                        prefill_compute_rate, roofline)
 from expertcache.llama.runner import request_bytes, run_one  # noqa: E402
 from expertcache.llama.sweep import parse_walls  # noqa: E402
 from expertcache.llama.textgen import tokenize  # noqa: E402
@@ -126,20 +129,26 @@ def spread(values: list) -> dict:
     return {"median": statistics.median(v), "min": min(v), "max": max(v)} if v else {"median": None, "min": None, "max": None}
 
 
-def measure(g, prompt, args, walls, threads, modes) -> tuple[list, dict]:
-    """Every cell's runs in one seeded shuffled order, with ``args.runs`` compute-rate cells among
-    them (:func:`compute_rate` afresh: the median of 3 passes). The host's speed drifts over a block
-    (a compute rate timed once at its start put Qwen3's 1-thread efficiency at 1.06-1.08 and its
-    2-thread one at 0.72-0.78 in one run), so every record's roofline is then taken again with the
-    median of the block's compute cells: measured and limit under the same drift."""
+def measure(g, prompt, args, walls, threads, modes) -> tuple[list, dict, dict]:
+    """Every cell's runs in one seeded shuffled order, with ``args.runs`` compute-rate cells per page
+    state among them (:func:`compute_rate` afresh: the file evicted, its pages brought in as the
+    state says, the median of 3 passes). The host's speed drifts over a block (a compute rate timed
+    once at its start put Qwen3's 1-thread efficiency at 1.06-1.08 and its 2-thread one at 0.72-0.78
+    in one run), and the rate depends on the pages' structure (one timed in whatever state the last
+    run left put an unwalled mmap run at 1.05 of it), so every record's roofline is then taken again
+    with the median of the block's compute cells in its mode's state: measured and limit under the
+    same drift and the same pages."""
     cells = [(w, m, r) for w in walls for m in modes for r in range(args.runs)]
-    cells += [(None, "mmap", r) for r in range(args.runs)] + [(None, "compute", r) for r in range(args.runs)]
+    cells += [(None, "mmap", r) for r in range(args.runs)]
+    cells += [(None, f"compute-{p}", r) for p in PAGE_STATES for r in range(args.runs)]
     random.Random(args.seed).shuffle(cells)
-    recs, rates = [], []
+    recs, rates = [], {p: [] for p in PAGE_STATES}
     for i, (w, m, r) in enumerate(cells, 1):
-        if m == "compute":
-            rates.append(compute_rate(g.path, prompt, args.new_tokens, threads, fresh=True)["tokens_per_s"])
-            print(f"  [{i}/{len(cells)}] compute rate T{threads}: {rates[-1]:.3g} tok/s (median of 3 passes)", flush=True)
+        if m.startswith("compute-"):
+            p = m.removeprefix("compute-")
+            rates[p].append(compute_rate(g.path, prompt, args.new_tokens, threads, fresh=True, pages=p)["tokens_per_s"])
+            print(f"  [{i}/{len(cells)}] compute rate T{threads} {p}: {rates[p][-1]:.3g} tok/s (median of 3 passes)",
+                  flush=True)
             continue
         try:  # managed-python: the managed mode with its Python step (the A/B of the compiled one)
             rec = run_one(g, prompt, args.new_tokens, m.removesuffix("-python"), wall_bytes=w, threads=threads,
@@ -152,17 +161,18 @@ def measure(g, prompt, args, walls, threads, modes) -> tuple[list, dict]:
         what = rec.get("error") or (f"{rec['decode_tokens_per_s']:.3g} tok/s, read {rec['read_bytes_per_token'] / 1e6:.3g} "
                                     f"MB/token, proof {rec['proof_ok']}")
         print(f"  [{i}/{len(cells)}] {m:8s} wall {(w or 0) / 1e6:6.0f} MB T{threads}: {what}", flush=True)
-    c = statistics.median(rates)
     for rec in recs:
         if not rec.get("error"):
-            rec["compute_tokens_per_s"] = c
-            rec["compute_tokens_per_s_block"] = rates
+            p = pages_of(rec["mode"].removesuffix("-python"))
+            c = statistics.median(rates[p])
+            rec["compute_tokens_per_s"], rec["compute_pages"] = c, p
+            rec["compute_tokens_per_s_block"] = rates[p]
             rec.update(limits(c, rec["read_bytes_per_token"], rec["device_read_bytes_per_s_1"],
                               rec["device_read_bytes_per_s_4"], rec["decode_tokens_per_s"]))
     groups: dict = {}
     for rec in recs:
         groups.setdefault((rec["memory_wall"], rec["mode"]), []).append(rec)
-    return recs, groups
+    return recs, groups, rates
 
 
 def cell(rs: list[dict]) -> dict:
@@ -184,11 +194,12 @@ def rate(s: dict) -> str:
     return "-" if s["median"] is None else f"{s['median']:.3g} [{s['min']:.3g}-{s['max']:.3g}]"
 
 
-def model_block(name, g, threads, groups, fc, fc_syn, walls, labels) -> tuple[list[str], dict]:
+def model_block(name, g, threads, groups, rates, fc, fc_syn, walls, labels) -> tuple[list[str], dict]:
     ref = cell(groups[(None, "mmap")])
     unwalled = ref["decode_tokens_per_s"]["median"]
+    comp = "; ".join(f"{p} pages {rate(spread(rates[p]))}" for p in PAGE_STATES)
     lines = [f"**{name}, {g.file_bytes / 1e9:.2f} GB, {threads} thread{'s' if threads > 1 else ''}** (unwalled mmap: "
-             f"{rate(ref['decode_tokens_per_s'])} tok/s; compute rate {ref['compute_tokens_per_s']['median']:.3g} tok/s)", "",
+             f"{rate(ref['decode_tokens_per_s'])} tok/s; compute rate: {comp} tok/s)", "",
              "| wall | mode | decode tok/s median [min-max] | x unwalled | read MB/token | demand MB/token | read/demand | "
              "limit tok/s | efficiency | step ms/token | proof | forecast tok/s | error | synthetic forecast | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -336,18 +347,22 @@ def main() -> int:
         for threads in [int(t) for t in args.threads.split(",")]:
             # this block's compute rates and bandwidths measured now, into the cache the forecasts and
             # the runs' roofline read: a day-old figure from a host twice as fast misled both by 60%
-            c_size, _ = measure_compute(g, threads, fresh=True)  # roofline's bandwidths are size's too
-            c_run = roofline(g.path, request_bytes(g), prompt, args.new_tokens, threads, fresh=True)["compute_tokens_per_s"]
-            print(f"{name} T{threads}: compute rate {c_size:.3g} tok/s (size's prompt), {c_run:.3g} (this prompt)", flush=True)
+            for p in PAGE_STATES:  # roofline's bandwidths are size's too
+                c_size, _ = measure_compute(g, threads, fresh=True, pages=p)
+                c_run = roofline(g.path, request_bytes(g), prompt, args.new_tokens, threads, fresh=True,
+                                 pages=p)["compute_tokens_per_s"]
+                print(f"{name} T{threads}: compute rate in {p} pages {c_size:.3g} tok/s (size's prompt), {c_run:.3g} "
+                      "(this prompt)", flush=True)
             fc = {w: forecast(files[name], w, threads, trace) for w in walls}  # predicted before anything is measured
             fc_syn = {w: forecast(files[name], w, threads, None) for w in walls}
             print(f"{name} T{threads}: forecast " + ", ".join(
                 f"{labels[w]} {m} {fc[w][m]['predicted_tokens_per_s']:.3g}" for w in walls for m in fc[w]), flush=True)
-            recs, groups = measure(g, prompt, args, walls, threads, modes)
-            lines, summary = model_block(name, g, threads, groups, fc, fc_syn, walls, labels)
+            recs, groups, rates = measure(g, prompt, args, walls, threads, modes)
+            lines, summary = model_block(name, g, threads, groups, rates, fc, fc_syn, walls, labels)
             blocks += lines + [""]
             results[(name, threads)] = summary
-            dump[f"{name} T{threads}"] = {"records": recs, "forecast": {str(w): v for w, v in fc.items()},
+            dump[f"{name} T{threads}"] = {"records": recs, "compute_rates": rates,
+                                          "forecast": {str(w): v for w, v in fc.items()},
                                           "synthetic_forecast": {str(w): v for w, v in fc_syn.items()}}
             if args.json_out:
                 Path(args.json_out).write_text(json.dumps(dump, default=str))
@@ -357,7 +372,9 @@ def main() -> int:
             f"end; 2 cores, shared), read-ahead {Path('/sys/block/vda/queue/read_ahead_kb').read_text().strip() if Path('/sys/block/vda/queue/read_ahead_kb').exists() else '?'} KB, "
             f"prompt {len(prompt)} tokens, {args.new_tokens} new tokens ({args.new_tokens - 1} decode steps), "
             f"{args.runs} runs per cell in one seeded shuffled order. A wall P% = the dense part + P% of the expert "
-            "tensors; the unwalled reference has no observer (plain llama.cpp); `managed-python` is `managed` with its "
+            "tensors; the unwalled reference has no observer (plain llama.cpp); compute rates per page state (the "
+            "file evicted, then faulted in by llama.cpp's load, or dropped and read back by hints: `roofline.PAGE_STATES`; "
+            "each mode's limit takes its own, `mmap` faulted, the others hinted); `managed-python` is `managed` with its "
             "Python step instead of the compiled one (the A/B). Forecasts by `expertcache size MODEL --memory WALL --threads T` made before the runs: with "
             "`--trace` (this prompt's forward and decode captured: `capture --generate N --keep-prompt`, the prompt "
             "warming the managed pool's replay) and without (a matched synthetic trace); error = forecast / "

@@ -212,8 +212,37 @@ def test_roofline_by_hand_and_in_a_run(gguf_path, prompt, tmp_path, monkeypatch)
     g = read_geometry(str(gguf_path))
     rec = run_one(g, prompt, 8, "managed", wall_bytes=g.dense_bytes + g.expert_tensor_bytes // 2, wall="none")
     assert rec["compute_tokens_per_s"] > 0 and rec["device_read_bytes_per_s_1"] > 0
+    assert rec["compute_pages"] == "hinted"  # the page state managed's hints leave
     assert rec["limit_tokens_per_s"] >= rec["serial_limit_tokens_per_s"] > 0
     assert rec["efficiency"] == pytest.approx(rec["decode_tokens_per_s"] / rec["limit_tokens_per_s"])
+
+
+def test_compute_rate_is_timed_and_kept_per_page_state(gguf_path, prompt, tmp_path, monkeypatch):
+    """The compute rate depends on how the file's pages came in (docs/llama.md, "The pages' structure
+    and the compute rate"): it is timed in the state asked for and kept per state; ``hinted``
+    reads the whole file back by hints after dropping it (resident again when it returns); each
+    mode's state is the one its reads leave; an unknown state is a one-line error."""
+    from expertcache.errors import ConfigError
+    from expertcache.llama.roofline import bring_in, compute_rate, pages_of
+    from expertcache.wall.pagecache import evict_file_pages, residency
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    faulted = compute_rate(str(gguf_path), prompt, 4, pages="faulted")
+    hinted = compute_rate(str(gguf_path), prompt, 4, pages="hinted")
+    assert (faulted["pages"], hinted["pages"]) == ("faulted", "hinted")
+    assert not faulted["cached"] and not hinted["cached"] and faulted["tokens_per_s"] > 0 and hinted["tokens_per_s"] > 0
+    again = compute_rate(str(gguf_path), prompt, 4, pages="hinted")
+    assert again["cached"] and again["tokens_per_s"] == hinted["tokens_per_s"]
+    assert compute_rate(str(gguf_path), prompt, 4)["cached"]  # faulted, the default
+    with pytest.raises(ConfigError, match="page state 'warm' is not one of faulted, hinted"):
+        compute_rate(str(gguf_path), prompt, 4, pages="warm")
+    evict_file_pages([str(gguf_path)])
+    bring_in(str(gguf_path), "hinted")  # nothing mapped here: the hints alone
+    have, total = residency([str(gguf_path)])
+    assert have == total > 0
+    assert {m: pages_of(m) for m in MODES} == {
+        "mmap": "faulted", "random": "hinted", "advise": "hinted", "pin": "hinted", "managed": "hinted",
+        "lookahead": "hinted", "nocache": "hinted", "prefetch": "hinted", "nommap": "faulted"}
 
 
 def test_prefill_compute_rate_is_timed_once_per_prompt(gguf_path, prompt, tmp_path, monkeypatch):

@@ -663,7 +663,9 @@ def test_forecast_text_and_synthetic_trace(tiny_gguf, capsys, window):
 
 def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
     """--auto (and the defaults): the bandwidths of O_DIRECT reads of one expert slice of the file,
-    by 1 and 4 readers, and llama.cpp's compute rate, as the roofline module measures them."""
+    by 1 and 4 readers, and llama.cpp's compute rate, as the roofline module measures them: in both
+    page states, each mode's forecast taking the one its reads leave (mmap: faulted; advise,
+    managed: hinted)."""
     import types
 
     import expertcache.llama.roofline as rl
@@ -677,18 +679,31 @@ def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
         return {"bytes_per_s": 1e9 * readers, "request_bytes": req, "cached": False, "note": None}
 
     monkeypatch.setattr(rl, "device_bandwidth", bandwidth)
-    monkeypatch.setattr(rl, "compute_rate", lambda path, prompt, tokens, threads, fresh=False:
-                        {"tokens_per_s": 25.0 * threads, "cached": True, "note": None})
+    timed = []
+
+    def compute(path, prompt, tokens, threads, fresh=False, pages="faulted"):
+        timed.append(pages)
+        return {"tokens_per_s": {"faulted": 25.0, "hinted": 20.0}[pages] * threads, "cached": True, "note": None}
+
+    monkeypatch.setattr(rl, "compute_rate", compute)
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
     g = read_geometry(str(tiny_gguf))
     for argv in (["--auto"], [], ["--disk-bandwidth", "auto", "--compute", "auto"]):
         seen.clear()
+        timed.clear()
         recs = records(run(capsys, "size", tiny_gguf, "--memory", "200kB", "--threads", "2", "--json", *argv)[1])
         assert seen == [(str(tiny_gguf), request_bytes(g), 1), (str(tiny_gguf), request_bytes(g), 4)]
-        r = recs[0]
-        assert (r["device_read_bytes_per_s_1"], r["device_read_bytes_per_s_4"]) == (1e9, 4e9)
-        assert r["compute_tokens_per_s"] == 50.0 and r["threads"] == 2 and r["compute_source"].startswith("cached")
-        assert r["limit_tokens_per_s"] == pytest.approx(min(50.0, 4e9 / r["missed_bytes_per_token"]))
+        assert sorted(timed) == ["faulted", "hinted"]
+        for r in recs:
+            c = 50.0 if r["mode"] == "mmap" else 40.0
+            assert r["compute_pages"] == ("faulted" if r["mode"] == "mmap" else "hinted")
+            assert (r["device_read_bytes_per_s_1"], r["device_read_bytes_per_s_4"]) == (1e9, 4e9)
+            assert r["compute_tokens_per_s"] == c and r["threads"] == 2 and r["compute_source"].startswith("cached")
+            assert r["compute_source"].endswith(f"{r['compute_pages']} pages")
+            assert r["limit_tokens_per_s"] == pytest.approx(min(c, 4e9 / r["missed_bytes_per_token"]))
+            assert r["predicted_tokens_per_s"] == pytest.approx(1 / (1 / c + r["missed_bytes_per_token"] / 1e9))
+    out = run(capsys, "size", tiny_gguf, "--memory", "200kB", "--threads", "2")[1]
+    assert "c with every expert resident = 50 tok/s for mmap (cached" in out and "40 tok/s for advise and managed" in out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -441,11 +441,14 @@ def forecast_cmd(args) -> int:
     else:
         bw1, bw4, req, bw_source = dk.measure_bandwidth(g)
     if isinstance(compute, float):
-        rate, c_source = compute, "--compute"
-    else:
-        rate, c_source = dk.measure_compute(g, threads)
+        rates, c_sources = dk.Disk.given_compute(compute, "--compute")
+    else:  # in each page state the modes' reads leave (llama.roofline.PAGE_STATES)
+        from ..llama.roofline import PAGE_STATES
+
+        measured = {p: dk.measure_compute(g, threads, pages=p) for p in PAGE_STATES}
+        rates, c_sources = {p: m[0] for p, m in measured.items()}, {p: m[1] for p, m in measured.items()}
     window, window_source = dk.readahead_bytes(g.path)
-    disk = dk.Disk(bw1, bw4, req, bw_source, rate, c_source, threads)
+    disk = dk.Disk(bw1, bw4, req, bw_source, rates, c_sources, threads)
     records = dk.forecast(g, experts, args.memory, disk, window=window, window_source=window_source,
                           trace_label=label, prompt=prompt, seq=np.asarray(trace.seq))
     if args.json:
@@ -483,8 +486,15 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
     bws = (f"B1 = B4 = {r0['device_read_bytes_per_s_1'] / 1e9:.4g} GB/s" if same else
            f"B1 {r0['device_read_bytes_per_s_1'] / 1e9:.4g} GB/s (one reader), B4 "
            f"{r0['device_read_bytes_per_s_4'] / 1e9:.4g} GB/s (four readers)")
-    print(f"disk: {bws} ({r0['disk_bandwidth_source']}); compute: c = {r0['compute_tokens_per_s']:.4g} tok/s with "
-          f"every expert resident ({r0['compute_source']})")
+    by_pages: dict = {}
+    for r in records:
+        by_pages.setdefault((r["compute_tokens_per_s"], r["compute_source"]), []).append(r["mode"])
+    if len(by_pages) == 1:
+        comp = f"c = {r0['compute_tokens_per_s']:.4g} tok/s with every expert resident ({r0['compute_source']})"
+    else:
+        comp = "c with every expert resident = " + ", ".join(
+            f"{c:.4g} tok/s for {' and '.join(modes)} ({source})" for (c, source), modes in by_pages.items())
+    print(f"disk: {bws} ({r0['disk_bandwidth_source']}); compute: {comp}")
     head = ["mode", "dense MB", "experts MB", "demand MB/tok", "ampl", "read MB/tok", "first reads", "tok/s",
             "ovl tok/s", "bound by"]
     rows = []

@@ -5,7 +5,9 @@ For each page-cache mode of ``expertcache llama run`` (``mmap``, ``advise``, ``m
 the forecast replays a router trace through a model of what that mode keeps in ``SIZE`` bytes of
 memory and counts the bytes a decode token reads from disk, ``D``; the decode rate is then the
 roofline (:func:`expertcache.llama.roofline.limits`) with ``c`` the compute rate with every expert
-resident and ``B1`` (``B4``) the device's bandwidth with one (four) readers:
+resident, in the page state the mode's reads leave (``mmap``: the large folios of faults'
+read-around; ``advise``, ``managed``: the single pages of hints; ``roofline.PAGE_STATES``), and
+``B1`` (``B4``) the device's bandwidth with one (four) readers:
 
 * ``predicted_tokens_per_s = 1 / (1/c + D/B1)``: in these modes a missed expert's read blocks the
   compute that needs it (a page fault, or a hint the layer then waits on);
@@ -76,7 +78,8 @@ small part of a steady decode's (:func:`synthetic_tokens`)."""
 KEYS = ("mode", "gguf", "memory_wall", "dense_bytes", "expert_tensor_bytes", "cache_bytes", "cache_fraction",
         "demand_bytes_per_token", "amplification", "missed_bytes_per_token", "fill_bytes_per_token",
         "readahead_bytes", "device_request_bytes", "device_read_bytes_per_s_1", "device_read_bytes_per_s_4",
-        "disk_bandwidth_source", "compute_tokens_per_s", "compute_source", "threads", "predicted_tokens_per_s",
+        "disk_bandwidth_source", "compute_tokens_per_s", "compute_source", "compute_pages", "threads",
+        "predicted_tokens_per_s",
         "limit_tokens_per_s", "bound_by", "trace", "tokens", "note")
 """The fields of every ``size --memory --json`` record, in order (docs/sizing.md)."""
 
@@ -283,15 +286,24 @@ def readahead_bytes(path: str) -> tuple[int, str]:
 @dataclass(frozen=True)
 class Disk:
     """The roofline's inputs: bandwidths in bytes/s (one and four readers), the request size they
-    were measured at, the compute rate in tokens/s, and where each came from."""
+    were measured at, the compute rate in tokens/s per page state
+    (:data:`~expertcache.llama.roofline.PAGE_STATES`: a mode's own is
+    :func:`~expertcache.llama.roofline.pages_of`), and where each came from."""
 
     bw1: float
     bw4: float
     request_bytes: int
     bandwidth_source: str
-    compute: float
-    compute_source: str
+    compute: dict
+    compute_source: dict
     threads: int
+
+    @staticmethod
+    def given_compute(rate: float, source: str) -> tuple[dict, dict]:
+        """``(compute, compute_source)`` of one rate given for every page state."""
+        from .roofline import PAGE_STATES
+
+        return {p: rate for p in PAGE_STATES}, {p: source for p in PAGE_STATES}
 
 
 def measure_bandwidth(g, fresh: bool = False) -> tuple[float, float, int, str]:
@@ -313,11 +325,11 @@ def measure_bandwidth(g, fresh: bool = False) -> tuple[float, float, int, str]:
             f"{how}: O_DIRECT reads of {int(b1['request_bytes']):,} bytes")
 
 
-def measure_compute(g, threads: int, fresh: bool = False) -> tuple[float, str]:
-    """``(tokens/s, source)`` by :func:`expertcache.llama.roofline.compute_rate` on the file (the
-    median of timed greedy decodes of :data:`COMPUTE_TOKENS` after the prompt ids 1..16, once the
-    first has read the experts in); needs the
-    llama extra (a one-line ConfigError saying to give ``--compute`` otherwise)."""
+def measure_compute(g, threads: int, fresh: bool = False, pages: str = "faulted") -> tuple[float, str]:
+    """``(tokens/s, source)`` by :func:`expertcache.llama.roofline.compute_rate` on the file, its
+    pages brought in as ``pages`` says (the median of timed greedy decodes of
+    :data:`COMPUTE_TOKENS` after the prompt ids 1..16, once the first has read the experts in);
+    needs the llama extra (a one-line ConfigError saying to give ``--compute`` otherwise)."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -328,12 +340,12 @@ def measure_compute(g, threads: int, fresh: bool = False) -> tuple[float, str]:
     vocab = g.metadata.get("tokenizer.ggml.tokens")
     n = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1 else 2
     prompt = [1 + i % (n - 1) for i in range(COMPUTE_PROMPT_TOKENS)]
-    r = compute_rate(g.path, prompt, COMPUTE_TOKENS, threads, fresh=fresh)
+    r = compute_rate(g.path, prompt, COMPUTE_TOKENS, threads, fresh=fresh, pages=pages)
     if not r.get("tokens_per_s"):
         raise ConfigError(f"--compute auto: no decode step timed on {g.path} ({r.get('note')}): give --compute TOK/S")
     how = "cached" if r.get("cached") else "measured"
     return float(r["tokens_per_s"]), (f"{how}: llama.cpp, {COMPUTE_TOKENS} tokens decoded, median of {COMPUTE_REPEATS} passes, "
-                                      f"{threads} thread{'s' if threads != 1 else ''}")
+                                      f"{threads} thread{'s' if threads != 1 else ''}, {pages} pages")
 
 
 def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, window_source: str,
@@ -343,7 +355,7 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
     ``managed`` pool uncounted, as a run's prefill does; the kernel modes' read models, fitted on the
     decode steps replayed cold, leave them out; ``tokens`` counts the decode rows."""
     from .advice import managed_budget, managed_item_bytes
-    from .roofline import limits
+    from .roofline import limits, pages_of
 
     decode = experts if prompt is None else experts[~prompt]
     E, L, T = g.num_experts, len(g.moe_layers), int(decode.shape[0])
@@ -358,8 +370,7 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
     base = {"gguf": g.path, "memory_wall": int(memory), "dense_bytes": g.dense_bytes, "expert_tensor_bytes": total,
             "readahead_bytes": window, "device_request_bytes": disk.request_bytes,
             "device_read_bytes_per_s_1": disk.bw1, "device_read_bytes_per_s_4": disk.bw4,
-            "disk_bandwidth_source": disk.bandwidth_source, "compute_tokens_per_s": disk.compute,
-            "compute_source": disk.compute_source, "threads": disk.threads, "trace": trace_label, "tokens": T}
+            "disk_bandwidth_source": disk.bandwidth_source, "threads": disk.threads, "trace": trace_label, "tokens": T}
     demand = lru.per_token
     advise = amp * demand
     windowed = mm.per_token >= advise
@@ -393,9 +404,12 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
     for mode in MODES:
         r = rows[mode]
         D = r["missed"]
-        lim = limits(disk.compute, D, disk.bw1, disk.bw4)
-        bound = None if D is None else ("disk" if D / disk.bw1 > 1.0 / disk.compute else "compute")
-        rec = {"mode": mode, **base, "cache_bytes": int(r["cache_bytes"]),
+        pages = pages_of(mode)
+        c = disk.compute[pages]
+        lim = limits(c, D, disk.bw1, disk.bw4)
+        bound = None if D is None else ("disk" if D / disk.bw1 > 1.0 / c else "compute")
+        rec = {"mode": mode, **base, "compute_tokens_per_s": c, "compute_source": disk.compute_source[pages],
+               "compute_pages": pages, "cache_bytes": int(r["cache_bytes"]),
                "cache_fraction": r["cache_bytes"] / total, "demand_bytes_per_token": r["demand"],
                "amplification": r["amplification"], "missed_bytes_per_token": D, "fill_bytes_per_token": r["fill"],
                "predicted_tokens_per_s": lim["serial_limit_tokens_per_s"] if D is not None else None,

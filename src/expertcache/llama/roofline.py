@@ -10,8 +10,9 @@ what the compute can do with every expert resident, and the decode rate the two 
 * :func:`compute_rate` decodes after the prompt in one process with the file mapped, once to read
   the experts in, then :data:`COMPUTE_REPEATS` more times: those passes route the same tokens to the
   same experts, which the first left in the page cache, so their one-token forwards time the compute
-  with every expert they need resident; the median of their tokens / second (and its spread).
-  Cached per (file, size, mtime, threads, prompt, tokens) in the same file.
+  with every expert they need resident; the median of their tokens / second (and its spread). The
+  file's pages are first brought in one of the ways of :data:`PAGE_STATES` (the compute rate
+  depends on it). Cached per (file, size, mtime, threads, prompt, tokens, page state) in the same file.
 * :func:`prefill_compute_rate` times prefills of a prompt the same way (the
   prefill's ``c``: a prefill's limit is ``min(c, max(B1, B4) / D)`` with ``D`` its routed experts'
   bytes per prompt token, each expert once).
@@ -159,41 +160,120 @@ experts in; the median is kept. One pass moved by 20-50% on this shared 2-core h
 decode timed 147 tok/s once, 96-103 in three passes an hour later)."""
 
 
-def _timed(kind: str, extra: str, path: str, prompt: list, threads: int, n_ctx: int, one_pass, fresh: bool) -> dict:
+PAGE_STATES = ("faulted", "hinted")
+"""How :func:`compute_rate` brings the file's pages into the page cache before it times, for the
+compute rate depends on it (docs/llama.md, "The pages' structure and the compute rate"):
+
+* ``faulted``: the file's pages evicted, then read by llama.cpp's load (``MAP_POPULATE``: page
+  faults, whose read-around puts the file in large folios, 128 KB each on a device that reads
+  ahead 128 KB) -- as an ``mmap`` run reads;
+* ``hinted``: after that load, every page of the file dropped and read back by
+  ``POSIX_FADV_WILLNEED`` in :func:`~expertcache.llama.advice.hint_piece` pieces, which the kernel
+  reads into single 4 KB pages -- as the ``managed`` mode holds the whole file (it drops the load's
+  pages and hints back what it keeps), and as the other hinting modes read what they read.
+
+Measured (``benchmarks/page_state.py``, 8 rounds): the same decode ran 12% slower in hinted pages on a
+random OLMoE-geometry f16 GGUF with 1 thread (35.0 [34.0-36.3] against 39.8 [36.2-41.8] tok/s), 3%
+faster on a Qwen3-geometry Q4_K_M one (46.6 [46.0-47.1] against 45.3 [42.7-46.3])."""
+HINT_WAIT_S = 60.0
+"""The longest :func:`bring_in` waits for hinted pages to arrive (it stops earlier once the file is
+resident, or its residency has not grown for a second: a file larger than memory)."""
+
+
+def pages_of(mode: str) -> str:
+    """The page state (:data:`PAGE_STATES`) a ``llama run`` mode's reads leave the experts in:
+    ``faulted`` for ``mmap`` (and ``nommap``, whose weights are copied out of the page cache: its
+    reference is plain llama.cpp's), ``hinted`` for every mode that reads by hints or single-page
+    faults (``MADV_RANDOM``)."""
+    return "faulted" if mode in ("mmap", "nommap") else "hinted"
+
+
+def bring_in(path: str, pages: str) -> None:
+    """After an engine has mapped and loaded ``path`` in this process: leave its pages as the load
+    faulted them in (``faulted``), or drop every one of them (unmapped from this process, then
+    evicted) and read the file back by ``POSIX_FADV_WILLNEED`` hints (``hinted``), waiting for them
+    (:data:`HINT_WAIT_S`)."""
+    from ..wall.pagecache import residency
+    from ..wall.procfs import OpenProcFile
+    from .advice import MADV_DONTNEED, hint_piece, madvise, mapped_ranges, mapping_base
+
+    if pages == "faulted":
+        return
+    maps = OpenProcFile("/proc/self/maps")
+    try:
+        base, ranges = mapping_base(path, maps), mapped_ranges(path, maps)
+    finally:
+        maps.close()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if base is not None:
+            for off, n in ranges:
+                madvise(base + off, n, MADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        size, step = os.fstat(fd).st_size, hint_piece(path)
+        for lo in range(0, size, step):
+            os.posix_fadvise(fd, lo, min(step, size - lo), os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+    t0 = last_t = time.monotonic()
+    last = -1
+    while time.monotonic() - t0 < HINT_WAIT_S:
+        have, total = residency([path])
+        if have >= total:
+            return
+        if have > last:
+            last, last_t = have, time.monotonic()
+        elif time.monotonic() - last_t > 1.0:
+            return
+        time.sleep(0.05)
+
+
+def _timed(kind: str, extra: str, path: str, prompt: list, threads: int, n_ctx: int, one_pass, fresh: bool,
+           pages: str = "faulted") -> dict:
     """The median and spread of ``one_pass(engine)`` (a rate, or None) over :data:`COMPUTE_REPEATS`
-    passes after one that reads the experts in, in one process with ``path`` mapped; cached per
-    (``kind``, file, size, mtime, threads, ``extra``, prompt)."""
+    passes after one that reads the experts in, in one process with ``path`` mapped, its pages
+    first evicted and brought in as ``pages`` says (:func:`bring_in`); cached per (``kind``, file,
+    size, mtime, threads, ``extra``, prompt, ``pages``)."""
+    from ..errors import ConfigError
+    from ..wall.pagecache import evict_file_pages
+
+    if pages not in PAGE_STATES:
+        raise ConfigError(f"page state {pages!r} is not one of {', '.join(PAGE_STATES)}")
     st = os.stat(path)
     digest = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
-    key = f"{kind} {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)} {threads}{extra} {digest}"
+    key = f"{kind} {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)} {threads}{extra} {digest} {pages}"
     hit = _cached(key, fresh)
     if hit is not None:
         return {**hit, "cached": True}
     from .engine import Engine
 
+    evict_file_pages([path])  # whatever the last run left (its own page state) is gone
     with Engine(path, n_ctx=n_ctx, threads=threads) as eng:
+        bring_in(path, pages)
         one_pass(eng)
         rates = [r for r in (one_pass(eng) for _ in range(COMPUTE_REPEATS)) if r]
     if not rates:
         return {"tokens_per_s": None, "cached": False, "note": "nothing timed"}
     out = {"tokens_per_s": statistics.median(rates), "tokens_per_s_min": min(rates),
-           "tokens_per_s_max": max(rates), "repeats": len(rates), "at": time.time(), "note": None}
+           "tokens_per_s_max": max(rates), "repeats": len(rates), "pages": pages, "at": time.time(), "note": None}
     _store(key, out)
     return {**out, "cached": False}
 
 
-def compute_rate(path: str, prompt, tokens: int, threads: int = 1, *, fresh: bool = False) -> dict:
-    """``{"tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "repeats", "cached", "note"}``:
-    greedy decodes of ``tokens`` after ``prompt`` in one process, the first reading every expert the
-    others route (their one-token forwards time the compute alone), then :data:`COMPUTE_REPEATS`
-    timed ones: their median rate and its spread."""
+def compute_rate(path: str, prompt, tokens: int, threads: int = 1, *, fresh: bool = False,
+                 pages: str = "faulted") -> dict:
+    """``{"tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "repeats", "pages", "cached", "note"}``:
+    greedy decodes of ``tokens`` after ``prompt`` in one process, the file's pages brought in as
+    ``pages`` says (:data:`PAGE_STATES`), the first reading every expert the others route (their
+    one-token forwards time the compute alone), then :data:`COMPUTE_REPEATS` timed ones: their
+    median rate and its spread."""
     prompt = [int(x) for x in prompt]
     steps = max(2, int(tokens))
 
     def one(eng):
         _, t = eng.generate(prompt, steps)
         return t["decode_steps"] / t["decode_seconds"] if t["decode_seconds"] else None
-    return _timed("compute", f" {tokens}", path, prompt, threads, len(prompt) + steps + 1, one, fresh)
+    return _timed("compute", f" {tokens}", path, prompt, threads, len(prompt) + steps + 1, one, fresh, pages)
 
 
 def prefill_compute_rate(path: str, prompt, threads: int = 1, *, fresh: bool = False) -> dict:
@@ -231,13 +311,15 @@ def limits(compute_tokens_per_s: float | None, missed_bytes_per_token: float | N
     return out
 
 
-def roofline(path: str, request_bytes: int, prompt, tokens: int, threads: int = 1, *, fresh: bool = False) -> dict:
+def roofline(path: str, request_bytes: int, prompt, tokens: int, threads: int = 1, *, fresh: bool = False,
+             pages: str = "faulted") -> dict:
     """Everything a run's limits need, measured (or taken from the cache): both bandwidths at
-    ``request_bytes`` and the compute rate."""
+    ``request_bytes`` and the compute rate in the page state ``pages``."""
     b1 = device_bandwidth(path, request_bytes, 1, fresh=fresh)
     b4 = device_bandwidth(path, request_bytes, 4, fresh=fresh)
-    c = compute_rate(path, prompt, tokens, threads, fresh=fresh)
+    c = compute_rate(path, prompt, tokens, threads, fresh=fresh, pages=pages)
     return {"device_read_bytes_per_s_1": b1["bytes_per_s"], "device_read_bytes_per_s_4": b4["bytes_per_s"],
             "device_request_bytes": b1["request_bytes"], "compute_tokens_per_s": c["tokens_per_s"],
+            "compute_pages": pages,
             "roofline_cached": bool(b1["cached"] and b4["cached"] and c["cached"]),
             "roofline_note": "; ".join(x["note"] for x in (b1, b4, c) if x.get("note")) or None}

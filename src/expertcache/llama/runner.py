@@ -225,10 +225,11 @@ def request_bytes(g: Geometry) -> int:
 
 def run_roofline(g: Geometry, prompt, max_new_tokens: int, threads: int, rec: dict, fresh: bool = False) -> dict:
     """The roofline fields of a run's record (:mod:`.roofline`), its missed bytes per token being
-    the LRU demand model's (0 without a wall: every expert fits)."""
-    from .roofline import limits, roofline
+    the LRU demand model's (0 without a wall: every expert fits), its compute rate timed in the page
+    state its mode's reads leave (:func:`~expertcache.llama.roofline.pages_of`)."""
+    from .roofline import limits, pages_of, roofline
 
-    r = roofline(g.path, request_bytes(g), prompt, max_new_tokens, threads, fresh=fresh)
+    r = roofline(g.path, request_bytes(g), prompt, max_new_tokens, threads, fresh=fresh, pages=pages_of(rec["mode"]))
     missed = rec.get("demand_bytes_per_token") if rec.get("memory_wall") else 0.0
     r.update(limits(r["compute_tokens_per_s"], missed, r["device_read_bytes_per_s_1"], r["device_read_bytes_per_s_4"],
                     rec.get("decode_tokens_per_s")))
