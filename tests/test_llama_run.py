@@ -237,9 +237,20 @@ def test_compute_rate_is_timed_and_kept_per_page_state(gguf_path, prompt, tmp_pa
     with pytest.raises(ConfigError, match="page state 'warm' is not one of faulted, hinted"):
         compute_rate(str(gguf_path), prompt, 4, pages="warm")
     evict_file_pages([str(gguf_path)])
-    bring_in(str(gguf_path), "hinted")  # nothing mapped here: the hints alone
+    assert bring_in(str(gguf_path), "hinted") is None  # nothing mapped here: the hints alone
     have, total = residency([str(gguf_path)])
     assert have == total > 0
+    # a file whose residency cannot be read (neither owned nor writable): a bounded wait, said
+    import expertcache.llama.roofline as rl
+    import expertcache.wall.pagecache as pc
+
+    def refuse(paths):
+        raise PermissionError(f"{paths[0]}: mincore cannot report residency")
+
+    monkeypatch.setattr(pc, "residency", refuse)
+    monkeypatch.setattr(rl, "HINT_WAIT_S", 0.01)
+    note = bring_in(str(gguf_path), "hinted")
+    assert note.startswith("hinted pages not watched (") and "mincore cannot report residency" in note
     assert {m: pages_of(m) for m in MODES} == {
         "mmap": "faulted", "random": "hinted", "advise": "hinted", "pin": "hinted", "managed": "hinted",
         "lookahead": "hinted", "nocache": "hinted", "prefetch": "hinted", "nommap": "faulted"}
