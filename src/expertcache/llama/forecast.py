@@ -344,8 +344,9 @@ def measure_compute(g, threads: int, fresh: bool = False, pages: str = "faulted"
     if not r.get("tokens_per_s"):
         raise ConfigError(f"--compute auto: no decode step timed on {g.path} ({r.get('note')}): give --compute TOK/S")
     how = "cached" if r.get("cached") else "measured"
+    note = f"; {r['note']}" if r.get("note") else ""
     return float(r["tokens_per_s"]), (f"{how}: llama.cpp, {COMPUTE_TOKENS} tokens decoded, median of {COMPUTE_REPEATS} passes, "
-                                      f"{threads} thread{'s' if threads != 1 else ''}, {pages} pages")
+                                      f"{threads} thread{'s' if threads != 1 else ''}, {pages} pages{note}")
 
 
 def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, window_source: str,
