@@ -242,12 +242,11 @@ def test_compute_rate_is_timed_and_kept_per_page_state(gguf_path, prompt, tmp_pa
     assert have == total > 0
     # a file whose residency cannot be read (neither owned nor writable): a bounded wait, said
     import expertcache.llama.roofline as rl
-    import expertcache.wall.pagecache as pc
 
     def refuse(paths):
         raise PermissionError(f"{paths[0]}: mincore cannot report residency")
 
-    monkeypatch.setattr(pc, "residency", refuse)
+    monkeypatch.setattr(rl, "residency", refuse)
     monkeypatch.setattr(rl, "HINT_WAIT_S", 0.01)
     note = bring_in(str(gguf_path), "hinted")
     assert note.startswith("hinted pages not watched (") and "mincore cannot report residency" in note

@@ -41,6 +41,11 @@ import threading
 import time
 from pathlib import Path
 
+from ..errors import ConfigError
+from ..wall.pagecache import evict_file_pages, residency
+from ..wall.procfs import OpenProcFile
+from .advice import MADV_DONTNEED, hint_piece, madvise, mapped_ranges, mapping_base
+
 BLOCK = 4096
 CACHE_SECONDS = 24 * 3600
 """How long a measured bandwidth or compute rate is reused."""
@@ -199,10 +204,6 @@ def bring_in(path: str, pages: str) -> str | None:
     evicted) and read the file back by ``POSIX_FADV_WILLNEED`` hints (``hinted``), waiting for them
     (:data:`HINT_WAIT_S`). Returns None, or a note where the wait could not watch the residency
     (:data:`HINT_ASSUMED_BYTES_PER_S`)."""
-    from ..wall.pagecache import residency
-    from ..wall.procfs import OpenProcFile
-    from .advice import MADV_DONTNEED, hint_piece, madvise, mapped_ranges, mapping_base
-
     if pages == "faulted":
         return None
     maps = OpenProcFile("/proc/self/maps")
@@ -245,9 +246,6 @@ def _timed(kind: str, extra: str, path: str, prompt: list, threads: int, n_ctx: 
     passes after one that reads the experts in, in one process with ``path`` mapped, its pages
     first evicted and brought in as ``pages`` says (:func:`bring_in`); cached per (``kind``, file,
     size, mtime, threads, ``extra``, prompt, ``pages``)."""
-    from ..errors import ConfigError
-    from ..wall.pagecache import evict_file_pages
-
     if pages not in PAGE_STATES:
         raise ConfigError(f"page state {pages!r} is not one of {', '.join(PAGE_STATES)}")
     st = os.stat(path)
