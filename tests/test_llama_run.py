@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -236,12 +237,34 @@ def test_compute_rate_is_timed_and_kept_per_page_state(gguf_path, prompt, tmp_pa
     assert compute_rate(str(gguf_path), prompt, 4)["cached"]  # faulted, the default
     with pytest.raises(ConfigError, match="page state 'warm' is not one of faulted, hinted"):
         compute_rate(str(gguf_path), prompt, 4, pages="warm")
-    evict_file_pages([str(gguf_path)])
-    assert bring_in(str(gguf_path), "hinted") is None  # nothing mapped here: the hints alone
-    have, total = residency([str(gguf_path)])
-    assert have == total > 0
-    # a file whose residency cannot be read (neither owned nor writable): a bounded wait, said
     import expertcache.llama.roofline as rl
+
+    # the hints cover the whole file, in the advisor's pieces, after dropping it; the wait ends once
+    # the residency is complete, or has stood still for HINT_STALL_S (readahead is best-effort)
+    calls = []
+    real_fadvise = rl.os.posix_fadvise
+    monkeypatch.setattr(rl.os, "posix_fadvise", lambda fd, off, n, advice: (calls.append((off, n, advice)),
+                                                                            real_fadvise(fd, off, n, advice))[1])
+    evict_file_pages([str(gguf_path)])
+    calls.clear()
+    assert bring_in(str(gguf_path), "hinted") is None  # nothing mapped here: the hints alone
+    size = gguf_path.stat().st_size
+    assert calls[0] == (0, 0, rl.os.POSIX_FADV_DONTNEED)
+    hints = calls[1:]
+    assert {a for _, _, a in hints} == {rl.os.POSIX_FADV_WILLNEED}
+    assert hints[0][0] == 0 and sum(n for _, n, _ in hints) == size
+    assert all(a[0] + a[1] == b[0] for a, b in zip(hints, hints[1:]))
+    have, total = residency([str(gguf_path)])
+    assert total == size and have >= 0.99 * total  # a page the readahead declined is faulted in later
+    seen = iter([(10, 100), (50, 100), (100, 100)])
+    monkeypatch.setattr(rl, "residency", lambda paths: next(seen))
+    assert bring_in(str(gguf_path), "hinted") is None and next(seen, None) is None  # stops once complete
+    monkeypatch.setattr(rl, "residency", lambda paths: (60, 100))
+    monkeypatch.setattr(rl, "HINT_STALL_S", 0.2)
+    t0 = time.monotonic()
+    assert bring_in(str(gguf_path), "hinted") is None  # stands still: stops after the stall window
+    assert 0.2 <= time.monotonic() - t0 < 5
+    # a file whose residency cannot be read (neither owned nor writable): a bounded wait, said
 
     def refuse(paths):
         raise PermissionError(f"{paths[0]}: mincore cannot report residency")

@@ -183,7 +183,11 @@ slower), 0.98 with 2 threads, 1.03 and 1.04 on a Qwen3-geometry Q4_K_M one: ties
 rule, and in the benchmark's own compute cells 0.87 on the first, within 4% on the others."""
 HINT_WAIT_S = 60.0
 """The longest :func:`bring_in` waits for hinted pages to arrive (it stops earlier once the file is
-resident, or its residency has not grown for a second: a file larger than memory)."""
+resident, or its residency has not grown for :data:`HINT_STALL_S`)."""
+HINT_STALL_S = 1.0
+"""How long :func:`bring_in`'s residency may stand still before it stops waiting: a file larger than
+memory, or pages the kernel's readahead declined (it is best-effort: an allocation it cannot get at
+once is skipped, and the first pass then faults those pages in)."""
 HINT_ASSUMED_BYTES_PER_S = 1e9
 """Where the file's residency cannot be read (a file this process neither owns nor may write:
 ``mincore`` and ``cachestat`` would report every page resident), :func:`bring_in` waits the file's
@@ -234,7 +238,7 @@ def bring_in(path: str, pages: str) -> str | None:
             return None
         if have > last:
             last, last_t = have, time.monotonic()
-        elif time.monotonic() - last_t > 1.0:
+        elif time.monotonic() - last_t > HINT_STALL_S:
             return None
         time.sleep(0.05)
     return None
