@@ -31,7 +31,7 @@
 4. The targets of issue 33 checked against the medians, each printed as met or missed; everything
    written between the benchmark markers of docs/llama.md; the records to --json-out.
 
-Run (16 minutes for both models and thread counts on the shared 2-core machine, once the GGUFs are built)::
+Run (19 minutes for both models and thread counts on the shared 2-core machine, once the GGUFs are built)::
 
     nice -n 5 .venv/bin/python benchmarks/llama_tier.py --scratch /work/scratch --json-out /work/scratch/llama_tier.json
 """
