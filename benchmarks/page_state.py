@@ -43,6 +43,37 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+CENSUS = r"""
+def large_share(addr, pages):
+    # of the pages (indices into the mapping at addr) that are mapped, the share in large folios
+    # (compound pages, /proc/kpageflags bits 15 and 16); None where PFNs cannot be read (not root)
+    pages = sorted(set(pages))
+    if not pages:
+        return None
+    try:
+        pm, kf = open("/proc/self/pagemap", "rb"), open("/proc/kpageflags", "rb")
+    except OSError:
+        return None
+    with pm, kf:
+        lo, n = pages[0], pages[-1] - pages[0] + 1
+        pm.seek((addr // 4096 + lo) * 8)
+        entries = struct.unpack(f"<{n}Q", pm.read(8 * n))
+        mapped = large = 0
+        for i in pages:
+            e = entries[i - lo]
+            if not e >> 63 & 1:
+                continue
+            pfn = e & ((1 << 55) - 1)
+            if not pfn:
+                return None  # PFNs hidden
+            kf.seek(pfn * 8)
+            flags = struct.unpack("<Q", kf.read(8))[0]
+            mapped += 1
+            large += bool(flags >> 15 & 1 or flags >> 16 & 1)
+    return large / mapped if mapped else None
+"""
+"""The folio census both children run (inserted into their code)."""
+
 CHILD = r"""
 import json, os, statistics, struct, sys, time
 sys.path.insert(0, {src!r})
@@ -54,33 +85,7 @@ from expertcache.wall.procfs import OpenProcFile
 
 path, threads, pages, tokens = {path!r}, {threads}, {pages!r}, {tokens}
 prompt = list(range(1, 17))
-
-
-def large_share(base, size):
-    # share of the mapped pages of the file that are in compound pages (large folios), or None
-    try:
-        pm, kf = open("/proc/self/pagemap", "rb"), open("/proc/kpageflags", "rb")
-    except OSError:
-        return None
-    with pm, kf:
-        npages, mapped, large = size // 4096, 0, 0
-        chunk = 1 << 16
-        for first in range(0, npages, chunk):
-            n = min(chunk, npages - first)
-            pm.seek((base // 4096 + first) * 8)
-            entries = struct.unpack(f"<{{n}}Q", pm.read(8 * n))
-            for e in entries:
-                if not e >> 63 & 1:
-                    continue
-                pfn = e & ((1 << 55) - 1)
-                if not pfn:
-                    return None  # PFNs hidden (not root)
-                kf.seek(pfn * 8)
-                flags = struct.unpack("<Q", kf.read(8))[0]
-                mapped += 1
-                large += bool(flags >> 15 & 1 or flags >> 16 & 1)
-    return large / mapped if mapped else None
-
+{census}
 
 evict_file_pages([path])
 with Engine(path, n_ctx=len(prompt) + tokens + 1, threads=threads) as eng:
@@ -95,7 +100,7 @@ with Engine(path, n_ctx=len(prompt) + tokens + 1, threads=threads) as eng:
     maps = OpenProcFile("/proc/self/maps")
     base = advice.mapping_base(path, maps)
     maps.close()
-    share = large_share(base, os.path.getsize(path)) if base is not None else None
+    share = large_share(base, range(os.path.getsize(path) // 4096)) if base is not None else None
 print(json.dumps({{"rate": statistics.median(rates), "large_folio_share": share}}))
 """
 
@@ -103,6 +108,7 @@ print(json.dumps({{"rate": statistics.median(rates), "large_folio_share": share}
 PRIMITIVES = r"""
 import ctypes, json, os, random, struct, sys, time
 sys.path.insert(0, {src!r})
+{census}
 from expertcache.formats.gguf import read_geometry
 from expertcache.wall.procfs import read_self_io, OpenProcFile
 
@@ -144,27 +150,11 @@ time.sleep(0.5)
 got = read_self_io(io)[0]["read_bytes"] - r0
 vec = (ctypes.c_ubyte * (size // PG + 1))()
 libc.mincore(addr, size, vec)
-share = None
-try:
-    pm, kf = open("/proc/self/pagemap", "rb"), open("/proc/kpageflags", "rb")
-except OSError:
-    pm = kf = None
-if kf is not None:
-    seen, large = 0, 0
-    for off, n in ranges:
-        for i in range(max(0, off // PG - 64), min(size // PG, (off + n) // PG + 64)):
-            if not vec[i] & 1:
-                continue
-            ctypes.c_char.from_address(addr + i * PG).value  # map the resident page (no read: it is there)
-            pm.seek((addr // PG + i) * 8)
-            pfn = struct.unpack("<Q", pm.read(8))[0] & ((1 << 55) - 1)
-            if not pfn:
-                break
-            kf.seek(pfn * 8)
-            flags = struct.unpack("<Q", kf.read(8))[0]
-            seen += 1
-            large += bool(flags >> 15 & 1 or flags >> 16 & 1)
-    share = large / seen if seen else None
+resident = {{i for off, n in ranges for i in range(max(0, off // PG - 64), min(size // PG, (off + n) // PG + 64))
+            if vec[i] & 1}}
+for i in resident:
+    ctypes.c_char.from_address(addr + i * PG).value  # map the resident page (no read: it is there)
+share = large_share(addr, resident)
 print(json.dumps({{"primitive": how, "wanted_bytes": want, "read_bytes": got, "large_folio_share": share}}))
 """
 PRIMITIVE_NAMES = ("fadvise-willneed", "pread", "fadvise-sequential-pread", "populate",
@@ -178,7 +168,7 @@ modes set it)."""
 def primitives(path: str) -> list[dict]:
     out = []
     for how in PRIMITIVE_NAMES:
-        code = PRIMITIVES.format(src=str(REPO / "src"), path=path, how=how)
+        code = PRIMITIVES.format(src=str(REPO / "src"), path=path, how=how, census=CENSUS)
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             raise SystemExit(f"{how} failed: {res.stderr.strip().splitlines()[-1:]}")
@@ -187,7 +177,8 @@ def primitives(path: str) -> list[dict]:
 
 
 def child(path: str, threads: int, pages: str, tokens: int) -> dict:
-    code = CHILD.format(src=str(REPO / "src"), path=path, threads=threads, pages=pages, tokens=tokens)
+    code = CHILD.format(src=str(REPO / "src"), path=path, threads=threads, pages=pages, tokens=tokens,
+                        census=CENSUS)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"child failed ({path}, T{threads}, {pages}): {out.stderr.strip().splitlines()[-1:]}")
