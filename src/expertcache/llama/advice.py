@@ -207,6 +207,23 @@ def hint_piece(path: str) -> int:
     return max(readahead_bytes(path), (sectors or 0) * 1024)
 
 
+def hint_range(fd: int, off: int, n: int, piece: int) -> None:
+    """``POSIX_FADV_WILLNEED`` of file bytes ``[off, off + n)`` in pieces of ``piece`` bytes, which the
+    kernel reads whole (:func:`hint_piece`)."""
+    for lo in range(off, off + n, piece):
+        os.posix_fadvise(fd, lo, min(piece, off + n - lo), os.POSIX_FADV_WILLNEED)
+
+
+def drop_file(fd: int, base: int | None, ranges) -> None:
+    """Every page of the file behind ``fd`` out of the page cache: this process's mapping of it
+    (``ranges``: ``(file offset, length)`` mapped at ``base``, :func:`mapped_ranges`) unmapped with
+    ``MADV_DONTNEED``, then the whole file's clean pages dropped (``POSIX_FADV_DONTNEED``)."""
+    if base is not None:
+        for off, n in ranges:
+            madvise(base + off, n, MADV_DONTNEED)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # 0, 0: the whole file
+
+
 def drop(fd: int, base: int, off: int, n: int) -> None:
     """Evict the whole pages inside file bytes ``[off, off + n)``: unmap them from this process
     (MADV_DONTNEED on the mapping), then drop the clean pages (POSIX_FADV_DONTNEED). A page the
@@ -449,10 +466,10 @@ class PageAdvisor:
         layer, is never read again) and the dense part read back as single pages (hints read single
         pages; ``MADV_RANDOM`` keeps a fault from reading around), to be locked: from here every page
         of the tier is one the pool or the dense part accounts for, and an expert drops whole."""
-        for off, n in mapped_ranges(self.g.path, self.maps):
+        ranges = mapped_ranges(self.g.path, self.maps)
+        for off, n in ranges:
             madvise(self.base + off, n, MADV_RANDOM)
-            madvise(self.base + off, n, MADV_DONTNEED)
-        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # 0, 0: the whole file
+        drop_file(self.fd, self.base, ranges)
         for t in self.g.dense_tensors:
             if t.nbytes:
                 self.hint(t.offset, t.nbytes)
@@ -482,9 +499,7 @@ class PageAdvisor:
     def hint(self, off: int, n: int) -> None:
         """``POSIX_FADV_WILLNEED`` of file bytes ``[off, off + n)`` in pieces the kernel reads whole (it
         reads at most the larger of the device's readahead and its largest request per call)."""
-        step = self.hint_piece
-        for lo in range(off, off + n, step):
-            os.posix_fadvise(self.fd, lo, min(step, off + n - lo), os.POSIX_FADV_WILLNEED)
+        hint_range(self.fd, off, n, self.hint_piece)
 
     def _routers(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per MoE layer: (ffn_norm weight [H], router [E, H]) as float32, read from the file."""

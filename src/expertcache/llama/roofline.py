@@ -44,7 +44,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..wall.pagecache import evict_file_pages, residency
 from ..wall.procfs import OpenProcFile
-from .advice import MADV_DONTNEED, hint_piece, madvise, mapped_ranges, mapping_base
+from .advice import drop_file, hint_piece, hint_range, mapped_ranges, mapping_base
 
 BLOCK = 4096
 CACHE_SECONDS = 24 * 3600
@@ -217,13 +217,9 @@ def bring_in(path: str, pages: str) -> str | None:
         maps.close()
     fd = os.open(path, os.O_RDONLY)
     try:
-        if base is not None:
-            for off, n in ranges:
-                madvise(base + off, n, MADV_DONTNEED)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        size, step = os.fstat(fd).st_size, hint_piece(path)
-        for lo in range(0, size, step):
-            os.posix_fadvise(fd, lo, min(step, size - lo), os.POSIX_FADV_WILLNEED)
+        drop_file(fd, base, ranges)  # as the managed mode starts empty
+        size = os.fstat(fd).st_size
+        hint_range(fd, 0, size, hint_piece(path))
     finally:
         os.close(fd)
     t0 = last_t = time.monotonic()
@@ -232,8 +228,9 @@ def bring_in(path: str, pages: str) -> str | None:
         try:
             have, total = residency([path])
         except PermissionError as exc:
-            time.sleep(min(HINT_WAIT_S, size / HINT_ASSUMED_BYTES_PER_S))
-            return f"hinted pages not watched ({exc}): waited {min(HINT_WAIT_S, size / HINT_ASSUMED_BYTES_PER_S):.1f} s"
+            wait = min(HINT_WAIT_S, size / HINT_ASSUMED_BYTES_PER_S)
+            time.sleep(wait)
+            return f"hinted pages not watched ({exc}): waited {wait:.1f} s"
         if have >= total:
             return None
         if have > last:
