@@ -278,6 +278,70 @@ def test_compute_rate_is_timed_and_kept_per_page_state(gguf_path, prompt, tmp_pa
         "lookahead": "hinted", "nocache": "hinted", "prefetch": "hinted", "nommap": "faulted"}
 
 
+def test_compute_rate_as_the_managed_step_runs(gguf_path, prompt, tmp_path, monkeypatch):
+    """``step="managed"``: the compute rate timed with the managed mode's own advisor observing every
+    forward (its pool every expert: the first pass loads, nothing is ever dropped), kept apart from
+    the plain hinted rate; a step of another mode, or in another page state, is a one-line error."""
+    import expertcache.llama.roofline as rl
+    from expertcache.errors import ConfigError
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    made = []
+
+    class Recorded(rl.PageAdvisor):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(rl, "PageAdvisor", Recorded)
+    plain = rl.compute_rate(str(gguf_path), prompt, 4, pages="hinted")
+    assert not made and plain["step"] is None
+    stepped = rl.compute_rate(str(gguf_path), prompt, 4, pages="hinted", step="managed")
+    assert not stepped["cached"] and stepped["step"] == "managed" and stepped["tokens_per_s"] > 0
+    (adv,) = made
+    assert adv.mode == "managed" and adv.managed_loads > 0 and adv.managed_drops == 0 and adv.n_tokens > 0
+    again = rl.compute_rate(str(gguf_path), prompt, 4, pages="hinted", step="managed")
+    assert again["cached"] and again["tokens_per_s"] == stepped["tokens_per_s"] and len(made) == 1
+    for step, pages in (("advise", "hinted"), ("managed", "faulted")):
+        with pytest.raises(ConfigError, match=f"step '{step}': one of managed, in its own page state"):
+            rl.compute_rate(str(gguf_path), prompt, 4, pages=pages, step=step)
+
+
+def test_hinted_bandwidth_reads_as_the_managed_step_does(gguf_path, tmp_path, monkeypatch):
+    """The managed mode's miss path timed on the file: per round one MoE layer's top_k experts, each
+    slice hinted in the advisor's pieces, then dropped over the whole pages it covers; bytes per
+    second over the slices' bytes; kept in the cache."""
+    import expertcache.llama.roofline as rl
+    from expertcache.formats.gguf import read_geometry
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    g = read_geometry(str(gguf_path))
+    slices = {r for layer in g.moe_layers for e in range(g.num_experts) for r in g.expert_ranges(layer, e)}
+    calls = []
+    real = rl.os.posix_fadvise
+    monkeypatch.setattr(rl.os, "posix_fadvise", lambda fd, off, n, advice: (calls.append((off, n, advice)),
+                                                                            real(fd, off, n, advice))[1])
+    r = rl.hinted_bandwidth(g, seconds=0.3)
+    assert not r["cached"] and r["passes"] == rl.BANDWIDTH_PASSES and r["bytes"] > 0 and r["bytes_per_s"] > 0
+    assert r["bytes_per_s_min"] <= r["bytes_per_s"] <= r["bytes_per_s_max"]
+    piece = rl.hint_piece(g.path)
+    hinted, dropped = [], []
+    for off, n, advice in calls:
+        (hinted if advice == rl.os.POSIX_FADV_WILLNEED else dropped).append((off, n))
+    assert all(n <= piece for _, n in hinted)
+    # the hints, joined where a piece continues its slice, are whole slices; each slice dropped over its pages
+    joined = []
+    for off, n in hinted:
+        if joined and joined[-1][0] + joined[-1][1] == off and joined[-1] not in slices:
+            joined[-1] = (joined[-1][0], joined[-1][1] + n)
+        else:
+            joined.append((off, n))
+    assert set(joined) <= slices and sum(n for _, n in joined) == r["bytes"]
+    drops = [(off // 4096 * 4096, -(-(off + n) // 4096) * 4096 - off // 4096 * 4096) for off, n in joined]
+    assert [d for d in dropped if d[1]] == drops
+    assert rl.hinted_bandwidth(g)["cached"]
+
+
 def test_prefill_compute_rate_is_timed_once_per_prompt(gguf_path, prompt, tmp_path, monkeypatch):
     """The prefill's compute rate (the benchmark's prefill limit): the median of timed prefills in one
     process, kept per (file, threads, prompt) in the cache file; another prompt is timed afresh."""

@@ -566,6 +566,10 @@ def test_forecast_by_hand(tiny_gguf, tmp_path, capsys, window):
     assert r["missed_bytes_per_token"] == pytest.approx(D) and r["fill_bytes_per_token"] == pytest.approx(man_first / T)
     assert r["predicted_tokens_per_s"] == pytest.approx(1 / (1 / c + D / B))
     assert r["bound_by"] == ("disk" if D / B > 1 / c else "compute")
+    # a bandwidth given serves every read path: B1 for the kernel modes, the hinted reads for managed
+    assert [(x["mode"], x["read_bytes_per_s"], x["read_source"]) for x in recs.values()] == [
+        ("mmap", B, "B1 (--disk-bandwidth)"), ("advise", B, "B1 (--disk-bandwidth)"),
+        ("managed", B, "--disk-bandwidth")]
 
 
 def test_cold_fills_are_counted_as_reads(tiny_gguf, tmp_path, capsys, window):
@@ -658,14 +662,15 @@ def test_forecast_text_and_synthetic_trace(tiny_gguf, capsys, window):
     (rec,) = [r for r in records(run(capsys, "size", tiny_gguf, "--memory", "200kB", "--disk-bandwidth", "1.5",
                                      "--compute", "40", "--json")[1]) if r["mode"] == "advise"]
     assert rows["advise"][7] == f"{rec['predicted_tokens_per_s']:.4g}" and rec["tokens"] == synthetic_tokens(8, 2)
-    assert "1 / (1/c + read/B1)" in out and "a model" in out
+    assert "1 / (1/c + read/B)" in out and "a model" in out
 
 
 def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
     """--auto (and the defaults): the bandwidths of O_DIRECT reads of one expert slice of the file,
-    by 1 and 4 readers, and llama.cpp's compute rate, as the roofline module measures them: in both
-    page states, each mode's forecast taking the one its reads leave (mmap: faulted; advise,
-    managed: hinted)."""
+    by 1 and 4 readers, the managed mode's hinted reads, and llama.cpp's compute rate, as the
+    roofline module measures them: in both page states and as the managed step runs, each mode's
+    forecast taking its own (mmap: faulted pages; advise: hinted; managed: hinted, its step
+    observing) and its own read rate (B1; managed: its hinted reads)."""
     import types
 
     import expertcache.llama.roofline as rl
@@ -678,34 +683,48 @@ def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
         seen.append((path, req, readers))
         return {"bytes_per_s": 1e9 * readers, "request_bytes": req, "cached": False, "note": None}
 
+    def hinted(g, fresh=False):
+        seen.append((g.path, "hinted"))
+        return {"bytes_per_s": 0.5e9, "passes": 3, "cached": False, "note": None}
+
     monkeypatch.setattr(rl, "device_bandwidth", bandwidth)
+    monkeypatch.setattr(rl, "hinted_bandwidth", hinted)
     timed = []
 
-    def compute(path, prompt, tokens, threads, fresh=False, pages="faulted"):
-        timed.append(pages)
-        return {"tokens_per_s": {"faulted": 25.0, "hinted": 20.0}[pages] * threads, "cached": True,
-                "note": "hinted pages not watched (no mincore)" if pages == "hinted" else None}
+    def compute(path, prompt, tokens, threads, fresh=False, pages="faulted", step=None):
+        timed.append((pages, step))
+        return {"tokens_per_s": {"faulted": 25.0, "hinted": 20.0, "managed": 18.0}[step or pages] * threads,
+                "cached": True, "note": "hinted pages not watched (no mincore)" if pages == "hinted" and not step
+                else None}
 
     monkeypatch.setattr(rl, "compute_rate", compute)
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
     g = read_geometry(str(tiny_gguf))
+    c = {"mmap": 50.0, "advise": 40.0, "managed": 36.0}
+    B = {"mmap": 1e9, "advise": 1e9, "managed": 0.5e9}
+    ends = {"mmap": "faulted pages", "advise": "hinted pages; hinted pages not watched (no mincore)",
+            "managed": "hinted pages, the managed step observing"}
     for argv in (["--auto"], [], ["--disk-bandwidth", "auto", "--compute", "auto"]):
         seen.clear()
         timed.clear()
         recs = records(run(capsys, "size", tiny_gguf, "--memory", "200kB", "--threads", "2", "--json", *argv)[1])
-        assert seen == [(str(tiny_gguf), request_bytes(g), 1), (str(tiny_gguf), request_bytes(g), 4)]
-        assert sorted(timed) == ["faulted", "hinted"]
+        assert seen == [(str(tiny_gguf), request_bytes(g), 1), (str(tiny_gguf), request_bytes(g), 4),
+                        (str(tiny_gguf), "hinted")]
+        assert timed == [("faulted", None), ("hinted", None), ("hinted", "managed")]
         for r in recs:
-            c = 50.0 if r["mode"] == "mmap" else 40.0
-            assert r["compute_pages"] == ("faulted" if r["mode"] == "mmap" else "hinted")
+            m = r["mode"]
+            assert r["compute_pages"] == ("faulted" if m == "mmap" else "hinted")
             assert (r["device_read_bytes_per_s_1"], r["device_read_bytes_per_s_4"]) == (1e9, 4e9)
-            assert r["compute_tokens_per_s"] == c and r["threads"] == 2 and r["compute_source"].startswith("cached")
-            assert r["compute_source"].endswith("faulted pages" if r["mode"] == "mmap" else
-                                                "hinted pages; hinted pages not watched (no mincore)")
-            assert r["limit_tokens_per_s"] == pytest.approx(min(c, 4e9 / r["missed_bytes_per_token"]))
-            assert r["predicted_tokens_per_s"] == pytest.approx(1 / (1 / c + r["missed_bytes_per_token"] / 1e9))
+            assert r["compute_tokens_per_s"] == c[m] and r["threads"] == 2 and r["compute_source"].startswith("cached")
+            assert r["compute_source"].endswith(ends[m])
+            assert r["read_bytes_per_s"] == B[m]
+            assert r["read_source"].startswith("B1 (measured: O_DIRECT" if m != "managed" else
+                                               f"measured: {g.top_k} experts' slices hinted")
+            assert r["limit_tokens_per_s"] == pytest.approx(min(c[m], 4e9 / r["missed_bytes_per_token"]))
+            assert r["predicted_tokens_per_s"] == pytest.approx(1 / (1 / c[m] + r["missed_bytes_per_token"] / B[m]))
     out = run(capsys, "size", tiny_gguf, "--memory", "200kB", "--threads", "2")[1]
-    assert "c with every expert resident = 50 tok/s for mmap (cached" in out and "40 tok/s for advise and managed" in out
+    assert "c with every expert resident = 50 tok/s for mmap (cached" in out and "40 tok/s for advise (" in out
+    assert "36 tok/s for managed (" in out and "managed's hinted reads 0.5 GB/s (measured: " in out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -434,21 +434,18 @@ def forecast_cmd(args) -> int:
     experts = dk.routing(trace, g)
     prompt = dk.prompt_rows(trace) if args.trace else None
     if isinstance(bandwidth, float):
-        bw1 = bw4 = bandwidth * 1e9
-        from ..llama.runner import request_bytes
-
-        req, bw_source = request_bytes(g), "--disk-bandwidth"
+        bw1 = bw4 = hinted = bandwidth * 1e9
+        req, bw_source, hinted_source = dk.request_bytes(g), "--disk-bandwidth", "--disk-bandwidth"
     else:
         bw1, bw4, req, bw_source = dk.measure_bandwidth(g)
+        hinted, hinted_source = dk.measure_hinted(g)
     if isinstance(compute, float):
         rates, c_sources = dk.Disk.given_compute(compute, "--compute")
-    else:  # in each page state the modes' reads leave (llama.roofline.PAGE_STATES)
-        from ..llama.roofline import PAGE_STATES
-
-        measured = {p: dk.measure_compute(g, threads, pages=p) for p in PAGE_STATES}
-        rates, c_sources = {p: m[0] for p, m in measured.items()}, {p: m[1] for p, m in measured.items()}
+    else:  # in each page state the modes' reads leave, and as the managed mode runs (forecast.COMPUTE_KINDS)
+        measured = {k: dk.measure_compute(g, threads, kind=k) for k in dk.COMPUTE_KINDS}
+        rates, c_sources = {k: m[0] for k, m in measured.items()}, {k: m[1] for k, m in measured.items()}
     window, window_source = dk.readahead_bytes(g.path)
-    disk = dk.Disk(bw1, bw4, req, bw_source, rates, c_sources, threads)
+    disk = dk.Disk(bw1, bw4, req, bw_source, rates, c_sources, threads, hinted, hinted_source)
     records = dk.forecast(g, experts, args.memory, disk, window=window, window_source=window_source,
                           trace_label=label, prompt=prompt, seq=np.asarray(trace.seq))
     if args.json:
@@ -494,7 +491,10 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
     else:
         comp = "c with every expert resident = " + ", ".join(
             f"{c:.4g} tok/s for {' and '.join(modes)} ({source})" for (c, source), modes in by_pages.items())
-    print(f"disk: {bws} ({r0['disk_bandwidth_source']}); compute: {comp}")
+    managed = next((r for r in records if r["mode"] == "managed"), None)
+    hinted = "" if managed is None or managed["read_source"] == "--disk-bandwidth" else \
+        f"; managed's hinted reads {managed['read_bytes_per_s'] / 1e9:.4g} GB/s ({managed['read_source']})"
+    print(f"disk: {bws} ({r0['disk_bandwidth_source']}){hinted}; compute: {comp}")
     head = ["mode", "dense MB", "experts MB", "demand MB/tok", "ampl", "read MB/tok", "first reads", "tok/s",
             "ovl tok/s", "bound by"]
     rows = []
@@ -508,9 +508,9 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
     for row in [head, ["-" * w for w in widths], *rows]:
         print("  ".join(c.ljust(w) if i in (0, len(head) - 1) else c.rjust(w) for i, (c, w) in
                         enumerate(zip(row, widths))).rstrip())
-    print("  tok/s = 1 / (1/c + read/B1): the forecast (reads block compute in these modes); ovl tok/s = "
-          "min(c, max(B1, B4) / read): reads overlapped with compute, for reference; bound by: the larger of "
-          "1/c and read/B1")
+    print("  tok/s = 1 / (1/c + read/B): the forecast (reads block compute in these modes), B = B1 for mmap and "
+          "advise, managed's hinted reads for managed; ovl tok/s = min(c, max(B1, B4) / read): reads overlapped "
+          "with compute, for reference; bound by: the larger of 1/c and read/B")
     print("  demand: an LRU of the mode's expert bytes (experts MB) over the trace; first reads: their share of "
           "read MB/tok")
     for r in records:

@@ -5,12 +5,17 @@ For each page-cache mode of ``expertcache llama run`` (``mmap``, ``advise``, ``m
 the forecast replays a router trace through a model of what that mode keeps in ``SIZE`` bytes of
 memory and counts the bytes a decode token reads from disk, ``D``; the decode rate is then the
 roofline (:func:`expertcache.llama.roofline.limits`) with ``c`` the compute rate with every expert
-resident, in the page state the mode's reads leave (``mmap``: the large folios of faults'
-read-around; ``advise``, ``managed``: the single pages of hints; ``roofline.PAGE_STATES``), and
-``B1`` (``B4``) the device's bandwidth with one (four) readers:
+resident (:func:`compute_kind`): for the kernel modes in the page state their reads leave
+(``mmap``: the large folios of faults' read-around; ``advise``: the single pages of hints;
+``roofline.PAGE_STATES``), for ``managed`` as it runs (hinted pages, its step observing every
+forward: the step's own cost is in ``c``); and ``B1`` (``B4``) the device's ``O_DIRECT`` bandwidth
+with one (four) readers:
 
-* ``predicted_tokens_per_s = 1 / (1/c + D/B1)``: in these modes a missed expert's read blocks the
-  compute that needs it (a page fault, or a hint the layer then waits on);
+* ``predicted_tokens_per_s = 1 / (1/c + D/B)``: in these modes a missed expert's read blocks the
+  compute that needs it (a page fault, or a hint the layer then waits on). ``B`` is ``B1`` for the
+  kernel modes, whose read models were fitted with it; for ``managed``, whose ``D`` is exact, the
+  rate of its own miss path measured on the file (:func:`expertcache.llama.roofline.hinted_bandwidth`:
+  hints, a fault per page, drops), so that its forecast is a sum of measured costs;
 * ``limit_tokens_per_s = min(c, max(B1, B4) / D)``: reads entirely overlapped with compute, for reference.
 
 The replay (:func:`replay_bytes`) is one global pool over every MoE layer's experts, kept across the
@@ -60,6 +65,10 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..costmodel.sizing import MB
+from .advice import managed_budget, managed_item_bytes
+from . import roofline as rl  # its measurements called through the module (tests stand in for them there)
+from .roofline import COMPUTE_REPEATS, PAGE_STATES, STEPS, limits, pages_of
+from .runner import request_bytes
 
 MODES = ("mmap", "advise", "managed")
 """The page-cache modes forecast, in the order printed (docs/llama.md defines them)."""
@@ -78,8 +87,8 @@ small part of a steady decode's (:func:`synthetic_tokens`)."""
 KEYS = ("mode", "gguf", "memory_wall", "dense_bytes", "expert_tensor_bytes", "cache_bytes", "cache_fraction",
         "demand_bytes_per_token", "amplification", "missed_bytes_per_token", "fill_bytes_per_token",
         "readahead_bytes", "device_request_bytes", "device_read_bytes_per_s_1", "device_read_bytes_per_s_4",
-        "disk_bandwidth_source", "compute_tokens_per_s", "compute_source", "compute_pages", "threads",
-        "predicted_tokens_per_s",
+        "disk_bandwidth_source", "read_bytes_per_s", "read_source", "compute_tokens_per_s", "compute_source",
+        "compute_pages", "threads", "predicted_tokens_per_s",
         "limit_tokens_per_s", "bound_by", "trace", "tokens", "note")
 """The fields of every ``size --memory --json`` record, in order (docs/sizing.md)."""
 
@@ -283,12 +292,26 @@ def readahead_bytes(path: str) -> tuple[int, str]:
     return window, f"read_ahead_kb {window >> 10} of device {dev}"
 
 
+COMPUTE_KINDS = PAGE_STATES + STEPS
+"""How each compute rate of a forecast is timed (:func:`compute_kind`): with every expert resident in
+each page state, and as the ``managed`` mode decodes with nothing to read (its step observing,
+hinted pages: :func:`expertcache.llama.roofline.compute_rate` ``step=``)."""
+
+
+def compute_kind(mode: str) -> str:
+    """The compute rate (:data:`COMPUTE_KINDS`) a mode's forecast takes: ``managed`` its own, timed with
+    its step observing (the step's cost is the mode's, and its reads are modelled exactly, so its
+    forecast is a sum of measured costs); the kernel modes that of their page state
+    (:func:`~expertcache.llama.roofline.pages_of`), their read models being fits of the whole."""
+    return mode if mode in STEPS else pages_of(mode)
+
+
 @dataclass(frozen=True)
 class Disk:
-    """The roofline's inputs: bandwidths in bytes/s (one and four readers), the request size they
-    were measured at, the compute rate in tokens/s per page state
-    (:data:`~expertcache.llama.roofline.PAGE_STATES`: a mode's own is
-    :func:`~expertcache.llama.roofline.pages_of`), and where each came from."""
+    """The forecast's inputs: bandwidths in bytes/s (``O_DIRECT``, one and four readers), the request
+    size they were measured at, the rate of the ``managed`` mode's hinted reads (``hinted_bw``:
+    :func:`~expertcache.llama.roofline.hinted_bandwidth`), the compute rate in tokens/s per kind of
+    :data:`COMPUTE_KINDS`, and where each came from."""
 
     bw1: float
     bw4: float
@@ -297,25 +320,23 @@ class Disk:
     compute: dict
     compute_source: dict
     threads: int
+    hinted_bw: float
+    hinted_source: str
 
     @staticmethod
     def given_compute(rate: float, source: str) -> tuple[dict, dict]:
-        """``(compute, compute_source)`` of one rate given for every page state."""
-        from .roofline import PAGE_STATES
-
-        return {p: rate for p in PAGE_STATES}, {p: source for p in PAGE_STATES}
+        """``(compute, compute_source)`` of one rate given for every kind."""
+        return {p: rate for p in COMPUTE_KINDS}, {p: source for p in COMPUTE_KINDS}
 
 
 def measure_bandwidth(g, fresh: bool = False) -> tuple[float, float, int, str]:
     """``(B1, B4, request bytes, source)`` by :func:`expertcache.llama.roofline.device_bandwidth` on
     the file itself at :func:`expertcache.llama.runner.request_bytes`; a one-line ConfigError where
     the device cannot be read with ``O_DIRECT``."""
-    from .roofline import device_bandwidth
-    from .runner import request_bytes
 
     req = request_bytes(g)
-    b1 = device_bandwidth(g.path, req, 1, fresh=fresh)
-    b4 = device_bandwidth(g.path, req, 4, fresh=fresh)
+    b1 = rl.device_bandwidth(g.path, req, 1, fresh=fresh)
+    b4 = rl.device_bandwidth(g.path, req, 4, fresh=fresh)
     for b in (b1, b4):
         if not b.get("bytes_per_s"):
             raise ConfigError(f"--disk-bandwidth auto: cannot measure the device of {g.path} ({b.get('note')}): "
@@ -325,9 +346,18 @@ def measure_bandwidth(g, fresh: bool = False) -> tuple[float, float, int, str]:
             f"{how}: O_DIRECT reads of {int(b1['request_bytes']):,} bytes")
 
 
-def measure_compute(g, threads: int, fresh: bool = False, pages: str = "faulted") -> tuple[float, str]:
-    """``(tokens/s, source)`` by :func:`expertcache.llama.roofline.compute_rate` on the file, its
-    pages brought in as ``pages`` says (the median of timed greedy decodes of
+def measure_hinted(g, fresh: bool = False) -> tuple[float, str]:
+    """``(bytes/s, source)`` of the ``managed`` mode's miss path on the file
+    (:func:`expertcache.llama.roofline.hinted_bandwidth`)."""
+    r = rl.hinted_bandwidth(g, fresh=fresh)
+    how = "cached" if r.get("cached") else "measured"
+    return float(r["bytes_per_s"]), (f"{how}: {g.top_k} experts' slices hinted, their pages faulted in and dropped, "
+                                     f"median of {r['passes']} passes")
+
+
+def measure_compute(g, threads: int, fresh: bool = False, kind: str = "faulted") -> tuple[float, str]:
+    """``(tokens/s, source)`` by :func:`expertcache.llama.roofline.compute_rate` on the file, timed as
+    ``kind`` (:data:`COMPUTE_KINDS`) says (the median of timed greedy decodes of
     :data:`COMPUTE_TOKENS` after the prompt ids 1..16, once the first has read the experts in);
     needs the llama extra (a one-line ConfigError saying to give ``--compute`` otherwise)."""
     try:
@@ -335,18 +365,21 @@ def measure_compute(g, threads: int, fresh: bool = False, pages: str = "faulted"
     except ImportError:
         raise ConfigError("--compute auto times llama.cpp on the file and needs the llama extra "
                           "(pip install 'expertcache[llama]'): give --compute TOK/S") from None
-    from .roofline import COMPUTE_REPEATS, compute_rate
-
+    if kind not in COMPUTE_KINDS:
+        raise ConfigError(f"compute kind {kind!r} is not one of {', '.join(COMPUTE_KINDS)}")
+    step = kind if kind in STEPS else None
+    pages = pages_of(step) if step else kind
     vocab = g.metadata.get("tokenizer.ggml.tokens")
     n = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1 else 2
     prompt = [1 + i % (n - 1) for i in range(COMPUTE_PROMPT_TOKENS)]
-    r = compute_rate(g.path, prompt, COMPUTE_TOKENS, threads, fresh=fresh, pages=pages)
+    r = rl.compute_rate(g.path, prompt, COMPUTE_TOKENS, threads, fresh=fresh, pages=pages, step=step)
     if not r.get("tokens_per_s"):
         raise ConfigError(f"--compute auto: no decode step timed on {g.path} ({r.get('note')}): give --compute TOK/S")
     how = "cached" if r.get("cached") else "measured"
     note = f"; {r['note']}" if r.get("note") else ""
     return float(r["tokens_per_s"]), (f"{how}: llama.cpp, {COMPUTE_TOKENS} tokens decoded, median of {COMPUTE_REPEATS} passes, "
-                                      f"{threads} thread{'s' if threads != 1 else ''}, {pages} pages{note}")
+                                      f"{threads} thread{'s' if threads != 1 else ''}, {pages} pages"
+                                      f"{f', the {step} step observing' if step else ''}{note}")
 
 
 def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, window_source: str,
@@ -355,9 +388,6 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
     row of ``experts``, :func:`prompt_rows`; ``seq`` the rows' sequences): the prompts' rows warm the
     ``managed`` pool uncounted, as a run's prefill does; the kernel modes' read models, fitted on the
     decode steps replayed cold, leave them out; ``tokens`` counts the decode rows."""
-    from .advice import managed_budget, managed_item_bytes
-    from .roofline import limits, pages_of
-
     decode = experts if prompt is None else experts[~prompt]
     E, L, T = g.num_experts, len(g.moe_layers), int(decode.shape[0])
     sizes = np.repeat(np.asarray(g.layer_expert_bytes, dtype=np.int64), E)
@@ -405,15 +435,18 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
     for mode in MODES:
         r = rows[mode]
         D = r["missed"]
-        pages = pages_of(mode)
-        c = disk.compute[pages]
+        kind = compute_kind(mode)
+        c = disk.compute[kind]
+        B, B_source = ((disk.hinted_bw, disk.hinted_source) if mode == "managed" else
+                       (disk.bw1, f"B1 ({disk.bandwidth_source})"))
         lim = limits(c, D, disk.bw1, disk.bw4)
-        bound = None if D is None else ("disk" if D / disk.bw1 > 1.0 / c else "compute")
-        rec = {"mode": mode, **base, "compute_tokens_per_s": c, "compute_source": disk.compute_source[pages],
-               "compute_pages": pages, "cache_bytes": int(r["cache_bytes"]),
+        bound = None if D is None else ("disk" if D / B > 1.0 / c else "compute")
+        rec = {"mode": mode, **base, "read_bytes_per_s": B, "read_source": B_source, "compute_tokens_per_s": c,
+               "compute_source": disk.compute_source[kind], "compute_pages": pages_of(mode),
+               "cache_bytes": int(r["cache_bytes"]),
                "cache_fraction": r["cache_bytes"] / total, "demand_bytes_per_token": r["demand"],
                "amplification": r["amplification"], "missed_bytes_per_token": D, "fill_bytes_per_token": r["fill"],
-               "predicted_tokens_per_s": lim["serial_limit_tokens_per_s"] if D is not None else None,
+               "predicted_tokens_per_s": 1.0 / (1.0 / c + D / B) if D is not None else None,
                "limit_tokens_per_s": lim["limit_tokens_per_s"] if D is not None else None,
                "bound_by": bound, "note": r["note"]}
         out.append({k: rec[k] for k in KEYS})

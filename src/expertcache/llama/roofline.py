@@ -13,6 +13,10 @@ what the compute can do with every expert resident, and the decode rate the two 
   with every expert they need resident; the median of their tokens / second (and its spread). The
   file's pages are first brought in one of the ways of :data:`PAGE_STATES` (the compute rate
   depends on it). Cached per (file, size, mtime, threads, prompt, tokens, page state) in the same file.
+  With ``step="managed"`` the ``managed`` mode's advisor observes every pass as in a run (its pool
+  every expert, its own hinted pages): the compute rate as that mode decodes with nothing to read.
+* :func:`hinted_bandwidth` times the ``managed`` mode's miss path on the file (hints of a layer's
+  routed experts' slices, a fault per page, drops): bytes / second through the page cache.
 * :func:`prefill_compute_rate` times prefills of a prompt the same way (the
   prefill's ``c``: a prefill's limit is ``min(c, max(B1, B4) / D)`` with ``D`` its routed experts'
   bytes per prompt token, each expert once).
@@ -44,7 +48,8 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..wall.pagecache import evict_file_pages, residency
 from ..wall.procfs import OpenProcFile
-from .advice import drop_file, hint_piece, hint_range, mapped_ranges, mapping_base
+from ..formats.gguf import read_geometry
+from .advice import MADV_DONTNEED, MADV_RANDOM, PageAdvisor, drop_file, hint_piece, hint_range, mapped_ranges, mapping_base
 
 BLOCK = 4096
 CACHE_SECONDS = 24 * 3600
@@ -159,6 +164,63 @@ def device_bandwidth(path: str, request_bytes: int, readers: int, *, seconds: fl
     return {**out, "cached": False}
 
 
+def hinted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
+    """``{"bytes_per_s", "bytes_per_s_min", "bytes_per_s_max", "passes", "bytes", "cached", "note"}``:
+    bytes per second through the ``managed`` mode's miss path on the file of ``g``: rounds of one
+    seeded random MoE layer's ``top_k`` random experts, each round their slices hinted
+    (:func:`~expertcache.llama.advice.hint_range` in :func:`~expertcache.llama.advice.hint_piece`
+    pieces, as the step hints its loads), every page of them then touched through a ``MADV_RANDOM``
+    mapping (a fault per page waiting for its read, as the matmul that needs them does), then
+    dropped (``MADV_DONTNEED``, then ``POSIX_FADV_DONTNEED``, as the step drops a victim); the file's
+    pages evicted first. :data:`BANDWIDTH_PASSES` passes of ``seconds / passes`` each; the median
+    pass and its spread. Unlike :func:`device_bandwidth` it goes through the page cache: page
+    allocation, the per-page faults and the system calls are in it (measured 1.1-1.5 GB/s here on
+    the OLMoE-geometry file against 2.3 GB/s of ``O_DIRECT`` reads of a slice). Cached per (file,
+    size, mtime) for a day."""
+    path = g.path
+    st = os.stat(path)
+    key = f"hinted {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)}"
+    hit = _cached(key, fresh)
+    if hit is not None:
+        return {**hit, "cached": True}
+    piece = hint_piece(path)
+    rng = random.Random(0)
+    rates, total = [], 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        try:
+            view.madvise(MADV_RANDOM)
+            evict_file_pages([path])
+            for _ in range(BANDWIDTH_PASSES):
+                done, t0 = 0, time.monotonic()
+                stop = t0 + seconds / BANDWIDTH_PASSES
+                while time.monotonic() < stop:
+                    layer = rng.choice(g.moe_layers)
+                    ranges = [r for e in rng.sample(range(g.num_experts), min(g.top_k, g.num_experts))
+                              for r in g.expert_ranges(layer, e)]
+                    for off, n in ranges:
+                        hint_range(fd, off, n, piece)
+                    for off, n in ranges:
+                        for a in range(off - off % BLOCK, off + n, BLOCK):
+                            view[a]  # one fault per page
+                    for off, n in ranges:
+                        lo, hi = off - off % BLOCK, -(-(off + n) // BLOCK) * BLOCK
+                        view.madvise(MADV_DONTNEED, lo, min(hi, st.st_size) - lo)
+                        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+                    done += sum(n for _, n in ranges)
+                rates.append(done / (time.monotonic() - t0))
+                total += done
+        finally:
+            view.close()
+    finally:
+        os.close(fd)
+    out = {"bytes_per_s": statistics.median(rates), "bytes_per_s_min": min(rates), "bytes_per_s_max": max(rates),
+           "passes": len(rates), "bytes": total, "at": time.time(), "note": None}
+    _store(key, out)
+    return {**out, "cached": False}
+
+
 COMPUTE_REPEATS = 3
 """Timed passes of :func:`compute_rate` and :func:`prefill_compute_rate` after the one that reads the
 experts in; the median is kept. One pass moved by 20-50% on this shared 2-core host (a Qwen3 2-thread
@@ -181,6 +243,9 @@ Measured (``benchmarks/page_state.py``, 6 rounds): hinted / faulted 0.85 in medi
 OLMoE-geometry f16 GGUF with 1 thread (31.9 [30.7-37.5] against 37.5 [30.2-41] tok/s; 4 of 6 rounds
 slower), 0.98 with 2 threads, 1.03 and 1.04 on a Qwen3-geometry Q4_K_M one: ties by the spread
 rule, and in the benchmark's own compute cells 0.87 on the first, within 4% on the others."""
+STEPS = ("managed",)
+"""Modes whose step :func:`compute_rate` can time observing (``step=``): the ``managed`` mode, whose
+forecast takes the compute rate as it runs (docs/sizing.md)."""
 HINT_WAIT_S = 60.0
 """The longest :func:`bring_in` waits for hinted pages to arrive (it stops earlier once the file is
 resident, or its residency has not grown for :data:`HINT_STALL_S`)."""
@@ -242,48 +307,66 @@ def bring_in(path: str, pages: str) -> str | None:
 
 
 def _timed(kind: str, extra: str, path: str, prompt: list, threads: int, n_ctx: int, one_pass, fresh: bool,
-           pages: str = "faulted") -> dict:
+           pages: str = "faulted", step: str | None = None) -> dict:
     """The median and spread of ``one_pass(engine)`` (a rate, or None) over :data:`COMPUTE_REPEATS`
     passes after one that reads the experts in, in one process with ``path`` mapped, its pages
-    first evicted and brought in as ``pages`` says (:func:`bring_in`); cached per (``kind``, file,
-    size, mtime, threads, ``extra``, prompt, ``pages``)."""
+    first evicted and brought in as ``pages`` says (:func:`bring_in`), or, with ``step`` (a mode of
+    :data:`STEPS`), as that mode's own advisor brings them in while it observes every pass (its pool
+    every expert of the file); cached per (``kind``, file, size, mtime, threads, ``extra``, prompt,
+    ``pages``, ``step``)."""
     if pages not in PAGE_STATES:
         raise ConfigError(f"page state {pages!r} is not one of {', '.join(PAGE_STATES)}")
+    if step is not None and (step not in STEPS or pages != pages_of(step)):
+        raise ConfigError(f"step {step!r}: one of {', '.join(STEPS)}, in its own page state")
     st = os.stat(path)
     digest = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
     key = f"{kind} {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)} {threads}{extra} {digest} {pages}"
+    key += f" {step}" if step else ""
     hit = _cached(key, fresh)
     if hit is not None:
         return {**hit, "cached": True}
     from .engine import Engine
 
     evict_file_pages([path])  # whatever the last run left (its own page state) is gone
-    with Engine(path, n_ctx=n_ctx, threads=threads) as eng:
-        note = bring_in(path, pages)
-        one_pass(eng)
-        rates = [r for r in (one_pass(eng) for _ in range(COMPUTE_REPEATS)) if r]
+    advisor = PageAdvisor(read_geometry(path), step) if step is not None else None  # before the load, as a run
+    try:
+        with Engine(path, n_ctx=n_ctx, threads=threads) as eng:
+            if advisor is None:
+                note = bring_in(path, pages)
+            else:  # the managed mode starts empty: the file dropped, its dense part hinted back
+                note = None
+                advisor.start()
+                eng.attach(advisor)
+            one_pass(eng)
+            rates = [r for r in (one_pass(eng) for _ in range(COMPUTE_REPEATS)) if r]
+    finally:
+        if advisor is not None:
+            advisor.close()
     if not rates:
         return {"tokens_per_s": None, "cached": False, "note": "nothing timed"}
     out = {"tokens_per_s": statistics.median(rates), "tokens_per_s_min": min(rates),
-           "tokens_per_s_max": max(rates), "repeats": len(rates), "pages": pages, "at": time.time(), "note": note}
+           "tokens_per_s_max": max(rates), "repeats": len(rates), "pages": pages, "step": step, "at": time.time(),
+           "note": note}
     _store(key, out)
     return {**out, "cached": False}
 
 
 def compute_rate(path: str, prompt, tokens: int, threads: int = 1, *, fresh: bool = False,
-                 pages: str = "faulted") -> dict:
-    """``{"tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "repeats", "pages", "cached", "note"}``:
-    greedy decodes of ``tokens`` after ``prompt`` in one process, the file's pages brought in as
-    ``pages`` says (:data:`PAGE_STATES`), the first reading every expert the others route (their
-    one-token forwards time the compute alone), then :data:`COMPUTE_REPEATS` timed ones: their
-    median rate and its spread."""
+                 pages: str = "faulted", step: str | None = None) -> dict:
+    """``{"tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "repeats", "pages", "step", "cached",
+    "note"}``: greedy decodes of ``tokens`` after ``prompt`` in one process, the file's pages brought
+    in as ``pages`` says (:data:`PAGE_STATES`), the first reading every expert the others route
+    (their one-token forwards time the compute alone), then :data:`COMPUTE_REPEATS` timed ones: their
+    median rate and its spread. ``step``: a mode of :data:`STEPS` observing every forward as it does
+    in a run, its pool holding every expert (so nothing is read after the first pass): the compute
+    rate as that mode decodes with nothing to read, its step's own cost included."""
     prompt = [int(x) for x in prompt]
     steps = max(2, int(tokens))
 
     def one(eng):
         _, t = eng.generate(prompt, steps)
         return t["decode_steps"] / t["decode_seconds"] if t["decode_seconds"] else None
-    return _timed("compute", f" {tokens}", path, prompt, threads, len(prompt) + steps + 1, one, fresh, pages)
+    return _timed("compute", f" {tokens}", path, prompt, threads, len(prompt) + steps + 1, one, fresh, pages, step)
 
 
 def prefill_compute_rate(path: str, prompt, threads: int = 1, *, fresh: bool = False) -> dict:
