@@ -727,6 +727,29 @@ def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
     assert "36 tok/s for managed (" in out and "managed's hinted reads 0.5 GB/s (measured: " in out
 
 
+def test_a_step_that_cannot_run_takes_its_page_states_rate(tiny_gguf, capsys, window, monkeypatch):
+    """Where the managed step refuses to run on this machine (its mlock of the dense part refused),
+    managed's c is the hinted pages' rate, and its source says why."""
+    import types
+
+    import expertcache.llama.roofline as rl
+    from expertcache.errors import ConfigError
+
+    def compute(path, prompt, tokens, threads, fresh=False, pages="faulted", step=None):
+        if step:
+            raise ConfigError("--mode managed: mlock of 4096 bytes failed: Cannot allocate memory (RLIMIT_MEMLOCK)")
+        return {"tokens_per_s": {"faulted": 25.0, "hinted": 20.0}[pages], "cached": False, "note": None}
+
+    monkeypatch.setattr(rl, "compute_rate", compute)
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    recs = {r["mode"]: r for r in records(run(capsys, "size", tiny_gguf, "--memory", "200kB", "--json",
+                                                  "--disk-bandwidth", "1")[1])}
+    assert recs["managed"]["compute_tokens_per_s"] == recs["advise"]["compute_tokens_per_s"] == 20.0
+    assert recs["managed"]["compute_source"] == recs["advise"]["compute_source"] + (
+        " (the managed step not timed: --mode managed: mlock of 4096 bytes failed: Cannot allocate memory "
+        "(RLIMIT_MEMLOCK))")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--memory", "8GB"], "--memory forecasts a GGUF"),
     (["--memory", "8GB", "--device-memory", "8GB"], "--device-memory sizes a GPU expert cache"),

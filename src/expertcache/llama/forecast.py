@@ -359,7 +359,9 @@ def measure_compute(g, threads: int, fresh: bool = False, kind: str = "faulted")
     """``(tokens/s, source)`` by :func:`expertcache.llama.roofline.compute_rate` on the file, timed as
     ``kind`` (:data:`COMPUTE_KINDS`) says (the median of timed greedy decodes of
     :data:`COMPUTE_TOKENS` after the prompt ids 1..16, once the first has read the experts in);
-    needs the llama extra (a one-line ConfigError saying to give ``--compute`` otherwise)."""
+    needs the llama extra (a one-line ConfigError saying to give ``--compute`` otherwise). Where a
+    step cannot run (its mode's refusal, such as an mlock of the dense part that ``RLIMIT_MEMLOCK``
+    refuses), the rate of its page state, the source saying why."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -372,7 +374,14 @@ def measure_compute(g, threads: int, fresh: bool = False, kind: str = "faulted")
     vocab = g.metadata.get("tokenizer.ggml.tokens")
     n = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1 else 2
     prompt = [1 + i % (n - 1) for i in range(COMPUTE_PROMPT_TOKENS)]
-    r = rl.compute_rate(g.path, prompt, COMPUTE_TOKENS, threads, fresh=fresh, pages=pages, step=step)
+    try:
+        r = rl.compute_rate(g.path, prompt, COMPUTE_TOKENS, threads, fresh=fresh, pages=pages, step=step)
+    except ConfigError as exc:
+        if step is None:
+            raise
+        # the step cannot run here (its mlock of the dense part refused: RLIMIT_MEMLOCK): its page state's rate
+        c, source = measure_compute(g, threads, fresh, pages)
+        return c, f"{source} (the {step} step not timed: {exc})"
     if not r.get("tokens_per_s"):
         raise ConfigError(f"--compute auto: no decode step timed on {g.path} ({r.get('note')}): give --compute TOK/S")
     how = "cached" if r.get("cached") else "measured"

@@ -174,9 +174,9 @@ def hinted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
     dropped (``MADV_DONTNEED``, then ``POSIX_FADV_DONTNEED``, as the step drops a victim); the file's
     pages evicted first. :data:`BANDWIDTH_PASSES` passes of ``seconds / passes`` each; the median
     pass and its spread. Unlike :func:`device_bandwidth` it goes through the page cache: page
-    allocation, the per-page faults and the system calls are in it (measured 1.1-1.5 GB/s here on
-    the OLMoE-geometry file against 2.3 GB/s of ``O_DIRECT`` reads of a slice). Cached per (file,
-    size, mtime) for a day."""
+    allocation, the per-page faults and the system calls are in it (measured 1.06-1.7 GB/s here on
+    the OLMoE-geometry benchmark file against 1.5-2.3 GB/s of ``O_DIRECT`` reads of a slice).
+    Cached per (file, size, mtime) for a day."""
     path = g.path
     st = os.stat(path)
     key = f"hinted {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)}"
