@@ -8,7 +8,7 @@
    width 512, 128 experts, top-8, 12 layers, grouped-query attention, per-head q/k norms).
 2. Per model and thread count (--threads, default 1 and 2):
    * the compute rates (``size``'s and this prompt's, in both page states of
-     ``roofline.PAGE_STATES``; ``size``'s also as the managed step runs, ``forecast.COMPUTE_KINDS``),
+     ``roofline.PAGE_STATES``; ``size``'s also as the managed step runs, ``forecast.COMPUTE_TIMINGS``),
      the device's bandwidths and the managed mode's hinted reads (``roofline.hinted_bandwidth``) measured afresh,
      into the cache the forecasts and the runs' roofline read (a cached figure lives a day, and this
      shared host's speed drifts by more than the targets' 15% within one);
@@ -58,7 +58,7 @@ from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.llama.convert import convert_random  # noqa: E402
 from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.quantize import quantize  # noqa: E402
-from expertcache.llama.forecast import COMPUTE_KINDS, measure_compute, measure_hinted  # noqa: E402
+from expertcache.llama.forecast import COMPUTE_TIMINGS, measure_compute, measure_hinted  # noqa: E402
 from expertcache.llama.roofline import (PAGE_STATES, compute_rate, device_bandwidth, limits, pages_of,  # noqa: E402
                                         prefill_compute_rate, roofline)
 from expertcache.llama.runner import request_bytes, run_one  # noqa: E402
@@ -349,13 +349,13 @@ def main() -> int:
             # this block's compute rates and bandwidths measured now, into the cache the forecasts and
             # the runs' roofline read: a day-old figure from a host twice as fast misled both by 60%
             for p in PAGE_STATES:  # roofline's bandwidths are size's too
-                c_size, _ = measure_compute(g, threads, fresh=True, kind=p)
+                c_size, _ = measure_compute(g, threads, fresh=True, timing=p)
                 c_run = roofline(g.path, request_bytes(g), prompt, args.new_tokens, threads, fresh=True,
                                  pages=p)["compute_tokens_per_s"]
                 print(f"{name} T{threads}: compute rate in {p} pages {c_size:.3g} tok/s (size's prompt), {c_run:.3g} "
                       "(this prompt)", flush=True)
-            for k in COMPUTE_KINDS[len(PAGE_STATES):]:
-                print(f"{name} T{threads}: compute rate as the {k} step runs {measure_compute(g, threads, True, k)[0]:.3g} "
+            for t in COMPUTE_TIMINGS[len(PAGE_STATES):]:
+                print(f"{name} T{threads}: compute rate as the {t} step runs {measure_compute(g, threads, True, t)[0]:.3g} "
                       f"tok/s (size's prompt); its hinted reads {measure_hinted(g, fresh=True)[0] / 1e9:.3g} GB/s",
                       flush=True)
             fc = {w: forecast(files[name], w, threads, trace) for w in walls}  # predicted before anything is measured

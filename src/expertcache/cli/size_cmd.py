@@ -441,9 +441,9 @@ def forecast_cmd(args) -> int:
         hinted, hinted_source = dk.measure_hinted(g)
     if isinstance(compute, float):
         rates, c_sources = dk.Disk.given_compute(compute, "--compute")
-    else:  # in each page state the modes' reads leave, and as the managed mode runs (forecast.COMPUTE_KINDS)
-        measured = {k: dk.measure_compute(g, threads, kind=k) for k in dk.COMPUTE_KINDS}
-        rates, c_sources = {k: m[0] for k, m in measured.items()}, {k: m[1] for k, m in measured.items()}
+    else:  # in each page state the modes' reads leave, and as the managed mode runs (forecast.COMPUTE_TIMINGS)
+        measured = {t: dk.measure_compute(g, threads, timing=t) for t in dk.COMPUTE_TIMINGS}
+        rates, c_sources = {t: m[0] for t, m in measured.items()}, {t: m[1] for t, m in measured.items()}
     window, window_source = dk.readahead_bytes(g.path)
     disk = dk.Disk(bw1, bw4, req, bw_source, rates, c_sources, threads, hinted, hinted_source)
     records = dk.forecast(g, experts, args.memory, disk, window=window, window_source=window_source,

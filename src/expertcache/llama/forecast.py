@@ -5,7 +5,7 @@ For each page-cache mode of ``expertcache llama run`` (``mmap``, ``advise``, ``m
 the forecast replays a router trace through a model of what that mode keeps in ``SIZE`` bytes of
 memory and counts the bytes a decode token reads from disk, ``D``; the decode rate is then the
 roofline (:func:`expertcache.llama.roofline.limits`) with ``c`` the compute rate with every expert
-resident (:func:`compute_kind`): for the kernel modes in the page state their reads leave
+resident (:func:`timing_of`): for the kernel modes in the page state their reads leave
 (``mmap``: the large folios of faults' read-around; ``advise``: the single pages of hints;
 ``roofline.PAGE_STATES``), for ``managed`` as it runs (hinted pages, its step observing every
 forward: the step's own cost is in ``c``); and ``B1`` (``B4``) the device's ``O_DIRECT`` bandwidth
@@ -292,14 +292,14 @@ def readahead_bytes(path: str) -> tuple[int, str]:
     return window, f"read_ahead_kb {window >> 10} of device {dev}"
 
 
-COMPUTE_KINDS = PAGE_STATES + STEPS
-"""How each compute rate of a forecast is timed (:func:`compute_kind`): with every expert resident in
+COMPUTE_TIMINGS = PAGE_STATES + STEPS
+"""How each compute rate of a forecast is timed (:func:`timing_of`): with every expert resident in
 each page state, and as the ``managed`` mode decodes with nothing to read (its step observing,
 hinted pages: :func:`expertcache.llama.roofline.compute_rate` ``step=``)."""
 
 
-def compute_kind(mode: str) -> str:
-    """The compute rate (:data:`COMPUTE_KINDS`) a mode's forecast takes: ``managed`` its own, timed with
+def timing_of(mode: str) -> str:
+    """The compute rate (:data:`COMPUTE_TIMINGS`) a mode's forecast takes: ``managed`` its own, timed with
     its step observing (the step's cost is the mode's, and its reads are modelled exactly, so its
     forecast is a sum of measured costs); the kernel modes that of their page state
     (:func:`~expertcache.llama.roofline.pages_of`), their read models being fits of the whole."""
@@ -310,8 +310,8 @@ def compute_kind(mode: str) -> str:
 class Disk:
     """The forecast's inputs: bandwidths in bytes/s (``O_DIRECT``, one and four readers), the request
     size they were measured at, the rate of the ``managed`` mode's hinted reads (``hinted_bw``:
-    :func:`~expertcache.llama.roofline.hinted_bandwidth`), the compute rate in tokens/s per kind of
-    :data:`COMPUTE_KINDS`, and where each came from."""
+    :func:`~expertcache.llama.roofline.hinted_bandwidth`), the compute rate in tokens/s per timing of
+    :data:`COMPUTE_TIMINGS`, and where each came from."""
 
     bw1: float
     bw4: float
@@ -325,8 +325,8 @@ class Disk:
 
     @staticmethod
     def given_compute(rate: float, source: str) -> tuple[dict, dict]:
-        """``(compute, compute_source)`` of one rate given for every kind."""
-        return {p: rate for p in COMPUTE_KINDS}, {p: source for p in COMPUTE_KINDS}
+        """``(compute, compute_source)`` of one rate given for every timing."""
+        return {p: rate for p in COMPUTE_TIMINGS}, {p: source for p in COMPUTE_TIMINGS}
 
 
 def measure_bandwidth(g, fresh: bool = False) -> tuple[float, float, int, str]:
@@ -355,9 +355,9 @@ def measure_hinted(g, fresh: bool = False) -> tuple[float, str]:
                                      f"median of {r['passes']} passes")
 
 
-def measure_compute(g, threads: int, fresh: bool = False, kind: str = "faulted") -> tuple[float, str]:
+def measure_compute(g, threads: int, fresh: bool = False, timing: str = "faulted") -> tuple[float, str]:
     """``(tokens/s, source)`` by :func:`expertcache.llama.roofline.compute_rate` on the file, timed as
-    ``kind`` (:data:`COMPUTE_KINDS`) says (the median of timed greedy decodes of
+    ``timing`` (:data:`COMPUTE_TIMINGS`) says (the median of timed greedy decodes of
     :data:`COMPUTE_TOKENS` after the prompt ids 1..16, once the first has read the experts in);
     needs the llama extra (a one-line ConfigError saying to give ``--compute`` otherwise). Where a
     step cannot run (its mode's refusal, such as an mlock of the dense part that ``RLIMIT_MEMLOCK``
@@ -367,10 +367,10 @@ def measure_compute(g, threads: int, fresh: bool = False, kind: str = "faulted")
     except ImportError:
         raise ConfigError("--compute auto times llama.cpp on the file and needs the llama extra "
                           "(pip install 'expertcache[llama]'): give --compute TOK/S") from None
-    if kind not in COMPUTE_KINDS:
-        raise ConfigError(f"compute kind {kind!r} is not one of {', '.join(COMPUTE_KINDS)}")
-    step = kind if kind in STEPS else None
-    pages = pages_of(step) if step else kind
+    if timing not in COMPUTE_TIMINGS:
+        raise ConfigError(f"compute timing {timing!r} is not one of {', '.join(COMPUTE_TIMINGS)}")
+    step = timing if timing in STEPS else None
+    pages = pages_of(step) if step else timing
     vocab = g.metadata.get("tokenizer.ggml.tokens")
     n = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1 else 2
     prompt = [1 + i % (n - 1) for i in range(COMPUTE_PROMPT_TOKENS)]
@@ -444,14 +444,14 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
     for mode in MODES:
         r = rows[mode]
         D = r["missed"]
-        kind = compute_kind(mode)
-        c = disk.compute[kind]
+        timing = timing_of(mode)
+        c = disk.compute[timing]
         B, B_source = ((disk.hinted_bw, disk.hinted_source) if mode == "managed" else
                        (disk.bw1, f"B1 ({disk.bandwidth_source})"))
         lim = limits(c, D, disk.bw1, disk.bw4)
         bound = None if D is None else ("disk" if D / B > 1.0 / c else "compute")
         rec = {"mode": mode, **base, "read_bytes_per_s": B, "read_source": B_source, "compute_tokens_per_s": c,
-               "compute_source": disk.compute_source[kind], "compute_pages": pages_of(mode),
+               "compute_source": disk.compute_source[timing], "compute_pages": pages_of(mode),
                "cache_bytes": int(r["cache_bytes"]),
                "cache_fraction": r["cache_bytes"] / total, "demand_bytes_per_token": r["demand"],
                "amplification": r["amplification"], "missed_bytes_per_token": D, "fill_bytes_per_token": r["fill"],
