@@ -386,9 +386,10 @@ def measure_compute(g, threads: int, fresh: bool = False, timing: str = "faulted
         raise ConfigError(f"--compute auto: no decode step timed on {g.path} ({r.get('note')}): give --compute TOK/S")
     how = "cached" if r.get("cached") else "measured"
     note = f"; {r['note']}" if r.get("note") else ""
-    return float(r["tokens_per_s"]), (f"{how}: llama.cpp, {COMPUTE_TOKENS} tokens decoded, median of {COMPUTE_REPEATS} passes, "
-                                      f"{threads} thread{'s' if threads != 1 else ''}, {pages} pages"
-                                      f"{f', the {step} step observing' if step else ''}{note}")
+    observing = f", the {step} step observing" if step else ""
+    return float(r["tokens_per_s"]), (f"{how}: llama.cpp, {COMPUTE_TOKENS} tokens decoded, median of "
+                                      f"{COMPUTE_REPEATS} passes, {threads} thread{'s' if threads != 1 else ''}, "
+                                      f"{pages} pages{observing}{note}")
 
 
 def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, window_source: str,

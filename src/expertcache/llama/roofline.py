@@ -49,7 +49,8 @@ from ..errors import ConfigError
 from ..wall.pagecache import evict_file_pages, residency
 from ..wall.procfs import OpenProcFile
 from ..formats.gguf import read_geometry
-from .advice import MADV_DONTNEED, MADV_RANDOM, PageAdvisor, drop_file, hint_piece, hint_range, mapped_ranges, mapping_base
+from .advice import (MADV_DONTNEED, MADV_RANDOM, PageAdvisor, drop_file, hint_piece, hint_range, mapped_ranges,
+                     mapping_base)
 
 BLOCK = 4096
 CACHE_SECONDS = 24 * 3600
@@ -174,7 +175,7 @@ def hinted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
     dropped (``MADV_DONTNEED``, then ``POSIX_FADV_DONTNEED``, as the step drops a victim); the file's
     pages evicted first. :data:`BANDWIDTH_PASSES` passes of ``seconds / passes`` each; the median
     pass and its spread. Unlike :func:`device_bandwidth` it goes through the page cache: page
-    allocation, the per-page faults and the system calls are in it (measured 1.06-1.7 GB/s here on
+    allocation, the per-page faults and the system calls are in it (measured 1.02-1.7 GB/s here on
     the OLMoE-geometry benchmark file against 1.5-2.3 GB/s of ``O_DIRECT`` reads of a slice).
     Cached per (file, size, mtime) for a day."""
     path = g.path
@@ -328,7 +329,8 @@ def _timed(kind: str, extra: str, path: str, prompt: list, threads: int, n_ctx: 
     from .engine import Engine
 
     evict_file_pages([path])  # whatever the last run left (its own page state) is gone
-    advisor = PageAdvisor(read_geometry(path), step) if step is not None else None  # before the load, as a run
+    # made before the load, as a run makes it (it opens /proc/self/maps while there is room)
+    advisor = PageAdvisor(read_geometry(path), step) if step is not None else None
     try:
         with Engine(path, n_ctx=n_ctx, threads=threads) as eng:
             if advisor is None:
