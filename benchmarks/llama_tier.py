@@ -58,9 +58,9 @@ from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.llama.convert import convert_random  # noqa: E402
 from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.quantize import quantize  # noqa: E402
-from expertcache.llama.forecast import COMPUTE_TIMINGS, measure_compute, measure_hinted  # noqa: E402
-from expertcache.llama.roofline import (PAGE_STATES, compute_rate, device_bandwidth, limits, pages_of,  # noqa: E402
-                                        prefill_compute_rate, roofline)
+from expertcache.llama.forecast import measure_compute, measure_hinted  # noqa: E402
+from expertcache.llama.roofline import (PAGE_STATES, STEPS, compute_rate, device_bandwidth, limits,  # noqa: E402
+                                        pages_of, prefill_compute_rate, roofline)
 from expertcache.llama.runner import request_bytes, run_one  # noqa: E402
 from expertcache.llama.sweep import parse_walls  # noqa: E402
 from expertcache.llama.textgen import tokenize  # noqa: E402
@@ -354,10 +354,11 @@ def main() -> int:
                                  pages=p)["compute_tokens_per_s"]
                 print(f"{name} T{threads}: compute rate in {p} pages {c_size:.3g} tok/s (size's prompt), {c_run:.3g} "
                       "(this prompt)", flush=True)
-            for t in COMPUTE_TIMINGS[len(PAGE_STATES):]:
-                print(f"{name} T{threads}: compute rate as the {t} step runs {measure_compute(g, threads, True, t)[0]:.3g} "
-                      f"tok/s (size's prompt); its hinted reads {measure_hinted(g, fresh=True)[0] / 1e9:.3g} GB/s",
-                      flush=True)
+            for step in STEPS:
+                print(f"{name} T{threads}: compute rate as the {step} step runs "
+                      f"{measure_compute(g, threads, True, step)[0]:.3g} tok/s (size's prompt)", flush=True)
+            print(f"{name} T{threads}: the managed mode's hinted reads {measure_hinted(g, fresh=True)[0] / 1e9:.3g} GB/s",
+                  flush=True)
             fc = {w: forecast(files[name], w, threads, trace) for w in walls}  # predicted before anything is measured
             fc_syn = {w: forecast(files[name], w, threads, None) for w in walls}
             print(f"{name} T{threads}: forecast " + ", ".join(
