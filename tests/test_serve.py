@@ -384,3 +384,199 @@ def test_run_takes_a_text_prompt(small_gguf):
     rec = json.loads(done.stdout.strip().splitlines()[-1])
     assert rec["prefill_tokens"] == len(tokenize(str(small_gguf), PROMPT)) and len(rec["output_ids"]) == 6
     assert isinstance(rec["output_text"], str) and rec["output_text"]
+
+
+def test_hostile_requests_are_4xx_with_the_field_named(managed):
+    """Requests a client should not send, each a 4xx naming the field, the server serving after
+    every one (docs/serve.md, Errors)."""
+    def err(status, body, path="/v1/completions", method="POST"):
+        got, raw = managed.raw(method, path, body)
+        assert got == status, (body[:200], raw[:300])
+        return json.loads(raw)["error"]
+
+    chat = "/v1/chat/completions"
+    for body, param in [('{"prompt": "", "max_tokens": 4}', "prompt"), ('{"prompt": [""]}', "prompt"),
+                        ('{"prompt": "\\ud800abc"}', "prompt"),  # a lone surrogate escape: not text
+                        ('{"prompt": "x", "stop": ["\\udc00"]}', "stop"),
+                        ('{"prompt": "x", "model": "\\ud800"}', "model"),
+                        ('{"prompt": "x", "stop": ""}', "stop"), ('{"prompt": "x", "stop": ["a", ""]}', "stop"),
+                        (json.dumps({"prompt": "x", "stop": "s" * 1001}), "stop"),
+                        ('{"prompt": "x", "temperature": "0.5"}', "temperature"),  # no coercion
+                        ('{"prompt": "x", "temperature": true}', "temperature"),
+                        ('{"prompt": "x", "max_tokens": "5"}', "max_tokens"), ('{"prompt": "x", "max_tokens": 5.0}',
+                                                                               "max_tokens"),
+                        ('{"prompt": "x", "stream": "yes"}', "stream"), ('{"prompt": "x", "n": "1"}', "n"),
+                        ('{"prompt": "x", "logprobs": 0}', "logprobs"),  # options that would change the result
+                        ('{"prompt": "x", "logit_bias": {"1": 5}}', "logit_bias"),
+                        ('{"prompt": "x", "best_of": 3}', "best_of"), ('{"prompt": "x", "suffix": "y"}', "suffix")]:
+        e = err(400, body)
+        assert e["param"] == param and e["type"] == "invalid_request_error" and e["code"] is None, (body, e)
+    user = '"messages": [{"role": "user", "content": "x"}]'
+    for body, param in [('{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}', "messages"),
+                        ('{%s, "response_format": {"type": "json_object"}}' % user, "response_format"),
+                        ('{%s, "tools": [{"type": "function"}]}' % user, "tools")]:
+        e = err(400, body, chat)
+        assert e["param"] == param and e["code"] is None, (body, e)
+    # null max_tokens on a completion is OpenAI's default, 16
+    done = json.loads(managed.raw("POST", "/v1/completions", '{"prompt": "x = 1", "max_tokens": null, '
+                                                             '"temperature": 0}')[1])
+    assert done["usage"]["completion_tokens"] == 16
+    assert managed.raw("HEAD", "/health", None)[0] == 200 and managed.raw("GET", "/openapi.json", None)[0] == 404
+    ok = managed.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert ok.usage.completion_tokens == 4
+
+
+def test_slow_or_departing_clients_hold_nothing(small_gguf):
+    """A connection that trickles its request is closed after --request-timeout; one beyond
+    --max-connections is answered 503 and closed; a client that leaves while sending its body is
+    counted 499; after all of it the server answers, and stops with no traceback."""
+    s = Server(small_gguf, "--request-timeout", "1.5", "--max-connections", "6")
+    try:
+        slow = socket.create_connection((s.host, s.port), timeout=30)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        t0 = time.monotonic()
+        assert slow.recv(1024) == b"" and time.monotonic() - t0 < 20  # closed by the server
+        slow.close()
+        idle = [socket.create_connection((s.host, s.port), timeout=30) for _ in range(6)]
+        extra = socket.create_connection((s.host, s.port), timeout=30)
+        got = b""
+        while part := extra.recv(4096):
+            got += part
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["code"] == "too_many_connections"
+        for c in idle + [extra]:
+            c.close()
+        gone = socket.create_connection((s.host, s.port), timeout=30)
+        gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        time.sleep(0.3)
+        gone.close()
+        status, raw = s.raw("POST", "/v1/completions", "Content-Length: abc", {"Content-Length": "abc"})
+        assert status == 400 and json.loads(raw)["error"]["message"].startswith("Invalid HTTP request")
+        deadline = time.monotonic() + 20
+        while (m := s.metrics()).get('expertcache_requests_total{endpoint="/v1/completions",code="499"}', 0) < 1:
+            assert time.monotonic() < deadline, m
+            time.sleep(0.1)
+        assert not any('code="500"' in k for k in m)
+        done = s.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert done.usage.completion_tokens == 4
+    finally:
+        code, err = s.stop()
+    assert code == 0 and "Traceback" not in err and all(line.startswith(("expertcache serve", "WARNING"))
+                                                        for line in err.splitlines()), err
+
+
+def test_the_completion_loop_agrees_with_llama_cpp_python(small_gguf):
+    """expertcache's streamed completion (llama/completion.py) against llama-cpp-python's own,
+    non-streamed: the same text for greedy completions with and without stop sequences, and for a
+    chat through the same chat handler; one chunk per sampled token."""
+    from expertcache.llama.completion import stream_chat, stream_completion
+    from expertcache.llama.textgen import Session, completion_kwargs
+
+    with Session.open(str(small_gguf), chat_format="chatml", n_ctx=512) as session:
+        llm = session.llama
+        for prompt, stop in [(PROMPT, None), ("def main():", ["\n"]), ("x = 1", ["XXX", " # "]), ("import", ["s"])]:
+            kw = dict(completion_kwargs(48, 0.0, 1.0, None), stop=stop)
+            want = llm.create_completion(prompt, **kw)
+            chunks = list(stream_completion(llm, prompt, **kw))
+            assert "".join(c["choices"][0]["text"] for c in chunks) == want["choices"][0]["text"], (prompt, stop)
+            assert chunks[-1]["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+            tokens = want["usage"]["completion_tokens"]
+            assert tokens <= len(chunks) <= tokens + 2  # a chunk a token, the held text, the finish
+        msgs = [{"role": "user", "content": "What is a list?"}]
+        kw = completion_kwargs(24, 0.0, 1.0, None)
+        want = llm.create_chat_completion(messages=msgs, **kw)["choices"][0]["message"]["content"]
+        got = "".join(c["choices"][0]["delta"].get("content") or "" for c in stream_chat(llm, msgs, **kw))
+        assert got == want
+
+
+class _ByteVocab:
+    """A stand-in for a ``Llama`` whose tokens are single bytes (a byte-level vocabulary's fallback
+    tokens): token t is byte t, 0 the end of generation; ``generate`` yields a script."""
+
+    def __init__(self, script):
+        self.script, self._seed, self.model_path, self.detokenized = script, 0, "bytes", 0
+        self._model = type("M", (), {"vocab": None})()
+
+    def n_ctx(self):
+        return 4096
+
+    def set_seed(self, seed):
+        pass
+
+    def tokenize(self, text, special=True):
+        return list(text)
+
+    def detokenize(self, tokens, prev_tokens=None):
+        self.detokenized += len(tokens)
+        return bytes(tokens)
+
+    def generate(self, tokens, **kw):
+        yield from self.script
+
+
+def test_the_completion_loop_is_linear_on_bytes_that_are_not_utf8(monkeypatch):
+    """Invalid UTF-8 (a lone 0xff, a truncated sequence) becomes U+FFFD and never holds the text back:
+    one chunk per token, each token detokenized once (llama-cpp-python's loop re-decoded every held
+    token on each new one); a stop sequence is held back while it could still begin, and cut."""
+    from expertcache.llama import completion
+
+    monkeypatch.setattr(completion.llama_cpp, "llama_vocab_is_eog", lambda vocab, token: token == 0)
+    script = [0xFF, ord("a")] * 2000 + [0xE2, 0x82] + [ord("b")]  # 0xE2 0x82 begins "€" and is never finished
+    llm = _ByteVocab(script)
+    chunks = list(completion.stream_completion(llm, "p", max_tokens=len(script)))
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == "\ufffda" * 2000 + "\ufffdb" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(chunks) == len(script) + 1 and llm.detokenized == len(script)
+    assert [c["choices"][0]["text"] for c in chunks[:2]] == ["\ufffd", "a"]  # nothing held behind the bad byte
+    llm = _ByteVocab(list(b"one STOP two") + [0])
+    chunks = list(completion.stream_completion(llm, "p", max_tokens=100, stop=["STOP", "xyz"]))
+    pieces = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(pieces) == "one " and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert pieces[:4] == ["o", "n", "e", " "] and not any("S" in p for p in pieces)  # "S", "ST", ... held back
+    llm = _ByteVocab(list(b"ab") + [0])  # the end of generation: "stop", the text whole
+    chunks = list(completion.stream_completion(llm, "p", max_tokens=100, stop=["b!"]))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "ab"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    with pytest.raises(completion.PromptError, match="empty"):
+        next(completion.stream_completion(_ByteVocab([]), ""))
+    with pytest.raises(completion.PromptError, match="exceed context window") as exc:
+        next(completion.stream_completion(_ByteVocab([]), "x" * 5000))
+    assert exc.value.code == "context_length_exceeded"
+
+
+def test_the_slot_is_first_come_first_served_and_waiters_may_leave():
+    """``Slot``: a waiter that gives up leaves the queue; the slot handed to a waiter that is leaving
+    is passed on; release with nobody waiting frees it."""
+    import asyncio
+
+    from expertcache.llama.server import Slot
+
+    async def main():
+        slot, order = Slot(), []
+        assert await slot.acquire(None) is None and slot.locked()
+
+        async def never():
+            return None
+
+        leave = asyncio.Event()
+
+        async def wants_to_leave():
+            return "gone" if leave.is_set() else None
+
+        async def waiter(name, give_up):
+            got = await slot.acquire(give_up)
+            order.append((name, got))
+            if got is None:
+                slot.release()
+
+        a = asyncio.ensure_future(waiter("a", wants_to_leave))
+        b = asyncio.ensure_future(waiter("b", never))
+        await asyncio.sleep(0.05)
+        leave.set()
+        await asyncio.sleep(0.5)  # a looks, and leaves the queue
+        slot.release()
+        await asyncio.wait_for(asyncio.gather(a, b), 5)
+        assert order == [("a", "gone"), ("b", None)] and not slot.locked() and not slot.waiters
+
+    asyncio.run(main())

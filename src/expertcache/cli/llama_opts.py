@@ -34,7 +34,8 @@ def add_generation_options(p) -> None:
                    help="online eviction rule of the managed mode (default lru)")
     p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
     add_readers(p)
-    p.add_argument("--ctx", type=positive_int, default=None, metavar="N", help="context tokens (default 2048)")
+    p.add_argument("--ctx", type=positive_int, default=None, metavar="N", help="context tokens, at most the model's trained context (default 2048, or that context where it is "
+                        "smaller)")
     p.add_argument("--chat-format", default=None, metavar="NAME",
                    help="a llama-cpp-python chat format (chatml, ...) for a GGUF without its own chat template")
     add_json(p)
@@ -59,13 +60,13 @@ def open_session(args, before_load=None, loading=None, settled=None):
 
     _llama()  # one line where the llama extra is missing
     from ..llama.sweep import parse_wall
-    from ..llama.textgen import DEFAULT_CTX, Session
+    from ..llama.textgen import Session
 
     make_policy(args.policy)
     g = read_geometry(args.model, "MODEL")
     cache = parse_wall(args.cache_memory, g, "--cache-memory")
     mode = args.mode or ("managed" if cache is not None else "mmap")
-    return Session.open(g.path, mode=mode, cache_bytes=cache, policy=args.policy, n_ctx=args.ctx or DEFAULT_CTX,
+    return Session.open(g.path, mode=mode, cache_bytes=cache, policy=args.policy, n_ctx=args.ctx,
                         threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format,
                         readers=args.readers, routed_experts=getattr(args, "enable_return_routed_experts", False),
                         before_load=before_load, loading=loading, settled=settled)

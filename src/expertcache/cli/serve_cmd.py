@@ -34,6 +34,11 @@ def add_parser(sub) -> None:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="answer requests asking return_routed_experts with the experts every position routed "
                         "(SGLang's sglext.routed_experts; costs every prompt row's logits; docs/serve.md)")
+    p.add_argument("--max-connections", type=connections_int, default=None, metavar="N",
+                   help="open connections at most; one more is answered 503 and closed (default 128)")
+    p.add_argument("--request-timeout", type=timeout_seconds, default=None, metavar="S",
+                   help="seconds a request's headers and body may take to arrive, from its first byte (or from "
+                        "the connection, for one that sends nothing); then the connection is closed (default 30)")
     p.add_argument("--memory-wall", default=None, metavar="SIZE",
                    help="serve inside a memory cgroup that proves the page cache of the model stays within SIZE "
                         "(bytes or P%%; /metrics shows the proof live, stderr at exit); with the managed mode "
@@ -46,6 +51,20 @@ def add_parser(sub) -> None:
 
 def port_int(text: str) -> int:
     return _int_in(text, 0, 65535, "a port number", "in 0..65535")
+
+
+def connections_int(text: str) -> int:
+    return _int_in(text, 2, 100_000, "a number of connections", "in 2..100000")
+
+
+def timeout_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.1 <= value <= 3600:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds in 0.1..3600")
+    return value
 
 
 def run(args) -> int:
@@ -93,7 +112,7 @@ def run(args) -> int:
 
             wall_state = WallGauge(session.geometry.path, int(inside["capacity"]))
         serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce, wall_state=wall_state,
-              version=__version__)
+              version=__version__, max_connections=args.max_connections, request_seconds=args.request_timeout)
     return 0
 
 
@@ -121,7 +140,7 @@ def run_walled(args) -> int:
                           "the wall")
     argv = [sys.executable, "-m", "expertcache.cli.main", "serve", g.path]
     for opt in ("mode", "cache_memory", "policy", "threads", "readers", "ctx", "chat_format", "host", "port",
-                "model_alias"):
+                "model_alias", "max_connections", "request_timeout"):
         value = getattr(args, opt)
         if value is not None:
             argv += ["--" + opt.replace("_", "-"), str(value)]

@@ -15,28 +15,39 @@ Invariants:
 
 * **One slot.** One model, one request decoding at a time; the others wait in arrival order (at
   most :data:`MAX_QUEUE`; beyond, 429). A request's slot is released when its response ends, fails
-  or its client goes away (a streamed response stops within one token of the disconnect).
+  or its client goes away: a waiting request looks every :data:`POLL_SECONDS`, a decoding one stops
+  before its next token (:mod:`.completion` yields a chunk per token), and either is counted 499.
+* **Bounded by clients.** At most ``--max-connections`` open (one more: 503, closed unread); a
+  request's headers and body read within ``--request-timeout`` of its first byte, else closed
+  (:func:`guarded_protocol`); bodies over :data:`MAX_BODY_BYTES` refused. So a flood holds at most
+  ``max_connections`` bodies and descriptors.
 * **Errors are OpenAI's shape**, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
   for every mistake in a request: malformed JSON or a body over :data:`MAX_BODY_BYTES` (400, 413),
   a field out of range (400, ``param`` names it), an unknown model (404 ``model_not_found``), a
   prompt that with ``max_tokens`` exceeds the context (400 ``context_length_exceeded``), a chat to
-  a model without a chat template, an unsupported option (``n`` > 1, ``logprobs``, ``echo``), an
-  unknown route (404) or method (405). Anything else is a 500 of the same shape; the server keeps
-  serving either way.
+  a model without a chat template, a field of the wrong JSON type (no coercion), a string holding
+  a lone surrogate, an empty prompt or stop sequence, an option that would change the result and
+  is not implemented (``n`` > 1, ``logprobs``, ``echo``, ``logit_bias``, ``tools``, ...), an unknown
+  route (404) or method (405), a request the HTTP parser refuses (400). Anything else is a 500 of
+  the same shape and one line on stderr (:class:`Guard`; uvicorn's and asyncio's records are folded
+  to one line: :func:`one_line`); the server keeps serving either way.
 * **Greedy text is the model's**: ``temperature`` 0 samples the argmax with no repetition penalty,
   so a server's greedy completion equals ``expertcache llama generate``'s in every mode.
 * **Routed experts** (``--enable-return-routed-experts``): a request asking ``return_routed_experts``
   gets every evaluated position's experts in SGLang's ``sglext.routed_experts`` encoding
   (:meth:`Generation.routed_experts`); without the switch the field is refused, never ignored.
-* Binds 127.0.0.1 unless told otherwise; SIGTERM and SIGINT stop it cleanly (in-flight requests get
-  a few seconds, then the model is closed).
+* Binds 127.0.0.1 unless told otherwise; SIGTERM and SIGINT stop it cleanly: the decode in progress
+  ends before its next token (a stream gets an error event, a non-streamed request a 503), waiting
+  requests get a 503, the model is closed, exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import json
+import logging
 import signal
 import sys
 import threading
@@ -46,11 +57,13 @@ from typing import Literal
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
+from .completion import PromptError, stream_chat, stream_completion
 from .textgen import Session, completion_kwargs, request_figures
 
 MAX_BODY_BYTES = 1 << 20
@@ -59,6 +72,15 @@ MAX_QUEUE = 64
 """Requests that may wait for the slot; one more is refused (429)."""
 MAX_STOP = 4
 """Stop sequences per request (OpenAI's limit)."""
+MAX_STOP_CHARS = 1000
+"""Characters per stop sequence (each token's text is checked against every prefix of each)."""
+MAX_CONNECTIONS = 2 * MAX_QUEUE
+"""Open connections; one more is answered 503 and closed at once (bounded memory and descriptors)."""
+REQUEST_SECONDS = 30.0
+"""A request's headers and body must arrive within this many seconds of its first byte (or of the
+connection, for one that sends nothing); else the connection is closed."""
+POLL_SECONDS = 0.25
+"""How often a waiting or non-streamed request looks whether its client is still there."""
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
@@ -81,7 +103,7 @@ def error_json(status: int, message: str, type_: str = "invalid_request_error", 
 
 # ------------------------------------------------------------------------------ requests
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # "0.5", true or 5.0 where a number or bool goes: 400
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -96,22 +118,27 @@ class _Sampling(BaseModel):
     logprobs: int | bool | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int | None = Field(None, ge=0)
+    # OpenAI's options this server does not implement: refused when set (check_request), never ignored
+    logit_bias: dict | None = None
+    best_of: int | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1)  # null: OpenAI's default, 16
     echo: bool = False
+    suffix: str | None = None
 
 
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_Part] | None = None
 
@@ -120,6 +147,11 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list | None = None
+    functions: list | None = None
+    tool_choice: str | dict | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
 
 
 def parse_body(raw: bytes, model_cls):
@@ -129,12 +161,50 @@ def parse_body(raw: bytes, model_cls):
         raise ApiError(400, f"the request body is not JSON ({str(exc)[:120]})") from None
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body is not a JSON object")
+    where = lone_surrogate(obj)
+    if where is not None:
+        raise ApiError(400, f"{where}: not Unicode text (a lone surrogate escape such as \\ud800)",
+                       param=where.split("[", 1)[0].split(".", 1)[0])
     try:
         return model_cls.model_validate(obj)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ())) or None
         raise ApiError(400, f"{where or 'body'}: {err.get('msg', 'invalid')}", param=where) from None
+
+
+def lone_surrogate(obj) -> str | None:
+    """The path (``messages[0].content``) of the first string in a parsed JSON value that holds a
+    lone surrogate (``"\\ud800"`` parses to one; a pair parses to its character), or None. Walked
+    without recursion (the parser's own depth bounds the value); a path is spelled only when found."""
+    def spell(node) -> str:
+        parts = []
+        while node is not None:
+            node, key = node
+            parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+        return "".join(reversed(parts)).lstrip(".") or "body"
+
+    def bad(text: str) -> bool:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+
+    stack = [(obj, None)]
+    while stack:
+        value, node = stack.pop()
+        if isinstance(value, str):
+            if bad(value):
+                return spell(node)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if bad(key):
+                    return spell(node)
+                stack.append((item, (node, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (node, i)) for i, item in enumerate(value))
+    return None
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -249,30 +319,39 @@ class Generation:
     """One request's decode, advanced one piece at a time from a worker thread (never two at once).
 
     :meth:`start` runs the prefill and returns the first piece (or raises :class:`ApiError` before
-    anything is sent: a prompt too long for the context with its ``max_tokens``); :meth:`next`
-    returns the next piece or None at the end; :meth:`close` stops the decode (idempotent)."""
+    anything is sent: an empty prompt, or one too long for the context with its ``max_tokens``);
+    :meth:`next` returns the next piece or None at the end; :meth:`close` stops the decode
+    (idempotent). ``halt`` (this request's) or ``shutdown`` (the server's) set, the decode ends
+    before the next token (:mod:`.completion` yields a chunk per token); ``aborted`` then says the
+    server's shutdown ended it."""
 
-    def __init__(self, session: Session, *, prompt=None, messages=None, max_tokens: int | None, body: _Sampling):
+    def __init__(self, session: Session, *, prompt=None, messages=None, max_tokens: int | None, body: _Sampling,
+                 shutdown: threading.Event | None = None):
         self.session, self.body = session, body
         self.chat = messages is not None
         llm = session.llama
         n_ctx = session.n_ctx
         temperature = body.temperature
         kw = completion_kwargs(max_tokens or n_ctx, temperature, body.top_p, body.seed)
-        kw.update(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                  stop=body.stop, stream=True)
+        kw.update(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, stop=body.stop)
         self.max_tokens = max_tokens
         self.before = session.snapshot()
         self.sampled0 = llm.sampled
-        self._it = (llm.create_chat_completion(messages=messages, **kw) if self.chat else
-                    llm.create_completion(prompt, **kw))
+        self._it = stream_chat(llm, messages, **kw) if self.chat else stream_completion(llm, prompt, **kw)
         self.finish: str | None = None
         self.prompt_tokens: int | None = None
         self.done = False
+        self.halt = threading.Event()
+        self.shutdown = shutdown if shutdown is not None else threading.Event()
+        self.aborted = False
 
     def _pull(self) -> str | None:
         """The next non-empty piece of text, or None when the decode has ended."""
         while not self.done:
+            if self.halt.is_set() or self.shutdown.is_set():
+                self.aborted = self.shutdown.is_set()
+                self.close()
+                break
             try:
                 chunk = next(self._it)
             except StopIteration:
@@ -289,10 +368,9 @@ class Generation:
         llm = self.session.llama
         try:
             first = self._pull()
-        except ValueError as exc:  # llama-cpp-python: "Requested tokens (N) exceed context window of M"
+        except PromptError as exc:  # an empty prompt; one that leaves no room in the context
             self.close()
-            raise ApiError(400, str(exc), param="messages" if self.chat else "prompt",
-                           code="context_length_exceeded") from None
+            raise ApiError(400, str(exc), param="messages" if self.chat else "prompt", code=exc.code) from None
         self.prompt_tokens = llm.prompt_length
         if self.max_tokens is not None and self.prompt_tokens + self.max_tokens > self.session.n_ctx:
             self.close()
@@ -321,13 +399,6 @@ class Generation:
         rows = self.session.llama.routing.since(self.body.routed_experts_start_len or 0, self.session.llama.n_tokens)
         return base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii")
 
-    def drain(self) -> list[str]:
-        """Every remaining piece (one call from the event loop's side, not one per piece)."""
-        out = []
-        while (piece := self._pull()) is not None:
-            out.append(piece)
-        return out
-
     def close(self) -> None:
         if not self.done:
             self.done = True
@@ -345,38 +416,113 @@ class Generation:
 
 
 # ------------------------------------------------------------------------------ the app
+class Slot:
+    """The one decode slot: first come, first served. A waiter looks every :data:`POLL_SECONDS`
+    whether it should give up (its client gone, the server stopping) and then leaves the queue; a
+    slot handed to a waiter that is leaving is passed on."""
+
+    def __init__(self):
+        self.busy = False
+        self.waiters: collections.deque = collections.deque()
+
+    def locked(self) -> bool:
+        return self.busy
+
+    async def acquire(self, give_up) -> str | None:
+        """Hold the slot (None), or the reason ``await give_up()`` gave (not None) for leaving the queue."""
+        if not self.busy and not self.waiters:
+            self.busy = True
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=POLL_SECONDS)
+                if done:
+                    return None
+                reason = await give_up()
+                if reason is not None:
+                    self._leave(fut)
+                    return reason
+        except BaseException:
+            self._leave(fut)
+            raise
+
+    def _leave(self, fut) -> None:
+        if fut.done() and not fut.cancelled():
+            self.release()  # it was handed over meanwhile: pass it on
+        else:
+            fut.cancel()
+            self.waiters.remove(fut)
+
+    def release(self) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # handed over: still busy
+                return
+        self.busy = False
+
+
+class Guard:
+    """The app's outermost layer of its own (pure ASGI, so that a request's disconnect reaches the
+    endpoint): a declared body over :data:`MAX_BODY_BYTES` is a 413 before it is read; a client that
+    leaves while its body is read is counted 499 and not answered; anything else raised is one line
+    on stderr and, if nothing was sent yet, a 500 of OpenAI's shape (Starlette's own handler of last
+    resort would log a traceback)."""
+
+    def __init__(self, app, metrics: "Metrics"):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        label = path if path in ENDPOINTS else "other"
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            self.metrics.count(label, 413)
+            too_large = error_json(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            return await too_large(scope, receive, send)
+        started = False
+
+        async def watch(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except ClientDisconnect:
+            self.metrics.count(label, 499)
+        except Exception as exc:  # noqa: BLE001 - every failure is one line and, if possible, a 500
+            print(f"expertcache serve: error in {path[:100]}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+            if not started:
+                self.metrics.count(label, 500)
+                await error_json(500, f"internal error ({type(exc).__name__})", "server_error")(scope, receive, send)
+
+
 def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, version: str = "") -> FastAPI:
-    """The FastAPI app serving ``session`` as model ``model_id`` (see the module docstring)."""
-    app = FastAPI(title="expertcache", version=version, docs_url=None, redoc_url=None)
+    """The FastAPI app serving ``session`` as model ``model_id`` (see the module docstring).
+    ``app.state.stopping`` (a ``threading.Event``), once set, ends the decode in progress before its
+    next token and sends every waiting request a 503: :func:`serve` sets it when shutdown begins."""
+    app = FastAPI(title="expertcache", version=version, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(session)
-    app.state.metrics, app.state.session = metrics, session
-    slot = asyncio.Lock()
+    stopping = threading.Event()
+    app.state.metrics, app.state.session, app.state.stopping = metrics, session, stopping
+    app.add_middleware(Guard, metrics=metrics)
+    slot = Slot()
     created = int(time.time())
 
     def label(request: Request) -> str:
         """The ``endpoint`` label: a served path, else ``other`` (a client cannot grow the series)."""
         return request.url.path if request.url.path in ENDPOINTS else "other"
 
-    @app.middleware("http")
-    async def bounded_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            metrics.count(label(request), 413)
-            return error_json(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        return await call_next(request)
-
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         metrics.count(label(request), exc.status_code)
         return error_json(exc.status_code, f"{request.method} {request.url.path[:100]}: {exc.detail}",
                           code="not_found" if exc.status_code == 404 else None)
-
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, exc: Exception):
-        print(f"expertcache serve: error in {request.url.path[:100]}: {type(exc).__name__}: {str(exc)[:300]}",
-              file=sys.stderr)
-        metrics.count(label(request), 500)
-        return error_json(500, f"internal error ({type(exc).__name__})", "server_error")
 
     async def read_body(request: Request) -> bytes:
         raw = bytearray()
@@ -386,14 +532,25 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         return bytes(raw)
 
-    def check_model(body: _Sampling) -> None:
+    def check_request(body: _Sampling) -> None:
         if body.model not in (None, "", model_id):
             raise ApiError(404, f"The model `{body.model[:200]}` does not exist (this server serves `{model_id}`)",
                            param="model", code="model_not_found")
         if body.n != 1:
             raise ApiError(400, "n: one choice per request is served", param="n")
-        if body.logprobs not in (None, False):
+        if body.logprobs is not None and body.logprobs is not False:
             raise ApiError(400, "logprobs are not served", param="logprobs")
+        unserved = {"logit_bias": bool(body.logit_bias), "best_of": body.best_of not in (None, 1),
+                    "top_logprobs": body.top_logprobs is not None,
+                    "suffix": bool(getattr(body, "suffix", None)), "tools": bool(getattr(body, "tools", None)),
+                    "functions": bool(getattr(body, "functions", None)),
+                    "tool_choice": getattr(body, "tool_choice", None) not in (None, "none", "auto"),
+                    "function_call": getattr(body, "function_call", None) not in (None, "none", "auto"),
+                    "response_format": (getattr(body, "response_format", None) or {"type": "text"}).get("type")
+                    != "text"}
+        for field, used in unserved.items():
+            if used:
+                raise ApiError(400, f"{field} is not served (it would change the result)", param=field)
         if body.return_routed_experts and session.llama.routing is None:
             raise ApiError(400, "this server does not return routed experts: start it with "
                            "--enable-return-routed-experts", param="return_routed_experts", code="routed_experts_disabled")
@@ -402,16 +559,28 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > MAX_STOP:
             raise ApiError(400, f"stop: at most {MAX_STOP} sequences", param="stop")
+        if any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ApiError(400, f"stop: each sequence is 1 to {MAX_STOP_CHARS} characters", param="stop")
 
-    async def acquire() -> None:
+    async def acquire(request: Request) -> str | None:
+        """Wait for the slot: None once held, else why the request left the queue ("gone", "stopping")."""
         if metrics.waiting >= max_queue:
             raise ApiError(429, f"{metrics.waiting} requests are waiting for the one slot; retry later",
                            "rate_limit_error", code="queue_full")
+
+        async def give_up() -> str | None:
+            if stopping.is_set():
+                return "stopping"
+            return "gone" if await request.is_disconnected() else None
+
         metrics.waiting += 1
         try:
-            await slot.acquire()
+            return await slot.acquire(give_up)
         finally:
             metrics.waiting -= 1
+
+    def shutting_down() -> JSONResponse:
+        return error_json(503, "the server is shutting down", "server_error", code="shutting_down")
 
     async def generate(request: Request, kind: str):
         t0 = time.perf_counter()
@@ -425,9 +594,11 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                     if len(prompt) != 1:
                         raise ApiError(400, "prompt: one prompt per request is served", param="prompt")
                     prompt = prompt[0]
+                if not prompt:
+                    raise ApiError(400, "prompt: the prompt is empty", param="prompt")
                 if body.echo:
                     raise ApiError(400, "echo is not served", param="echo")
-                args = {"prompt": prompt, "max_tokens": body.max_tokens}
+                args = {"prompt": prompt, "max_tokens": 16 if body.max_tokens is None else body.max_tokens}
             else:
                 body = parse_body(raw, ChatRequest)
                 if not session.chat_ready:
@@ -436,20 +607,24 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
                              else "".join(p.text for p in m.content)} for m in body.messages]
                 args = {"messages": messages, "max_tokens": body.max_completion_tokens or body.max_tokens}
-            check_model(body)
+            check_request(body)
+            left = await acquire(request)
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
             return exc.response()
-        try:
-            await acquire()
-        except ApiError as exc:
-            metrics.count(endpoint, exc.status)
-            return exc.response()
+        except ClientDisconnect:  # gone while its body was read: nobody to answer
+            metrics.count(endpoint, 499)
+            return Response(status_code=499)
+        if left is not None:
+            metrics.count(endpoint, 503 if left == "stopping" else 499)
+            return shutting_down() if left == "stopping" else Response(status_code=499)
         gen = None
         try:
-            if await request.is_disconnected():
-                raise anyio.get_cancelled_exc_class()()
-            gen = Generation(session, body=body, **args)
+            if await request.is_disconnected():  # gone while it waited
+                slot.release()
+                metrics.count(endpoint, 499)
+                return Response(status_code=499)
+            gen = Generation(session, body=body, shutdown=stopping, **args)
             first = await anyio.to_thread.run_sync(gen.start)
             if body.return_routed_experts:
                 gen.check_routed_start()
@@ -464,6 +639,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise
         ttft = time.perf_counter() - t0
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        producer = Producer(gen, asyncio.get_running_loop())
 
         def finished() -> dict:
             usage = gen.usage()
@@ -477,13 +653,34 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             return usage
 
         if not body.stream:
+            pieces, gone = ([first] if first else []), False
+            task, looked = None, time.monotonic()
             try:
-                pieces = ([first] if first else []) + await anyio.to_thread.run_sync(gen.drain)  # one hop
-                usage = finished()
-                routed = gen.routed_experts() if body.return_routed_experts else None
+                while True:
+                    task = task or asyncio.ensure_future(producer.get())
+                    done, _ = await asyncio.wait({task}, timeout=POLL_SECONDS)
+                    if time.monotonic() - looked >= POLL_SECONDS:  # is anyone still waiting for the answer?
+                        looked = time.monotonic()
+                        if await request.is_disconnected():
+                            gone = True
+                            break
+                    if not done:
+                        continue
+                    piece, task = task.result(), None
+                    if piece is None:
+                        break
+                    pieces.append(piece)
+                if not gone and not gen.aborted:
+                    usage = finished()
+                    routed = gen.routed_experts() if body.return_routed_experts else None
             finally:
-                await anyio.to_thread.run_sync(gen.close)
+                if task is not None:
+                    task.cancel()
+                await producer.stop()
                 slot.release()
+            if gone or gen.aborted:
+                metrics.count(endpoint, 499 if gone else 503)
+                return Response(status_code=499) if gone else shutting_down()
             metrics.count(endpoint, 200)
             text = "".join(pieces)
             if kind == "completion":
@@ -512,8 +709,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             return "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
                                           "choices": [choice]}) + "\n\n"
 
-        completed = []
-        producer = Producer(gen, asyncio.get_running_loop())
+        outcome = []
 
         async def events():
             piece = first
@@ -523,6 +719,13 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 if piece is None:
                     break
                 yield chunk(piece, None)
+            if gen.aborted:  # the server is stopping: an error event (OpenAI's shape) instead of a finish
+                outcome.append(503)
+                yield "data: " + json.dumps({"error": {"message": "the server is shutting down",
+                                                       "type": "server_error", "param": None,
+                                                       "code": "shutting_down"}}) + "\n\n"
+                yield "data: [DONE]\n\n"
+                return
             yield chunk(None, gen.finish or "stop")
             usage = finished()
             if body.return_routed_experts:  # SGLang's tail: one chunk without choices carrying them
@@ -532,12 +735,12 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
                                              "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
-            completed.append(True)
+            outcome.append(200)
 
         async def release() -> None:
             await producer.stop()
             slot.release()
-            metrics.count(endpoint, 200 if completed else 499)  # 499: the client closed the stream first
+            metrics.count(endpoint, outcome[0] if outcome else 499)  # 499: the client closed the stream first
 
         return SlotStream(events(), release)
 
@@ -555,13 +758,13 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
                                             "owned_by": "expertcache"}]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         metrics.count("/health", 200)
         return {"status": "ok", "model": model_id, "mode": session.mode, "waiting": metrics.waiting,
                 "busy": slot.locked()}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         metrics.count("/metrics", 200)
         text = await anyio.to_thread.run_sync(metrics.render)
@@ -571,14 +774,15 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
 
 
 class Producer:
-    """A streamed request's decode on a thread of its own, handing each piece to the event loop
+    """A request's decode on a thread of its own, handing each piece to the event loop
     (``call_soon_threadsafe``: one wake-up per piece, not a thread-pool round trip). :meth:`stop`
-    asks it to end after the piece being decoded, waits until it has, and stops the decode."""
+    asks it to end before the next token (``Generation.halt``), waits until it has, and stops the
+    decode."""
 
     def __init__(self, gen: Generation, loop: asyncio.AbstractEventLoop):
         self.gen, self.loop = gen, loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.halt = threading.Event()
+        self.halt = gen.halt
         self.finished = asyncio.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -651,6 +855,78 @@ class WallGauge:
         return out
 
 
+def one_line(record: logging.LogRecord) -> bool:
+    """A logging filter: a record's traceback becomes its exception's name and message on the same
+    line (uvicorn and asyncio log some with one: a server's stderr stays one line per event)."""
+    if record.exc_info and record.exc_info[1] is not None:
+        exc = record.exc_info[1]
+        record.msg, record.args = f"{record.getMessage()} ({type(exc).__name__}: {str(exc)[:200]})", ()
+        record.exc_info = record.exc_text = None
+    record.stack_info = None
+    return True
+
+
+def guarded_protocol(max_connections: int, request_seconds: float):
+    """uvicorn's h11 protocol with the bounds a server open to any client needs: at most
+    ``max_connections`` open (one more is answered 503 and closed before it is read), every
+    request's headers and body read within ``request_seconds`` of its first byte (a connection that
+    sends nothing, or too slowly, is closed: a client that trickles a request holds no descriptor
+    for long), and a request the HTTP parser refuses answered 400 in OpenAI's JSON shape."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    def raw(status: int, reason: str, message: str, code: str | None) -> bytes:
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
+                                     "server_error", "param": None, "code": code}}).encode()
+        return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                "connection: close\r\n\r\n").encode() + body
+
+    full = raw(503, "Service Unavailable", f"{max_connections} connections are open; retry later",
+               "too_many_connections")
+
+    class GuardedH11Protocol(H11Protocol):
+        _deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.write(full)
+                transport.close()
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):
+                self._disarm()  # the request is in: the app's time from here
+            else:
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is None and not self.transport.is_closing():
+                self._deadline = self.loop.call_later(request_seconds, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self.conn.their_state is not h11.DONE and not self.transport.is_closing():
+                self.transport.close()  # a request half read: its endpoint sees the client gone
+
+        def send_400_response(self, msg: str) -> None:
+            self.transport.write(raw(400, "Bad Request", f"{msg} (the HTTP parser refused it)", None))
+            self.transport.close()
+
+    return GuardedH11Protocol
+
+
 class SlotStream(StreamingResponse):
     """A server-sent event stream that releases the slot however it ends: done, failed, or its
     client gone (the release waits for the piece being decoded, then stops the decode)."""
@@ -668,9 +944,12 @@ class SlotStream(StreamingResponse):
 
 
 def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_id: str,
-          announce=None, wall_state=None, version: str = "") -> None:
+          announce=None, wall_state=None, version: str = "", max_connections: int | None = None,
+          request_seconds: float | None = None) -> None:
     """Serve until SIGTERM / SIGINT. The socket is bound first (``port`` 0: any free port), then
-    ``announce(url)`` is called (the CLI prints it), then requests are answered."""
+    ``announce(url)`` is called (the CLI prints it), then requests are answered. ``max_connections``
+    and ``request_seconds`` (default :data:`MAX_CONNECTIONS`, :data:`REQUEST_SECONDS`):
+    :func:`guarded_protocol`."""
     import socket
 
     import uvicorn
@@ -689,8 +968,17 @@ def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_
     sock.listen(128)
     bound = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                            lifespan="off", h11_max_incomplete_event_size=64 * 1024)
-    server = uvicorn.Server(config)
+                            lifespan="off", h11_max_incomplete_event_size=64 * 1024,
+                            http=guarded_protocol(max_connections or MAX_CONNECTIONS,
+                                                  request_seconds or REQUEST_SECONDS))
+    for name in ("uvicorn.error", "asyncio"):
+        logging.getLogger(name).addFilter(one_line)
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.state.stopping.set()  # waiting requests get a 503, the decode in progress ends
+            await super().shutdown(sockets)
+
+    server = Server(config)
     if announce is not None:
         announce(f"http://{f'[{host}]' if ':' in host else host}:{bound}")
     # uvicorn catches SIGTERM/SIGINT to shut down, then re-raises them to the handlers it found: make

@@ -7,8 +7,9 @@ parameters inside ``__init__`` and loads with them at once, with no argument for
 ``use_extra_bufts``, so the subclass receives each struct as ``__init__`` assigns it (a property
 setter) and sets the callback, and turns repacking off (a repacked weight is a copy in anonymous
 memory, outside the page cache: llama.cpp's ``--no-repack``). ``eval`` tells the hook where each
-forward begins. Nothing else of ``Llama`` is changed: every completion, chat and sampling path is
-llama-cpp-python's own.
+forward begins. Nothing else of ``Llama`` is changed: tokenizer, chat templates and sampling are
+llama-cpp-python's own; the streamed completion loop is :mod:`.completion`'s (llama-cpp-python's
+stalls on text that is not UTF-8).
 
 :class:`Session` is one GGUF opened in one page-cache mode (:mod:`.advice`): the geometry, the
 mode's :class:`~.advice.PageAdvisor` (started once the model is mapped), the ``ObservedLlama``
@@ -33,13 +34,15 @@ import llama_cpp
 from ..errors import ConfigError
 from .advice import MODES, PageAdvisor, readers_for
 from .capture import ContextRouting
+from .completion import stream_chat, stream_completion
 from .engine import EvalHook, _silence
 from ..formats.gguf import Geometry, read_geometry
 from .runner import check_managed, io_counters
 from ..wall.procfs import SELF_IO, OpenProcFile, read_self_io
 
 DEFAULT_CTX = 2048
-"""Context (tokens) of ``generate`` and ``serve`` unless ``--ctx`` says otherwise."""
+"""Context (tokens) of ``generate`` and ``serve`` unless ``--ctx`` says otherwise (or the model was
+trained for less: :meth:`Session.open`)."""
 
 
 class ObservedLlama(llama_cpp.Llama):
@@ -181,7 +184,7 @@ class Session:
 
     @classmethod
     def open(cls, path: str, *, mode: str = "mmap", cache_bytes: int | None = None, policy: str = "lru",
-             n_ctx: int = DEFAULT_CTX, threads: int = 1, seed: int = 0, chat_format: str | None = None,
+             n_ctx: int | None = None, threads: int = 1, seed: int = 0, chat_format: str | None = None,
              where: str = "MODEL", readers: int | None = None, routed_experts: bool = False,
              before_load=None, loading=None, settled=None) -> "Session":
         """``before_load``: called once the options are checked and the managed rule compiled, before
@@ -195,6 +198,13 @@ class Session:
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         g = read_geometry(path, where)
+        trained = g.metadata.get(f"{g.architecture}.context_length")
+        trained = trained if isinstance(trained, int) and trained > 0 else None
+        if n_ctx is None:
+            n_ctx = min(DEFAULT_CTX, trained or DEFAULT_CTX)
+        elif trained is not None and n_ctx > trained:  # as vLLM refuses a max_model_len above the model's
+            raise ConfigError(f"--ctx {n_ctx}: above the {trained} tokens of context {path} was trained for "
+                              f"({g.architecture}.context_length); llama.cpp would allocate its KV cache first")
         budget = None
         if cache_bytes is not None and mode != "managed":
             raise ConfigError(f"--cache-memory bounds the managed mode's pool; --mode {mode} leaves residency to "
@@ -323,10 +333,7 @@ def stream_text(session: Session, *, prompt: str | None = None, messages: list |
     sampled0 = llm.sampled
     t0 = time.perf_counter()
     first = last = finish = None
-    if messages is not None:
-        chunks = llm.create_chat_completion(messages=messages, stream=True, **kw)
-    else:
-        chunks = llm.create_completion(prompt, stream=True, **kw)
+    chunks = stream_chat(llm, messages, **kw) if messages is not None else stream_completion(llm, prompt, **kw)
     for chunk in chunks:
         choice = chunk["choices"][0]
         piece = choice["delta"].get("content") if messages is not None else choice.get("text")
