@@ -96,6 +96,11 @@ def uploads(model: str, n_uploads: int, n_idle: int, timeout: float) -> dict:
     out["normal_after"] = ask(host, port)
     for s in held + idle:
         s.close()
+    return stop(p, out)
+
+
+def stop(p: subprocess.Popen, out: dict) -> dict:
+    """SIGTERM the server; ``out`` with its exit status and stderr's line and traceback counts."""
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=60)
     err = p.stderr.read()
@@ -137,11 +142,7 @@ def leaving(model: str, ctx: int) -> dict:
     out["busy_1s_after_a_decoding_client_left"] = health(host, port)["busy"]
     out["decode_steps"] = metric(host, port, "expertcache_decode_steps_total")
     out["requests_499"] = metric(host, port, 'expertcache_requests_total{endpoint="/v1/completions",code="499"}')
-    p.send_signal(signal.SIGTERM)
-    p.wait(timeout=60)
-    err = p.stderr.read()
-    out.update(exit_status=p.returncode, stderr_lines=len(err.splitlines()), tracebacks=err.count("Traceback"))
-    return out
+    return stop(p, out)
 
 
 def sigterm(model: str, ctx: int) -> dict:
