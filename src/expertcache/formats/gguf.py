@@ -31,12 +31,19 @@ holds routed-expert tensors, whose llama.cpp graph routes through ``build_moe_ff
 file of any other architecture with expert tensors is refused in one line, as are: not a GGUF file,
 an unsupported GGUF version, a header or tensor data that runs past the end of the file
 (truncated), a count or string beyond :data:`LIMITS`, a ggml type the ``gguf`` package does not
-know, a file without expert tensors (not an MoE), expert tensors whose slowest dimension is not E.
+know, a file without expert tensors (not an MoE), expert tensors whose slowest dimension is not E;
+and, as llama.cpp refuses them or aborts on them: tensors that overlap, share a name, have no name,
+a zero dimension or an offset off the alignment; arrays nested deeper than ``LIMITS["nesting"]``;
+a ``block_count`` other than the tensors' blocks; a malformed architecture name; an expert count of
+the wrong type (named); a non-finite ``<arch>.`` float or an out-of-range :data:`HPARAM_INTS`
+value; gate and up expert tensors of different shapes (tests/test_gguf_header.py).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 
@@ -53,8 +60,9 @@ Derived from gguf 0.19's ``MODEL_TENSORS`` (archs with ``FFN_{GATE,UP,DOWN,GATE_
 embedding-only models (``nomic-bert-moe``, ``llama-embed``) and ``grovemoe`` (chunked experts
 ``*_chexps`` whose count is not E), each checked to reach ``build_moe_ffn`` in the llama.cpp
 vendored by llama-cpp-python 0.3.36."""
-LIMITS = {"tensors": 1 << 20, "keys": 1 << 16, "string": 1 << 20, "array": 1 << 24, "dims": 4}
-"""Most tensors, metadata keys, bytes in one string, items in one array, dimensions per tensor."""
+LIMITS = {"tensors": 1 << 20, "keys": 1 << 16, "string": 1 << 20, "array": 1 << 24, "dims": 4, "nesting": 4}
+"""Most tensors, metadata keys, bytes in one string, items in one array, dimensions per tensor,
+arrays within arrays."""
 # GGUF metadata value types: id -> struct format (None: string 8, array 9)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
@@ -221,13 +229,15 @@ class _Reader:
             raise ConfigError(f"{self.where}: truncated GGUF header (a string runs past the end of the file)")
         return self.take(n).decode("utf-8", "replace")
 
-    def value(self, vtype: int, keep: bool):
+    def value(self, vtype: int, keep: bool, depth: int = 0):
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == 8:
             return self.string()
         if vtype != 9:
             raise ConfigError(f"{self.where}: unknown GGUF metadata type {vtype}")
+        if depth >= LIMITS["nesting"]:
+            raise ConfigError(f"{self.where}: GGUF metadata nests arrays deeper than {LIMITS['nesting']}")
         itype, n = self.scalar("I"), self.count("array")
         if itype in _SCALARS and not keep:  # skip big arrays (token scores, types) without reading them
             skip = n * struct.calcsize(_SCALARS[itype])
@@ -235,7 +245,7 @@ class _Reader:
                 raise ConfigError(f"{self.where}: truncated GGUF header (an array runs past the end of the file)")
             self.fh.seek(skip, os.SEEK_CUR)
             return n
-        items = [self.value(itype, keep) for _ in range(n)]
+        items = [self.value(itype, keep, depth + 1) for _ in range(n)]
         return items if keep else n
 
 
@@ -263,12 +273,17 @@ def read_header(path: str, where: str = "--model") -> tuple[dict, dict[str, Tens
         for _ in range(n_keys):
             key = r.string()
             meta[key] = r.value(r.scalar("I"), keep=key.endswith(_KEEP_ARRAYS))
-        infos = []
+        infos, names = [], set()
         for _ in range(n_tensors):
             name, nd = r.string(), r.scalar("I")
+            if not name or name in names:
+                raise ConfigError(f"{where}: " + (f"tensor {name!r} appears twice" if name else "a tensor has no name"))
+            names.add(name)
             if not 1 <= nd <= LIMITS["dims"]:
                 raise ConfigError(f"{where}: tensor {name!r} has {nd} dimensions")
             shape = tuple(r.scalar("Q") for _ in range(nd))
+            if 0 in shape:
+                raise ConfigError(f"{where}: tensor {name!r} has a zero dimension ({list(shape)})")
             infos.append((name, shape, r.scalar("I"), r.scalar("Q")))
         align = meta.get("general.alignment", 32)
         if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
@@ -278,12 +293,51 @@ def read_header(path: str, where: str = "--model") -> tuple[dict, dict[str, Tens
     tensors = {}
     for name, shape, tid, off in infos:
         nbytes = tensor_nbytes(shape, tid, f"{where}: tensor {name!r}", sizes)
+        if off % align:
+            raise ConfigError(f"{where}: tensor {name!r} at data offset {off}, not a multiple of the alignment {align}")
         t = TensorInfo(name, shape, tid, data_start + off, nbytes, sizes[tid][2])
         if t.offset + nbytes > size:
             raise ConfigError(f"{where}: truncated file: tensor {name!r} ends at byte {t.offset + nbytes}, "
                               f"the file has {size}")
         tensors[name] = t
+    end, last = 0, None
+    for t in sorted(tensors.values(), key=lambda t: t.offset):  # llama.cpp's tensors never share bytes
+        if t.offset < end:
+            raise ConfigError(f"{where}: tensor {t.name!r} at byte {t.offset} overlaps {last!r}, which ends at {end}")
+        end, last = t.offset + t.nbytes, t.name
     return meta, tensors, size
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+HPARAM_INTS = ("context_length", "embedding_length", "feed_forward_length", "expert_feed_forward_length",
+               "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length")
+"""``<arch>.`` keys llama.cpp sizes the graph with: where present, each a positive integer, or a
+per-layer array of non-negative ones not all 0 (hybrid models mark layers without attention or FFN
+with 0); ``feed_forward_length`` may be 0 (every FFN routed). llama.cpp asserts on some of these
+when it builds the graph, which ends the process (an abort, not an error); a file with an
+out-of-range one is refused here first."""
+
+
+def check_hparams(meta: dict, arch: str, label: str) -> None:
+    """Refuse a ``<arch>.`` float that is not finite (NaN, inf: llama.cpp would compute garbage, or
+    nothing, without an error) and a :data:`HPARAM_INTS` value out of range, in one line."""
+    prefix = f"{arch}."
+    for key, value in meta.items():
+        if key.startswith(prefix) and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{label}: {key} is {value}, not a finite number")
+    for name in HPARAM_INTS:
+        value = meta.get(prefix + name)
+        if value is None or _positive_int(value):
+            continue
+        if name == "feed_forward_length" and value == 0 and not isinstance(value, bool):
+            continue  # every FFN routed
+        if isinstance(value, list) and value and any(value) and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            continue  # per layer; 0 where a hybrid model's layer has no attention or FFN
+        raise ConfigError(f"{label}: {prefix}{name} {str(value)[:80]} is not a positive integer")
 
 
 COMPUTE_ORDER = ("gate_up", "gate", "up", "down")
@@ -313,10 +367,17 @@ def read_geometry(path: str, where: str = "--model") -> Geometry:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise ConfigError(f"{label}: no general.architecture in the GGUF metadata")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}", arch):
+        raise ConfigError(f"{label}: general.architecture {arch[:80]!r} is not an architecture name")
+    check_hparams(meta, arch, label)
     n_layers = meta.get(f"{arch}.block_count")
     E, k = meta.get(f"{arch}.expert_count"), meta.get(f"{arch}.expert_used_count")
-    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
+    if not _positive_int(n_layers):
         raise ConfigError(f"{label}: {arch}.block_count {n_layers!r} is not a positive integer")
+    blocks = [int(p[1]) for p in (name.split(".", 2) for name in tensors) if p[0] == "blk" and len(p) == 3
+              and p[1].isdigit()]
+    if blocks and max(blocks) + 1 != n_layers:  # llama.cpp loads every block's tensors, and no others
+        raise ConfigError(f"{label}: {arch}.block_count {n_layers} but the file has tensors of blocks 0..{max(blocks)}")
     nextn = meta.get(f"{arch}.nextn_predict_layers", 0)
     nextn = nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and 0 <= nextn < n_layers else 0
     skipped = list(range(n_layers - nextn, n_layers))
@@ -328,9 +389,14 @@ def read_geometry(path: str, where: str = "--model") -> Geometry:
         if len(t.shape) == 1 and lk[1].startswith("ffn_norm_exps"):
             continue  # a norm shared by the layer's experts: dense
         experts.setdefault(lk[0], {})[lk[1]] = t
-    if not experts or not isinstance(E, int) or isinstance(E, bool) or E < 2 or not isinstance(k, int) or k < 1:
-        raise ConfigError(f"{label}: not a mixture-of-experts GGUF (no expert tensors blk.N.ffn_*_exps or no "
-                          f"{arch}.expert_count)")
+    if not experts:
+        raise ConfigError(f"{label}: not a mixture-of-experts GGUF (no expert tensors blk.N.ffn_*_exps)")
+    if E is None:
+        raise ConfigError(f"{label}: not a mixture-of-experts GGUF (no {arch}.expert_count)")
+    if not _positive_int(E) or E < 2:
+        raise ConfigError(f"{label}: {arch}.expert_count {E!r} is not an integer of at least 2")
+    if not _positive_int(k):
+        raise ConfigError(f"{label}: {arch}.expert_used_count {k!r} is not a positive integer")
     if arch not in TESTED and arch not in READ:
         raise ConfigError(f"{label}: architecture {arch!r} is not read by expertcache (tested: {', '.join(TESTED)}; "
                           f"also read: {', '.join(READ)})")
@@ -345,4 +411,7 @@ def read_geometry(path: str, where: str = "--model") -> Geometry:
                                   f"{E} experts")
         if not any(kind.startswith(("ffn_down_exps.", "ffn_gate_up_exps.", "ffn_up_exps.")) for kind in parts):
             raise ConfigError(f"{label}: layer {layer} has expert tensors but no ffn_up/down/gate_up_exps weight")
+        gate, up = parts.get("ffn_gate_exps.weight"), parts.get("ffn_up_exps.weight")
+        if gate is not None and up is not None and gate.shape != up.shape:  # llama.cpp refuses such a file
+            raise ConfigError(f"{label}: {up.name} {list(up.shape)} does not match {gate.name} {list(gate.shape)}")
     return Geometry(os.fspath(path), size, arch, E, k, n_layers, sorted(experts), experts, tensors, meta, skipped)
