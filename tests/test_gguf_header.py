@@ -117,3 +117,16 @@ def test_expert_counts_of_the_wrong_type_are_named(tmp_path):
     path = _gguf(tmp_path / "e.gguf", E=None, extra_kv=[_kv("olmoe.expert_count", STR, "4")])
     with pytest.raises(ConfigError, match="olmoe.expert_count '4' is not an integer of at least 2"):
         read_geometry(str(path))
+
+
+def test_text_needs_a_tokenizer(tmp_path):
+    """A GGUF without ``tokenizer.ggml.*`` (``convert`` of a checkpoint without tokenizer files) is
+    refused in one line where text goes in or out: llama.cpp asserts on it, ending the process."""
+    pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
+    from expertcache.llama.textgen import Session, tokenize
+
+    path = _gguf(tmp_path / "novocab.gguf")
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        tokenize(str(path), "hello")
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        Session.open(str(path))

@@ -149,6 +149,21 @@ def test_convert_refusals(toy, tmp_path):
     (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="not supported by convert"):
         convert(bad, tmp_path / "x.gguf")
+    # values of the wrong type are named before anything is written (they were a TypeError, or a
+    # GGUF with a NaN rope base that llama.cpp computes nothing with)
+    for change, match in [({"hidden_size": "128"}, "hidden_size '128' in config.json is not a positive integer"),
+                          ({"num_experts_per_tok": 0}, "num_experts_per_tok '0' in config.json is not a positive"),
+                          ({"rms_norm_eps": float("nan")}, "rms_norm_eps 'nan' in config.json is not a finite")]:
+        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ConfigError, match=match):
+            convert(bad, tmp_path / "x.gguf")
+    # a safetensors file whose header lies (a tensor's offsets past its data) is one line
+    (bad / "config.json").write_text(json.dumps(cfg))
+    weights = next(bad.glob("*.safetensors"))
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ConfigError, match="not a safetensors file convert can read"):
+        convert(bad, tmp_path / "x.gguf")
     assert not list(tmp_path.glob(".*.tmp")) and not (tmp_path / "x.gguf").exists()
 
 

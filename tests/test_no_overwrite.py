@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 import pytest
 
@@ -98,3 +99,23 @@ def test_a_grid_writes_into_an_unrelated_existing_folder_only_with_force(files, 
     assert main(["grid", "g.toml", "--out", "notes", "-j", "1", "--json"]) == 0  # now a results folder: resumes
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["skipped"] == 1
     assert main(["grid", "g.toml", "--out", "fresh", "-j", "1", "--json"]) == 0
+
+
+@pytest.mark.parametrize("argv", [
+    ["export", "libcachesim", "t.npz", "--out", "{fifo}"],
+    ["synth", "--preset", "olmoe", "--out", "{fifo}"],
+    ["export", "libcachesim", "t.npz", "--out", "{link}"],
+    ["synth", "--preset", "olmoe", "--out", "/dev/null"],
+])
+def test_an_output_that_is_a_device_or_fifo_is_refused(files, capsys, argv):
+    """An atomic write renames its temporary over the output: over a FIFO or a device (``/dev/null``,
+    or a link to one) that would replace the special file with a regular one. Refused first, in
+    one line; the special file stays."""
+    os.mkfifo(files / "pipe")
+    os.symlink("/dev/null", files / "null-link")
+    argv = [a.format(fifo="pipe", link="null-link") for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a regular file" in err[0], err
+    assert stat.S_ISFIFO(os.stat(files / "pipe").st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert os.path.islink(files / "null-link")

@@ -55,14 +55,34 @@ def open_npz(path: str | os.PathLike, what: str, kind: str):
 
 
 def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:
-    """``path`` as a Path whose folder exists and which is not itself a folder, else a ConfigError."""
+    """``path`` as a Path whose folder exists and which is not itself a folder, else a ConfigError.
+    An existing path that is not a regular file (a device such as ``/dev/null``, a FIFO, a socket,
+    or a link to one) is refused: the atomic write's rename would replace it with a file."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
+    if parent.exists() and not parent.is_dir():
+        raise ConfigError(f"{option} {path}: {parent} is a file, not a folder")
     if not parent.is_dir():
         raise ConfigError(f"{option} {path}: folder {parent} does not exist")
     if path.is_dir():
         raise ConfigError(f"{option} {path}: is a folder, expected a file name")
+    check_special(path, option)
     return path
+
+
+def check_special(path: str | os.PathLike, option: str = "--out") -> None:
+    """Refuse an output ``path`` that exists and is neither a regular file nor a folder (a device
+    such as ``/dev/null``, a FIFO, a socket, or a link to one): an atomic write's rename would
+    replace it with a file."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{option} {path}: cannot write ({getattr(exc, 'strerror', None) or exc})") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ConfigError(f"{option} {path}: exists and is not a regular file (a device, FIFO or socket); "
+                          "refusing to replace it, choose a file name")
 
 
 _FOLDER_INPUT_NAMES = ("routing.npz", "config.json")

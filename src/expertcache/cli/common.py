@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any, Iterable, Sequence
 
-from .._io import check_not_input, check_writable
+from .._io import check_not_input, check_special, check_writable
 from .._resample import MAX_RESAMPLES
 from ..errors import ConfigError
 from ..report.plots import plot_format
@@ -132,6 +132,22 @@ def nonnegative_float(text: str) -> float:
     return x
 
 
+def seconds_in(lo: float, hi: float):
+    """argparse type: a number of seconds in ``[lo, hi]`` (a timeout beyond ``hi`` would overflow
+    the clocks it is added to: ``--timeout inf`` was an OverflowError)."""
+    def parse(text: str) -> float:
+        x = nonnegative_float(text)
+        if not lo <= x <= hi:
+            raise argparse.ArgumentTypeError(f"{_short(text)}: expected a positive number of seconds in {lo:g}..{hi:g}")
+        return x
+
+    return parse
+
+
+TIMEOUT_SECONDS = seconds_in(0.001, 1e6)
+"""``--timeout S`` of the commands that kill a run after S seconds (at most about 11 days)."""
+
+
 def layer_ids(text: str) -> list[int] | None:
     """argparse type of ``--layers``: layer ids such as '4-8' or '4,5,11' ('all': every layer)."""
     try:
@@ -171,6 +187,7 @@ def refuse_overwriting_inputs(args: argparse.Namespace) -> None:
     for dest in OUTPUT_OPTIONS:
         if isinstance(values.get(dest), str):
             check_not_input(values[dest], inputs, "--" + dest)
+            check_special(values[dest], "--" + dest)
 
 
 def _paths_in(value) -> Iterable[str]:

@@ -58,7 +58,11 @@ def run(args) -> int:
         finally:
             tmp.unlink(missing_ok=True)
         rec.update(out=args.out, dtype=rec.pop("qtype"))
-    rec.update(read_geometry(args.out, "--out").summary())
+    try:
+        rec.update(read_geometry(args.out, "--out").summary())
+    except ConfigError as exc:  # a file llama.cpp would refuse is not left behind
+        Path(args.out).unlink(missing_ok=True)
+        raise ConfigError(f"{args.model}: the GGUF written from it is not valid, so it was removed ({exc})") from None
     if args.json:
         emit_json([rec])
     else:

@@ -8,7 +8,8 @@ import sys
 import numpy as np
 
 from ..errors import ConfigError
-from .common import add_json, add_subcommands, byte_size, check_out, emit_json, positive_int, seed_int, table
+from .common import (TIMEOUT_SECONDS, add_json, add_subcommands, byte_size, check_out, emit_json, positive_int,
+                     seed_int, table)
 from .inputs import read_tokens
 from .llama_opts import add_generation_options, add_readers, open_session
 
@@ -150,7 +151,8 @@ def _common(p) -> None:
                         "(default 4 GiB, within what the machine can give)")
     p.add_argument("--policy", default="lru", metavar="NAME",
                    help="online eviction rule deciding the managed mode's expert residency (default lru)")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="kill a run after S seconds")
+    p.add_argument("--timeout", type=TIMEOUT_SECONDS, default=None, metavar="S",
+                   help="kill a run after S seconds (0.001 to 1e6)")
     p.add_argument("--no-roofline", action="store_true",
                    help="skip the physical limit (the device's bandwidth and the compute rate, measured once "
                         "and cached: docs/llama.md, Roofline)")
@@ -272,6 +274,9 @@ def run_sweep(args) -> int:
                 headroom_bytes=args.headroom, threads=args.threads, target=args.target_tokens_per_s,
                 timeout=args.timeout, progress=progress, policy=args.policy, readers=args.readers,
                 roofline=not args.no_roofline, predict=args.predict)
+    failed = [r for r in res["records"] if r.get("error")]
+    if res["records"] and len(failed) == len(res["records"]):
+        raise ConfigError(f"every run of the sweep failed ({len(failed)}); the first: {str(failed[0]['error'])[:300]}")
     if args.plot:
         plot_sweep(res, args.plot, f"{g.path}: decode against the memory wall")
     if args.json:

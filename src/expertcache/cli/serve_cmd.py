@@ -11,7 +11,7 @@ import sys
 
 from .. import __version__
 from ..errors import ConfigError
-from .common import _int_in, byte_size, emit_json
+from .common import _int_in, byte_size, emit_json, seconds_in
 from .llama_opts import add_generation_options, open_session
 
 HELP = """Serve a GGUF MoE over HTTP with the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions,
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
                         "(SGLang's sglext.routed_experts; costs every prompt row's logits; docs/serve.md)")
     p.add_argument("--max-connections", type=connections_int, default=None, metavar="N",
                    help="open connections at most; one more is answered 503 and closed (default 128)")
-    p.add_argument("--request-timeout", type=timeout_seconds, default=None, metavar="S",
+    p.add_argument("--request-timeout", type=seconds_in(0.1, 3600), default=None, metavar="S",
                    help="seconds a request's headers and body may take to arrive, from its first byte (or from "
                         "the connection, for one that sends nothing); then the connection is closed (default 30)")
     p.add_argument("--memory-wall", default=None, metavar="SIZE",
@@ -55,16 +55,6 @@ def port_int(text: str) -> int:
 
 def connections_int(text: str) -> int:
     return _int_in(text, 2, 100_000, "a number of connections", "in 2..100000")
-
-
-def timeout_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.1 <= value <= 3600:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds in 0.1..3600")
-    return value
 
 
 def run(args) -> int:

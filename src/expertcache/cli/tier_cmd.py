@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .._units import parse_byte_range
 from ..errors import ConfigError
-from .common import (add_json, add_subcommands, byte_size, emit_json, float_in, nonnegative_float, open_trace,
+from .common import (TIMEOUT_SECONDS, add_json, add_subcommands, byte_size, emit_json, float_in, open_trace,
                      positive_int, seed_int, table)
 
 HELP = """File-backed expert tier (the tiering paper's harness): write an expert pool to files, replay a
@@ -117,13 +117,6 @@ def _threads(text: str) -> int:
     return n
 
 
-def _seconds(text: str) -> float:
-    x = nonnegative_float(text)
-    if x == 0:
-        raise argparse.ArgumentTypeError("0 is not a positive number of seconds")
-    return x
-
-
 def _add_common(p, *, runs: int) -> None:
     p.add_argument("trace", help="canonical trace (.npz, or a folder holding routing.npz)")
     p.add_argument("--pool", required=True, metavar="DIR", help="pool written by 'expertcache tier write'")
@@ -150,7 +143,8 @@ def _add_common(p, *, runs: int) -> None:
     p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
                    help="memory above the capacity for the measured process itself (default: measured per mode by a "
                         "calibration run behind a cgroup wall, the worker's own memory + 4 MB; 64 MB without a cgroup)")
-    p.add_argument("--timeout", type=_seconds, default=None, metavar="S", help="kill a run after S seconds (> 0)")
+    p.add_argument("--timeout", type=TIMEOUT_SECONDS, default=None, metavar="S",
+                   help="kill a run after S seconds (0.001 to 1e6)")
     p.add_argument("--verify", action="store_true", help="hash every pool entry against the manifest before replaying")
     p.add_argument("--verify-reads", action="store_true",
                    help="hash every byte read and count mismatches (exit status 1 when any read differs)")

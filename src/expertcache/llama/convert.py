@@ -380,7 +380,7 @@ class _Checkpoint:
     float8 and other non-float types are refused in one line."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ConfigError(f"{folder}: no *.safetensors weights in the checkpoint folder")
@@ -388,7 +388,10 @@ class _Checkpoint:
         self.file: dict[str, Path] = {}
         self._headers: dict[Path, tuple[dict, int]] = {}
         for f in files:
-            h = safe_open(str(f), "np")
+            try:
+                h = safe_open(str(f), "np")
+            except SafetensorError as exc:  # its header checked whole: lengths, offsets, shapes, JSON
+                raise ConfigError(f"{f}: not a safetensors file convert can read ({str(exc)[:200]})") from None
             for k in h.keys():
                 self.where[k], self.file[k] = h, f
 
@@ -514,16 +517,50 @@ def read_config(folder: Path) -> tuple[dict, ArchSpec]:
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{folder}: cannot read config.json ({getattr(exc, 'strerror', None) or exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{folder}: config.json is not a JSON object")
     mt = raw.get("model_type")
     if mt not in SPECS:
         raise ConfigError(f"{folder}: model_type {mt!r} is not supported by convert (supported: {', '.join(SPECS)})")
     spec = SPECS[mt]
     cfg = {**spec.defaults, **raw}
     cfg["rope_parameters"] = _rope_parameters(raw, spec.defaults.get("rope_parameters"))
-    problem = config_problem(cfg, spec)
+    problem = config_types(cfg) or config_problem(cfg, spec)
     if problem:
         raise ConfigError(f"{folder}: {problem}")
     return cfg, spec
+
+
+CONFIG_INTS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "vocab_size", "num_experts", "num_local_experts",
+               "n_routed_experts", "num_experts_per_tok", "head_dim", "max_position_embeddings", "n_shared_experts",
+               "n_group", "topk_group", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim", "first_k_dense_replace", "num_nextn_predict_layers", "sliding_window")
+"""config.json integers convert computes with: where present and not null, each an integer >= 0
+(``q_lora_rank`` and the counts of dense or MTP layers may be 0), the sizes and counts above 0."""
+CONFIG_ZERO_OK = ("q_lora_rank", "first_k_dense_replace", "num_nextn_predict_layers", "n_shared_experts",
+                  "sliding_window")
+
+
+def config_types(cfg: dict) -> str | None:
+    """The one-line reason ``cfg`` holds a value of the wrong type for convert (a size as a string, a
+    NaN epsilon, 0 experts per token), or None: checked before anything is written."""
+    for key in CONFIG_INTS:
+        v = cfg.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (v == 0 and key not in CONFIG_ZERO_OK):
+            kind = "a non-negative" if key in CONFIG_ZERO_OK else "a positive"
+            return f"{key} {str(v)[:60]!r} in config.json is not {kind} integer"
+    numbers = [(k, cfg.get(k)) for k in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "swiglu_limit")]
+    numbers += [(f"rope_parameters.{k}", v) for k, v in (cfg.get("rope_parameters") or {}).items()
+                if not isinstance(v, (str, list, dict, bool)) and v is not None]  # rope_type, truncate: not numbers
+    for key, v in numbers:
+        if v is None:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            return f"{key} {str(v)[:60]!r} in config.json is not a finite number"
+    return None
 
 
 def config_problem(cfg: dict, spec: ArchSpec) -> str | None:

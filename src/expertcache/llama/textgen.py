@@ -36,7 +36,7 @@ from .advice import MODES, PageAdvisor, readers_for
 from .capture import ContextRouting
 from .completion import stream_chat, stream_completion
 from .engine import EvalHook, _silence
-from ..formats.gguf import Geometry, read_geometry
+from ..formats.gguf import Geometry, read_geometry, read_header
 from .runner import check_managed, io_counters
 from ..wall.procfs import SELF_IO, OpenProcFile, read_self_io
 
@@ -198,6 +198,7 @@ class Session:
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         g = read_geometry(path, where)
+        check_tokenizer(g.metadata, path)
         trained = g.metadata.get(f"{g.architecture}.context_length")
         trained = trained if isinstance(trained, int) and trained > 0 else None
         if n_ctx is None:
@@ -367,9 +368,19 @@ def _delta(a: dict, b: dict, key: str):
     return b[key] - a[key] if a.get(key) is not None and b.get(key) is not None else None
 
 
+def check_tokenizer(meta: dict, path: str) -> None:
+    """Refuse, in one line, a GGUF without a tokenizer where text goes in or out: llama.cpp asserts
+    on it (an abort that ends the process) the first time it tokenizes or detokenizes."""
+    if not meta.get("tokenizer.ggml.model") or not meta.get("tokenizer.ggml.tokens"):
+        raise ConfigError(f"MODEL {path}: has no tokenizer (no tokenizer.ggml.model / tokens in its metadata): "
+                          "convert it with the checkpoint's tokenizer files beside config.json, or give token ids "
+                          "(llama run --tokens IDS.npy)")
+
+
 @contextlib.contextmanager
 def _vocabulary(path: str):
     """The model's vocabulary alone (``Llama(vocab_only=True)``: no weight is loaded)."""
+    check_tokenizer(read_header(path, "MODEL")[0], path)
     _silence(llama_cpp)
     try:
         vocab = llama_cpp.Llama(path, vocab_only=True, verbose=False)
