@@ -165,6 +165,18 @@ def test_dataset_states_rounds_and_file(tmp_path):
     with pytest.raises(ConfigError, match="reads the future"):
         build_dataset(tr, 5, states=("belady",))
     assert list(tmp_path.iterdir()) == [tmp_path / "ev.npz"]
+    # a file whose fields have the wrong shape or type, or whose meta nests without end, is one
+    # ConfigError naming the field (they were a TypeError, an IndexError, a RecursionError)
+    with np.load(tmp_path / "ev.npz", allow_pickle=False) as npz:
+        good = {k: npz[k] for k in npz.files}
+    for change, match in [({"meta": np.array("[" * 100_000 + "]" * 100_000)}, "'meta' is not JSON"),
+                          ({"features": np.array("age")}, "'features' must be a 1-d list"),
+                          ({"offsets": np.array(3)}, "'offsets' must be a 1-d array of integers"),
+                          ({"offsets": np.array(["garbage"])}, "'offsets' must be a 1-d array of integers"),
+                          ({"state": -good["state"] - 1}, "'state' holds a negative value")]:
+        np.savez(tmp_path / "bad.npz", **{**good, **change})
+        with pytest.raises(ConfigError, match=match):
+            load_events(tmp_path / "bad.npz")
 
 
 # ------------------------------------------------------------------------------------ policies

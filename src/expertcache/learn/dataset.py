@@ -269,8 +269,16 @@ def load_events(path) -> Events:
             got[name] = _npz_field(npz, name, p)
     try:
         meta = json.loads(str(got["meta"]))
-    except json.JSONDecodeError:
-        raise ConfigError(f"events {p}: field 'meta' is not JSON") from None
+    except (json.JSONDecodeError, RecursionError):
+        raise ConfigError(f"events {p}: field 'meta' is not JSON (or nests deeper than a reader follows)") from None
+    if got["features"].ndim != 1 or got["features"].dtype.kind != "U":
+        raise ConfigError(f"events {p}: field 'features' must be a 1-d list of feature names")
+    for name in ("offsets", "seq", "step", "state"):
+        if got[name].ndim != 1 or got[name].dtype.kind not in "iu":
+            raise ConfigError(f"events {p}: field {name!r} must be a 1-d array of integers, not "
+                              f"{got[name].ndim}-d {got[name].dtype}")
+    if got["X"].dtype.kind not in "fiu" or got["victim"].dtype.kind not in "biu":
+        raise ConfigError(f"events {p}: fields 'X' and 'victim' must be numeric")
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"events {p}: field 'meta' has format_version {meta.get('format_version') if isinstance(meta, dict) else None}; "
                           f"this expertcache reads {FORMAT_VERSION}")
@@ -287,6 +295,9 @@ def load_events(path) -> Events:
         raise ConfigError(f"events {p}: field 'victim' has shape {got['victim'].shape}, expected ({X.shape[0]},)")
     if not np.all(np.isfinite(X)):
         raise ConfigError(f"events {p}: field 'X' holds a non-finite value")
+    for name in ("seq", "step", "state"):
+        if n and got[name].min() < 0:
+            raise ConfigError(f"events {p}: field {name!r} holds a negative value")
     if tables is None and set(feats) & set(TABLED):
         raise ConfigError(f"events {p}: field {TABLE_FIELDS[0]!r} is missing (its features need the fitted tables)")
     if set(feats) & set(PRIOR) and tables.trans is None:

@@ -98,8 +98,10 @@ def load_scorer(path) -> Scorer:
             weights = [W1, _floats(field("w1"), p, "w1", (H,)), _floats(field("w2"), p, "w2", (H,))]
         try:
             meta = json.loads(str(_text(field("meta"), p, "meta")))
-        except json.JSONDecodeError:
-            raise ConfigError(f"scorer {p}: field 'meta' is not JSON") from None
+        except (json.JSONDecodeError, RecursionError):
+            raise ConfigError(f"scorer {p}: field 'meta' is not JSON (or nests deeper than a reader follows)") from None
+        if not isinstance(meta, dict):
+            raise ConfigError(f"scorer {p}: field 'meta' is not a JSON object")
         tables = None
         names = set(str(f) for f in feats)
         if names & set(TABLED):
@@ -109,7 +111,7 @@ def load_scorer(path) -> Scorer:
             if names & set(PRIOR) and tables.trans is None:
                 raise ConfigError(f"scorer {p}: field 'sig_trans' is missing (its prior features need the transitions)")
     sc = Scorer(kind=kind, features=tuple(str(f) for f in feats), mean=mean, scale=scale, weights=weights,
-                meta=meta if isinstance(meta, dict) else {})
+                meta=meta)
     sc.tables = tables
     return sc
 
