@@ -126,6 +126,15 @@ def test_total_size_limit_is_checked_from_the_headers(tmp_path, monkeypatch):
     monkeypatch.setenv("EXPERTCACHE_MAX_TRACE_BYTES", "lots")
     with pytest.raises(TraceError, match=r"EXPERTCACHE_MAX_TRACE_BYTES: expected a positive integer"):
         ec.load_trace(path)
+    # unset, the limit follows the memory available: arrays that a command holding them (up to
+    # WORK_FACTOR times their bytes) could not fit are refused before they are read
+    from expertcache.trace import npz
+
+    monkeypatch.delenv("EXPERTCACHE_MAX_TRACE_BYTES")
+    monkeypatch.setattr(npz, "available_bytes", lambda: npz.WORK_FACTOR * (1 << 16))
+    refused(path, r"more than the limit of 65,536 \(a command holding it needs up to 24x its arrays")
+    monkeypatch.setattr(npz, "available_bytes", lambda: None)  # no /proc/meminfo: 8 GiB
+    assert npz.max_bytes() == npz.DEFAULT_MAX_BYTES and ec.load_trace(path).num_tokens == 4
 
 
 # ------------------------------------------------------------------------------ meta

@@ -10,8 +10,9 @@ the file and the member:
   ``.npy`` arrays, appear twice, or are more than :data:`MAX_MEMBERS`;
 * an array header that is malformed, longer than numpy's 10,000-byte limit, holds an object
   (pickled) dtype, or claims a shape whose byte size disagrees with the member's size;
-* archives whose arrays together claim more than :func:`max_bytes` bytes (default 8 GiB; set
-  ``EXPERTCACHE_MAX_TRACE_BYTES`` to change it), checked from the headers before any array is read;
+* archives whose arrays together claim more than :func:`max_bytes` bytes (8 GiB, or the memory
+  available / :data:`WORK_FACTOR` where that is less; set ``EXPERTCACHE_MAX_TRACE_BYTES`` to change
+  it), checked from the headers before any array is read;
 * data that ends early or fails its CRC check.
 
 Arrays come back in native byte order and C order, whatever the file held.
@@ -39,11 +40,32 @@ _COMPRESSIONS = {zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zi
 _CHUNK = 1 << 22
 
 
+WORK_FACTOR = 24
+"""Peak memory of the commands that hold a whole trace, as a multiple of its arrays' bytes: measured
+on a 2M-token trace of 72 MB arrays (2026-12-05): ``stats`` 22x (int64 keys and per-layer gap
+tables), ``replay`` 10x, loading 4x."""
+
+
+def available_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def max_bytes() -> int:
-    """Largest total array size a trace archive may claim: ``EXPERTCACHE_MAX_TRACE_BYTES`` or 8 GiB."""
+    """Largest total array size a trace archive may claim: ``EXPERTCACHE_MAX_TRACE_BYTES``, else the
+    smaller of 8 GiB and the memory available now / :data:`WORK_FACTOR` (a 660 KB compressed file can
+    claim 320 MB of arrays, which ``stats`` turned into a 7.6 GB peak)."""
     text = os.environ.get("EXPERTCACHE_MAX_TRACE_BYTES")
     if not text:
-        return DEFAULT_MAX_BYTES
+        avail = available_bytes()
+        return DEFAULT_MAX_BYTES if avail is None else max(1, min(DEFAULT_MAX_BYTES, avail // WORK_FACTOR))
     try:
         value = int(text)
     except ValueError:
@@ -149,8 +171,11 @@ def _read_members(zf: zipfile.ZipFile, src: str, size: int) -> dict[str, np.ndar
     limit = max_bytes()
     total = sum(nbytes for _, _, (_, _, _, nbytes, _) in headers)
     if total > limit:
+        why = ("" if os.environ.get("EXPERTCACHE_MAX_TRACE_BYTES") or limit == DEFAULT_MAX_BYTES else
+               f" (a command holding it needs up to {WORK_FACTOR}x its arrays; the machine has "
+               f"{available_bytes() or 0:,} bytes available: a chunked trace streams, docs/scale.md)")
         raise TraceError(
-            f"{src}: its arrays claim {total:,} bytes, more than the limit of {limit:,} "
+            f"{src}: its arrays claim {total:,} bytes, more than the limit of {limit:,}{why} "
             "(set EXPERTCACHE_MAX_TRACE_BYTES to allow more)"
         )
     out = {}
