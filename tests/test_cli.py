@@ -236,3 +236,13 @@ def test_a_missing_model_folder_says_so(tmp_path, capsys, argv):
     np.save(tmp_path / "ids.npy", np.arange(10))
     err = _refusal([a.format(m=m, t=tmp_path / "ids.npy") for a in argv], capsys)
     assert f"--model {m}: no such folder" in err
+
+
+def test_a_trace_without_meta_says_its_E_was_inferred(tmp_path, capsys):
+    """A trace file without ``meta`` loads with E = its largest id + 1 (semantics.md); the commands
+    say so on stderr, since figures per expert (coverage) divide by it."""
+    path = tmp_path / "nometa.npz"
+    np.savez(path, experts=np.array([[[0, 1]], [[2, 3]], [[1, 2]]], dtype=np.int16), seq=np.zeros(3, np.int32))
+    assert main(["stats", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "has no meta; E = 4 inferred from its largest expert id" in err

@@ -783,6 +783,8 @@ def test_forecast_refusals_are_one_line(tiny_gguf, capsys, monkeypatch, argv, me
 @pytest.mark.parametrize("argv, message", [
     (["--disk-bandwidth", "fast"], "expected auto or a number in GB/s"),
     (["--compute", "-3"], "positive number in tok/s"),
+    (["--compute", "1e-300"], "from 1e-6 to 1e9"),  # was accepted: a forecast of 4.8e-298 tok/s
+    (["--disk-bandwidth", "1e-300"], "from 1e-6 to 1e9"),
     (["--threads", "0"], "--threads"),
 ])
 def test_forecast_argument_errors_are_one_line(capsys, argv, message):

@@ -38,6 +38,8 @@ def test_parse_bytes_units():
     for bad in ("", "GB", "12XB", "-1GB", "0", "nan", "1e30GB"):
         with pytest.raises(ConfigError, match="^x: "):
             parse_bytes(bad, "x")
+    with pytest.raises(ConfigError, match="no unit and is not a whole number of bytes"):  # 1.5 meant 1.5GB
+        parse_bytes("1.5", "x")
 
 
 def test_parse_byte_ranges():

@@ -33,6 +33,8 @@ def parse_bytes(text: str, what: str) -> int:
     if m is None or unit not in UNITS:
         raise ConfigError(f"{what}: cannot read {str(text)[:40]!r} as a size (e.g. 12GB, 17.5MB, 1GiB or bytes)")
     value = float(m.group(1)) * UNITS[unit]
+    if not unit and math.isfinite(value) and not value.is_integer():
+        raise ConfigError(f"{what}: {text!r} has no unit and is not a whole number of bytes (e.g. {text}GB)")
     if not math.isfinite(value) or value < 1:
         raise ConfigError(f"{what}: {text!r} is below one byte")
     if value > MAX_BYTES:

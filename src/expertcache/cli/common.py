@@ -205,15 +205,22 @@ def _paths_in(value) -> Iterable[str]:
 
 
 def open_trace(path: str) -> Trace:
-    return load_trace(path)
+    """:func:`~expertcache.trace.load_trace`, saying on stderr when E was inferred (a file without
+    ``meta``: E is its largest expert id + 1, which a figure per expert such as coverage divides by)."""
+    trace = load_trace(path)
+    if trace.meta.get("num_experts_inferred"):
+        print(f"note: {path} has no meta; E = {trace.num_experts} inferred from its largest expert id "
+              "(give the trace a meta with num_experts where the model has more)", file=sys.stderr)
+    return trace
 
 
 def open_trace_or_chunked(path: str):
-    """A :class:`~expertcache.trace.Trace`, or a :class:`~expertcache.trace.chunked.ChunkedTrace`
-    when ``path`` is a folder holding ``chunks.json`` (the commands that stream one: replay, sweep)."""
+    """A :class:`~expertcache.trace.Trace` (:func:`open_trace`), or a
+    :class:`~expertcache.trace.chunked.ChunkedTrace` when ``path`` is a folder holding
+    ``chunks.json`` (the commands that stream one: replay, sweep)."""
     from ..trace.chunked import is_chunked, open_chunked
 
-    return open_chunked(path) if is_chunked(path) else load_trace(path)
+    return open_chunked(path) if is_chunked(path) else open_trace(path)
 
 
 def describe_chunked(ct) -> str:

@@ -291,8 +291,8 @@ def auto_or_rate(unit: str):
             x = float(t)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected auto or a number in {unit}, got {str(text)[:40]!r}") from None
-        if not (math.isfinite(x) and 0 < x <= 1e9):
-            raise argparse.ArgumentTypeError(f"expected auto or a positive number in {unit} (at most 1e9), "
+        if not (math.isfinite(x) and 1e-6 <= x <= 1e9):  # below 1e-6 a forecast would print 1e-298 tok/s
+            raise argparse.ArgumentTypeError(f"expected auto or a positive number in {unit} from 1e-6 to 1e9, "
                                              f"got {str(text)[:40]!r}")
         return x
 
