@@ -119,3 +119,16 @@ def test_an_output_that_is_a_device_or_fifo_is_refused(files, capsys, argv):
     assert len(err) == 1 and "is not a regular file" in err[0], err
     assert stat.S_ISFIFO(os.stat(files / "pipe").st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
     assert os.path.islink(files / "null-link")
+
+
+def test_an_output_folder_that_cannot_be_written_is_said_before_any_work(files, capsys, monkeypatch):
+    """A read-only mount refuses even root; ``os.access`` says so, and the option is named (a
+    ``--plot`` path was reported as ``--out``, after the whole computation). Root passes permission
+    bits, so the test stands in for the mount."""
+    import expertcache._io as io
+
+    real = io.os.access
+    monkeypatch.setattr(io.os, "access", lambda p, mode: False if os.fspath(p) == "folder" else real(p, mode))
+    assert main(["sweep", "t.npz", "--plot", "folder/x.png"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["expertcache sweep: error: --plot folder/x.png: folder folder is not writable"], err

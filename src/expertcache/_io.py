@@ -66,6 +66,8 @@ def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:
         raise ConfigError(f"{option} {path}: folder {parent} does not exist")
     if path.is_dir():
         raise ConfigError(f"{option} {path}: is a folder, expected a file name")
+    if not os.access(parent, os.W_OK | os.X_OK):  # a read-only mount refuses root too: said before any work
+        raise ConfigError(f"{option} {path}: folder {parent} is not writable")
     check_special(path, option)
     return path
 

@@ -293,7 +293,7 @@ def _figure(panels: int, width: float = 6.4, height: float = 4.8):
 
 def _save(fig, path, fmt: str) -> Path:
     path = Path(path)
-    with atomic_open(path, "wb") as fh:
+    with atomic_open(path, "wb", option="--plot") as fh:
         fig.savefig(fh, format=fmt, dpi=DPI)
     return path
 
