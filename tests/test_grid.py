@@ -181,3 +181,16 @@ def test_without_pyarrow_the_error_says_how_to_install(grid, monkeypatch, capsys
     assert main(["grid", str(grid / "grid.toml"), "--out", str(grid / "res")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'expertcache[grid]'" in err
+
+
+def test_a_spec_tomllib_cannot_hold_is_one_line(tmp_path):
+    """tomllib raises RecursionError on arrays nested 100k deep and ValueError on an integer of 5,000
+    digits (outside TOMLDecodeError): each is a one-line ConfigError, as a malformed spec is."""
+    from expertcache.grid.spec import load_spec
+
+    (tmp_path / "deep.toml").write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    (tmp_path / "big.toml").write_text('traces = ["T.npz"]\ncapacities = [' + "9" * 5000 + "]\n")
+    for name, match in (("deep.toml", "nested too deeply"), ("big.toml", "not valid TOML here")):
+        with pytest.raises(ConfigError, match=match) as err:
+            load_spec(tmp_path / name)
+        assert "\n" not in str(err.value)

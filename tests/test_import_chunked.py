@@ -6,6 +6,7 @@ the sequences open at once, and bad input is one line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,6 +143,16 @@ def test_replays_of_the_chunks_give_the_whole_imports_counts(tmp_path, capsys, m
     row = json.loads(cli("import", log, "--num-experts", E, "--chunk-sequences", 4, "--out", "chunks", "--json"))
     assert (row["chunks"], row["sequences"], row["format"]) == (3, 9, "vllm-jsonl")
     cli("import", log, "--num-experts", E, "--out", "whole.npz")
+    # an --out folder that is, or holds, the input: the chunked writer would replace it (a folder of
+    # SGLang dumps lost its .pt files this way)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "log.jsonl").write_bytes(Path(log).read_bytes())
+    for out in ("logs", "."):
+        capsys.readouterr()
+        assert main(["import", "logs/log.jsonl" if out == "." else "logs", "--num-experts", str(E),
+                     "--chunk-sequences", "4", "--out", out]) == 2
+        assert "refusing to overwrite an input" in capsys.readouterr().err
+    assert (tmp_path / "logs" / "log.jsonl").read_bytes() == Path(log).read_bytes()
     for pool in ("layer", "global"):
         runs = [[{k: v for k, v in json.loads(x).items() if k != "seconds"}
                  for x in cli("replay", src, "-c", 4, "-p", "lru", "-p", "belady", "--pool", pool, "--json").splitlines()]

@@ -353,6 +353,9 @@ ERRORS = [
     ("top-k on vllm", [{"choices": [{"routed_experts": vllm_b64(R)}], "usage": {}}], ["--top-k", 2],
      "--top-k does not apply to vllm-r3"),
     ("pad", [sgl_completion("b", 4, 3, sgl_b64(R))], ["--pad"], "--pad does not apply to sglang-r3"),
+    ("a boolean id in nested lists", [{"id": "c", "usage": {"prompt_tokens": 1, "completion_tokens": 2},  # true was 1
+                                      "choices": [{"index": 0, "routed_experts": [[[True, 2], [3, 4]]]}]}], [],
+     ":1: choices[0].routed_experts: expected [rows][layers][k] integer lists"),
 ]
 
 

@@ -103,6 +103,25 @@ def test_bad_manifest_and_no_pool_one_line(tmp_path):
     (root / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(ConfigError, match="leaves the pool folder"):
         open_pool(root)
+    # values of the wrong type or meaning (each was accepted: a helper's sweep)
+    pool_from_trace(root, small_trace(), expert_bytes=SIZE)
+    good = json.loads((root / "manifest.json").read_text())
+    for change, match in [(lambda m: m.update(version=True), "'version' True is not"),
+                          (lambda m: m.update(layers=[0, 0]), "distinct non-negative layer ids"),
+                          (lambda m: m.update(layers=[-1, 0]), "distinct non-negative layer ids"),
+                          (lambda m: m.update(checksum="md5"), "'checksum' 'md5' is not 'blake2b-128'"),
+                          (lambda m: m.update(dtype={"a": 1}), "'dtype' must be a string"),
+                          (lambda m: m["entries"][0].__setitem__(3, "zz"), r"entries\[0\]: checksum 'zz'"),
+                          (lambda m: m.update(layout="packed" if m["layout"] == "files" else "files"),
+                           "does not match its files")]:
+        man = json.loads(json.dumps(good))
+        change(man)
+        (root / "manifest.json").write_text(json.dumps(man))
+        with pytest.raises(ConfigError, match=match):
+            open_pool(root)
+    (root / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # was a RecursionError
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        open_pool(root)
 
 
 def test_from_safetensors_holds_the_checkpoint_bytes(tmp_path):

@@ -87,10 +87,11 @@ def check_special(path: str | os.PathLike, option: str = "--out") -> None:
                           "refusing to replace it, choose a file name")
 
 
-_FOLDER_INPUT_NAMES = ("routing.npz", "config.json")
+_FOLDER_INPUT_NAMES = ("routing.npz", "config.json", "manifest.json", "chunks.json")
 _FOLDER_INPUT_SUFFIXES = (".safetensors", ".bin")
 """Files of an input folder that an output may not replace: a trace folder's routing.npz, a
-checkpoint's config and weights (other files of an input folder, e.g. earlier outputs, may be)."""
+checkpoint's config and weights, an expert pool's manifest, a chunked trace's index (other files of
+an input folder, e.g. earlier outputs, may be)."""
 
 
 def overwritten_input(path: str | os.PathLike, inputs) -> str | None:

@@ -177,6 +177,11 @@ def run_import(args) -> int:
                    phase=args.phase, sequences=args.sequences or "auto", rank=args.rank, top_k=args.top_k,
                    expect_tokens=args.expect_tokens, num_layers=args.num_layers)
     if args.chunk_sequences is not None:
+        out, src = os.path.realpath(args.out), os.path.realpath(path)
+        if out == src or src.startswith(out.rstrip(os.sep) + os.sep):
+            # the chunked writer replaces its folder's contents: the input would go with them
+            raise ConfigError(f"--out {args.out}: is or holds the input {path}; refusing to overwrite an input, "
+                              "choose another folder")
         return _run_chunked(args, path, fmt, options)
     trace, fmt = import_trace(path, fmt, **options)
     trace.save(args.out)

@@ -97,6 +97,10 @@ def load_spec(path: str | Path) -> GridSpec:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses per nested array or table
+        raise ConfigError(f"{path}: not valid TOML here: nested too deeply") from None
+    except ValueError as exc:  # an integer beyond Python's 4,300-digit conversion limit
+        raise ConfigError(f"{path}: not valid TOML here: {str(exc)[:120]}") from None
     return parse_spec(doc, str(path), base=path.parent)
 
 

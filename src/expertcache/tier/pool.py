@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -39,6 +40,8 @@ LAYOUTS = ("files", "packed")
 MANIFEST = "manifest.json"
 PACKED = "experts.bin"
 ALIGN = 4096
+HEX32 = re.compile(r"[0-9a-f]{32}")
+"""An entry's checksum: blake2b with a 16-byte digest, lower-case hex."""
 MAX_MANIFEST_BYTES = 256 * 2**20
 MAX_ENTRIES = 4_000_000
 CHUNK = 8 * 2**20
@@ -136,6 +139,8 @@ def open_pool(root: str | os.PathLike, *, verify: bool = False) -> Pool:
         man = json.loads(mpath.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"pool {root}: {MANIFEST}: not JSON ({str(exc).splitlines()[0]})") from None
+    except RecursionError:
+        raise ConfigError(f"pool {root}: {MANIFEST}: not JSON (nested too deeply)") from None
     _check_manifest(root, man)
     for name, size in man["files"].items():
         path = root / name
@@ -159,15 +164,22 @@ def _check_manifest(root: Path, man) -> None:
 
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         bad(f"'format' is not {FORMAT!r}")
-    if man.get("version") != VERSION:
+    if not _int(man.get("version")) or man.get("version") != VERSION:  # JSON true == 1 in Python
         bad(f"'version' {man.get('version')!r} is not {VERSION}")
+    if man.get("checksum") != "blake2b-128":
+        bad(f"'checksum' {str(man.get('checksum'))[:40]!r} is not 'blake2b-128' (the only one --verify computes)")
+    if not isinstance(man.get("dtype"), str):
+        bad("'dtype' must be a string")
     if man.get("layout") not in LAYOUTS:
         bad(f"'layout' {man.get('layout')!r} is not one of {', '.join(LAYOUTS)}")
     for key in ("expert_bytes", "num_experts"):
         if not _int(man.get(key)) or man[key] <= 0:
             bad(f"'{key}' must be a positive integer")
-    if not isinstance(man.get("layers"), list) or not man["layers"]:
+    layers = man.get("layers")
+    if not isinstance(layers, list) or not layers:
         bad("'layers' must be a non-empty list")
+    if not all(_int(v) and v >= 0 for v in layers) or len(set(layers)) != len(layers):
+        bad("'layers' must be distinct non-negative layer ids")
     files = man.get("files")
     if not isinstance(files, dict) or not all(_int(v) and v >= 0 for v in files.values()):
         bad("'files' must map file names to sizes")
@@ -184,6 +196,13 @@ def _check_manifest(root: Path, man) -> None:
               and isinstance(ent[3], str))
         if not ok or ent[1] + ent[2] > files[ent[0]]:
             bad(f"entries[{i}] is not [file, offset, size, checksum] inside its file")
+        if not HEX32.fullmatch(ent[3]):
+            bad(f"entries[{i}]: checksum {ent[3][:40]!r} is not 32 hex digits (blake2b-128)")
+        if man["layout"] == "packed" and ent[1] % ALIGN:
+            bad(f"entries[{i}]: offset {ent[1]} is not a multiple of {ALIGN} (O_DIRECT reads need it)")
+    if (man["layout"] == "packed") != (set(files) == {PACKED}):
+        bad(f"'layout' {man['layout']!r} does not match its files ({len(files)}: "
+            f"{'one ' + PACKED if man['layout'] == 'packed' else 'one per expert'} expected)")
     largest = max(ent[2] for ent in entries)
     if largest != man["expert_bytes"]:
         bad(f"'expert_bytes' is {man['expert_bytes']}, but the largest entry holds {largest} bytes")

@@ -136,7 +136,8 @@ def decode_payload(x: object, where: str, loc: str, num_experts: int | None = No
             arr = np.array(x) if x else np.zeros((0, 0, 0), np.int32)
         except (ValueError, TypeError, OverflowError, RecursionError):
             arr = None
-        if arr is None or arr.ndim != 3 or arr.dtype.kind not in "iu":
+        if (arr is None or arr.ndim != 3 or arr.dtype.kind not in "iu"
+                or any(type(v) is bool for row in x for layer in row for v in layer)):  # numpy reads true as 1
             raise TraceError(f"{where}: {loc}: expected [rows][layers][k] integer lists, got {short(x)}")
     else:
         raise TraceError(f"{where}: {loc}: expected a base64 string or a list of id lists, got {short(x)}")

@@ -218,6 +218,8 @@ def _read_dump(f: Path, obj: object, rank: int | None) -> dict:
             raise TraceError(f"{where}: topk_ids_of_layer is {list(ids.shape)}; earlier records have "
                              f"{cols['ids'][0].shape[1]} layers and {cols['ids'][0].shape[2]} slots")
         n = ids.shape[1]
+        if ids.shape[2] == 0 or ids.shape[0] == 0:
+            raise TraceError(f"{where}: topk_ids_of_layer is {list(ids.shape)}: no layers or no expert slots")
         positions = _int_list(rec, "positions", n, where)
         token_ids = _int_list(rec, "input_ids", n, where)
         extend = rec.get("extend_seq_lens")
