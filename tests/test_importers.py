@@ -699,3 +699,18 @@ def test_a_flood_of_blank_lines_ends_quickly(tmp_path):
     path.write_bytes(gzip.compress(b"\n" * (MAX_BLANK_LINES + 5)))  # 1 kB that would expand to a million lines
     with pytest.raises(TraceError, match=rf"blank.jsonl.gz:{MAX_BLANK_LINES + 1}: more than 1,000,000 blank lines"):
         import_vllm_jsonl(path)
+
+
+def test_sglang_a_pass_with_no_expert_slots_is_one_line(tmp_path):
+    """``topk_ids_of_layer`` of shape [layers, tokens, 0] (and a map): the id check took the max of an
+    empty array, a ValueError that ended in exit 70."""
+    torch = pytest.importorskip("torch")
+    torch.save(dict(records=[dict(forward_pass_id=0, rank=0, gatherer_key="primary", input_ids=[1, 2, 3],
+                                  positions=[0, 1, 2], extend_seq_lens=[3], forward_mode=1,
+                                  topk_ids_of_layer=torch.zeros((3, 3, 0), dtype=torch.int32), misc_objects=[],
+                                  global_physical_count=torch.zeros((3, 6), dtype=torch.int32))],
+                    last_physical_to_logical_map=torch.as_tensor(np.asarray(PMAP), dtype=torch.int64)),
+               str(tmp_path / "k0.pt"))
+    want = r"k0.pt: records\[0\]: topk_ids_of_layer is \[3, 3, 0\]: no layers or no expert slots"
+    with pytest.raises(TraceError, match=want):
+        import_sglang(tmp_path / "k0.pt")
