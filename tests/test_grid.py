@@ -173,6 +173,13 @@ def test_cli_run_report_and_errors(grid, capsys):
     assert main(["grid", "report"]) == 2
     assert main(["grid", str(grid / "grid.toml")]) == 2
     assert "--out DIR is required" in capsys.readouterr().err
+    # a report only reads: an unreadable part is skipped, not renamed aside (grid SPEC --out does that)
+    (out / "part-garbage.parquet").write_bytes(b"not parquet" * 10)
+    before = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    assert main(["grid", "report", str(out), "--json"]) == 0
+    assert "part-garbage.parquet: unreadable Parquet part (ArrowInvalid), skipped" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == before
 
 
 def test_without_pyarrow_the_error_says_how_to_install(grid, monkeypatch, capsys):

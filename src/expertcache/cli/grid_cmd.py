@@ -111,7 +111,7 @@ def run_report(args) -> int:
 
     if not Path(args.results).is_dir():
         raise ConfigError(f"grid report: {args.results}: no such folder")
-    rows = Store(args.results).read_rows()
+    rows = Store(args.results, read_only=True).read_rows()  # a report changes nothing in its folder
     if not rows:
         raise ConfigError(f"grid report: {args.results}: no results (run 'expertcache grid SPEC --out DIR' first)")
     ps = panels(rows)

@@ -11,7 +11,8 @@ Invariants:
   parts that hold keys of the grid without them;
 * a part that cannot be read (truncated, not Parquet) is renamed to ``_<name>.corrupt`` (folder
   readers skip names starting with ``_``, globs on ``*.parquet`` miss it), with one warning line;
-  its cells count as not done.
+  its cells count as not done. A read-only store (``grid report``) skips it instead and changes
+  nothing in the folder.
 """
 
 from __future__ import annotations
@@ -58,11 +59,18 @@ def schema():
 class Store:
     """The results folder ``out`` (created when missing; its parent must exist)."""
 
-    def __init__(self, out: str | os.PathLike):
+    def __init__(self, out: str | os.PathLike, read_only: bool = False):
+        """``read_only`` (``grid report``): the folder is only read: it must exist, and an unreadable
+        part is skipped with a warning instead of renamed aside, and no temporary is cleaned."""
         require_pyarrow()
         self.out = Path(out)
+        self.read_only = read_only
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError(f"--out {self.out}: is a file, expected a folder for the results")
+        if read_only:
+            if not self.out.is_dir():
+                raise ConfigError(f"{self.out}: no such results folder")
+            return
         if not self.out.exists():
             parent = self.out.parent if str(self.out.parent) else Path(".")
             if not parent.is_dir():
@@ -82,6 +90,9 @@ class Store:
                 raise ValueError("no key column")
             return table
         except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a torn file
+            if self.read_only:
+                warnings.warn(f"{path}: unreadable Parquet part ({type(exc).__name__}), skipped")
+                return None
             aside = path.with_name(f"_{path.name}.corrupt")
             with contextlib.suppress(OSError):
                 os.replace(path, aside)
