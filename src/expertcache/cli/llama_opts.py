@@ -34,8 +34,9 @@ def add_generation_options(p) -> None:
                    help="online eviction rule of the managed mode (default lru)")
     p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
     add_readers(p)
-    p.add_argument("--ctx", type=positive_int, default=None, metavar="N", help="context tokens, at most the model's trained context (default 2048, or that context where it is "
-                        "smaller)")
+    p.add_argument("--ctx", type=positive_int, default=None, metavar="N",
+                   help="context tokens, at most the model's trained context (default 2048, or that context where "
+                        "it is smaller)")
     p.add_argument("--chat-format", default=None, metavar="NAME",
                    help="a llama-cpp-python chat format (chatml, ...) for a GGUF without its own chat template")
     add_json(p)

@@ -876,8 +876,7 @@ def guarded_protocol(max_connections: int, request_seconds: float):
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     def raw(status: int, reason: str, message: str, code: str | None) -> bytes:
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                     "server_error", "param": None, "code": code}}).encode()
+        body = error_json(status, message, "invalid_request_error" if status < 500 else "server_error", code=code).body
         return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
                 "connection: close\r\n\r\n").encode() + body
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from .._text import first_line
 from ..errors import TraceError
+from ..wall.procfs import read_meminfo
 
 MAX_MEMBERS = 256
 """Most members an archive may hold (a trace has a handful)."""
@@ -47,15 +48,10 @@ tables), ``replay`` 10x, loading 4x."""
 
 
 def available_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes, or None where there is none."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """``MemAvailable`` in bytes (:func:`~expertcache.wall.procfs.read_meminfo`), or None where
+    there is none."""
+    mem, _ = read_meminfo()
+    return (mem or {}).get("MemAvailable")
 
 
 def max_bytes() -> int:
