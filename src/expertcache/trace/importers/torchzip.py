@@ -7,10 +7,13 @@ building containers, scalars and numpy arrays. Nothing is imported or called by 
 globals accepted are ``torch._utils._rebuild_tensor_v2``, ``torch.<Dtype>Storage`` and
 ``collections.OrderedDict``, each replaced by a fixed local meaning.
 
-Invariants: every other opcode or global is a one-line TraceError; a storage is read only after
-its member's size equals the element count its reference declares, and only when stored
-uncompressed (so memory is bounded by the file's real size); a tensor's shape, strides and offset
-must address elements inside its storage, and it may not hold more elements than its storage.
+Invariants: every other opcode or global is a one-line TraceError; a storage is read once, only
+after its member's size equals the element count its reference declares, and only when stored
+uncompressed (so the storages' memory is bounded by the file's real size); a tensor is a read-only
+view of its storage in native byte order, never a copy; its shape, strides and offset must address
+elements inside its storage, and it may not hold more elements than its storage. Views of one
+storage cost nothing to read but describe data a consumer will copy, so the elements all tensors
+claim, in bytes, may not pass the trace limit (:func:`~expertcache.trace.npz.max_bytes`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import TraceError
+from ..npz import max_bytes
 from .records import open_regular
 from .values import short
 
@@ -93,6 +97,7 @@ class _Machine:
     def __init__(self, src: str, zf: zipfile.ZipFile, root: str, order: str):
         self.src, self.zf, self.root, self.order = src, zf, root, order
         self.storages: dict[str, np.ndarray] = {}
+        self.claimed, self.limit = 0, max_bytes()
 
     def fail(self, pos: int | None, what: str) -> TraceError:
         at = f" at byte {pos}" if pos is not None else ""
@@ -253,11 +258,15 @@ class _Machine:
         if count > max(storage.numel, 1):
             raise self.fail(pos, f"tensor of size {size} has more elements than its storage ({storage.numel})")
         data = self._load(storage, pos)
+        self.claimed += count * data.dtype.itemsize
+        if self.claimed > self.limit:
+            raise self.fail(pos, f"its tensors claim {self.claimed:,} bytes in all, more than the trace limit of "
+                                 f"{self.limit:,} (set EXPERTCACHE_MAX_TRACE_BYTES to allow more)")
         if count == 0:
             return np.zeros(size, dtype=data.dtype)
         item = data.dtype.itemsize
-        view = np.lib.stride_tricks.as_strided(data[offset:], shape=size, strides=[s * item for s in stride])
-        return np.array(view, dtype=data.dtype.newbyteorder("="))
+        return np.lib.stride_tricks.as_strided(data[offset:], shape=size, strides=[s * item for s in stride],
+                                               writeable=False)
 
     def _load(self, storage: _Storage, pos) -> np.ndarray:
         if storage.key in self.storages:
@@ -275,5 +284,8 @@ class _Machine:
         data = np.frombuffer(self.zf.read(member), dtype=raw)
         if code == "bf16":
             data = (data.astype(np.uint32) << 16).view(np.float32)
+        elif not data.dtype.isnative:
+            data = data.astype(data.dtype.newbyteorder("="))
+        data.flags.writeable = False
         self.storages[storage.key] = data
         return data
