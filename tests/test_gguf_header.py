@@ -2,8 +2,10 @@
 reads, and each hostile variant is one ``ConfigError`` naming what is wrong, read in bounded memory
 (tensors that overlap or share a name, a zero dimension, an unaligned offset, arrays nested without
 end, a block count that disagrees with the tensors, a NaN hyperparameter, expert tensors whose
-shapes disagree, a malformed architecture or expert count). A file of these passed to
-``llama generate`` or ``serve`` would otherwise reach llama.cpp, whose asserts end the process.
+shapes disagree, a malformed architecture or expert count, a rope base of 0, a negative norm
+epsilon). A file of these passed to ``llama generate`` or ``serve`` would otherwise reach llama.cpp,
+which rejects it without saying why, computes nothing, or asserts (one line since ggml's abort
+callback, naming llama.cpp's source line rather than the key: ``tests/test_serve.py``).
 
 Needs the ``gguf`` package (the ggml type table); skips without it.
 """
@@ -99,6 +101,9 @@ def _nested(depth: int) -> bytes:
     ("huge block count", {"block_count": 2**31}, "block_count 2147483648 but the file has tensors of blocks 0..1"),
     ("NaN hyperparameter", {"extra_kv": [_kv("olmoe.rope.freq_base", F32V, float("nan"))]}, "not a finite number"),
     ("zero key length", {"extra_kv": [_kv("olmoe.attention.key_length", U32, 0)]}, "key_length 0 is not a positive"),
+    ("zero rope base", {"extra_kv": [_kv("olmoe.rope.freq_base", F32V, 0.0)]}, "freq_base is 0.0, not above 0"),
+    ("negative norm epsilon", {"extra_kv": [_kv("olmoe.attention.layer_norm_rms_epsilon", F32V, -1.0)]},
+     "layer_norm_rms_epsilon is -1.0, not at least 0"),
     ("gate and up disagree", {"shapes": {"blk.1.ffn_up_exps.weight": (32, 4, 4)}}, "does not match"),
     ("architecture not a name", {"arch": "ol\x00moe"}, "is not an architecture name"),
     ("expert count missing", {"E": None}, "no olmoe.expert_count"),

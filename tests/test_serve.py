@@ -352,6 +352,45 @@ def test_refusals_are_one_line(small_gguf, tmp_path):
     assert done.returncode == 2 and "cannot listen there" in done.stderr, done.stderr
 
 
+def _with_metadata(src: Path, dst: Path, **values) -> Path:
+    """A copy of the GGUF ``src`` whose metadata keys (``__`` for ``.``) hold new values of their type."""
+    import gguf
+
+    over = {k.replace("__", "."): v for k, v in values.items()}
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = {"sub_type": f.types[-1]} if f.types[0] == gguf.GGUFValueType.ARRAY else {}
+        w.add_key_value(name, over.pop(name, f.contents()), f.types[0], **sub)
+    assert not over, over
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return dst
+
+
+def test_a_file_llama_cpp_stops_on_is_one_line(small_gguf, tmp_path):
+    """A header the reader's checks pass but llama.cpp's own do not (OLMoE asserts that the rotary
+    dimension equals the head size, when the context builds its graph): ggml's abort callback makes
+    the assert one line and exit 2, in-process (``generate``, ``serve``) and in ``run``'s child, where
+    it printed a gdb backtrace and dumped core. The unchanged copy still decodes."""
+    same = _with_metadata(small_gguf, tmp_path / "same.gguf")
+    bad = _with_metadata(small_gguf, tmp_path / "rot.gguf", olmoe__rope__dimension_count=16)
+    text = ["--prompt", PROMPT, "--max-new-tokens", "2"]
+    for cmd, options in [(["llama", "generate"], text), (["serve"], ["--port", "0"]), (["llama", "run"], text)]:
+        done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", *cmd, str(bad), *options],
+                              capture_output=True, text=True, cwd=REPO, timeout=300)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, (cmd, done.returncode, done.stderr[-2000:])
+        assert f"MODEL {bad}: llama.cpp stopped on it (olmoe.cpp:" in lines[0], (cmd, lines)
+        assert "GGML_ASSERT(n_embd_head == n_rot) failed)" in lines[0] and "backtrace" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(same), "--prompt",
+                           PROMPT, "--max-new-tokens", "2"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr
+
+
 def test_generate_streams_text_and_refuses_in_one_line(small_gguf, greedy_text, tmp_path):
     def gen(*args):
         return subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(small_gguf), *args],

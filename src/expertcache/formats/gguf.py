@@ -35,8 +35,11 @@ know, a file without expert tensors (not an MoE), expert tensors whose slowest d
 and, as llama.cpp refuses them or aborts on them: tensors that overlap, share a name, have no name,
 a zero dimension or an offset off the alignment; arrays nested deeper than ``LIMITS["nesting"]``;
 a ``block_count`` other than the tensors' blocks; a malformed architecture name; an expert count of
-the wrong type (named); a non-finite ``<arch>.`` float or an out-of-range :data:`HPARAM_INTS`
-value; gate and up expert tensors of different shapes (tests/test_gguf_header.py).
+the wrong type (named); a non-finite ``<arch>.`` float, an out-of-range :data:`HPARAM_INTS` or
+:data:`HPARAM_FLOATS` value; gate and up expert tensors of different shapes
+(tests/test_gguf_header.py). What llama.cpp checks beyond these (a head size against the rotary
+dimension, per architecture) ends a run in one line through its abort callback
+(:func:`expertcache.llama.ggml.abort_in_one_line`).
 """
 
 from __future__ import annotations
@@ -320,10 +323,16 @@ with 0); ``feed_forward_length`` may be 0 (every FFN routed). llama.cpp asserts 
 when it builds the graph, which ends the process (an abort, not an error); a file with an
 out-of-range one is refused here first."""
 
+HPARAM_FLOATS = {"rope.freq_base": 0.0, "attention.layer_norm_rms_epsilon": None, "attention.layer_norm_epsilon": None}
+"""``<arch>.`` floats with a floor: above the value given, or at least 0 where it is None. A rope base
+of 0 or below makes every rotation angle infinite, so the logits are NaN and greedy decoding stops
+at once with no text and no error; a negative norm epsilon trips an assert in ggml's CPU ops."""
+
 
 def check_hparams(meta: dict, arch: str, label: str) -> None:
     """Refuse a ``<arch>.`` float that is not finite (NaN, inf: llama.cpp would compute garbage, or
-    nothing, without an error) and a :data:`HPARAM_INTS` value out of range, in one line."""
+    nothing, without an error) and a :data:`HPARAM_INTS` or :data:`HPARAM_FLOATS` value out of range,
+    in one line."""
     prefix = f"{arch}."
     for key, value in meta.items():
         if key.startswith(prefix) and isinstance(value, float) and not math.isfinite(value):
@@ -338,6 +347,12 @@ def check_hparams(meta: dict, arch: str, label: str) -> None:
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
             continue  # per layer; 0 where a hybrid model's layer has no attention or FFN
         raise ConfigError(f"{label}: {prefix}{name} {str(value)[:80]} is not a positive integer")
+    for name, floor in HPARAM_FLOATS.items():
+        value = meta.get(prefix + name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                value < 0 if floor is None else value <= floor):
+            bound = "at least 0" if floor is None else f"above {floor:g}"
+            raise ConfigError(f"{label}: {prefix}{name} is {value}, not {bound}")
 
 
 COMPUTE_ORDER = ("gate_up", "gate", "up", "down")

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..formats.gguf import Geometry, read_geometry
-from .ggml import check_layout, tensor_name
+from .ggml import abort_in_one_line, check_layout, tensor_name
 
 
 class Observer(Protocol):
@@ -133,9 +133,11 @@ def _llama():
 _LOG_SINK = None
 
 
-def _silence(llama_cpp) -> None:
-    """Route llama.cpp's log lines to nowhere (they would bury the one-line errors)."""
+def _silence(llama_cpp, model: str | os.PathLike | None = None) -> None:
+    """Route llama.cpp's log lines to nowhere (they would bury the one-line errors), and make a failed
+    check inside llama.cpp one line naming ``model`` (:func:`~expertcache.llama.ggml.abort_in_one_line`)."""
     global _LOG_SINK
+    abort_in_one_line(None if model is None else os.fspath(model))
     if _LOG_SINK is None:
         _LOG_SINK = llama_cpp.llama_log_callback(lambda level, text, user: None)
         llama_cpp.llama_log_set(_LOG_SINK, ctypes.c_void_p())
@@ -149,7 +151,7 @@ class Engine:
         self.geometry = geometry or read_geometry(path)
         self.bindings = check_layout()
         ll = self.ll = _llama()
-        _silence(ll)
+        _silence(ll, path)
         ll.llama_backend_init()
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = 0

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import sys
 
 import numpy as np
 
@@ -55,11 +57,26 @@ def _libggml_base():
     except ImportError:
         raise ConfigError("llama.cpp bindings are not installed (pip install 'expertcache[llama]')") from None
     libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
-    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
-        path = os.path.join(libdir, name)
-        if os.path.exists(path):
+    # the wheel holds copies, not links (libggml-base.so, .so.0, .so.0.25.3): opening another copy than
+    # the one libllama loaded would give a second instance of ggml, whose abort callback nobody calls
+    for path in [_mapped("libggml-base")] + [os.path.join(libdir, name) for name in (
+            "libggml-base.so.0", "libggml-base.so", "libggml-base.dylib", "ggml-base.dll")]:
+        if path and os.path.exists(path):
             return ctypes.CDLL(path), llama_cpp.__version__
     raise ConfigError(f"llama-cpp-python {llama_cpp.__version__}: no ggml-base library under {libdir}")
+
+
+def _mapped(stem: str) -> str | None:
+    """The path of the loaded library whose file name starts with ``stem`` (``/proc/self/maps``)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if os.path.basename(path).startswith(stem + ".") and path.startswith("/"):
+                    return path
+    except OSError:
+        pass
+    return None
 
 
 def check_layout() -> str:
@@ -90,6 +107,42 @@ def check_layout() -> str:
                           "not supported (supported: 0.3.36)")
     _checked = version
     return version
+
+
+_abort_model: str | None = None
+_abort_sink = None
+_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+
+
+def abort_in_one_line(model: str | None) -> None:
+    """ggml stops on a failed ``GGML_ASSERT`` or ``GGML_ABORT`` by printing the message and a backtrace
+    (through gdb where one is installed) and calling ``abort()``: a core dump, where a file breaks one
+    of llama.cpp's own checks that the header checks do not make (an OLMoE ``rope.dimension_count``
+    other than its head size, a negative ``layer_norm_rms_epsilon``). From the first call on, ggml's
+    abort callback instead prints one line on stderr, ``expertcache: error: MODEL <model>: llama.cpp
+    stopped on it (<file:line: message>)``, flushes stdout, and ends the process with exit status 2,
+    from whichever thread tripped the check; later calls only change the model named."""
+    global _abort_model, _abort_sink
+    _abort_model = model
+    if _abort_sink is not None:
+        return
+    lib, _ = _libggml_base()
+
+    def stop(message: bytes | None) -> None:
+        text = re.sub(r"^\S*/", "", (message or b"").decode("utf-8", "replace").strip()).splitlines() or ["no message"]
+        try:
+            sys.stdout.flush()
+        except Exception:  # a closed or broken stdout: the line below is what matters
+            pass
+        where = f"MODEL {_abort_model}: " if _abort_model else ""
+        os.write(2, f"expertcache: error: {where}llama.cpp stopped on it ({text[0][:400]})\n".encode())
+        os._exit(2)
+
+    sink = _ABORT_CALLBACK(stop)
+    lib.ggml_set_abort_callback.restype = ctypes.c_void_p
+    lib.ggml_set_abort_callback.argtypes = [_ABORT_CALLBACK]
+    lib.ggml_set_abort_callback(sink)
+    _abort_sink = sink  # kept: ggml holds the pointer for the life of the process
 
 
 def tensor_name(ptr: int) -> bytes:

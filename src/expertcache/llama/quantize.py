@@ -47,7 +47,7 @@ def quantize(src: str | os.PathLike, out: str | os.PathLike, qtype: str, *, thre
     ftype = check_type(qtype)
     name = qtype.lower()
     ll = _llama()
-    _silence(ll)
+    _silence(ll, src)
     out = Path(out)
     tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     params = ll.llama_model_quantize_default_params()

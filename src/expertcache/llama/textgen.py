@@ -215,7 +215,7 @@ class Session:
         if chat_format is not None and chat_format not in llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers:
             known = ", ".join(sorted(llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers))
             raise ConfigError(f"--chat-format: {chat_format!r} is not one of llama-cpp-python's formats ({known})")
-        _silence(llama_cpp)
+        _silence(llama_cpp, path)
         if before_load is not None:  # checked and compiled (check_managed); next the advisor reads the file
             before_load()
         advisor = PageAdvisor(g, mode, capacity=budget, policy=policy, count_hits=True,
@@ -381,7 +381,7 @@ def check_tokenizer(meta: dict, path: str) -> None:
 def _vocabulary(path: str):
     """The model's vocabulary alone (``Llama(vocab_only=True)``: no weight is loaded)."""
     check_tokenizer(read_header(path, "MODEL")[0], path)
-    _silence(llama_cpp)
+    _silence(llama_cpp, path)
     try:
         vocab = llama_cpp.Llama(path, vocab_only=True, verbose=False)
     except ValueError as exc:

@@ -76,7 +76,8 @@ def child_result(run: WallRun, where: str, timeout: float | None = None) -> dict
                           else f"{where}: timed out; the run was killed")
     if run.returncode != 0:
         lines = [ln for ln in (run.stderr or "").splitlines() if ln.strip()]
-        why = lines[-1].removeprefix("error: ") if lines else f"exit status {run.returncode}"
+        why = lines[-1].removeprefix("expertcache: ").removeprefix("error: ") if lines else \
+            f"exit status {run.returncode}"  # "expertcache: error:" from llama.cpp's abort callback
         if run.returncode is not None and run.returncode < 0:
             why = (f"the measured process was killed by signal {-run.returncode} inside the {run.enforced_by} "
                    f"wall ({run.note or 'no note'})")
