@@ -188,6 +188,45 @@ def test_coverage_curve_matches_brute_force(p):
     assert report.coverage_final == pytest.approx(np.mean([x.coverage for x in report.layers]))
 
 
+@settings(max_examples=40, deadline=None)
+@given(traces_params(), st.integers(1, 12))
+def test_a_report_worked_through_runs_of_sequences_equals_the_whole(p, selections):
+    """The report works through runs of whole sequences of BLOCK_SELECTIONS token-slots; with runs
+    as small as one sequence it gives the one-run report: counts, coverage and scored tokens exactly,
+    reuse up to float rounding. The runs are views partitioning the rows in order."""
+    from expertcache.analysis import locality
+
+    seed, T, L, k, extra = p
+    trace = random_trace(seed, T, L, k, k + extra, gaps=bool(seed % 2))
+    blocks = list(locality.sequence_blocks(trace, selections))
+    assert np.array_equal(np.concatenate([b.experts for b in blocks]), trace.experts)
+    assert all(np.shares_memory(b.experts, trace.experts) for b in blocks)
+    per = max(1, selections // k)
+    assert all(b.num_tokens <= per or b.num_sequences == 1 for b in blocks)
+    assert sum(b.num_sequences for b in blocks) == trace.num_sequences
+    every = range(1, T + 1)
+    whole = locality.locality_report(trace, checkpoints=every).to_dict()
+    old = locality.BLOCK_SELECTIONS
+    try:
+        locality.BLOCK_SELECTIONS = selections
+        runs = locality.locality_report(trace, checkpoints=every).to_dict()
+    finally:
+        locality.BLOCK_SELECTIONS = old
+    assert json.dumps(whole, sort_keys=True, default=str) == json.dumps(runs, sort_keys=True, default=str) or \
+        _close(whole, runs)
+
+
+def _close(a, b) -> bool:
+    """Records equal but for float rounding (NaN equal to NaN)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[x], b[x]) for x in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=1e-12)
+    return a == b
+
+
 def test_default_coverage_checkpoints_are_powers_of_four_and_the_end():
     trace = random_trace(1, 300, 1, 2, 40, pad=0.0, gaps=False)
     assert [n for n, _ in coverage_curve(trace)] == [16, 64, 256, 300]

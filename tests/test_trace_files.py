@@ -137,6 +137,24 @@ def test_total_size_limit_is_checked_from_the_headers(tmp_path, monkeypatch):
     assert npz.max_bytes() == npz.DEFAULT_MAX_BYTES and ec.load_trace(path).num_tokens == 4
 
 
+def test_batch_holds_its_inputs_together_to_the_limit(tmp_path, monkeypatch, capsys):
+    """``batch`` holds every input at once and builds their union (up to WORK_FACTOR times their
+    bytes): the inputs are held to the trace limit together, not only one by one."""
+    from expertcache.trace import npz
+
+    path = write(tmp_path, zip_bytes(members(notes=np.zeros(1 << 13))))
+    one = npz.array_bytes(ec.load_trace(path))
+    assert one > 1 << 16  # the notes alone are 65,536 bytes
+    monkeypatch.setenv("EXPERTCACHE_MAX_TRACE_BYTES", str(one + one // 2))
+    assert main(["batch", str(path), "--out", str(tmp_path / "one.npz")]) == 0
+    capsys.readouterr()
+    assert main(["batch", str(path), str(path), "--out", str(tmp_path / "two.npz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and not (tmp_path / "two.npz").exists()
+    assert f"the traces up to this one hold {2 * one:,} bytes of arrays, more than the trace limit of " \
+           f"{one + one // 2:,} for all of them together" in err, err
+
+
 # ------------------------------------------------------------------------------ meta
 @pytest.mark.parametrize("meta, pattern", [
     ('{"num_experts": 4, "deep": ' + "[" * 100_000 + "]" * 100_000 + "}", r"meta: JSON nested too deeply"),

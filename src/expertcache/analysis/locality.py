@@ -19,7 +19,11 @@ layer and expert) touched by the first ``n`` tokens in trace order. Hot sets (th
 experts of a layer, ties to the smaller id, zero counts never included) of two traces are
 compared by Jaccard overlap per shared layer id.
 
-All functions are vectorised with numpy; memory is bounded by one layer's ``T * k`` selections.
+All functions are vectorised with numpy. The primitives hold one layer's ``T * k`` selections in
+int64 temporaries at a time; the reports work through runs of whole sequences of at most
+:data:`BLOCK_SELECTIONS` token-slots (:func:`sequence_blocks`), so a report holds little beyond the
+trace itself (counts, first uses and scored tokens add exactly over such runs, reuse sums up to float
+rounding).
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ DEFAULT_WINDOWS = (1, 8, 64)
 
 DEFAULT_TOP = 8
 """Hot-set size N by default: the paper's top-8 share."""
+
+BLOCK_SELECTIONS = 1 << 19
+"""Token rows times k in one run of whole sequences that a report works through at a time: about
+eight int64 temporaries of this size (32 MB) per layer, whatever the trace's length."""
 
 NO_EARLIER_USE = np.iinfo(np.int64).max
 """Gap of a selection whose expert the sequence never used before at that layer (and of padding)."""
@@ -202,6 +210,23 @@ def first_tokens(trace: Trace, offset: int, out: np.ndarray) -> None:
         np.minimum.at(out, col * E + ids, tok + offset)
 
 
+def sequence_blocks(trace: Trace, selections: int | None = None):
+    """Views of ``trace`` (no copy) over consecutive runs of whole sequences, each of at most
+    ``selections // k`` tokens (default :data:`BLOCK_SELECTIONS`), or one sequence that is longer by
+    itself; together they hold every row once, in trace order, with the ``step`` extra where the
+    trace has one."""
+    bounds = trace.seq_bounds
+    per = max(1, (BLOCK_SELECTIONS if selections is None else selections) // max(1, trace.top_k))
+    step = trace.extras.get("step")
+    i, S = 0, len(bounds) - 1
+    while i < S:
+        j = max(i + 1, int(np.searchsorted(bounds, bounds[i] + per, side="right")) - 1)
+        a, b = int(bounds[i]), int(bounds[j])
+        yield Trace(experts=trace.experts[a:b], seq=trace.seq[a:b], meta=trace.meta,
+                    extras={} if step is None else {"step": step[a:b]}, source=trace.source)
+        i = j
+
+
 def _coverage(first_token: np.ndarray, T: int, checkpoints: Iterable[int] | None) -> list[tuple[int, float]]:
     if checkpoints is None:
         checkpoints = [4**i for i in range(2, 40) if 4**i < T] + [T]
@@ -322,36 +347,40 @@ def locality_report(
     top: int = DEFAULT_TOP,
     checkpoints: Iterable[int] | None = None,
 ) -> LocalityReport:
-    """Every locality statistic of ``trace`` (per layer, overall, coverage curve, hot sets)."""
-    windows = _check_windows(windows)
-    return _report(trace.name, trace.num_experts, trace.top_k, trace.num_tokens, trace.num_sequences,
-                   int(np.count_nonzero(scored_tokens(trace))), windows, top, expert_counts(trace),
-                   reuse_within(trace, windows), coverage_curve(trace, checkpoints), trace.layer_ids,
-                   trace.meta.get("model"))
+    """Every locality statistic of ``trace`` (per layer, overall, coverage curve, hot sets), worked
+    through in runs of whole sequences (:func:`sequence_blocks`)."""
+    return _accumulated(trace, sequence_blocks(trace), windows, top, checkpoints)
 
 
 def locality_report_chunked(ct, *, windows: Iterable[int] = DEFAULT_WINDOWS, top: int = DEFAULT_TOP,
                             checkpoints: Iterable[int] | None = None) -> LocalityReport:
     """:func:`locality_report` of a chunked trace (:mod:`expertcache.trace.chunked`), one chunk in
-    memory at a time: counts, reuse sums and first uses add over chunks of whole sequences (the
-    reuse means equal the whole trace's up to float rounding; the rest exactly)."""
+    memory at a time, each worked through as the in-memory report works through its runs."""
+    return _accumulated(ct, (b for chunk in ct.iter_chunks() for b in sequence_blocks(chunk)), windows, top,
+                        checkpoints)
+
+
+def _accumulated(whole, pieces, windows, top, checkpoints) -> LocalityReport:
+    """The report of ``whole`` (a trace or a chunked trace) from ``pieces``, its runs of whole
+    sequences in order: counts, reuse sums and first uses add over them (the reuse means equal the
+    whole trace's up to float rounding; the rest exactly)."""
     windows = _check_windows(windows)
-    L, E, T = ct.num_layers, ct.num_experts, ct.num_tokens
+    L, E, T = whole.num_layers, whole.num_experts, whole.num_tokens
     counts = np.zeros((L, E), dtype=np.int64)
     sums, n = np.zeros((len(windows), L)), np.zeros(L, dtype=np.int64)
     first_token = np.full(L * E, T, dtype=np.int64)
     scored, offset = 0, 0
-    for chunk in ct.iter_chunks():
-        counts += expert_counts(chunk)
-        s, c = reuse_sums(chunk, windows)
+    for piece in pieces:
+        counts += expert_counts(piece)
+        s, c = reuse_sums(piece, windows)
         sums, n = sums + s, n + c
-        first_tokens(chunk, offset, first_token)
-        scored += int(np.count_nonzero(scored_tokens(chunk)))
-        offset += chunk.num_tokens
+        first_tokens(piece, offset, first_token)
+        scored += int(np.count_nonzero(scored_tokens(piece)))
+        offset += piece.num_tokens
     with np.errstate(invalid="ignore", divide="ignore"):
         reuse = np.where(n > 0, sums / np.where(n > 0, n, 1), np.nan)
-    return _report(ct.name, E, ct.top_k, T, ct.num_sequences, scored, windows, top, counts, reuse,
-                   _coverage(first_token, T, checkpoints), ct.layer_ids, ct.meta.get("model"))
+    return _report(whole.name, E, whole.top_k, T, whole.num_sequences, scored, windows, top, counts, reuse,
+                   _coverage(first_token, T, checkpoints), whole.layer_ids, whole.meta.get("model"))
 
 
 def _report(name, E, k, tokens, sequences, scored, windows, top, counts, reuse, coverage, layer_ids, model):

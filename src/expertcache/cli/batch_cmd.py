@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import ConfigError
 from ..trace.batch import batch_union
+from ..trace.npz import WORK_FACTOR, array_bytes, max_bytes
 from .common import add_json, add_out, check_out, describe, emit_json, open_trace
 
 HELP = """Merge b traces into their batch-b union: per layer, each step requests the union of the b
@@ -28,7 +30,14 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     check_out(args.out)
-    traces = [open_trace(path) for path in args.traces]
+    traces, held, limit = [], 0, max_bytes()
+    for path in args.traces:  # each file is held to the trace limit as it loads; together they are too
+        traces.append(open_trace(path))
+        held += array_bytes(traces[-1])
+        if held > limit:
+            raise ConfigError(f"{path}: the traces up to this one hold {held:,} bytes of arrays, more than the trace "
+                              f"limit of {limit:,} for all of them together (the union needs up to "
+                              f"{WORK_FACTOR}x; set EXPERTCACHE_MAX_TRACE_BYTES to allow more)")
     union = batch_union(traces)
     union.save(args.out)
     requests_in = sum(t.num_requests for t in traces)

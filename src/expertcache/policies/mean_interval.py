@@ -45,6 +45,18 @@ class MeanInterval(Policy):
 
 
 def _keys(layout):
+    """:func:`predicted_next` of every access, negated, computed in place: the same float64 operations
+    on the same values (integers below 2^53 subtract exactly either way), in three ``[G, k]`` arrays
+    where the expression made eight (a trace's replay peaked at 24x its arrays)."""
     count, first = access_history(layout.groups, layout.starts, layout.n_items)
     t = local_steps(layout.starts, layout.groups.shape[0])[:, None]
-    return -predicted_next(t, first, count)
+    np.subtract(t, first, out=first)  # last - first, with last the access's own step
+    keys = first.astype(np.float64)
+    del first
+    count -= 1
+    with np.errstate(divide="ignore", invalid="ignore"):
+        keys /= count
+    keys += t
+    keys[count < 1] = np.inf
+    np.negative(keys, out=keys)
+    return keys

@@ -105,8 +105,21 @@ def _steps(trace: Trace) -> list[list[list[int]]]:
     return out
 
 
+UNION_ROWS = 1 << 16
+"""Union rows built at a time by :func:`_unions` (its temporaries are a few int64 copies of them)."""
+
+
 def _unions(traces: Sequence[Trace], src: np.ndarray, width: int) -> np.ndarray:
-    """``[T, L, width]`` sorted unions of the inputs' rows named by ``src`` (-1 padded)."""
+    """``[T, L, width]`` sorted unions of the inputs' rows named by ``src`` (-1 padded), built
+    :data:`UNION_ROWS` rows at a time."""
+    T, L = src.shape[0], traces[0].num_layers
+    out = np.full((T, L, width), -1, dtype=np.int64)
+    for a in range(0, T, UNION_ROWS):
+        out[a:a + UNION_ROWS] = _union_rows(traces, src[a:a + UNION_ROWS], width)
+    return out
+
+
+def _union_rows(traces: Sequence[Trace], src: np.ndarray, width: int) -> np.ndarray:
     T, L = src.shape[0], traces[0].num_layers
     parts = []
     for i, t in enumerate(traces):

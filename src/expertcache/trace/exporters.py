@@ -30,12 +30,15 @@ from typing import Iterable
 import numpy as np
 
 from .._io import atomic_open
+from .._jit import njit
 from ..errors import ConfigError
 from .core import Trace
 
 ORDERS = ("router", "ascending", "descending")
 FORMATS = ("csv", "oracle")
 ORACLE_DTYPE = np.dtype([("time", "<u4"), ("obj_id", "<u8"), ("size", "<u4"), ("next", "<i8")])
+CSV_BLOCK = 1 << 20
+"""Requests formatted per block of the csv export (three int64 columns: 24 MB)."""
 
 
 def flatten_requests(trace: Trace, order: str = "router", layers: Iterable[int] | None = None) -> np.ndarray:
@@ -53,15 +56,21 @@ def flatten_requests(trace: Trace, order: str = "router", layers: Iterable[int] 
     return obj[obj >= 0]
 
 
-def next_access(obj: np.ndarray) -> np.ndarray:
-    """Index of the next request for the same object, or -1 if there is none."""
-    n = obj.size
-    out = np.full(n, -1, dtype=np.int64)
-    order = np.argsort(obj, kind="stable")
-    srt = obj[order]
-    same = np.flatnonzero(srt[1:] == srt[:-1])
-    out[order[same]] = order[same + 1]
+def next_access(obj: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Index of the next request for the same object, or -1 if there is none, written into ``out``
+    (int64 ``[n]``, e.g. the records' ``next`` field; a new array when None): one pass from the end,
+    remembering each object's latest index, so nothing beyond ``out`` grows with ``n``."""
+    obj = np.ascontiguousarray(obj, dtype=np.int64)
+    out = np.empty(obj.size, dtype=np.int64) if out is None else out
+    _next_access(obj, np.full(int(obj.max()) + 1 if obj.size else 0, -1, dtype=np.int64), out)
     return out
+
+
+@njit(cache=True)
+def _next_access(obj, seen, out):
+    for i in range(obj.size - 1, -1, -1):
+        out[i] = seen[obj[i]]
+        seen[obj[i]] = i
 
 
 def export_libcachesim(
@@ -84,10 +93,12 @@ def export_libcachesim(
             rec["time"] = np.arange(obj.size, dtype=np.uint32)
             rec["obj_id"] = obj
             rec["size"] = 1
-            rec["next"] = next_access(obj)
-            fh.write(rec.tobytes())
+            next_access(obj, rec["next"])
+            fh.write(rec.view(np.uint8))  # the records' own bytes, not a copy of them
         else:
             fh.write(b"time,obj_id,obj_size\n")
-            body = np.column_stack([np.arange(obj.size), obj, np.ones(obj.size, dtype=np.int64)])
-            np.savetxt(fh, body, fmt="%d", delimiter=",")
+            for a in range(0, obj.size, CSV_BLOCK):  # rows formatted a block at a time: bounded memory
+                o = obj[a:a + CSV_BLOCK]
+                np.savetxt(fh, np.column_stack([np.arange(a, a + o.size), o, np.ones(o.size, dtype=np.int64)]),
+                           fmt="%d", delimiter=",")
     return int(obj.size)

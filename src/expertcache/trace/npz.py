@@ -42,9 +42,13 @@ _CHUNK = 1 << 22
 
 
 WORK_FACTOR = 24
-"""Peak memory of the commands that hold a whole trace, as a multiple of its arrays' bytes: measured
-on a 2M-token trace of 72 MB arrays (2026-12-05): ``stats`` 22x (int64 keys and per-layer gap
-tables), ``replay`` 10x, loading 4x."""
+"""Peak memory of the commands that hold a whole trace, as a multiple of its arrays' bytes (the peak
+RSS less a bare command's 108 MB), measured on two 2M-token traces of 72 MB arrays, 4 layers of k = 4
+and 1 layer of k = 16 (docs/robustness.md, 2026-12-05): at most 20.6x (``bounds``), then ``replay``
+of eight rules 19.5x, ``foresight`` 19.1x, ``export --format oracle`` 17.5x, ``batch`` 15.8x,
+``compare-pools`` 15.9x, ``sweep`` 10.3x, ``stats`` 2.7x. Before the reports worked through runs of
+whole sequences and the exports and unions through blocks, ``stats`` of the one-layer trace reached
+36.8x and the oracle export 36.6x."""
 
 
 def available_bytes() -> int | None:
@@ -69,6 +73,13 @@ def max_bytes() -> int:
     if value <= 0:
         raise TraceError(f"EXPERTCACHE_MAX_TRACE_BYTES: expected a positive integer (bytes), got {text!r}")
     return value
+
+
+def array_bytes(trace) -> int:
+    """Bytes of a loaded :class:`~expertcache.trace.Trace`'s arrays (ids, sequence ids, gate weights,
+    router softmax, extras): what :func:`max_bytes` bounds, for commands that hold several traces."""
+    arrays = [trace.experts, trace.seq, trace.probs, trace.router_probs, *trace.extras.values()]
+    return sum(int(a.nbytes) for a in arrays if isinstance(a, np.ndarray))
 
 
 def resolve_trace_path(path: str | os.PathLike) -> Path:
