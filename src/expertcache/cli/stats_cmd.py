@@ -39,9 +39,13 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    traces = [open_trace_or_chunked(path) for path in args.traces]
-    reports = [(locality_report if isinstance(t, Trace) else locality_report_chunked)(t, windows=args.windows, top=args.top)
-               for t in traces]
+    lines, reports = [], []
+    for path in args.traces:  # one trace held at a time: a report keeps counts, not the trace
+        t = open_trace_or_chunked(path)
+        lines.append(describe(t))
+        reports.append((locality_report if isinstance(t, Trace) else locality_report_chunked)(
+            t, windows=args.windows, top=args.top))
+        del t
     pairs = [hot_set_overlap(a, b) for a, b in itertools.combinations(reports, 2)]
     if args.json:
         emit_json([r.to_dict() | {"path": path} for r, path in zip(reports, args.traces)] + [p.to_dict() for p in pairs])
@@ -53,10 +57,10 @@ def run(args) -> int:
                  *(r.reuse(w) for w in r.windows), r.top_share, r.distinct[0], r.coverage_final) for r in reports]
         table(rows, ["trace", "E", "k", "L", "tokens", "alpha", *w_heads, share_head, "distinct", "coverage"])
     else:
-        for i, (trace, r) in enumerate(zip(traces, reports)):
+        for i, (line, r) in enumerate(zip(lines, reports)):
             if i:
                 print()
-            _print_report(trace, r, w_heads, share_head)
+            _print_report(line, r, w_heads, share_head)
     if pairs:
         print(f"\nhot-set overlap (Jaccard of the top {args.top} experts per layer, mean over shared layers):")
         rows = [(p.a, p.b, len(p.jaccard), p.mean if p.jaccard else None, p.min if p.jaccard else None,
@@ -65,8 +69,8 @@ def run(args) -> int:
     return 0
 
 
-def _print_report(trace, r: LocalityReport, w_heads: list[str], share_head: str) -> None:
-    print(describe(trace))
+def _print_report(line: str, r: LocalityReport, w_heads: list[str], share_head: str) -> None:
+    print(line)
     print(f"scored tokens (previous step present): {r.scored_tokens} of {r.tokens}")
     rows = [(x.layer, x.selections, x.distinct, x.zipf_alpha, *(x.reuse[w] for w in r.windows), x.top_share,
              x.coverage) for x in r.layers]
