@@ -37,6 +37,46 @@ def test_killed_writer_leaves_no_partial_file_and_the_next_run_removes_its_tempo
     assert ec.load_trace(path).num_tokens == 2
 
 
+TERMINATED_WRITER = """
+import os, signal, sys
+import numpy as np
+from expertcache.cli.main import main
+real = np.savez_compressed
+def terminated(fh, **arrays):
+    fh.write(b"partial " * 1000)
+    fh.flush()
+    os.kill(os.getpid(), signal.SIGTERM)  # a service manager stopping the run mid-write
+    real(fh, **arrays)
+np.savez_compressed = np.savez = terminated
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_terminated_command_removes_its_temporary_and_says_so(tmp_path):
+    """SIGTERM (and SIGHUP) end a command like Ctrl-C: ``finally`` blocks run, the atomic write removes
+    its temporary, one line says so, and the exit status is 128 + the signal's number."""
+    target = tmp_path / "t.npz"
+    proc = subprocess.run([sys.executable, "-c", TERMINATED_WRITER, "synth", "--preset", "olmoe", "--tokens", "5",
+                           "--sequences", "2", "--out", str(target)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143 and proc.stderr.strip() == "expertcache: terminated (SIGTERM)", proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_names_the_output_and_leaves_nothing(tmp_path, monkeypatch):
+    """A write that fails for want of room (ENOSPC, EDQUOT, EFBIG) is one line naming the option and
+    the output: zipfile's close raised it naming no file."""
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(ConfigError, match=r"^--capture .*c\.npz: cannot write it \(No space left on device\)$"):
+        with atomic_open(tmp_path / "c.npz", "wb", option="--capture") as fh:
+            fh.write(b"x" * 100)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_live_writers_temporary_is_kept(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

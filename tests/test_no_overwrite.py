@@ -30,6 +30,8 @@ def files(tmp_path, monkeypatch):
     tr.save(tmp_path / "folder" / "routing.npz")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "model.safetensors.index.json"):
+        (tmp_path / "model" / name).write_text("{}")
     os.link(tmp_path / "t.npz", tmp_path / "hard.npz")
     os.link(tmp_path / "t.npz", tmp_path / "hard.png")
     os.symlink(tmp_path / "t.npz", tmp_path / "soft.npz")
@@ -50,6 +52,9 @@ CASES = [
     ["sweep", "t.npz", "--capacities", "4:8", "--plot", "hard.png"],
     ["sweep", "u.npz", "--capacities", "4:8", "-p", "learned:t.npz", "--plot", "hard.png"],  # NAME:PATH
     ["capture", "--model", "model", "--tokens", "t.npz", "--out", "model/config.json"],
+    ["capture", "--model", "model", "--tokens", "t.npz", "--out", "model/model.safetensors.index.json"],  # shards' map
+    ["capture", "--model", "model", "--tokens", "t.npz", "--out", "model/tokenizer.json"],  # what --text reads
+    ["eval", "--model", "model", "--tokens", "t.npz", "--capture", "model/generation_config.json", "-c", "4"],
     ["eval", "--model", "model", "--tokens", "t.npz", "--capture", "t.npz", "-c", "4"],
     ["controller", "train", "--model", "model", "--tokens", "t.npz", "-c", "4", "--out", "t.npz"],
     ["grid", "t.npz", "--out", "t.npz"],
@@ -84,6 +89,18 @@ def test_the_check_itself(files):
     assert overwritten_input("folder", ["folder"]) is None  # folders: their commands check them
     with pytest.raises(ConfigError, match="^--plot hard.png: is the input t.npz"):
         check_not_input("hard.png", ["t.npz"], "--plot")
+
+
+def test_an_output_that_is_a_link_is_written_through_and_the_link_stays(files, capsys):
+    """A symbolic link as ``--out`` (``/dev/stdout`` with stdout sent to a file is one) replaces the
+    file it points to; renaming over the link had turned ``/dev/stdout`` into a regular file."""
+    (files / "old.npz").write_bytes(b"old")
+    os.symlink("old.npz", files / "out-link.npz")
+    assert main(["synth", "--preset", "olmoe", "--tokens", "5", "--sequences", "2", "--out", "out-link.npz"]) == 0
+    capsys.readouterr()
+    assert os.path.islink(files / "out-link.npz") and os.readlink(files / "out-link.npz") == "old.npz"
+    assert ec.load_trace(files / "old.npz").num_tokens == 10
+    assert sorted(p.name for p in files.iterdir() if p.name.startswith(".")) == []
 
 
 def test_a_grid_writes_into_an_unrelated_existing_folder_only_with_force(files, capsys):

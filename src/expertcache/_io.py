@@ -9,6 +9,7 @@ the same target whose writing process no longer exists: after the next run nothi
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -18,6 +19,8 @@ from typing import IO, Iterator
 
 from .errors import ConfigError
 
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+"""Errors of a write that mean the output's file system is full (or the file too large for it)."""
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
 
 
@@ -87,11 +90,13 @@ def check_special(path: str | os.PathLike, option: str = "--out") -> None:
                           "refusing to replace it, choose a file name")
 
 
-_FOLDER_INPUT_NAMES = ("routing.npz", "config.json", "manifest.json", "chunks.json")
-_FOLDER_INPUT_SUFFIXES = (".safetensors", ".bin")
+_FOLDER_INPUT_NAMES = ("routing.npz", "config.json", "manifest.json", "chunks.json", "generation_config.json",
+                       "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                       "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+_FOLDER_INPUT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".index.json")
 """Files of an input folder that an output may not replace: a trace folder's routing.npz, a
-checkpoint's config and weights, an expert pool's manifest, a chunked trace's index (other files of
-an input folder, e.g. earlier outputs, may be)."""
+checkpoint's config, weights, shard index, tokenizer and generation files, an expert pool's manifest,
+a chunked trace's index (other files of an input folder, e.g. earlier outputs, may be)."""
 
 
 def overwritten_input(path: str | os.PathLike, inputs) -> str | None:
@@ -117,7 +122,8 @@ def overwritten_input(path: str | os.PathLike, inputs) -> str | None:
             continue
         if (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino):
             return f"the input {os.fspath(inp)}" + ("" if os.fspath(inp) == os.fspath(path) else " (the same file)")
-        if stat.S_ISDIR(st.st_mode) and (target.name in _FOLDER_INPUT_NAMES or target.suffix in _FOLDER_INPUT_SUFFIXES):
+        if stat.S_ISDIR(st.st_mode) and (target.name in _FOLDER_INPUT_NAMES
+                                         or target.name.endswith(_FOLDER_INPUT_SUFFIXES)):
             with contextlib.suppress(OSError):
                 if os.path.samefile(target.parent if str(target.parent) else ".", inp):
                     return f"a file of the input folder {os.fspath(inp)}"
@@ -137,7 +143,12 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, option: str = "--ou
 
     The folder must exist (a ConfigError naming it otherwise; ``option`` names the option that
     gave the path). Stale temporaries of the same target left by dead processes are removed first.
+    A ``path`` that is a symbolic link is written through: the file it points to is replaced and the
+    link stays (renaming over the link itself had turned ``/dev/stdout``, run as root with stdout
+    sent to a file, into a regular file for every later process).
     """
+    if os.path.islink(path):
+        path = os.path.realpath(path)
     path = check_writable(path, option)
     parent = path.parent if str(path.parent) else Path(".")
     clean_stale_temporaries(path)
@@ -152,6 +163,12 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, option: str = "--ou
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if exc.errno in _FULL:  # the write itself failed: say which output (zipfile's close named no file)
+            raise ConfigError(f"{option} {path}: cannot write it ({exc.strerror or exc})") from None
+        raise
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -18,7 +18,9 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
 
 from .. import __version__
@@ -131,15 +133,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread like Ctrl-C's KeyboardInterrupt, so that ``finally``
+    blocks run and an atomic write removes its temporary (a killed run used to leave a partial
+    ``.<name>.<pid>.<hex>.tmp`` beside its output)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     name = f"expertcache {args.command}"
+    stops = (signal.SIGTERM, signal.SIGHUP)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # a command's own handlers (serve's) replace these
+        previous = {sig: signal.signal(sig, _terminate) for sig in stops}
+    try:
+        return _run(args, name)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(args, name: str) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning
         try:
             refuse_overwriting_inputs(args)  # every command: no output may replace an input
             return int(args.func(args) or 0)
+        except Terminated as stop:
+            signum = int(stop.args[0])
+            print(f"expertcache: terminated ({signal.Signals(signum).name})", file=sys.stderr)
+            return 128 + signum
         except ExpertcacheError as err:
             print(f"{name}: error: {one_line(err)}", file=sys.stderr)
             return EXIT_USAGE
