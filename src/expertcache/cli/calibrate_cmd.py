@@ -6,7 +6,7 @@ import argparse
 
 from .._text import first_line
 from ..errors import ConfigError
-from .common import add_json, add_layers, emit_json, positive_int
+from .common import add_json, add_layers, emit_json, positive_int, samples_int, slow_copies_int
 
 HELP = """Measure the cost model's two machine constants for a Hugging Face MoE checkpoint, on the
 offload harness's own paths:
@@ -34,10 +34,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights dtype (default: the checkpoint's)")
     add_layers(p, "MoE layers whose experts are timed (default: all; the first one's experts are copied)")
-    p.add_argument("--repeats", type=positive_int, default=30, metavar="N", help="samples of each (default 30)")
+    p.add_argument("--repeats", type=samples_int, default=30, metavar="N", help="samples of each (default 30)")
     p.add_argument("--tokens", type=positive_int, default=16, metavar="N",
                    help="tokens per decode sequence for c (default 16)")
-    p.add_argument("--slow-copies", type=positive_int, default=1, metavar="N",
+    p.add_argument("--slow-copies", type=slow_copies_int, default=1, metavar="N",
                    help="time copies made N times each, as eval --slow-copies does (default 1)")
     p.add_argument("--host", choices=("memory", "mmap", "direct"), default="memory",
                    help="where the experts live between copies, as eval --host (default memory)")

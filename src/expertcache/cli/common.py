@@ -98,6 +98,35 @@ def positive_int(text: str) -> int:
     return _int_in(text, 1, MAX_INT, "a positive integer", "up to 2**62")
 
 
+def max_threads() -> int:
+    """Most threads a command may start: 4 per core of this machine (at least 8). More only slow
+    compute, and 100,000 exhausted the machine's threads and crashed (SIGSEGV)."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def threads_int(text: str) -> int:
+    """A thread count: an integer in [1, :func:`max_threads`]."""
+    return _int_in(text, 1, max_threads(), "a positive integer", f"at most {max_threads()} (4 per core here)")
+
+
+MAX_SLOW_COPIES = 1000
+"""Most times ``--slow-copies`` repeats each copy (a link that many times slower; 2^62 ran for ever)."""
+
+
+def slow_copies_int(text: str) -> int:
+    """``--slow-copies N``: an integer in [1, :data:`MAX_SLOW_COPIES`]."""
+    return _int_in(text, 1, MAX_SLOW_COPIES, "a positive integer", f"at most {MAX_SLOW_COPIES:,}")
+
+
+MAX_SAMPLES = 10_000
+"""Most timed samples a calibration takes (``calibrate --repeats``, ``size --calibrate``)."""
+
+
+def samples_int(text: str) -> int:
+    """A number of timed samples: an integer in [1, :data:`MAX_SAMPLES`]."""
+    return _int_in(text, 1, MAX_SAMPLES, "a positive integer", f"at most {MAX_SAMPLES:,}")
+
+
 def resamples_int(text: str) -> int:
     """A number of bootstrap resamples, 0 (none) to :data:`MAX_RESAMPLES`."""
     return _int_in(text, 0, MAX_RESAMPLES, "an integer", f"from 0 to {MAX_RESAMPLES:,} (bootstrap resamples)")

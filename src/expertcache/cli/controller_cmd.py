@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .common import (add_json, add_layers, add_out, add_subcommands, check_out, emit_json, nonnegative_float, positive_int,
-                     seed_int)
+                     seed_int, threads_int)
 from .sizing_opts import duration
 
 HELP = """The learned set controller (the eviction paper's reimplementation of an option-critic
@@ -57,7 +57,8 @@ def add_parser(sub) -> None:
                    help="tokens of prefix:W warm-up at the start of each sequence (default 8; eval may override)")
     t.add_argument("--samples", type=positive_int, default=4, metavar="S", help="reinforce: samples per window (default 4)")
     t.add_argument("--lr", type=_lr, default=0.02, help="Adam learning rate (default 0.02)")
-    t.add_argument("--threads", type=positive_int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    t.add_argument("--threads", type=threads_int, default=None, metavar="N",
+                   help="torch CPU threads (default: torch's)")
     add_out(t, "heads file to write (e.g. heads.pt)")
     add_json(t)
     t.set_defaults(func=run_train)

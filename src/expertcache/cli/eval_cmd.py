@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..costmodel.runs import HOSTS
 from ..policies import available_policies
 from .common import (add_json, add_layers, byte_size, check_out, emit_json, nonnegative_float, positive_int,
-                     resamples_int, seed_int, table)
+                     resamples_int, seed_int, slow_copies_int, table)
 from .inputs import import_hf, read_text, read_tokens
 
 HELP = """Teacher-force token sequences through a Hugging Face MoE checkpoint whose experts live in host
@@ -82,7 +82,7 @@ def add_parser(sub) -> None:
                    help="copy the next offloaded layer's experts ahead of demand (decode mode; default none)")
     p.add_argument("--batch", type=positive_int, default=1, metavar="B",
                    help="decode B equal-length sequences together, one cache step over their union (default 1)")
-    p.add_argument("--slow-copies", type=positive_int, default=1, metavar="N",
+    p.add_argument("--slow-copies", type=slow_copies_int, default=1, metavar="N",
                    help="make every copy N times, counted once: emulates an N times slower link (default 1)")
     p.add_argument("--pool", choices=("layer", "global"), default="layer",
                    help="CAPACITY slots per offloaded layer (default), or shared by all of them (decode mode)")

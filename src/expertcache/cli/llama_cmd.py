@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .common import (TIMEOUT_SECONDS, add_json, add_subcommands, byte_size, check_out, emit_json, positive_int,
-                     seed_int, table)
+                     seed_int, table, threads_int)
 from .inputs import read_tokens
 from .llama_opts import add_generation_options, add_readers, open_session
 
@@ -139,7 +139,7 @@ def _common(p) -> None:
     _prompt_options(p, tokens=True)
     p.add_argument("--prompt-len", type=positive_int, default=64, metavar="N", help="prompt tokens used (default 64)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N", help="tokens generated (default 32)")
-    p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
+    p.add_argument("--threads", type=threads_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
     add_readers(p)
     p.add_argument("--predict", choices=("lookahead",), default=None,
                    help="managed: load the next MoE layer's experts the router lookahead predicts as soon as this "

@@ -6,7 +6,7 @@ inside the functions: every command's module is imported to build the parser, an
 
 from __future__ import annotations
 
-from .common import _int_in, add_json, float_in, nonnegative_float, positive_int, seed_int
+from .common import _int_in, add_json, float_in, nonnegative_float, positive_int, seed_int, threads_int
 
 
 def add_generation_options(p) -> None:
@@ -32,7 +32,7 @@ def add_generation_options(p) -> None:
                         "dense part")
     p.add_argument("--policy", default="lru", metavar="NAME",
                    help="online eviction rule of the managed mode (default lru)")
-    p.add_argument("--threads", type=positive_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
+    p.add_argument("--threads", type=threads_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
     add_readers(p)
     p.add_argument("--ctx", type=positive_int, default=None, metavar="N",
                    help="context tokens, at most the model's trained context (default 2048, or that context where "

@@ -18,8 +18,9 @@ from ..costmodel.model import ModelSpec, read_model
 from ..costmodel.plan import Fit, copies_for_rate, record, recommended, search, synthetic_trace
 from ..errors import ConfigError
 from ..policies import make_policy
+from ..trace.validate import MAX_EXPERT_BYTES
 from .budget_opts import budget_bytes
-from .common import add_json, emit_json, fraction, open_trace, positive_int, seed_int, table
+from .common import add_json, emit_json, fraction, open_trace, positive_int, samples_int, seed_int, table, threads_int
 from .sizing_opts import auto_or_rate, compute_time, duration, positive_number
 
 DEFAULT_POLICIES = ("lru", "lfu", "decayed", "mean-interval", "belady")
@@ -83,7 +84,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tau", type=duration, default=None, metavar="DURATION", help="time of one expert copy, e.g. 0.51ms")
     p.add_argument("--c", type=compute_time, default=None, metavar="DURATION",
                    help="compute per token with every expert resident, e.g. 20.4ms or 49tok/s")
-    p.add_argument("--calibrate", type=positive_int, default=None, metavar="N",
+    p.add_argument("--calibrate", type=samples_int, default=None, metavar="N",
                    help="measure --tau and --c on this machine with N samples each, as 'expertcache calibrate' "
                         "does (needs a checkpoint folder as --model-config, and the hf extra)")
     t = p.add_argument_group("target (default: the largest capacity that fits)")
@@ -106,7 +107,7 @@ def add_parser(sub) -> None:
     f.add_argument("--compute", type=auto_or_rate("tok/s"), default=None, metavar="auto|tok/s",
                    help="decode rate with every expert resident: auto (default) times llama.cpp on the file "
                         "(needs the llama extra; kept a day); or give it in tok/s")
-    f.add_argument("--threads", type=positive_int, default=None, metavar="T",
+    f.add_argument("--threads", type=threads_int, default=None, metavar="T",
                    help="llama.cpp threads for --compute auto (default 1)")
     f.add_argument("--auto", action="store_true", help="measure both the disk bandwidth and the compute rate "
                                                        "(what --disk-bandwidth auto --compute auto do)")
@@ -230,6 +231,9 @@ def _model(args, trace) -> ModelSpec:
             raise ConfigError(f"--expert-mb: also give {', '.join(missing)} (or a --trace that has them)")
         if dims[1] > dims[0]:
             raise ConfigError(f"--top-k {dims[1]} is above --experts {dims[0]}")
+        if not args.expert_mb * MB <= MAX_EXPERT_BYTES:  # 1e303 MB and up are infinite bytes
+            raise ConfigError(f"--expert-mb {args.expert_mb:g}: above {MAX_EXPERT_BYTES / MB:g} MB, "
+                              "not a plausible value")
         model = ModelSpec(dims[0], dims[1], dims[2], round(args.expert_mb * MB), None, "--expert-mb and dimensions")
     if trace is not None and trace.num_experts != model.num_experts:
         raise ConfigError(f"--trace {args.trace}: E={trace.num_experts}, the model has E={model.num_experts}")

@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 from ..formats.safetensors import read_header
+from ..trace.validate import MAX_LAYERS
 from .sizing import LIMITS, MAX_CONFIG_BYTES, _dtype_bytes, _weight_bytes, expert_bytes_from_config
 
 EXPERT_MARK = ".experts."
@@ -119,6 +120,8 @@ def moe_layer_ids(config: dict, where: str = "config") -> list[int]:
     ``first_k_dense_replace`` (and those off ``moe_layer_freq``) and Qwen's ``mlp_only_layers`` (and
     those off ``decoder_sparse_step``)."""
     n = _get(config, where, "num_hidden_layers")
+    if n > MAX_LAYERS:  # the list below is n long
+        raise ConfigError(f"{where}: num_hidden_layers {n} is more than {MAX_LAYERS:,}")
     dense_first = _get(config, where, "first_k_dense_replace", default=0)
     freq = max(1, _get(config, where, "moe_layer_freq", default=1))
     step = max(1, _get(config, where, "decoder_sparse_step", default=1))

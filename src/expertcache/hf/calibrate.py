@@ -71,6 +71,9 @@ def calibrate(model: torch.nn.Module, *, repeats: int = 30, tokens: int = 16, la
     """Measure tau and c for ``model`` (experts may be on the device or in host memory)."""
     if repeats < 3 or tokens < 2:
         raise ConfigError(f"calibrate needs at least 3 repeats and 2 tokens, got {repeats} and {tokens}")
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and tokens > context:  # positions past the trained ones; the KV cache grows each step
+        raise ConfigError(f"--tokens {tokens}: more than the model's {context} positions (max_position_embeddings)")
     device = model_device(model)
     sites = select_sites(find_sites(model), layers)
     site = sites[0]

@@ -90,7 +90,10 @@ def train_controller(model, ids: np.ndarray, opts: TrainOptions, log=None) -> tu
     if opts.warmup >= opts.seq_len:
         raise ConfigError(f"--warmup {opts.warmup} must be below --seq-len {opts.seq_len}")
     if ids.size < opts.seq_len + 1:
-        raise ConfigError(f"--text: {ids.size} tokens, fewer than one window of --seq-len {opts.seq_len} + 1")
+        raise ConfigError(f"training tokens: {ids.size}, fewer than one window of --seq-len {opts.seq_len} + 1")
+    if opts.batch > ids.size - opts.seq_len:  # a step holds the batch's activations: never more than the windows
+        raise ConfigError(f"--batch {opts.batch}: more than the {ids.size - opts.seq_len:,} windows of --seq-len "
+                          f"{opts.seq_len} the {ids.size:,} training tokens hold")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if ids.size and (ids.min() < 0 or (isinstance(vocab, int) and ids.max() >= vocab)):
         raise ConfigError(f"training tokens: ids must lie in [0, {vocab}) for this model, got {ids.min()}..{ids.max()}")
@@ -132,6 +135,10 @@ def train_controller(model, ids: np.ndarray, opts: TrainOptions, log=None) -> tu
     finally:
         for h in hooks:
             h.remove()
+    bad = next((n for n, p in params.items() if not torch.isfinite(p).all()), None)
+    if bad is not None:  # nothing is written: eval would refuse the file anyway
+        raise ConfigError(f"training diverged: head {bad} holds NaN or infinity after {opts.steps} steps (last loss "
+                          f"{history[-1]['loss']:g}); lower --lr or the copy price (--exchange, --price-tau)")
     last = history[-10:]
     summary = {"steps": opts.steps, "seconds": time.perf_counter() - start, "objective": opts.objective,
                "copy_weight": opts.copy_weight, "layers": config["layers"], "capacity": opts.capacity,

@@ -18,6 +18,13 @@ def cache_tag(capacity: int) -> str:
     return f"<cache={capacity}>"
 
 
+MIN_TEMPERATURE = 0.01
+"""Lowest sampling temperature (the logits are divided by it before the softmax)."""
+MAX_GROUP, MAX_NEW_TOKENS = 256, 4096
+"""Most generations per prompt and tokens per generation: one step holds every generation's
+activations and KV cache (``--group 100000`` passed 4 GB on a 4-layer toy model)."""
+
+
 @dataclass(frozen=True)
 class TuneConfig:
     """One fine-tune. Invariants (checked by :meth:`check`, against the model by
@@ -71,8 +78,12 @@ class TuneConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
-        if not self.temperature > 0:
-            raise ConfigError("--temperature must be > 0")
+        if not self.temperature >= MIN_TEMPERATURE:  # logits / 1e-300 overflow: a softmax of inf and nan
+            raise ConfigError(f"--temperature must be at least {MIN_TEMPERATURE:g} (lower is greedy in all but name), "
+                              f"got {self.temperature:g}")
+        if self.group > MAX_GROUP or self.max_new_tokens > MAX_NEW_TOKENS:
+            raise ConfigError(f"--group {self.group} / --max-new-tokens {self.max_new_tokens}: at most {MAX_GROUP} "
+                              f"generations of {MAX_NEW_TOKENS:,} tokens per prompt (a step holds them all at once)")
         if self.lora_rank < 0:
             raise ConfigError(f"--lora-rank must be >= 0, got {self.lora_rank}")
         bad = [t for t in self.lora_targets if t not in TARGETS]

@@ -1,0 +1,53 @@
+"""Counts that size a run's memory or time have a ceiling, each refused in one line before any work
+(docs/robustness.md, "Options"): from hostile-input sweeps that found `--threads 100000` exhausting
+the machine's threads (SIGSEGV), `--slow-copies 2**62` and `--calibrate 10**11` running for ever,
+`router-tune --temperature 1e-300` overflowing the softmax (exit 70), `size --expert-mb 1e308` an
+OverflowError (exit 70) and a config of 10^9 layers taking 24 GB."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from expertcache.cli.common import max_threads
+from expertcache.cli.main import main
+
+
+def _one_line(capsys, argv) -> str:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's own refusal: one line too
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, (argv, code, err)
+    return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["llama", "run", "m.gguf", "--threads", "100000"], f"at most {max_threads()} (4 per core here)"),
+    (["llama", "generate", "m.gguf", "--prompt", "x", "--threads", "0"], "expected a positive integer"),
+    (["controller", "train", "--model", "m", "--text", "t", "-c", "4", "--out", "h.pt", "--threads", "100000"],
+     "argument --threads"),
+    (["eval", "--model", "m", "--tokens", "t.npy", "-c", "4", "--slow-copies", "4611686018427387904"], "at most 1,000"),
+    (["calibrate", "--model", "m", "--repeats", "20000"], "at most 10,000"),
+    (["size", "--model-config", "c.json", "--device-memory", "1GB", "--calibrate", "99999999999"], "at most 10,000"),
+    (["size", "--expert-mb", "1e308", "--experts", "64", "--top-k", "8", "--moe-layers", "16", "--device-memory",
+      "24GB"], "--expert-mb 1e+308: above 1e+07 MB, not a plausible value"),
+    (["router-tune", "--model", "m", "--text", "t", "--layer", "0", "--cache", "4", "--temperature", "1e-300",
+      "--out", "o"], "--temperature must be at least 0.01"),
+    (["router-tune", "--model", "m", "--text", "t", "--layer", "0", "--cache", "4", "--group", "100000", "--out", "o"],
+     "at most 256 generations of 4,096 tokens per prompt"),
+])
+def test_counts_have_a_ceiling(capsys, argv, message):
+    err = _one_line(capsys, argv)
+    assert message in err, err
+
+
+def test_a_config_of_a_billion_layers_is_refused_before_listing_them(capsys, tmp_path):
+    cfg = {"model_type": "olmoe", "num_hidden_layers": 10**9, "num_experts": 64, "num_experts_per_tok": 8,
+           "hidden_size": 2048, "intermediate_size": 1024, "vocab_size": 50304, "num_attention_heads": 16,
+           "torch_dtype": "bfloat16"}
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    err = _one_line(capsys, ["size", "--model-config", tmp_path / "c.json", "--device-memory", "24GB"])
+    assert "num_hidden_layers 1000000000 is more than 4,096" in err, err
