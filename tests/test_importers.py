@@ -664,6 +664,7 @@ def test_views_of_one_storage_are_read_once_and_bounded(tmp_path, monkeypatch):
     torch.save({"views": [x.reshape(1 << 10, 1 << 10)[i % 7:] for i in range(100)], "whole": x}, str(tmp_path / "v.pt"))
     torch.save({"big": big}, str(tmp_path / "big.pt"))
     size = (tmp_path / "v.pt").stat().st_size
+    monkeypatch.setenv("EXPERTCACHE_MAX_TRACE_BYTES", str(1 << 30))  # the 100 views claim about 400 MiB in all
     tracemalloc.start()
     try:
         got = read_torch_save(tmp_path / "v.pt")
@@ -676,7 +677,7 @@ def test_views_of_one_storage_are_read_once_and_bounded(tmp_path, monkeypatch):
     assert not got["views"][0].flags.writeable and np.shares_memory(got["views"][0], got["whole"])
     with pytest.raises(TraceError, match=r"tensor of size \(2, 262144, 4\) has more elements than its storage"):
         read_torch_save(tmp_path / "big.pt")
-    monkeypatch.setenv("EXPERTCACHE_MAX_TRACE_BYTES", str(50 << 20))  # the 100 views claim 400 MiB in all
+    monkeypatch.setenv("EXPERTCACHE_MAX_TRACE_BYTES", str(50 << 20))
     with pytest.raises(TraceError) as info:
         read_torch_save(tmp_path / "v.pt")
     assert re.search(r"data\.pkl at byte \d+: its tensors claim [\d,]+ bytes in all, more than the trace limit "

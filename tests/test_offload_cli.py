@@ -143,3 +143,103 @@ def test_eval_usage_errors_are_one_line(capsys, ckpt, ids, argv, message):
         main(["eval", "--model", str(ckpt), "--tokens", str(ids), "-c", "3", *argv])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+def _damaged(root, ckpt, name, *, config=None, tensors=None, raw=None):
+    """A copy of ``ckpt`` with config.json values replaced (``config``), its weights filtered or
+    changed (``tensors``: a function of the name -> array dict), or model.safetensors replaced by
+    ``raw`` bytes."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    d = root / name
+    shutil.copytree(ckpt, d)
+    if config is not None:
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **config}))
+    if tensors is not None:
+        save_file(tensors(load_file(str(ckpt / "model.safetensors"))), str(d / "model.safetensors"),
+                  metadata={"format": "pt"})
+    if raw is not None:
+        (d / "model.safetensors").write_bytes(raw)
+    return d
+
+
+def test_a_damaged_checkpoint_is_refused_in_one_line_before_it_runs(capsys, ckpt, ids, tmp_path):
+    """transformers fills weights a checkpoint lacks with random values and builds what the config
+    declares before any check, so a missing router gave a capture that differed run to run (exit 0),
+    an empty weights file a full eval of noise, and num_hidden_layers 10^7 gigabytes of random layers;
+    a truncated file, a mistyped config or a top-k above E were exit 70. Each is now one line naming
+    what is wrong, before a forward; a config that leaves weights unused is one warning."""
+    full = (ckpt / "model.safetensors").read_bytes()
+    cases = [
+        (dict(tensors=lambda t: {k: v for k, v in t.items() if k != "model.layers.1.mlp.gate.weight"}),
+         "lacks 1 weight(s) its config needs, e.g. model.layers.1.mlp.gate.weight (transformers would fill them"),
+        (dict(tensors=lambda t: {}), "its safetensors files hold no weights"),
+        (dict(config={"num_hidden_layers": 10_000_000}),
+         "config.json has num_hidden_layers 10000000, but the weights hold no model.layers.3.* "
+         "(they hold layers 0..2)"),
+        (dict(config={"vocab_size": 100_000_000}), "config.json has vocab_size 100000000 and hidden_size 32, but "
+                                                   "model.embed_tokens.weight is [96, 32]"),
+        (dict(config={"num_experts": 16}), "in the checkpoint but [16, "),
+        (dict(config={"num_experts_per_tok": 9}), "config.json has num_experts_per_tok 9, not 1..8"),
+        (dict(config={"num_experts": "8"}), "cannot load it (Validation error for field 'num_experts':"),
+        (dict(raw=full[: len(full) // 2]), "data_offsets missing or outside the file"),
+        (dict(raw=b""), "too short for a safetensors file"),
+    ]
+    for i, (change, message) in enumerate(cases):
+        bad = _damaged(tmp_path, ckpt, f"bad{i}", **change)
+        code, out, err = run_cli(capsys, "capture", "--model", bad, "--tokens", ids, "--out", tmp_path / "t.npz")
+        assert code == 2 and err.count("\n") == 1 and message in err, (change, err)
+        assert not (tmp_path / "t.npz").exists()
+    fewer = _damaged(tmp_path, ckpt, "fewer", config={"num_hidden_layers": 1})
+    code, out, err = run_cli(capsys, "capture", "--model", fewer, "--tokens", ids, "--out", tmp_path / "t.npz")
+    assert code == 0 and err.count("\n") == 1 and "weight(s) in the checkpoint are not used by its config" in err
+    assert load_trace(tmp_path / "t.npz").layer_ids == [0]
+
+
+def test_capture_inputs_that_said_nothing(capsys, ckpt, ids, tmp_path):
+    """Refused where they were accepted silently or ended in exit 70: a signal recorded twice, more
+    next-token candidates than the vocabulary, token rows of fewer than 2 tokens, a text file larger
+    than the tokenizer should hold (a byte-order mark is not text), a NaN model in eval."""
+    out = tmp_path / "t.npz"
+    code, _, err = run_cli(capsys, "capture", "--model", ckpt, "--tokens", ids, "--out", out, "--record",
+                           "next-top:2,next-top:3")
+    assert code == 2 and "next-top is given twice" in err, err
+    small = save_toy_checkpoint("olmoe", tmp_path / "v16", vocab=16)
+    np.save(tmp_path / "ids16.npy", np.arange(40) % 16)
+    code, _, err = run_cli(capsys, "capture", "--model", small, "--tokens", tmp_path / "ids16.npy", "--out", out,
+                           "--record", "next-top:32")
+    assert code == 2 and "next-top:32: more than the model's vocabulary of 16 tokens" in err, err
+    for cols in (0, 1):
+        np.save(tmp_path / "short.npy", np.zeros((3, cols), np.int64))
+        code, _, err = run_cli(capsys, "capture", "--model", ckpt, "--tokens", tmp_path / "short.npy", "--out", out)
+        assert code == 2 and f"rows of {cols} token(s); a sequence needs at least 2" in err, err
+    from expertcache.cli.inputs import MAX_TEXT_BYTES
+
+    (tmp_path / "big.txt").write_text("w1 " * (MAX_TEXT_BYTES // 3 + 1), encoding="utf-8")
+    code, _, err = run_cli(capsys, "capture", "--model", ckpt, "--text", tmp_path / "big.txt", "--out", out)
+    assert code == 2 and "more than 8,388,608" in err and "--tokens ids.npy" in err, err
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfw1 w2 w3")
+    code, _, err = run_cli(capsys, "capture", "--model", ckpt, "--text", tmp_path / "bom.txt", "--out", out)
+    assert code == 0 and load_trace(out).num_tokens == 3, err
+    from safetensors.numpy import load_file
+
+    nan = _damaged(tmp_path, ckpt, "nan", tensors=lambda t: {k: (v * np.nan if k == "lm_head.weight" else v)
+                                                             for k, v in t.items()})
+    assert "lm_head.weight" in load_file(str(nan / "model.safetensors"))
+    code, _, err = run_cli(capsys, "eval", "--model", nan, "--tokens", ids, "-c", 4, "--max-len", 20)
+    assert code == 2 and "the reference pass (every expert resident) gives NLL nan" in err, err
+
+
+def test_counts_the_model_bounds(capsys, ckpt, ids, tmp_path):
+    """``controller train --batch`` at most the windows its tokens hold (100,000 passed 4 GB on this
+    toy), ``calibrate --tokens`` at most the model's positions (10^8 grew its KV cache for ever)."""
+    code, _, err = run_cli(capsys, "controller", "train", "--model", ckpt, "--tokens", ids, "-c", 4, "--steps", 1,
+                           "--seq-len", 16, "--batch", 100000, "--out", tmp_path / "h.pt")
+    assert code == 2 and "--batch 100000: more than the 44 windows of --seq-len 16 the 60 training tokens hold" \
+        in err, err
+    positions = json.loads((ckpt / "config.json").read_text())["max_position_embeddings"]
+    code, _, err = run_cli(capsys, "calibrate", "--model", ckpt, "--repeats", 3, "--tokens", positions + 1)
+    assert code == 2 and f"--tokens {positions + 1}: more than the model's {positions} positions" in err, err

@@ -115,7 +115,7 @@ def run_gguf(args) -> int:
 
     unsupported = [opt for opt, on in (("--text", args.text), ("--router-probs", args.router_probs),
                                        ("--record", args.record), ("--layers", args.layers),
-                                       ("--device", args.device)) if on]
+                                       ("--device", args.device), ("--dtype", args.dtype != "float32")) if on]
     if unsupported:
         raise ConfigError(f"{unsupported[0]}: not supported with a .gguf model (llama.cpp capture records the "
                           "experts and gate weights of every MoE layer from --tokens)")

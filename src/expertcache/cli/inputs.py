@@ -6,6 +6,7 @@ functions that need them: the commands that never touch a checkpoint run without
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,12 +40,25 @@ def read_tokens(path: str) -> np.ndarray:
     return ids
 
 
+MAX_TEXT_BYTES = 8 << 20
+"""Largest ``--text`` file: tokenizing holds about 170 bytes of memory per byte of text (20 MB of
+text took 3.4 GB), so a corpus larger than this is tokenized ahead into ``--tokens ids.npy``."""
+
+
 def read_text(model_dir: str, path: str) -> np.ndarray:
-    """The UTF-8 text file ``path`` (``--text``) as token ids, by the tokenizer saved in ``model_dir``."""
+    """The UTF-8 text file ``path`` (``--text``; a leading byte-order mark is not text) as token ids,
+    by the tokenizer saved in ``model_dir``; at most :data:`MAX_TEXT_BYTES`."""
     from transformers import AutoTokenizer
 
-    if not os.path.isfile(path):
-        raise ConfigError(f"--text {path}: no such file")
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        raise ConfigError(f"--text {path}: no such file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"--text {path}: not a regular file")
+    if st.st_size > MAX_TEXT_BYTES:
+        raise ConfigError(f"--text {path}: {st.st_size:,} bytes, more than {MAX_TEXT_BYTES:,} (tokenizing holds about "
+                          "170 bytes per byte of text): tokenize it into --tokens ids.npy instead")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -52,7 +66,7 @@ def read_text(model_dir: str, path: str) -> np.ndarray:
             f"--text needs a tokenizer saved in {model_dir} ({first_line(exc)}); without one, pass --tokens ids.npy"
         ) from None
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--text {path}: not UTF-8 text (byte {exc.start})") from None
-    return np.asarray(tokenizer(text)["input_ids"], dtype=np.int64)
+    return np.asarray(tokenizer(text, return_attention_mask=False)["input_ids"], dtype=np.int64)

@@ -42,6 +42,7 @@ fill and prefetch), ``c_ms_reference`` = the reference pass's ms per step, the b
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -284,6 +285,9 @@ def evaluate(
                                     router_probs and trace is None, bar))
         if trace is None:
             trace = refs[0][1]
+        if not math.isfinite(refs[-1][0].nll):  # the model, not a policy: nothing could match it
+            raise ConfigError(f"the reference pass (every expert resident) gives NLL {refs[-1][0].nll}: the model's "
+                              "weights hold NaN or infinity")
         for spec, rule, probe in zip(specs, rules, probes):
             bar.set_description(f"{spec} at C={capacity}" + (f", round {round_ + 1}/{repeats}" if repeats > 1 else ""))
             runs[spec].append(_policy_pass(model, batches, warmup, mode, rule, capacity, probe.layer_ids, trace,

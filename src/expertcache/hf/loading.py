@@ -21,13 +21,16 @@ pages dropped: the experts stay in the files, and a miss reads them from there i
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple
 
 import torch
 
 from .._text import first_line
-from ..errors import ConfigError
+from ..errors import ConfigError, one_line
+from ..formats.safetensors import read_header
 from .model import ExpertsSite, find_sites, model_label, require_transformers, select_sites
 from .host import check_host, host_of, map_file_experts, use_files
 from .pagecache import drop_cached, release_mappings
@@ -84,10 +87,19 @@ def load_model(
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ConfigError(f"model {path}: cannot load it ({first_line(exc)})") from None
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except LOAD_ERRORS as exc:
+        raise ConfigError(f"model {path}: cannot load it ({one_line(exc)[:300]})") from None
+    check_weights_cover_config(folder, config)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype), output_loading_info=True,
+            ignore_mismatched_sizes=True)  # reported below by name, rather than as "look at the report above"
+    except LOAD_ERRORS as exc:
+        raise ConfigError(f"model {path}: cannot load it ({one_line(exc)[:300]})") from None
+    check_loading_info(path, info)
     sites = select_sites(find_sites(model), host_layers, model_label(model))
+    check_top_k(path, config, sites)
     if host != "memory":
         served = [map_file_experts(site, folder, host, dev) for site in sites]  # all checked before any is released
         for site, files in zip(sites, served):
@@ -98,6 +110,88 @@ def load_model(
     if host != "memory":
         drop_cached(paths)  # the host tier starts cold
     return model.eval()
+
+
+def _load_errors() -> tuple:
+    """What transformers' loading raises on a damaged checkpoint: a truncated or lying safetensors
+    file (``SafetensorError``), a config value of the wrong type (huggingface_hub's strict
+    dataclass errors, ``TypeError``), besides the usual OSError, ValueError, KeyError, RuntimeError."""
+    kinds = [OSError, ValueError, KeyError, RuntimeError, TypeError]
+    with contextlib.suppress(ImportError):
+        from safetensors import SafetensorError
+
+        kinds.append(SafetensorError)
+    with contextlib.suppress(ImportError):
+        from huggingface_hub.errors import StrictDataclassError
+
+        kinds.append(StrictDataclassError)
+    return tuple(kinds)
+
+
+LOAD_ERRORS = _load_errors()
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def check_weights_cover_config(folder: Path, config) -> None:
+    """Before transformers builds the model: the config's layers and vocabulary must be the weights'.
+    transformers allocates what the config declares and fills what the files lack with random values,
+    so a ``num_hidden_layers`` of 10^7 or a ``vocab_size`` of 10^8 beside small weights took gigabytes
+    before any check. From the safetensors headers (bounded reads): every layer ``model.layers.i``
+    below ``num_hidden_layers`` has a weight, and ``model.embed_tokens.weight`` is ``[vocab_size,
+    hidden_size]``. Checkpoints of other layouts (``.bin`` weights, other tensor names) are left to
+    :func:`check_loading_info`."""
+    files = sorted(folder.glob("*.safetensors"))
+    shapes: dict[str, list] = {}
+    for f in files:
+        header, _ = read_header(f)
+        shapes.update({k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
+    if files and not shapes:
+        raise ConfigError(f"model {folder}: its safetensors files hold no weights")
+    if not any(_LAYER.match(k) for k in shapes):
+        return
+    text = getattr(config, "get_text_config", lambda: config)()
+    L = getattr(text, "num_hidden_layers", None)
+    if isinstance(L, int) and not isinstance(L, bool):
+        present = sorted({int(m.group(1)) for k in shapes if (m := _LAYER.match(k))})
+        missing = next((i for i, v in enumerate(present) if v != i), len(present))
+        if missing < L:
+            raise ConfigError(f"model {folder}: config.json has num_hidden_layers {L}, but the weights hold no "
+                              f"model.layers.{missing}.* (they hold layers {present[0]}..{present[-1]})")
+    embed = shapes.get("model.embed_tokens.weight")
+    want = [getattr(text, "vocab_size", None), getattr(text, "hidden_size", None)]
+    if isinstance(embed, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in want) and embed != want:
+        raise ConfigError(f"model {folder}: config.json has vocab_size {want[0]} and hidden_size {want[1]}, but "
+                          f"model.embed_tokens.weight is {embed}")
+
+
+def check_top_k(path, config, sites: list[ExpertsSite]) -> None:
+    """The config's experts per token (``num_experts_per_tok``) must be 1..E of the loaded experts:
+    torch's ``topk`` fails in the forward otherwise."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    k = getattr(text, "num_experts_per_tok", None)
+    if sites and isinstance(k, int) and not isinstance(k, bool) and not 1 <= k <= sites[0].num_experts:
+        raise ConfigError(f"model {path}: config.json has num_experts_per_tok {k}, not 1..{sites[0].num_experts} "
+                          "(the experts its weights hold)")
+
+
+def check_loading_info(path, info: dict) -> None:
+    """Refuse a model transformers built with weights the checkpoint lacks (filled with random values:
+    every figure of a run on it would be noise, and differ run to run) or holds in another shape,
+    naming the first; weights the checkpoint holds that the config does not use are one warning."""
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        name, ckpt, model = mismatched[0]
+        raise ConfigError(f"model {path}: {name} is {list(ckpt)} in the checkpoint but {list(model)} for its "
+                          f"config ({len(mismatched)} weight(s) of another shape)")
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ConfigError(f"model {path}: the checkpoint lacks {len(missing)} weight(s) its config needs, e.g. "
+                          f"{missing[0]} (transformers would fill them with random values)")
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:
+        warnings.warn(f"model {path}: {len(unexpected)} weight(s) in the checkpoint are not used by its config, e.g. "
+                      f"{unexpected[0]}")
 
 
 def check_checkpoint(path: "str | Path", what: str = "model") -> Path:

@@ -149,6 +149,8 @@ def split_tokens(ids: np.ndarray, max_len: int, max_sequences: int | None = None
         seqs = [ids[i : i + max_len] for i in range(0, ids.size, max_len)]
         seqs = [s for s in seqs if s.size >= 2]
     elif ids.ndim == 2:
+        if ids.shape[1] < 2:  # as a 1-d stream's last chunk: a sequence of fewer than 2 tokens is nothing to route
+            raise ConfigError(f"token ids: rows of {ids.shape[1]} token(s); a sequence needs at least 2")
         seqs = [row[:max_len] for row in ids]
     else:
         raise ConfigError(f"token ids: expected a 1-d stream or a 2-d [sequences, tokens] array, got shape {ids.shape}")

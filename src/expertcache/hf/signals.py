@@ -62,8 +62,12 @@ def parse_record(text: str | None, option: str = "--record") -> SignalSpec:
     if text is None or not text.strip():
         return SignalSpec()
     tok, top, dims, seed = False, 0, 0, 0
+    seen: set[str] = set()
     for part in [p.strip() for p in text.split(",") if p.strip()]:
         name, _, rest = part.partition(":")
+        if name in seen:  # "next-top:2,next-top:3" kept the last one without a word
+            raise ConfigError(f"{option}: {name} is given twice ({text.strip()!r}); give each signal once")
+        seen.add(name)
         if name == "token-ids" and not rest:
             tok = True
         elif name == "next-top":
@@ -103,6 +107,9 @@ class SignalHooks:
         self.head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if (spec.top or spec.dims) and self.head is None:
             raise ConfigError(f"capture: record: {type(model).__name__} has no output embedding to read next-top / hidden from")
+        vocab = getattr(getattr(self.head, "weight", None), "shape", (None,))[0]
+        if spec.top and isinstance(vocab, int) and spec.top > vocab:  # the arrays would hold vocab columns, meta M
+            raise ConfigError(f"--record next-top:{spec.top}: more than the model's vocabulary of {vocab} tokens")
         self._proj: torch.Tensor | None = None
 
     def register(self) -> list:

@@ -229,6 +229,10 @@ def sequences(ids: np.ndarray, max_len: int, max_sequences: int | None) -> list[
     return [r for r in rows if r.size >= 2][:max_sequences]
 
 
+MAX_CONTEXT = 1 << 24
+"""Largest context a capture asks llama.cpp for (prompt plus --generate): 16M tokens."""
+
+
 def capture_gguf(path: str, ids: np.ndarray, *, max_len: int = 384, max_sequences: int | None = None,
                  generate: int = 0, threads: int = 1, keep_prompt: bool = False) -> Trace:
     """Teacher-force each sequence (every row's logits, so every row routes in every layer), or with
@@ -241,7 +245,13 @@ def capture_gguf(path: str, ids: np.ndarray, *, max_len: int = 384, max_sequence
     seqs = sequences(ids, max_len, max_sequences)
     if not seqs:
         raise ConfigError("no sequence of at least 2 tokens to capture")
+    if generate == 1:  # the prompt's forward gives the first new token; decode steps are the ones after it
+        raise ConfigError("--generate 1: no decode step to capture (the first new token comes from the prompt's "
+                          "forward); give at least 2")
     need = max(s.size for s in seqs) + max(generate, 0)
+    if need > MAX_CONTEXT:  # llama.cpp's context size is 32-bit
+        raise ConfigError(f"a sequence of {max(s.size for s in seqs)} tokens and --generate {generate} need a "
+                          f"context of {need:,} tokens, more than {MAX_CONTEXT:,}")
     with Engine(path, n_ctx=max(need, 8), threads=threads) as eng, LlamaCapture(eng, keep_prompt=keep_prompt) as cap:
         for s in seqs:
             if generate > 0:
