@@ -241,6 +241,17 @@ def test_page_cache_tier_line(tmp_path, capsys):
     assert rc == 0 and "page-cache tier: the" in out and "fit in 1 MB" in out
     rc, out, _ = run(capsys, *argv, "--host-memory", "200kB")
     assert rc == 0 and "page-cache tier: 200 kB holds 48 of the 128 experts" in out
+    # --json holds the line's figures, and the table's "fits" and GB/s (they were only in the text)
+    rc, out, _ = run(capsys, *argv, "--host-memory", "200kB", "--tau", "1ms", "--c", "10ms", "--json")
+    (rec,) = records(out)
+    tier = rec["host_tier"]
+    assert rc == 0 and list(rec) == list(KEYS) and tier["experts_held"] == 48 and tier["experts_total"] == 128
+    text = run(capsys, *argv, "--host-memory", "200kB")[1]
+    assert tier["fits"] is False and f"reads {tier['experts_per_token_from_disk']:.4g} experts/token" in text
+    assert rec["fits"] is (rec["capacity_per_layer"] <= rec["memory_capacity_per_layer"])
+    assert rec["copy_bytes_per_s"] == pytest.approx(rec["copies_per_token"] * 4096 * rec["tokens_per_s"])
+    rc, out, _ = run(capsys, *argv, "--host-memory", "1MB", "--json")
+    assert records(out)[0]["host_tier"]["fits"] is True
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -292,7 +292,8 @@ def _size(args, model, fit, sizing, trace) -> int:
                            misses_per_token=None if a.misses_per_token is None else a.misses_per_token * scale)
                    for a in answers]
     best = recommended(answers)
-    records = [record(fit, sizing, a, best) for a in answers]
+    tier = host_tier(args, model, trace) if args.host_memory is not None else None
+    records = [record(fit, sizing, a, best) | {"host_tier": tier} for a in answers]
     if args.json:
         emit_json(records)
         return 0
@@ -328,9 +329,8 @@ def print_size(args, model, fit, sizing, label, layout, scale, target_copies, re
                         else f"none: each rule at the largest capacity that fits ({fit.memory_capacity} per layer)"))
     rows = []
     for a, r in zip(answers, records):
-        gbps = (r["copies_per_token"] * model.expert_bytes * r["tokens_per_s"] / 1e9
-                if r["tokens_per_s"] is not None and r["copies_per_token"] is not None else None)
-        fits = None if a.capacity is None else ("yes" if a.capacity <= fit.memory_capacity else "no")
+        gbps = None if r["copy_bytes_per_s"] is None else r["copy_bytes_per_s"] / 1e9
+        fits = None if r["fits"] is None else ("yes" if r["fits"] else "no")
         rows.append([a.policy, "yes" if a.needs_future else "", r["capacity_per_layer"], r["hit_rate"],
                      r["copies_per_token"], r["misses_per_token"], r["ms_per_token"], r["ms_per_token_overlapped"],
                      r["tokens_per_s"], gbps, None if r["cache_bytes"] is None else r["cache_bytes"] / 1e9, fits])
@@ -357,12 +357,15 @@ def print_size(args, model, fit, sizing, label, layout, scale, target_copies, re
         print(f"recommended: {best.policy} at {best.capacity} experts per layer ({where}); rules marked 'future' "
               "read the recorded future: an offline reference, not a rule a cache can run")
     if args.host_memory is not None:
-        print(tier_line(args, model, trace))
+        print(tier_line(records[0]["host_tier"]))
 
 
-def tier_line(args, model, trace) -> str:
-    """The page-cache tier: do the experts of the pool (or GGUF) fit in --host-memory? For a GGUF the
-    page cache holds its dense part too (read on every token): the experts get what it leaves."""
+def host_tier(args, model, trace) -> dict:
+    """The page-cache tier (``--host-memory``) as the ``host_tier`` field of ``size --json``: do the
+    experts of the pool (or GGUF) fit in host memory? For a GGUF the page cache holds its dense part
+    too (read on every token): the experts get what it leaves. Otherwise how many it holds, and the
+    experts per token a global LRU of that size over the trace reads from disk (``None`` when it
+    holds fewer than one token's k: nearly every miss reads the disk)."""
     if args.tier_pool is not None:
         from ..tier.pool import open_pool
 
@@ -372,23 +375,34 @@ def tier_line(args, model, trace) -> str:
         total, S, what = model.all_experts_bytes, model.expert_bytes, f"GGUF {args.model_config}"
         dense = model.other_bytes or 0
     H = args.host_memory
-    beside = f" beside its {format_bytes(dense)} dense part" if dense else ""
-    room = H - dense
-    if total <= room:
-        return (f"page-cache tier: the {_gb(total)} of experts in {what} fit in {format_bytes(H)} of host memory"
-                f"{beside}: after the first read every miss is a host-to-device copy from the page cache, no disk read")
-    from ..sim import replay
+    out = {"of": what, "host_memory_bytes": H, "dense_bytes": dense, "experts_bytes": total,
+           "experts_total": total // S, "fits": total <= H - dense, "experts_held": total // S,
+           "experts_per_token_from_disk": 0.0}
+    if not out["fits"]:
+        n = max(0, H - dense) // S
+        out.update(experts_held=n, experts_per_token_from_disk=None)
+        if n >= trace.top_k:
+            from ..sim import replay
 
-    n = max(0, room) // S
-    if n < trace.top_k:
-        return (f"page-cache tier: {format_bytes(H)} holds {n} experts of {what}{beside}: nearly every miss reads "
-                "the disk")
-    r = replay(trace, int(n), "lru", pool="global", reset="none")
-    return (f"page-cache tier: {format_bytes(H)} holds {n:,} of the {total // S:,} experts of {what}{beside} "
-            f"({n * S / total:.0%}); a global LRU of that size over the trace (page cache kept across sequences, "
-            f"started empty) reads {r.copies_total / r.tokens:.4g} experts/token from disk, first reads counted: an "
-            "estimate, the kernel's page cache is not exactly LRU; measure with 'expertcache tier replay' (or forecast "
-            "a GGUF with --memory)")
+            r = replay(trace, int(n), "lru", pool="global", reset="none")
+            out["experts_per_token_from_disk"] = r.copies_total / r.tokens
+    return out
+
+
+def tier_line(tier: dict) -> str:
+    """:func:`host_tier` as the text report's line."""
+    H, what, total, n = format_bytes(tier["host_memory_bytes"]), tier["of"], tier["experts_bytes"], tier["experts_held"]
+    beside = f" beside its {format_bytes(tier['dense_bytes'])} dense part" if tier["dense_bytes"] else ""
+    if tier["fits"]:
+        return (f"page-cache tier: the {_gb(total)} of experts in {what} fit in {H} of host memory"
+                f"{beside}: after the first read every miss is a host-to-device copy from the page cache, no disk read")
+    if tier["experts_per_token_from_disk"] is None:
+        return f"page-cache tier: {H} holds {n} experts of {what}{beside}: nearly every miss reads the disk"
+    return (f"page-cache tier: {H} holds {n:,} of the {tier['experts_total']:,} experts of {what}{beside} "
+            f"({n / tier['experts_total']:.0%}); a global LRU of that size over the trace (page cache "
+            f"kept across sequences, started empty) reads {tier['experts_per_token_from_disk']:.4g} experts/token from "
+            "disk, first reads counted: an estimate, the kernel's page cache is not exactly LRU; measure with "
+            "'expertcache tier replay' (or forecast a GGUF with --memory)")
 
 
 # ------------------------------------------------------------------------ --memory: CPU and disk

@@ -34,7 +34,7 @@ GRID = 12
 """Coarse capacities per rule before refining (LRU needs none: one stack pass gives all)."""
 KEYS = ("fits_entirely", "expert_bytes", "all_experts_bytes", "policy", "capacity_per_layer", "hit_rate",
         "copies_per_token", "misses_per_token", "ms_per_token", "ms_per_token_overlapped", "tokens_per_s", "cache_bytes",
-        "recommended")
+        "recommended", "fits", "copy_bytes_per_s", "available_bytes", "memory_capacity_per_layer", "host_tier")
 """The fields of every ``size --json`` record, in order (docs/sizing.md)."""
 
 
@@ -166,19 +166,23 @@ def recommended(answers: list[Answer]) -> Answer | None:
 def record(fit: Fit, sizing: Sizing, answer: Answer | None, best: Answer | None) -> dict:
     """One ``size --json`` record with exactly :data:`KEYS`."""
     S = fit.expert_bytes
+    room = (fit.available, fit.memory_capacity)
     if answer is None:  # fits entirely: every expert resident, zero copies
         ms = sizing.c_ms
         return dict(zip(KEYS, (True, S, fit.all_experts_bytes, None, fit.num_experts, None, 0.0, None, ms, ms,
-                               1000.0 / ms if ms else None, fit.all_experts_bytes, None)))
+                               1000.0 / ms if ms else None, fit.all_experts_bytes, None, True, 0.0, *room, None)))
     figures = Sizing(S, sizing.tau_ms, sizing.c_ms).figures(
         answer.copies_per_token if answer.copies_per_token is not None else math.nan,
         capacity=answer.capacity, num_layers=fit.moe_layers) if answer.capacity is not None else None
     get = (lambda k: getattr(figures, k)) if figures is not None else (lambda k: None)
+    rate, copies = get("tokens_per_s_predicted"), answer.copies_per_token
     return dict(zip(KEYS, (False, S, fit.all_experts_bytes, answer.policy, answer.capacity, answer.hit_rate,
-                           answer.copies_per_token, answer.misses_per_token, get("ms_per_token"),
-                           get("ms_per_token_overlapped"), get("tokens_per_s_predicted"),
+                           copies, answer.misses_per_token, get("ms_per_token"),
+                           get("ms_per_token_overlapped"), rate,
                            None if answer.capacity is None else fit.cache_bytes(answer.capacity),
-                           best is not None and answer.policy == best.policy)))
+                           best is not None and answer.policy == best.policy,
+                           None if answer.capacity is None else answer.capacity <= fit.memory_capacity,
+                           None if rate is None or copies is None else copies * S * rate, *room, None)))
 
 
 def synthetic_trace(model, seed: int = 0, *, tokens: int | None = None):
