@@ -38,6 +38,16 @@ def _one_line(capsys, argv) -> str:
       "--out", "o"], "--temperature must be at least 0.01"),
     (["router-tune", "--model", "m", "--text", "t", "--layer", "0", "--cache", "4", "--group", "100000", "--out", "o"],
      "at most 256 generations of 4,096 tokens per prompt"),
+    (["size", "--expert-mb", "12.6", "--experts", "64", "--top-k", "8", "--moe-layers", "16", "--device-memory", "8GB",
+      "--c", "1e-300ms"], "'1e-300ms' is below 1 ns, not a plausible duration"),  # gave 8.7e301 tok/s
+    (["size", "--expert-mb", "12.6", "--experts", "64", "--top-k", "8", "--moe-layers", "16", "--device-memory", "8GB",
+      "--c", "1e308tok/s"], "above 1e9 tok/s"),
+    (["size", "--expert-mb", "12.6", "--experts", "64", "--top-k", "8", "--moe-layers", "16", "--device-memory",
+      "1e400B"], "'1e400B' is above 2**62 bytes"),  # said "below one byte"
+    (["export", "libcachesim", "t.npz", "--layers", "", "--out", "e.csv"], "argument --layers: empty"),  # was all
+    (["export", "libcachesim", "t.npz", "--out", "-"], "--out -: expected a file name (writing to stdout is not "
+     "supported)"),  # wrote a file named '-'
+    (["export", "libcachesim", "t.npz", "--out", "e.csv/"], "--out e.csv/: expected a file name, not a folder"),
 ])
 def test_counts_have_a_ceiling(capsys, argv, message):
     err = _one_line(capsys, argv)

@@ -61,6 +61,9 @@ def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:
     """``path`` as a Path whose folder exists and which is not itself a folder, else a ConfigError.
     An existing path that is not a regular file (a device such as ``/dev/null``, a FIFO, a socket,
     or a link to one) is refused: the atomic write's rename would replace it with a file."""
+    if os.fspath(path) == "-" or os.fspath(path).endswith(os.sep):  # not stdout; Path() would drop the slash
+        raise ConfigError(f"{option} {os.fspath(path)}: expected a file name" + (
+            " (writing to stdout is not supported)" if os.fspath(path) == "-" else ", not a folder"))
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     if parent.exists() and not parent.is_dir():

@@ -35,9 +35,9 @@ def parse_bytes(text: str, what: str) -> int:
     value = float(m.group(1)) * UNITS[unit]
     if not unit and math.isfinite(value) and not value.is_integer():
         raise ConfigError(f"{what}: {text!r} has no unit and is not a whole number of bytes (e.g. {text}GB)")
-    if not math.isfinite(value) or value < 1:
+    if value < 1:  # the regex admits no sign and no NaN: what is not finite here is too large (1e400)
         raise ConfigError(f"{what}: {text!r} is below one byte")
-    if value > MAX_BYTES:
+    if not value <= MAX_BYTES:
         raise ConfigError(f"{what}: {text!r} is above 2**62 bytes")
     return int(round(value))
 

@@ -178,7 +178,10 @@ TIMEOUT_SECONDS = seconds_in(0.001, 1e6)
 
 
 def layer_ids(text: str) -> list[int] | None:
-    """argparse type of ``--layers``: layer ids such as '4-8' or '4,5,11' ('all': every layer)."""
+    """argparse type of ``--layers``: layer ids such as '4-8' or '4,5,11' ('all': every layer; an
+    empty value is refused, not taken as all)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give layer ids such as '4-8' or '4,5,11', or 'all'")
     try:
         return parse_layers(text)
     except ConfigError as err:

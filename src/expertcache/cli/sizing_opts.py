@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..costmodel import FIGURES, GB, LIMITS, MB, Sizing, SizingFigures, cache_bytes, expert_bytes_from_config, parse_duration_ms
+from ..costmodel.sizing import MIN_DURATION_MS
 from ..errors import ConfigError
 
 SIZING_OPTIONS = ("expert_mb", "model_config", "tau", "c", "tokens_per_s")
@@ -68,6 +69,8 @@ def compute_time(text: str) -> float:
     ms = 1000.0 / positive_number(head.strip())
     if not math.isfinite(ms):
         raise argparse.ArgumentTypeError(f"{text!r}: the rate is too small")
+    if ms < MIN_DURATION_MS:
+        raise argparse.ArgumentTypeError(f"{text!r}: above 1e9 tok/s (1 ns a token), not a plausible rate")
     return ms
 
 

@@ -177,7 +177,13 @@ def parse_duration_ms(text: str, option: str | None = None) -> float:
     ms = value * _TO_MS[m.group(2).lower() if m.group(2) else None]
     if not ms > 0 or not math.isfinite(ms):
         raise ConfigError(f"{where}expected a positive duration, got {text!r}")
+    if ms < MIN_DURATION_MS:  # 1e-300ms gave 8.7e301 tok/s; a denormal was c = 0
+        raise ConfigError(f"{where}{text!r} is below 1 ns, not a plausible duration")
     return ms
+
+
+MIN_DURATION_MS = 1e-6
+"""Shortest duration accepted (1 ns), as :data:`LIMITS` bounds the longest."""
 
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4,
