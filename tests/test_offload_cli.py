@@ -231,6 +231,12 @@ def test_capture_inputs_that_said_nothing(capsys, ckpt, ids, tmp_path):
     assert "lm_head.weight" in load_file(str(nan / "model.safetensors"))
     code, _, err = run_cli(capsys, "eval", "--model", nan, "--tokens", ids, "-c", 4, "--max-len", 20)
     assert code == 2 and "the reference pass (every expert resident) gives NLL nan" in err, err
+    positions = json.loads((ckpt / "config.json").read_text())["max_position_embeddings"]
+    np.save(tmp_path / "long.npy", np.arange(positions + 1) % 90)
+    for cmd in (["capture", "--out", out], ["eval", "-c", 4]):  # positions the model was never trained for
+        code, _, err = run_cli(capsys, *cmd, "--model", ckpt, "--tokens", tmp_path / "long.npy", "--max-len",
+                               positions + 1)
+        assert code == 2 and f"a sequence of {positions + 1} tokens is longer than the model's {positions}" in err, err
 
 
 def test_counts_the_model_bounds(capsys, ckpt, ids, tmp_path):

@@ -74,7 +74,7 @@ def run(args) -> int:
         from .. import hf
         from ..hf.loading import resident
         from ..hf.model import find_sites, model_device
-        from ..hf.passes import split_tokens, vocab_size
+        from ..hf.passes import positions, split_tokens, vocab_size
         from ..hf.signals import parse_record
     except ImportError as exc:
         raise ConfigError(first_line(exc)) from None
@@ -82,7 +82,7 @@ def run(args) -> int:
     hf.check_checkpoint(args.model, "--model")
     ids = read_tokens(args.tokens) if args.tokens else read_text(args.model, args.text)
     model = hf.load_model(args.model, device=args.device, dtype=args.dtype).eval()
-    sequences = split_tokens(ids, args.max_len, args.max_sequences)
+    sequences = split_tokens(ids, args.max_len, args.max_sequences, positions(model))
     if not sequences:
         raise ConfigError("no sequence of at least 2 tokens to capture")
     vocab = vocab_size(model)

@@ -124,7 +124,7 @@ def run(args) -> int:
         return _run_walled(args)
     ids = read_tokens(args.tokens) if args.tokens else read_text(args.model, args.text)  # inputs first: cheap
     model = hf.load_model(args.model, device=args.device, dtype=args.dtype, host_layers=args.layers, host=args.host)
-    sequences = hf.split_tokens(ids, args.max_len, args.max_sequences)
+    sequences = hf.split_tokens(ids, args.max_len, args.max_sequences, hf.positions(model))
     fits = hf.fitting_capacity(model, args.capacity, args.layers, args.pool)
     if fits < args.capacity:  # before the long passes, on stderr so --json stays a clean stream
         what = "experts of each offloaded layer" if args.pool == "layer" else "experts of the offloaded layers together"

@@ -23,13 +23,14 @@ def import_hf():
     """The :mod:`expertcache.hf` functions eval needs; a missing or unsupported torch / transformers is a one-line user error."""
     try:
         from .. import hf
-        from ..hf.passes import split_tokens
+        from ..hf.passes import positions, split_tokens
     except ImportError as exc:
         raise ConfigError(first_line(exc)) from None
     from ..hf.evaluation import fitting_capacity
 
     return SimpleNamespace(check_checkpoint=hf.check_checkpoint, load_model=hf.load_model,
-                           evaluate=hf.evaluate, split_tokens=split_tokens, fitting_capacity=fitting_capacity)
+                           evaluate=hf.evaluate, split_tokens=split_tokens, fitting_capacity=fitting_capacity,
+                           positions=positions)
 
 
 def read_tokens(path: str) -> np.ndarray:

@@ -139,9 +139,12 @@ def make_batches(sequences: Sequence[np.ndarray], batch: int) -> tuple[list[np.n
     return out, len(sequences) - i
 
 
-def split_tokens(ids: np.ndarray, max_len: int, max_sequences: int | None = None) -> list[np.ndarray]:
+def split_tokens(ids: np.ndarray, max_len: int, max_sequences: int | None = None,
+                 context: int | None = None) -> list[np.ndarray]:
     """Sequences from token ids: a 1-d stream is cut into chunks of ``max_len`` (a last chunk shorter
-    than 2 tokens is dropped); each row of a 2-d array is one sequence, truncated to ``max_len``."""
+    than 2 tokens is dropped); each row of a 2-d array is one sequence, truncated to ``max_len``.
+    ``context`` (the model's positions, :func:`positions`): a longer sequence is refused (its later
+    tokens would sit at positions the model was never trained for)."""
     ids = np.asarray(ids)
     if max_len < 2:
         raise ConfigError(f"max-len must be at least 2, got {max_len}")
@@ -156,7 +159,19 @@ def split_tokens(ids: np.ndarray, max_len: int, max_sequences: int | None = None
         raise ConfigError(f"token ids: expected a 1-d stream or a 2-d [sequences, tokens] array, got shape {ids.shape}")
     if max_sequences is not None:
         seqs = seqs[:max_sequences]
+    longest = max((s.size for s in seqs), default=0)
+    if context is not None and longest > context:
+        raise ConfigError(f"a sequence of {longest} tokens is longer than the model's {context} positions "
+                          "(max_position_embeddings); lower --max-len")
     return seqs
+
+
+def positions(model) -> int | None:
+    """The model's trained positions (``max_position_embeddings`` of its text config), if it says."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)()
+    n = getattr(text, "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def vocab_size(model) -> int | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ConfigError
+from ..formats.gguf import read_geometry
 from ..trace import Trace
 from .ggml import read_2d
 
@@ -249,10 +250,16 @@ def capture_gguf(path: str, ids: np.ndarray, *, max_len: int = 384, max_sequence
         raise ConfigError("--generate 1: no decode step to capture (the first new token comes from the prompt's "
                           "forward); give at least 2")
     need = max(s.size for s in seqs) + max(generate, 0)
-    if need > MAX_CONTEXT:  # llama.cpp's context size is 32-bit
-        raise ConfigError(f"a sequence of {max(s.size for s in seqs)} tokens and --generate {generate} need a "
-                          f"context of {need:,} tokens, more than {MAX_CONTEXT:,}")
-    with Engine(path, n_ctx=max(need, 8), threads=threads) as eng, LlamaCapture(eng, keep_prompt=keep_prompt) as cap:
+    g = read_geometry(path)
+    trained = g.metadata.get(f"{g.architecture}.context_length")
+    limit = min(MAX_CONTEXT, trained) if isinstance(trained, int) and not isinstance(trained, bool) and trained > 0 \
+        else MAX_CONTEXT
+    if need > limit:  # llama.cpp's context size is 32-bit; beyond the trained positions nothing was learned
+        gen = f" and --generate {generate}" if generate > 0 else ""
+        raise ConfigError(f"a sequence of {max(s.size for s in seqs)} tokens{gen} needs a context of {need:,} tokens, "
+                          f"more than {limit:,}" + (
+                              f" (the model's {g.architecture}.context_length)" if limit == trained else ""))
+    with Engine(path, n_ctx=max(need, 8), threads=threads, geometry=g) as eng, LlamaCapture(eng, keep_prompt=keep_prompt) as cap:
         for s in seqs:
             if generate > 0:
                 eng.generate(s, generate)
