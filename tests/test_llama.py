@@ -113,6 +113,9 @@ def test_refusals(toy, tmp_path):
         read_geometry(str(tmp_path / "cut.gguf"))
     with pytest.raises(ConfigError, match="more than the"):
         read_geometry(str(tmp_path / "huge.gguf"))
+    (tmp_path / "head.gguf").write_bytes(good[:20])  # the magic, then less than a header: was "no GGUF magic"
+    with pytest.raises(ConfigError, match=r"truncated GGUF file \(20 bytes: its header alone is 24\)"):
+        read_geometry(str(tmp_path / "head.gguf"))
     dense = tmp_path / "dense.gguf"
     w = gguf.GGUFWriter(str(dense), "llama")
     w.add_block_count(1)

@@ -244,7 +244,9 @@ def _run_walled(args) -> int:
         _print_tiers(args, records)
         _print_intervals(records)
         pr = wall["proof"]
-        print(f"wall: limit {pr.get('min_limit_bytes')}-{pr.get('max_limit_bytes')} bytes ({wall['headroom_note']}); "
+        low, high = pr.get("min_limit_bytes"), pr.get("max_limit_bytes")
+        limit = f"{pr.get('limit_bytes')} bytes" if low is None or high is None else f"{low}-{high} bytes"
+        print(f"wall: limit {limit} ({wall['headroom_note']}); "
               f"tier peak {pr.get('tier_peak_bytes')} bytes, own peak {pr.get('own_peak_bytes')}; "
               f"proof {'ok' if wall['proof_ok'] else 'FAILED: ' + (wall['note'] or 'incomplete')}")
     if not wall["proof_ok"]:

@@ -266,8 +266,10 @@ def read_header(path: str, where: str = "--model") -> tuple[dict, dict[str, Tens
         raise ConfigError(f"{where}: {exc.strerror or exc}") from None
     with fh:
         r = _Reader(fh, size, where)
-        if size < 24 or fh.read(4) != b"GGUF":
+        if fh.read(4) != b"GGUF":
             raise ConfigError(f"{where}: not a GGUF file (no GGUF magic)")
+        if size < 24:
+            raise ConfigError(f"{where}: truncated GGUF file ({size} bytes: its header alone is 24)")
         version = r.scalar("I")
         if version not in (2, 3):
             raise ConfigError(f"{where}: GGUF version {version} is not supported (2 or 3)")
