@@ -137,6 +137,8 @@ def test_machine_errors_and_bugs_are_one_line(monkeypatch, capsys, tmp_path):
     from expertcache.cli import stats_cmd
     from expertcache.cli.main import main
 
+    monkeypatch.delenv("EXPERTCACHE_DEBUG", raising=False)  # with it, these errors raise their tracebacks on purpose
+
     def full_disk(args):
         raise OSError(28, "No space left on device", str(tmp_path / "t.npz"))
 
