@@ -87,6 +87,9 @@ def test_the_check_itself(files):
     assert overwritten_input("folder/routing.npz", ["folder"]) == "a file of the input folder folder"
     assert overwritten_input("model/config.json", ["./model"]) == "a file of the input folder ./model"
     assert overwritten_input("folder", ["folder"]) is None  # folders: their commands check them
+    assert overwritten_input("model/tokenizer.json", ["model"]) == "a file of the input folder model"
+    (files / "model" / "m.gguf").write_bytes(b"GGUF")  # convert's earlier output beside the checkpoint: rewritable
+    assert overwritten_input("model/m.gguf", ["model"]) is None
     with pytest.raises(ConfigError, match="^--plot hard.png: is the input t.npz"):
         check_not_input("hard.png", ["t.npz"], "--plot")
 

@@ -96,7 +96,7 @@ def check_special(path: str | os.PathLike, option: str = "--out") -> None:
 _FOLDER_INPUT_NAMES = ("routing.npz", "config.json", "manifest.json", "chunks.json", "generation_config.json",
                        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                        "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
-_FOLDER_INPUT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".index.json")
+_FOLDER_INPUT_SUFFIXES = (".safetensors", ".bin", ".index.json")
 """Files of an input folder that an output may not replace: a trace folder's routing.npz, a
 checkpoint's config, weights, shard index, tokenizer and generation files, an expert pool's manifest,
 a chunked trace's index (other files of an input folder, e.g. earlier outputs, may be)."""
