@@ -136,6 +136,13 @@ class Geometry:
         return sum(t.nbytes for parts in self.experts.values() for t in parts.values())
 
     @property
+    def context_length(self) -> int | None:
+        """The positions the model was trained for (``<arch>.context_length``), or None where the file
+        does not say (or says it per layer)."""
+        n = self.metadata.get(f"{self.architecture}.context_length")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+    @property
     def skipped_bytes(self) -> int:
         """Bytes of the tensors of layers llama.cpp's main graph never runs (``skipped_layers``)."""
         skip = {f"blk.{i}." for i in self.skipped_layers}

@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from .host import host_of
 from .loading import resident
 from .model import cache_argument, find_sites, model_device, select_sites
-from .passes import vocab_size
+from .passes import positions, vocab_size
 from .pool import SlotPool
 from .timing import Stopwatch
 
@@ -71,8 +71,8 @@ def calibrate(model: torch.nn.Module, *, repeats: int = 30, tokens: int = 16, la
     """Measure tau and c for ``model`` (experts may be on the device or in host memory)."""
     if repeats < 3 or tokens < 2:
         raise ConfigError(f"calibrate needs at least 3 repeats and 2 tokens, got {repeats} and {tokens}")
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(context, int) and tokens > context:  # positions past the trained ones; the KV cache grows each step
+    context = positions(model)
+    if context is not None and tokens > context:  # positions past the trained ones; the KV cache grows each step
         raise ConfigError(f"--tokens {tokens}: more than the model's {context} positions (max_position_embeddings)")
     device = model_device(model)
     sites = select_sites(find_sites(model), layers)

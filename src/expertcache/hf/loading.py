@@ -31,7 +31,7 @@ import torch
 from .._text import first_line
 from ..errors import ConfigError, one_line
 from ..formats.safetensors import read_header
-from .model import ExpertsSite, find_sites, model_label, require_transformers, select_sites
+from .model import ExpertsSite, find_sites, model_label, require_transformers, select_sites, text_config
 from .host import check_host, host_of, map_file_experts, use_files
 from .pagecache import drop_cached, release_mappings
 from .pool import host_tensor
@@ -150,7 +150,7 @@ def check_weights_cover_config(folder: Path, config) -> None:
         raise ConfigError(f"model {folder}: its safetensors files hold no weights")
     if not any(_LAYER.match(k) for k in shapes):
         return
-    text = getattr(config, "get_text_config", lambda: config)()
+    text = text_config(config)
     L = getattr(text, "num_hidden_layers", None)
     if isinstance(L, int) and not isinstance(L, bool):
         present = sorted({int(m.group(1)) for k in shapes if (m := _LAYER.match(k))})
@@ -168,7 +168,7 @@ def check_weights_cover_config(folder: Path, config) -> None:
 def check_top_k(path, config, sites: list[ExpertsSite]) -> None:
     """The config's experts per token (``num_experts_per_tok``) must be 1..E of the loaded experts:
     torch's ``topk`` fails in the forward otherwise."""
-    text = getattr(config, "get_text_config", lambda: config)()
+    text = text_config(config)
     k = getattr(text, "num_experts_per_tok", None)
     if sites and isinstance(k, int) and not isinstance(k, bool) and not 1 <= k <= sites[0].num_experts:
         raise ConfigError(f"model {path}: config.json has num_experts_per_tok {k}, not 1..{sites[0].num_experts} "

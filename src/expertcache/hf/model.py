@@ -135,6 +135,12 @@ def top_k_of(model: torch.nn.Module) -> int:
     return 1
 
 
+def text_config(config):
+    """The config of a model's text part (transformers' ``get_text_config``; the config itself where
+    it has none): where ``num_hidden_layers``, ``vocab_size`` and their kin live."""
+    return getattr(config, "get_text_config", lambda: config)()
+
+
 def model_label(model: torch.nn.Module) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     return f"{type(model).__name__} ({model_type})" if model_type else type(model).__name__

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .model import cache_argument, model_device
+from .model import cache_argument, model_device, text_config
 from .timing import Stopwatch
 
 MODES = ("decode", "forward")
@@ -168,9 +168,7 @@ def split_tokens(ids: np.ndarray, max_len: int, max_sequences: int | None = None
 
 def positions(model) -> int | None:
     """The model's trained positions (``max_position_embeddings`` of its text config), if it says."""
-    config = getattr(model, "config", None)
-    text = getattr(config, "get_text_config", lambda: config)()
-    n = getattr(text, "max_position_embeddings", None)
+    n = getattr(text_config(getattr(model, "config", None)), "max_position_embeddings", None)
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 

@@ -251,9 +251,8 @@ def capture_gguf(path: str, ids: np.ndarray, *, max_len: int = 384, max_sequence
                           "forward); give at least 2")
     need = max(s.size for s in seqs) + max(generate, 0)
     g = read_geometry(path)
-    trained = g.metadata.get(f"{g.architecture}.context_length")
-    limit = min(MAX_CONTEXT, trained) if isinstance(trained, int) and not isinstance(trained, bool) and trained > 0 \
-        else MAX_CONTEXT
+    trained = g.context_length
+    limit = MAX_CONTEXT if trained is None else min(MAX_CONTEXT, trained)
     if need > limit:  # llama.cpp's context size is 32-bit; beyond the trained positions nothing was learned
         gen = f" and --generate {generate}" if generate > 0 else ""
         raise ConfigError(f"a sequence of {max(s.size for s in seqs)} tokens{gen} needs a context of {need:,} tokens, "

@@ -199,8 +199,7 @@ class Session:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         g = read_geometry(path, where)
         check_tokenizer(g.metadata, path)
-        trained = g.metadata.get(f"{g.architecture}.context_length")
-        trained = trained if isinstance(trained, int) and trained > 0 else None
+        trained = g.context_length
         if n_ctx is None:
             n_ctx = min(DEFAULT_CTX, trained or DEFAULT_CTX)
         elif trained is not None and n_ctx > trained:  # as vLLM refuses a max_model_len above the model's
