@@ -115,11 +115,14 @@ def _unions(traces: Sequence[Trace], src: np.ndarray, width: int) -> np.ndarray:
     T, L = src.shape[0], traces[0].num_layers
     out = np.full((T, L, width), -1, dtype=np.int64)
     for a in range(0, T, UNION_ROWS):
-        out[a:a + UNION_ROWS] = _union_rows(traces, src[a:a + UNION_ROWS], width)
+        ids = _union_rows(traces, src[a:a + UNION_ROWS], width)
+        out[a:a + UNION_ROWS, :, : min(width, ids.shape[2])] = ids[..., :width]
     return out
 
 
 def _union_rows(traces: Sequence[Trace], src: np.ndarray, width: int) -> np.ndarray:
+    """The sorted unions of ``src``'s rows, -1 padded to the inputs' widths together (at most ``width``
+    of them hold ids)."""
     T, L = src.shape[0], traces[0].num_layers
     parts = []
     for i, t in enumerate(traces):
@@ -138,6 +141,4 @@ def _union_rows(traces: Sequence[Trace], src: np.ndarray, width: int) -> np.ndar
     widest = int(np.count_nonzero(ids >= 0, axis=2).max()) if ids.size else 0
     if widest > width:  # cannot happen: a union holds at most E distinct ids and the inputs' widths
         raise AssertionError("batch union wider than its bound")
-    out = np.full((T, L, width), -1, dtype=np.int64)
-    out[..., : min(width, ids.shape[2])] = ids[..., :width]
-    return out
+    return ids
