@@ -315,6 +315,26 @@ def test_validate_agreeing_and_disagreeing(tmp_path, capsys):
     assert given["validate"] == out["validate"] and given["tau_ms"] == 3
 
 
+def test_validate_without_the_predicted_winner_is_untested(tmp_path, capsys):
+    # At x10 (tau 5 ms) the model predicts C fastest of all (35 ms; A 70, B 47). Run only A and B
+    # there: B wins both the prediction among them and the measurement, but the prediction the
+    # base runs make, C, was never tested, so the verdict is not "agree".
+    slowed = [r for r in SLOWED[:2]]
+    checks = validate(runs_of(THREE + slowed), 0.05, 0.5)
+    assert [(c.predicted, c.measured, c.not_run, c.agree, c.verdict) for c in checks] == \
+        [("B", "B", ["C"], False, "untested")]
+    path = write(tmp_path, THREE + slowed)
+    out = run_json(capsys, ["choose", path, "--tolerance", "0.05", "--validate"])
+    assert [(v["verdict"], v["agree"], v["not_run"]) for v in out["validate"]] == [("untested", False, ["C"])]
+    assert main(["choose", path, "--tolerance", "0.05", "--validate"]) == 0
+    text = capsys.readouterr().out
+    assert ("validate slow_copies 10: untested: the base runs predict C fastest here and it has no run at this "
+            "condition (among the runs: predicted B, measured B)\n") in text
+    # a policy predicted slower than the tested winner does not matter: with C run, A missing is fine
+    checks = validate(runs_of(THREE + SLOWED[1:3]), 0.05, 0.5)
+    assert [(c.predicted, c.measured, c.not_run, c.verdict) for c in checks] == [("C", "C", [], "agree")]
+
+
 def test_validate_errors(tmp_path, capsys):
     err = one_line_error(capsys, ["choose", write(tmp_path, THREE), "--tolerance", "0.05", "--validate"])
     assert "no slowed runs" in err
@@ -371,10 +391,23 @@ def test_add_replay_errors(tmp_path, capsys, synthetic):
         ([base | {"policy": "lru"}], "has no 'capacity'"),
         ([base | {"policy": "lru", "capacity": 16, "dnll": 0.2}], "no lossless run"),
         ([base | {"policy": "lru", "capacity": 16, "layers": [7]}], "layer"),
+        # a trace of another model: the synthetic olmoe trace has 64 experts per layer
+        ([base | {"policy": "lru", "capacity": 16, "num_experts": 16}],
+         "the trace has 64 experts per layer, where the runs' model has 16"),
+        ([base | {"policy": "lru", "capacity": 65}], "capacity 65 is above the 64 experts per layer of the trace"),
+        ([base | {"policy": "lru", "capacity": 16, "num_experts": 64},
+          base | {"policy": "lfu", "capacity": 16, "num_experts": 16}], "the runs are of different models"),
+        ([base | {"policy": "lru", "capacity": 16, "num_experts": 0}], "'num_experts' must be a positive integer"),
     ]
     for records, expect in cases:
         err = one_line_error(capsys, ["choose", write(tmp_path, records), "--tolerance", "1", "--add-replay", str(path)])
         assert expect in err, err
+    # the same model's runs replay: num_experts 64 as the trace, and a global pool above one layer's 64
+    assert main(["choose", write(tmp_path, [base | {"policy": "lru", "capacity": 16, "num_experts": 64}]),
+                 "--tolerance", "1", "--add-replay", str(path)]) == 0
+    assert main(["choose", write(tmp_path, [base | {"policy": "lru", "capacity": 100, "pool": "global"}]),
+                 "--tolerance", "1", "--add-replay", str(path)]) == 0
+    capsys.readouterr()
     ok = write(tmp_path, [base | {"policy": "lru", "capacity": 16}])
     err = one_line_error(capsys, ["choose", ok, "--tolerance", "1", "--add-replay", str(path), "--replay-policy", "nope"])
     assert "nope" in err
@@ -540,3 +573,19 @@ def test_host_mistakes_are_one_line(tmp_path, capsys):
     untimed = HOSTED[:2] + [{**HOSTED[4], "tau_ms": None}]
     err = one_line_error(capsys, ["choose", write(tmp_path, untimed, "untimed.jsonl"), "--validate"])
     assert "on host mmap record no tau_ms" in err
+
+
+def test_implausible_times_and_copies_are_refused(tmp_path, capsys):
+    """Times above an hour and rho above 1e9 are not measurements: two runs at tau 1e308 had made a
+    median of inf (the mean of two) and a winner at 0 tok/s with exit 0."""
+    base = {"policy": "lru", "c_ms": 20, "rho": 9, "dnll": 0.0}
+    for field, value in (("tau_ms", 1e308), ("c_ms", 3.7e6), ("ms_per_token", 1e10), ("rho", 2e9)):
+        err = one_line_error(capsys, ["choose", write(tmp_path, [base | {field: value}])])
+        assert f"field '{field}' is above" in err, err
+    assert main(["choose", write(tmp_path, [base | {"tau_ms": 3.6e6}])]) == 0  # an hour is the most
+    capsys.readouterr()
+    for tau in ("1e300ms", "3601s"):
+        with pytest.raises(SystemExit) as exc:  # an option argparse refuses
+            main(["choose", write(tmp_path, [base]), "--tau", tau])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1 and "above an hour" in err[0], err

@@ -59,7 +59,8 @@ the base tau at the base host, and the median measured tau_ms of a host's own sl
 at another host) with the measured winner (least ms_per_token among that condition's runs), with each winner's lead over the runner-up
 (runs timed with 'eval --repeats' carry their spread, (max - min) / median: a verdict whose
 measured lead is inside the larger spread of the two runs it compares reads "tie (within
-noise)", neither agree nor DISAGREE); it also prints the tau the
+noise)", neither agree nor DISAGREE; one whose predicted winner among all the base runs has no run
+in that condition reads "untested"); it also prints the tau the
 slowed runs measured, which on a CPU is well below N x tau (repeated copies of a cached expert are
 cheap). --plot draws dNLL against predicted
 tokens/s at tau x1, x10 and x50.
@@ -242,8 +243,13 @@ def _print(args, choice, added, file_rows, skipped, checks, base_tau, n_slow: in
         margin = ", ".join(f"{what} {100 * m:.1f}%" for what, m in margins if m is not None)
         noise = f"; run-to-run spread {100 * c.noise:.1f}%" if c.noise is not None else ""
         on = "" if c.host == host else f" on host {c.host}"
-        print(f"\nvalidate slow_copies {c.slow_copies}{on}: predicted {c.predicted}, measured {c.measured}: {c.verdict}"
-              + (f" (lead over the runner-up: {margin}{noise})" if margin else ""))
+        if c.tested:
+            print(f"\nvalidate slow_copies {c.slow_copies}{on}: predicted {c.predicted}, measured {c.measured}: "
+                  f"{c.verdict}" + (f" (lead over the runner-up: {margin}{noise})" if margin else ""))
+        else:
+            print(f"\nvalidate slow_copies {c.slow_copies}{on}: untested: the base runs predict {c.not_run[0]} "
+                  f"fastest here and it has no run at this condition (among the runs: predicted {c.predicted}, "
+                  f"measured {c.measured})")
         base = c.tau_ms / c.slow_copies
         measured = (f"; these runs measured {c.tau_ms_measured:.4g} ms ({c.tau_ms_measured / base:.3g} x the base)"
                     if c.tau_ms_measured is not None and base > 0 else "")
@@ -253,5 +259,7 @@ def _print(args, choice, added, file_rows, skipped, checks, base_tau, n_slow: in
               ["policy", "admissible", "predicted ms/tok", "measured ms/tok"])
         if c.unmatched:
             print(f"  left out (no slow_copies 1 run to predict from): {', '.join(c.unmatched)}")
+        if len(c.not_run) > 1:
+            print(f"  not run here, predicted at least as fast as {c.predicted}: {', '.join(c.not_run)}")
     if checks and base_tau is None:
         print("  (the prediction used --tau: no slow_copies 1 run records a measured tau_ms)")

@@ -272,16 +272,25 @@ class Check:
     """The host mode of the condition's runs."""
     base_tau_ms: float | None = None
     """The host's own copy time the prediction scales (``tau_ms / slow_copies``)."""
+    not_run: list[str] = field(default_factory=list)
+    """Admissible policies with a base run but none in this condition that the model predicts at
+    least as fast there as ``predicted``, fastest predicted first: while any is left, the condition
+    cannot test the prediction (the verdict is ``"untested"``, never ``"agree"``)."""
+
+    @property
+    def tested(self) -> bool:
+        """Whether the policy the model predicts fastest among every admissible base run was run here."""
+        return not self.not_run
 
     @property
     def agree(self) -> bool:
-        return self.predicted == self.measured
+        return self.tested and self.predicted == self.measured
 
     @property
     def lead(self) -> float | None:
         """How the measurement separates the verdict, relative to the measured winner: when the
         predicted winner won, its lead over the runner-up; otherwise how much slower it measured."""
-        if self.agree:
+        if self.predicted == self.measured:
             return self.margin("ms_measured")
         ms = {r["policy"]: r["ms_measured"] for r in self.rows}
         best = ms[self.measured]
@@ -290,7 +299,7 @@ class Check:
     @property
     def noise(self) -> float | None:
         """The larger spread of the two runs the verdict compares (``None`` when neither was repeated)."""
-        if self.agree:
+        if self.predicted == self.measured:
             ranked = sorted((r["ms_measured"], r["policy"]) for r in self.rows if r["admissible"])
             pair = [p for _, p in ranked[:2]]
         else:
@@ -300,8 +309,12 @@ class Check:
 
     @property
     def verdict(self) -> str:
-        """``"tie (within noise)"`` when the measured lead is inside the runs' spread, else
-        ``"agree"`` or ``"DISAGREE"`` (runs timed once have no spread: plain agree/DISAGREE)."""
+        """``"untested"`` when a policy predicted at least as fast as ``predicted`` has no run in
+        this condition (:attr:`not_run`); else ``"tie (within noise)"`` when the measured lead is
+        inside the runs' spread, else ``"agree"`` or ``"DISAGREE"`` (runs timed once have no
+        spread: plain agree/DISAGREE)."""
+        if not self.tested:
+            return "untested"
         lead, noise = self.lead, self.noise
         if noise is not None and lead is not None and lead <= noise:
             return "tie (within noise)"
@@ -318,7 +331,7 @@ class Check:
                 "predicted": self.predicted, "measured": self.measured, "agree": self.agree,
                 "verdict": self.verdict, "lead": self.lead, "noise": self.noise,
                 "margin_predicted": self.margin("ms_predicted"), "margin_measured": self.margin("ms_measured"),
-                "policies": self.rows, "unmatched": self.unmatched}
+                "policies": self.rows, "unmatched": self.unmatched, "not_run": self.not_run}
 
 
 def validate(runs: Sequence[Run], tolerance: float, tau_ms: float, overlapped: bool = False,
@@ -359,9 +372,13 @@ def validate(runs: Sequence[Run], tolerance: float, tau_ms: float, overlapped: b
         won = fastest([b for b, _ in ok], lambda b: measured[b.policy])
         rows = [{"policy": b.policy, "admissible": _admits(b, tolerance), "ms_predicted": cost(b, t),
                  "ms_measured": s.ms_per_token} for b, s in pairs]
+        bound = cost(predicted, t)
+        not_run = [b.policy for b in sorted(base.values(), key=lambda b: (cost(b, t), b.policy))
+                   if b.policy not in measured and _admits(b, tolerance) and cost(b, t) <= bound]
         checks.append(Check(n, t, tau_slowed, predicted.policy, won.policy, rows,
                             [r.policy for r in slowed if r.policy not in base],
-                            {s.policy: s.ms_per_token_spread for _, s in pairs}, host=h, base_tau_ms=tau_h))
+                            {s.policy: s.ms_per_token_spread for _, s in pairs}, host=h, base_tau_ms=tau_h,
+                            not_run=not_run))
     return checks
 
 
@@ -380,7 +397,9 @@ def replayed_runs(runs: Sequence[Run], trace, policies: Sequence[str] = DEFAULT_
     (default per-layer), pools emptied at each sequence, no warm window, as the live harness counts;
     ``c`` = the median ``c_ms`` of the file's lossless runs (:func:`is_lossless`): a lossless rule
     computes exactly what they compute; ``dnll`` = 0. Returns the new runs (``replayed=True``) and
-    the policies left out because the file already holds a measured run of them."""
+    the policies left out because the file already holds a measured run of them. A trace of another
+    model is refused: one whose experts per layer differ from the runs' ``num_experts`` (where they
+    record it), or that has fewer experts than the runs' capacity."""
     from ..policies import make_policy
     from ..sim.replay import replay
 
@@ -395,6 +414,15 @@ def replayed_runs(runs: Sequence[Run], trace, policies: Sequence[str] = DEFAULT_
     pools = sorted({r.pool or "layer" for r in base})
     if len(pools) != 1 or pools[0] not in ("layer", "global"):
         raise ConfigError(f"{where}: the runs use pools {', '.join(pools)}; replayed rules need one, 'layer' or 'global'")
+    experts = next((r for r in runs if r.num_experts is not None), None)
+    if experts is not None and experts.num_experts != trace.num_experts:
+        raise ConfigError(f"{where}: the trace has {trace.num_experts} experts per layer, where the runs' model has "
+                          f"{experts.num_experts} ({experts.where}); replay a trace of the model the runs measured")
+    most = trace.num_experts * (1 if pools[0] == "layer" else trace.num_layers)
+    if caps[0] > most:
+        raise ConfigError(f"{where}: the runs' capacity {caps[0]} is above the {most} experts "
+                          f"{'per layer' if pools[0] == 'layer' else 'in all'} of the trace; replay a trace of the "
+                          "model the runs measured")
     if layers is None and len({r.layers for r in base}) == 1:
         layers = base[0].layers
     lossless = [r.c_ms for r in base if is_lossless(r)]

@@ -14,9 +14,12 @@ Optional: ``tau_ms`` (measured ms of one copy; ``null``/NaN = the run made no co
 of the rounds' ms/token), ``slow_copies`` (an integer ``N >= 1``: every copy was repeated
 N times; default 1), ``needs_future`` (bool; default: the registered policy's flag, false for names
 not registered here), ``lossless`` (bool: the policy never restricts routing; eval writes it),
-``capacity`` (int ``>= 1``), ``pool`` (string), ``layers`` (list of ints), ``host`` (where the
+``capacity`` (int ``>= 1``), ``pool`` (string), ``layers`` (list of ints), ``num_experts`` (int
+``>= 1``: the model's experts per layer, as eval writes it; runs of one file must agree on it, and
+``choose --add-replay`` refuses a trace with another), ``host`` (where the
 offloaded experts were read from: ``memory``, ``mmap`` or ``direct``, as eval writes it; absent =
-``memory``). Any other field is ignored. Where a number is given it must be finite and ``>= 0``.
+``memory``). Any other field is ignored. Where a number is given it must be finite and ``>= 0``;
+the times (``c_ms``, ``tau_ms``, ``ms_per_token``) at most an hour (3.6e6 ms), ``rho`` at most 1e9.
 
 Runs of one ``(host, slow_copies)`` condition name each policy once: two records of the same
 policy and condition are an error (average repeated runs, or keep one, before choosing). A slowed run
@@ -37,6 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, PolicyError
+from .sizing import MAX_DURATION_MS
+
+MAX_RHO = 1e9
+"""Largest ``rho`` accepted (copies per token): a model has far fewer experts than this."""
 
 MAX_RUNS_BYTES = 1 << 26
 """A runs file larger than this (64 MiB) is refused: eval writes a few kB per run."""
@@ -70,6 +77,8 @@ class Run:
     host: str = "memory"
     """Where the offloaded experts were read from (``eval --host``): each host mode is its own
     condition, with its own measured copy time."""
+    num_experts: int | None = None
+    """The model's experts per layer (eval writes it); ``None`` when the record does not say."""
 
 
 def read_runs(path: str | Path) -> list[Run]:
@@ -155,11 +164,11 @@ def run_from_record(rec: Any, where: str) -> Run:
         slow = 1
     if isinstance(slow, bool) or not isinstance(slow, int) or slow < 1:
         raise ConfigError(f"{where}: field 'slow_copies' must be an integer >= 1, got {_short(slow)}")
-    c_ms = _number(rec, "c_ms", where, nonnegative=slow == 1)
-    rho = _number(rec, "rho", where)
+    c_ms = _number(rec, "c_ms", where, nonnegative=slow == 1, most=MAX_DURATION_MS)
+    rho = _number(rec, "rho", where, most=MAX_RHO)
     dnll = _number(rec, "dnll", where, nonnegative=False)
-    tau = _optional(rec, "tau_ms", where)
-    ms = _optional(rec, "ms_per_token", where)
+    tau = _optional(rec, "tau_ms", where, most=MAX_DURATION_MS)
+    ms = _optional(rec, "ms_per_token", where, most=MAX_DURATION_MS)
     future = rec.get("needs_future")
     if future is None:
         future = _registered_needs_future(policy.strip())
@@ -180,6 +189,9 @@ def run_from_record(rec: Any, where: str) -> Run:
                                                    for x in layers):
             raise ConfigError(f"{where}: field 'layers' must be a list of layer ids (integers >= 0)")
         layers = tuple(layers)
+    experts = rec.get("num_experts")
+    if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int) or experts < 1):
+        raise ConfigError(f"{where}: field 'num_experts' must be a positive integer, got {_short(experts)}")
     spread = _optional(rec, "ms_per_token_spread", where)
     host = rec.get("host")
     if host is None:
@@ -187,10 +199,10 @@ def run_from_record(rec: Any, where: str) -> Run:
     if host not in HOSTS:
         raise ConfigError(f"{where}: field 'host' must be one of {', '.join(HOSTS)}, got {_short(host)}")
     return Run(policy.strip(), c_ms, rho, dnll, tau, ms, slow, future, capacity, pool, layers, lossless, where=where,
-               ms_per_token_spread=spread, host=host)
+               ms_per_token_spread=spread, host=host, num_experts=experts)
 
 
-def _number(rec: dict, field: str, where: str, *, nonnegative: bool = True) -> float:
+def _number(rec: dict, field: str, where: str, *, nonnegative: bool = True, most: float | None = None) -> float:
     value = rec[field]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{where}: field {field!r} must be a number, got {_short(value)}")
@@ -202,15 +214,18 @@ def _number(rec: dict, field: str, where: str, *, nonnegative: bool = True) -> f
         raise ConfigError(f"{where}: field {field!r} must be a finite number, got {_short(value)}")
     if nonnegative and x < 0:
         raise ConfigError(f"{where}: field {field!r} must be >= 0, got {_short(value)}")
+    if most is not None and abs(x) > most:
+        what = "an hour in ms" if most == MAX_DURATION_MS else f"{most:g}"
+        raise ConfigError(f"{where}: field {field!r} is above {what} ({_short(value)}), not a plausible measurement")
     return x
 
 
-def _optional(rec: dict, field: str, where: str) -> float | None:
+def _optional(rec: dict, field: str, where: str, *, most: float | None = None) -> float | None:
     """An optional measured number: ``None`` when absent, ``null`` or NaN; else finite and >= 0."""
     value = rec.get(field)
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
-    return _number(rec, field, where)
+    return _number(rec, field, where, most=most)
 
 
 def _registered_needs_future(spec: str) -> bool:
@@ -223,7 +238,13 @@ def _registered_needs_future(spec: str) -> bool:
 
 
 def check_unique(runs: list[Run]) -> None:
-    """Each policy at most once per ``(host, slow_copies)`` condition, else a one-line error naming both runs."""
+    """Each policy at most once per ``(host, slow_copies)`` condition, else a one-line error naming
+    both runs; the runs that record ``num_experts`` record one (runs of one model)."""
+    counted = [r for r in runs if r.num_experts is not None]
+    other = next((r for r in counted if r.num_experts != counted[0].num_experts), None)
+    if other is not None:
+        raise ConfigError(f"{other.where}: num_experts {other.num_experts}, where {counted[0].where} has "
+                          f"{counted[0].num_experts}: the runs are of different models; choose among one model's runs")
     seen: dict[tuple[str, int, str], Run] = {}
     for run in runs:
         key = (run.policy, run.slow_copies, run.host)

@@ -179,11 +179,16 @@ def parse_duration_ms(text: str, option: str | None = None) -> float:
         raise ConfigError(f"{where}expected a positive duration, got {text!r}")
     if ms < MIN_DURATION_MS:  # 1e-300ms gave 8.7e301 tok/s; a denormal was c = 0
         raise ConfigError(f"{where}{text!r} is below 1 ns, not a plausible duration")
+    if ms > MAX_DURATION_MS:  # choose --tau 1e300ms printed a 300-digit ms/token
+        raise ConfigError(f"{where}{text!r} is above an hour, not a plausible copy or token time")
     return ms
 
 
 MIN_DURATION_MS = 1e-6
-"""Shortest duration accepted (1 ns), as :data:`LIMITS` bounds the longest."""
+"""Shortest duration accepted (1 ns)."""
+
+MAX_DURATION_MS = LIMITS["tau_ms"]
+"""Longest duration accepted (an hour, :data:`LIMITS`'s bound on a copy or a token)."""
 
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4,
