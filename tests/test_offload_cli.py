@@ -56,9 +56,32 @@ def test_eval_json_capture_and_replay_agree(capsys, ckpt, ids, tmp_path):
         assert r["mode"] == "decode" and r["device"] == "cpu" and r["layers"] == [1, 2]
     trace = load_trace(out_npz)
     assert trace.num_tokens == 60 and trace.num_sequences == 2 and trace.router_probs is not None
+    assert all(r["num_experts"] == trace.num_experts for r in records)  # what choose --add-replay checks
     for r in records:
         replayed = replay(trace, 3, r["policy"], layers=[1, 2])
         assert (replayed.copies_total, replayed.copies_steady) == (r["copies_total"], r["copies_steady"])
+
+
+def test_eval_prints_its_results_before_a_capture_that_cannot_be_written(capsys, ckpt, ids, tmp_path, monkeypatch):
+    """A full disk at --capture is one line and exit 2, after the records: the passes' results are not lost."""
+    import errno
+
+    from expertcache.trace.core import Trace
+
+    def full(self, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(Trace, "save", full)
+    out_npz = tmp_path / "out.npz"
+    for json_out in (True, False):
+        code, out, err = run_cli(capsys, "eval", "--model", ckpt, "--tokens", ids, "-c", 3, "-p", "lru", "--mode",
+                                 "forward", "--max-len", 20, "--capture", out_npz, *(["--json"] if json_out else []))
+        assert code == 2 and err.count("\n") == 1 and "out.npz" in err and "Traceback" not in err, err
+        if json_out:
+            assert json.loads(out)["policy"] == "lru"
+        else:
+            assert "copies/token" in out and "saved to" not in out
+        assert not out_npz.exists()
 
 
 def test_eval_text_with_local_tokenizer_and_table(capsys, ckpt, tmp_path):
@@ -111,9 +134,11 @@ def bad_inputs(tmp_path_factory, ckpt, ids):
     root = tmp_path_factory.mktemp("bad")
     big, text = root / "big.npy", root / "t.txt"
     np.save(big, np.array([1, 2, 500]))
+    np.save(root / "u64.npy", np.array([[1, 2, 2**63 + 5]], dtype=np.uint64))  # int64 would print it negative
     text.write_text("w1 w2", encoding="utf-8")
     gpt = save_toy_checkpoint("gpt_oss", root / "gpt")
-    return {"missing": root / "nowhere", "gpt": gpt, "ids": ids, "ckpt": ckpt, "big": big, "text": text}
+    return {"missing": root / "nowhere", "gpt": gpt, "ids": ids, "ckpt": ckpt, "big": big, "text": text,
+            "u64": root / "u64.npy"}
 
 
 @pytest.mark.parametrize(
@@ -123,6 +148,7 @@ def bad_inputs(tmp_path_factory, ckpt, ids):
         (["--model", "{gpt}", "--tokens", "{ids}"], "not supported by expertcache.hf"),
         (["--model", "{ckpt}", "--tokens", "{ids}", "--layers", "7-9"], "not MoE layers"),
         (["--model", "{ckpt}", "--tokens", "{big}"], "outside the model's vocabulary"),
+        (["--model", "{ckpt}", "--tokens", "{u64}"], "token id 9223372036854775813 is above any vocabulary"),
         (["--model", "{ckpt}", "--tokens", "{text}"], "not a valid .npy header"),
         (["--model", "{gpt}", "--text", "{text}"], "needs a tokenizer"),
         (["--model", "{ckpt}", "--tokens", "{ids}", "--policy", "nope"], "unknown policy"),

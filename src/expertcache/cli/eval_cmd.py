@@ -140,14 +140,17 @@ def run(args) -> int:
     if evaluation.dropped:
         print(f"expertcache eval: warning: --batch {args.batch} leaves out the last {evaluation.dropped} sequence(s): "
               "they do not fill a batch of equal-length rows", file=sys.stderr)
-    if args.capture:
-        evaluation.trace.save(args.capture)
-    records = [r.to_dict() | {"model": args.model, "needs_future": r.stats.needs_future,
-                              "capacity_requested": args.capacity} for r in evaluation.results]
+    records = [r.to_dict() | {"model": args.model, "num_experts": evaluation.trace.num_experts,
+                              "needs_future": r.stats.needs_future, "capacity_requested": args.capacity}
+               for r in evaluation.results]
     if args.json:
         emit_json(records)
     else:
         _print_table(args, evaluation, records)
+    if args.capture:  # after the results, so that a capture that cannot be written does not lose them
+        evaluation.trace.save(args.capture)
+        if not args.json:
+            print(f"trace of the reference pass saved to {args.capture}")
     failures = evaluation.failures()
     for line in failures:
         print(f"expertcache eval: error: {line}", file=sys.stderr)
@@ -191,8 +194,6 @@ def _print_table(args, evaluation, records) -> None:
         line += (f", {mem['device_weight_bytes'] / 1e6:.1f} MB of other weights on the device, peak device memory "
                  f"{max(r['memory']['device_peak_bytes'] for r in records) / 1e6:.1f} MB")
     print(line)
-    if args.capture:
-        print(f"trace of the reference pass saved to {args.capture}")
 
 
 def _print_intervals(records) -> None:

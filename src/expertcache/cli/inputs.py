@@ -34,11 +34,14 @@ def import_hf():
 
 
 def read_tokens(path: str) -> np.ndarray:
-    """Integer token ids from the ``.npy`` at ``path`` (``--tokens``), any shape."""
+    """Integer token ids from the ``.npy`` at ``path`` (``--tokens``), any shape, as int64 (a uint64
+    id above int64's range is refused here: cast, it had been printed as a negative id)."""
     ids = read_npy(path, "--tokens")  # sizes checked before reading, no pickle; errors are one line
     if ids.dtype.kind not in "iu":
         raise ConfigError(f"--tokens {path}: expected integer token ids, got {ids.dtype}")
-    return ids
+    if ids.dtype == np.uint64 and ids.size and int(ids.max()) > np.iinfo(np.int64).max:
+        raise ConfigError(f"--tokens {path}: token id {int(ids.max())} is above any vocabulary")
+    return ids.astype(np.int64, copy=False)
 
 
 MAX_TEXT_BYTES = 8 << 20
