@@ -468,8 +468,10 @@ def _byte_lru(groups, capacity: int, size, read):
 def _window_units(g, experts, window: int):
     """The readahead-window items by brute force: every ``window``-byte aligned window of the file
     an expert's slices overlap; windows touched by exactly the same experts are one unit, numbered in
-    file order; per (token, layer) the units touched, and each unit's bytes."""
+    file order; per (token, layer) the units touched, and each unit's bytes: the expert bytes of its
+    windows (a window's dense pages are resident already), counted byte by byte."""
     E = g.num_experts
+    expert_bytes: dict[int, int] = {}  # window -> expert bytes in it
 
     def windows(j, e):
         out = set()
@@ -477,6 +479,11 @@ def _window_units(g, experts, window: int):
             lo = t.offset + e * (t.nbytes // E)
             out.update(range(lo // window, (lo + t.nbytes // E - 1) // window + 1))
         return out
+
+    for layer in g.moe_layers:
+        for t in g.experts[layer].values():
+            for byte in range(t.offset, t.offset + t.nbytes):  # the tiny file's expert bytes, one by one
+                expert_bytes[byte // window] = expert_bytes.get(byte // window, 0) + 1
 
     who: dict[int, set] = {}
     for j in range(len(g.moe_layers)):
@@ -488,7 +495,7 @@ def _window_units(g, experts, window: int):
         members.setdefault(frozenset(who[w]), []).append(w)
     order = sorted(members.values(), key=min)
     unit_of = {w: u for u, ws in enumerate(order) for w in ws}
-    usize = [sum(min(window, g.file_bytes - w * window) for w in ws) for ws in order]
+    usize = [sum(expert_bytes[w] for w in ws) for ws in order]
     groups = [sorted({unit_of[w] for e in experts[t, j] if e >= 0 for w in windows(j, int(e))})
               for t in range(len(experts)) for j in range(len(g.moe_layers))]
     return groups, usize.__getitem__
@@ -846,3 +853,23 @@ def test_window_units_by_brute_force(tiny_gguf, tmp_path, capsys, monkeypatch, s
     assert rec["note"].startswith("LRU over") == (mm / T >= advise)
     if mm / T >= advise:
         assert rec["fill_bytes_per_token"] == pytest.approx(first / T)
+
+
+@pytest.mark.parametrize("size", [4096, 1 << 23])
+def test_a_wall_that_holds_the_file_reads_each_expert_once_in_every_mode(tiny_gguf, tmp_path, capsys, monkeypatch,
+                                                                          size):
+    """At a wall of the whole file every expert fits: the kernel modes read only first reads, the
+    expert bytes the trace touches. The window model had counted each window's dense pages as room
+    the experts lacked, and with windows larger than the expert tensors (8 MiB on the tiny file)
+    forecast mmap thrashing beside "every expert fits"."""
+    import expertcache.llama.forecast as dk
+    from expertcache.formats.gguf import read_geometry
+
+    g = read_geometry(str(tiny_gguf))
+    experts, trace = _hand_trace(tmp_path)
+    monkeypatch.setattr(dk, "readahead_bytes", lambda path: (size, "fixed by the test"))
+    recs = _forecast(capsys, tiny_gguf, g.file_bytes, trace)
+    for mode in ("mmap", "advise"):
+        r = recs[mode]
+        assert r["missed_bytes_per_token"] == pytest.approx(r["fill_bytes_per_token"]), mode
+        assert r["missed_bytes_per_token"] * len(experts) <= g.expert_tensor_bytes, mode
