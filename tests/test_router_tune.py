@@ -217,7 +217,11 @@ def test_output_loads_with_transformers_and_runs_in_eval(runs, capsys):
 @needs_model
 @pytest.mark.parametrize("argv, message", [
     (["--layer", "9"], "--layer 9 is not an MoE layer"),
-    (["--layer", "2", "--cache", "17"], "--cache 17 exceeds the 16 experts"),
+    (["--layer", "2", "--cache", "17"], "--cache 17 holds all 16 experts of layer 2"),
+    (["--layer", "2", "--cache", "16"], "--cache 16 holds all 16 experts of layer 2: nothing is ever evicted"),
+    (["--layer", "2", "--lr", "0"], "--lr must be above 0"),
+    (["--layer", "2", "--lora-rank", "100000"], "--lora-rank 100000 is above 16, the full rank"),
+    (["--layer", "2", "--lora-rank", "17", "--lora-targets", "router,attention"], "above 16"),
     (["--layer", "2", "--cache", "1"], "below top-k 2"),
     (["--layer", "2", "--group", "1"], "--group must be at least 2"),
     (["--layer", "2", "--lora-rank", "2", "--lora-targets", "mlp"], "--lora-targets: mlp"),

@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     src.add_argument("--tokens", metavar="IDS.npy", help="token ids to draw prompts from (any shape, read flat)")
     p.add_argument("--layer", type=int, required=True, help="MoE layer id whose router is tuned and whose cache is simulated")
     p.add_argument("--cache", "-c", "--capacity", dest="cache", type=positive_int, required=True, metavar="C",
-                   help="slots of the simulated LRU cache")
+                   help="slots of the simulated LRU cache (top-k <= C < the layer's experts)")
     p.add_argument("--reward", choices=REWARDS, default="lru-hit", help="reward of a generation (default lru-hit)")
     p.add_argument("--sft-control", action="store_true", help="train on the same self-generated data without the reward")
     p.add_argument("--steps", type=positive_int, default=50, metavar="N", help="optimizer steps (default 50)")

@@ -28,7 +28,7 @@ activations and KV cache (``--group 100000`` passed 4 GB on a 4-layer toy model)
 @dataclass(frozen=True)
 class TuneConfig:
     """One fine-tune. Invariants (checked by :meth:`check`, against the model by
-    :meth:`check_model`): ``top_k <= cache <= num_experts`` at a MoE ``layer``; ``group >= 2``
+    :meth:`check_model`): ``top_k <= cache < num_experts`` at a MoE ``layer``; ``lr > 0``; ``group >= 2``
     (advantages compare generations of one prompt); every count positive; ``lora_rank = 0``
     trains the router weights of ``layer`` directly, ``> 0`` trains rank-``r`` LoRA factors on
     ``lora_targets`` of that layer, merged into the weights before saving.
@@ -78,6 +78,8 @@ class TuneConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+        if self.lr == 0:  # nothing would move: the output would be the input under another name
+            raise ConfigError("--lr must be above 0 (at 0 the optimizer changes no weight)")
         if not self.temperature >= MIN_TEMPERATURE:  # logits / 1e-300 overflow: a softmax of inf and nan
             raise ConfigError(f"--temperature must be at least {MIN_TEMPERATURE:g} (lower is greedy in all but name), "
                               f"got {self.temperature:g}")
@@ -98,8 +100,9 @@ class TuneConfig:
         if self.layer not in moe_layers:
             raise ConfigError(f"--layer {self.layer} is not an MoE layer of this model (MoE layers: "
                               f"{', '.join(map(str, moe_layers))})")
-        if self.cache > num_experts:
-            raise ConfigError(f"--cache {self.cache} exceeds the {num_experts} experts of layer {self.layer}")
+        if self.cache >= num_experts:  # no eviction: the reward would count first reads alone
+            raise ConfigError(f"--cache {self.cache} holds all {num_experts} experts of layer {self.layer}: nothing is "
+                              f"ever evicted; give C below {num_experts}")
         if self.cache < top_k:
             raise ConfigError(f"--cache {self.cache} is below top-k {top_k}: one token's experts must fit")
 

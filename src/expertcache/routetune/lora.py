@@ -71,7 +71,12 @@ def trainable(model: torch.nn.Module, site: ExpertsSite, rank: int, alpha: float
         params = list(site.router.parameters())
     else:
         params = []
-        for module, name in _targets(model, site, targets):
+        chosen = _targets(model, site, targets)
+        full = min(min(getattr(module, name).shape[-2:]) for module, name in chosen)
+        if rank > full:  # rank 100,000 on a 16 x 64 router: factors larger than the weights, no more expressive
+            raise ConfigError(f"--lora-rank {rank} is above {full}, the full rank of the smallest target weight "
+                              f"({', '.join(targets)} of layer {site.layer}); give R <= {full}")
+        for module, name in chosen:
             delta = LoRADelta(getattr(module, name), rank, alpha, generator)
             parametrize.register_parametrization(module, name, delta)
             params += [delta.A, delta.B]
