@@ -37,6 +37,33 @@ def test_killed_writer_leaves_no_partial_file_and_the_next_run_removes_its_tempo
     assert ec.load_trace(path).num_tokens == 2
 
 
+ABORTED_WRITER = """
+import ctypes, sys
+from expertcache._io import atomic_open
+from expertcache.llama.ggml import _libggml_base, abort_in_one_line
+abort_in_one_line("m.gguf")
+lib, _ = _libggml_base()
+lib.ggml_abort.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+with atomic_open(sys.argv[1], "wb") as fh:
+    fh.write(b"partial " * 1000)
+    fh.flush()
+    lib.ggml_abort(b"/src/ggml-quants.c", 7, b"a check failed")  # as a GGML_ASSERT inside llama.cpp stops
+"""
+
+
+def test_an_abort_inside_llama_cpp_removes_the_temporaries_being_written(tmp_path):
+    """ggml's abort callback ends the process with os._exit, which runs no ``finally``: it removes
+    the outputs' temporaries itself (an abort in llama.cpp's quantizer had left its ``.tmp``)."""
+    pytest.importorskip("llama_cpp")
+    target = tmp_path / "q.gguf"
+    proc = subprocess.run([sys.executable, "-c", ABORTED_WRITER, str(target)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "expertcache: error: MODEL m.gguf: llama.cpp stopped on it (ggml-quants.c:7: a check failed)"]
+    assert list(tmp_path.iterdir()) == []
+
+
 TERMINATED_WRITER = """
 import os, signal, sys
 import numpy as np

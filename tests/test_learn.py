@@ -233,6 +233,15 @@ def test_scorer_file_round_trip_and_errors(tmp_path):
     (tmp_path / "t.npz").write_bytes(path.read_bytes()[:100])
     with pytest.raises(ConfigError, match="t.npz"):
         load_scorer(tmp_path / "t.npz")
+    # files that are not archives: numpy calls a text file "pickled" and returns a .npy as one array
+    (tmp_path / "notes.txt").write_text("hello\n")
+    np.save(tmp_path / "one.npy", np.arange(4))
+    for name, reason in (("notes.txt", r"not a numpy \.npz archive: it starts with b'hello"),
+                         ("one.npy", r"a single \.npy array, not an \.npz archive")):
+        with pytest.raises(ConfigError, match=f"not a scorer file \\({reason}"):
+            load_scorer(tmp_path / name)
+        with pytest.raises(ConfigError, match=f"not an events file \\({reason}"):
+            load_events(tmp_path / name)
     assert_bad_fields(path, [("format_version", np.array(7), "format_version"), ("w1", None, "'w1' is missing"),
                              ("features", np.array(["age", "nope"] + list(sc.features[2:])), "unknown feature")],
                       load_scorer, tmp_path)

@@ -22,6 +22,8 @@ from .errors import ConfigError
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 """Errors of a write that mean the output's file system is full (or the file too large for it)."""
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
+_PENDING: set[str] = set()
+"""The temporaries this process is writing now (:func:`temporary_beside`)."""
 
 
 def numpy_reason(err: BaseException) -> str:
@@ -51,6 +53,15 @@ def open_npz(path: str | os.PathLike, what: str, kind: str):
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{what} {p}: no such file")
+    try:
+        with open(p, "rb") as fh:
+            head = fh.read(6)
+    except OSError as err:
+        raise ConfigError(f"{what} {p}: cannot be read ({err.strerror or err})") from None
+    if head.startswith(b"\x93NUMPY"):  # np.load would return one array, not an archive
+        raise ConfigError(f"{what} {p}: not {kind} (a single .npy array, not an .npz archive)")
+    if not head.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # numpy calls anything else a pickle
+        raise ConfigError(f"{what} {p}: not {kind} (not a numpy .npz archive: it starts with {head!r})")
     try:
         return np.load(p, allow_pickle=False)
     except Exception as err:  # truncated, not a zip, not numpy
@@ -153,15 +164,14 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, option: str = "--ou
     if os.path.islink(path):
         path = os.path.realpath(path)
     path = check_writable(path, option)
-    parent = path.parent if str(path.parent) else Path(".")
     clean_stale_temporaries(path)
-    tmp = parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp = temporary_name(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for any file
     except OSError as exc:
         raise ConfigError(f"{option} {path}: cannot write ({exc.strerror or exc})") from None
     try:
-        with os.fdopen(fd, mode, **kwargs) as fh:
+        with pending(tmp), os.fdopen(fd, mode, **kwargs) as fh:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
@@ -176,6 +186,33 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, option: str = "--ou
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def temporary_name(path: Path) -> Path:
+    """A fresh temporary's name beside ``path``: ``.<name>.<pid>.<8 hex>.tmp``."""
+    parent = path.parent if str(path.parent) else Path(".")
+    return parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+@contextlib.contextmanager
+def pending(tmp: str | os.PathLike) -> Iterator[None]:
+    """While the block runs, ``tmp`` is one of this process's temporaries being written:
+    :func:`remove_pending` removes it where the process ends without unwinding its stack."""
+    _PENDING.add(os.fspath(tmp))
+    try:
+        yield
+    finally:
+        _PENDING.discard(os.fspath(tmp))
+
+
+def remove_pending() -> None:
+    """Remove every temporary this process is writing now. For an end that runs no ``finally``
+    (``os._exit`` from ggml's abort callback, :func:`expertcache.llama.ggml.abort_in_one_line`):
+    an abort inside llama.cpp's quantizer had left its ``.tmp`` until the next write to the target."""
+    for tmp in list(_PENDING):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    _PENDING.clear()
 
 
 def clean_stale_temporaries(path: Path) -> list[Path]:

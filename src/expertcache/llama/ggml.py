@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from .._io import remove_pending
 from ..errors import ConfigError
 
 GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME = 4, 10, 64, 64
@@ -120,7 +121,8 @@ def abort_in_one_line(model: str | None) -> None:
     of llama.cpp's own checks that the header checks do not make (an OLMoE ``rope.dimension_count``
     other than its head size, a negative ``layer_norm_rms_epsilon``). From the first call on, ggml's
     abort callback instead prints one line on stderr, ``expertcache: error: MODEL <model>: llama.cpp
-    stopped on it (<file:line: message>)``, flushes stdout, and ends the process with exit status 2,
+    stopped on it (<file:line: message>)``, flushes stdout, removes the temporaries of the outputs
+    being written (:func:`expertcache._io.remove_pending`), and ends the process with exit status 2,
     from whichever thread tripped the check; later calls only change the model named."""
     global _abort_model, _abort_sink
     _abort_model = model
@@ -136,6 +138,7 @@ def abort_in_one_line(model: str | None) -> None:
             pass
         where = f"MODEL {_abort_model}: " if _abort_model else ""
         os.write(2, f"expertcache: error: {where}llama.cpp stopped on it ({text[0][:400]})\n".encode())
+        remove_pending()  # os._exit runs no finally: the outputs half written go here
         os._exit(2)
 
     sink = _ABORT_CALLBACK(stop)

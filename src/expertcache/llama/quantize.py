@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-import secrets
 from pathlib import Path
 
+from .._io import clean_stale_temporaries, pending, temporary_name
 from ..errors import ConfigError
 from .engine import _llama, _silence
 
@@ -49,12 +49,14 @@ def quantize(src: str | os.PathLike, out: str | os.PathLike, qtype: str, *, thre
     ll = _llama()
     _silence(ll, src)
     out = Path(out)
-    tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    clean_stale_temporaries(out)
+    tmp = temporary_name(out)
     params = ll.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = int(threads)
     try:
-        rc = ll.llama_model_quantize(os.fsencode(src), os.fsencode(tmp), ctypes.byref(params))
+        with pending(tmp):  # an abort inside llama.cpp removes it too (abort_in_one_line)
+            rc = ll.llama_model_quantize(os.fsencode(src), os.fsencode(tmp), ctypes.byref(params))
         if rc != 0 or not tmp.exists():
             raise ConfigError(f"--quantize {qtype}: llama.cpp could not quantize {src} (status {rc})")
         os.replace(tmp, out)
