@@ -193,7 +193,10 @@ def test_numpy_pickle_advice_never_reaches_the_user(tmp_path, capsys, trace_file
     errors.append(str(info.value))
     for err in errors:
         assert "allow_pickle" not in err and "unsafe" not in err and "pickle.load" not in err, err
-    assert sum("pickled (object) data, which expertcache never loads" in e for e in errors) >= 5
+    # the .npy is no archive at all, whatever it holds (numpy had returned it as one array: exit 70)
+    assert ["a single .npy array, not an .npz archive" in e for e in errors] == [0, 0, 1, 1, 0, 0, 0]
+    # the scorer file reads its version first and says it is missing; every other one names the pickle
+    assert ["pickled (object) data, which expertcache never loads" in e for e in errors] == [1, 0, 0, 0, 1, 1, 1]
 
 
 def test_foresight_0_is_lru_and_not_marked_as_needing_the_future(trace_file, capsys):
@@ -245,4 +248,13 @@ def test_a_trace_without_meta_says_its_E_was_inferred(tmp_path, capsys):
     np.savez(path, experts=np.array([[[0, 1]], [[2, 3]], [[1, 2]]], dtype=np.int16), seq=np.zeros(3, np.int32))
     assert main(["stats", str(path)]) == 0
     err = capsys.readouterr().err
-    assert "has no meta; E = 4 inferred from its largest expert id" in err
+    assert f"{path}: E = 4 was inferred from its largest expert id, the model's experts not being recorded" in err
+    # an imported log that records no E: its meta says so, and the note does not claim there is no meta
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"problem_id": "a", "layer": 0, "token_idx": t, "experts": [t % 3, 5]}) + "\n"
+                           for t in range(4)))
+    assert main(["import", "vllm-jsonl", str(log), "--out", str(tmp_path / "imp.npz")]) == 0
+    capsys.readouterr()
+    assert main(["stats", str(tmp_path / "imp.npz")]) == 0
+    err = capsys.readouterr().err
+    assert "E = 6 was inferred" in err and "no meta" not in err

@@ -35,6 +35,9 @@ def files(tmp_path, monkeypatch):
     os.link(tmp_path / "t.npz", tmp_path / "hard.npz")
     os.link(tmp_path / "t.npz", tmp_path / "hard.png")
     os.symlink(tmp_path / "t.npz", tmp_path / "soft.npz")
+    (tmp_path / "plots").mkdir()  # demo writes mrc.png and foresight.png into --out
+    (tmp_path / "plots" / "mrc.png").write_bytes((tmp_path / "u.npz").read_bytes())
+    os.link(tmp_path / "t.npz", tmp_path / "plots" / "foresight.png")
     return tmp_path
 
 
@@ -58,6 +61,8 @@ CASES = [
     ["eval", "--model", "model", "--tokens", "t.npz", "--capture", "t.npz", "-c", "4"],
     ["controller", "train", "--model", "model", "--tokens", "t.npz", "-c", "4", "--out", "t.npz"],
     ["grid", "t.npz", "--out", "t.npz"],
+    ["demo", "--trace", "plots/mrc.png", "--out", "plots", "--no-live"],  # a file the demo writes into --out
+    ["demo", "--trace", "t.npz", "--out", "plots", "--no-live"],  # its foresight.png is a link of the trace
 ]
 
 

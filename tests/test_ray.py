@@ -102,3 +102,25 @@ def test_chunks_replayed_as_ray_tasks_equal_serial(local_ray, tmp_path):
     a = sweep_chunked(ct, [8, 24], ["lru", "arc"], ray="auto")
     b = sweep_chunked(ct, [8, 24], ["lru", "arc"])
     assert [list(map(int, c.copies_steady)) for c in a] == [list(map(int, c.copies_steady)) for c in b]
+
+
+def test_a_local_ray_under_an_address_space_limit_is_refused_in_one_line(monkeypatch, tmp_path, capsys):
+    """Under ``ulimit -v`` a local Ray's processes die at start and ``ray.init`` waited for ever,
+    printing nothing (a 120 s timeout ended it): the limit is said before a local Ray is started."""
+    import resource
+
+    import expertcache.sim.backends as backends
+
+    def no_cluster(*args, **kwargs):
+        if kwargs.get("address") == "auto":
+            raise ConnectionError("no running cluster")
+        raise AssertionError("a local Ray was started under the limit")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process, whatever this one holds
+    monkeypatch.setattr(backends.resource, "getrlimit", lambda what: (8_000_000_000, resource.RLIM_INFINITY))
+    synthesize_preset("olmoe", seed=0, tokens=16, sequences=2, num_layers=2).save(tmp_path / "t.npz")
+    assert main(["replay", str(tmp_path / "t.npz"), "-c", "8", "--ray", "auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["expertcache replay: error: --ray auto: a local Ray does not start under an address-space limit "
+                   "(ulimit -v: 8,000,000,000 bytes here); lift it, or join a running cluster with --ray ADDRESS"]

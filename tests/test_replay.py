@@ -119,6 +119,19 @@ def test_steady_is_total_minus_capacity_per_stream(case, warm):
     assert r.tokens == layout.token_scored.sum()
 
 
+@pytest.mark.parametrize("warm, n, unscored", [(0.7, 90, 63), (0.57, 100, 57), (0.29, 100, 29), (0.7, 170, 119),
+                                               (0.6, 5, 3), (0.999, 1000, 999), (1 / 3, 9, 2)])
+def test_the_warm_window_is_floor_of_the_decimal_given(warm, n, unscored):
+    """docs/semantics.md: the first floor(w x n) tokens warm. In binary 0.7 x 90 is 62.99999999999999:
+    a float floor had warmed 62 tokens and scored 28 of 90, where the docs say 27 (1/3 as a float,
+    0.3333333333333333, floors 9 of it to 2 either way)."""
+    rng = np.random.default_rng(0)
+    trace = ec.Trace.from_arrays(rng.integers(0, 4, (n, 1, 1)), num_experts=4)
+    layout = build_layout(trace, warm=warm)
+    assert int((~layout.token_scored).sum()) == unscored and layout.token_scored[unscored:].all()
+    assert ec.replay(trace, 2, "lru", warm=warm).tokens == n - unscored
+
+
 def test_global_pool_of_one_layer_is_the_layer_pool(seed_case):
     for rule in RULES:
         a, b = ec.replay(seed_case, 3, rule, pool="layer"), ec.replay(seed_case, 3, rule, pool="global")

@@ -58,6 +58,8 @@ def open_npz(path: str | os.PathLike, what: str, kind: str):
             head = fh.read(6)
     except OSError as err:
         raise ConfigError(f"{what} {p}: cannot be read ({err.strerror or err})") from None
+    if head.startswith(b"\x80"):  # a pickle's protocol opcode
+        raise ConfigError(f"{what} {p}: not {kind} ({numpy_reason(ValueError('pickle'))})")
     if head.startswith(b"\x93NUMPY"):  # np.load would return one array, not an archive
         raise ConfigError(f"{what} {p}: not {kind} (a single .npy array, not an .npz archive)")
     if not head.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # numpy calls anything else a pickle

@@ -237,12 +237,14 @@ def _paths_in(value) -> Iterable[str]:
 
 
 def open_trace(path: str) -> Trace:
-    """:func:`~expertcache.trace.load_trace`, saying on stderr when E was inferred (a file without
-    ``meta``: E is its largest expert id + 1, which a figure per expert such as coverage divides by)."""
+    """:func:`~expertcache.trace.load_trace`, saying on stderr when E was inferred (by the loader for a
+    file without ``meta``, or by the importer for a log that does not record it: E is the largest
+    expert id + 1, which a figure per expert such as coverage divides by)."""
     trace = load_trace(path)
     if trace.meta.get("num_experts_inferred"):
-        print(f"note: {path} has no meta; E = {trace.num_experts} inferred from its largest expert id "
-              "(give the trace a meta with num_experts where the model has more)", file=sys.stderr)
+        print(f"note: {path}: E = {trace.num_experts} was inferred from its largest expert id, the model's "
+              "experts not being recorded (give the trace a meta with num_experts where the model has more)",
+              file=sys.stderr)
     return trace
 
 

@@ -18,6 +18,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from .._io import check_not_input
 from ..bounds import compute_bounds
 from ..costmodel import Sizing
 from ..errors import ConfigError
@@ -58,9 +59,15 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+PLOTS = ("mrc.png", "foresight.png")
+"""The files the demo writes into ``--out``."""
+
+
 def run(args) -> int:
     out = Path(args.out)
     if not args.json:
+        for name in PLOTS:  # a --trace inside --out under a plot's name had been replaced by the plot
+            check_not_input(out / name, [args.trace] if args.trace else [], "--out")
         _make_folder(out)  # before any work: a bad --out fails at once
     if args.trace:
         trace, layers = open_trace(args.trace), None
@@ -99,9 +106,9 @@ def run(args) -> int:
     if importlib.util.find_spec("matplotlib") is None:
         print("\nplots skipped: matplotlib is not installed (pip install 'expertcache[plot]')")
     else:
-        mrc = plot_mrc(curves, out / "mrc.png", trace=trace.name)
+        mrc = plot_mrc(curves, out / PLOTS[0], trace=trace.name)
         if any(g is not None for g in curve.gap):
-            print(f"\nwrote {mrc} and {plot_foresight(curve, out / 'foresight.png', trace=trace.name)}")
+            print(f"\nwrote {mrc} and {plot_foresight(curve, out / PLOTS[1], trace=trace.name)}")
         else:
             print(f"\nwrote {mrc}; foresight plot skipped: LRU and Belady tie at capacity {capacity}, no gap to share")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import socket
 from typing import Iterator
 
@@ -78,6 +79,16 @@ def check_reachable(address: str, option: str = "--ray", timeout: float = 5.0) -
                           f"({err.strerror or type(err).__name__}); is a Ray cluster running there?") from None
 
 
+def check_address_space(option: str = "--ray") -> None:
+    """A ConfigError where this process runs under an address-space limit (``ulimit -v``): a local
+    Ray's processes do not start under one, and ``ray.init`` then waited for them for ever, saying
+    nothing."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        raise ConfigError(f"{option} auto: a local Ray does not start under an address-space limit (ulimit -v: "
+                          f"{soft:,} bytes here); lift it, or join a running cluster with {option} ADDRESS")
+
+
 def init_local(ray, cpus: int | None = None, **options) -> None:
     """``ray.init`` of a local instance of ``cpus`` CPUs whose workers run at this process's niceness
     (Ray's own default is 15: see the module docstring), without the dashboard."""
@@ -102,7 +113,10 @@ def ray_session(address: str, cpus: int | None = None, option: str = "--ray") ->
         except ConnectionError:
             if address != "auto":
                 raise
+            check_address_space(option)
             init_local(ray, cpus, **quiet)
+    except ConfigError:
+        raise
     except Exception as err:  # noqa: BLE001 - Ray's own errors vary by version; report one line
         from .._text import first_line
 

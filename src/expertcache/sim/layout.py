@@ -8,7 +8,9 @@ All streams are concatenated into one ``[G, k]`` array so a compiled loop serves
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cached_property
 import numpy as np
 
@@ -125,6 +127,13 @@ class StreamLayout:
         return self.groups[self.starts[s] : self.starts[s + 1]]
 
 
+def warm_count(warm: float, n: int) -> int:
+    """``floor(w * n)``, the warm tokens (or iterations) of a stream of ``n``, with ``w`` read as the
+    decimal it was written as: in binary ``0.7 * 90`` is 62.99999999999999, and a float floor had
+    scored one token more than the docs' 27 of 90 (``Fraction(repr(w))`` is 7/10 exactly)."""
+    return math.floor(Fraction(repr(float(warm))) * int(n))
+
+
 def build_layout(trace: Trace, options: StreamOptions | None = None, **kwargs) -> StreamLayout:
     """Lay out ``trace`` as streams, shaped by ``options`` (a :class:`~expertcache.sim.options.StreamOptions`)
     or by its fields given as keywords (``pool=``, ``reset=``, ``layers=``, ``warm=``, ``admission=``),
@@ -155,10 +164,10 @@ def build_layout(trace: Trace, options: StreamOptions | None = None, **kwargs) -
     if warm > 0:
         for a, b in zip(bounds[:-1], bounds[1:]):
             if iter_starts is None:
-                token_scored[a : a + int(np.floor(warm * (b - a)))] = False
+                token_scored[a : a + warm_count(warm, b - a)] = False
             else:  # whole iterations: the first floor(w * n) of the stream's n iterations
                 ordinal = np.cumsum(iter_starts[a:b]) - 1
-                token_scored[a:b] = ordinal >= int(np.floor(warm * (ordinal[-1] + 1 if b > a else 0)))
+                token_scored[a:b] = ordinal >= warm_count(warm, ordinal[-1] + 1 if b > a else 0)
 
     if pool == "layer":
         groups = np.ascontiguousarray(ex.transpose(1, 0, 2)).reshape(L * T, k)
