@@ -48,6 +48,11 @@ def _one_line(capsys, argv) -> str:
     (["export", "libcachesim", "t.npz", "--out", "-"], "--out -: expected a file name (writing to stdout is not "
      "supported)"),  # wrote a file named '-'
     (["export", "libcachesim", "t.npz", "--out", "e.csv/"], "--out e.csv/: expected a file name, not a folder"),
+    (["llama", "generate", "m.gguf", "--prompt", "x", "--seed", "4294967296"],  # aliased seed 0 in llama.cpp
+     "expected a sampling seed in 0..2147483647"),
+    (["llama", "generate", "m.gguf", "--prompt", "x", "--seed", "4294967295"], "sampling seed"),  # its "random"
+    (["llama", "sweep", "m.gguf", "--target-tokens-per-s", "nan"], "expected a positive finite number"),  # was exit 0
+    (["llama", "sweep", "m.gguf", "--target-tokens-per-s", "-1"], "expected a positive finite number"),
 ])
 def test_counts_have_a_ceiling(capsys, argv, message):
     err = _one_line(capsys, argv)

@@ -181,3 +181,30 @@ def test_generate_and_capture_take_a_q4_k_m_file(files, tmp_path):
     assert done.returncode == 0, done.stderr
     meta = json.loads(done.stdout)
     assert meta["tokens"] == 6 and meta["expert_bytes"] is None  # sizes differ by layer: no single size
+
+
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "q4_k_m"]])
+def test_a_written_file_that_fails_its_check_leaves_the_output_as_it_was(tmp_path, capsys, monkeypatch, quantize):
+    """convert checks the GGUF it wrote before it replaces --out: a file that fails leaves the one
+    that was there (it had been renamed over --out, then removed: the earlier file was lost)."""
+    import expertcache.formats.gguf as fg
+    from expertcache.cli.main import main
+    from expertcache.errors import ConfigError
+
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"the file that was there")
+
+    def refuse(path, option=None):
+        raise ConfigError(f"{option} {path}: ggml type 42 is not known")
+
+    monkeypatch.setattr(fg, "read_geometry", refuse)
+    assert main(["convert", str(SMALL), "--out", str(out), "--dtype", "f16", *quantize]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"so it was not written to {out} (--out {out}: ggml type 42" in err[0], err
+    assert out.read_bytes() == b"the file that was there"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # no temporaries
+    monkeypatch.undo()
+    assert main(["convert", str(SMALL), "--out", str(out), "--dtype", "f16", *quantize, "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["out"] == rec["gguf"] == str(out) and rec["bytes"] == out.stat().st_size
+    assert read_geometry(str(out)).num_experts == 16 and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -425,6 +426,56 @@ def test_run_takes_a_text_prompt(small_gguf):
     assert isinstance(rec["output_text"], str) and rec["output_text"]
 
 
+def test_run_sweep_and_serve_refuse_what_the_model_cannot_run(small_gguf):
+    """As generate, serve and capture do: small-moe's context_length is 512 (they had decoded 600
+    tokens, reporting tokens/s for positions the model never learned)."""
+    for cmd in (["run"], ["sweep", "--walls", "100%", "--runs", "1"]):
+        done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", *cmd, str(small_gguf), "--prompt",
+                               "hi", "--max-new-tokens", "600", "--no-roofline"], capture_output=True, text=True,
+                              cwd=REPO, timeout=300)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert "--max-new-tokens 600 need 602 positions, more than 512 (the model's olmoe.context_length)" in lines[0]
+    # a wall below the file with --mode nommap (which reads the whole file): refused at once, as by llama run
+    for cmd in (["serve", str(small_gguf), "--port", "0"], ["llama", "run", str(small_gguf), "--prompt", "hi"]):
+        done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", *cmd, "--memory-wall", "50%", "--mode",
+                               "nommap"], capture_output=True, text=True, cwd=REPO, timeout=300)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert "--mode nommap reads the whole model into memory: the wall" in lines[0]
+
+
+HOLDER = """
+import mmap, sys, time
+f = open(sys.argv[1], "rb")
+m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+sum(m[i] for i in range(0, len(m), 4096))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_wall_on_a_file_another_process_holds_is_refused_in_one_line(small_gguf, tmp_path):
+    """Pages another process maps stay in the page cache after eviction, and the wall counts them in
+    its tier: the run's limit was pulled down until the worker died at start (ENOMEM, tracebacks
+    from serve). Said in one line before any worker starts."""
+    gguf = tmp_path / "held.gguf"
+    shutil.copy(small_gguf, gguf)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(gguf)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for cmd in (["llama", "run", str(gguf), "--prompt", "hi", "--max-new-tokens", "2", "--no-roofline"],
+                    ["serve", str(gguf), "--port", "0"]):
+            done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", *cmd, "--memory-wall", "50%"],
+                                  capture_output=True, text=True, cwd=REPO, timeout=120)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1, done.stderr
+            assert "bytes stay in the page cache after eviction: another process maps or locks them" in lines[0]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_hostile_requests_are_4xx_with_the_field_named(managed):
     """Requests a client should not send, each a 4xx naming the field, the server serving after
     every one (docs/serve.md, Errors)."""
@@ -456,6 +507,13 @@ def test_hostile_requests_are_4xx_with_the_field_named(managed):
                         ('{%s, "tools": [{"type": "function"}]}' % user, "tools")]:
         e = err(400, body, chat)
         assert e["param"] == param and e["code"] is None, (body, e)
+    # a number of more digits than Python converts, anywhere in the body: 400, not the 500 of a ValueError
+    big = "1" + "0" * 5000
+    for path, body in [("/v1/completions", '{"prompt": "x", "max_tokens": %s}' % big),
+                       ("/v1/completions", '{"prompt": "x", "foo": %s}' % big),
+                       (chat, '{%s, "seed": %s}' % (user, big))]:
+        e = err(400, body, path)
+        assert e["type"] == "invalid_request_error" and "number Python will not read" in e["message"], e
     # null max_tokens on a completion is OpenAI's default, 16
     done = json.loads(managed.raw("POST", "/v1/completions", '{"prompt": "x = 1", "max_tokens": null, '
                                                              '"temperature": 0}')[1])
@@ -527,6 +585,70 @@ def test_the_completion_loop_agrees_with_llama_cpp_python(small_gguf):
         want = llm.create_chat_completion(messages=msgs, **kw)["choices"][0]["message"]["content"]
         got = "".join(c["choices"][0]["delta"].get("content") or "" for c in stream_chat(llm, msgs, **kw))
         assert got == want
+
+
+ROLE_TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}<|system|>{{ m.content }}\n"
+                 "{% elif m.role == 'user' %}<|user|>{{ m.content }}\n{% elif m.role == 'assistant' %}<|assistant|>"
+                 "{{ m.content }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""A chat template with branches for system, user and assistant only, as many models' have."""
+
+
+def test_roles_a_chat_format_drops_are_found_and_not_dropped_silently(small_gguf, tmp_path):
+    """rendered_roles formats a probe message of each role (nothing decoded) and finds which reach the
+    prompt; kept_roles sends a developer message as system where only the second is kept, and
+    refuses any other dropped message (chatml, and a template without those branches, had left
+    them out without a word: OpenAI's newer clients send instructions as developer messages)."""
+    from expertcache.llama.completion import rendered_roles
+    from expertcache.llama.convert import convert
+    from expertcache.llama.server import ApiError, kept_roles
+    from expertcache.llama.textgen import Session
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(SMALL, ckpt)
+    (ckpt / "chat_template.jinja").write_text(ROLE_TEMPLATE)
+    templated = tmp_path / "templated.gguf"
+    convert(ckpt, templated, "f16")
+    (ckpt / "chat_template.jinja").write_text(ROLE_TEMPLATE.replace("m.role == 'system'",
+                                                                    "m.role in ('system', 'developer', 'tool')"))
+    every = tmp_path / "every.gguf"
+    convert(ckpt, every, "f16")
+    found = {}
+    for name, path, fmt in [("chatml", small_gguf, "chatml"), ("template", templated, None), ("every", every, None),
+                            ("gemma", small_gguf, "gemma")]:
+        with Session.open(str(path), chat_format=fmt, n_ctx=512) as session:
+            assert session.chat_ready
+            found[name] = rendered_roles(session.llama)
+    assert found == {"chatml": {"system": True, "developer": False, "tool": False},
+                     "template": {"system": True, "developer": False, "tool": False},
+                     "every": {"system": True, "developer": True, "tool": True},
+                     "gemma": {"system": False, "developer": False, "tool": False}}
+    dev = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "hi"}]
+    assert kept_roles(dev, found["template"]) == [{"role": "system", "content": "Answer in French."}, dev[1]]
+    assert kept_roles(dev, found["every"]) == dev  # a template that takes developer messages gets them
+    for roles, messages, where in [(found["chatml"], [dev[1], {"role": "tool", "content": "42"}], "messages[1]"),
+                                   (found["gemma"], dev, "messages[0]"),
+                                   (found["gemma"], [{"role": "system", "content": "s"}, dev[1]], "messages[0]")]:
+        with pytest.raises(ApiError) as info:
+            kept_roles(messages, roles)
+        assert info.value.status == 400 and where in str(info.value), info.value
+
+
+def test_a_developer_message_reaches_the_prompt_and_a_dropped_tool_message_is_refused(managed):
+    """Through the server (chatml): a developer message counts the prompt tokens a system message of
+    the same text counts; a tool message, which chatml leaves out, is a 400 naming the message."""
+    long = "You must always answer in French. " * 5
+    usage = {}
+    for first in ("developer", "system", None):
+        msgs = ([{"role": first, "content": long}] if first else []) + [{"role": "user", "content": "hi"}]
+        got, raw = managed.raw("POST", "/v1/chat/completions", json.dumps({"messages": msgs, "max_tokens": 1,
+                                                                            "temperature": 0}))
+        assert got == 200, raw
+        usage[first] = json.loads(raw)["usage"]["prompt_tokens"]
+    assert usage["developer"] == usage["system"] > usage[None] + 20
+    got, raw = managed.raw("POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": long}], "max_tokens": 1}))
+    err = json.loads(raw)["error"]
+    assert got == 400 and err["param"] == "messages" and "messages[1].role" in err["message"], raw
 
 
 class _ByteVocab:

@@ -236,3 +236,18 @@ def test_worker_main_prints_one_json_object_or_one_error_line(tmp_path, capsys, 
         assert worker_main(argv, run, "m.w", codes, default=sorted) == rc
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and err.startswith(line), (argv, err)
+
+
+def test_a_balloon_helper_that_cannot_map_says_so_in_one_line():
+    """Under an address-space limit (``ulimit -v``; overcommit mode 2 likewise) the helper's mmap
+    fails: one line and exit 3, as for a refused mlock (its Python traceback had reached the user)."""
+    import resource
+    import subprocess
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (400 * MB, 400 * MB))
+
+    done = subprocess.run([sys.executable, "-c", cap._BALLOON, str(2000 * MB)], input="", capture_output=True,
+                          text=True, preexec_fn=limited, timeout=60)
+    assert done.returncode == 3 and done.stdout.startswith("mmap failed: "), (done.stdout, done.stderr)
+    assert done.stderr == ""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 from pathlib import Path
 
+from .._io import clean_stale_temporaries, pending, temporary_name
 from ..errors import ConfigError
 from .common import add_json, add_out, check_out, emit_json
 
@@ -42,27 +42,38 @@ def run(args) -> int:
     from ..formats.gguf import read_geometry
 
     check_out(args.out)
-    if args.quantize is None:
-        rec = convert(args.model, args.out, args.dtype)
-    else:
+    if args.quantize is not None:
         from ..llama.quantize import check_type, quantize
 
         if args.dtype == "q8_0":
             raise ConfigError("--quantize starts from --dtype f32 or f16, not q8_0")
         check_type(args.quantize)  # a refusal is one line before anything is converted
-        out = Path(args.out)
-        tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.{args.dtype}.gguf"
-        try:
-            rec = convert(args.model, tmp, args.dtype)
-            rec.update(quantize(tmp, out, args.quantize))
-        finally:
-            tmp.unlink(missing_ok=True)
-        rec.update(out=args.out, dtype=rec.pop("qtype"))
+    out = Path(os.path.realpath(args.out) if os.path.islink(args.out) else args.out)  # a link is written through
+    clean_stale_temporaries(out)
+    staged = temporary_name(out)  # checked before it replaces --out: a file that fails leaves --out as it was
+    first = temporary_name(out) if args.quantize is not None else None
     try:
-        rec.update(read_geometry(args.out, "--out").summary())
-    except ConfigError as exc:  # a file llama.cpp would refuse is not left behind
-        Path(args.out).unlink(missing_ok=True)
-        raise ConfigError(f"{args.model}: the GGUF written from it is not valid, so it was removed ({exc})") from None
+        with pending(staged):
+            if first is None:
+                rec = convert(args.model, staged, args.dtype)
+            else:
+                with pending(first):
+                    rec = convert(args.model, first, args.dtype)
+                    rec.update(quantize(first, staged, args.quantize))
+                rec.update(dtype=rec.pop("qtype"))
+            try:
+                rec.update(read_geometry(staged, "--out").summary())
+            except ConfigError as exc:  # a file llama.cpp would refuse is not written
+                said = str(exc).replace(os.fspath(staged), args.out)
+                raise ConfigError(f"{args.model}: the GGUF written from it is not valid, so it was not written to "
+                                  f"{args.out} ({said})") from None
+            os.replace(staged, out)
+    finally:
+        for tmp in (staged, first):
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+    rec.update({k: args.out for k, v in rec.items() if v == os.fspath(staged)})  # the summary's own path
+    rec.update(out=args.out, bytes=out.stat().st_size)
     if args.json:
         emit_json([rec])
     else:

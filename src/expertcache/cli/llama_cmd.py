@@ -12,6 +12,7 @@ from .common import (TIMEOUT_SECONDS, add_json, add_subcommands, byte_size, chec
                      seed_int, table, threads_int)
 from .inputs import read_tokens
 from .llama_opts import add_generation_options, add_readers, open_session
+from .sizing_opts import positive_number
 
 HELP = """llama.cpp as the engine: the GGUF is mmapped, so the kernel page cache is the expert tier.
 'info' prints the expert geometry; 'run' greedy-decodes a prompt in one page-cache mode (mmap,
@@ -63,7 +64,7 @@ def add_parser(sub) -> None:
     sw.add_argument("--mode", action="append", choices=MODES, dest="modes", help="a mode (repeat; default mmap, advise)")
     sw.add_argument("--runs", type=positive_int, default=3, help="runs per cell (default 3)")
     sw.add_argument("--seed", type=seed_int, default=0, help="seed of the shuffled order (default 0)")
-    sw.add_argument("--target-tokens-per-s", type=float, default=None, metavar="R",
+    sw.add_argument("--target-tokens-per-s", type=positive_number, default=None, metavar="R",
                     help="report the smallest wall whose median decode rate reaches R")
     sw.add_argument("--plot", default=None, metavar="PATH", help="figure of both curves (.png, .pdf, .svg)")
     sw.set_defaults(func=run_sweep)
@@ -176,6 +177,7 @@ def _prompt_text(args) -> str | None:
 
 def _setup(args):
     from ..formats.gguf import read_geometry
+    from ..llama.capture import MAX_CONTEXT
     from ..policies import make_policy
 
     make_policy(args.policy)  # a bad --policy is one line before anything runs
@@ -195,6 +197,12 @@ def _setup(args):
         raise ConfigError(f"--tokens {args.tokens}: the first row is empty")
     if int(prompt.min()) < 0:
         raise ConfigError(f"--tokens {args.tokens}: token id {int(prompt.min())} is negative")
+    need, trained = prompt.size + args.max_new_tokens, g.context_length
+    limit = MAX_CONTEXT if trained is None else min(MAX_CONTEXT, trained)
+    if need > limit:  # as generate, serve and capture refuse: beyond the trained positions nothing was learned
+        raise ConfigError(f"the prompt ({prompt.size} tokens) and --max-new-tokens {args.max_new_tokens} need "
+                          f"{need:,} positions, more than {limit:,}" + (
+                              f" (the model's {g.architecture}.context_length)" if limit == trained else ""))
     return g, np.asarray(prompt, dtype=np.int64)
 
 

@@ -6,7 +6,8 @@ inside the functions: every command's module is imported to build the parser, an
 
 from __future__ import annotations
 
-from .common import _int_in, add_json, float_in, nonnegative_float, positive_int, seed_int, threads_int
+from ..llama import MAX_SEED
+from .common import _int_in, add_json, float_in, nonnegative_float, positive_int, threads_int
 
 
 def add_generation_options(p) -> None:
@@ -24,7 +25,8 @@ def add_generation_options(p) -> None:
                        help="0 is greedy (default 0)")
         p.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0, metavar="P",
                        help="nucleus sampling (default 1)")
-        p.add_argument("--seed", type=seed_int, default=0, help="sampling seed (default 0)")
+        p.add_argument("--seed", type=sampling_seed, default=0,
+                       help=f"sampling seed, 0 to {MAX_SEED} (llama.cpp's is 32-bit; default 0)")
     p.add_argument("--mode", choices=MODES, default=None,
                    help="page-cache mode (default: managed with --cache-memory, else mmap; docs/llama.md)")
     p.add_argument("--cache-memory", default=None, metavar="SIZE",
@@ -46,6 +48,11 @@ def add_readers(p) -> None:
     p.add_argument("--readers", type=_nonnegative_int, default=None, metavar="N",
                    help="threads that read the experts being loaded (managed, prefetch; default 4 for prefetch, "
                         "0 otherwise)")
+
+
+def sampling_seed(text: str) -> int:
+    """A sampling seed: an integer in [0, :data:`~expertcache.llama.MAX_SEED`]."""
+    return _int_in(text, 0, MAX_SEED, "a sampling seed", f"in 0..{MAX_SEED} (llama.cpp's seed is 32-bit)")
 
 
 def _nonnegative_int(text: str) -> int:

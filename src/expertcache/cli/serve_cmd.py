@@ -119,11 +119,11 @@ def run_walled(args) -> int:
     from ..llama.runner import check_wall
     from ..llama.sweep import parse_wall
     from ..wall import capacity as cap
-    from ..wall.pagecache import evict_file_pages
+    from ..wall.pagecache import evict_for_wall
 
     g = read_geometry(args.model, "MODEL")
     wall = parse_wall(args.memory_wall, g, "--memory-wall")
-    check_wall(g, wall)
+    check_wall(g, wall, mode=args.mode)
     cache = parse_wall(args.cache_memory, g, "--cache-memory")
     if cache is not None and cache > wall:
         raise ConfigError(f"--cache-memory {cache} is above the --memory-wall {wall}: the pool would not fit in "
@@ -144,7 +144,7 @@ def run_walled(args) -> int:
     with cap.worker_spec({}, "expertcache-serve-", True) as (_spec, flag):
         os.environ[WALL_ENV] = json.dumps({"capacity": wall, "follow_flag": flag})
         try:
-            evict_file_pages([g.path])
+            evict_for_wall([g.path])
             run = cap.run_walled(argv, capacity_bytes=wall, wall="cgroup", headroom_bytes=headroom,
                                  follow_margin=margin, follow_flag=flag, tier_files=[g.path], tier_locked=False,
                                  passthrough=True)

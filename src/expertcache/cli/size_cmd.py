@@ -487,9 +487,14 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
           f"{format_bytes(g.dense_bytes)} (read every token), expert tensors {format_bytes(g.expert_tensor_bytes)} "
           f"({per})")
     room = r0["memory_wall"] - g.dense_bytes
-    fits = " (every expert fits: only first reads)" if room >= g.expert_tensor_bytes else ""
-    print(f"memory {format_bytes(r0['memory_wall'])}: the dense part and {format_bytes(room)} of experts beside it "
-          f"({min(room / g.expert_tensor_bytes, 1):.0%} of the expert tensors){fits}")
+    if room >= g.expert_tensor_bytes:
+        spare = room - g.expert_tensor_bytes
+        print(f"memory {format_bytes(r0['memory_wall'])}: the dense part and every expert "
+              f"({format_bytes(g.expert_tensor_bytes)}), {format_bytes(spare)} to spare (every expert fits: only "
+              "first reads)")
+    else:
+        print(f"memory {format_bytes(r0['memory_wall'])}: the dense part and {format_bytes(room)} of experts beside "
+              f"it ({room / g.expert_tensor_bytes:.0%} of the expert tensors)")
     decode = trace.num_tokens - (0 if prompt is None else int(prompt.sum()))
     warm = "" if prompt is None else (f" ({int(prompt.sum())} prompt rows besides: they warm the managed pool "
                                       "uncounted, as a run's prefill does)")

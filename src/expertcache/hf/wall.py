@@ -38,10 +38,10 @@ def walled_eval(child_argv: list[str], capacity_bytes: int, *, tier_files, headr
     (the checkpoint's shards). Returns ``(records, wall_record, stderr)``; the records are the
     child's, each with ``memory_wall`` added."""
     from ..wall import capacity as cap
-    from ..wall.pagecache import evict_file_pages
+    from ..wall.pagecache import evict_for_wall
 
     headroom, margin, note = cap.follow_plan(capacity_bytes, headroom_bytes)
-    evict_file_pages(list(tier_files))  # cold: the tier's pages are the child's, charged to its wall
+    evict_for_wall(list(tier_files), "--model")  # cold: the tier's pages are the child's, charged to its wall
     run = cap.run_walled(_python(child_argv), capacity_bytes=capacity_bytes, wall=wall, headroom_bytes=headroom,
                          timeout=timeout, follow_margin=margin, tier_files=list(tier_files), tier_locked=False)
     records = _records(run, "the walled run")

@@ -10,3 +10,8 @@ third-party reader), ``convert`` (HF checkpoint -> GGUF with the ``gguf`` packag
 run, in or out of a wall), ``sweep`` (tokens/s against the wall). ``llama_cpp`` (the ``llama``
 extra) is imported only by ``ggml``, ``engine`` and what uses them.
 """
+
+MAX_SEED = 2**31 - 1
+"""Largest sampling seed (``llama generate --seed``, a request's ``seed``): llama.cpp's sampler seed
+is 32-bit (a larger one aliases a smaller, and ``0xFFFFFFFF`` asks it for a random seed: another
+text on every run), and OpenAI's ``seed`` is a signed 32-bit integer."""

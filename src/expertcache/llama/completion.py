@@ -150,11 +150,53 @@ class _Completer:
         return stream_completion(self._llm, prompt, **{k: v for k, v in kw.items() if k not in UNSERVED})
 
 
+def _chat_handler(llm: llama_cpp.Llama):
+    """The chat handler ``Llama.create_chat_completion`` would pick: a given ``chat_format``'s, else
+    the GGUF's template's."""
+    return (llm.chat_handler or llm._chat_handlers.get(llm.chat_format)
+            or llama_cpp.llama_chat_format.get_chat_completion_handler(llm.chat_format))
+
+
 def stream_chat(llm: llama_cpp.Llama, messages: list[dict], **kw):
     """Yield ``chat.completion.chunk`` chunks of ``messages`` answered by ``llm``: the chat handler
-    ``Llama.create_chat_completion`` would pick (a given ``chat_format``'s, else the GGUF's
-    template's) formats the prompt and converts the chunks; the tokens stream through
-    :func:`stream_completion`."""
-    handler = (llm.chat_handler or llm._chat_handlers.get(llm.chat_format)  # create_chat_completion's choice
-               or llama_cpp.llama_chat_format.get_chat_completion_handler(llm.chat_format))
-    return handler(llama=_Completer(llm), messages=messages, stream=True, **kw)
+    :func:`_chat_handler` picks formats the prompt and converts the chunks; the tokens stream
+    through :func:`stream_completion`."""
+    return _chat_handler(llm)(llama=_Completer(llm), messages=messages, stream=True, **kw)
+
+
+ROLE_PROBE = "expertcache7role7probe"
+"""The text of the probe messages of :func:`rendered_roles` (no space or markup a template would change)."""
+PROBED_ROLES = {"system": [], "developer": [], "tool": [{"role": "user", "content": "x"}]}
+"""The roles :func:`rendered_roles` asks about, each with the messages before its probe."""
+
+
+class _Formatted(Exception):
+    """Raised with the prompt a chat handler formatted, before anything is decoded."""
+
+
+class _Formatter(_Completer):
+    def create_completion(self, prompt, **kw):
+        raise _Formatted(prompt)
+
+
+def rendered_roles(llm: llama_cpp.Llama) -> dict[str, bool | None]:
+    """Per role of :data:`PROBED_ROLES`: whether the chat handler puts such a message's text into
+    the prompt (a message of the role holding :data:`ROLE_PROBE`, then a user message, formatted
+    and tokenized as a request would be, nothing decoded, the probe looked for in the prompt's
+    text). llama-cpp-python's named formats (``chatml``, ...) map system, user and assistant and
+    drop every other role without a word, as a template without a branch for a role does. ``None``:
+    the handler refused the probe itself (a template that raises on that order), so it is not known."""
+    handler, out = _chat_handler(llm), {}
+    for role, before in PROBED_ROLES.items():
+        messages = before + [{"role": role, "content": ROLE_PROBE}, {"role": "user", "content": "y"}]
+        try:
+            handler(llama=_Formatter(llm), messages=messages, stream=True, max_tokens=1)
+            out[role] = None  # pragma: no cover - every handler asks for a completion
+        except _Formatted as done:
+            prompt = done.args[0]
+            text = prompt if isinstance(prompt, str) else llm.detokenize(list(prompt), special=True).decode(
+                "utf-8", "replace")
+            out[role] = ROLE_PROBE in text
+        except Exception:  # the template's own refusal (jinja2 errors, ValueError, ...)
+            out[role] = None
+    return out

@@ -406,8 +406,8 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
     decode = experts if prompt is None else experts[~prompt]
     E, L, T = g.num_experts, len(g.moe_layers), int(decode.shape[0])
     sizes = np.repeat(np.asarray(g.layer_expert_bytes, dtype=np.int64), E)
-    room = memory - g.dense_bytes
     total = g.expert_tensor_bytes
+    room = min(memory - g.dense_bytes, total)  # a pool never holds more than every expert
     fraction = room / total
     lru = replay_bytes(expert_groups(decode, E), room, sizes, sizes, T, L)
     windows, wsizes = expert_windows(g, window)

@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..wall import capacity as cap
 from ..wall.cgroupwall import worker_main
-from ..wall.pagecache import evict_file_pages
+from ..wall.pagecache import evict_file_pages, evict_for_wall
 from .advice import MODES, PageAdvisor, managed_budget, managed_item_bytes, readers_for
 from .capture import RoutingRecorder
 from .evalfilter import compiled
@@ -211,11 +211,16 @@ def smallest_wall(g: Geometry) -> int:
     return g.dense_bytes + g.top_k * max(g.layer_expert_bytes)
 
 
-def check_wall(g: Geometry, wall_bytes: int | None, where: str = "--memory-wall") -> None:
+def check_wall(g: Geometry, wall_bytes: int | None, where: str = "--memory-wall", mode: str | None = None) -> None:
+    """A one-line refusal of a wall the model cannot run in: below the dense part and one layer's
+    routed experts, or (``mode`` ``nommap``, which reads the whole file into memory) below the file."""
     if wall_bytes is not None and wall_bytes < smallest_wall(g):
         raise ConfigError(f"{where} {wall_bytes}: too small to prove: the smallest wall this model runs in is "
                           f"{smallest_wall(g)} bytes (the dense part {g.dense_bytes} plus one layer's "
                           f"{g.top_k} routed experts)")
+    if mode == "nommap" and wall_bytes is not None and wall_bytes < g.file_bytes:
+        raise ConfigError(f"--mode nommap reads the whole model into memory: the wall {wall_bytes} is below the "
+                          f"model's {g.file_bytes} bytes")
 
 
 def request_bytes(g: Geometry) -> int:
@@ -251,7 +256,7 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     observer, as plain llama.cpp has none."""
     if mode not in MODES:
         raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
-    check_wall(g, wall_bytes)
+    check_wall(g, wall_bytes, mode=mode)
     if cache_bytes is not None and mode != "managed":
         raise ConfigError(f"--cache-memory bounds the managed mode's pool; --mode {mode} leaves residency to the "
                           "kernel (bound it with a --memory-wall)")
@@ -263,9 +268,6 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     managed = None
     if mode == "managed":
         managed = check_managed(g, cache_bytes if cache_bytes is not None else wall_bytes, policy)
-    if mode == "nommap" and wall_bytes is not None and wall_bytes < g.file_bytes:
-        raise ConfigError(f"--mode nommap reads the whole model into memory: the wall {wall_bytes} is below the "
-                          f"model's {g.file_bytes} bytes")
     spec = {"model": g.path, "prompt": [int(x) for x in prompt], "max_new_tokens": int(max_new_tokens),
             "mode": mode, "threads": int(threads), "managed_capacity": managed, "policy": policy,
             "readers": readers_for(mode, readers), "predict": predict, "compiled": bool(compiled),
@@ -273,7 +275,7 @@ def run_one(g: Geometry, prompt, max_new_tokens: int, mode: str, *, wall_bytes: 
     capacity = int(wall_bytes or g.file_bytes)
     headroom, margin, note = cap.follow_plan(capacity, headroom_bytes)
     with cap.worker_spec(spec, "expertcache-llama-", True) as (spec_path, flag):
-        evicted = evict_file_pages([g.path])
+        evicted = evict_for_wall([g.path]) if wall_bytes else evict_file_pages([g.path])
         argv = [sys.executable, "-m", "expertcache.llama.runner", spec_path]
         walled = cap.run_walled(argv, capacity_bytes=capacity, wall=wall if wall_bytes else "none",
                                 headroom_bytes=headroom, timeout=timeout, follow_margin=margin, follow_flag=flag,

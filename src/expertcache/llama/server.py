@@ -63,7 +63,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
-from .completion import PromptError, stream_chat, stream_completion
+from .completion import PromptError, rendered_roles, stream_chat, stream_completion
+from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
 MAX_BODY_BYTES = 1 << 20
@@ -111,7 +112,7 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1)
     stream: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream_options: dict | None = None
@@ -159,6 +160,8 @@ def parse_body(raw: bytes, model_cls):
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ApiError(400, f"the request body is not JSON ({str(exc)[:120]})") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ApiError(400, f"the request body holds a number Python will not read ({str(exc)[:80]})") from None
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body is not a JSON object")
     where = lone_surrogate(obj)
@@ -171,6 +174,23 @@ def parse_body(raw: bytes, model_cls):
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ())) or None
         raise ApiError(400, f"{where or 'body'}: {err.get('msg', 'invalid')}", param=where) from None
+
+
+def kept_roles(messages: list[dict], roles: dict) -> list[dict]:
+    """``messages`` as the chat template will take them (``roles``: :func:`~.completion.rendered_roles`):
+    a ``developer`` message, which OpenAI's newer clients send for instructions, as ``system`` where
+    the template drops the first and keeps the second; any other message of a role the template
+    drops, a 400 naming it (it had been left out of the prompt without a word)."""
+    out = []
+    for i, m in enumerate(messages):
+        if roles.get(m["role"]) is False:
+            if m["role"] == "developer" and roles.get("system"):
+                m = {**m, "role": "system"}
+            else:
+                raise ApiError(400, f"messages[{i}].role: this model's chat format leaves {m['role']} messages out "
+                               "of the prompt", param="messages")
+        out.append(m)
+    return out
 
 
 def lone_surrogate(obj) -> str | None:
@@ -513,6 +533,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     app.add_middleware(Guard, metrics=metrics)
     slot = Slot()
     created = int(time.time())
+    roles = rendered_roles(session.llama) if session.chat_ready else {}  # the template is fixed: asked once
 
     def label(request: Request) -> str:
         """The ``endpoint`` label: a served path, else ``other`` (a client cannot grow the series)."""
@@ -604,8 +625,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 if not session.chat_ready:
                     raise ApiError(400, f"{model_id} has no chat template; use /v1/completions, or restart the server "
                                    "with --chat-format", param="messages", code="chat_template_missing")
-                messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) or m.content is None
-                             else "".join(p.text for p in m.content)} for m in body.messages]
+                messages = kept_roles([{"role": m.role, "content": m.content if isinstance(m.content, str)
+                                        or m.content is None else "".join(p.text for p in m.content)}
+                                       for m in body.messages], roles)
                 args = {"messages": messages, "max_tokens": body.max_completion_tokens or body.max_tokens}
             check_request(body)
             left = await acquire(request)

@@ -143,7 +143,10 @@ held = []
 done = 0
 while done < n:
     size = min(chunk, n - done)
-    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # an address-space limit (ulimit -v, overcommit 2): one line, as mlock's
+        print("mmap failed:", exc.strerror or exc, flush=True); sys.exit(3)
     buf = (ctypes.c_char * size).from_buffer(m)
     if libc.mlock(ctypes.addressof(buf), size) != 0:
         print("mlock failed:", os.strerror(ctypes.get_errno()), flush=True); sys.exit(3)
@@ -170,12 +173,13 @@ def _run_balloon(argv, capacity_bytes, headroom_bytes, timeout, max_balloon_byte
     bal = None
     if size:
         bal = subprocess.Popen([sys.executable, "-c", _BALLOON, str(size)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = bal.stdout.readline().strip()
         if not line.startswith("locked"):
             bal.kill()
-            bal.wait()
-            raise WallUnavailable(f"balloon: {line or 'helper died'} (fail-stop)")
+            _, err = bal.communicate()
+            last = (err or "").strip().splitlines()[-1:]  # a helper that died in Python: its last line, not a traceback
+            raise WallUnavailable(f"balloon: {line or (last[0][:200] if last else 'helper died')} (fail-stop)")
         status, _ = read_text(f"/proc/{bal.pid}/status")
         proof["balloon_vmlck_bytes"] = next((int(ln.split()[1]) * 1024 for ln in (status or "").splitlines()
                                              if ln.startswith("VmLck:")), None)

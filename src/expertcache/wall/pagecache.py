@@ -15,7 +15,10 @@ import ctypes.util
 import mmap
 import os
 import stat
+import time
 from typing import Sequence
+
+from ..errors import ConfigError
 
 __all__ = ["residency", "FileCache", "evict_file_pages", "WINDOW", "PAGE"]
 
@@ -170,3 +173,27 @@ def evict_file_pages(paths: Sequence[str]) -> dict:
     except OSError as exc:
         out["note"] = f"residency after eviction unknown: {exc.strerror or exc}"
     return out
+
+
+EVICT_TRIES = 3
+"""Evictions :func:`evict_for_wall` makes before it calls the pages that stay held."""
+
+
+def evict_for_wall(paths: Sequence[str], what: str = "MODEL") -> dict:
+    """:func:`evict_file_pages` before a walled run whose tier is the page cache of ``paths``, and a
+    one-line :class:`~expertcache.errors.ConfigError` where pages stay: another process maps or
+    locks them (a running server of the same file). The wall cannot move them, and they count in
+    the tier it measures: a run beside such a holder had its limit pulled down until the worker died
+    at start (ENOMEM, tracebacks), then a proof that failed. Pages a passing reader brings back are
+    dropped again: it retries :data:`EVICT_TRIES` times, a tenth of a second apart."""
+    for attempt in range(EVICT_TRIES):
+        out = evict_file_pages(paths)
+        held = out.get("resident_after_bytes")
+        if not held:  # none stayed, or residency is unknown here (the proof then says so)
+            return out
+        if attempt + 1 < EVICT_TRIES:
+            time.sleep(0.1)
+    names = ", ".join(map(os.fspath, paths[:3])) + (", ..." if len(paths) > 3 else "")
+    raise ConfigError(f"{what} {names}: {held:,} of its {out['total_bytes']:,} bytes stay in the page cache after "
+                      "eviction: another process maps or locks them (a server or run of the same file?); the wall "
+                      "counts them and cannot free them: stop that process, or run on a copy of the file")
