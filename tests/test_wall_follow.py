@@ -340,3 +340,25 @@ def test_once_steady_the_tier_readings_take_a_bounded_share_of_a_core(cgroup, tm
     cgroup.set(usage=90 * MiB + 2 * MARGIN, file=0)  # grew by a margin since the last sample
     s.sample()
     assert s.interval == cg.SAMPLE_FAST_S
+
+
+def test_a_worker_waiting_for_memory_before_the_limit_follows_is_killed_after_the_patience(cgroup, monkeypatch):
+    """Before it follows, the limit is the start-up ceiling; a worker whose own memory needs more
+    (``--headroom 1MB``) had waited for memory for ever (a walled run hung until its timeout): after
+    OOM_PATIENCE_S of waiting the OOM killer is turned back on, as at a following limit's ceiling."""
+    s = cg.Sampler(cgroup.d, "v1", follow=(CAPACITY, CEILING, MARGIN), follow_flag=None)
+    clock = [100.0]
+    monkeypatch.setattr(cg.time, "monotonic", lambda: clock[0])
+    oom = os.path.join(cgroup.d, "memory.oom_control")
+    cgroup.set(usage=CAPACITY, file=0, under_oom=True)
+    s.sample()
+    assert not s._following and s.limits["oom_waits"] == 1 and "oom_kill_disable 1" in open(oom).read()
+    clock[0] += cg.OOM_PATIENCE_S / 2
+    s.sample()
+    assert "oom_kill_disable 1" in open(oom).read()  # still within the patience
+    clock[0] += cg.OOM_PATIENCE_S
+    s.sample()
+    assert open(oom).read() == "0"  # the killer is back on: the kernel ends the wait
+    cgroup.set(usage=CAPACITY, file=0, under_oom=False)
+    s.sample()
+    assert s._oom_since is None

@@ -378,6 +378,8 @@ class Sampler(threading.Thread):
                     self.interval = min(SETTLED_MAX_S, max(SAMPLE_S, tier_cost / TIER_CPU_SHARE))
             if os.environ.get(TRACE_ENV):
                 self._trace(tier, usage, vals["own_peak_bytes"], file, unev)
+        if self.follow is not None and not self._following and self.version == "v1":
+            self._start_up_oom()
         if flagged:
             self._note(f"flag seen, limit {'written' if self._limit is not None else 'not written'}")
         if load_mark and self._loading and self._squeezed:  # other files' cache is out: the load may begin
@@ -403,6 +405,22 @@ class Sampler(threading.Thread):
             state = cgroup_state(self.dir, self.version)
             if state["limit_bytes"] is not None:
                 self.last_state = state
+
+    def _start_up_oom(self) -> None:
+        """Before the limit follows the worker it is the start-up ceiling (capacity + headroom): a
+        worker whose own memory needs more (``--headroom 1MB``) waits for memory for ever, since the
+        OOM killer is off. After :data:`OOM_PATIENCE_S` of waiting the killer is turned back on, as
+        at the ceiling of a following limit: the worker dies and the proof says why (the run had hung
+        until a timeout, the worker in ``mem_cgroup_oom_synchronize``)."""
+        if not under_oom(self.dir):
+            self._oom_since = None
+            return
+        self.limits["oom_waits"] += 1
+        self._oom_since = self._oom_since or time.monotonic()
+        self.interval = SAMPLE_FAST_S
+        if time.monotonic() - self._oom_since > OOM_PATIENCE_S:
+            with contextlib.suppress(OSError):
+                write(os.path.join(self.dir, "memory.oom_control"), "0")
 
     def _trace(self, tier: int, usage: int | None, own: int, file: int, unev: int) -> None:
         """One line per sample of a following wall, in KiB, appended to the file

@@ -81,6 +81,10 @@ def child_result(run: WallRun, where: str, timeout: float | None = None) -> dict
         if run.returncode is not None and run.returncode < 0:
             why = (f"the measured process was killed by signal {-run.returncode} inside the {run.enforced_by} "
                    f"wall ({run.note or 'no note'})")
+        elif run.proof_ok is False and run.note and run.enforced_by not in (None, "none"):
+            # a system call's charge at the wall fails (ENOMEM, EFAULT) where a fault would wait: the
+            # child's own error, then why the wall was where it was ("raise the headroom")
+            why = f"{why} (inside the {run.enforced_by} wall: {run.note})"
         raise ConfigError(f"{where}: {why}")
     try:
         rec = json.loads(run.stdout.strip().splitlines()[-1])
