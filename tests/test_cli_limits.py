@@ -51,6 +51,14 @@ def _one_line(capsys, argv) -> str:
     (["llama", "generate", "m.gguf", "--prompt", "x", "--seed", "4294967296"],  # aliased seed 0 in llama.cpp
      "expected a sampling seed in 0..2147483647"),
     (["llama", "generate", "m.gguf", "--prompt", "x", "--seed", "4294967295"], "sampling seed"),  # its "random"
+    (["llama", "run", "m.gguf", "--prompt", "x", "--mode", "advise", "--readers", "8"],
+     "--mode advise has no expert readers"),
+    (["llama", "run", "m.gguf", "--prompt", "x", "--mode", "pin", "--policy", "lfu"],
+     "leaves residency to the kernel"),  # both had been ignored without a word
+    (["llama", "sweep", "m.gguf", "--prompt", "x", "--walls", "50%", "--mode", "mmap", "--mode", "advise", "--policy",
+      "lfu"], "--mode mmap, advise"),
+    (["llama", "generate", "m.gguf", "--prompt", "x", "--readers", "2"], "--mode mmap has no expert readers"),
+    (["serve", "m.gguf", "--mode", "mmap", "--policy", "lfu"], "leaves residency to the kernel"),
     (["llama", "sweep", "m.gguf", "--target-tokens-per-s", "nan"], "expected a positive finite number"),  # was exit 0
     (["llama", "sweep", "m.gguf", "--target-tokens-per-s", "-1"], "expected a positive finite number"),
 ])

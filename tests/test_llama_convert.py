@@ -31,6 +31,7 @@ seam (the experts module's ``top_k_index``/``top_k_weights`` arguments) with hoo
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -442,6 +443,76 @@ def test_config_refusals(ckpts, tmp_path, family, patch, match):
         convert(bad, tmp_path / "x.gguf")
     assert "\n" not in str(err.value)
     assert not (tmp_path / "x.gguf").exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+SMALL = Path(__file__).resolve().parents[1] / "models" / "small-moe"
+SMALL_REFUSALS = [  # (file, edit, the one line): each had been exit 70, or a GGUF written with exit 0 that
+    # llama.cpp refused, or one whose EOS was llama.cpp's default id 11
+    ("config.json", {"num_hidden_layers": None}, "num_hidden_layers is null in config.json"),
+    ("config.json", {"max_position_embeddings": None}, "max_position_embeddings is null in config.json"),
+    ("config.json", {"vocab_size": 4096}, "vocab_size 4096 in config.json, but model.embed_tokens.weight has shape "
+                                          "[2048, 128]"),
+    ("config.json", {"num_key_value_heads": 3}, "num_key_value_heads 3 in config.json (x head_dim 32 = 96 rows), "
+                                                "but model.layers.0.self_attn.k_proj.weight has 128 rows"),
+    ("tokenizer_config.json", "not json", "tokenizer_config.json: cannot be read as JSON"),
+    ("tokenizer_config.json", [], "tokenizer_config.json: not a JSON object"),
+    ("tokenizer_config.json", {"eos_token": "<|nope|>"}, "eos_token '<|nope|>' is not a token of tokenizer.json"),
+    ("tokenizer_config.json", {"eos_token": 5}, "eos_token '5' is not a token"),
+    ("tokenizer_config.json", {"add_bos_token": True}, "add_bos_token is true but no bos_token is named"),
+    ("tokenizer_config.json", {"chat_template": "{% for m in messages %}{{ m['content'] }"},
+     "its chat template does not compile (TemplateSyntaxError"),
+]
+
+
+@pytest.mark.parametrize("file,edit,match", SMALL_REFUSALS, ids=[m[:30] for _, _, m in SMALL_REFUSALS])
+def test_a_checkpoint_llama_cpp_would_misread_is_refused(tmp_path, file, edit, match):
+    if not (SMALL / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    bad = tmp_path / "bad"
+    shutil.copytree(SMALL, bad)
+    if isinstance(edit, dict) and file == "config.json":
+        edit = {**json.loads((bad / file).read_text()), **edit}
+    (bad / file).write_text(edit if isinstance(edit, str) else json.dumps(edit))
+    with pytest.raises(ConfigError, match=re.escape(match)) as err:
+        convert(bad, tmp_path / "x.gguf", "f16")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "x.gguf").exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_special_tokens_the_tokenizer_config_leaves_out_come_from_config_json(tmp_path):
+    """A tokenizer_config.json naming no EOS: config.json's eos_token_id (0 for small-moe), not
+    llama.cpp's default id 11 (a '+', at which generation would stop)."""
+    if not (SMALL / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(SMALL, ckpt)
+    (ckpt / "tokenizer_config.json").write_text("{}")
+    convert(ckpt, tmp_path / "m.gguf", "f16")
+    assert meta(tmp_path / "m.gguf", "tokenizer.ggml.eos_token_id") == 0
+    assert meta(tmp_path / "m.gguf", "tokenizer.ggml.bos_token_id") is None  # config.json's is null
+
+
+def test_a_gguf_whose_chat_template_does_not_compile_is_one_line(tmp_path, monkeypatch, capsys):
+    """A GGUF from another converter may carry a template that does not compile: llama-cpp-python
+    compiles it at load, and every text command had been exit 70 (TemplateSyntaxError)."""
+    _needs_llama()
+    import expertcache.llama.convert as conv
+    from expertcache.cli.main import main
+
+    if not (SMALL / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(SMALL, ckpt)
+    (ckpt / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }")
+    monkeypatch.setattr(conv, "chat_template_problem", lambda template: None)  # as another converter writes it
+    convert(ckpt, tmp_path / "m.gguf", "f16")
+    monkeypatch.undo()
+    for argv in (["llama", "generate", str(tmp_path / "m.gguf"), "--prompt", "hi", "--max-new-tokens", "2"],
+                 ["llama", "run", str(tmp_path / "m.gguf"), "--prompt", "hi", "--max-new-tokens", "2",
+                  "--no-roofline"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "its tokenizer.chat_template is not a template Jinja compiles" in err[0], err
 
 
 @pytest.mark.parametrize("edit,match", [

@@ -426,6 +426,27 @@ def test_run_takes_a_text_prompt(small_gguf):
     assert isinstance(rec["output_text"], str) and rec["output_text"]
 
 
+def test_expert_hits_are_counted_or_none_never_a_zero_not_counted(small_gguf):
+    """prefetch routes experts every step; generate counted neither its hits nor its misses and said
+    0 and 0 (serve's /metrics too). A llama run, which does not pay for the mincore probes, says
+    null for the modes it does not count."""
+    def run(*args):
+        done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", *args, str(small_gguf),
+                               "--prompt", PROMPT, "--max-new-tokens", "6", "--json"], capture_output=True, text=True,
+                              cwd=REPO, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    for mode in ("prefetch", "advise"):
+        rec = run("generate", "--mode", mode)
+        assert rec["expert_hits"] + rec["expert_misses"] >= 5 * 4 * 2, (mode, rec)  # 5 decode steps x 4 layers x k
+    for mode in ("prefetch", "advise"):
+        advice = run("run", "--mode", mode, "--no-roofline")["advice"]
+        assert advice["expert_hits"] is None and advice["expert_misses"] is None and advice["hints"] > 0, advice
+    advice = run("run", "--mode", "managed", "--no-roofline")["advice"]
+    assert advice["expert_hits"] + advice["expert_misses"] > 0
+
+
 def test_run_sweep_and_serve_refuse_what_the_model_cannot_run(small_gguf):
     """As generate, serve and capture do: small-moe's context_length is 512 (they had decoded 600
     tokens, reporting tokens/s for positions the model never learned)."""
@@ -474,6 +495,41 @@ def test_a_wall_on_a_file_another_process_holds_is_refused_in_one_line(small_ggu
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_every_answer_is_counted_and_a_trailing_slash_is_a_json_404(managed):
+    """requests_total counts what the HTTP parser refuses (400, as other) and a path with a trailing
+    slash is a JSON 404 (it had been a bare 307 to a location built from the client's Host header,
+    neither counted)."""
+    def count(code):
+        return managed.metrics().get(f'expertcache_requests_total{{endpoint="other",code="{code}"}}', 0)
+
+    before = {c: count(c) for c in (400, 404)}
+    with socket.create_connection((managed.host, managed.port), timeout=30) as sock:
+        sock.sendall(b"\x00\x01garbage\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 400")
+    for method, path in (("GET", "/v1/models/"), ("POST", "/v1/completions/")):
+        got, raw = managed.raw(method, path, '{"prompt": "hi"}' if method == "POST" else None)
+        assert got == 404 and json.loads(raw)["error"]["code"] == "not_found", raw
+    assert count(400) == before[400] + 1 and count(404) == before[404] + 2
+
+
+def test_a_headroom_below_the_workers_own_memory_ends_with_its_diagnosis(small_gguf, tmp_path):
+    """--headroom 1MB: the worker's own memory cannot fit beside the model under the start-up ceiling.
+    It had waited for memory for ever (the OOM killer is off under a following v1 wall); it is killed
+    after the patience, and the one line says to raise the headroom."""
+    from expertcache.wall.capacity import detect_walls
+
+    walls = detect_walls()["cgroup"]
+    if not walls["ok"] or walls.get("version") != "v1":
+        pytest.skip("no cgroup v1 wall on this machine")
+    gguf = tmp_path / "own.gguf"  # a copy: the module's server holds small_gguf's pages
+    shutil.copy(small_gguf, gguf)
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "run", str(gguf), "--prompt",
+                           "hi", "--max-new-tokens", "2", "--no-roofline", "--memory-wall", "100%", "--headroom",
+                           "1MB"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "raise the headroom" in lines[0], done.stderr
 
 
 def test_hostile_requests_are_4xx_with_the_field_named(managed):
@@ -633,6 +689,50 @@ def test_roles_a_chat_format_drops_are_found_and_not_dropped_silently(small_gguf
         assert info.value.status == 400 and where in str(info.value), info.value
 
 
+def test_a_chat_the_template_refuses_or_the_context_cannot_hold_is_a_400_and_one_line(managed, small_gguf, tmp_path):
+    """A template's own refusal (raise_exception: "System role not supported", as Gemma- and
+    Mistral-style templates have) and a templated prompt longer than the context had been a 500 in
+    serve and exit 70 in generate (llama.cpp pads its context to 256, above the Llama's own --ctx)."""
+    from expertcache.llama.convert import convert
+
+    got, raw = managed.raw("POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "word " * 700}], "max_tokens": 1}))
+    err = json.loads(raw)["error"]
+    assert got == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages", raw
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(SMALL, ckpt)
+    (ckpt / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}<<{{ m.role }}>>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<<assistant>>{% endif %}")
+    convert(ckpt, tmp_path / "strict.gguf", "f16")
+
+    def gen(path, *args):
+        return subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(path), *args,
+                               "--max-new-tokens", "2"], capture_output=True, text=True, cwd=REPO, timeout=300)
+
+    for path, args, said in [(tmp_path / "strict.gguf", ("--chat", "hi", "--system", "s"), "System role not supported"),
+                             (small_gguf, ("--chat", "hi", "--chat-format", "chatml", "--ctx", "40"),
+                              "exceed context window of 40")]:
+        done = gen(path, *args)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr
+    assert gen(tmp_path / "strict.gguf", "--chat", "hi").returncode == 0  # the same template takes a user message
+    s = Server(tmp_path / "strict.gguf")
+    try:
+        for stream in (False, True):
+            got, raw = s.raw("POST", "/v1/chat/completions", json.dumps(
+                {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], "max_tokens": 2,
+                 "stream": stream}))
+            err = json.loads(raw)["error"]
+            assert got == 400 and "System role not supported" in err["message"] and err["param"] == "messages", raw
+        got, raw = s.raw("POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+        assert got == 200, raw
+    finally:
+        code, err = s.stop()
+    assert code == 0 and "Traceback" not in err, err
+
+
 def test_a_developer_message_reaches_the_prompt_and_a_dropped_tool_message_is_refused(managed):
     """Through the server (chatml): a developer message counts the prompt tokens a system message of
     the same text counts; a tool message, which chatml leaves out, is a 400 naming the message."""
@@ -658,6 +758,7 @@ class _ByteVocab:
     def __init__(self, script):
         self.script, self._seed, self.model_path, self.detokenized = script, 0, "bytes", 0
         self._model = type("M", (), {"vocab": None})()
+        self.input_ids = np.zeros(4096, dtype=np.intc)  # a Llama's own context, as n_ctx() says here
 
     def n_ctx(self):
         return 4096

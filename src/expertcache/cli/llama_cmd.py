@@ -83,6 +83,7 @@ def add_parser(sub) -> None:
 
 
 def run_generate(args) -> int:
+    from ..llama.completion import PromptError
     from ..llama.textgen import stream_text
 
     text = _prompt_text(args)
@@ -102,15 +103,18 @@ def run_generate(args) -> int:
             raise ConfigError(f"the prompt ({n_prompt} tokens) and --max-new-tokens {args.max_new_tokens} exceed the "
                               f"context of {session.n_ctx} tokens (--ctx)")
         pieces = []
-        for piece in stream_text(session, prompt=text, messages=messages, max_tokens=args.max_new_tokens,
-                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed):
-            if isinstance(piece, dict):
-                figures = piece
-                break
-            pieces.append(piece)
-            if not args.json:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+        try:
+            for piece in stream_text(session, prompt=text, messages=messages, max_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, top_p=args.top_p, seed=args.seed):
+                if isinstance(piece, dict):
+                    figures = piece
+                    break
+                pieces.append(piece)
+                if not args.json:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+        except PromptError as exc:  # a chat's templated prompt: too long for --ctx, or refused by the template
+            raise ConfigError(f"--chat: {exc}") from None
         rec = {"model": session.geometry.path, "mode": session.mode, "policy": session.policy if session.mode ==
                "managed" else None, "cache_memory": session.cache_bytes, "text": "".join(pieces), **figures}
     if args.json:
@@ -150,8 +154,9 @@ def _common(p) -> None:
     p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
                    help="most the wall's limit follows the process's own memory to, above the capacity "
                         "(default 4 GiB, within what the machine can give)")
-    p.add_argument("--policy", default="lru", metavar="NAME",
-                   help="online eviction rule deciding the managed mode's expert residency (default lru)")
+    p.add_argument("--policy", default=None, metavar="NAME",
+                   help="online eviction rule deciding the managed mode's expert residency (default lru; refused "
+                        "where no mode is managed)")
     p.add_argument("--timeout", type=TIMEOUT_SECONDS, default=None, metavar="S",
                    help="kill a run after S seconds (0.001 to 1e6)")
     p.add_argument("--no-roofline", action="store_true",
@@ -180,7 +185,7 @@ def _setup(args):
     from ..llama.capture import MAX_CONTEXT
     from ..policies import make_policy
 
-    make_policy(args.policy)  # a bad --policy is one line before anything runs
+    make_policy(args.policy or "lru")  # a bad --policy is one line before anything runs
 
     g = read_geometry(args.model, "MODEL")
     text = _prompt_text(args)
@@ -231,14 +236,16 @@ def run_info(args) -> int:
 
 
 def run_run(args) -> int:
+    from ..llama.advice import mode_options
     from ..llama.runner import run_one
     from ..llama.sweep import parse_wall
 
+    policy = mode_options([args.mode], args.policy, args.readers)
     g, prompt = _setup(args)
     cache = parse_wall(args.cache_memory, g, "--cache-memory")
     wall = parse_wall(args.memory_wall, g, "--memory-wall")
     rec = run_one(g, prompt, args.max_new_tokens, args.mode, wall_bytes=wall, wall=args.wall,
-                  headroom_bytes=args.headroom, threads=args.threads, timeout=args.timeout, policy=args.policy,
+                  headroom_bytes=args.headroom, threads=args.threads, timeout=args.timeout, policy=policy,
                   cache_bytes=cache, roofline=not args.no_roofline, readers=args.readers, predict=args.predict)
     if _prompt_text(args) is not None:  # a text prompt: the text generated too
         from ..llama.textgen import detokenize_file
@@ -263,15 +270,17 @@ def _print_runs(recs) -> None:
 
 
 def run_sweep(args) -> int:
+    from ..llama.advice import mode_options
     from ..llama.sweep import parse_walls, plot_sweep, sweep
 
     check_out(args.plot, "--plot")
     if args.plot:
         from ..report.plots import plot_format
         plot_format(args.plot)
+    modes = list(dict.fromkeys(args.modes or ["mmap", "advise"]))
+    policy = mode_options(modes, args.policy, args.readers)
     g, prompt = _setup(args)
     walls = parse_walls(args.walls, g)
-    modes = list(dict.fromkeys(args.modes or ["mmap", "advise"]))
 
     def progress(i, n, rec):
         if not args.json:
@@ -280,7 +289,7 @@ def run_sweep(args) -> int:
 
     res = sweep(g, prompt, args.max_new_tokens, modes, walls, runs=args.runs, seed=args.seed, wall=args.wall,
                 headroom_bytes=args.headroom, threads=args.threads, target=args.target_tokens_per_s,
-                timeout=args.timeout, progress=progress, policy=args.policy, readers=args.readers,
+                timeout=args.timeout, progress=progress, policy=policy, readers=args.readers,
                 roofline=not args.no_roofline, predict=args.predict)
     failed = [r for r in res["records"] if r.get("error")]
     if res["records"] and len(failed) == len(res["records"]):

@@ -32,8 +32,8 @@ def add_generation_options(p) -> None:
     p.add_argument("--cache-memory", default=None, metavar="SIZE",
                    help="bound the managed mode's page cache: bytes (800MB) or P%% of the experts beside the "
                         "dense part")
-    p.add_argument("--policy", default="lru", metavar="NAME",
-                   help="online eviction rule of the managed mode (default lru)")
+    p.add_argument("--policy", default=None, metavar="NAME",
+                   help="online eviction rule of the managed mode (default lru; refused with another mode)")
     p.add_argument("--threads", type=threads_int, default=1, metavar="T", help="llama.cpp threads (default 1)")
     add_readers(p)
     p.add_argument("--ctx", type=positive_int, default=None, metavar="N",
@@ -62,6 +62,7 @@ def _nonnegative_int(text: str) -> int:
 def open_session(args, before_load=None, loading=None, settled=None):
     """The :class:`~expertcache.llama.textgen.Session` of ``generate`` / ``serve``'s options
     (``before_load``, ``loading``, ``settled``: :meth:`~expertcache.llama.textgen.Session.open`'s)."""
+    from ..llama.advice import mode_options
     from ..llama.engine import _llama
     from ..formats.gguf import read_geometry
     from ..policies import make_policy
@@ -70,11 +71,12 @@ def open_session(args, before_load=None, loading=None, settled=None):
     from ..llama.sweep import parse_wall
     from ..llama.textgen import Session
 
-    make_policy(args.policy)
+    make_policy(args.policy or "lru")
+    mode = args.mode or ("managed" if args.cache_memory is not None else "mmap")
+    policy = mode_options([mode], args.policy, args.readers)
     g = read_geometry(args.model, "MODEL")
     cache = parse_wall(args.cache_memory, g, "--cache-memory")
-    mode = args.mode or ("managed" if cache is not None else "mmap")
-    return Session.open(g.path, mode=mode, cache_bytes=cache, policy=args.policy, n_ctx=args.ctx,
+    return Session.open(g.path, mode=mode, cache_bytes=cache, policy=policy, n_ctx=args.ctx,
                         threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format,
                         readers=args.readers, routed_experts=getattr(args, "enable_return_routed_experts", False),
                         before_load=before_load, loading=loading, settled=settled)

@@ -116,7 +116,8 @@ def run_walled(args) -> int:
     its own memory (:func:`~expertcache.wall.capacity.follow_plan`), the GGUF's page cache as the
     tier; output and signals pass through; the proof is one line on stderr at exit."""
     from ..formats.gguf import read_geometry
-    from ..llama.runner import check_wall
+    from ..llama.advice import mode_options
+    from ..llama.runner import check_managed, check_wall
     from ..llama.sweep import parse_wall
     from ..wall import capacity as cap
     from ..wall.pagecache import evict_for_wall
@@ -124,6 +125,9 @@ def run_walled(args) -> int:
     g = read_geometry(args.model, "MODEL")
     wall = parse_wall(args.memory_wall, g, "--memory-wall")
     check_wall(g, wall, mode=args.mode)
+    mode_options([args.mode or "managed"], args.policy, args.readers)  # as the child will, before the wall starts
+    if args.mode in (None, "managed"):  # the child's own check, made before the wall starts
+        check_managed(g, parse_wall(args.cache_memory, g, "--cache-memory") or wall, args.policy or "lru")
     cache = parse_wall(args.cache_memory, g, "--cache-memory")
     if cache is not None and cache > wall:
         raise ConfigError(f"--cache-memory {cache} is above the --memory-wall {wall}: the pool would not fit in "

@@ -364,6 +364,25 @@ def check_hparams(meta: dict, arch: str, label: str) -> None:
             raise ConfigError(f"{label}: {prefix}{name} is {value}, not {bound}")
 
 
+def chat_template_problem(template) -> str | None:
+    """Why a chat template (a string, or transformers' list of ``{name, template}``) does not compile
+    as llama-cpp-python compiles it when it loads a model (jinja2's sandbox), or None; None too
+    where jinja2 is not installed (then nothing here compiles it)."""
+    try:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+    texts = [template] if isinstance(template, str) else [t.get("template") for t in template]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    for text in texts:
+        try:
+            env.parse(text)
+        except TemplateError as exc:
+            return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
 COMPUTE_ORDER = ("gate_up", "gate", "up", "down")
 """The expert matmuls of one MoE layer in llama.cpp's graph order (``ffn_moe_gate``, ``ffn_moe_up``,
 ``ffn_moe_down``; a fused ``gate_up`` first)."""

@@ -296,6 +296,24 @@ DEFAULT_READERS = {"prefetch": 4}
 takes none by default (measured: no faster with them on this machine, docs/llama.md)."""
 
 
+READER_MODES = ("managed", "prefetch")
+"""The modes with expert readers (``--readers``)."""
+
+
+def mode_options(modes, policy: str | None, readers: int | None) -> str:
+    """The eviction rule of ``managed`` (``policy``, default ``lru``), after a one-line refusal of a
+    ``--policy`` or ``--readers`` that none of ``modes`` uses: both had been ignored without a word
+    (``--mode advise --readers 8`` ran with none, ``--mode pin --policy lfu`` with no rule)."""
+    shown = ", ".join(modes)
+    if policy is not None and "managed" not in modes:
+        raise ConfigError(f"--policy {policy}: it decides the managed mode's expert residency; --mode {shown} "
+                          "leaves residency to the kernel")
+    if readers is not None and not set(modes) & set(READER_MODES):
+        raise ConfigError(f"--readers {readers}: --mode {shown} has no expert readers "
+                          f"({' and '.join(READER_MODES)} have)")
+    return "lru" if policy is None else policy
+
+
 def readers_for(mode: str, readers: int | None) -> int:
     return DEFAULT_READERS.get(mode, 0) if readers is None else int(readers)
 
@@ -576,14 +594,15 @@ class PageAdvisor:
                 self.look_total += routed.size
             if self.cache is not None:
                 self.manage(layer, routed)
-            elif self.mode == "prefetch":
+                return
+            if self.count_hits and self.base is not None:  # resident when its layer routed (prefetch's too)
+                hit = sum(all(resident(self.base + off, n) for off, n in self.g.expert_ranges(layer, int(e)))
+                          for e in routed.tolist())
+                self.expert_hits += hit
+                self.expert_misses += routed.size - hit
+            if self.mode == "prefetch":
                 self.warm(layer, routed)
             else:
-                if self.count_hits and self.base is not None:
-                    hit = sum(all(resident(self.base + off, n) for off, n in self.g.expert_ranges(layer, int(e)))
-                              for e in routed.tolist())
-                    self.expert_hits += hit
-                    self.expert_misses += routed.size - hit
                 self.willneed(layer, routed)
             return
         layer = layer_of(name, self._INP)
@@ -709,6 +728,13 @@ class PageAdvisor:
         """Whether this mode reads each layer's routing (its hit counters mean something)."""
         return self.mode in ("advise", "pin", "managed", "lookahead", "nocache", "prefetch")
 
+    @property
+    def counts_hits(self) -> bool:
+        """Whether ``expert_hits`` / ``expert_misses`` are counted: ``managed``'s by its cache's step,
+        the other observing modes' only with ``count_hits`` (a ``llama run`` does not pay for the
+        ``mincore`` probes); elsewhere they are ``None``, never a 0 that was not counted."""
+        return self.observes_routing and (self.cache is not None or self.count_hits)
+
     def resident_expert_bytes(self) -> int | None:
         """Expert bytes in the page cache now: the ``managed`` pool's residents (their slices), else
         every expert whose pages are all resident (``mincore``); None without the mapping."""
@@ -731,8 +757,8 @@ class PageAdvisor:
                 "edge_page_drops": self.edge_drops,
                 "readers": len(self.readers.threads) if self.readers is not None else 0,
                 "populated_bytes": self.readers.populated if self.readers is not None else 0,
-                "expert_hits": self.expert_hits if self.observes_routing else None,
-                "expert_misses": self.expert_misses if self.observes_routing else None,
+                "expert_hits": self.expert_hits if self.counts_hits else None,
+                "expert_misses": self.expert_misses if self.counts_hits else None,
                 "lookahead_recall": self.look_hits / self.look_total if self.look_total else None,
                 "predicted_loads": self.predicted_loads}
 

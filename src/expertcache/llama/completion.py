@@ -32,6 +32,7 @@ import random
 import time
 import uuid
 
+import jinja2
 import llama_cpp
 
 UNSERVED = ("suffix", "logprobs", "echo", "logits_processor", "grammar", "logit_bias")
@@ -77,7 +78,7 @@ def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 
         tokens = [int(t) for t in prompt]
     if not tokens:
         raise PromptError("the prompt is empty")
-    n_ctx = llm.n_ctx()
+    n_ctx = min(llm.n_ctx(), len(llm.input_ids))  # the Llama's own context: llama.cpp pads its to 256
     if len(tokens) >= n_ctx:
         raise PromptError(f"Requested tokens ({len(tokens)}) exceed context window of {n_ctx}",
                           "context_length_exceeded")
@@ -160,8 +161,14 @@ def _chat_handler(llm: llama_cpp.Llama):
 def stream_chat(llm: llama_cpp.Llama, messages: list[dict], **kw):
     """Yield ``chat.completion.chunk`` chunks of ``messages`` answered by ``llm``: the chat handler
     :func:`_chat_handler` picks formats the prompt and converts the chunks; the tokens stream
-    through :func:`stream_completion`."""
-    return _chat_handler(llm)(llama=_Completer(llm), messages=messages, stream=True, **kw)
+    through :func:`stream_completion`. Nothing runs before the first chunk is asked for; a template
+    that refuses the messages (its ``raise_exception``: "System role not supported") is a
+    :class:`PromptError` then, as a prompt too long for the context is."""
+    try:
+        chunks = _chat_handler(llm)(llama=_Completer(llm), messages=messages, stream=True, **kw)
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:  # the formatting: the messages' fault
+        raise PromptError(f"the chat template refused the messages: {str(exc)[:300]}") from None
+    yield from chunks
 
 
 ROLE_PROBE = "expertcache7role7probe"

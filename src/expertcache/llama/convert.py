@@ -74,6 +74,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..errors import ConfigError
+from ..formats.gguf import chat_template_problem
 
 DTYPES = ("f32", "f16", "q8_0")
 
@@ -542,9 +543,20 @@ CONFIG_ZERO_OK = ("q_lora_rank", "first_k_dense_replace", "num_nextn_predict_lay
                   "sliding_window")
 
 
+CONFIG_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                   "num_experts_per_tok", "max_position_embeddings", "rms_norm_eps")
+"""config.json fields every converted class computes with: ``null`` is refused (it had been exit 70,
+a TypeError in the arithmetic); the other fields may be null where the class reads null as a setting
+(``q_lora_rank``, ``sliding_window``, ``head_dim``, ...)."""
+
+
 def config_types(cfg: dict) -> str | None:
     """The one-line reason ``cfg`` holds a value of the wrong type for convert (a size as a string, a
-    NaN epsilon, 0 experts per token), or None: checked before anything is written."""
+    NaN epsilon, 0 experts per token, a required field null), or None: checked before anything is
+    written."""
+    for key in CONFIG_REQUIRED:
+        if key in cfg and cfg[key] is None:
+            return f"{key} is null in config.json; convert needs its value"
     for key in CONFIG_INTS:
         v = cfg.get(key)
         if v is None:
@@ -560,6 +572,31 @@ def config_types(cfg: dict) -> str | None:
             continue
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             return f"{key} {str(v)[:60]!r} in config.json is not a finite number"
+    return None
+
+
+def config_shapes(ckpt, cfg: dict) -> str | None:
+    """The one-line reason config.json disagrees with the weights' shapes where llama.cpp takes the
+    sizes from the first and checks them against the second (it refused such a GGUF at load, after
+    convert had written it with exit 0), or None: the embedding's rows and columns against
+    ``vocab_size`` and ``hidden_size``; the first layer's ``q_proj`` / ``k_proj`` rows against the
+    heads times ``head_dim`` (not for multi-head latent attention, whose projections differ)."""
+    emb = "model.embed_tokens.weight"
+    if emb in ckpt.where:
+        shape = tuple(ckpt.shape(emb))
+        for key, have in (("vocab_size", shape[0]), ("hidden_size", shape[-1])):
+            if cfg.get(key) is not None and have != cfg[key]:
+                return f"{key} {cfg[key]} in config.json, but {emb} has shape {list(shape)}"
+    if cfg.get("kv_lora_rank"):
+        return None
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    for proj, key, n in (("q_proj", "num_attention_heads", heads),
+                         ("k_proj", "num_key_value_heads", cfg.get("num_key_value_heads") or heads)):
+        name = f"model.layers.0.self_attn.{proj}.weight"
+        if name in ckpt.where and ckpt.shape(name)[0] != n * head_dim:
+            return (f"{key} {n} in config.json (x head_dim {head_dim} = {n * head_dim} rows), but {name} has "
+                    f"{ckpt.shape(name)[0]} rows")
     return None
 
 
@@ -768,7 +805,7 @@ def read_chat_template(folder: Path | None):
     return None
 
 
-def write_tokenizer(writer, folder: Path | None, vocab: int) -> str:
+def write_tokenizer(writer, folder: Path | None, vocab: int, config: dict | None = None) -> str:
     """GPT-2-style byte-level BPE as ``gpt2``/``gpt-2``, else ``no_vocab``; returns which."""
     tok = None
     if folder is not None and (folder / "tokenizer.json").is_file():
@@ -796,29 +833,54 @@ def write_tokenizer(writer, folder: Path | None, vocab: int) -> str:
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    _write_special_tokens(writer, folder, tokens)
+    _write_special_tokens(writer, folder, tokens, config or {})
     return "gpt2"
 
 
-def _write_special_tokens(writer, folder: Path, tokens: list[str]) -> None:
+def _write_special_tokens(writer, folder: Path, tokens: list[str], config: dict) -> None:
     """The special tokens ``tokenizer_config.json`` names (``bos_token``, ``eos_token``,
     ``unk_token``, ``pad_token``: a string or ``{"content": ...}``) as their ids, and whether a BOS is
     prepended (``add_bos_token``, default false as for GPT-2). Without them llama.cpp takes its
     defaults for a ``gpt2`` vocabulary (id 11 as BOS and EOS), so generation would stop at whatever
-    token 11 is."""
-    try:
-        cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        cfg = {}
-    cfg = cfg if isinstance(cfg, dict) else {}
+    token 11 is: a BOS or EOS the file does not name is taken from config.json's ``bos_token_id`` /
+    ``eos_token_id``; a ``tokenizer_config.json`` that is not a JSON object, a BOS or EOS not in the
+    vocabulary, and ``add_bos_token`` with no BOS are refused in one line (each had been written
+    with llama.cpp's id 11 in its place, exit 0)."""
+    path = folder / "tokenizer_config.json"
+    cfg: object = {}
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{path}: cannot be read as JSON ({str(exc)[:100]})") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path}: not a JSON object")
     ids = {t: i for i, t in enumerate(tokens)}
-    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
-                     ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+    written = {}
+    for key, add, fallback in (("bos_token", writer.add_bos_token_id, "bos_token_id"),
+                               ("eos_token", writer.add_eos_token_id, "eos_token_id"),
+                               ("unk_token", writer.add_unk_token_id, None),
+                               ("pad_token", writer.add_pad_token_id, None)):
         value = cfg.get(key)
+        if value is None:
+            token = config.get(fallback) if fallback else None
+            token = token[0] if isinstance(token, list) and token else token  # several EOS ids: the first
+            if isinstance(token, int) and not isinstance(token, bool) and 0 <= token < len(tokens):
+                add(token)
+                written[key] = token
+            continue
         text = value.get("content") if isinstance(value, dict) else value
-        if isinstance(text, str) and text in ids:
+        if not isinstance(text, str) or (text not in ids and fallback):
+            raise ConfigError(f"{path}: {key} {str(value)[:60]!r} is not a token of tokenizer.json's vocabulary")
+        if text in ids:
             add(ids[text])
-    writer.add_add_bos_token(bool(cfg.get("add_bos_token", False)))
+            written[key] = ids[text]
+    add_bos = cfg.get("add_bos_token", False)
+    if not isinstance(add_bos, bool):
+        raise ConfigError(f"{path}: add_bos_token {str(add_bos)[:40]!r} is not true or false")
+    if add_bos and "bos_token" not in written:
+        raise ConfigError(f"{path}: add_bos_token is true but no bos_token is named (nor config.json's bos_token_id)")
+    writer.add_add_bos_token(add_bos)
 
 
 # ------------------------------------------------------------------------------ writing
@@ -873,12 +935,19 @@ def convert(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = "f32
     ckpt = _Checkpoint(folder)
     nextn = nextn_blocks(ckpt, cfg, spec)
     planned = plan_tensors(ckpt, cfg, spec, dtype, nextn)
+    problem = config_shapes(ckpt, cfg)
+    if problem:
+        raise ConfigError(f"{folder}: {problem}; llama.cpp would not load the GGUF")
     template = read_chat_template(folder)
+    problem = None if template is None else chat_template_problem(template)
+    if problem:  # llama-cpp-python would fail to load the GGUF, for a prompt as for a chat
+        raise ConfigError(f"{folder}: its chat template does not compile ({problem}); fix it, or remove it "
+                          "(chat_template.jinja / tokenizer_config.json's chat_template)")
     info: dict = {}
 
     def keys(writer):
         write_hparams(writer, cfg, spec, dtype, nextn)
-        info["tokenizer"] = write_tokenizer(writer, folder, int(cfg["vocab_size"]))
+        info["tokenizer"] = write_tokenizer(writer, folder, int(cfg["vocab_size"]), cfg)
         if template is not None:
             writer.add_chat_template(template)
 
@@ -945,7 +1014,7 @@ def convert_random(cfg: dict, out: str | os.PathLike, dtype: str = "f16", seed: 
 
     def keys(writer):
         write_hparams(writer, cfg, spec, dtype)
-        write_tokenizer(writer, Path(tokenizer) if tokenizer is not None else None, int(cfg["vocab_size"]))
+        write_tokenizer(writer, Path(tokenizer) if tokenizer is not None else None, int(cfg["vocab_size"]), cfg)
 
     size = write_gguf(out, spec.arch, planned, keys, f"random-{spec.arch}-seed{seed}")
     return {"out": os.fspath(out), "architecture": spec.arch, "dtype": dtype, "bytes": size, "seed": seed}

@@ -200,7 +200,9 @@ def check_managed(g: Geometry, wall_bytes: int | None, policy: str) -> int:
     need = g.top_k * int(managed_item_bytes(g).max())
     if budget < need:
         raise ConfigError(f"--mode managed: {wall_bytes} bytes leave {budget} for experts beside the dense "
-                          f"{g.dense_bytes} bytes, fewer than one layer routes ({g.top_k} experts, {need} bytes)")
+                          f"{g.dense_bytes} bytes, fewer than one layer routes ({g.top_k} experts, {need} bytes, "
+                          f"each expert the whole pages its slices cover): this mode needs at least "
+                          f"{g.dense_bytes + need} bytes")
     return budget
 
 

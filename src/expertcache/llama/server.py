@@ -526,7 +526,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     """The FastAPI app serving ``session`` as model ``model_id`` (see the module docstring).
     ``app.state.stopping`` (a ``threading.Event``), once set, ends the decode in progress before its
     next token and sends every waiting request a 503: :func:`serve` sets it when shutdown begins."""
-    app = FastAPI(title="expertcache", version=version, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="expertcache", version=version, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)  # a trailing slash is a JSON 404, not a bare 307 to another URL
     metrics = Metrics(session)
     stopping = threading.Event()
     app.state.metrics, app.state.session, app.state.stopping = metrics, session, stopping
@@ -888,12 +889,13 @@ def one_line(record: logging.LogRecord) -> bool:
     return True
 
 
-def guarded_protocol(max_connections: int, request_seconds: float):
+def guarded_protocol(max_connections: int, request_seconds: float, count=None):
     """uvicorn's h11 protocol with the bounds a server open to any client needs: at most
     ``max_connections`` open (one more is answered 503 and closed before it is read), every
     request's headers and body read within ``request_seconds`` of its first byte (a connection that
     sends nothing, or too slowly, is closed: a client that trickles a request holds no descriptor
-    for long), and a request the HTTP parser refuses answered 400 in OpenAI's JSON shape."""
+    for long), and a request the HTTP parser refuses answered 400 in OpenAI's JSON shape.
+    ``count(endpoint, status)`` (the metrics' counter) counts these two answers, as ``other``."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -913,6 +915,8 @@ def guarded_protocol(max_connections: int, request_seconds: float):
             if len(self.connections) > max_connections:
                 transport.write(full)
                 transport.close()
+                if count is not None:
+                    count("other", 503)
                 return
             self._arm()
 
@@ -944,6 +948,8 @@ def guarded_protocol(max_connections: int, request_seconds: float):
         def send_400_response(self, msg: str) -> None:
             self.transport.write(raw(400, "Bad Request", f"{msg} (the HTTP parser refused it)", None))
             self.transport.close()
+            if count is not None:
+                count("other", 400)
 
     return GuardedH11Protocol
 
@@ -991,7 +997,7 @@ def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                             lifespan="off", h11_max_incomplete_event_size=64 * 1024,
                             http=guarded_protocol(max_connections or MAX_CONNECTIONS,
-                                                  request_seconds or REQUEST_SECONDS))
+                                                  request_seconds or REQUEST_SECONDS, app.state.metrics.count))
     for name in ("uvicorn.error", "asyncio"):
         logging.getLogger(name).addFilter(one_line)
     class Server(uvicorn.Server):

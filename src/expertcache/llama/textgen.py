@@ -36,7 +36,7 @@ from .advice import MODES, PageAdvisor, readers_for
 from .capture import ContextRouting
 from .completion import stream_chat, stream_completion
 from .engine import EvalHook, _silence
-from ..formats.gguf import Geometry, read_geometry, read_header
+from ..formats.gguf import Geometry, chat_template_problem, read_geometry, read_header
 from .runner import check_managed, io_counters
 from ..wall.procfs import SELF_IO, OpenProcFile, read_self_io
 
@@ -211,9 +211,13 @@ class Session:
                               "the kernel (bound it with a --memory-wall)")
         if mode == "managed":
             budget = check_managed(g, cache_bytes, policy)
-        if chat_format is not None and chat_format not in llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers:
-            known = ", ".join(sorted(llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers))
-            raise ConfigError(f"--chat-format: {chat_format!r} is not one of llama-cpp-python's formats ({known})")
+        formats = llama_cpp.llama_chat_format.LlamaChatCompletionHandlerRegistry()._chat_handlers
+        if chat_format is not None and (chat_format not in formats or chat_format in NEEDS_HF_TOKENIZER):
+            known = ", ".join(sorted(set(formats) - set(NEEDS_HF_TOKENIZER)))
+            why = ("needs a Hugging Face tokenizer beside the model (llama-cpp-python's hf_tokenizer_path), which "
+                   "expertcache does not load" if chat_format in NEEDS_HF_TOKENIZER else
+                   "is not one of llama-cpp-python's formats")
+            raise ConfigError(f"--chat-format: {chat_format!r} {why} ({known})")
         _silence(llama_cpp, path)
         if before_load is not None:  # checked and compiled (check_managed); next the advisor reads the file
             before_load()
@@ -301,8 +305,8 @@ class Session:
         adv = self.advisor
         adv.sync_counters()
         return {**self.llama.stats, "read_bytes": io["read_bytes"], "major_faults": io["major_faults"],
-                "expert_hits": adv.expert_hits if adv.observes_routing else None,
-                "expert_misses": adv.expert_misses if adv.observes_routing else None}
+                "expert_hits": adv.expert_hits if adv.counts_hits else None,
+                "expert_misses": adv.expert_misses if adv.counts_hits else None}
 
     def close(self) -> None:
         self.llama.close()
@@ -313,6 +317,11 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+NEEDS_HF_TOKENIZER = ("functionary-v1", "functionary-v2")
+"""llama-cpp-python chat formats whose handler asserts an HF tokenizer was given to ``Llama`` (every
+chat was a 500 in serve, exit 70 in generate)."""
 
 
 def completion_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | None) -> dict:
@@ -374,6 +383,12 @@ def check_tokenizer(meta: dict, path: str) -> None:
         raise ConfigError(f"MODEL {path}: has no tokenizer (no tokenizer.ggml.model / tokens in its metadata): "
                           "convert it with the checkpoint's tokenizer files beside config.json, or give token ids "
                           "(llama run --tokens IDS.npy)")
+    for key, value in meta.items():  # llama-cpp-python compiles these when it loads the model, prompt or chat
+        problem = chat_template_problem(value) if key.startswith("tokenizer.chat_template") and isinstance(
+            value, str) else None
+        if problem:
+            raise ConfigError(f"MODEL {path}: its {key} is not a template Jinja compiles ({problem}); "
+                              "llama-cpp-python compiles it at load: write the GGUF again with a valid one, or none")
 
 
 @contextlib.contextmanager
