@@ -751,6 +751,26 @@ def test_a_developer_message_reaches_the_prompt_and_a_dropped_tool_message_is_re
     assert got == 400 and err["param"] == "messages" and "messages[1].role" in err["message"], raw
 
 
+def test_a_seeded_completion_does_not_depend_on_the_request_before(small_gguf):
+    """The same seeded request gave another text right after itself (its prompt's prefix kept in the
+    KV cache, evaluated in another batch shape, moving the logits slightly) than after another
+    request: a seed now evaluates the whole prompt, as a fresh process does. This prompt flipped a
+    sample at temperature 2 (1 of 40 prompts did)."""
+    from expertcache.llama.completion import stream_completion
+    from expertcache.llama.textgen import Session, completion_kwargs
+
+    def text(llm, prompt, temperature, seed, n):
+        kw = completion_kwargs(n, temperature, 1.0, seed)
+        return "".join(c["choices"][0]["text"] for c in stream_completion(llm, prompt, **kw))
+
+    with Session.open(str(small_gguf), n_ctx=512) as session:
+        llm = session.llama
+        text(llm, "something else entirely", 0.0, None, 3)
+        after_other = text(llm, "x\u4e17\u00e9", 2.0, 23, 60)
+        after_itself = text(llm, "x\u4e17\u00e9", 2.0, 23, 60)
+    assert after_itself == after_other
+
+
 class _ByteVocab:
     """A stand-in for a ``Llama`` whose tokens are single bytes (a byte-level vocabulary's fallback
     tokens): token t is byte t, 0 the end of generation; ``generate`` yields a script."""

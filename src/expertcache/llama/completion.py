@@ -87,6 +87,9 @@ def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 
     stops = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
     # llama-cpp-python's seed rule: a given seed, else one drawn from the model's own seed
     llm.set_seed(seed if seed is not None else random.Random(llm._seed).randint(0, 2**32))
+    if seed is not None:  # the whole prompt evaluated, as by a fresh process: a prefix kept from the
+        llm.reset()  # request before is evaluated in another batch shape, which moves the logits slightly,
+        # and a seeded sample then depended on what was served before (1 of 40 prompts at temperature 2)
     cid, created, name = f"cmpl-{uuid.uuid4()}", int(time.time()), model or llm.model_path
 
     def chunk(text: str, finish: str | None) -> dict:
