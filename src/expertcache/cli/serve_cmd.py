@@ -82,6 +82,11 @@ def run(args) -> int:
         # managed: a warm-up forward, then the wall restarts its window (Session.warm_up)
         settled = functools.partial(settled_mark, inside.get("follow_flag"))
     model_id = args.model_alias or os.path.basename(args.model).removesuffix(".gguf")
+    wall_state = None
+    if inside:  # sampling from before the load: the live peak counts the load and the warm-up, as the proof does
+        from ..llama.server import WallGauge
+
+        wall_state = WallGauge(args.model, int(inside["capacity"]))
     with open_session(args, before_load, loading, settled) as session:
         def announce(url: str) -> None:
             rec = {"url": url, "model": model_id, "gguf": session.geometry.path, "mode": session.mode,
@@ -96,11 +101,6 @@ def run(args) -> int:
                 print(f"expertcache serve: {model_id} ({session.geometry.architecture}, mode {session.mode}{cache}) "
                       f"on {url} (one slot; requests queue)", file=sys.stderr, flush=True)
 
-        wall_state = None
-        if inside:
-            from ..llama.server import WallGauge
-
-            wall_state = WallGauge(session.geometry.path, int(inside["capacity"]))
         serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce, wall_state=wall_state,
               version=__version__, max_connections=args.max_connections, request_seconds=args.request_timeout)
     return 0
