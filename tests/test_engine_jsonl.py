@@ -368,7 +368,11 @@ def test_units_fall_back_to_one_row_one_token():
 def test_malformed_unit_extras_are_one_line():
     bounds = np.array([0, 3])
     for name, arr, message in [("iteration", np.array([0, 2, 1]), "iteration: goes back inside a sequence at row 2"),
-                               ("accepted", np.array([1, -1, 1]), "accepted: value -1 at row 1 is not non-negative"),
+                               ("accepted", np.array([1, -1, 1]),
+                                "accepted: value -1 at row 1 is not in [0, 1,048,576]"),
+                               # three rows of 2**62 had summed past int64: a negative token count
+                               ("accepted", np.array([2**62] * 3), "accepted: value 4611686018427387904 at row 0 is "
+                                                                  "not in [0, 1,048,576]"),
                                ("pass_kind", np.array([0, 4, 1]), "pass_kind: value 4 at row 1 is not in [0, 3]"),
                                ("iteration", np.zeros(3, np.float32), "iteration: expected integer shape (3,)")]:
         with pytest.raises(TraceError) as info:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache import Trace, TraceError, load_trace
+from expertcache import ConfigError, Trace, TraceError, load_trace
 from expertcache.analysis import (
     coverage_curve,
     expert_counts,
@@ -301,3 +301,15 @@ def test_stats_cli_rejects_bad_windows(capsys):
         main(["stats", "x.npz", "--windows", "0,8"])
     assert exc.value.code == 2
     assert "expected positive integers" in capsys.readouterr().err
+
+
+def test_reuse_windows_are_integer_step_counts_a_first_use_never_reaches():
+    """A first use's gap is int64's largest: a window of 2**63 - 1 steps had counted it as a reuse
+    (1.0 where half the experts are reused); 1.5 had been floored to 1."""
+    from expertcache.analysis.locality import reuse_within
+
+    t = Trace.from_arrays([[[0, 1]], [[1, 2]], [[3, 0]]], num_experts=4)
+    assert reuse_within(t, [2**62]).tolist() == [[0.5]] == reuse_within(t, [2]).tolist()
+    for bad in ([2**63 - 1], [1.5], [0], [], [True]):
+        with pytest.raises(ConfigError, match="windows: expected step counts"):
+            reuse_within(t, bad)

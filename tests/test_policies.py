@@ -94,3 +94,40 @@ def test_eval_static_without_p_says_where_plain_static_runs():
 
     with pytest.raises(PolicyError, match="plain 'static', runs in replay and sweep"):
         parse_holding("static")
+
+
+def test_the_step_by_step_cache_refuses_what_replay_refuses():
+    """ExpertCache had converted what replay() refuses: capacity 2.5 became 2 and True 1, an id -5
+    was dropped as padding, 1.7 truncated to 1, a uint64 2**64 - 1 wrapped to -1; and a capacity of
+    2**24 built 16 M free slots at every reset (1.4 GB) for 8 items."""
+
+    for args in ((2.5, "lru", 8), (True, "lru", 8), ("3", "lru", 8), (0, "lru", 8), (4, "lru", 0),
+                 (4, "lru", 2**40), (2**63, "lru", 8)):
+        with pytest.raises(ec.ConfigError, match="must be an integer in"):
+            ec.ExpertCache(*args)
+    c = ec.ExpertCache(2, "lru", 8)
+    for items in ([-5, 1], [1.7, 2.2], np.array([2**64 - 1], dtype=np.uint64), ["1"], [2**63], [8]):
+        with pytest.raises(ec.ConfigError, match="prepare: "):
+            c.prepare(items)
+    with pytest.raises(ec.ConfigError, match="slot_of: "):
+        c.slot_of(100)
+    assert c.prepare([-1, 3]).hits == 0 and c.slot_of(3) >= 0
+    big = ec.ExpertCache(np.int64(2**24), "lru", 8)
+    big.reset()
+    assert len(big._free) == 8  # the slots 8 items can use, not 2**24 of them
+
+
+def test_register_refuses_a_name_make_policy_could_never_find():
+    """make_policy looks names up lower-cased and splits arguments at ':': "MyMRU" had been
+    registered, then refused as "unknown policy 'MyMRU' (known: MyMRU, ...)"."""
+    from expertcache.policies import register
+    from expertcache.policies.lru import LRU
+
+    before = ec.available_policies()
+    for name in ("MyMRU", "a:b", "dwell", "", "?", "9lives", None):
+        cls = type("Bad", (LRU,), {"name": name})
+        with pytest.raises(ValueError, match="policy name"):
+            register(cls)
+    with pytest.raises(TypeError, match="expected a Policy subclass"):
+        register(5)
+    assert ec.available_policies() == before

@@ -132,6 +132,21 @@ def test_the_warm_window_is_floor_of_the_decimal_given(warm, n, unscored):
     assert ec.replay(trace, 2, "lru", warm=warm).tokens == n - unscored
 
 
+@pytest.mark.parametrize("pool", ["layer", "global"])
+def test_an_engine_traces_warm_window_stays_out_when_its_scored_tokens_equal_its_rows(pool):
+    """An engine trace's tokens count accepted tokens, not rows: here the scored half holds 4 tokens
+    in 4 rows' worth, and per_layer took that for "everything is scored" and summed the warm rows in
+    (requests 4, copies 4 / 3, against 2, 2, 2; the one-pass curve had it right)."""
+    from expertcache.sim.curves import sweep
+
+    ex = np.array([[[0]], [[1]], [[2]], [[0]]])
+    tr = ec.Trace.from_arrays(ex, num_experts=3, extras={"iteration": np.arange(4), "accepted": np.array([0, 0, 2, 2])})
+    r = ec.replay(tr, 1, "lru", warm=0.5, pool=pool)
+    assert (r.requests, r.copies_total, r.copies_steady) == (2, 2, 2)
+    curve = sweep(tr, [1], ["lru"], warm=0.5, pool=pool)[0]
+    assert (int(curve.layer_copies_total.sum()), int(curve.layer_copies_steady.sum())) == (2, 2)
+
+
 def test_global_pool_of_one_layer_is_the_layer_pool(seed_case):
     for rule in RULES:
         a, b = ec.replay(seed_case, 3, rule, pool="layer"), ec.replay(seed_case, 3, rule, pool="global")

@@ -158,3 +158,42 @@ def test_parse_layers():
     assert parse_layers(None) is None and parse_layers("all") is None
     with pytest.raises(ec.ConfigError, match="--layers"):
         parse_layers("4-x")
+
+
+def test_a_trace_owns_its_checked_arrays():
+    """The ids are checked once, and the compiled loops trust them: a caller's int16 array kept as
+    the trace's own, then changed to an id >= num_experts, had made replay segfault. from_arrays
+    copies what the caller still holds; every array of a trace is read-only; the caller's stay
+    writeable."""
+    import expertcache as ec
+
+    ex = np.array([[[0, 1]], [[1, 2]], [[3, 0]]], dtype=np.int16)
+    seq = np.zeros(3, dtype=np.int64)
+    tr = ec.Trace.from_arrays(ex, seq, num_experts=4, extras={"iteration": np.arange(3, dtype=np.int64)})
+    before = ec.replay(tr, 2, "lru").copies_total
+    ex[1, 0, 0] = 4
+    seq[:] = 7
+    assert ex.flags.writeable and seq.flags.writeable
+    assert tr.experts[1, 0, 0] == 1 and (tr.seq == 0).all() and ec.replay(tr, 2, "lru").copies_total == before
+    for arr in (tr.experts, tr.seq, tr.extras["iteration"]):
+        assert not arr.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 0
+
+
+def test_selecting_sequences_or_layers_that_are_not_there_is_refused():
+    """select_sequences([1, 1]) had merged two copies into one sequence (replayed without a reset,
+    its save() refused on load), [-1] had given an empty trace, [-2] the last one; an empty layer
+    list had replayed to 0 copies."""
+    import expertcache as ec
+
+    tr = ec.Trace.from_arrays(np.arange(10).reshape(10, 1, 1) % 4, np.repeat([0, 1], 5), num_experts=4)
+    assert tr.select_sequences([1, 0]).num_sequences == 2 and tr.select_sequences([1]).num_tokens == 5
+    for index, said in (([1, 1], "a position is named twice"), ([-1], "position -1 is not in [0, 2)"),
+                        ([2], "position 2"), ([], "no position"), ([0.5], "position 0.5")):
+        with pytest.raises(ec.TraceError, match="select_sequences: " + said.replace("[", r"\[").replace(")", r"\)")):
+            tr.select_sequences(index)
+    with pytest.raises(ec.TraceError, match="layers: no layer named"):
+        tr.select_layers([])
+    with pytest.raises(ec.TraceError, match="layers: no layer named"):
+        ec.replay(tr, 2, "lru", layers=[])

@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ConfigError
+from .trace.validate import MAX_ITEMS
 from .policies import Policy, StreamFuture, make_policy
+
+
+def _count(value, name: str, most: int) -> int:
+    """A positive integer ``value`` (not a bool, not a float such as 2.5) at most ``most``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= most:
+        raise ConfigError(f"{name} must be an integer in [1, {most:,}], got {str(value)[:40]!r}")
+    return int(value)
 
 
 @dataclass
@@ -68,10 +76,8 @@ class ExpertCache:
         future: StreamFuture | None = None,
         steps_per_token: int = 1,
     ):
-        if capacity < 1:
-            raise ConfigError(f"capacity must be at least 1, got {capacity}")
-        self.capacity = int(capacity)
-        self.n_items = int(n_items)
+        self.capacity = _count(capacity, "capacity", 1 << 62)
+        self.n_items = _count(n_items, "n_items", MAX_ITEMS)
         self.policy = make_policy(policy)
         self.policy.bind(min(self.capacity, self.n_items))
         # a step whose items are all resident and not speculative only tells on_hit/on_access when
@@ -95,7 +101,7 @@ class ExpertCache:
         self._slot.fill(-1)
         self._last.fill(-1)
         self._stamp.fill(-1)
-        self._free = list(range(self.capacity - 1, -1, -1))
+        self._free = list(range(min(self.capacity, self.n_items) - 1, -1, -1))  # more slots are never used
         self.t = 0
         self.copies = 0
         self.evictions = 0
@@ -112,7 +118,7 @@ class ExpertCache:
         return bool(self._free)
 
     def slot_of(self, item: int) -> int:
-        return int(self._slot[item])
+        return int(self._slot[self._ids([item], "slot_of")[0]])
 
     def slots_of(self, items: np.ndarray) -> np.ndarray:
         """Slots of ``items`` (an int array of any shape; -1 for a pad or a non-resident item)."""
@@ -202,10 +208,10 @@ class ExpertCache:
 
     def prepare(self, items) -> Step:
         """Make every item of this access group resident; see the class invariants."""
-        items = np.asarray(items, dtype=np.int64).ravel()
+        items = self._ids(items, "prepare")
         items = items[items >= 0]
-        if items.size and (items.max() >= self.n_items or np.unique(items).size != items.size):
-            raise ConfigError(f"prepare: ids must be distinct and below {self.n_items}, got {items.tolist()}")
+        if items.size and np.unique(items).size != items.size:
+            raise ConfigError(f"prepare: ids must be distinct, got {items.tolist()}")
         if items.size > self.capacity:
             raise ConfigError(f"prepare: {items.size} experts requested at once but capacity is {self.capacity}")
         t = self.t
@@ -229,6 +235,18 @@ class ExpertCache:
             self.policy.on_evict(np.asarray(step.evicted, dtype=np.int64), t)
             self.policy.on_admit(missing, t)
         return self._finish(items, step, t)
+
+    def _ids(self, items, where: str) -> np.ndarray:
+        """``items`` as int64 ids, each in ``[0, n_items)`` or -1 (padding); a ConfigError otherwise
+        (-5 had been dropped as padding, 1.7 truncated to 1, uint64 2**64 - 1 wrapped to -1)."""
+        arr = np.asarray(items)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise ConfigError(f"{where}: expert ids must be integers, got {arr.dtype} {str(arr.tolist())[:60]}")
+        bad = arr.size and (int(arr.min()) < -1 or int(arr.max()) >= self.n_items)
+        if bad:
+            raise ConfigError(f"{where}: ids must be in [0, {self.n_items}) or -1 (padding), got "
+                              f"{str(arr.ravel().tolist())[:60]}")
+        return arr.astype(np.int64).ravel()
 
     def _all_resident(self, items: np.ndarray) -> bool:
         """Every item resident and none an unused prefetched one (a step of hits alone: the decode

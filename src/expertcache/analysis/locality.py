@@ -235,11 +235,17 @@ def _coverage(first_token: np.ndarray, T: int, checkpoints: Iterable[int] | None
     return [(n, float(seen_by[n - 1]) / first_token.size) for n in points]
 
 
+MAX_WINDOW = 1 << 62
+"""Largest reuse window: a first use's gap is int64's largest, so a window of that many steps had
+counted first uses as reuses (1.0 where 0.5 is right)."""
+
+
 def _check_windows(windows: Iterable[int]) -> list[int]:
-    out = sorted({int(w) for w in windows})
-    if not out or out[0] < 1:
-        raise ConfigError(f"windows: expected positive step counts, got {list(windows)}")
-    return out
+    windows = list(windows)
+    if not windows or any(isinstance(w, bool) or not isinstance(w, (int, np.integer)) or not 1 <= w <= MAX_WINDOW
+                          for w in windows):
+        raise ConfigError(f"windows: expected step counts, integers in [1, 2**62], got {str(windows)[:80]}")
+    return sorted({int(w) for w in windows})
 
 
 # ---------------------------------------------------------------------------- reports

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..sim.layout import StreamLayout, build_layout
+from ..sim.replay import check_capacity
 from ..trace import Trace
 from .exact import DEFAULT_MAX_STATES, exact_stream_totals
 from .flat import ORDERS, flat_min_totals
@@ -178,13 +179,13 @@ def compute_bounds(
     group's width, or (``exact``) when a stream is too large for the exact program.
     """
     t0 = time.perf_counter()
-    orders = tuple(orders)
+    orders = (orders,) if isinstance(orders, str) and orders in ORDERS else orders
+    if isinstance(orders, str) or not (orders := tuple(orders)) or not all(isinstance(o, str) for o in orders):
+        raise ConfigError(f"orders: expected a list of order names (of {', '.join(ORDERS)}), got {str(orders)[:60]}")
     layout = build_layout(trace, pool=pool, reset=reset, layers=layers)
-    widest = int(layout.requests.max()) if layout.requests.size else 0
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < max(widest, 1):
-        raise ConfigError(f"capacity {capacity!r} is below the {widest} experts one step requests: "
-                          "they could not all be resident at once")
-    capacity = int(capacity)
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        raise ConfigError(f"capacity must be an integer, got {capacity!r}")
+    capacity = check_capacity(layout, capacity)
     labels = _stream_labels(trace, layout)
     flat = flat_min_totals(layout, capacity, orders)
     flat_steady = steady(flat, capacity)

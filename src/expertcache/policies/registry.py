@@ -26,6 +26,8 @@ it is and where it runs (the same text from every entry point).
 
 from __future__ import annotations
 
+import re
+
 import sys
 from dataclasses import dataclass
 
@@ -51,8 +53,24 @@ _NOTICED: set[str] = set()
 _REGISTRY: dict[str, type[Policy]] = {}
 
 
+SET_HOLDING_NAMES = ("dwell", "prefix", "controller")
+"""The live harness's set-holding rules (``offload``), not policies of this registry."""
+_NAME = re.compile(r"[a-z][a-z0-9_.-]*")
+
+
 def register(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make ``cls`` available under ``cls.name``."""
+    """Class decorator: make ``cls`` available under ``cls.name``: lower-case letters, digits, ``_``,
+    ``-`` or ``.``, beginning with a letter (``make_policy`` looks a name up lower-cased, and ``:``
+    begins a policy's arguments), not a set-holding rule's name. A name it could never find
+    (``"MyMRU"``, ``"a:b"``, a subclass's missing one) is refused here."""
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise TypeError(f"register: expected a Policy subclass, got {cls!r}")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"policy name {name!r} of {cls.__qualname__}: lower-case letters, digits, '_', '-' or "
+                         "'.', beginning with a letter (make_policy looks names up lower-cased; ':' begins arguments)")
+    if name in SET_HOLDING_NAMES:
+        raise ValueError(f"policy name {name!r} of {cls.__qualname__} is a set-holding rule's")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"policy name {cls.name!r} is already registered by {_REGISTRY[cls.name].__qualname__}")
     _REGISTRY[cls.name] = cls
@@ -137,7 +155,7 @@ def kind_of(text: str) -> str | None:
     it has a parameter); None for an unknown name. Parameters are not checked."""
     name, colon, _ = text.strip().partition(":")
     name = name.lower()
-    if name in ("dwell", "prefix", "controller") or (name in RENAMED and colon):
+    if name in SET_HOLDING_NAMES or (name in RENAMED and colon):
         return "set-holding"
     cls = _REGISTRY.get(name)
     if cls is None:

@@ -14,6 +14,7 @@ from fractions import Fraction
 from functools import cached_property
 import numpy as np
 
+from ..errors import ConfigError
 from ..kernels import next_use
 from ..trace import Trace
 from ..trace.units import accepted_per_row, iteration_ids
@@ -119,8 +120,8 @@ class StreamLayout:
         """Sum a per-group quantity over each layer's scored groups: int64 ``[L]``."""
         L, T = len(self.layer_ids), self.token_scored.size
         grid = x.reshape(L, T) if self.pool == "layer" else x.reshape(T, L).T
-        if self.tokens == T:
-            return grid.sum(axis=1, dtype=np.int64)
+        if self.token_scored.all():  # not tokens == T: an engine trace's tokens count accepted tokens, not
+            return grid.sum(axis=1, dtype=np.int64)  # rows, and a warm window had then been summed in
         return grid.astype(np.int64) @ self.token_scored.astype(np.int64)
 
     def stream_groups(self, s: int) -> np.ndarray:
@@ -150,6 +151,9 @@ def build_layout(trace: Trace, options: StreamOptions | None = None, **kwargs) -
     """
     if options is not None and kwargs:
         raise TypeError("build_layout: give StreamOptions or keywords, not both")
+    if not isinstance(trace, Trace):  # an array had met an AttributeError deep inside
+        raise ConfigError(f"trace: expected a Trace (expertcache.Trace.from_arrays(experts, ...) or load_trace(path)), "
+                          f"got {type(trace).__name__}")
     opts = options if options is not None else StreamOptions.of(**kwargs)
     pool, reset, layers, warm, admission = opts.pool, opts.reset, opts.layers, opts.warm, opts.admission
     cols = trace.layer_index(layers)

@@ -170,10 +170,18 @@ def replay_many(
 ) -> list[ReplayResult]:
     """Replay several policies on the same streams; fills ``gap_recovered`` when both ``lru`` and
     ``belady`` are among them."""
+    check_policy_list(policies)
     layout = build_layout(trace, pool=pool, reset=reset, layers=layers, warm=warm, admission=admission)
     results = [replay_layout(layout, capacity, p, engine=engine) for p in policies]
     fill_gap(results)
     return results
+
+
+def check_policy_list(policies) -> None:
+    """A ConfigError where ``policies`` is one policy, not a list of them (a string had been read
+    character by character: "unknown policy 'l'")."""
+    if isinstance(policies, (str, Policy)) or not hasattr(policies, "__iter__"):
+        raise ConfigError(f"policies: expected a list of policies, such as ['lru', 'belady'], got {policies!r}")
 
 
 def fill_gap(results: Sequence[ReplayResult]) -> None:
@@ -207,10 +215,17 @@ def replay_layout(layout: StreamLayout, capacity: int, policy: "str | Policy", *
     return result
 
 
+MAX_CAPACITY = 1 << 62
+"""Largest capacity taken (sweep's and bounds' int64 arithmetic overflowed at 2**63)."""
+
+
 def check_capacity(layout: StreamLayout, capacity) -> int:
-    """``capacity`` as an int, or a ConfigError if it is not one or cannot hold the widest group."""
+    """``capacity`` as an int, or a ConfigError if it is not one, is above :data:`MAX_CAPACITY`, or
+    cannot hold the widest group."""
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
         raise ConfigError(f"capacity must be an integer, got {capacity!r}")
+    if capacity > MAX_CAPACITY:
+        raise ConfigError(f"capacity {capacity} is above 2**62")
     widest = layout.widest
     if capacity < max(widest, 1):
         raise ConfigError(

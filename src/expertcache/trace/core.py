@@ -39,11 +39,33 @@ from .validate import MAX_LAYER_ID, MAX_LAYERS, check, compact_dtype, parse_meta
 CORE_ARRAYS = ("experts", "seq", "probs", "router_probs")
 
 
+def _owned(arr: np.ndarray | None, given: list = ()) -> np.ndarray | None:
+    """``arr`` made read-only, copied first where it shares memory with one of the caller's arrays
+    (``given``): checked once, a trace's arrays never change after (the compiled loops trust the
+    ids; a caller's array changed after :meth:`Trace.from_arrays` had made a checked id invalid:
+    a segfault)."""
+    if arr is None:
+        return arr
+    if any(isinstance(g, np.ndarray) and np.shares_memory(arr, g) for g in given):
+        arr = arr.copy()
+    arr.flags.writeable = False
+    return arr
+
+
+def _frozen(fields: dict, given: list = ()) -> dict:
+    """:func:`check`'s fields with every array :func:`_owned`."""
+    for key in ("experts", "seq", "probs", "router_probs"):
+        fields[key] = _owned(fields[key], given)
+    fields["extras"] = {name: _owned(arr, given) for name, arr in fields["extras"].items()}
+    return fields
+
+
 @dataclass(frozen=True, eq=False)
 class Trace:
     """Router decisions of one model over one or more sequences.
 
-    Invariants (checked on construction and load): ``experts`` is an integer ``[T, L, k]`` array
+    Invariants (checked on construction and load; the arrays are then read-only, and
+    :meth:`from_arrays` copies any the caller still holds): ``experts`` is an integer ``[T, L, k]`` array
     with ids in ``[0, num_experts)`` or -1 (padding), no id twice in one (token, layer);
     ``seq`` has one entry per token and each sequence's tokens are contiguous; ``probs`` matches
     ``experts`` in shape; ``router_probs`` is ``[T, L, num_experts]``; ``meta`` agrees with the
@@ -84,8 +106,8 @@ class Trace:
             if probs is not None:
                 probs = np.asarray(probs)[:, None, :]
         meta = dict(meta or {})
-        if num_experts is not None:
-            meta["num_experts"] = int(num_experts)
+        if num_experts is not None:  # checked with the meta: 4.7 and "4" had become 4, True 1
+            meta["num_experts"] = int(num_experts) if isinstance(num_experts, np.integer) else num_experts
         if seq is None and experts.ndim >= 1:
             seq = np.zeros(experts.shape[0], dtype=np.int32)
         arrays = {"experts": experts, "seq": np.asarray(seq)}
@@ -95,7 +117,8 @@ class Trace:
             arrays["router_probs"] = np.asarray(router_probs)
         for name, value in (extras or {}).items():
             arrays[name] = np.asarray(value)
-        return Trace(**check(arrays, meta, source, fill_meta=True))
+        given = list(arrays.values())
+        return Trace(**_frozen(check(arrays, meta, source, fill_meta=True), given))
 
     # ------------------------------------------------------------------ shape
     @property
@@ -171,9 +194,19 @@ class Trace:
         )
 
     def select_sequences(self, index: Sequence[int]) -> "Trace":
-        """A trace holding the sequences at the given positions (0-based, in trace order)."""
+        """A trace holding the sequences at the given positions (0-based, in the order given), each
+        position once and in ``[0, num_sequences)``: a TraceError otherwise (a position named twice had
+        merged two copies into one sequence, ``-1`` had given an empty trace, ``-2`` the last one)."""
+        index = list(index)
+        S = self.num_sequences
+        bad = next((i for i in index if isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                    or not 0 <= i < S), None)
+        if not index or bad is not None or len(set(index)) != len(index):
+            what = ("no position" if not index else f"position {bad!r} is not in [0, {S})" if bad is not None
+                    else "a position is named twice")
+            raise TraceError(f"{self.source}: select_sequences: {what} ({S} sequences; got {str(index)[:60]})")
         bounds = self.seq_bounds
-        rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in index]) if len(index) else np.zeros(0, int)
+        rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in index])
         meta = dict(self.meta)
         meta["tokens"] = int(rows.size)
         meta["sequences"] = len(index)
@@ -228,7 +261,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
         except UnicodeDecodeError as exc:
             raise TraceError(f"{src}: meta: not UTF-8 text (byte {exc.start})") from None
         meta = parse_meta(text, src)
-    return Trace(**check(arrays, meta, src, fill_meta=meta_arr is None))
+    return Trace(**_frozen(check(arrays, meta, src, fill_meta=meta_arr is None)))
 
 
 def layer_columns(ids: list[int], layers: Iterable[int] | None, source: str) -> np.ndarray:
@@ -236,6 +269,9 @@ def layer_columns(ids: list[int], layers: Iterable[int] | None, source: str) -> 
     a layer the trace lacks, or one named twice, is a TraceError naming ``source``."""
     if layers is None:
         return np.arange(len(ids))
+    layers = list(layers)
+    if not layers:  # an empty list had replayed to 0 copies and nan per token
+        raise TraceError(f"{source}: layers: no layer named (None means every layer)")
     out = []
     for lid in layers:
         if lid not in ids:

@@ -27,7 +27,7 @@ UNIT_EXTRAS = ("iteration", "accepted", "pass_kind")
 
 def check_unit_extra(name: str, arr: np.ndarray, bounds: np.ndarray, T: int, src: str) -> np.ndarray:
     """Validate one of :data:`UNIT_EXTRAS` (shape ``[T]``, integers; ``iteration`` non-decreasing
-    within each sequence, ``accepted`` >= 0, ``pass_kind`` in 0..3); returns it (int64 for
+    within each sequence, ``accepted`` in 0..:data:`MAX_ACCEPTED`, ``pass_kind`` in 0..3); returns it (int64 for
     ``iteration``). ``bounds``: the sequences' row offsets (``[S + 1]``)."""
     if arr.shape != (T,) or arr.dtype.kind not in "iu":
         raise TraceError(f"{src}: {name}: expected integer shape ({T},), got {arr.dtype} {arr.shape}")
@@ -41,13 +41,17 @@ def check_unit_extra(name: str, arr: np.ndarray, bounds: np.ndarray, T: int, src
             raise TraceError(f"{src}: iteration: goes back inside a sequence at row {t} "
                              f"(iteration {int(it[t - 1])} then {int(it[t])})")
         return it
-    lo, hi = (0, None) if name == "accepted" else (0, 3)
-    bad = (arr < lo) if hi is None else ((arr < lo) | (arr > hi))
+    lo, hi = (0, MAX_ACCEPTED) if name == "accepted" else (0, 3)
+    bad = (arr < lo) | (arr > hi)
     if bad.any():
         t = int(np.flatnonzero(bad)[0])
-        span = "non-negative" if hi is None else f"in [{lo}, {hi}]"
-        raise TraceError(f"{src}: {name}: value {int(arr[t])} at row {t} is not {span}")
+        raise TraceError(f"{src}: {name}: value {int(arr[t])} at row {t} is not in [{lo}, {hi:,}]")
     return arr
+
+
+MAX_ACCEPTED = 1 << 20
+"""Most accepted tokens one row may credit (a batch row's or a speculative step's are a few): three
+rows of 2**62 had summed past int64, a negative token count."""
 
 
 def _extra(trace, name: str) -> np.ndarray | None:

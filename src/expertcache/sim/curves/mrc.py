@@ -28,7 +28,7 @@ from ...policies import Policy, make_policy
 from ...trace import Trace
 from ..gap import as_record, gap_recovered
 from ..layout import StreamLayout, build_layout
-from ..replay import LayerCounts, ReplayResult, check_capacity, replay_layout
+from ..replay import LayerCounts, ReplayResult, check_capacity, check_policy_list, replay_layout
 from .stack import stack_histograms
 
 Progress = Callable[[int], None]
@@ -174,6 +174,7 @@ def sweep_layout(
     """:func:`sweep` on prepared streams. ``jobs`` > 1 or ``ray`` replays each capacity with the
     streams split over workers started once for the whole sweep (:class:`~expertcache.sim.parallel.StreamReplayer`;
     the same numbers)."""
+    check_policy_list(policies)
     with contextlib.ExitStack() as stack:
         replayer = None
         if (jobs > 1 or ray is not None) and engine != "python":
@@ -275,4 +276,5 @@ def _capacities(layout: StreamLayout, capacities: Iterable[int] | None) -> list[
     if not caps:
         raise ConfigError("capacities: none given")
     check_capacity(layout, caps[0])  # the smallest must hold the widest group
+    check_capacity(layout, caps[-1])  # and the largest fit int64's arithmetic
     return caps
