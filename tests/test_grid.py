@@ -201,3 +201,36 @@ def test_a_spec_tomllib_cannot_hold_is_one_line(tmp_path):
         with pytest.raises(ConfigError, match=match) as err:
             load_spec(tmp_path / name)
         assert "\n" not in str(err.value)
+
+
+def test_belady_added_later_fills_the_gap_of_cells_stored_before(grid):
+    """A grid rerun with belady added had kept its lru and lfu rows without gap_recovered ("4 already
+    done"), where a fresh run fills it: the task is replayed again and its rows replaced."""
+    base = 'traces = ["ta.npz"]\ncapacities = [8]\npools = ["layer"]\n'
+    (grid / "a.toml").write_text(base + 'policies = ["lru", "lfu"]\n')
+    (grid / "b.toml").write_text(base + 'policies = ["lru", "lfu", "belady"]\n')
+    run_grid(load_spec(grid / "a.toml"), grid / "resumed", jobs=1)
+    summary = run_grid(load_spec(grid / "b.toml"), grid / "resumed", jobs=1)
+    run_grid(load_spec(grid / "b.toml"), grid / "fresh", jobs=1)
+    resumed, fresh = (strip(Store(grid / d).read_rows()) for d in ("resumed", "fresh"))
+    assert resumed == fresh and len(resumed) == 3 and summary["computed"] == 3
+    assert all(r["gap_recovered"] is not None for r in resumed if r["policy"] != "belady")
+
+
+def test_the_report_keeps_two_versions_of_a_trace_apart(grid, capsys):
+    """grid report grouped rows by the trace's path: a file edited between two runs into one folder
+    gave one table whose belady came from the old file and lru from the new, with no warning."""
+    (grid / "one.toml").write_text('traces = ["ta.npz"]\ncapacities = [8]\npools = ["layer"]\n'
+                                   'policies = ["lru", "belady"]\n')
+    run_grid(load_spec(grid / "one.toml"), grid / "out", jobs=1)
+    (grid / "ta.npz").write_bytes((grid / "tb.npz").read_bytes())  # the same path, other contents
+    run_grid(load_spec(grid / "one.toml"), grid / "out", jobs=1)
+    assert main(["grid", "report", str(grid / "out"), "--json"]) == 0
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    idents = {r["trace_id"] for r in recs}
+    assert len(idents) == 2  # two panels, one per content
+    rows = Store(grid / "out").read_rows()
+    for ident in idents:
+        mine = {r["policy"]: r["hit_rate"] for r in rows if r["trace_id"] == ident}
+        got = {r["policy"]: r["by_size"]["8"] for r in recs if r["trace_id"] == ident and r["metric"] == "hit_rate"}
+        assert got == mine

@@ -747,3 +747,29 @@ def test_sglang_a_pass_with_no_expert_slots_is_one_line(tmp_path):
     want = r"k0.pt: records\[0\]: topk_ids_of_layer is \[3, 3, 0\]: no layers or no expert slots"
     with pytest.raises(TraceError, match=want):
         import_sglang(tmp_path / "k0.pt")
+
+
+def test_a_key_named_twice_in_a_record_is_refused(tmp_path):
+    """json keeps the last of two values of one key: {"experts": [0, 1], "experts": [5, 6]} had
+    imported as [5, 6] with exit 0 (a repeated "layer" would have moved the record)."""
+    log = tmp_path / "dup.jsonl"
+    log.write_text('{"problem_id": 0, "token_idx": 0, "layer": 0, "experts": [0, 1]}\n'
+                   '{"problem_id": 0, "token_idx": 1, "layer": 0, "experts": [0, 1], "experts": [5, 6]}\n')
+    with pytest.raises(TraceError, match=r"dup.jsonl:2: key 'experts' appears twice in one object"):
+        import_vllm_jsonl(log, num_experts=8)
+    nested = tmp_path / "nested.jsonl"  # inside a nested object too
+    nested.write_text('{"problem_id": 0, "token_idx": 0, "experts": {"0": [1, 2], "0": [3, 4]}}\n')
+    with pytest.raises(TraceError, match="key '0' appears twice"):
+        import_token_jsonl(nested, num_experts=8)
+
+
+def test_garbage_after_the_last_zstd_frame_names_the_lines_read(tmp_path):
+    """Bytes after the last frame that are no frame: the lines before them are read, and the error
+    says after which (it had said "after line 0" for a 16-line log: the decoded bytes were lost)."""
+    zstandard = pytest.importorskip("zstandard")
+    lines = "".join(json.dumps({"problem_id": 0, "token_idx": t, "layer": 0, "experts": [0, 1]}) + "\n"
+                    for t in range(16))
+    path = tmp_path / "z.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()) + b"\x00garbage")
+    with pytest.raises(TraceError, match="corrupt or truncated zstd stream after line 16"):
+        import_vllm_jsonl(path, num_experts=8)

@@ -171,3 +171,23 @@ def test_write_cli_errors_are_one_line(tmp_path):
     r = cli("tier", "write", "--pool", tmp_path / "p", "--from-trace", tr, "--expert-mb", "0.05", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["expert_bytes"] == 50_000
+
+
+def test_a_trace_of_other_layer_ids_than_the_pool_is_refused(tmp_path):
+    """Layers were matched by position: a trace of layers [0, 3] replayed against a pool of layers
+    [0, 1] read layer 3's experts from layer 1's files (a --from-safetensors pool's real bytes)."""
+    import numpy as np
+
+    import expertcache as ec
+    from expertcache.errors import ConfigError
+    from expertcache.tier.pool import open_pool, pool_from_trace
+    from expertcache.tier.worker import check_trace_fits
+
+    ex = np.zeros((4, 2, 1), dtype=int)
+    written = ec.Trace.from_arrays(ex, num_experts=4, meta={"layer_ids": [0, 1]})
+    other = ec.Trace.from_arrays(ex, num_experts=4, meta={"layer_ids": [0, 3]})
+    pool_from_trace(tmp_path / "pool", written, expert_bytes=4096)
+    pool = open_pool(tmp_path / "pool")
+    check_trace_fits(written, pool)
+    with pytest.raises(ConfigError, match=r"has layer ids 0,3, pool .* holds layers 0-1"):
+        check_trace_fits(other, pool)

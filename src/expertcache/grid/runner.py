@@ -54,6 +54,15 @@ def run_grid(spec: GridSpec, out: str | os.PathLike, *, jobs: int | None = None,
         done = set(store.done_keys()) & keys
     work = [(t, tuple(p for p in t.policies if t.cell(p).key not in done)) for t in tasks]
     work = [(t, todo) for t, todo in work if todo]
+    # lru or belady new to a task whose grid has both: its cells done before were stored without
+    # gap_recovered (the grid lacked one of them then): the whole task again, their rows replaced
+    redo = [(t, tuple(t.policies)) for t, todo in work
+            if {"lru", "belady"} <= set(t.policies) and {"lru", "belady"} & set(todo) and len(todo) < len(t.policies)]
+    if redo:
+        again = {t.cell(p).key for t, todo in redo for p in todo} & done
+        store.drop(again)
+        done -= again
+        work = [(t, tuple(t.policies)) if (t, tuple(t.policies)) in redo else (t, todo) for t, todo in work]
     summary = {"cells": len(keys), "skipped": len(done), "computed": 0, "parts": 0, "out": str(out)}
     if on_start:
         on_start(sum(len(todo) for _, todo in work))

@@ -80,7 +80,8 @@ class Arena:
             self._buf = None
             raise MlockError(f"arena: mlock of {self.bytes} bytes failed ({why}); RLIMIT_MEMLOCK or CAP_IPC_LOCK "
                              "forbids it: the arena cannot be locked, so this run stops (fail-stop)")
-        self.locked_bytes = len(self._buf)
+        page = mmap.PAGESIZE
+        self.locked_bytes = -(-len(self._buf) // page) * page  # mlock locks whole pages (docs/tier.md)
 
     def preload(self) -> int:
         """Copy every chosen entry into the arena; returns bytes copied (excluded from the measured

@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from .._text import id_ranges
 from ..errors import ConfigError
 from ..trace import load_trace
 from ..wall.cgroupwall import worker_main
@@ -58,6 +59,10 @@ def check_trace_fits(trace, pool) -> None:
     """The trace's layers and expert ids must exist in the pool (one line otherwise)."""
     if trace.num_layers != pool.num_layers:
         raise ConfigError(f"trace {trace.source} has {trace.num_layers} layers, pool {pool.root} has {pool.num_layers}")
+    ids = [int(x) for x in pool.manifest.get("layers") or []]
+    if ids and ids != list(trace.layer_ids):  # matched by position, layer 3 had read layer 1's bytes
+        raise ConfigError(f"trace {trace.source} has layer ids {id_ranges(trace.layer_ids)}, pool {pool.root} "
+                          f"holds layers {id_ranges(ids)}: write the pool from this trace's layers")
     if trace.num_experts > pool.num_experts:
         raise ConfigError(f"trace {trace.source} has {trace.num_experts} experts per layer, pool {pool.root} has {pool.num_experts}")
 
