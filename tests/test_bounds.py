@@ -288,3 +288,20 @@ def test_cli_exact_too_large_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"at most {MAX_ITEMS}" in err and "layer 0, sequence 0" in err
     assert main(["bounds", path, "-c", "4"]) == 0
+
+
+def test_the_exact_program_refuses_what_it_would_misread():
+    """optimal_total had floored a capacity of 1.5, read float ids (NaN as padding), taken -5 as
+    padding, and met 2**70 states with an OverflowError."""
+    from expertcache.bounds.exact import optimal_total
+    from expertcache.errors import ConfigError
+
+    g = np.array([[0, 1], [1, 2], [3, 0], [2, 3]])
+    assert optimal_total(g, 2).total == 6 == optimal_total(g.astype(np.int16), np.int64(2)).total
+    for groups, capacity, kw, said in ((g, 1.5, {}, "capacity must be an integer"),
+                                       (g.astype(float), 2, {}, "expected integer ids"),
+                                       (np.array(3), 2, {}, "expected integer ids"),
+                                       (np.array([[0, -5]]), 2, {}, "id -5 is below -1"),
+                                       (g, 2, {"max_states": 2**70}, "max_states must be an integer")):
+        with pytest.raises(ConfigError, match=said):
+            optimal_total(groups, capacity, **kw)

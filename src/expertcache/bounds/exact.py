@@ -60,6 +60,13 @@ def optimal_total(groups: np.ndarray, capacity: int, *, max_states: int = DEFAUL
     groups = np.asarray(groups)
     if groups.ndim == 1:
         groups = groups[:, None]
+    if groups.ndim != 2 or (groups.size and groups.dtype.kind not in "iu"):  # a float was floored, NaN a pad
+        raise ConfigError(f"groups: expected integer ids [T, k], got {groups.dtype} of shape {groups.shape}")
+    if groups.size and int(groups.min()) < -1:
+        raise ConfigError(f"groups: id {int(groups.min())} is below -1 (the padding)")
+    for name, value, most in (("capacity", capacity, 1 << 62), ("max_states", max_states, 1 << 62)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= most:
+            raise ConfigError(f"{name} must be an integer in [1, 2**62], got {value!r}")
     ids, local = np.unique(groups, return_inverse=True)
     local = local.reshape(groups.shape) - (1 if ids.size and ids[0] < 0 else 0)
     n = int(np.count_nonzero(ids >= 0))
