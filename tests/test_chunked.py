@@ -255,3 +255,23 @@ def test_grid_cells_of_a_chunked_trace_equal_the_whole_trace(tmp_path, chunked):
                        for r in rows if r["trace"] == label))
     assert len(cells(str(ct.root))) == 3 * 2 * 2 * 2
     assert cells(str(ct.root)) == cells(str(tmp_path / "whole.npz"))
+
+
+def test_a_chunk_replaced_after_writing_is_refused_by_its_digest(tmp_path):
+    """A chunk copied over from another trace of the same shape had been replayed as this trace's
+    (and a grid kept its results under the same key): the manifest records each chunk's SHA-256."""
+    import json as _json
+    import shutil
+
+    from expertcache.trace.chunked import open_chunked, write_trace_chunked
+    from expertcache.trace.synth import synthesize_preset
+
+    for seed, name in ((1, "a"), (2, "b")):
+        write_trace_chunked(synthesize_preset("olmoe", seed=seed, tokens=20, sequences=4, num_layers=2),
+                            tmp_path / name, chunk_sequences=2)
+    doc = _json.loads((tmp_path / "a" / "chunks.json").read_text())
+    assert all(len(c["sha256"]) == 64 for c in doc["chunks"])
+    open_chunked(tmp_path / "a").load()  # intact: read
+    shutil.copy(tmp_path / "b" / "chunk-000000.npz", tmp_path / "a" / "chunk-000000.npz")
+    with pytest.raises(TraceError, match="its bytes are not the ones chunks.json records"):
+        open_chunked(tmp_path / "a").chunk(0)

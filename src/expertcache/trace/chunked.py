@@ -4,7 +4,8 @@ On disk a *chunked trace* is a folder holding
 
 * ``chunks.json``: the manifest, ``{"format": "expertcache-chunked-trace", "version": 1,
   "num_experts", "num_layers", "top_k", "layer_ids", "tokens", "sequences", "meta",
-  "chunks": [{"file", "tokens", "sequences", "first_seq", "last_seq"}, ...]}``;
+  "chunks": [{"file", "tokens", "sequences", "first_seq", "last_seq", "sha256"}, ...]}`` (``sha256``, the
+  chunk file's digest, checked when the chunk is read; absent from manifests written before it);
 * ``chunk-000000.npz``, ``chunk-000001.npz``, ...: each a canonical trace
   (:mod:`~expertcache.trace.core`, stored without compression so that reading is not the cost).
 
@@ -28,6 +29,7 @@ renames it into place when closed, so a reader never sees half a trace (atomic).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -67,6 +69,10 @@ class ChunkInfo:
     sequences: int
     first_seq: int
     last_seq: int
+    sha256: str | None = None
+    """The chunk file's SHA-256 (written since stop 51; None in older manifests): a chunk replaced by
+    another of the same shape is refused when read, and a grid's key, which hashes the manifest,
+    follows the chunks' bytes."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,8 +119,11 @@ class ChunkedTrace:
         """Chunk ``i`` as a validated :class:`~expertcache.trace.Trace` that agrees with the manifest."""
         info = self.chunks[i]
         path = self.root / info.file
-        tr = load_trace(path)
         where = f"{path}"
+        if info.sha256 is not None and path.is_file() and file_sha256(path) != info.sha256:  # a missing one: below
+            raise TraceError(f"{where}: its bytes are not the ones {MANIFEST} records (sha256): a chunk was replaced "
+                             "or changed after the trace was written")
+        tr = load_trace(path)
         if tr.num_experts != self.num_experts or tr.top_k != self.top_k or tr.layer_ids != self.layer_ids:
             raise TraceError(f"{where}: E={tr.num_experts}, k={tr.top_k}, layers {tr.layer_ids[:4]}... disagree with "
                              f"{MANIFEST} (E={self.num_experts}, k={self.top_k})")
@@ -228,8 +237,11 @@ def open_chunked(path: str | os.PathLike) -> ChunkedTrace:
         name = row.get("file")
         if not isinstance(name, str) or not _CHUNK_NAME.fullmatch(name):
             raise TraceError(f"{src}: {where}file: expected a name like chunk-000000.npz, got {name!r}")
+        digest = row.get("sha256")
+        if digest is not None and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+            raise TraceError(f"{src}: {where}sha256: expected 64 hex digits, got {str(digest)[:80]!r}")
         info = ChunkInfo(name, integer(row, "tokens", where, 1), integer(row, "sequences", where, 1),
-                         integer(row, "first_seq", where, 0), integer(row, "last_seq", where, 0))
+                         integer(row, "first_seq", where, 0), integer(row, "last_seq", where, 0), digest)
         if info.last_seq < info.first_seq or info.sequences > info.last_seq - info.first_seq + 1 \
                 or info.sequences > info.tokens:
             raise TraceError(f"{src}: {where[:-1]}: {info.sequences} sequences cannot have ids "
@@ -244,6 +256,15 @@ def open_chunked(path: str | os.PathLike) -> ChunkedTrace:
         if doc.get(key) != total:
             raise TraceError(f"{src}: {key}: {doc.get(key)!r}, but the chunks hold {total:,}")
     return ChunkedTrace(root=root, num_experts=E, top_k=k, layer_ids=list(layer_ids), meta=meta, chunks=chunks)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The file's SHA-256, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(4 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -332,7 +353,7 @@ class ChunkWriter:
         name = f"chunk-{len(self.rows):06d}.npz"
         trace.save(self.tmp / name, compressed=False)
         self.rows.append({"file": name, "tokens": trace.num_tokens, "sequences": trace.num_sequences,
-                          "first_seq": lo, "last_seq": hi})
+                          "first_seq": lo, "last_seq": hi, "sha256": file_sha256(self.tmp / name)})
 
     def close(self) -> Path:
         if not self.rows:
