@@ -17,7 +17,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from .. import __version__
+from ..sim.layout import counts_version
 from .spec import GridSpec, TraceSource
 
 
@@ -47,7 +47,7 @@ class Cell:
             "warm": self.warm,
             "layers": list(self.layers) if self.layers is not None else None,
             "reset": self.reset,
-            "version": __version__,
+            "version": counts_version(),
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 

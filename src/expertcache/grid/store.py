@@ -180,6 +180,6 @@ def _finite(x):
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..sim.layout import counts_version
 
-    return __version__
+    return counts_version()
