@@ -687,6 +687,12 @@ def test_roles_a_chat_format_drops_are_found_and_not_dropped_silently(small_gguf
         with pytest.raises(ApiError) as info:
             kept_roles(messages, roles)
         assert info.value.status == 400 and where in str(info.value), info.value
+    # generate's --system, where the format drops it: one line, not a system message gone without a word
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(small_gguf), "--chat",
+                           "hi", "--system", "be brief", "--chat-format", "gemma", "--max-new-tokens", "2"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "leaves system messages out of the prompt" in lines[0]
 
 
 def test_a_chat_the_template_refuses_or_the_context_cannot_hold_is_a_400_and_one_line(managed, small_gguf, tmp_path):

@@ -83,7 +83,7 @@ def add_parser(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from ..llama.completion import PromptError
+    from ..llama.completion import PromptError, rendered_roles
     from ..llama.textgen import stream_text
 
     text = _prompt_text(args)
@@ -98,6 +98,9 @@ def run_generate(args) -> int:
     with open_session(args) as session:
         if messages is not None:
             session.check_chat()
+            if args.system is not None and rendered_roles(session.llama).get("system") is False:
+                raise ConfigError("--system: this model's chat format leaves system messages out of the prompt "
+                                  "(put the instruction in --chat)")  # it had been dropped without a word
         n_prompt = len(session.tokenize(text)) if messages is None else None
         if n_prompt is not None and n_prompt + args.max_new_tokens > session.n_ctx:
             raise ConfigError(f"the prompt ({n_prompt} tokens) and --max-new-tokens {args.max_new_tokens} exceed the "

@@ -46,7 +46,7 @@ def _owned(arr: np.ndarray | None, given: list = ()) -> np.ndarray | None:
     a segfault)."""
     if arr is None:
         return arr
-    if any(isinstance(g, np.ndarray) and np.shares_memory(arr, g) for g in given):
+    if any(isinstance(g, np.ndarray) and np.may_share_memory(arr, g) for g in given):  # bounds: never slow
         arr = arr.copy()
     arr.flags.writeable = False
     return arr
