@@ -17,8 +17,15 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from ..sim.layout import counts_version
+from .. import __version__
+from ..sim.layout import COUNTS_REVISION
 from .spec import GridSpec, TraceSource
+
+
+def counts_version() -> str:
+    """The package version and :data:`~expertcache.sim.layout.COUNTS_REVISION`, as cell keys and
+    stored rows record it: ``0.1.0+counts.2``."""
+    return f"{__version__}+counts.{COUNTS_REVISION}"
 
 
 @dataclass(frozen=True)

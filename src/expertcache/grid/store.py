@@ -180,6 +180,6 @@ def _finite(x):
 
 
 def _version() -> str:
-    from ..sim.layout import counts_version
+    from .cells import counts_version
 
     return counts_version()

@@ -135,13 +135,6 @@ the warm window is ``floor(w x n)`` of the decimal ``w`` (a float floor had warm
 0.7 x 90), and an engine trace's warm rows stay out when its scored tokens equal its rows."""
 
 
-def counts_version() -> str:
-    """The package version and :data:`COUNTS_REVISION`, as stored results record it: ``0.1.0+counts.2``."""
-    from .. import __version__
-
-    return f"{__version__}+counts.{COUNTS_REVISION}"
-
-
 def warm_count(warm: float, n: int) -> int:
     """``floor(w * n)``, the warm tokens (or iterations) of a stream of ``n``, with ``w`` read as the
     decimal it was written as: in binary ``0.7 * 90`` is 62.99999999999999, and a float floor had
