@@ -362,3 +362,29 @@ def test_a_worker_waiting_for_memory_before_the_limit_follows_is_killed_after_th
     cgroup.set(usage=CAPACITY, file=0, under_oom=False)
     s.sample()
     assert s._oom_since is None
+
+
+def test_a_following_wall_that_squeezes_the_tier_fails_its_proof(cgroup):
+    """A following limit that holds the tier far below the capacity while the cgroup sits at it:
+    the run measures a smaller cache than its wall (an 8 MB wall whose tier peaked at 4.4 MB read
+    4-8 times the file a token), yet the proof had held (its "reached" compared the usage with the
+    ceiling, capacity + 4 GiB). Counted only after the first forward (steady)."""
+    from expertcache.wall.cgroupwall import cgroup_problems, proof_slack, squeezed
+
+    s = sampler(cgroup)
+    s._steady = True
+    cgroup.set(usage=40 * MiB, file=0)
+    s.sample()  # the first limit is written
+    for _ in range(4):
+        limit = cgroup.limit
+        cgroup.set(usage=limit - 4096, file=CAPACITY // 2)  # at the limit, the tier at half the capacity
+        s.sample()
+    lim = s.limits
+    assert lim["at_limit_samples"] >= 3 and lim["at_limit_tier_max_bytes"] == CAPACITY // 2
+    floor = CAPACITY - proof_slack(CAPACITY)
+    assert squeezed(lim, floor) and not squeezed({**lim, "at_limit_tier_max_bytes": int(floor) + 1}, floor)
+    proof = {**lim, "limit_bytes": 50 * MiB, "follow_margin_bytes": MARGIN, "peak_bytes": 45 * MiB,
+             "tier_peak_bytes": CAPACITY // 2, "own_peak_bytes": 40 * MiB, "removed": True}
+    problems = cgroup_problems(proof, CEILING, CAPACITY, True, None)
+    assert len(problems) == 1 and "held the tier below the capacity" in problems[0], problems
+    assert cgroup_problems({**proof, "at_limit_tier_max_bytes": CAPACITY}, CEILING, CAPACITY, True, None) == []

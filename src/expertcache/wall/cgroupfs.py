@@ -232,6 +232,8 @@ def retry_at_limit(call, seconds: float, errnos: tuple[int, ...] = (errno.ENOMEM
 
 
 LOAD_SUFFIX, LOADED_SUFFIX, SETTLED_SUFFIX, STEADY_SUFFIX = ".load", ".loaded", ".settled", ".steady"
+AT_LIMIT_BYTES = 1 << 20
+"""A following wall's sample counts as at its limit when the usage is within this of the limit."""
 """A following wall's worker about to load a model creates ``follow_flag + LOAD_SUFFIX`` and waits
 until the wall removes it; it creates ``follow_flag + LOADED_SUFFIX`` when the load is over and waits
 until the wall, its limit after the load written, removes that too
@@ -293,7 +295,8 @@ class Sampler(threading.Thread):
         if tier_files:
             self.files = FileCache(tier_files)
         self.limits: dict = {"min_limit_bytes": None, "max_limit_bytes": None, "limit_writes": 0,
-                             "limit_write_errors": 0, "oom_waits": 0}
+                             "limit_write_errors": 0, "oom_waits": 0, "steady_samples": 0, "at_limit_samples": 0,
+                             "at_limit_tier_max_bytes": None}
         self._limit: int | None = None
         self._recent_own: collections.deque = collections.deque(maxlen=FOLLOW_WINDOW)
         self._following = False
@@ -365,6 +368,16 @@ class Sampler(threading.Thread):
         if load_mark and self._following:
             self._loading = True
         other = max(0, file - tier + (0 if self.tier_locked else unev)) if self.files is not None else 0
+        if self.follow is not None and self._steady and usage is not None and self._limit is not None:
+            # after the first forward: was the cgroup at its limit, and how much did the tier hold
+            # then? A tier kept far below the capacity at the limit is a smaller cache than the wall
+            # claims (cgroup_problems; 4.4 MB of an 8 MB wall, read 4-8 times the file a token)
+            lim = self.limits
+            lim["steady_samples"] += 1
+            if usage >= self._limit - AT_LIMIT_BYTES:
+                lim["at_limit_samples"] += 1
+                best = lim["at_limit_tier_max_bytes"]
+                lim["at_limit_tier_max_bytes"] = tier if best is None else max(best, tier)
         if self.follow is not None and vals["own_peak_bytes"] is not None:
             self._following = self._following or tier * 2 >= self.follow[0] or flagged
             if self._following:

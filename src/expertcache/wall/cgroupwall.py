@@ -365,6 +365,12 @@ def cgroup_problems(proof: dict, limit: int, capacity: int, made: bool, timed_ou
         problems.append(f"the wall ({lim} bytes) was reached while the tier held at most {tier} bytes, below the "
                         f"capacity {capacity}: the worker's own memory outgrew the headroom {limit - capacity} "
                         f"({own_txt}); raise the headroom")
+    elif followed and squeezed(proof, capacity - slack):
+        problems.append(f"the following limit held the tier below the capacity: at the limit in "
+                        f"{proof['at_limit_samples']} of {proof['steady_samples']} samples after the first forward, "
+                        f"the tier at most {proof['at_limit_tier_max_bytes']} bytes, under the capacity {capacity} "
+                        f"less the slack {int(slack)}: the run measured a smaller cache than its wall "
+                        f"({own_txt}; bias up to {proof.get('max_bias_bytes', 0)} bytes)")
     if proof.get("oom_kill"):
         problems.append(f"the wall OOM-killed {proof['oom_kill']} process(es): raise the headroom")
     if timed_out_after is not None:
@@ -372,6 +378,18 @@ def cgroup_problems(proof: dict, limit: int, capacity: int, made: bool, timed_ou
     if made and not proof.get("removed"):
         problems.append(f"could not remove {proof.get('path')}")
     return problems
+
+
+SQUEEZE_SAMPLES = 3
+"""Samples at the limit (after the first forward) that make a squeezed tier a failed proof."""
+
+
+def squeezed(proof: dict, floor: float) -> bool:
+    """Whether a following wall was at its limit in at least :data:`SQUEEZE_SAMPLES` samples after
+    the first forward while the tier never reached ``floor`` (the capacity less the slack) in any of
+    them: the kernel reclaimed the tier, not the policy, and the run's figures are a smaller cache's."""
+    n, best = proof.get("at_limit_samples") or 0, proof.get("at_limit_tier_max_bytes")
+    return n >= SQUEEZE_SAMPLES and best is not None and best < floor
 
 
 def read_limit_chain(loc: dict) -> list[tuple[str, int | None]]:
