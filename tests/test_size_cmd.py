@@ -873,3 +873,20 @@ def test_a_wall_that_holds_the_file_reads_each_expert_once_in_every_mode(tiny_gg
         r = recs[mode]
         assert r["missed_bytes_per_token"] == pytest.approx(r["fill_bytes_per_token"]), mode
         assert r["missed_bytes_per_token"] * len(experts) <= g.expert_tensor_bytes, mode
+
+
+def test_first_reads_are_the_lrus_never_amplified(tiny_gguf, tmp_path, capsys):
+    """advise's a(f) multiplies reclaim's re-reads: it had multiplied the first reads too (up to 1.55
+    times the expert bytes the file holds, a 55% first-read share where 33% was right)."""
+    from expertcache.formats.gguf import read_geometry
+
+    g = read_geometry(str(tiny_gguf))
+    experts, trace = _hand_trace(tmp_path)
+    for room in (2 * 12288, 6 * 12288):
+        recs = _forecast(capsys, tiny_gguf, g.dense_bytes + room, trace)
+        lru_first = recs["advise"]["fill_bytes_per_token"]
+        for mode in ("mmap", "advise"):
+            r = recs[mode]
+            assert r["fill_bytes_per_token"] * len(experts) <= g.expert_tensor_bytes, (mode, room)
+            assert r["fill_bytes_per_token"] <= r["missed_bytes_per_token"]
+        assert recs["advise"]["missed_bytes_per_token"] >= lru_first

@@ -488,10 +488,16 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
           f"({per})")
     room = r0["memory_wall"] - g.dense_bytes
     if room >= g.expert_tensor_bytes:
+        from ..llama.advice import managed_budget, managed_item_bytes
+
         spare = room - g.expert_tensor_bytes
+        pages = int(managed_item_bytes(g).sum())
+        managed = ("" if managed_budget(g, r0["memory_wall"]) >= pages else
+                   f"; managed counts each expert's whole pages, {format_bytes(pages)} in all, which do not fit: "
+                   "its row re-reads")
         print(f"memory {format_bytes(r0['memory_wall'])}: the dense part and every expert "
-              f"({format_bytes(g.expert_tensor_bytes)}), {format_bytes(spare)} to spare (every expert fits: only "
-              "first reads)")
+              f"({format_bytes(g.expert_tensor_bytes)}), {format_bytes(spare)} to spare (every expert fits: mmap and "
+              f"advise read each once{managed})")
     else:
         print(f"memory {format_bytes(r0['memory_wall'])}: the dense part and {format_bytes(room)} of experts beside "
               f"it ({room / g.expert_tensor_bytes:.0%} of the expert tensors)")

@@ -422,13 +422,13 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
     windowed = mm.per_token >= advise
     rows = {
         "mmap": dict(cache_bytes=room, demand=demand, missed=max(mm.per_token, advise),
-                     fill=mm.fill_per_token if windowed else amp * lru.fill_per_token,
+                     fill=mm.fill_per_token if windowed else min(lru.fill_per_token, advise),
                      amplification=max(mm.per_token, advise) / demand if demand else None,
                      note=(f"LRU over {window:,}-byte readahead windows ({window_source}), which read more than "
                            "advise's model here" if windowed else
                            f"as advise: its LRU over {window:,}-byte readahead windows ({window_source}) reads less "
                            f"({mm.per_token / MB:.4g} MB/token)") + ": a model"),
-        "advise": dict(cache_bytes=room, demand=demand, missed=advise, fill=amp * lru.fill_per_token,
+        "advise": dict(cache_bytes=room, demand=demand, missed=advise, fill=min(lru.fill_per_token, advise),
                        amplification=amp,
                        note=f"LRU x {amp:.3g} for page-grain reclaim at {min(fraction, 1):.0%} of the expert tensors "
                             "(fitted on docs/llama.md's benchmark): a model"),
