@@ -157,9 +157,7 @@ def _common(p) -> None:
     p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
                    help="most the wall's limit follows the process's own memory to, above the capacity "
                         "(default 4 GiB, within what the machine can give)")
-    p.add_argument("--policy", default=None, metavar="NAME",
-                   help="online eviction rule deciding the managed mode's expert residency (default lru; refused "
-                        "where no mode is managed)")
+    p.add_argument("--policy", default=None, metavar="NAME", help="managed mode's online eviction rule (default lru)")
     p.add_argument("--timeout", type=TIMEOUT_SECONDS, default=None, metavar="S",
                    help="kill a run after S seconds (0.001 to 1e6)")
     p.add_argument("--no-roofline", action="store_true",

@@ -173,10 +173,10 @@ def parse_record(body: bytes, where: str, *, arrays: bool = False) -> dict | lis
             raise
         except ValueError:  # an integer past Python's digit limit: read again, keeping it as HugeInt
             rec = _SAFE.decode(text)
-    except RecursionError:
-        raise TraceError(f"{where}: JSON nested too deeply") from None
-    except _Repeated as exc:
-        raise TraceError(f"{where}: key {str(exc.args[0])[:40]!r} appears twice in one object") from None
+    except (RecursionError, _Repeated) as exc:
+        why = ("JSON nested too deeply" if isinstance(exc, RecursionError) else
+               f"key {str(exc.args[0])[:40]!r} appears twice in one object")
+        raise TraceError(f"{where}: {why}") from None
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
     except ValueError as exc:  # any other number the decoder cannot represent
