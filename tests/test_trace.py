@@ -197,3 +197,12 @@ def test_selecting_sequences_or_layers_that_are_not_there_is_refused():
         tr.select_layers([])
     with pytest.raises(ec.TraceError, match="layers: no layer named"):
         ec.replay(tr, 2, "lru", layers=[])
+
+
+def test_experts_of_the_wrong_rank_are_named_not_seq():
+    """A 0-d or string ``experts`` had been reported as "seq: object arrays are not allowed"."""
+    import expertcache as ec
+
+    for experts in (np.array(3), np.array("abc")):
+        with pytest.raises(ec.TraceError, match=r"experts: expected rank 3"):
+            ec.Trace.from_arrays(experts, num_experts=4)

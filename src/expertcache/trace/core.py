@@ -110,7 +110,9 @@ class Trace:
             meta["num_experts"] = int(num_experts) if isinstance(num_experts, np.integer) else num_experts
         if seq is None and experts.ndim >= 1:
             seq = np.zeros(experts.shape[0], dtype=np.int32)
-        arrays = {"experts": experts, "seq": np.asarray(seq)}
+        arrays = {"experts": experts}
+        if seq is not None:  # else the check names experts' rank (it had blamed a seq of None)
+            arrays["seq"] = np.asarray(seq)
         if probs is not None:
             arrays["probs"] = np.asarray(probs)
         if router_probs is not None:
