@@ -10,7 +10,6 @@ spec file's folder and globs are expanded (sorted), each to at least one file.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import math
 import tomllib
@@ -23,7 +22,7 @@ from ..errors import ConfigError, ExpertcacheError
 from ..policies import make_policy
 from ..sim.options import POOLS, RESETS
 from ..trace import parse_layers
-from ..trace.chunked import MANIFEST, is_chunked, open_chunked
+from ..trace.chunked import MANIFEST, file_sha256, is_chunked, open_chunked
 from ..trace.npz import resolve_trace_path
 from ..trace.synth import PRESETS
 
@@ -211,15 +210,6 @@ def _synth_traces(value, where: str) -> list[TraceSource]:
         label = ":".join([f"synth:{preset}", f"seed={seed}", *(f"{k}={v}" for k, v in sorted(overrides.items()))])
         out.append(TraceSource(label=label, preset=preset, seed=seed, overrides=tuple(sorted(overrides.items()))))
     return out
-
-
-def file_sha256(path) -> str:
-    """SHA-256 of a file's bytes (read in 1 MiB chunks: bounded memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------ values

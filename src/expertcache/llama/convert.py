@@ -65,7 +65,6 @@ import json
 import math
 import os
 import re
-import secrets
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +72,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .._io import temporary_name
 from ..errors import ConfigError
 from ..formats.gguf import chat_template_problem
 
@@ -890,7 +890,7 @@ def write_gguf(out: str | os.PathLike, arch: str, planned: list[Planned], add_ke
     atomically (a temporary beside it, renamed on success). Returns the file's size."""
     gguf = _gguf()
     out = Path(out)
-    tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp = temporary_name(out)
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
         writer.add_name(name)

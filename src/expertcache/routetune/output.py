@@ -13,11 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 from pathlib import Path
 
-from .._io import _TEMP, _alive, check_writable
+from .._io import _TEMP, _alive, check_writable, temporary_name
 from ..errors import ConfigError
 from .config import CONFIG_FILE
 
@@ -53,8 +52,7 @@ def save_folder(model, tokenizer, out: str | os.PathLike, record: dict) -> Path:
     """Write ``model`` (+ ``tokenizer``, + ``record`` as ``routetune.json``) to ``out`` atomically."""
     out = check_out_folder(out)
     _clean_stale(out)
-    parent = out.parent if str(out.parent) else Path(".")
-    tmp = parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp = temporary_name(out)
     try:
         tmp.mkdir()
         model.save_pretrained(tmp)
