@@ -110,6 +110,7 @@ import ctypes, json, os, random, struct, sys, time
 sys.path.insert(0, {src!r})
 {census}
 from expertcache.formats.gguf import read_geometry
+from expertcache.tier.readers import readahead_bytes
 from expertcache.wall.procfs import read_self_io, OpenProcFile
 
 path, how = {path!r}, {how!r}
@@ -137,8 +138,23 @@ if how == "fadvise-sequential-pread":
 io = OpenProcFile("/proc/self/io")
 r0 = read_self_io(io)[0]["read_bytes"]
 buf = bytearray(max(n for _, n in ranges))
+W = readahead_bytes(path)  # the device's read-ahead window
 for off, n in ranges:
-    if how.endswith("pread"):
+    if how == "pread-chunked":  # one read-ahead window at a time, in order, on a fresh descriptor
+        own = os.open(path, os.O_RDONLY)
+        for p in range(off, off + n, W):
+            os.preadv(own, [memoryview(buf)[:min(W, off + n - p)]], p)
+        os.close(own)
+    elif how == "populate-centred":  # the read-around of one fault at the centre of each whole window
+        lo, hi = -(-off // W) * W, (off + n) // W * W
+        for a, b in ((off, min(lo, off + n)), (max(hi, lo), off + n)):
+            if b > a:
+                os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
+        for w in range(lo, hi, W):
+            if libc.madvise(addr + w + W // 2, PG, POPULATE_READ) != 0:
+                raise SystemExit(f"MADV_POPULATE_READ failed: {{os.strerror(ctypes.get_errno())}}")
+        libc.madvise(addr + lo, max(0, hi - lo), 4)  # MADV_DONTNEED: unmapped again, kept in the page cache
+    elif how.endswith("pread"):
         os.preadv(fd, [memoryview(buf)[:n]], off)
     elif how.endswith("populate"):
         lo, hi = off // PG * PG, -(-(off + n) // PG) * PG
@@ -157,12 +173,14 @@ for i in resident:
 share = large_share(addr, resident)
 print(json.dumps({{"primitive": how, "wanted_bytes": want, "read_bytes": got, "large_folio_share": share}}))
 """
-PRIMITIVE_NAMES = ("fadvise-willneed", "pread", "fadvise-sequential-pread", "populate",
-                   "madvise-sequential-populate", "madvise-random-populate")
+PRIMITIVE_NAMES = ("fadvise-willneed", "pread", "fadvise-sequential-pread", "pread-chunked", "populate",
+                   "madvise-sequential-populate", "madvise-random-populate", "populate-centred")
 """``posix_fadvise(WILLNEED)`` (what the hinting modes issue), ``pread`` of the exact range (with the
-file's readahead as opened, or after ``POSIX_FADV_SEQUENTIAL``), and ``MADV_POPULATE_READ`` on a
-mapping of the file (its advice left normal, ``MADV_SEQUENTIAL``, or ``MADV_RANDOM`` as the hinting
-modes set it)."""
+file's readahead as opened, or after ``POSIX_FADV_SEQUENTIAL``, or one read-ahead window per call on
+a fresh descriptor), and ``MADV_POPULATE_READ`` on a mapping of the file (its advice left normal,
+``MADV_SEQUENTIAL``, or ``MADV_RANDOM`` as the hinting modes set it; or one page at the centre of
+each whole read-ahead window inside the range, whose fault reads exactly that window around it,
+the range's ends hinted)."""
 
 
 def primitives(path: str) -> list[dict]:
