@@ -85,6 +85,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
         ({"experts": np.array([[0, 1], [2, 3], [0, 1]])}, r"experts: expected rank 3"),
         ({"experts": np.array([[[0.0, 1.0]], [[2, 3]], [[0, 1]]])}, r"experts: expected an integer dtype, got float64"),
         ({"seq": np.array([0, 1, 0])}, r"seq: sequence 0 resumes at token 2"),
+        ({"seq": np.array([2**64 - 1, 1, 2**64 - 1], dtype=np.uint64)}, r"seq: sequence 18446744073709551615 resumes"),
         ({"seq": np.zeros(2, dtype=np.int32)}, r"seq: expected shape \(3,\)"),
         ({"probs": np.ones((3, 1, 3), dtype=np.float16)}, r"probs: expected shape \(3, 1, 2\)"),
         ({"probs": np.full((3, 1, 2), np.nan)}, r"probs: non-finite value nan at index \(0, 0, 0\)"),

@@ -90,9 +90,9 @@ def check(arrays: dict[str, np.ndarray], meta: dict, src: str, *, fill_meta: boo
         raise TraceError(f"{src}: seq: expected shape ({T},), got {seq.shape}")
     if seq.dtype.kind not in "iu":
         raise TraceError(f"{src}: seq: expected an integer dtype, got {seq.dtype}")
-    seq = _as_int64(seq)
+    given, seq = seq, _as_int64(seq)
     bounds = seq_bounds(seq)
-    _check_contiguous(seq, bounds[:-1], src)
+    _check_contiguous(given, bounds[:-1], src)  # named as given: a uint64 id above 2**63 is not wrapped
 
     meta = dict(meta)
     _check_meta_types(meta, src)
