@@ -868,3 +868,29 @@ def test_the_slot_is_first_come_first_served_and_waiters_may_leave():
         assert order == [("a", "gone"), ("b", None)] and not slot.locked() and not slot.waiters
 
     asyncio.run(main())
+
+
+def test_the_managed_warm_up_calls_warmed_with_its_pool_full(small_gguf, tmp_path):
+    """``serve --memory-wall``'s live gauge samples at the managed warm-up's fullest (``warmed``):
+    the pool is emptied 10-60 ms after, which the gauge's 50 ms thread missed in 1 run of 6 to 8
+    (tests/test_serve_wall.py: a live peak 0.93 of the proof's, the wall's own sampler having
+    caught it). Called once, after the forward and before anything is forgotten."""
+    import shutil
+
+    from expertcache.formats.gguf import read_geometry
+    from expertcache.llama.textgen import Session
+    from expertcache.wall.pagecache import FileCache, evict_file_pages
+
+    path = tmp_path / "own.gguf"  # a copy no other test's process maps: its page cache is this session's
+    shutil.copy(small_gguf, path)
+    evict_file_pages([str(path)])
+    g = read_geometry(str(path))
+    cache = FileCache([str(path)])
+    order: list = []
+    with Session.open(str(path), mode="managed", cache_bytes=int(g.dense_bytes + 0.5 * g.expert_tensor_bytes),
+                      n_ctx=128, settled=lambda: order.append(("settled", cache.bytes())),
+                      warmed=lambda: order.append(("warmed", cache.bytes()))) as session:
+        assert session.warm_up_tokens > 0
+        assert session.advisor.resident_expert_bytes() == 0  # forgotten before the first request
+    assert [k for k, _ in order] == ["warmed", "settled"]
+    assert order[0][1] > order[1][1]  # the pool's experts were in the page cache when warmed was called

@@ -87,7 +87,7 @@ def run(args) -> int:
         from ..llama.server import WallGauge
 
         wall_state = WallGauge(args.model, int(inside["capacity"]))
-    with open_session(args, before_load, loading, settled) as session:
+    with open_session(args, before_load, loading, settled, wall_state and wall_state.sample) as session:
         def announce(url: str) -> None:
             rec = {"url": url, "model": model_id, "gguf": session.geometry.path, "mode": session.mode,
                    "cache_memory": session.cache_bytes, "policy": session.policy if session.mode == "managed" else None,
