@@ -388,3 +388,40 @@ def test_a_following_wall_that_squeezes_the_tier_fails_its_proof(cgroup):
     problems = cgroup_problems(proof, CEILING, CAPACITY, True, None)
     assert len(problems) == 1 and "held the tier below the capacity" in problems[0], problems
     assert cgroup_problems({**proof, "at_limit_tier_max_bytes": CAPACITY}, CEILING, CAPACITY, True, None) == []
+
+
+def test_a_tier_squeezed_at_the_limit_raises_it(cgroup):
+    """Own memory stepped up after the load (a first forward's buffers: 16 MB in a Qwen3 2-thread
+    decode) while the window's least still holds the load's: a page-cache mode's tier sat 11 MB
+    under its 393 MB capacity, 0.6 MB above the squeezed proof's floor, until the window slid a
+    second later (after a 0.6 s decode had ended). Feedback on the tier gives the room back: each
+    sample at the limit with the tier below the capacity less the margin raises the limit by half
+    the shortfall, until the tier reaches it."""
+    s = sampler(cgroup)
+    s._steady = True
+    cgroup.set(usage=40 * MiB, file=0)
+    s.sample()  # the first limit is written: the window's least own memory is 40 MiB
+    own = 40 * MiB + 4 * MiB  # the step: own memory 4 MiB above the window's least
+    tiers = []
+    for _ in range(8):
+        limit = cgroup.limit
+        tier = limit - own  # the kernel fills the page cache up to the limit
+        cgroup.set(usage=limit, file=tier)
+        s.sample()
+        tiers.append(tier)
+    assert tiers[0] == CAPACITY + MARGIN - 4 * MiB  # squeezed by the step less the margin
+    assert all(b >= a for a, b in zip(tiers, tiers[1:])) and tiers[-1] >= CAPACITY - MARGIN - (1 << 16)
+    assert cgroup.limit <= own + CAPACITY + MARGIN  # never above where the tier's bound puts it
+
+
+def test_a_load_over_the_capacity_leaves_no_bias_behind(cgroup, tmp_path):
+    """During the model's load the tier sits up to a margin over the capacity by the load's own rule,
+    and the limit there does not use the feedback: a bias summed over the load's samples was never
+    applied, then squeezed the run after it (46 MB at the load's end, an ``advise`` tier held at
+    380.7 MB under a 393.2 MB capacity, its proof false). The load's samples leave it at 0."""
+    s, flag = loading(cgroup, tmp_path, 50 * MiB)
+    assert s._loading
+    for _ in range(20):
+        cgroup.set(usage=50 * MiB + CAPACITY + MARGIN, file=CAPACITY + MARGIN)
+        s.sample()
+    assert s._bias == 0 and s.limits.get("max_bias_bytes", 0) == 0

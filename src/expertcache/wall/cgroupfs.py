@@ -451,18 +451,30 @@ class Sampler(threading.Thread):
                 fh.write(f"{time.monotonic():.3f} {os.path.basename(self.dir)} {what}\n")
 
     def _correct(self, tier: int, usage: int | None) -> None:
-        """Feedback on the tier itself: a tier above the capacity lowers the limit by half the excess
-        (cumulatively: ``bias``); a tier squeezed below the capacity less the margin while the cgroup is
-        at its limit gives half of it back. It corrects what ``own`` misjudges: in a page-cache thrash
-        the pages on their way out are charged but no longer in the file's cache, so ``own`` reads
-        10-20 MB high and swings (seen: 72-93 MB between samples, the tier 13 MB over a 480 MB wall)."""
+        """Feedback on the tier itself (cumulatively: ``bias``, subtracted from the limit): a tier
+        above the capacity lowers the limit by half the excess; a tier below the capacity less the
+        margin while the cgroup is at its limit gives half the shortfall back (below a ``bias`` of 0,
+        raising the limit, only after the first forward of a worker that never settled). It
+        corrects what ``own`` misjudges both ways: in a page-cache thrash the pages on
+        their way out are charged but no longer in the file's cache, so ``own`` reads 10-20 MB high
+        and swings (seen: 72-93 MB between samples, the tier 13 MB over a 480 MB wall); and own memory
+        that steps up (a first forward's buffers, 16 MB in a Qwen3 2-thread decode) is in the
+        window's least only a second later, which held an ``advise`` run's tier 11 MB under its 393
+        MB capacity through a 0.6 s decode (docs/robustness.md). None during the model's load, whose
+        limit bounds the tier by its own rule (:meth:`_follow`)."""
         capacity, _, margin = self.follow
+        if self._loading:  # the load's limit bounds the tier by its own rule (capacity + margin): a bias
+            return  # summed there is never used, and it had squeezed the run after (46 MB at the load's end)
         if tier > capacity:
             self._bias += (tier - capacity) // 2
-        elif self._bias and tier < capacity - margin and usage is not None and self._limit is not None \
+        elif tier < capacity - margin and usage is not None and self._limit is not None \
                 and usage >= self._limit - (1 << 20):
-            self._bias -= min(self._bias, (capacity - margin - tier) // 2)
+            give = (capacity - margin - tier) // 2
+            # below 0 only once a worker that never settled has run its first forward (steady): a
+            # settled one restarted its window after that forward already
+            self._bias -= give if self._steady and not self._settled else min(self._bias, give)
         self.limits["max_bias_bytes"] = max(self.limits.get("max_bias_bytes", 0), self._bias)
+        self.limits["min_bias_bytes"] = min(self.limits.get("min_bias_bytes", 0), self._bias)
 
     def _follow(self, own: int, usage: int | None = None, tier: int = 0, file: int = 0, other: int = 0) -> None:
         """Write the limit: ``capacity + own + margin - bias`` (``own`` the window's least), with room

@@ -370,7 +370,7 @@ def cgroup_problems(proof: dict, limit: int, capacity: int, made: bool, timed_ou
                         f"{proof['at_limit_samples']} of {proof['steady_samples']} samples after the first forward, "
                         f"the tier at most {proof['at_limit_tier_max_bytes']} bytes, under the capacity {capacity} "
                         f"less the slack {int(slack)}: the run measured a smaller cache than its wall "
-                        f"({own_txt}; bias up to {proof.get('max_bias_bytes', 0)} bytes)")
+                        f"({own_txt}; bias {proof.get('min_bias_bytes', 0)} to {proof.get('max_bias_bytes', 0)} bytes)")
     if proof.get("oom_kill"):
         problems.append(f"the wall OOM-killed {proof['oom_kill']} process(es): raise the headroom")
     if timed_out_after is not None:
