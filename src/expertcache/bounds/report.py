@@ -183,8 +183,6 @@ def compute_bounds(
     if isinstance(orders, str) or not (orders := tuple(orders)) or not all(isinstance(o, str) for o in orders):
         raise ConfigError(f"orders: expected a list of order names (of {', '.join(ORDERS)}), got {str(orders)[:60]}")
     layout = build_layout(trace, pool=pool, reset=reset, layers=layers)
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
-        raise ConfigError(f"capacity must be an integer, got {capacity!r}")
     capacity = check_capacity(layout, capacity)
     labels = _stream_labels(trace, layout)
     flat = flat_min_totals(layout, capacity, orders)

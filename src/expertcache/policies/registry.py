@@ -27,7 +27,6 @@ it is and where it runs (the same text from every entry point).
 from __future__ import annotations
 
 import re
-
 import sys
 from dataclasses import dataclass
 

@@ -54,7 +54,7 @@ def _owned(arr: np.ndarray | None, given: list = ()) -> np.ndarray | None:
 
 def _frozen(fields: dict, given: list = ()) -> dict:
     """:func:`check`'s fields with every array :func:`_owned`."""
-    for key in ("experts", "seq", "probs", "router_probs"):
+    for key in CORE_ARRAYS:
         fields[key] = _owned(fields[key], given)
     fields["extras"] = {name: _owned(arr, given) for name, arr in fields["extras"].items()}
     return fields

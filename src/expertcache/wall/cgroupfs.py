@@ -232,8 +232,6 @@ def retry_at_limit(call, seconds: float, errnos: tuple[int, ...] = (errno.ENOMEM
 
 
 LOAD_SUFFIX, LOADED_SUFFIX, SETTLED_SUFFIX, STEADY_SUFFIX = ".load", ".loaded", ".settled", ".steady"
-AT_LIMIT_BYTES = 1 << 20
-"""A following wall's sample counts as at its limit when the usage is within this of the limit."""
 """A following wall's worker about to load a model creates ``follow_flag + LOAD_SUFFIX`` and waits
 until the wall removes it; it creates ``follow_flag + LOADED_SUFFIX`` when the load is over and waits
 until the wall, its limit after the load written, removes that too
@@ -243,6 +241,8 @@ the wall, its window restarted from this sample and the limit written, removes i
 (:func:`~.capacity.settled`). A worker whose first forward has run (its allocations done) creates
 ``follow_flag + STEADY_SUFFIX`` and goes on (:func:`~.capacity.steady`): no handshake, no restart;
 from then on, as once settled, the wall samples at :data:`TIER_CPU_SHARE`'s pace."""
+AT_LIMIT_BYTES = 1 << 20
+"""A cgroup counts as at its limit when its usage (or peak) is within this of the limit."""
 
 TRACE_ENV = "EXPERTCACHE_WALL_TRACE"
 """Environment variable: a file to which a following wall appends one line per sample."""
@@ -468,7 +468,7 @@ class Sampler(threading.Thread):
         if tier > capacity:
             self._bias += (tier - capacity) // 2
         elif tier < capacity - margin and usage is not None and self._limit is not None \
-                and usage >= self._limit - (1 << 20):
+                and usage >= self._limit - AT_LIMIT_BYTES:
             give = (capacity - margin - tier) // 2
             # below 0 only once a worker that never settled has run its first forward (steady): a
             # settled one restarted its window after that forward already

@@ -361,7 +361,7 @@ def cgroup_problems(proof: dict, limit: int, capacity: int, made: bool, timed_ou
     elif tier > capacity + slack:
         problems.append(f"the tier held up to {tier} bytes ({what}), above the capacity {capacity}: "
                         f"the headroom {limit - capacity} exceeds what the worker needed ({own_txt}); lower the headroom")
-    elif peak is not None and lim is not None and peak >= lim - (1 << 20) and tier < capacity - slack:
+    elif peak is not None and lim is not None and peak >= lim - cg.AT_LIMIT_BYTES and tier < capacity - slack:
         problems.append(f"the wall ({lim} bytes) was reached while the tier held at most {tier} bytes, below the "
                         f"capacity {capacity}: the worker's own memory outgrew the headroom {limit - capacity} "
                         f"({own_txt}); raise the headroom")
