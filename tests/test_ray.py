@@ -118,9 +118,152 @@ def test_a_local_ray_under_an_address_space_limit_is_refused_in_one_line(monkeyp
 
     monkeypatch.setattr(ray, "init", no_cluster)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process, whatever this one holds
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no cluster recorded by a `ray start` on this machine
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(backends.resource, "getrlimit", lambda what: (8_000_000_000, resource.RLIM_INFINITY))
     synthesize_preset("olmoe", seed=0, tokens=16, sequences=2, num_layers=2).save(tmp_path / "t.npz")
     assert main(["replay", str(tmp_path / "t.npz"), "-c", "8", "--ray", "auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["expertcache replay: error: --ray auto: a local Ray does not start under an address-space limit "
                    "(ulimit -v: 8,000,000,000 bytes here); lift it, or join a running cluster with --ray ADDRESS"]
+
+
+@pytest.fixture
+def listener():
+    """A loopback TCP server that answers each connection with the bytes given (after reading the
+    client's first bytes), on a thread; yields ``start(reply) -> 'host:port'``."""
+    import socket
+    import threading
+
+    servers = []
+
+    def start(reply: bytes) -> str:
+        srv = socket.create_server(("127.0.0.1", 0))
+        servers.append(srv)
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = srv.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(64)
+                    conn.sendall(reply)
+
+        threading.Thread(target=serve, daemon=True).start()
+        return f"127.0.0.1:{srv.getsockname()[1]}"
+
+    yield start
+    for srv in servers:
+        srv.close()
+
+
+@pytest.fixture
+def fresh_process(monkeypatch, tmp_path):
+    """As in a process that has not connected yet, with its own Ray temp folder and no RAY_ADDRESS;
+    ``ray.init`` must not be reached (the refusals below come before it)."""
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def no_init(*args, **kwargs):
+        raise AssertionError(f"ray.init was called ({kwargs.get('address')})")
+
+    monkeypatch.setattr(ray, "init", no_init)
+    synthesize_preset("olmoe", seed=0, tokens=16, sequences=2, num_layers=2).save(tmp_path / "t.npz")
+    return tmp_path
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        return srv.getsockname()[1]
+
+
+def test_a_dead_ray_address_is_one_line_before_ray_waits(fresh_process, monkeypatch, capsys):
+    """Ray 2.60 retried a dead ``RAY_ADDRESS`` for ever under ``--ray auto`` (past 200 s, printing a
+    warning every 5 s): the address is tried first."""
+    port = _closed_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    assert main(["replay", str(fresh_process / "t.npz"), "-c", "8", "--ray", "auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"expertcache replay: error: --ray auto (RAY_ADDRESS=127.0.0.1:{port}): cannot reach "
+                   f"127.0.0.1:{port} (Connection refused); is a Ray cluster running there?"]
+
+
+def test_a_stale_ray_start_record_is_one_line(fresh_process, capsys):
+    """A ``ray start`` whose cluster died (killed, not stopped) leaves its address recorded in Ray's
+    temp folder, and ``ray.init(address="auto")`` waited on it for ever."""
+    port = _closed_port()
+    (fresh_process / "ray").mkdir()
+    (fresh_process / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}\n")
+    assert main(["replay", str(fresh_process / "t.npz"), "-c", "8", "--ray", "auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("expertcache replay: error: --ray auto (the address the last `ray start` recorded in ")
+    assert err[0].endswith(f"ray_current_cluster; `ray stop` forgets it): cannot reach 127.0.0.1:{port} "
+                           "(Connection refused); is a Ray cluster running there?")
+
+
+@pytest.mark.parametrize("reply, said", [
+    (b"HTTP/1.0 400 Bad Request\r\n\r\n", "sent b'HTTP/1.0 '"),
+    (b"", "closed the connection"),
+])
+def test_a_port_that_is_not_ray_is_one_line(fresh_process, listener, capsys, reply, said):
+    """An HTTP port (the dashboard's 8265, say) given as the cluster: Ray waited for ever."""
+    address = listener(reply)
+    assert main(["replay", str(fresh_process / "t.npz"), "-c", "8", "--ray", address]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"expertcache replay: error: --ray {address}: {address} answers, but not as a Ray cluster (no gRPC "
+                   f"SETTINGS frame: it {said}); give the GCS port (6379 by default) or ray://host:10001"]
+
+
+def test_the_probe_accepts_a_running_clusters_gcs(local_ray):
+    """The same check passes on a real Ray's GCS (the local one of this module)."""
+    from expertcache.sim.backends import check_ray_port
+
+    check_ray_port(local_ray.get_runtime_context().gcs_address)
+
+
+def test_a_cluster_that_refuses_auto_is_reported_not_replaced_by_a_local_one(fresh_process, listener, monkeypatch,
+                                                                              capsys):
+    """``--ray auto`` starts a local Ray only where no cluster is named or recorded: a named one that
+    refuses (here a missing token, as Ray 2.60 says it) is the error, with the reason at its root."""
+    import expertcache.sim.backends as backends
+
+    settings = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # an empty HTTP/2 SETTINGS frame, as gRPC sends first
+    address = listener(settings)
+    monkeypatch.setenv("RAY_ADDRESS", address)
+
+    def refused(*args, **kwargs):
+        try:
+            raise RuntimeError("Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n"
+                               '  File "x.py", line 1\nAuthenticationError: InvalidAuthToken: token is missing')
+        except RuntimeError as err:
+            raise ConnectionError(f"Failed to connect to Ray cluster at {address}") from err
+
+    monkeypatch.setattr(ray, "init", refused)
+    monkeypatch.setattr(backends, "init_local", lambda *a, **k: pytest.fail("a local Ray was started instead"))
+    assert main(["replay", str(fresh_process / "t.npz"), "-c", "8", "--ray", "auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"expertcache replay: error: --ray auto: could not join Ray: Failed to connect to Ray cluster at "
+                   f"{address} (AuthenticationError: InvalidAuthToken: token is missing)"]
+
+
+def test_the_deadline_interrupts_a_wait_in_one_line_and_leaves_nothing_behind():
+    """``ray.init`` runs under a deadline; a block that ends in time gets no stray interrupt later."""
+    import time
+
+    from expertcache.sim.backends import _deadline
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="^late$"):
+        with _deadline(0.2, "late"):
+            while time.monotonic() - start < 30:
+                time.sleep(0.01)
+    assert time.monotonic() - start < 10
+    with _deadline(0.2, "late"):
+        pass
+    time.sleep(0.5)  # past the deadline: a KeyboardInterrupt here would fail the test

@@ -12,19 +12,32 @@ starts them at nice 15, so that a cluster's raylet stays responsive; on a shared
 starved them: beside two CPU-bound neighbours at nice 0, a first `--ray` replay whose workers
 compile their loops took 275 s against 7.8 s on a quiet machine (serial: 6.7 s beside the same
 neighbours). A joined cluster keeps its own setting.
+
+Ray retries a cluster that does not answer for ever (measured with Ray 2.60: a dead ``RAY_ADDRESS``,
+a stale ``ray start`` record, and an HTTP port given as the address each waited past 200 s). So the
+address a command would join is checked first (:func:`check_ray_port`: a TCP connection, then an
+HTTP/2 SETTINGS frame, which every gRPC server and no HTTP/1 server sends), a cluster named or
+recorded that refuses the join is the error (not a cue to start a local Ray instead), and a join
+runs under a deadline of :data:`CONNECT_TIMEOUT_S` (:func:`_deadline`); each failure is one line.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import resource
 import socket
+import threading
 from typing import Iterator
 
+from .._text import first_line
 from ..errors import ConfigError
 
 INSTALL = "pip install 'expertcache[ray]'"
+CONNECT_TIMEOUT_S = 120.0
+"""How long ``ray.init`` may take to join a cluster before the command gives up in one line."""
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(9)  # then an empty SETTINGS frame
 
 
 def require_ray(option: str = "--ray"):
@@ -68,15 +81,87 @@ def _stderr_silenced(on: bool) -> Iterator[None]:
         os.close(null)
 
 
-def check_reachable(address: str, option: str = "--ray", timeout: float = 5.0) -> None:
-    """A ConfigError unless ``address``'s host accepts a TCP connection on its port (Ray itself
-    retries an unreachable cluster for minutes, printing warnings)."""
+def check_ray_port(address: str, where: str = "--ray", timeout: float = 5.0) -> None:
+    """A ConfigError unless ``address``'s host accepts a TCP connection on its port and answers an
+    HTTP/2 preface with a SETTINGS frame, as a Ray cluster's gRPC server (GCS or Ray Client) does.
+
+    ``where`` starts the message (the option, and where the address came from). Reads at most 9
+    bytes back; any other answer, or none within ``timeout``, is refused."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(HTTP2_PREFACE)
+            head = b""
+            while len(head) < 9:
+                chunk = sock.recv(9 - len(head))
+                if not chunk:
+                    break
+                head += chunk
+    except (socket.timeout, TimeoutError):
+        head = None
     except OSError as err:
-        raise ConfigError(f"{option} {address}: cannot reach {host}:{port} "
-                          f"({err.strerror or type(err).__name__}); is a Ray cluster running there?") from None
+        raise ConfigError(f"{where}: cannot reach {host}:{port} ({err.strerror or type(err).__name__}); "
+                          "is a Ray cluster running there?") from None
+    if head is None or len(head) < 9 or head[3] != 0x4:
+        said = (f"sent nothing within {timeout:g} s" if head is None else "closed the connection" if not head
+                else f"sent {head!r}")
+        raise ConfigError(f"{where}: {host}:{port} answers, but not as a Ray cluster (no gRPC SETTINGS frame: it "
+                          f"{said}); give the GCS port (6379 by default) or ray://host:10001")
+
+
+def auto_address() -> tuple[str | None, str]:
+    """The cluster ``ray.init(address="auto")`` would join, and where that address comes from.
+
+    ``RAY_ADDRESS`` first (``local``: start one), then the address the last ``ray start`` recorded
+    in Ray's temp folder (``ray stop`` forgets it). ``(None, "")`` where neither names one: Ray then
+    joins a cluster whose processes run here, or the command starts a local one."""
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if env and env != "auto":
+        return env, f"RAY_ADDRESS={env}"
+    try:
+        from ray._private import utils
+        address = utils.read_ray_address(None)
+        record = utils.get_ray_address_file(None)
+    except Exception:  # noqa: BLE001 - a private helper of Ray; without it Ray's own lookup stands
+        return None, ""
+    if not address:
+        return None, ""
+    return address, f"the address the last `ray start` recorded in {record}; `ray stop` forgets it"
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, message: str) -> Iterator[None]:
+    """Raise ``ConfigError(message)`` in the main thread if the block runs past ``seconds``.
+
+    Ray waits inside its C++ client with the interpreter's lock released; an interrupt of the main
+    thread (``_thread.interrupt_main``) is taken when control next returns to Python, within Ray's
+    own retry period (about 30 s). Elsewhere than the main thread the block runs without one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    lock = threading.Lock()
+    state = {"done": False, "fired": False}
+
+    def fire():
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                _thread.interrupt_main()
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except KeyboardInterrupt:
+        if state["fired"]:
+            raise ConfigError(message) from None
+        raise
+    finally:
+        with lock:
+            state["done"] = True
+        timer.cancel()
 
 
 def check_address_space(option: str = "--ray") -> None:
@@ -100,29 +185,58 @@ def ray_session(address: str, cpus: int | None = None, option: str = "--ray") ->
     """A connected ``ray`` module for the ``with`` block (see the module docstring)."""
     address = check_address(address, option)
     ray = require_ray(option)
-    if address != "auto" and not ray.is_initialized():
-        check_reachable(address, option)
-    quiet = {"logging_level": "ERROR", "log_to_driver": False}
     if ray.is_initialized():  # a caller (a notebook, a test) already connected: use it as it is
         yield ray
         return
-    try:
-        try:
-            with _stderr_silenced(address != "auto"):  # Ray's C++ client logs each retry to fd 2
-                ray.init(address=address, **quiet)
-        except ConnectionError:
-            if address != "auto":
-                raise
-            check_address_space(option)
-            init_local(ray, cpus, **quiet)
+    target, source = auto_address() if address == "auto" else (address, "")
+    if target not in (None, "local"):
+        where = f"{option} {address}" + (f" ({source})" if source else "")
+        check_ray_port(check_address(target, where), where)
+    quiet = {"logging_level": "ERROR", "log_to_driver": False}
+    verb = "start" if target in (None, "local") else "join"
+    late = f"{option} {address}: Ray did not join {target} within {CONNECT_TIMEOUT_S:g} s"
+    try:  # only a join has a deadline: a local start beside busy neighbours may be slow, and is not stuck
+        with _deadline(CONNECT_TIMEOUT_S, late) if verb == "join" else contextlib.nullcontext():
+            joined = False
+            if target != "local":
+                try:
+                    with _stderr_silenced(address != "auto"):  # Ray's C++ client logs each retry to fd 2
+                        ray.init(address=address, **quiet)
+                    joined = True
+                except ConnectionError:  # "auto" with no cluster found: start one; else a refusal
+                    if target is not None:
+                        raise
+            if not joined:
+                check_address_space(option)
+                init_local(ray, cpus, **quiet)
     except ConfigError:
+        _shutdown_quietly(ray)
         raise
     except Exception as err:  # noqa: BLE001 - Ray's own errors vary by version; report one line
-        from .._text import first_line
-
-        raise ConfigError(f"{option} {address}: could not {'start' if address == 'auto' else 'join'} Ray: "
-                          f"{first_line(err)}") from None
+        _shutdown_quietly(ray)
+        raise ConfigError(f"{option} {address}: could not {verb} Ray: {first_line(err)}{_root_cause(err)}") from None
     try:
         yield ray
     finally:
         ray.shutdown()  # disconnects; a local instance started above stops, a joined cluster runs on
+
+
+def _root_cause(err: BaseException) -> str:
+    """`` (why)``: the first line of the exception at the root of ``err``'s chain, or ``""``.
+
+    Ray's ConnectionError says where it failed and its root says why (a missing token, a version);
+    where Ray pasted a traceback into a message, the traceback's last line is the why."""
+    cause = err
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()] if cause is not err else []
+    if lines and lines[0].endswith("Traceback (most recent call last):"):
+        lines = lines[-1:]
+    return f" ({lines[0][:200]})" if lines else ""
+
+
+def _shutdown_quietly(ray) -> None:
+    """Undo what a failed ``ray.init`` left connected or started (nothing, usually)."""
+    if ray.is_initialized():
+        with contextlib.suppress(Exception):
+            ray.shutdown()
