@@ -27,6 +27,7 @@ import _thread
 import contextlib
 import os
 import resource
+import signal
 import socket
 import threading
 from typing import Iterator
@@ -130,38 +131,50 @@ def auto_address() -> tuple[str | None, str]:
     return address, f"the address the last `ray start` recorded in {record}; `ray stop` forgets it"
 
 
+class _Late(BaseException):
+    """Raised in the main thread by :func:`_deadline`'s handler. A BaseException, as
+    KeyboardInterrupt is: Ray's retry loops catch Exception (an Exception here was retried over)."""
+
+
 @contextlib.contextmanager
 def _deadline(seconds: float, message: str) -> Iterator[None]:
     """Raise ``ConfigError(message)`` in the main thread if the block runs past ``seconds``.
 
-    Ray waits inside its C++ client with the interpreter's lock released; an interrupt of the main
-    thread (``_thread.interrupt_main``) is taken when control next returns to Python, within Ray's
-    own retry period (about 30 s). Elsewhere than the main thread the block runs without one."""
+    A timer thread simulates a SIGALRM (``_thread.interrupt_main``: no signal is sent, so no system
+    call is interrupted) whose handler, ours for the block, raises. Not SIGINT: a process started
+    in the background by a shell inherits SIGINT ignored, and then Python has no handler for it to
+    run (the first version of this waited out its block under ``make test`` run so). Ray waits
+    inside its C++ client with the interpreter's lock released; the handler runs when control next
+    returns to Python, within Ray's own retry period (about 30 s). Elsewhere than the main thread
+    the block runs without a deadline."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     lock = threading.Lock()
-    state = {"done": False, "fired": False}
+    state = {"done": False}
+
+    def late(signum, frame):
+        if not state["done"]:
+            raise _Late
 
     def fire():
         with lock:
             if not state["done"]:
-                state["fired"] = True
-                _thread.interrupt_main()
+                _thread.interrupt_main(signal.SIGALRM)
 
+    previous = signal.signal(signal.SIGALRM, late)
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
     try:
         yield
-    except KeyboardInterrupt:
-        if state["fired"]:
-            raise ConfigError(message) from None
-        raise
+    except _Late:
+        raise ConfigError(message) from None
     finally:
         with lock:
             state["done"] = True
         timer.cancel()
+        signal.signal(signal.SIGALRM, previous)
 
 
 def check_address_space(option: str = "--ray") -> None:
