@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from expertcache.cli.common import max_threads
@@ -74,3 +75,16 @@ def test_a_config_of_a_billion_layers_is_refused_before_listing_them(capsys, tmp
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     err = _one_line(capsys, ["size", "--model-config", tmp_path / "c.json", "--device-memory", "24GB"])
     assert "num_hidden_layers 1000000000 is more than 4,096" in err, err
+
+
+@pytest.mark.parametrize("value, lo, hi, expected", [
+    (3, None, None, True), (np.int64(3), 1, 3, True), (np.uint64(2**64 - 1), 0, None, True), (2**80, 0, None, True),
+    (0, 1, None, False), (4, None, 3, False), (True, None, None, False), (np.bool_(True), None, None, False),
+    (2.0, None, None, False), (np.float64(2.0), None, None, False), ("3", None, None, False), (None, None, None, False),
+])
+def test_is_int_is_the_one_integer_test(value, lo, hi, expected):
+    """``errors.is_int``, behind every integer parameter and file field: Python or numpy integers in
+    ``[lo, hi]``; never a bool (JSON ``true`` reads as Python's ``True``, an int), a float or text."""
+    from expertcache.errors import is_int
+
+    assert is_int(value, lo, hi) is expected

@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, is_int
 from .trace.validate import MAX_ITEMS
 from .policies import Policy, StreamFuture, make_policy
 
 
 def _count(value, name: str, most: int) -> int:
     """A positive integer ``value`` (not a bool, not a float such as 2.5) at most ``most``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= most:
+    if not is_int(value, 1, most):
         raise ConfigError(f"{name} must be an integer in [1, {most:,}], got {str(value)[:40]!r}")
     return int(value)
 

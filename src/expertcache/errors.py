@@ -1,7 +1,9 @@
-"""Errors a user can cause, reported as one line saying what is wrong and where."""
+"""Errors a user can cause, reported as one line saying what is wrong and where; and :func:`is_int`,
+the integer test behind many of them."""
 
 from __future__ import annotations
 
+import numbers
 import os
 import traceback
 
@@ -36,3 +38,11 @@ def one_line(err: BaseException) -> str:
     2,000 characters: what an error line says (the CLI's, a walled worker's)."""
     text = " ".join(str(err).split()) or type(err).__name__
     return text if len(text) <= 2000 else text[:1997] + "..."
+
+
+def is_int(value, lo: int | None = None, hi: int | None = None) -> bool:
+    """Whether ``value`` is an integer in ``[lo, hi]`` (an end left open where None): a Python or
+    numpy integer, not a bool (``True`` is an int to Python) nor a float such as 2.0 or 2.5. The test
+    behind every integer parameter and file field; each caller words its own error."""
+    return bool(isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                and (lo is None or value >= lo) and (hi is None or value <= hi))

@@ -34,7 +34,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from ..trace import Trace
 
 DEFAULT_WINDOWS = (1, 8, 64)
@@ -242,8 +242,7 @@ counted first uses as reuses (1.0 where 0.5 is right)."""
 
 def _check_windows(windows: Iterable[int]) -> list[int]:
     windows = list(windows)
-    if not windows or any(isinstance(w, bool) or not isinstance(w, (int, np.integer)) or not 1 <= w <= MAX_WINDOW
-                          for w in windows):
+    if not windows or any(not is_int(w, 1, MAX_WINDOW) for w in windows):
         raise ConfigError(f"windows: expected step counts, integers in [1, 2**62], got {str(windows)[:80]}")
     return sorted({int(w) for w in windows})
 

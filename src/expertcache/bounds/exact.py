@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._jit import njit
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from ..sim.layout import StreamLayout
 
 MAX_ITEMS = 24
@@ -65,7 +65,7 @@ def optimal_total(groups: np.ndarray, capacity: int, *, max_states: int = DEFAUL
     if groups.size and int(groups.min()) < -1:
         raise ConfigError(f"groups: id {int(groups.min())} is below -1 (the padding)")
     for name, value, most in (("capacity", capacity, 1 << 62), ("max_states", max_states, 1 << 62)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= most:
+        if not is_int(value, 1, most):
             raise ConfigError(f"{name} must be an integer in [1, 2**62], got {value!r}")
     ids, local = np.unique(groups, return_inverse=True)
     local = local.reshape(groups.shape) - (1 if ids.size and ids[0] < 0 else 0)

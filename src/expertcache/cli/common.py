@@ -11,7 +11,7 @@ from typing import Any, Iterable, Sequence
 
 from .._io import check_not_input, check_special, check_writable
 from .._resample import MAX_RESAMPLES
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from ..report.plots import plot_format
 from ..trace import Trace, load_trace, parse_layers
 
@@ -314,7 +314,7 @@ def _fmt(v: Any) -> str:
         if not math.isfinite(v):
             return "-"
         return f"{v:.4f}" if abs(v) < 1000 else f"{v:,.0f}"
-    if isinstance(v, int) and not isinstance(v, bool):
+    if is_int(v):
         return f"{v:,}" if abs(v) >= 10000 else str(v)
     return str(v)
 

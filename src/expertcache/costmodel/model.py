@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from ..formats.safetensors import read_header
 from ..trace.validate import MAX_LAYERS
 from .sizing import LIMITS, MAX_CONFIG_BYTES, _dtype_bytes, _weight_bytes, expert_bytes_from_config
@@ -107,7 +107,7 @@ def _get(config: dict, where: str, *keys: str, default: Any = ...) -> Any:
         for scope in _scopes(config):
             if scope.get(key) is not None:
                 value = scope[key]
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                if not is_int(value, 0):
                     raise ConfigError(f"{where}: {key} = {value!r} is not a non-negative integer")
                 return value
     if default is not ...:

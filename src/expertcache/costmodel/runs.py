@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, PolicyError
+from ..errors import ConfigError, PolicyError, is_int
 from .sizing import MAX_DURATION_MS
 
 MAX_RHO = 1e9
@@ -162,7 +162,7 @@ def run_from_record(rec: Any, where: str) -> Run:
     slow = rec.get("slow_copies", 1)
     if slow is None:
         slow = 1
-    if isinstance(slow, bool) or not isinstance(slow, int) or slow < 1:
+    if not is_int(slow, 1):
         raise ConfigError(f"{where}: field 'slow_copies' must be an integer >= 1, got {_short(slow)}")
     c_ms = _number(rec, "c_ms", where, nonnegative=slow == 1, most=MAX_DURATION_MS)
     rho = _number(rec, "rho", where, most=MAX_RHO)
@@ -178,19 +178,18 @@ def run_from_record(rec: Any, where: str) -> Run:
     if lossless is not None and not isinstance(lossless, bool):
         raise ConfigError(f"{where}: field 'lossless' must be true or false, got {_short(lossless)}")
     capacity = rec.get("capacity")
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+    if capacity is not None and not is_int(capacity, 1):
         raise ConfigError(f"{where}: field 'capacity' must be a positive integer, got {_short(capacity)}")
     pool = rec.get("pool")
     if pool is not None and not isinstance(pool, str):
         raise ConfigError(f"{where}: field 'pool' must be a string, got {_short(pool)}")
     layers = rec.get("layers")
     if layers is not None:
-        if not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                   for x in layers):
+        if not isinstance(layers, list) or not all(is_int(x, 0) for x in layers):
             raise ConfigError(f"{where}: field 'layers' must be a list of layer ids (integers >= 0)")
         layers = tuple(layers)
     experts = rec.get("num_experts")
-    if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int) or experts < 1):
+    if experts is not None and not is_int(experts, 1):
         raise ConfigError(f"{where}: field 'num_experts' must be a positive integer, got {_short(experts)}")
     spread = _optional(rec, "ms_per_token_spread", where)
     host = rec.get("host")

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from ..trace.validate import MAX_EXPERT_BYTES
 
 MB = 1e6
@@ -242,7 +242,7 @@ def expert_bytes_from_config(path: str | Path) -> int:
                           "give the expert size with --expert-mb instead")
 
     def positive(key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if not is_int(value, 1):
             raise ConfigError(f"{where}: {key} = {_short(value)} is not a positive integer")
         return value
 

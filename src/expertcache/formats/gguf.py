@@ -50,7 +50,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 
 TESTED = ("olmoe", "qwen2moe", "qwen3moe", "llama", "deepseek2", "gpt-oss", "glm4moe")
 """``general.architecture`` values the test suite runs (``llama`` covers Mixtral-class MoE)."""
@@ -140,7 +140,7 @@ class Geometry:
         """The positions the model was trained for (``<arch>.context_length``), or None where the file
         does not say (or says it per layer)."""
         n = self.metadata.get(f"{self.architecture}.context_length")
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        return n if is_int(n, 1) else None
 
     @property
     def skipped_bytes(self) -> int:
@@ -298,7 +298,7 @@ def read_header(path: str, where: str = "--model") -> tuple[dict, dict[str, Tens
                 raise ConfigError(f"{where}: tensor {name!r} has a zero dimension ({list(shape)})")
             infos.append((name, shape, r.scalar("I"), r.scalar("Q")))
         align = meta.get("general.alignment", 32)
-        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+        if not is_int(align, 1) or align & (align - 1):
             raise ConfigError(f"{where}: general.alignment {align!r} is not a power of two")
         data_start = -(-fh.tell() // align) * align
     sizes = type_sizes(where)
@@ -321,7 +321,7 @@ def read_header(path: str, where: str = "--model") -> tuple[dict, dict[str, Tens
 
 
 def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return is_int(value, 1)
 
 
 HPARAM_INTS = ("context_length", "embedding_length", "feed_forward_length", "expert_feed_forward_length",
@@ -353,7 +353,7 @@ def check_hparams(meta: dict, arch: str, label: str) -> None:
         if name == "feed_forward_length" and value == 0 and not isinstance(value, bool):
             continue  # every FFN routed
         if isinstance(value, list) and value and any(value) and all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+                is_int(v, 0) for v in value):
             continue  # per layer; 0 where a hybrid model's layer has no attention or FFN
         raise ConfigError(f"{label}: {prefix}{name} {str(value)[:80]} is not a positive integer")
     for name, floor in HPARAM_FLOATS.items():
@@ -422,7 +422,7 @@ def read_geometry(path: str, where: str = "--model") -> Geometry:
     if blocks and max(blocks) + 1 != n_layers:  # llama.cpp loads every block's tensors, and no others
         raise ConfigError(f"{label}: {arch}.block_count {n_layers} but the file has tensors of blocks 0..{max(blocks)}")
     nextn = meta.get(f"{arch}.nextn_predict_layers", 0)
-    nextn = nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and 0 <= nextn < n_layers else 0
+    nextn = nextn if is_int(nextn) and 0 <= nextn < n_layers else 0
     skipped = list(range(n_layers - nextn, n_layers))
     experts: dict[int, dict[str, TensorInfo]] = {}
     for name, t in sorted(tensors.items(), key=lambda kv: kv[1].offset):

@@ -17,7 +17,7 @@ from multiprocessing import get_context
 from typing import Callable
 
 from ..costmodel.sizing import MB
-from ..errors import ConfigError, ExpertcacheError
+from ..errors import ConfigError, ExpertcacheError, is_int
 from ..sim import StreamOptions, build_layout, fill_gap, replay_layout
 from ..sim.chunked import pool_shape, replay_chunked
 from ..trace import Trace
@@ -188,7 +188,7 @@ def _expert_bytes(task: Task, trace) -> int:
     if task.expert_mb is not None:
         return max(1, round(task.expert_mb * MB))
     S = trace.meta.get("expert_bytes")
-    if isinstance(S, bool) or not isinstance(S, int) or S < 1:
+    if not is_int(S, 1):
         raise ConfigError("budgets: the trace meta has no expert_bytes; set expert_mb in the spec")
     return S
 

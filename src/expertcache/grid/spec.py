@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .._units import parse_bytes
-from ..errors import ConfigError, ExpertcacheError
+from ..errors import ConfigError, ExpertcacheError, is_int
 from ..policies import make_policy
 from ..sim.options import POOLS, RESETS
 from ..trace import parse_layers
@@ -145,8 +145,7 @@ def parse_spec(doc: dict, where: str, base: Path = Path(".")) -> GridSpec:
         try:
             if isinstance(layers, str):
                 layers = parse_layers(layers)
-            elif isinstance(layers, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                  for x in layers) and layers:
+            elif isinstance(layers, list) and all(is_int(x, 0) for x in layers) and layers:
                 layers = list(layers)
             else:
                 raise ConfigError(f"expected '4-8', '0,2,4' or a list of layer ids, got {layers!r}")
@@ -249,7 +248,7 @@ def _distinct(values, key, where):
 
 
 def _int(v, key, where, lo=0):
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 2**62:
+    if not is_int(v, lo, 2**62):
         _bad(where, key, v, f"an integer >= {lo}")
     return v
 

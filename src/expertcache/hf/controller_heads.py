@@ -34,7 +34,7 @@ import torch
 
 from .._io import atomic_open
 from .._text import first_line
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 
 FORMAT = "expertcache-controller"
 VERSION = 1
@@ -110,14 +110,14 @@ def load_heads(path: str, what: str = "controller") -> Heads:
         if key not in config:
             raise ConfigError(f"{where}: config lacks {key!r}")
     layers = config["layers"]
-    if not (isinstance(layers, list) and layers and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                         for x in layers) and len(set(layers)) == len(layers)):
+    if not (isinstance(layers, list) and layers and all(is_int(x, 0) for x in layers)
+            and len(set(layers)) == len(layers)):
         raise ConfigError(f"{where}: config layers must be a non-empty list of distinct layer ids")
     for key in ("capacity", "num_experts", "hidden_size", "top_k"):
         v = config[key]
-        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1 << 20:
+        if not is_int(v, 1, 1 << 20):
             raise ConfigError(f"{where}: config {key} must be a positive integer, got {v!r}")
-    if not isinstance(config["warmup"], int) or isinstance(config["warmup"], bool) or not 1 <= config["warmup"] <= 1 << 20:
+    if not is_int(config["warmup"], 1, 1 << 20):
         raise ConfigError(f"{where}: config warmup must be a positive integer, got {config['warmup']!r}")
     d = config["ema_decay"]
     if not isinstance(d, float) or not 0.0 <= d < 1.0:

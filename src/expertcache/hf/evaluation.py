@@ -49,7 +49,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError, ExpertcacheError
+from ..errors import ConfigError, ExpertcacheError, is_int
 from ..policies.registry import check_kind
 from ..sim import replay
 from ..trace import Trace
@@ -327,14 +327,14 @@ def _check_options(mode, reference, tolerance, prefetch, pool, router_probs, bat
         raise ConfigError("pool global needs mode decode: it serves one token position per forward, layer by layer")
     if router_probs and batch > 1:
         raise ConfigError("router_probs records batch-1 passes; use batch 1 to capture them")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    if not is_int(repeats, 1):
         raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
 
 
 def fitting_capacity(model: torch.nn.Module, capacity: int, layers, pool: str) -> int:
     """``capacity`` clamped to what can be held at all: E per layer (``pool="layer"``), E times the
     offloaded layers (``"global"``). At or above it every expert fits and no steady copy is made."""
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+    if not is_int(capacity):
         raise ConfigError(f"capacity must be an integer, got {capacity!r}")
     sites = select_sites(find_sites(model), layers, model_label(model))
     most = sites[0].num_experts * (len(sites) if pool == "global" else 1)

@@ -17,14 +17,14 @@ import numpy as np
 
 from .. import _resample
 from .._resample import MAX_RESAMPLES
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 
 
 def draws(n: int, resamples: int, seed: int = 0) -> np.ndarray:
     """int64 ``[resamples, n]``: the sequences of each resample."""
     if n < 1:
         raise ConfigError("--bootstrap: no sequence was evaluated")
-    if isinstance(resamples, bool) or not isinstance(resamples, (int, np.integer)) or not 1 <= resamples <= MAX_RESAMPLES:
+    if not is_int(resamples, 1, MAX_RESAMPLES):
         raise ConfigError(f"--bootstrap: expected 1 to {MAX_RESAMPLES:,} resamples, got {resamples!r}")
     return _resample.draws(n, resamples, seed)
 

@@ -29,7 +29,7 @@ from typing import Iterable, Iterator, NamedTuple
 import torch
 
 from .._text import first_line
-from ..errors import ConfigError, one_line
+from ..errors import ConfigError, one_line, is_int
 from ..formats.safetensors import read_header
 from .model import ExpertsSite, find_sites, model_label, require_transformers, select_sites, text_config
 from .host import check_host, host_of, map_file_experts, use_files
@@ -152,7 +152,7 @@ def check_weights_cover_config(folder: Path, config) -> None:
         return
     text = text_config(config)
     L = getattr(text, "num_hidden_layers", None)
-    if isinstance(L, int) and not isinstance(L, bool):
+    if is_int(L):
         present = sorted({int(m.group(1)) for k in shapes if (m := _LAYER.match(k))})
         missing = next((i for i, v in enumerate(present) if v != i), len(present))
         if missing < L:
@@ -160,7 +160,7 @@ def check_weights_cover_config(folder: Path, config) -> None:
                               f"model.layers.{missing}.* (they hold layers {present[0]}..{present[-1]})")
     embed = shapes.get("model.embed_tokens.weight")
     want = [getattr(text, "vocab_size", None), getattr(text, "hidden_size", None)]
-    if isinstance(embed, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in want) and embed != want:
+    if isinstance(embed, list) and all(is_int(x) for x in want) and embed != want:
         raise ConfigError(f"model {folder}: config.json has vocab_size {want[0]} and hidden_size {want[1]}, but "
                           f"model.embed_tokens.weight is {embed}")
 
@@ -170,7 +170,7 @@ def check_top_k(path, config, sites: list[ExpertsSite]) -> None:
     torch's ``topk`` fails in the forward otherwise."""
     text = text_config(config)
     k = getattr(text, "num_experts_per_tok", None)
-    if sites and isinstance(k, int) and not isinstance(k, bool) and not 1 <= k <= sites[0].num_experts:
+    if sites and is_int(k) and not 1 <= k <= sites[0].num_experts:
         raise ConfigError(f"model {path}: config.json has num_experts_per_tok {k}, not 1..{sites[0].num_experts} "
                           "(the experts its weights hold)")
 

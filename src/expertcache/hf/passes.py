@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from .model import cache_argument, model_device, text_config
 from .timing import Stopwatch
 
@@ -169,7 +169,7 @@ def split_tokens(ids: np.ndarray, max_len: int, max_sequences: int | None = None
 def positions(model) -> int | None:
     """The model's trained positions (``max_position_embeddings`` of its text config), if it says."""
     n = getattr(text_config(getattr(model, "config", None)), "max_position_embeddings", None)
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+    return n if is_int(n, 1) else None
 
 
 def vocab_size(model) -> int | None:

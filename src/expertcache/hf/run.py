@@ -40,7 +40,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from ..policies import Policy
 from ..policies.registry import check_kind
 from ..trace import Trace
@@ -73,7 +73,7 @@ class OffloadRun:
         pool: str = "layer",
         slow_copies: int = 1,
     ):
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+        if not is_int(capacity):
             raise ConfigError(f"capacity must be an integer, got {capacity!r}")
         if reset not in RESETS:
             raise ConfigError(f"reset: {reset!r} is not one of {', '.join(RESETS)}")
@@ -83,7 +83,7 @@ class OffloadRun:
             raise ConfigError(f"pool: {pool!r} is not one of {', '.join(POOLS)}")
         if pool == "global" and prefetch != "none":
             raise ConfigError("prefetch needs a pool per layer (pool='layer')")
-        if isinstance(slow_copies, bool) or not isinstance(slow_copies, (int, np.integer)) or slow_copies < 1:
+        if not is_int(slow_copies, 1):
             raise ConfigError(f"slow_copies must be a positive integer, got {slow_copies!r}")
         self.pool = pool
         self.slow_copies = int(slow_copies)

@@ -73,7 +73,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .._io import temporary_name
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from ..formats.gguf import chat_template_problem
 
 DTYPES = ("f32", "f16", "q8_0")
@@ -561,7 +561,7 @@ def config_types(cfg: dict) -> str | None:
         v = cfg.get(key)
         if v is None:
             continue
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (v == 0 and key not in CONFIG_ZERO_OK):
+        if not is_int(v, 0) or (v == 0 and key not in CONFIG_ZERO_OK):
             kind = "a non-negative" if key in CONFIG_ZERO_OK else "a positive"
             return f"{key} {str(v)[:60]!r} in config.json is not {kind} integer"
     numbers = [(k, cfg.get(k)) for k in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "swiglu_limit")]
@@ -865,7 +865,7 @@ def _write_special_tokens(writer, folder: Path, tokens: list[str], config: dict)
         if value is None:
             token = config.get(fallback) if fallback else None
             token = token[0] if isinstance(token, list) and token else token  # several EOS ids: the first
-            if isinstance(token, int) and not isinstance(token, bool) and 0 <= token < len(tokens):
+            if is_int(token) and 0 <= token < len(tokens):
                 add(token)
                 written[key] = token
             continue

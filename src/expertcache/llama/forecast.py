@@ -63,7 +63,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from ..costmodel.sizing import MB
 from .advice import managed_budget, managed_item_bytes
 from . import roofline as rl  # its measurements called through the module (tests stand in for them there)
@@ -377,7 +377,7 @@ def measure_compute(g, threads: int, fresh: bool = False, timing: str = "faulted
     step = timing if timing in STEPS else None
     pages = pages_of(step) if step else timing
     vocab = g.metadata.get("tokenizer.ggml.tokens")
-    n = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 1 else 2
+    n = vocab if is_int(vocab, 2) else 2
     prompt = [1 + i % (n - 1) for i in range(COMPUTE_PROMPT_TOKENS)]
     try:
         r = rl.compute_rate(g.path, prompt, COMPUTE_TOKENS, threads, fresh=fresh, pages=pages, step=step)

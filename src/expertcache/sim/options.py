@@ -15,7 +15,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 
 POOLS = ("layer", "global")
 RESETS = ("sequence", "none")
@@ -49,7 +49,7 @@ class StreamOptions:
         object.__setattr__(self, "warm", float(self.warm))
         if self.layers is not None:
             layers = tuple(self.layers)
-            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in layers):
+            if any(not is_int(x) for x in layers):
                 raise ConfigError(f"--layers: expected layer ids (integers), got {list(layers)!r}")
             object.__setattr__(self, "layers", tuple(int(x) for x in layers))  # a layer the trace lacks, or
             # one named twice, is refused against the trace (Trace.layer_index), naming the file

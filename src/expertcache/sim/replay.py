@@ -34,7 +34,7 @@ import numpy as np
 
 from ..cache import ExpertCache
 from ..kernels import pool_slots
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from ..policies import Policy, StreamFuture, make_policy
 from ..trace.context import stream_context
 from ..trace import Trace
@@ -222,7 +222,7 @@ MAX_CAPACITY = 1 << 62
 def check_capacity(layout: StreamLayout, capacity) -> int:
     """``capacity`` as an int, or a ConfigError if it is not one, is above :data:`MAX_CAPACITY`, or
     cannot hold the widest group."""
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+    if not is_int(capacity):
         raise ConfigError(f"capacity must be an integer, got {capacity!r}")
     if capacity > MAX_CAPACITY:
         raise ConfigError(f"capacity {capacity} is above 2**62")
@@ -237,7 +237,7 @@ def check_capacity(layout: StreamLayout, capacity) -> int:
 
 def check_positive(capacity) -> int:
     """``capacity`` as a positive int (a pin set with bypass holds any number of experts)."""
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+    if not is_int(capacity, 1):
         raise ConfigError(f"capacity must be a positive integer, got {capacity!r}")
     return int(capacity)
 

@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .._io import atomic_open
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 
 FORMAT = "expertcache-pool"
 VERSION = 1
@@ -164,7 +164,7 @@ def _check_manifest(root: Path, man) -> None:
 
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         bad(f"'format' is not {FORMAT!r}")
-    if not _int(man.get("version")) or man.get("version") != VERSION:  # JSON true == 1 in Python
+    if not is_int(man.get("version")) or man.get("version") != VERSION:  # JSON true == 1 in Python
         bad(f"'version' {man.get('version')!r} is not {VERSION}")
     if man.get("checksum") != "blake2b-128":
         bad(f"'checksum' {str(man.get('checksum'))[:40]!r} is not 'blake2b-128' (the only one --verify computes)")
@@ -173,15 +173,15 @@ def _check_manifest(root: Path, man) -> None:
     if man.get("layout") not in LAYOUTS:
         bad(f"'layout' {man.get('layout')!r} is not one of {', '.join(LAYOUTS)}")
     for key in ("expert_bytes", "num_experts"):
-        if not _int(man.get(key)) or man[key] <= 0:
+        if not is_int(man.get(key)) or man[key] <= 0:
             bad(f"'{key}' must be a positive integer")
     layers = man.get("layers")
     if not isinstance(layers, list) or not layers:
         bad("'layers' must be a non-empty list")
-    if not all(_int(v) and v >= 0 for v in layers) or len(set(layers)) != len(layers):
+    if not all(is_int(v, 0) for v in layers) or len(set(layers)) != len(layers):
         bad("'layers' must be distinct non-negative layer ids")
     files = man.get("files")
-    if not isinstance(files, dict) or not all(_int(v) and v >= 0 for v in files.values()):
+    if not isinstance(files, dict) or not all(is_int(v, 0) for v in files.values()):
         bad("'files' must map file names to sizes")
     for name in files:
         if not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts:
@@ -192,7 +192,7 @@ def _check_manifest(root: Path, man) -> None:
         bad(f"'entries' must list {n} (layer, expert) entries")
     for i, ent in enumerate(entries):
         ok = (isinstance(ent, list) and len(ent) == 4 and isinstance(ent[0], str) and ent[0] in files
-              and _int(ent[1]) and _int(ent[2]) and ent[1] >= 0 and 0 < ent[2] <= man["expert_bytes"]
+              and is_int(ent[1]) and is_int(ent[2]) and ent[1] >= 0 and 0 < ent[2] <= man["expert_bytes"]
               and isinstance(ent[3], str))
         if not ok or ent[1] + ent[2] > files[ent[0]]:
             bad(f"entries[{i}] is not [file, offset, size, checksum] inside its file")
@@ -207,11 +207,6 @@ def _check_manifest(root: Path, man) -> None:
     if largest != man["expert_bytes"]:
         bad(f"'expert_bytes' is {man['expert_bytes']}, but the largest entry holds {largest} bytes")
     _check_no_overlap(entries, bad)
-
-
-def _int(v) -> bool:
-    """An integer that is not a bool (JSON true would otherwise pass as 1)."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_no_overlap(entries: list, bad) -> None:

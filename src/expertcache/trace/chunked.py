@@ -41,7 +41,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import ConfigError, TraceError
+from ..errors import ConfigError, TraceError, is_int
 from .core import Trace, load_trace
 from .validate import MAX_LAYERS, MAX_META_CHARS
 
@@ -213,14 +213,14 @@ def open_chunked(path: str | os.PathLike) -> ChunkedTrace:
 
     def integer(obj, key, where, lo=0):
         value = obj.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo or value >= 1 << 62:
+        if not is_int(value, lo, (1 << 62) - 1):
             raise TraceError(f"{src}: {where}{key}: expected an integer >= {lo}, got {value!r}")
         return value
 
     E, k = integer(doc, "num_experts", "", 1), integer(doc, "top_k", "", 1)
     layer_ids = doc.get("layer_ids")
     if (not isinstance(layer_ids, list) or not layer_ids or len(layer_ids) > MAX_LAYERS
-            or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 1 << 31 for x in layer_ids)
+            or any(not is_int(x, 0, (1 << 31) - 1) for x in layer_ids)
             or len(set(layer_ids)) != len(layer_ids)):
         raise TraceError(f"{src}: layer_ids: expected 1 to {MAX_LAYERS} distinct layer ids in [0, 2^31)")
     meta = doc.get("meta", {})
@@ -270,7 +270,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 # ---------------------------------------------------------------------------------- writing
 def check_chunk_sequences(chunk_sequences) -> int:
     """``--chunk-sequences``: a positive integer (a ConfigError line otherwise)."""
-    if isinstance(chunk_sequences, bool) or not isinstance(chunk_sequences, (int, np.integer)) or chunk_sequences < 1:
+    if not is_int(chunk_sequences, 1):
         raise ConfigError(f"--chunk-sequences: expected a positive integer, got {chunk_sequences!r}")
     return int(chunk_sequences)
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from .._io import write_npz
 from .._text import id_ranges
-from ..errors import ConfigError, TraceError
+from ..errors import ConfigError, TraceError, is_int
 from .model_signals import SIGNAL_EXTRAS
 from .npz import read_npz, resolve_trace_path
 from .validate import MAX_LAYER_ID, MAX_LAYERS, check, compact_dtype, parse_meta, seq_bounds
@@ -201,7 +201,7 @@ class Trace:
         merged two copies into one sequence, ``-1`` had given an empty trace, ``-2`` the last one)."""
         index = list(index)
         S = self.num_sequences
-        bad = next((i for i in index if isinstance(i, bool) or not isinstance(i, (int, np.integer))
+        bad = next((i for i in index if not is_int(i)
                     or not 0 <= i < S), None)
         if not index or bad is not None or len(set(index)) != len(index):
             what = ("no position" if not index else f"position {bad!r} is not in [0, {S})" if bad is not None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._io import atomic_open
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from .importers.engine import EngineFields
 from .importers.engine_passes import ACCEPTED, FALLBACK, NORMAL, PASS_KINDS, SPEC_ACCEPT, SPEC_FAIL
 
@@ -151,7 +151,7 @@ def _truth(lines, rows, layers: int, k: int, E: int) -> EngineLog:
 def _check(iterations, layers, num_experts, top_k, p_accept, p_fail, sequences, order) -> None:
     for name, v in (("iterations", iterations), ("layers", layers), ("num_experts", num_experts), ("top_k", top_k),
                     ("sequences", sequences)):
-        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+        if not is_int(v, 1):
             raise ConfigError(f"{name}: expected a positive integer, got {v!r}")
     if top_k > num_experts:
         raise ConfigError(f"top_k: {top_k} is more than num_experts = {num_experts} (a position routes k distinct experts)")

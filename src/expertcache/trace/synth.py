@@ -42,7 +42,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from .._jit import njit
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from .core import Trace
 from .validate import MAX_EXPERTS, MAX_ITEMS, MAX_LAYERS
 
@@ -88,7 +88,7 @@ class SynthParams:
 
         for name in ("num_experts", "top_k", "num_layers", "tokens", "sequences", "max_lag"):
             value = getattr(self, name)
-            need(isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1,
+            need(is_int(value, 1),
                  f"{name} must be a positive integer, got {value!r}")
         need(self.top_k <= self.num_experts, f"top_k = {self.top_k} exceeds num_experts = {self.num_experts}")
         need(self.num_experts <= MAX_EXPERTS, f"num_experts = {self.num_experts:,} is above the limit of {MAX_EXPERTS:,}")
@@ -255,7 +255,7 @@ def synthesize(params: SynthParams, seed: int = 0, *, preset: str | None = None)
     the generator, its parameters and the seed.
     """
     params.validate()
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    if not is_int(seed, 0):
         raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
     E, L, T, S = params.num_experts, params.num_layers, params.tokens, params.sequences
     rng = np.random.default_rng(seed)
@@ -292,9 +292,9 @@ def synthesize_chunks(params: SynthParams, seed: int = 0, *, chunk_sequences: in
     interleaves one stream over all sequences): equal in distribution, not token for token.
     """
     params.validate()
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    if not is_int(seed, 0):
         raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
-    if isinstance(chunk_sequences, bool) or not isinstance(chunk_sequences, (int, np.integer)) or chunk_sequences < 1:
+    if not is_int(chunk_sequences, 1):
         raise ConfigError(f"chunk_sequences must be a positive integer, got {chunk_sequences!r}")
     E, L, T, S = params.num_experts, params.num_layers, params.tokens, params.sequences
     model = np.random.default_rng(seed)

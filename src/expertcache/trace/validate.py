@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TraceError
+from ..errors import TraceError, is_int
 from .model_signals import SIGNAL_EXTRAS, check_signal_extra, check_signal_pairs
 from .units import UNIT_EXTRAS, check_unit_extra
 
@@ -143,7 +143,7 @@ def _check_derived_meta(meta: dict, derived: dict, src: str) -> None:
     if (
         not isinstance(lids, list)
         or len(lids) != L
-        or not all(_is_int(x) and 0 <= x <= MAX_LAYER_ID for x in lids)
+        or not all(is_int(x, 0, MAX_LAYER_ID) for x in lids)
         or len(set(lids)) != L
     ):
         shown = repr(lids) if len(repr(lids)) < 200 else repr(lids)[:200] + "..."
@@ -153,18 +153,14 @@ def _check_derived_meta(meta: dict, derived: dict, src: str) -> None:
         raise TraceError(f"{src}: meta: phase {meta['phase']!r} is not one of {', '.join(PHASES)}")
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _check_meta_types(meta: dict, src: str) -> None:
     """Known keys have the documented types: counts are JSON integers (not 8.0, not true)."""
     for key in _INT_META:
-        if key in meta and not (_is_int(meta[key]) and meta[key] > 0):
+        if key in meta and not is_int(meta[key], 1):
             raise TraceError(f"{src}: meta: {key} must be a positive integer, got {_short(meta[key])}")
     if "num_experts" in meta and meta["num_experts"] > MAX_EXPERTS:
         raise TraceError(f"{src}: meta: num_experts = {meta['num_experts']:,} is more than the limit of {MAX_EXPERTS:,}")
-    if "expert_bytes" in meta and not (_is_int(meta["expert_bytes"]) and 0 < meta["expert_bytes"] <= MAX_EXPERT_BYTES):
+    if "expert_bytes" in meta and not is_int(meta["expert_bytes"], 1, MAX_EXPERT_BYTES):
         raise TraceError(f"{src}: meta: expert_bytes must be a positive integer up to 10**13, "
                          f"got {_short(meta['expert_bytes'])}")
     for key in ("name", "model"):

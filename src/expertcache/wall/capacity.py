@@ -37,7 +37,7 @@ import sys
 import tempfile
 import warnings
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 from . import cgroupfs as cg
 from .cgroupwall import (CAPACITY_SLACK, SLACK_BYTES, WallRun, WallUnavailable, cgroup_target, child_result,
                          proof_slack, read_limit_chain, run_cgroup, run_scope)
@@ -348,10 +348,10 @@ def run_walled(argv: list[str], *, capacity_bytes: int, wall: str = "auto", cgro
     """
     if wall not in WALLS:
         raise ConfigError(f"--wall: {wall!r} is not one of {', '.join(WALLS)}")
-    if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes < 1:
+    if not is_int(capacity_bytes, 1):
         raise ConfigError(f"--capacity: {capacity_bytes!r} is not a positive number of bytes")
     headroom = DEFAULT_HEADROOM if headroom_bytes is None else headroom_bytes
-    if not isinstance(headroom, int) or isinstance(headroom, bool) or headroom < 0:
+    if not is_int(headroom, 0):
         raise ConfigError(f"--headroom: {headroom!r} is not a non-negative number of bytes")
     if timeout is not None and not timeout > 0:
         raise ConfigError(f"--timeout: {timeout!r} is not a positive number of seconds")

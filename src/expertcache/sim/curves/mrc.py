@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import ConfigError, is_int
 from ...policies import Policy, make_policy
 from ...trace import Trace
 from ..gap import as_record, gap_recovered
@@ -270,7 +270,7 @@ def _capacities(layout: StreamLayout, capacities: Iterable[int] | None) -> list[
         return sorted({int(round(x)) for x in np.linspace(lo, hi, DEFAULT_GRID)})
     values = list(capacities)
     for c in values:
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+        if not is_int(c):
             check_capacity(layout, c)  # raises the replay's message
     caps = sorted({int(c) for c in values})
     if not caps:

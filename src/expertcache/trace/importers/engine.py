@@ -21,13 +21,13 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
-from ...errors import ConfigError, TraceError
+from ...errors import ConfigError, TraceError, is_int
 from ..core import Trace
 from ..validate import MAX_EXPERTS
 from .engine_passes import PASS_KINDS, EngineRecord, TypedPasses, pass_arrays, type_passes
 from .records import HugeInt, display_name, iter_records
 from .registry import Importer, Options, register
-from .values import check_num_experts, check_phase, field, index_value, is_int, seq_value, short
+from .values import check_num_experts, check_phase, field, index_value, seq_value, short
 
 DEFAULT_SEQ = "seq"
 MAX_TOP_K = 1 << 16
@@ -100,7 +100,7 @@ def import_engine_jsonl(
     check_num_experts(num_experts)
     if top_k is not None and not (is_int(top_k) and 0 < top_k <= MAX_TOP_K):
         raise ConfigError(f"--top-k: {top_k!r} is outside [1, {MAX_TOP_K}]")
-    if expect_tokens is not None and not (is_int(expect_tokens) and expect_tokens > 0):
+    if expect_tokens is not None and not is_int(expect_tokens, 1):
         raise ConfigError(f"--expect-tokens: {expect_tokens!r} is not a positive integer")
     src = str(path)
     f = fields

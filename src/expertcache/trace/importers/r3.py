@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import ConfigError, TraceError
+from ...errors import ConfigError, TraceError, is_int
 from ..chunked import ChunkWriter, check_chunk_sequences, open_chunked
 from ..core import Trace
 from ..validate import MAX_LAYERS, compact_dtype
@@ -44,7 +44,7 @@ from .engine import MAX_TOP_K
 from .r3_wire import R3_FORMATS, R3Part, R3Reader, r3_kind
 from .records import display_name
 from .registry import Importer, Options, register
-from .values import check_num_experts, check_phase, is_int
+from .values import check_num_experts, check_phase
 
 RECENT = 256  # sequences a suffix may continue
 SAMPLE_ROWS = 4096  # rows that decide an inferred k

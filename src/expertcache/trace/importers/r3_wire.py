@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..._io import numpy_reason
-from ...errors import TraceError
+from ...errors import TraceError, is_int
 from .records import iter_lines, parse_record
-from .values import MAX_EXPERTS, index_value, is_int, short
+from .values import MAX_EXPERTS, index_value, short
 
 R3_FORMATS = ("sglang-r3", "vllm-r3")
 NPY_B64 = "k05VTVBZ"  # base64 of b"\x93NUMPY": vLLM's payload is an .npy file

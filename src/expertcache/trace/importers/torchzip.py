@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import TraceError
+from ...errors import TraceError, is_int
 from ..npz import max_bytes
 from .records import open_regular
 from .values import short
@@ -230,7 +230,7 @@ class _Machine:
             isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
             and isinstance(pid[1], _Global) and pid[1].kind == "storage"
             and isinstance(pid[2], str) and isinstance(pid[3], str)
-            and isinstance(pid[4], int) and not isinstance(pid[4], bool) and pid[4] >= 0
+            and is_int(pid[4], 0)
         )
         if not ok:
             raise self.fail(pos, f"persistent id {short(pid)} is not a storage reference")
@@ -249,7 +249,7 @@ class _Machine:
         if len(args) not in (6, 7) or not isinstance(args[0], _Storage):
             raise self.fail(pos, "_rebuild_tensor_v2 with unexpected arguments")
         storage, offset, size, stride = args[:4]
-        ints = lambda t: isinstance(t, tuple) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in t)
+        ints = lambda t: isinstance(t, tuple) and all(is_int(v, 0) for v in t)
         if not (isinstance(offset, int) and offset >= 0 and ints(size) and ints(stride) and len(size) == len(stride)):
             raise self.fail(pos, f"tensor with offset {short(offset)}, size {short(size)}, stride {short(stride)}")
         count = math.prod(size)

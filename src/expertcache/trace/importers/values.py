@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from ...errors import ConfigError, TraceError
+from ...errors import ConfigError, TraceError, is_int
 from ..validate import MAX_EXPERTS
 from .records import HugeInt
 INT32_MAX = (1 << 31) - 1
@@ -25,10 +25,6 @@ def short(x: object, limit: int = 60) -> str:
     except RecursionError:
         return f"<deeply nested {type(x).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _huge(x: object, field: str, where: str) -> None:
