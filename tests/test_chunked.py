@@ -5,6 +5,7 @@ and layer selection; the manifest and the chunks are checked; writing is atomic.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -155,6 +156,28 @@ def test_the_writer_is_atomic_and_keeps_other_folders(tmp_path):
             w.add(pieces[1])
             w.add(pieces[0])
 
+
+
+def test_a_killed_writers_partial_folder_is_removed_by_the_next_writer(tmp_path):
+    """A writer killed mid-trace (no ``finally``) leaves ``.t.<pid>.<hex>.partial`` holding every
+    chunk it wrote; the next writer of the same trace removes it once that process is gone, and
+    keeps a live writer's and another trace's."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".t.{dead.pid}.0123abcd.partial"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "chunk-000000.npz").write_bytes(b"x" * 1000)
+    aside = tmp_path / f".t.{dead.pid}.4567abcd.old"
+    aside.mkdir()
+    others = [tmp_path / f".u.{dead.pid}.89abcdef.partial", tmp_path / f".t.{os.getpid()}.89abcdef.partial"]
+    for other in others:
+        other.mkdir()
+    write(tmp_path / "t", random_pieces(np.random.default_rng(0))[:1])
+    assert not stale.exists() and not aside.exists() and all(o.exists() for o in others)
+    assert open_chunked(tmp_path / "t").num_chunks == 1
 
 def _edit(path, fn):
     doc = json.loads((path / MANIFEST).read_text())

@@ -120,6 +120,21 @@ def test_a_live_writers_temporary_is_kept(tmp_path):
         sleeper.wait()
 
 
+
+def test_stale_temporary_folders_go_by_their_suffix(tmp_path):
+    """``clean_stale_temporaries(path, suffix)``: a dead writer's folder goes with all it holds
+    (a checkpoint being saved, a chunked trace's ``.partial``); another suffix's stays."""
+    pid = _dead_pid()
+    folder = tmp_path / f".out.{pid}.0123abcd.tmp"
+    (folder / "inner").mkdir(parents=True)
+    (folder / "inner" / "w.bin").write_bytes(b"x")
+    partial = tmp_path / f".out.{pid}.0123abcd.partial"
+    partial.mkdir()
+    assert clean_stale_temporaries(tmp_path / "out") == [folder]
+    assert not folder.exists() and partial.exists()
+    assert clean_stale_temporaries(tmp_path / "out", "partial") == [partial]
+    assert list(tmp_path.iterdir()) == []
+
 def test_missing_folder_and_folder_targets_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match=f"folder {tmp_path / 'nope'} does not exist"):
         with atomic_open(tmp_path / "nope" / "x.npz", "wb"):

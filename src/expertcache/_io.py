@@ -13,6 +13,7 @@ import errno
 import os
 import re
 import secrets
+import shutil
 import stat
 from pathlib import Path
 from typing import IO, Iterator
@@ -21,7 +22,7 @@ from .errors import ConfigError
 
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 """Errors of a write that mean the output's file system is full (or the file too large for it)."""
-_TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
+_TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.(?P<suffix>tmp|partial|old)")
 _PENDING: set[str] = set()
 """The temporaries this process is writing now (:func:`temporary_beside`)."""
 
@@ -190,10 +191,12 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", *, option: str = "--ou
         raise
 
 
-def temporary_name(path: Path) -> Path:
-    """A fresh temporary's name beside ``path``: ``.<name>.<pid>.<8 hex>.tmp``."""
+def temporary_name(path: Path, suffix: str = "tmp") -> Path:
+    """A fresh temporary's name beside ``path``: ``.<name>.<pid>.<8 hex>.<suffix>``; ``suffix`` is
+    ``tmp`` (a file or folder being written), ``partial`` (a chunked trace being written) or ``old``
+    (a folder moved aside before it is removed)."""
     parent = path.parent if str(path.parent) else Path(".")
-    return parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    return parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{suffix}"
 
 
 @contextlib.contextmanager
@@ -217,17 +220,22 @@ def remove_pending() -> None:
     _PENDING.clear()
 
 
-def clean_stale_temporaries(path: Path) -> list[Path]:
-    """Remove ``.<name>.<pid>.<hex>.tmp`` files beside ``path`` whose process is gone; returns them."""
+def clean_stale_temporaries(path: Path, suffix: str = "tmp") -> list[Path]:
+    """Remove the temporaries of ``path`` (:func:`temporary_name`'s, with this ``suffix``: files, or
+    folders and what they hold) whose process is gone; returns them."""
     parent = path.parent if str(path.parent) else Path(".")
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent):
             m = _TEMP.fullmatch(entry.name)
-            if m is None or m.group("name") != path.name or _alive(int(m.group("pid"))):
+            if (m is None or m.group("name") != path.name or m.group("suffix") != suffix
+                    or _alive(int(m.group("pid")))):
                 continue
             with contextlib.suppress(OSError):
-                os.unlink(entry.path)
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
                 removed.append(Path(entry.path))
     return removed
 

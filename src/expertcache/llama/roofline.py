@@ -39,12 +39,12 @@ import json
 import mmap
 import os
 import random
-import secrets
 import statistics
 import threading
 import time
 from pathlib import Path
 
+from .._io import atomic_open
 from ..errors import ConfigError
 from ..wall.pagecache import evict_file_pages, residency
 from ..wall.procfs import OpenProcFile
@@ -77,10 +77,9 @@ def _store(key: str, value: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _load()
         data[key] = value
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
+        with atomic_open(path, "w", encoding="utf-8", option="the roofline cache") as fh:
+            json.dump(data, fh, indent=1)
+    except (OSError, ConfigError):
         pass  # a read-only home: measured again next time
 
 

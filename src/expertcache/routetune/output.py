@@ -10,13 +10,12 @@ into or replaced.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
 
-from .._io import _TEMP, _alive, check_writable, temporary_name
+from .._io import check_writable, clean_stale_temporaries, temporary_name
 from ..errors import ConfigError
 from .config import CONFIG_FILE
 
@@ -27,15 +26,6 @@ def check_out_folder(out: str | os.PathLike) -> Path:
     if out.exists():
         raise ConfigError(f"--out {out}: already exists (give a new folder name, or remove it first)")
     return check_writable(out, "--out")  # its parent folder exists
-
-
-def _clean_stale(out: Path) -> None:
-    parent = out.parent if str(out.parent) else Path(".")
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(parent):
-            m = _TEMP.fullmatch(entry.name)
-            if m and m.group("name") == out.name and not _alive(int(m.group("pid"))) and entry.is_dir():
-                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -51,7 +41,7 @@ def _fsync_tree(folder: Path) -> None:
 def save_folder(model, tokenizer, out: str | os.PathLike, record: dict) -> Path:
     """Write ``model`` (+ ``tokenizer``, + ``record`` as ``routetune.json``) to ``out`` atomically."""
     out = check_out_folder(out)
-    _clean_stale(out)
+    clean_stale_temporaries(out)
     tmp = temporary_name(out)
     try:
         tmp.mkdir()

@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .._io import clean_stale_temporaries, temporary_name
 from ..errors import ConfigError, TraceError, is_int
 from .core import Trace, load_trace
 from .validate import MAX_LAYERS, MAX_META_CHARS
@@ -309,7 +309,9 @@ class ChunkWriter:
             raise ConfigError(f"{option} {self.out}: folder {parent} does not exist")
         if self.out.exists() and not is_chunked(self.out) and (not self.out.is_dir() or any(self.out.iterdir())):
             raise ConfigError(f"{option} {self.out}: exists and is not a chunked trace (it would be replaced)")
-        self.tmp = parent / f".{self.out.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+        for suffix in ("partial", "old"):  # what a killed writer of this trace left
+            clean_stale_temporaries(self.out, suffix)
+        self.tmp = temporary_name(self.out, "partial")
         try:
             self.tmp.mkdir()
         except OSError as exc:
@@ -371,7 +373,7 @@ class ChunkWriter:
             os.fsync(fh.fileno())
         old = None
         if self.out.exists():  # a chunked trace (checked when opened): moved aside, then removed
-            old = self.out.parent / f".{self.out.name}.{os.getpid()}.{secrets.token_hex(4)}.old"
+            old = temporary_name(self.out, "old")
             os.rename(self.out, old)
         os.rename(self.tmp, self.out)
         if old is not None:
