@@ -193,6 +193,18 @@ def test_a_dead_ray_address_is_one_line_before_ray_waits(fresh_process, monkeypa
                    f"127.0.0.1:{port} (Connection refused); is a Ray cluster running there?"]
 
 
+
+@pytest.mark.parametrize("value", ["  ", "host", "127.0.0.1:99999"])
+def test_a_ray_address_that_is_no_address_is_one_line(fresh_process, monkeypatch, capsys, value):
+    """Ray reads any non-empty ``RAY_ADDRESS`` but ``auto`` as the address (blanks too: it said
+    "Invalid address format:" and nothing more); it is checked as ``--ray ADDRESS`` is."""
+    monkeypatch.setenv("RAY_ADDRESS", value)
+    assert main(["replay", str(fresh_process / "t.npz"), "-c", "8", "--ray", "auto"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    said = (f"expertcache replay: error: --ray auto (RAY_ADDRESS={value}) {value!r}: expected 'auto' or a "
+            "cluster address such as 'host:6379' or 'ray://host:10001'")
+    assert err == [" ".join(said.split())]  # an error line folds white space
+
 def test_a_stale_ray_start_record_is_one_line(fresh_process, capsys):
     """A ``ray start`` whose cluster died (killed, not stopped) leaves its address recorded in Ray's
     temp folder, and ``ray.init(address="auto")`` waited on it for ever."""

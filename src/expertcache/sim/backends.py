@@ -117,8 +117,8 @@ def auto_address() -> tuple[str | None, str]:
     ``RAY_ADDRESS`` first (``local``: start one), then the address the last ``ray start`` recorded
     in Ray's temp folder (``ray stop`` forgets it). ``(None, "")`` where neither names one: Ray then
     joins a cluster whose processes run here, or the command starts a local one."""
-    env = os.environ.get("RAY_ADDRESS", "").strip()
-    if env and env != "auto":
+    env = os.environ.get("RAY_ADDRESS", "")
+    if env and env != "auto":  # as Ray reads it: any other non-empty value, blanks too, is the address
         return env, f"RAY_ADDRESS={env}"
     try:
         from ray._private import utils
