@@ -201,8 +201,7 @@ class Trace:
         merged two copies into one sequence, ``-1`` had given an empty trace, ``-2`` the last one)."""
         index = list(index)
         S = self.num_sequences
-        bad = next((i for i in index if not is_int(i)
-                    or not 0 <= i < S), None)
+        bad = next((i for i in index if not is_int(i, 0, S - 1)), None)
         if not index or bad is not None or len(set(index)) != len(index):
             what = ("no position" if not index else f"position {bad!r} is not in [0, {S})" if bad is not None
                     else "a position is named twice")

@@ -88,8 +88,7 @@ class SynthParams:
 
         for name in ("num_experts", "top_k", "num_layers", "tokens", "sequences", "max_lag"):
             value = getattr(self, name)
-            need(is_int(value, 1),
-                 f"{name} must be a positive integer, got {value!r}")
+            need(is_int(value, 1), f"{name} must be a positive integer, got {value!r}")
         need(self.top_k <= self.num_experts, f"top_k = {self.top_k} exceeds num_experts = {self.num_experts}")
         need(self.num_experts <= MAX_EXPERTS, f"num_experts = {self.num_experts:,} is above the limit of {MAX_EXPERTS:,}")
         need(self.num_layers <= MAX_LAYERS, f"num_layers = {self.num_layers:,} is above the limit of {MAX_LAYERS:,}")
