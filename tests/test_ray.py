@@ -175,17 +175,21 @@ def fresh_process(monkeypatch, tmp_path):
     return tmp_path
 
 
-def _closed_port() -> int:
+@pytest.fixture
+def refusing_port():
+    """A loopback port that refuses connections for the test's length: bound, never listening (so
+    no other process can take it meanwhile)."""
     import socket
 
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        return srv.getsockname()[1]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
-def test_a_dead_ray_address_is_one_line_before_ray_waits(fresh_process, monkeypatch, capsys):
+def test_a_dead_ray_address_is_one_line_before_ray_waits(fresh_process, monkeypatch, capsys, refusing_port):
     """Ray 2.60 retried a dead ``RAY_ADDRESS`` for ever under ``--ray auto`` (past 200 s, printing a
     warning every 5 s): the address is tried first."""
-    port = _closed_port()
+    port = refusing_port
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     assert main(["replay", str(fresh_process / "t.npz"), "-c", "8", "--ray", "auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -205,10 +209,10 @@ def test_a_ray_address_that_is_no_address_is_one_line(fresh_process, monkeypatch
             "cluster address such as 'host:6379' or 'ray://host:10001'")
     assert err == [" ".join(said.split())]  # an error line folds white space
 
-def test_a_stale_ray_start_record_is_one_line(fresh_process, capsys):
+def test_a_stale_ray_start_record_is_one_line(fresh_process, capsys, refusing_port):
     """A ``ray start`` whose cluster died (killed, not stopped) leaves its address recorded in Ray's
     temp folder, and ``ray.init(address="auto")`` waited on it for ever."""
-    port = _closed_port()
+    port = refusing_port
     (fresh_process / "ray").mkdir()
     (fresh_process / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}\n")
     assert main(["replay", str(fresh_process / "t.npz"), "-c", "8", "--ray", "auto"]) == 2
