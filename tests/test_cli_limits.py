@@ -7,6 +7,7 @@ OverflowError (exit 70) and a config of 10^9 layers taking 24 GB."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -88,3 +89,18 @@ def test_is_int_is_the_one_integer_test(value, lo, hi, expected):
     from expertcache.errors import is_int
 
     assert is_int(value, lo, hi) is expected
+
+
+
+@pytest.mark.parametrize("value, expected", [
+    (3, True), (-2.5, True), (0.0, True), (np.float32(1.5), True), (np.int64(7), True), (2**80, True),
+    (10**400, False), (float("nan"), False), (float("inf"), False), (-math.inf, False), (np.float64("nan"), False),
+    (True, False), (np.bool_(False), False), ("1.5", False), (None, False), (1 + 0j, False),
+])
+def test_is_real_is_the_one_real_number_test(value, expected):
+    """``errors.is_real``, behind every real-valued parameter and file field: a finite Python or
+    numpy number; never a bool, NaN, an infinity, text, or an integer beyond any float (on one
+    ``math.isfinite`` raises ``OverflowError``, which had reached users as an internal error)."""
+    from expertcache.errors import is_real
+
+    assert is_real(value) is expected

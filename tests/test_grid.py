@@ -145,6 +145,12 @@ def test_budget_cells(tmp_path):
     ({"traces": ["ta.npz"], "capacities": [8], "reset": ["never"]}, "reset: 'never' is not one of"),
     ({"traces": ["ta.npz"], "capacities": [8], "layers": "9-2"}, "layers: '9-2' runs backwards"),
     ({"traces": ["ta.npz"], "capacities": [8], "expert_mb": 12}, "expert_mb: only budgets read it"),
+    # integers beyond any float were an OverflowError: `grid` ended in an internal error
+    ({"traces": ["ta.npz"], "budgets": ["1GB"], "expert_mb": 10**400}, "expert_mb: expected a positive number of MB"),
+    ({"synth": [{"preset": "olmoe", "drift_rate": 10**400}], "capacities": [8]},
+     "synth[0]: synthetic trace: drift_rate must be a finite number >= 0"),
+    ({"synth": [{"preset": "olmoe", "reuse_prob": "high"}], "capacities": [8]},
+     "synth[0]: synthetic trace: reuse_prob must lie in [0, 1], got 'high'"),
     ({"synth": [{"preset": "gpt"}], "capacities": [8]}, "synth[0]: preset: 'gpt' is not one of"),
     ({"synth": [{"preset": "olmoe", "colour": 2}], "capacities": [8]}, "synth[0]: synthetic trace: unknown parameter"),
 ])

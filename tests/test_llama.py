@@ -156,7 +156,9 @@ def test_convert_refusals(toy, tmp_path):
     # GGUF with a NaN rope base that llama.cpp computes nothing with)
     for change, match in [({"hidden_size": "128"}, "hidden_size '128' in config.json is not a positive integer"),
                           ({"num_experts_per_tok": 0}, "num_experts_per_tok '0' in config.json is not a positive"),
-                          ({"rms_norm_eps": float("nan")}, "rms_norm_eps 'nan' in config.json is not a finite")]:
+                          ({"rms_norm_eps": float("nan")}, "rms_norm_eps 'nan' in config.json is not a finite"),
+                          # an integer beyond any float was an OverflowError (an internal error)
+                          ({"rope_theta": 10**400}, "rope_theta '1" + "0" * 59 + "' in config.json is not a finite")]:
         (bad / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ConfigError, match=match):
             convert(bad, tmp_path / "x.gguf")

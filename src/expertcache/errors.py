@@ -3,6 +3,7 @@ the integer test behind many of them."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import traceback
@@ -46,3 +47,17 @@ def is_int(value, lo: int | None = None, hi: int | None = None) -> bool:
     behind every integer parameter and file field; each caller words its own error."""
     return bool(isinstance(value, numbers.Integral) and not isinstance(value, bool)
                 and (lo is None or value >= lo) and (hi is None or value <= hi))
+
+
+def is_real(value) -> bool:
+    """Whether ``value`` is a finite real number: a Python or numpy integer or float, not a bool
+    (``True`` is an int to Python), NaN or an infinity, nor an integer too large for a float (on one
+    ``math.isfinite`` raises ``OverflowError``: a file's ``1`` followed by 400 zeros had ended
+    ``grid`` as an internal error). The sibling of :func:`is_int` behind every real-valued parameter
+    and file field; each caller checks its own range and words its own error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

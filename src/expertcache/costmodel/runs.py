@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, PolicyError, is_int
+from ..errors import ConfigError, PolicyError, is_int, is_real
 from .sizing import MAX_DURATION_MS
 
 MAX_RHO = 1e9
@@ -205,12 +205,9 @@ def _number(rec: dict, field: str, where: str, *, nonnegative: bool = True, most
     value = rec[field]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{where}: field {field!r} must be a number, got {_short(value)}")
-    try:
-        x = float(value)
-    except OverflowError:  # an integer beyond any float
-        x = math.inf
-    if not math.isfinite(x):
+    if not is_real(value):  # NaN, an infinity, or an integer beyond any float
         raise ConfigError(f"{where}: field {field!r} must be a finite number, got {_short(value)}")
+    x = float(value)
     if nonnegative and x < 0:
         raise ConfigError(f"{where}: field {field!r} must be >= 0, got {_short(value)}")
     if most is not None and abs(x) > most:

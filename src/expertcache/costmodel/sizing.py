@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import ConfigError, is_int
+from ..errors import ConfigError, is_int, is_real
 from ..trace.validate import MAX_EXPERT_BYTES
 
 MB = 1e6
@@ -95,7 +95,7 @@ class Sizing:
             value = getattr(self, name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value <= 0:
+            if not is_real(value) or value <= 0:
                 raise ConfigError(f"{OPTION[name]} ({name}): expected a positive finite number, got {_short(value)}")
             if value > LIMITS[name]:
                 raise ConfigError(f"{OPTION[name]} ({name}): {_short(value)} is above {LIMITS[name]:g}, "
@@ -131,13 +131,6 @@ class Sizing:
     def record(self, copies_per_token: float, **kwargs: Any) -> dict:
         """Inputs and figures as one flat dict (the JSON fields): see :meth:`figures`."""
         return self.inputs() | self.figures(copies_per_token, **kwargs).to_dict()
-
-
-def _finite(x: float) -> bool:
-    try:
-        return math.isfinite(x)
-    except OverflowError:  # an int beyond any float
-        return False
 
 
 def _short(value: Any) -> str:

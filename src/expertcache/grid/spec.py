@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from .._units import parse_bytes
-from ..errors import ConfigError, ExpertcacheError, is_int
+from ..errors import ConfigError, ExpertcacheError, is_int, is_real
 from ..policies import make_policy
 from ..sim.options import POOLS, RESETS
 from ..trace import parse_layers
@@ -131,8 +130,7 @@ def parse_spec(doc: dict, where: str, base: Path = Path(".")) -> GridSpec:
         _distinct([b for _, b in budgets], "budgets", where)
     expert_mb = doc.get("expert_mb")
     if expert_mb is not None:
-        if isinstance(expert_mb, bool) or not isinstance(expert_mb, (int, float)) or not math.isfinite(expert_mb) \
-                or expert_mb <= 0:
+        if not is_real(expert_mb) or expert_mb <= 0:
             raise ConfigError(f"{where}: expert_mb: expected a positive number of MB, got {expert_mb!r}")
         if not budgets:
             raise ConfigError(f"{where}: expert_mb: only budgets read it; capacities are in experts")
@@ -254,7 +252,7 @@ def _int(v, key, where, lo=0):
 
 
 def _fraction(v, where):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+    if not is_real(v) or not 0.0 <= v < 1.0:
         _bad(where, "warm", v, "a fraction in [0, 1)")
     return float(v)
 

@@ -73,7 +73,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .._io import temporary_name
-from ..errors import ConfigError, is_int
+from ..errors import ConfigError, is_int, is_real
 from ..formats.gguf import chat_template_problem
 
 DTYPES = ("f32", "f16", "q8_0")
@@ -570,7 +570,7 @@ def config_types(cfg: dict) -> str | None:
     for key, v in numbers:
         if v is None:
             continue
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        if not is_real(v):
             return f"{key} {str(v)[:60]!r} in config.json is not a finite number"
     return None
 

@@ -10,12 +10,10 @@ fits depends on the trace (the widest group), and is checked against the layout
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..errors import ConfigError, is_int
+from ..errors import ConfigError, is_int, is_real
 
 POOLS = ("layer", "global")
 RESETS = ("sequence", "none")
@@ -41,8 +39,7 @@ class StreamOptions:
             raise ConfigError(f"--pool: {self.pool!r} is not one of {', '.join(POOLS)}")
         if self.reset not in RESETS:
             raise ConfigError(f"--reset: {self.reset!r} is not one of {', '.join(RESETS)}")
-        if isinstance(self.warm, bool) or not isinstance(self.warm, numbers.Real) or not math.isfinite(self.warm) \
-                or not 0.0 <= self.warm < 1.0:
+        if not is_real(self.warm) or not 0.0 <= self.warm < 1.0:
             raise ConfigError(f"--warm: {self.warm!r} is outside [0, 1)")
         if self.admission not in ADMISSIONS:
             raise ConfigError(f"--admission: {self.admission!r} is not one of {', '.join(ADMISSIONS)}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._units import format_bytes
-from ..errors import ConfigError
+from ..errors import ConfigError, is_real
 
 MAX_LINE = 1 << 20
 """Longest curve line read (bytes)."""
@@ -53,7 +53,7 @@ class Rates:
     def check(self) -> "Rates":
         for name in ("hbm", "host", "pcie", "nvme", "copy"):
             v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            if v is not None and not (is_real(v) and v > 0):
                 raise ConfigError(f"--{name}-gbps: {v!r} is not a positive finite bandwidth")
         for fast, slow in (("hbm", "host"), ("hbm", "pcie"), ("host", "nvme")):
             f, s = getattr(self, fast), getattr(self, slow)

@@ -42,7 +42,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from .._jit import njit
-from ..errors import ConfigError, is_int
+from ..errors import ConfigError, is_int, is_real
 from .core import Trace
 from .validate import MAX_EXPERTS, MAX_ITEMS, MAX_LAYERS
 
@@ -95,14 +95,14 @@ class SynthParams:
         need(self.num_layers * self.num_experts <= MAX_ITEMS,
              f"num_layers x num_experts = {self.num_layers * self.num_experts:,} is above the limit of {MAX_ITEMS:,}")
         need(self.max_lag <= MAX_LAG, f"max_lag = {self.max_lag:,} is above {MAX_LAG:,}")
-        need(self.drift_rate <= MAX_DRIFT, f"drift_rate = {self.drift_rate:g} is above {MAX_DRIFT} swaps per token")
         for name in ("zipf_first", "zipf_last", "depth_power", "zipf_cutoff", "cutoff_power", "lag_exponent",
-                     "drift_rate"):
+                     "drift_rate"):  # each a finite real before any comparison or format meets it
             value = getattr(self, name)
-            need(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value!r}")
+            need(is_real(value) and value >= 0, f"{name} must be a finite number >= 0, got {value!r}")
+        need(self.drift_rate <= MAX_DRIFT, f"drift_rate = {self.drift_rate:g} is above {MAX_DRIFT} swaps per token")
         for name in ("reuse_prob", "domain_shuffle"):
             value = getattr(self, name)
-            need(0.0 <= value <= 1.0, f"{name} must lie in [0, 1], got {value!r}")
+            need(is_real(value) and 0.0 <= value <= 1.0, f"{name} must lie in [0, 1], got {value!r}")
         return self
 
     def zipf_at(self, layer: int) -> float:

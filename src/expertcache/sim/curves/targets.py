@@ -10,13 +10,12 @@ reported too (``misses_again_at``), never hidden.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import ConfigError, is_real
 
 TOLERANCE = 1e-12
 
@@ -45,7 +44,7 @@ def check_targets(target_hit_rate: float | None, target_copies: float | None) ->
         raise ConfigError("targets: give a target hit rate, a target of copies per token, or both")
     if target_hit_rate is not None and not (0.0 < target_hit_rate <= 1.0):
         raise ConfigError(f"--target-hit-rate: {target_hit_rate!r} is outside (0, 1]")
-    if target_copies is not None and not (math.isfinite(target_copies) and target_copies >= 0):
+    if target_copies is not None and not (is_real(target_copies) and target_copies >= 0):
         raise ConfigError(f"--target-copies: expected a finite number >= 0, got {target_copies!r}")
 
 
