@@ -122,7 +122,7 @@ def test_a_live_writers_temporary_is_kept(tmp_path):
 
 
 def test_stale_temporary_folders_go_by_their_suffix(tmp_path):
-    """``clean_stale_temporaries(path, suffix)``: a dead writer's folder goes with all it holds
+    """``clean_stale_temporaries(path, *suffixes)``: a dead writer's folder goes with all it holds
     (a checkpoint being saved, a chunked trace's ``.partial``); another suffix's stays."""
     pid = _dead_pid()
     folder = tmp_path / f".out.{pid}.0123abcd.tmp"
@@ -134,6 +134,12 @@ def test_stale_temporary_folders_go_by_their_suffix(tmp_path):
     assert not folder.exists() and partial.exists()
     assert clean_stale_temporaries(tmp_path / "out", "partial") == [partial]
     assert list(tmp_path.iterdir()) == []
+    # several suffixes in one pass (a chunked trace's writer: its .partial and .old); others stay
+    made = [tmp_path / f".out.{pid}.0123abcd.{s}" for s in ("partial", "old", "tmp")]
+    for p in made:
+        p.mkdir()
+    assert sorted(clean_stale_temporaries(tmp_path / "out", "partial", "old")) == sorted(made[:2])
+    assert list(tmp_path.iterdir()) == [made[2]]
 
 def test_missing_folder_and_folder_targets_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match=f"folder {tmp_path / 'nope'} does not exist"):

@@ -220,15 +220,17 @@ def remove_pending() -> None:
     _PENDING.clear()
 
 
-def clean_stale_temporaries(path: Path, suffix: str = "tmp") -> list[Path]:
-    """Remove the temporaries of ``path`` (:func:`temporary_name`'s, with this ``suffix``: files, or
-    folders and what they hold) whose process is gone; returns them."""
+def clean_stale_temporaries(path: Path, *suffixes: str) -> list[Path]:
+    """Remove the temporaries of ``path`` (:func:`temporary_name`'s, with one of ``suffixes``,
+    default ``tmp``: files, or folders and what they hold) whose process is gone, in one pass over
+    the folder; returns them."""
+    suffixes = suffixes or ("tmp",)
     parent = path.parent if str(path.parent) else Path(".")
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent):
             m = _TEMP.fullmatch(entry.name)
-            if (m is None or m.group("name") != path.name or m.group("suffix") != suffix
+            if (m is None or m.group("name") != path.name or m.group("suffix") not in suffixes
                     or _alive(int(m.group("pid")))):
                 continue
             with contextlib.suppress(OSError):

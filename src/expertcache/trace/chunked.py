@@ -309,8 +309,7 @@ class ChunkWriter:
             raise ConfigError(f"{option} {self.out}: folder {parent} does not exist")
         if self.out.exists() and not is_chunked(self.out) and (not self.out.is_dir() or any(self.out.iterdir())):
             raise ConfigError(f"{option} {self.out}: exists and is not a chunked trace (it would be replaced)")
-        for suffix in ("partial", "old"):  # what a killed writer of this trace left
-            clean_stale_temporaries(self.out, suffix)
+        clean_stale_temporaries(self.out, "partial", "old")  # what a killed writer of this trace left
         self.tmp = temporary_name(self.out, "partial")
         try:
             self.tmp.mkdir()
