@@ -11,6 +11,10 @@ The same decode, every expert resident, timed with the file's pages brought in t
   (single 4 KB pages) -- what the ``managed`` mode's pages are (it drops the load's pages and hints
   back what it keeps; ``advise`` and the other hinting modes read what they read the same way).
 
+With ``--huge``, a third state (not one a mode holds): ``huge``, every page dropped after the load,
+then the whole mapping advised ``MADV_HUGEPAGE`` and ``MADV_RANDOM`` and populated, so that each fault
+reads its 2 MiB-aligned block into one PMD-mapped folio (kernel 6.18's ``do_sync_mmap_readahead``).
+
 Each measurement is a fresh process: the file evicted, the engine loaded, the pages brought in
 (:func:`expertcache.llama.roofline.bring_in`), the prompt ids 1..16 and --tokens tokens decoded once
 to read in what they route, then 3 timed passes (the median kept, as ``roofline.compute_rate``
@@ -89,7 +93,22 @@ prompt = list(range(1, 17))
 
 evict_file_pages([path])
 with Engine(path, n_ctx=len(prompt) + tokens + 1, threads=threads) as eng:
-    bring_in(path, pages)
+    if pages == "huge":  # every page dropped, then faulted back through a mapping advised MADV_HUGEPAGE
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        maps = OpenProcFile("/proc/self/maps")
+        base, ranges = advice.mapping_base(path, maps), advice.mapped_ranges(path, maps)
+        maps.close()
+        fd = os.open(path, os.O_RDONLY)
+        advice.drop_file(fd, base, ranges)
+        os.close(fd)
+        for off, n in ranges:  # HUGEPAGE, RANDOM (one block per fault, no read-around), POPULATE_READ
+            for adv in (14, 1, 22):
+                if libc.madvise(base + off, n, adv) != 0:
+                    raise SystemExit(f"madvise {{adv}}: {{os.strerror(ctypes.get_errno())}}")
+    else:
+        bring_in(path, pages)
 
     def one():
         _, t = eng.generate(prompt, tokens)
@@ -154,6 +173,16 @@ for off, n in ranges:
             if libc.madvise(addr + w + W // 2, PG, POPULATE_READ) != 0:
                 raise SystemExit(f"MADV_POPULATE_READ failed: {{os.strerror(ctypes.get_errno())}}")
         libc.madvise(addr + lo, max(0, hi - lo), 4)  # MADV_DONTNEED: unmapped again, kept in the page cache
+    elif how == "huge-blocks":  # whole aligned 2 MiB blocks faulted as PMD folios, the ends hinted
+        B = 2 << 20
+        lo, hi = -(-off // B) * B, (off + n) // B * B
+        for a, b in ((off, min(lo, off + n)), (max(hi, lo), off + n)):
+            if b > a:
+                os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
+        if hi > lo:
+            for adv in (14, RANDOM, POPULATE_READ):  # MADV_HUGEPAGE first: its own VMA, exactly the blocks
+                if libc.madvise(addr + lo, hi - lo, adv) != 0:
+                    raise SystemExit(f"madvise {{adv}}: {{os.strerror(ctypes.get_errno())}}")
     elif how.endswith("pread"):
         os.preadv(fd, [memoryview(buf)[:n]], off)
     elif how.endswith("populate"):
@@ -174,13 +203,15 @@ share = large_share(addr, resident)
 print(json.dumps({{"primitive": how, "wanted_bytes": want, "read_bytes": got, "large_folio_share": share}}))
 """
 PRIMITIVE_NAMES = ("fadvise-willneed", "pread", "fadvise-sequential-pread", "pread-chunked", "populate",
-                   "madvise-sequential-populate", "madvise-random-populate", "populate-centred")
+                   "madvise-sequential-populate", "madvise-random-populate", "populate-centred", "huge-blocks")
 """``posix_fadvise(WILLNEED)`` (what the hinting modes issue), ``pread`` of the exact range (with the
 file's readahead as opened, or after ``POSIX_FADV_SEQUENTIAL``, or one read-ahead window per call on
 a fresh descriptor), and ``MADV_POPULATE_READ`` on a mapping of the file (its advice left normal,
 ``MADV_SEQUENTIAL``, or ``MADV_RANDOM`` as the hinting modes set it; or one page at the centre of
 each whole read-ahead window inside the range, whose fault reads exactly that window around it,
-the range's ends hinted)."""
+the range's ends hinted); ``huge-blocks``: the mapping advised ``MADV_HUGEPAGE`` and ``MADV_RANDOM``
+only over each whole 2 MiB-aligned block inside a slice, those blocks populated (a fault there reads
+its block into one PMD-sized folio) and the slice's ends hinted."""
 
 
 def primitives(path: str) -> list[dict]:
@@ -216,6 +247,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--primitives", action="store_true",
                     help="instead: which read puts a range in large folios, and how many bytes it reads (first file)")
+    ap.add_argument("--huge", action="store_true",
+                    help="also time a third state, 'huge': every page dropped after the load, then the mapping "
+                         "advised MADV_HUGEPAGE and MADV_RANDOM and populated (2 MiB-aligned blocks, PMD-mapped folios)")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = ap.parse_args()
     if args.primitives:
@@ -231,7 +265,8 @@ def main() -> int:
             print(f"| {r['primitive']} | {r['read_bytes'] / r['wanted_bytes']:.2f} | {'-' if share is None else f'{share:.0%}'} |")
         return 0
     threads = [int(t) for t in args.threads.split(",")]
-    cells = [(m, t, p) for m in args.models for t in threads for p in ("faulted", "hinted")]
+    states = ("faulted", "hinted", "huge") if args.huge else ("faulted", "hinted")
+    cells = [(m, t, p) for m in args.models for t in threads for p in states]
     rng = random.Random(args.seed)
     got: dict = {}
     for r in range(args.rounds):
@@ -246,24 +281,30 @@ def main() -> int:
     out = []
     for m in args.models:
         for t in threads:
-            f = [x["rate"] for x in got[(m, t, "faulted")]]
-            h = [x["rate"] for x in got[(m, t, "hinted")]]
-            tie = max(min(f), min(h)) <= min(max(f), max(h))
+            rates = {p: [x["rate"] for x in got[(m, t, p)]] for p in states}
+            f = rates["faulted"]
             shares = {p: [x["large_folio_share"] for x in got[(m, t, p)] if x["large_folio_share"] is not None]
-                      for p in ("faulted", "hinted")}
-            out.append({"model": Path(m).name, "threads": t, "faulted": f, "hinted": h,
-                        "hinted_over_faulted": statistics.median(h) / statistics.median(f), "tie": tie,
-                        "large_folio_share": {p: statistics.median(v) if v else None for p, v in shares.items()}})
+                      for p in states}
+            row = {"model": Path(m).name, "threads": t, **rates,
+                   "large_folio_share": {p: statistics.median(v) if v else None for p, v in shares.items()}}
+            for p in states[1:]:  # each against faulted; a tie where the two spreads overlap
+                row[f"{p}_over_faulted"] = statistics.median(rates[p]) / statistics.median(f)
+                row[f"{p}_tie"] = max(min(f), min(rates[p])) <= min(max(f), max(rates[p]))
+            row["tie"] = row["hinted_tie"]
+            out.append(row)
     if args.json:
         print(json.dumps(out))
         return 0
-    print("| model | threads | faulted tok/s | hinted tok/s | hinted / faulted | large folios faulted / hinted |")
-    print("|---|---|---|---|---|---|")
+    print("| model | threads | " + " | ".join(f"{p} tok/s" for p in states) + " | "
+          + " | ".join(f"{p} / faulted" for p in states[1:]) + f" | large folios {' / '.join(states)} |")
+    print("|---" * (3 + 2 * (len(states) - 1)) + "|---|")
     for o in out:
         lf = o["large_folio_share"]
-        fol = " / ".join("-" if lf[p] is None else f"{lf[p]:.0%}" for p in ("faulted", "hinted"))
-        verdict = f"{o['hinted_over_faulted']:.2f}" + (" (tie: the spreads overlap)" if o["tie"] else "")
-        print(f"| {o['model']} | {o['threads']} | {spread(o['faulted'])} | {spread(o['hinted'])} | {verdict} | {fol} |")
+        fol = " / ".join("-" if lf[p] is None else f"{lf[p]:.0%}" for p in states)
+        verdicts = [f"{o[f'{p}_over_faulted']:.2f}" + (" (tie: the spreads overlap)" if o[f"{p}_tie"] else "")
+                    for p in states[1:]]
+        print(f"| {o['model']} | {o['threads']} | " + " | ".join(spread(o[p]) for p in states) + " | "
+              + " | ".join(verdicts) + f" | {fol} |")
     return 0
 
 
