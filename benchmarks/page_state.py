@@ -33,6 +33,7 @@ Run (about 6 minutes for two models, 1 and 2 threads, 6 rounds, on the shared 2-
 
     .venv/bin/python benchmarks/page_state.py /work/scratch/serve-bench-olmoe-f16.gguf /work/scratch/tier-qwen3moe-q4_k_m.gguf --threads 1,2 --rounds 6
     .venv/bin/python benchmarks/page_state.py /work/scratch/serve-bench-olmoe-f16.gguf --primitives
+    .venv/bin/python benchmarks/page_state.py /work/scratch/serve-bench-olmoe-f16.gguf --threads 1 --rounds 4 --huge
 """
 
 from __future__ import annotations
