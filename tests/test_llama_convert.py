@@ -430,6 +430,20 @@ CONFIG_REFUSALS = [
     ("glm4_moe", {"rope_parameters": _yarn(partial_rotary_factor=0.5)}, "does not read them"),
     ("glm4_moe", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
      "per-layer-type rope parameters"),
+    # values of the wrong type or size: each had been exit 70 (ValueError, OverflowError, struct's "argument
+    # out of range" as the GGUF was written) or a GGUF written with exit 0 (a negative epsilon, a list read
+    # as no rope settings)
+    ("gpt_oss", {"swiglu_alpha": "abc"}, "swiglu_alpha 'abc' in config.json is not a finite number"),
+    ("gpt_oss", {"sliding_window": 2**40}, "sliding_window '1099511627776' in config.json is not a non-negative "
+                                           "integer of at most 4,294,967,295"),
+    ("glm4_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": "x"}},
+     "rope_parameters.partial_rotary_factor 'x' in config.json is not a finite number"),
+    ("glm4_moe", {"rms_norm_eps": -1.0}, "rms_norm_eps '-1.0' in config.json is not above 0"),
+    ("deepseek_v3", {"routed_scaling_factor": 10**39}, f"routed_scaling_factor '1{'0' * 39}' in config.json is not "
+                                                       "above 0 and within a float32"),
+    ("deepseek_v3", {"rope_parameters": "yarn"}, "rope_parameters 'yarn' in config.json is not a table"),
+    ("deepseek_v3", {"rope_parameters": _yarn(original_max_position_embeddings=2**32)},
+     "original_max_position_embeddings '4294967296' in config.json is not a positive integer"),
 ]
 
 

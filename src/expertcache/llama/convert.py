@@ -524,6 +524,9 @@ def read_config(folder: Path) -> tuple[dict, ArchSpec]:
     if mt not in SPECS:
         raise ConfigError(f"{folder}: model_type {mt!r} is not supported by convert (supported: {', '.join(SPECS)})")
     spec = SPECS[mt]
+    for key in ("rope_parameters", "rope_scaling"):  # not a table: it had been passed over, exit 0
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ConfigError(f"{folder}: {key} {str(raw[key])[:60]!r} in config.json is not a table (a JSON object)")
     cfg = {**spec.defaults, **raw}
     cfg["rope_parameters"] = _rope_parameters(raw, spec.defaults.get("rope_parameters"))
     problem = config_types(cfg) or config_problem(cfg, spec)
@@ -538,7 +541,23 @@ CONFIG_INTS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num
                "n_group", "topk_group", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                "v_head_dim", "first_k_dense_replace", "num_nextn_predict_layers", "sliding_window")
 """config.json integers convert computes with: where present and not null, each an integer >= 0
-(``q_lora_rank`` and the counts of dense or MTP layers may be 0), the sizes and counts above 0."""
+(``q_lora_rank`` and the counts of dense or MTP layers may be 0), the sizes and counts above 0, and
+none above :data:`CONFIG_INT_MAX`."""
+CONFIG_INT_MAX = 2**32 - 1
+"""The largest config.json integer convert takes: GGUF stores these hyperparameters as uint32 (a
+``sliding_window`` of 10**400 had ended the write as an internal error, "argument out of range")."""
+CONFIG_REALS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "swiglu_limit", "swiglu_alpha",
+                "partial_rotary_factor")
+"""config.json numbers convert computes with: where present and not null, each a finite number above
+0 (an epsilon, a rope base, a scale: a negative one had been written, exit 0) and within a float32
+(GGUF stores them as one: 1e300 had ended the write as an internal error)."""
+FLOAT32_MAX = 3.4028234663852886e38
+ZERO_OK_REALS = ("mscale", "mscale_all_dim")
+"""Of :data:`ROPE_REALS`, the two that may be 0 (DeepSeek's YaRN attention-scale terms)."""
+ROPE_REALS = ("rope_theta", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+              "partial_rotary_factor", "low_freq_factor", "high_freq_factor")
+"""``rope_parameters`` keys that hold numbers (a text value among them had been a ValueError, exit 70);
+its other keys (``rope_type``, ``truncate``, a per-layer-type table) are checked where they are read."""
 CONFIG_ZERO_OK = ("q_lora_rank", "first_k_dense_replace", "num_nextn_predict_layers", "n_shared_experts",
                   "sliding_window")
 
@@ -561,17 +580,25 @@ def config_types(cfg: dict) -> str | None:
         v = cfg.get(key)
         if v is None:
             continue
-        if not is_int(v, 0) or (v == 0 and key not in CONFIG_ZERO_OK):
+        if not is_int(v, 0, CONFIG_INT_MAX) or (v == 0 and key not in CONFIG_ZERO_OK):
             kind = "a non-negative" if key in CONFIG_ZERO_OK else "a positive"
-            return f"{key} {str(v)[:60]!r} in config.json is not {kind} integer"
-    numbers = [(k, cfg.get(k)) for k in ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "swiglu_limit")]
-    numbers += [(f"rope_parameters.{k}", v) for k, v in (cfg.get("rope_parameters") or {}).items()
-                if not isinstance(v, (str, list, dict, bool)) and v is not None]  # rope_type, truncate: not numbers
+            return f"{key} {str(v)[:60]!r} in config.json is not {kind} integer of at most {CONFIG_INT_MAX:,}"
+    rope = cfg.get("rope_parameters")
+    orig = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    if orig is not None and not is_int(orig, 1, CONFIG_INT_MAX):
+        return (f"rope_parameters.original_max_position_embeddings {str(orig)[:60]!r} in config.json is not a "
+                f"positive integer of at most {CONFIG_INT_MAX:,}")
+    numbers = [(k, cfg.get(k)) for k in CONFIG_REALS]
+    numbers += [(f"rope_parameters.{k}", rope.get(k)) for k in ROPE_REALS] if isinstance(rope, dict) else []
     for key, v in numbers:
         if v is None:
             continue
         if not is_real(v):
             return f"{key} {str(v)[:60]!r} in config.json is not a finite number"
+        low = 0 if key.rpartition(".")[2] in ZERO_OK_REALS else math.nextafter(0, 1)
+        if not low <= v <= FLOAT32_MAX:
+            kind = "at least 0" if low == 0 else "above 0"
+            return f"{key} {str(v)[:60]!r} in config.json is not {kind} and within a float32 (at most 3.4e38)"
     return None
 
 
