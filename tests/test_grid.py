@@ -152,6 +152,7 @@ def test_budget_cells(tmp_path):
     ({"synth": [{"preset": "olmoe", "reuse_prob": "high"}], "capacities": [8]},
      "synth[0]: synthetic trace: reuse_prob must lie in [0, 1], got 'high'"),
     ({"synth": [{"preset": "gpt"}], "capacities": [8]}, "synth[0]: preset: 'gpt' is not one of"),
+    ({"synth": [{"preset": ["olmoe"]}], "capacities": [8]}, "synth[0]: preset: ['olmoe'] is not one of"),
     ({"synth": [{"preset": "olmoe", "colour": 2}], "capacities": [8]}, "synth[0]: synthetic trace: unknown parameter"),
 ])
 def test_spec_errors_name_the_key(grid, doc, message):

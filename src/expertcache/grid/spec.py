@@ -196,7 +196,7 @@ def _synth_traces(value, where: str) -> list[TraceSource]:
     for i, entry in enumerate(value):
         at = f"{where}: synth[{i}]"
         preset = entry.get("preset")
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:  # a list or table: unhashable, had been exit 70
             raise ConfigError(f"{at}: preset: {preset!r} is not one of {', '.join(PRESETS)}")
         seed = _int(entry.get("seed", 0), "seed", at, lo=0)
         overrides = {k: v for k, v in entry.items() if k not in SYNTH_KEYS}
