@@ -69,6 +69,26 @@ def test_counts_have_a_ceiling(capsys, argv, message):
     assert message in err, err
 
 
+def test_local_worker_processes_have_a_ceiling(capsys, tmp_path):
+    """``--jobs N`` without ``--ray`` starts up to N processes of about 130 MB here: ``sweep --jobs 1000``
+    on a 16-sequence trace had started 256 and stalled the machine. Above 4 per core it is one line,
+    before any worker starts; with ``--ray`` it counts a cluster's tasks and the bound does not apply."""
+    from expertcache.cli.common import check_local_jobs
+    from expertcache.trace.synth import synthesize_preset
+
+    trace = synthesize_preset("olmoe", seed=0, tokens=8, sequences=2, num_layers=2).save(tmp_path / "t.npz")
+    (tmp_path / "g.toml").write_text(f'traces = ["{trace}"]\ncapacities = [8]\n')
+    too_many = max_threads() + 1
+    for argv in (["replay", trace, "-c", "8", "--jobs", too_many], ["sweep", trace, "--jobs", too_many],
+                 ["verify-greedy", "-n", "10", "--jobs", too_many],
+                 ["grid", tmp_path / "g.toml", "--out", tmp_path / "res", "--jobs", too_many]):
+        err = _one_line(capsys, argv)
+        assert f"--jobs {too_many}: at most {max_threads()} local worker processes" in err, (argv, err)
+    assert not (tmp_path / "res").exists()
+    check_local_jobs(max_threads())  # the bound itself is allowed
+    check_local_jobs(10 * max_threads(), ray="auto")  # a cluster's tasks: not bounded here
+
+
 def test_a_config_of_a_billion_layers_is_refused_before_listing_them(capsys, tmp_path):
     cfg = {"model_type": "olmoe", "num_hidden_layers": 10**9, "num_experts": 64, "num_experts_per_tok": 8,
            "hidden_size": 2048, "intermediate_size": 1024, "vocab_size": 50304, "num_attention_heads": 16,

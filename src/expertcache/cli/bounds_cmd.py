@@ -7,7 +7,8 @@ import os
 
 from ..bounds import DEFAULT_MAX_STATES, ORDERS, compute_bounds, verify_greedy
 from .budget_opts import clamp_capacity
-from .common import add_json, add_replay_options, describe, emit_json, open_trace, positive_int, seed_int, table
+from .common import (add_json, add_replay_options, check_local_jobs, describe, emit_json, open_trace, positive_int,
+                     seed_int, table)
 
 BOUNDS_HELP = """Bound the fewest copies any lossless schedule needs, per stream (docs/bounds.md).
 
@@ -47,7 +48,7 @@ def add_parser(sub) -> None:
                        description=VERIFY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     v.add_argument("--instances", "-n", type=positive_int, default=42_000, help="instances to check (default 42,000)")
     v.add_argument("--jobs", "-j", type=positive_int, default=os.cpu_count() or 1,
-                   help="worker processes (default: all cores)")
+                   help="worker processes (default: all cores; at most 4 per core)")
     v.add_argument("--seed", type=seed_int, default=0, help="instance i is a function of (seed, i) (default 0)")
     v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_json(v)
@@ -95,6 +96,7 @@ def _row(key, streams, exact):
 
 
 def run_verify(args) -> int:
+    check_local_jobs(args.jobs)
     progress = not (args.no_progress or args.json)  # and only on a terminal (expertcache._progress)
     report = verify_greedy(args.instances, seed=args.seed, jobs=args.jobs, progress=progress)
     failed = bool(report.mismatches or report.violations)

@@ -79,18 +79,28 @@ def add_parallel_options(p: argparse.ArgumentParser) -> None:
     """``--jobs N`` and ``--ray auto|ADDRESS``: split one trace's independent streams over workers
     (:mod:`expertcache.sim.parallel`); read them back with :func:`parallel_jobs`."""
     p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
-                   help="split the independent streams over N processes (default 1; with --ray, the number of "
-                        "cores here); same counts as serial")
+                   help="split the independent streams over N processes (default 1, at most 4 per core here; with "
+                        "--ray, N tasks, default the number of cores here); same counts as serial")
     p.add_argument("--ray", metavar="auto|ADDRESS", default=None,
                    help="run the split streams as Ray tasks: 'auto' joins this machine's Ray or starts a local "
                         "one, ADDRESS joins a cluster (pip install 'expertcache[ray]'; docs/grid.md)")
 
 
 def parallel_jobs(args) -> int:
-    """The workers ``--jobs`` / ``--ray`` ask for (1: serial in this process)."""
-    import os
-
+    """The workers ``--jobs`` / ``--ray`` ask for (1: serial in this process), after
+    :func:`check_local_jobs`."""
+    check_local_jobs(args.jobs, args.ray)
     return args.jobs or ((os.cpu_count() or 1) if args.ray else 1)
+
+
+def check_local_jobs(jobs: int | None, ray: str | None = None) -> None:
+    """``--jobs N`` without ``--ray`` starts up to N worker processes here: at most
+    :func:`max_threads`. Each is a Python with numpy and numba (about 130 MB resident); ``sweep
+    --jobs 1000`` on a 16-sequence trace started 256 of them, more than this 24 GB machine holds, and
+    it stalled swapping page cache. With ``--ray`` N counts a cluster's tasks and is not bounded here."""
+    if jobs is not None and ray is None and jobs > max_threads():
+        raise ConfigError(f"--jobs {jobs}: at most {max_threads()} local worker processes (4 per core here; each "
+                          "holds about 130 MB, and more replay no faster); for more cores use --ray ADDRESS")
 
 
 def positive_int(text: str) -> int:

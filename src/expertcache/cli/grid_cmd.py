@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from .._progress import progress
-from .common import add_json, emit_json, positive_int, table
+from .common import add_json, check_local_jobs, emit_json, positive_int, table
 
 HELP = """Run a grid of replays from a TOML spec, or report on its results (docs/grid.md).
 
@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("results", nargs="?", metavar="DIR", help="with 'report': the results folder")
     p.add_argument("--out", "-o", metavar="DIR", help="results folder (created when missing; its parent must exist)")
     p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
-                   help="worker processes (default: the number of cores; 1 runs in this process)")
+                   help="worker processes (default: the number of cores; 1 runs in this process; at most 4 per core "
+                        "without --ray)")
     p.add_argument("--ray", metavar="auto|ADDRESS", default=None,
                    help="run the cells as Ray tasks: 'auto' joins this machine's Ray or starts a local one with "
                         "--jobs CPUs, ADDRESS joins a cluster (pip install 'expertcache[ray]')")
@@ -71,6 +72,7 @@ def run_grid_cmd(args) -> int:
     from ..grid.runner import run_grid
     from ..grid.store import require_pyarrow
 
+    check_local_jobs(args.jobs, args.ray)
     require_pyarrow()
     _check_results_folder(args.out, args.force)
     spec = load_spec(args.spec)
