@@ -70,7 +70,7 @@ def test_counts_have_a_ceiling(capsys, argv, message):
 
 
 def test_local_worker_processes_have_a_ceiling(capsys, tmp_path):
-    """``--jobs N`` without ``--ray`` starts up to N processes of about 130 MB here: ``sweep --jobs 1000``
+    """``--jobs N`` without ``--ray`` starts up to N processes of about 130 MB here: ``replay --jobs 1000``
     on a 16-sequence trace had started 256 and stalled the machine. Above 4 per core it is one line,
     before any worker starts; with ``--ray`` it counts a cluster's tasks and the bound does not apply."""
     from expertcache.cli.common import check_local_jobs

@@ -95,9 +95,10 @@ def parallel_jobs(args) -> int:
 
 def check_local_jobs(jobs: int | None, ray: str | None = None) -> None:
     """``--jobs N`` without ``--ray`` starts up to N worker processes here: at most
-    :func:`max_threads`. Each is a Python with numpy and numba (about 130 MB resident); ``sweep
-    --jobs 1000`` on a 16-sequence trace started 256 of them, more than this 24 GB machine holds, and
-    it stalled swapping page cache. With ``--ray`` N counts a cluster's tasks and is not bounded here."""
+    :func:`max_threads`. Each is a Python with numpy and numba (about 130 MB resident); ``replay
+    --jobs 1000`` on a trace of 256 streams (16 sequences x 16 layers) started 256 of them, more than
+    this 24 GB machine holds, and it stalled in memory reclaim. With ``--ray`` N counts a cluster's
+    tasks and is not bounded here."""
     if jobs is not None and ray is None and jobs > max_threads():
         raise ConfigError(f"--jobs {jobs}: at most {max_threads()} local worker processes (4 per core here; each "
                           "holds about 130 MB, and more replay no faster); for more cores use --ray ADDRESS")
