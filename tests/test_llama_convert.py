@@ -438,9 +438,10 @@ CONFIG_REFUSALS = [
                                            "integer of at most 4,294,967,295"),
     ("glm4_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": "x"}},
      "rope_parameters.partial_rotary_factor 'x' in config.json is not a finite number"),
-    ("glm4_moe", {"rms_norm_eps": -1.0}, "rms_norm_eps '-1.0' in config.json is not above 0"),
+    ("glm4_moe", {"rms_norm_eps": -1.0}, "rms_norm_eps '-1.0' in config.json is not within a float32's positive"),
+    ("glm4_moe", {"rms_norm_eps": 1e-50}, "rms_norm_eps '1e-50' in config.json is not within"),  # written as 0
     ("deepseek_v3", {"routed_scaling_factor": 10**39}, f"routed_scaling_factor '1{'0' * 39}' in config.json is not "
-                                                       "above 0 and within a float32"),
+                                                       "within a float32's positive range"),
     ("deepseek_v3", {"rope_parameters": "yarn"}, "rope_parameters 'yarn' in config.json is not a table"),
     ("deepseek_v3", {"rope_parameters": _yarn(original_max_position_embeddings=2**32)},
      "original_max_position_embeddings '4294967296' in config.json is not a positive integer"),

@@ -549,9 +549,11 @@ CONFIG_INT_MAX = 2**32 - 1
 CONFIG_REALS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "swiglu_limit", "swiglu_alpha",
                 "partial_rotary_factor")
 """config.json numbers convert computes with: where present and not null, each a finite number above
-0 (an epsilon, a rope base, a scale: a negative one had been written, exit 0) and within a float32
-(GGUF stores them as one: 1e300 had ended the write as an internal error)."""
-FLOAT32_MAX = 3.4028234663852886e38
+0 (an epsilon, a rope base, a scale: a negative one had been written, exit 0) and within a float32's
+normal range (GGUF stores them as one: 1e300 had ended the write as an internal error, and 1e-50
+would be written as 0)."""
+FLOAT32_MIN, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
+"""The least positive normal float32 and the largest."""
 ZERO_OK_REALS = ("mscale", "mscale_all_dim")
 """Of :data:`ROPE_REALS`, the two that may be 0 (DeepSeek's YaRN attention-scale terms)."""
 ROPE_REALS = ("rope_theta", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
@@ -595,10 +597,11 @@ def config_types(cfg: dict) -> str | None:
             continue
         if not is_real(v):
             return f"{key} {str(v)[:60]!r} in config.json is not a finite number"
-        low = 0 if key.rpartition(".")[2] in ZERO_OK_REALS else math.nextafter(0, 1)
-        if not low <= v <= FLOAT32_MAX:
-            kind = "at least 0" if low == 0 else "above 0"
-            return f"{key} {str(v)[:60]!r} in config.json is not {kind} and within a float32 (at most 3.4e38)"
+        zero_ok = key.rpartition(".")[2] in ZERO_OK_REALS
+        if not (FLOAT32_MIN <= v <= FLOAT32_MAX or (zero_ok and v == 0)):
+            kind = "neither 0 nor" if zero_ok else "not"
+            return (f"{key} {str(v)[:60]!r} in config.json is {kind} within a float32's positive range "
+                    "(1.2e-38 to 3.4e38)")
     return None
 
 
