@@ -158,6 +158,24 @@ def test_gguf_metadata(tmp_path):
     assert spec.other_bytes == path.stat().st_size - experts > 4 * (80 + 2 * 64)
 
 
+@pytest.mark.parametrize("patch, message", [
+    ({"num_key_value_heads": 0}, "num_key_value_heads = 0 is not a positive integer"),
+    ({"num_experts": 10**31}, "experts a layer is more than 1,048,576"),
+    ({"quantization_config": 5}, "quantization_config = 5 is not a table"),
+    ({"text_config": 5}, "text_config = 5 is not a table"),
+    ({"text_config": {"quantization_config": "fp8"}}, "quantization_config = 'fp8' is not a table"),
+    ({"tie_word_embeddings": "x"}, "tie_word_embeddings = 'x' is not true or false"),
+])
+def test_config_values_the_estimate_cannot_use_are_one_line(tmp_path, capsys, patch, message):
+    """Each had been sized with exit 0: 0 KV heads left the k and v projections out of the dense
+    bytes, a quantization_config or text_config that is not a table and a tie_word_embeddings of text
+    were passed over, and 10**31 experts were sized ("non-expert weights (6.554e+23 TB)")."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**json.loads(OLMOE.read_text()), **patch}))
+    rc, _, err = run(capsys, "size", "--model-config", path, "--device-memory", "24GB")
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
 def test_gguf_without_the_package_is_one_line(tmp_path, monkeypatch, capsys):
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + bytes(60))

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError, is_int
 from ..formats.safetensors import read_header
-from ..trace.validate import MAX_LAYERS
+from ..trace.validate import MAX_EXPERTS, MAX_LAYERS
 from .sizing import LIMITS, MAX_CONFIG_BYTES, _dtype_bytes, _weight_bytes, expert_bytes_from_config
 
 EXPERT_MARK = ".experts."
@@ -102,13 +102,23 @@ def _scopes(config: dict) -> list[Mapping]:
     return [config] + ([config["text_config"]] if isinstance(config.get("text_config"), Mapping) else [])
 
 
+POSITIVE_KEYS = frozenset({"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                           "vocab_size", "head_dim", "num_experts", "num_local_experts", "n_routed_experts",
+                           "moe_num_experts", "num_experts_per_tok", "moe_topk", "top_k", "moe_intermediate_size",
+                           "intermediate_size"})
+"""Config keys that must be at least 1 where given: a size or a count of heads, experts or layers (0
+KV heads had estimated attention without its k and v projections, exit 0). The others (dense layers
+first, a LoRA rank, shared experts) may be 0."""
+
+
 def _get(config: dict, where: str, *keys: str, default: Any = ...) -> Any:
     for key in keys:
         for scope in _scopes(config):
             if scope.get(key) is not None:
                 value = scope[key]
-                if not is_int(value, 0):
-                    raise ConfigError(f"{where}: {key} = {value!r} is not a non-negative integer")
+                if not is_int(value, 1 if key in POSITIVE_KEYS else 0):
+                    kind = "a positive" if key in POSITIVE_KEYS else "a non-negative"
+                    raise ConfigError(f"{where}: {key} = {value!r} is not {kind} integer")
                 return value
     if default is not ...:
         return default
@@ -136,6 +146,8 @@ def _from_config(config: dict, path: Path, where: str) -> ModelSpec:
     moe = moe_layer_ids(config, where)
     if E < 1 or k < 1 or k > E or not moe:
         raise ConfigError(f"{where}: E = {E}, k = {k}, {len(moe)} MoE layer(s): not a mixture-of-experts config")
+    if E > MAX_EXPERTS:  # as a trace's E: 10**31 had been sized, "non-expert weights (6.554e+23 TB)"
+        raise ConfigError(f"{where}: {E:,} experts a layer is more than {MAX_EXPERTS:,}")
     S = expert_bytes_from_config(path)
     other = estimate_other_params(config, where, len(moe)) * _width(config, where)
     return ModelSpec(E, k, len(moe), S, other, f"config {path}", "estimated from the config's shapes")
@@ -162,7 +174,11 @@ def estimate_other_params(config: dict, where: str, moe_layers: int) -> int:
     heads = g("num_attention_heads", default=...)
     kv = g("num_key_value_heads", default=heads)
     hd = g("head_dim", default=h // max(heads, 1))
-    tied = any(s.get("tie_word_embeddings") is True for s in _scopes(config))
+    ties = [s["tie_word_embeddings"] for s in _scopes(config) if s.get("tie_word_embeddings") is not None]
+    bad = [t for t in ties if not isinstance(t, bool)]
+    if bad:  # "x" had been read as untied, exit 0
+        raise ConfigError(f"{where}: tie_word_embeddings = {str(bad[0])[:60]!r} is not true or false")
+    tied = any(ties)
     embed = g("vocab_size", default=...) * h * (1 if tied else 2)
     if g("kv_lora_rank"):
         q_rank, kv_rank = g("q_lora_rank"), g("kv_lora_rank")

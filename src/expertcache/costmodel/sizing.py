@@ -224,6 +224,10 @@ def expert_bytes_from_config(path: str | Path) -> int:
         raise ConfigError(f"{where}: {file.name} cannot be read as JSON ({type(exc).__name__})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: {file.name} is not a JSON object")
+    for key in ("text_config", "quantization_config"):  # not a table: it had been passed over, exit 0
+        for scope in (config, config.get("text_config")):
+            if isinstance(scope, Mapping) and scope.get(key) is not None and not isinstance(scope[key], Mapping):
+                raise ConfigError(f"{where}: {key} = {_short(scope[key])} is not a table (a JSON object)")
     scopes = [config] + ([config["text_config"]] if isinstance(config.get("text_config"), Mapping) else [])
 
     def get(*keys: str) -> tuple[str, Any]:
