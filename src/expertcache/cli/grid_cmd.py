@@ -36,8 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("results", nargs="?", metavar="DIR", help="with 'report': the results folder")
     p.add_argument("--out", "-o", metavar="DIR", help="results folder (created when missing; its parent must exist)")
     p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
-                   help="worker processes (default: the number of cores; 1 runs in this process; at most 4 per core "
-                        "without --ray)")
+                   help="worker processes (default: the cores here; 1 runs here; at most 4 per core without --ray)")
     p.add_argument("--ray", metavar="auto|ADDRESS", default=None,
                    help="run the cells as Ray tasks: 'auto' joins this machine's Ray or starts a local one with "
                         "--jobs CPUs, ADDRESS joins a cluster (pip install 'expertcache[ray]')")
