@@ -111,7 +111,6 @@ def test_is_int_is_the_one_integer_test(value, lo, hi, expected):
     assert is_int(value, lo, hi) is expected
 
 
-
 @pytest.mark.parametrize("value, expected", [
     (3, True), (-2.5, True), (0.0, True), (np.float32(1.5), True), (np.int64(7), True), (2**80, True),
     (10**400, False), (float("nan"), False), (float("inf"), False), (-math.inf, False), (np.float64("nan"), False),
