@@ -32,7 +32,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError, is_int
 from ..formats.safetensors import read_header
 from ..trace.validate import MAX_EXPERTS, MAX_LAYERS
-from .sizing import LIMITS, MAX_CONFIG_BYTES, _dtype_bytes, _weight_bytes, expert_bytes_from_config
+from .sizing import LIMITS, MAX_CONFIG_BYTES, _dtype_bytes, _weight_bytes, config_scopes, expert_bytes_from_config
 
 EXPERT_MARK = ".experts."
 """A checkpoint tensor whose name holds this is a routed expert's (``mlp.experts.3.w1``,
@@ -98,10 +98,6 @@ def _load_config(path: Path, where: str) -> dict:
     return json.loads(file.read_text(encoding="utf-8"))
 
 
-def _scopes(config: dict) -> list[Mapping]:
-    return [config] + ([config["text_config"]] if isinstance(config.get("text_config"), Mapping) else [])
-
-
 POSITIVE_KEYS = frozenset({"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                            "vocab_size", "head_dim", "num_experts", "num_local_experts", "n_routed_experts",
                            "moe_num_experts", "num_experts_per_tok", "moe_topk", "top_k", "moe_intermediate_size",
@@ -113,7 +109,7 @@ first, a LoRA rank, shared experts) may be 0."""
 
 def _get(config: dict, where: str, *keys: str, default: Any = ...) -> Any:
     for key in keys:
-        for scope in _scopes(config):
+        for scope in config_scopes(config, where):
             if scope.get(key) is not None:
                 value = scope[key]
                 if not is_int(value, 1 if key in POSITIVE_KEYS else 0):
@@ -135,7 +131,8 @@ def moe_layer_ids(config: dict, where: str = "config") -> list[int]:
     dense_first = _get(config, where, "first_k_dense_replace", default=0)
     freq = max(1, _get(config, where, "moe_layer_freq", default=1))
     step = max(1, _get(config, where, "decoder_sparse_step", default=1))
-    listed = next((s["mlp_only_layers"] for s in _scopes(config) if isinstance(s.get("mlp_only_layers"), list)), [])
+    listed = next((s["mlp_only_layers"] for s in config_scopes(config, where)
+                   if isinstance(s.get("mlp_only_layers"), list)), [])
     mlp_only = {i for i in listed if isinstance(i, int)}
     return [i for i in range(n) if i >= dense_first and i % freq == 0 and (i + 1) % step == 0 and i not in mlp_only]
 
@@ -154,10 +151,11 @@ def _from_config(config: dict, path: Path, where: str) -> ModelSpec:
 
 
 def _width(config: dict, where: str) -> int:
-    quant = next((s["quantization_config"] for s in _scopes(config) if isinstance(s.get("quantization_config"), Mapping)), None)
+    quant = next((s["quantization_config"] for s in config_scopes(config, where)
+                  if isinstance(s.get("quantization_config"), Mapping)), None)
     if quant is not None:
         return _weight_bytes(where, quant)
-    for scope in _scopes(config):
+    for scope in config_scopes(config, where):
         for key in ("torch_dtype", "dtype"):
             if scope.get(key) is not None:
                 return _dtype_bytes(where, key, scope[key])
@@ -174,7 +172,7 @@ def estimate_other_params(config: dict, where: str, moe_layers: int) -> int:
     heads = g("num_attention_heads", default=...)
     kv = g("num_key_value_heads", default=heads)
     hd = g("head_dim", default=h // max(heads, 1))
-    ties = [s["tie_word_embeddings"] for s in _scopes(config) if s.get("tie_word_embeddings") is not None]
+    ties = [s["tie_word_embeddings"] for s in config_scopes(config, where) if s.get("tie_word_embeddings") is not None]
     bad = [t for t in ties if not isinstance(t, bool)]
     if bad:  # "x" had been read as untied, exit 0
         raise ConfigError(f"{where}: tie_word_embeddings = {str(bad[0])[:60]!r} is not true or false")

@@ -224,11 +224,7 @@ def expert_bytes_from_config(path: str | Path) -> int:
         raise ConfigError(f"{where}: {file.name} cannot be read as JSON ({type(exc).__name__})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: {file.name} is not a JSON object")
-    for key in ("text_config", "quantization_config"):  # not a table: it had been passed over, exit 0
-        for scope in (config, config.get("text_config")):
-            if isinstance(scope, Mapping) and scope.get(key) is not None and not isinstance(scope[key], Mapping):
-                raise ConfigError(f"{where}: {key} = {_short(scope[key])} is not a table (a JSON object)")
-    scopes = [config] + ([config["text_config"]] if isinstance(config.get("text_config"), Mapping) else [])
+    scopes = config_scopes(config, where)
 
     def get(*keys: str) -> tuple[str, Any]:
         for key in keys:
@@ -251,6 +247,21 @@ def expert_bytes_from_config(path: str | Path) -> int:
     if size > LIMITS["expert_bytes"]:
         raise ConfigError(f"{where}: experts of {size:.3g} bytes (hidden_size x intermediate) are not plausible")
     return size
+
+
+def config_scopes(config: Mapping, where: str) -> list[Mapping]:
+    """Where a config's keys are looked up: the top level, then ``text_config`` (multimodal configs
+    nest the language model's there). A ``text_config`` or ``quantization_config`` that is not a
+    table is a ConfigError (it had been passed over, exit 0)."""
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, Mapping):
+        raise ConfigError(f"{where}: text_config = {_short(text)} is not a table (a JSON object)")
+    scopes = [config] + ([text] if text is not None else [])
+    for scope in scopes:
+        quant = scope.get("quantization_config")
+        if quant is not None and not isinstance(quant, Mapping):
+            raise ConfigError(f"{where}: quantization_config = {_short(quant)} is not a table (a JSON object)")
+    return scopes
 
 
 def _weight_bytes(where: str, quant: Mapping) -> int:
