@@ -1,5 +1,5 @@
-"""Errors a user can cause, reported as one line saying what is wrong and where; and :func:`is_int`,
-the integer test behind many of them."""
+"""Errors a user can cause, reported as one line saying what is wrong and where; and :func:`is_int`
+and :func:`is_real`, the integer and real-number tests behind many of them."""
 
 from __future__ import annotations
 

@@ -586,12 +586,13 @@ def config_types(cfg: dict) -> str | None:
             kind = "a non-negative" if key in CONFIG_ZERO_OK else "a positive"
             return f"{key} {str(v)[:60]!r} in config.json is not {kind} integer of at most {CONFIG_INT_MAX:,}"
     rope = cfg.get("rope_parameters")
-    orig = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    rope = rope if isinstance(rope, dict) else {}  # read_config refused any other; its normal form is a table
+    orig = rope.get("original_max_position_embeddings")
     if orig is not None and not is_int(orig, 1, CONFIG_INT_MAX):
         return (f"rope_parameters.original_max_position_embeddings {str(orig)[:60]!r} in config.json is not a "
                 f"positive integer of at most {CONFIG_INT_MAX:,}")
     numbers = [(k, cfg.get(k)) for k in CONFIG_REALS]
-    numbers += [(f"rope_parameters.{k}", rope.get(k)) for k in ROPE_REALS] if isinstance(rope, dict) else []
+    numbers += [(f"rope_parameters.{k}", rope.get(k)) for k in ROPE_REALS]
     for key, v in numbers:
         if v is None:
             continue
