@@ -1,5 +1,6 @@
 """Atomic writes: a missing folder is named, a killed writer leaves nothing behind after the next
-run, and a live writer's temporary is never touched."""
+run, and a live writer's temporary is never touched. Bounded JSON reads: every malformed file is one
+line naming it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import expertcache as ec
-from expertcache._io import atomic_open, clean_stale_temporaries
+from expertcache._io import atomic_open, clean_stale_temporaries, read_json
 from expertcache.errors import ConfigError
 
 KILLED_WRITER = """
@@ -269,3 +270,30 @@ def test_verify_greedy_and_learn_eval_show_progress_on_a_terminal_and_not_with_j
     text = "".join(term.text)
     assert "learn eval" in text and "/2 " in text  # 2 folds x 1 seed
     assert "learn eval" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"[" * 100_000 + b"]" * 100_000, "x.json is nested too deeply to read as JSON"),  # had been exit 70 in convert
+    (b'{"a": 1' + b"0" * 5000 + b"}",  # Python's limit on an integer's digits
+     "x.json cannot be read as JSON (Exceeds the limit (4300 digits) for integer string conversion)"),
+    (b"\xff\xfe{}", "x.json is not UTF-8 text (byte 0)"),
+    (b'{"a": 1,\n "b"}', "x.json is not valid JSON (Expecting ':' delimiter at line 2)"),
+    (b" " * 10**6 + b"{}", "x.json is larger than 1,000,000 bytes"),
+])
+def test_read_json_is_bounded_and_every_refusal_is_one_line(tmp_path, content, message):
+    (tmp_path / "x.json").write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        read_json(tmp_path / "x.json", "here", max_bytes=10**6)
+    assert str(err.value) == f"here: {message}"
+    (tmp_path / "x.json").write_bytes(b' {"a": [1, 2]}\n')
+    assert read_json(tmp_path / "x.json", "here", max_bytes=15) == {"a": [1, 2]}  # exactly the bound
+
+
+def test_read_json_refuses_what_is_not_a_regular_file_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "fifo.json")  # opening it to read would wait for a writer
+    (tmp_path / "dir.json").mkdir()
+    for name, why in (("fifo.json", "is not a regular file"), ("dir.json", "is not a regular file"),
+                      ("none.json", "cannot read none.json (No such file or directory)")):
+        with pytest.raises(ConfigError) as err:
+            read_json(tmp_path / name, "here", max_bytes=64)
+        assert str(err.value) in (f"here: {name} {why}", f"here: {why}")

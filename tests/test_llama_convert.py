@@ -469,13 +469,28 @@ SMALL_REFUSALS = [  # (file, edit, the one line): each had been exit 70, or a GG
                                           "[2048, 128]"),
     ("config.json", {"num_key_value_heads": 3}, "num_key_value_heads 3 in config.json (x head_dim 32 = 96 rows), "
                                                 "but model.layers.0.self_attn.k_proj.weight has 128 rows"),
-    ("tokenizer_config.json", "not json", "tokenizer_config.json: cannot be read as JSON"),
+    ("tokenizer_config.json", "not json", "tokenizer_config.json is not valid JSON"),
     ("tokenizer_config.json", [], "tokenizer_config.json: not a JSON object"),
     ("tokenizer_config.json", {"eos_token": "<|nope|>"}, "eos_token '<|nope|>' is not a token of tokenizer.json"),
     ("tokenizer_config.json", {"eos_token": 5}, "eos_token '5' is not a token"),
     ("tokenizer_config.json", {"add_bos_token": True}, "add_bos_token is true but no bos_token is named"),
     ("tokenizer_config.json", {"chat_template": "{% for m in messages %}{{ m['content'] }"},
      "its chat template does not compile (TemplateSyntaxError"),
+    # each of these had been exit 70 (a RecursionError, TypeError or AttributeError), or a GGUF written
+    # with exit 0 that dropped what the file said: no vocabulary, no chat template, a string read as true
+    ("config.json", "[" * 100_000 + "]" * 100_000, "config.json is nested too deeply to read as JSON"),
+    ("config.json", {"model_type": ["olmoe"]}, "model_type ['olmoe'] is not supported by convert"),
+    ("config.json", {"norm_topk_prob": "false"}, "norm_topk_prob 'false' in config.json is not true or false"),
+    ("config.json", {"bos_token_id": "x"}, "config.json's bos_token_id 'x' is not a token id below vocab_size 2048"),
+    ("tokenizer.json", "not json", "tokenizer.json is not valid JSON"),
+    ("tokenizer.json", "[" * 100_000 + "]" * 100_000, "tokenizer.json is nested too deeply to read as JSON"),
+    ("tokenizer.json", lambda t: t.update(model=5), "tokenizer.json: model '5' is not a table"),
+    ("tokenizer.json", lambda t: t["model"]["vocab"].update(zzz=None), "model.vocab gives 'zzz' the id 'None'"),
+    ("tokenizer.json", lambda t: t["model"].update(merges="ab"), "model.merges 'ab' is not a list"),
+    ("tokenizer.json", lambda t: t["model"]["merges"].append(5), "the merge '5' is neither"),
+    ("tokenizer.json", lambda t: t.update(added_tokens=[{"id": 3, "content": None}]), "the added token"),
+    ("tokenizer_config.json", {"chat_template": 5}, "chat_template '5' is neither a string nor a list"),
+    ("chat_template.jinja", b"\xff{{ messages }}", "chat_template.jinja is not UTF-8 text (byte 0)"),
 ]
 
 
@@ -487,7 +502,14 @@ def test_a_checkpoint_llama_cpp_would_misread_is_refused(tmp_path, file, edit, m
     shutil.copytree(SMALL, bad)
     if isinstance(edit, dict) and file == "config.json":
         edit = {**json.loads((bad / file).read_text()), **edit}
-    (bad / file).write_text(edit if isinstance(edit, str) else json.dumps(edit))
+    if callable(edit):
+        value = json.loads((bad / file).read_text())
+        edit(value)
+        edit = value
+    if isinstance(edit, bytes):
+        (bad / file).write_bytes(edit)
+    else:
+        (bad / file).write_text(edit if isinstance(edit, str) else json.dumps(edit))
     with pytest.raises(ConfigError, match=re.escape(match)) as err:
         convert(bad, tmp_path / "x.gguf", "f16")
     assert "\n" not in str(err.value)
@@ -505,6 +527,30 @@ def test_special_tokens_the_tokenizer_config_leaves_out_come_from_config_json(tm
     convert(ckpt, tmp_path / "m.gguf", "f16")
     assert meta(tmp_path / "m.gguf", "tokenizer.ggml.eos_token_id") == 0
     assert meta(tmp_path / "m.gguf", "tokenizer.ggml.bos_token_id") is None  # config.json's is null
+
+
+def test_a_tokenizer_convert_does_not_write_is_said_and_out_of_range_ids_are_counted(tmp_path):
+    """A tokenizer.json of another kind (here a null pre-tokenizer) gives a GGUF that runs on ids,
+    and the summary's notes say why; ids at or past vocab_size are left out and counted (both had
+    been silent)."""
+    if not (SMALL / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(SMALL, ckpt)
+    tok = json.loads((ckpt / "tokenizer.json").read_text())
+    tok["model"]["vocab"].update({"zz_past": 2048, "zz_far": 10**6})
+    tok["added_tokens"] = (tok.get("added_tokens") or []) + [{"id": 4096, "content": "<|past|>", "special": True}]
+    (ckpt / "tokenizer.json").write_text(json.dumps(tok))
+    rec = convert(ckpt, tmp_path / "a.gguf", "f16")
+    assert rec["tokenizer"] == "gpt2"
+    assert "tokenizer.json: 3 token(s) with ids at or past vocab_size 2048 (no embedding row) are left out" in rec["notes"]
+    assert len(meta(tmp_path / "a.gguf", "tokenizer.ggml.tokens")) == 2048
+    tok["pre_tokenizer"] = None
+    (ckpt / "tokenizer.json").write_text(json.dumps(tok))
+    rec = convert(ckpt, tmp_path / "b.gguf", "f16")
+    assert rec["tokenizer"] == "no_vocab" and meta(tmp_path / "b.gguf", "tokenizer.ggml.model") == "no_vocab"
+    assert any("tokenizer.json is a BPE model with a None pre-tokenizer, not GPT-2-style byte-level BPE" in n
+               for n in rec["notes"])
 
 
 def test_a_gguf_whose_chat_template_does_not_compile_is_one_line(tmp_path, monkeypatch, capsys):

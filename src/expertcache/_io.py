@@ -1,4 +1,7 @@
-"""Atomic file writes: a killed run leaves either the old file or the new one, never a torn one.
+"""Atomic file writes, and bounded reads of users' small files (:func:`open_npz`, :func:`read_text`,
+:func:`read_json`).
+
+Writes: a killed run leaves either the old file or the new one, never a torn one.
 
 A write goes to a temporary file beside the target, named ``.<name>.<pid>.<random>.tmp``; on
 success it is flushed, fsynced and renamed over the target. An exception removes it. A run killed
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import secrets
@@ -69,6 +73,45 @@ def open_npz(path: str | os.PathLike, what: str, kind: str):
         return np.load(p, allow_pickle=False)
     except Exception as err:  # truncated, not a zip, not numpy
         raise ConfigError(f"{what} {p}: not {kind} ({numpy_reason(err)})") from None
+
+
+def read_text(path: str | os.PathLike, where: str, *, max_bytes: int, error: type[Exception] = ConfigError) -> str:
+    """The UTF-8 text of the file ``path``, read only when it is at most ``max_bytes`` long (a
+    hostile file cannot fill memory). Every failure is one ``error`` line that starts ``"{where}: "``
+    and names the file: missing or not a regular file (a FIFO is not opened, so nothing blocks), too
+    large, or not UTF-8."""
+    p = Path(path)
+    name = p.name
+    try:
+        if not stat.S_ISREG(p.stat().st_mode):
+            raise error(f"{where}: {name} is not a regular file")
+        with open(p, "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise error(f"{where}: cannot read {name} ({exc.strerror or type(exc).__name__})") from None
+    if len(data) > max_bytes:
+        raise error(f"{where}: {name} is larger than {max_bytes:,} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{where}: {name} is not UTF-8 text (byte {exc.start})") from None
+
+
+def read_json(path: str | os.PathLike, where: str, *, max_bytes: int, error: type[Exception] = ConfigError):
+    """The JSON value of the file ``path`` (:func:`read_text`'s bounds and refusals), or one
+    ``error`` line naming the file when it is not valid JSON (with the line), nests deeper than
+    Python parses, or holds an integer too long to convert. The value's type is the caller's to
+    check."""
+    name = Path(path).name
+    text = read_text(path, where, max_bytes=max_bytes, error=error)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}: {name} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise error(f"{where}: {name} is nested too deeply to read as JSON") from None
+    except ValueError as exc:  # Python's limit on an integer's digits
+        raise error(f"{where}: {name} cannot be read as JSON ({str(exc).split(':')[0][:80]})") from None
 
 
 def check_writable(path: str | os.PathLike, option: str = "--out") -> Path:

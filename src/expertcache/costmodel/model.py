@@ -24,7 +24,6 @@ Only headers are read (the safetensors JSON header; the GGUF header by
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -32,7 +31,7 @@ from typing import Any, Mapping
 from ..errors import ConfigError, is_int
 from ..formats.safetensors import read_header
 from ..trace.validate import MAX_EXPERTS, MAX_LAYERS
-from .sizing import LIMITS, MAX_CONFIG_BYTES, _dtype_bytes, _weight_bytes, config_scopes, expert_bytes_from_config
+from .sizing import LIMITS, _dtype_bytes, _weight_bytes, config_scopes, expert_bytes_of, read_model_config
 
 EXPERT_MARK = ".experts."
 """A checkpoint tensor whose name holds this is a routed expert's (``mlp.experts.3.w1``,
@@ -75,8 +74,8 @@ def read_model(path: str | Path) -> ModelSpec:
         raise ConfigError(f"{where}: no such file or folder")
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _from_gguf(path, where)
-    config = _load_config(path, where)
-    spec = _from_config(config, path, where)
+    config, _, name = read_model_config(path)
+    spec = _from_config(config, path, where, name)
     shards = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not shards:
         return spec
@@ -86,16 +85,6 @@ def read_model(path: str | Path) -> ModelSpec:
     per = experts // (spec.num_experts * spec.moe_layers)
     return ModelSpec(spec.num_experts, spec.top_k, spec.moe_layers, per, other, f"checkpoint {path}",
                      "safetensors headers (exact)")
-
-
-def _load_config(path: Path, where: str) -> dict:
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ConfigError(f"{where}: the folder holds no config.json")
-    expert_bytes_from_config(file)  # its checks and messages for the file and the expert keys
-    if file.stat().st_size > MAX_CONFIG_BYTES:  # pragma: no cover - refused above
-        raise ConfigError(f"{where}: config too large")
-    return json.loads(file.read_text(encoding="utf-8"))
 
 
 POSITIVE_KEYS = frozenset({"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -137,7 +126,7 @@ def moe_layer_ids(config: dict, where: str = "config") -> list[int]:
     return [i for i in range(n) if i >= dense_first and i % freq == 0 and (i + 1) % step == 0 and i not in mlp_only]
 
 
-def _from_config(config: dict, path: Path, where: str) -> ModelSpec:
+def _from_config(config: dict, path: Path, where: str, name: str) -> ModelSpec:
     E = _get(config, where, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
     k = _get(config, where, "num_experts_per_tok", "moe_topk", "top_k")
     moe = moe_layer_ids(config, where)
@@ -145,7 +134,7 @@ def _from_config(config: dict, path: Path, where: str) -> ModelSpec:
         raise ConfigError(f"{where}: E = {E}, k = {k}, {len(moe)} MoE layer(s): not a mixture-of-experts config")
     if E > MAX_EXPERTS:  # as a trace's E: 10**31 had been sized, "non-expert weights (6.554e+23 TB)"
         raise ConfigError(f"{where}: {E:,} experts a layer is more than {MAX_EXPERTS:,}")
-    S = expert_bytes_from_config(path)
+    S = expert_bytes_of(config, where, name)
     other = estimate_other_params(config, where, len(moe)) * _width(config, where)
     return ModelSpec(E, k, len(moe), S, other, f"config {path}", "estimated from the config's shapes")
 

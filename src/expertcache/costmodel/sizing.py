@@ -31,13 +31,13 @@ Example (the paper's L40S, LRU): ``rho = 9.6``, ``S = 12.6 MB``, ``tau = 0.51 ms
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from .._io import read_json
 from ..errors import ConfigError, is_int, is_real
 from ..trace.validate import MAX_EXPERT_BYTES
 
@@ -204,26 +204,27 @@ def expert_bytes_from_config(path: str | Path) -> int:
     1 byte per weight (block scales left out). Keys are looked up at the top level, then in
     ``text_config``. Only the JSON is read. OLMoE-1B-7B: 3 * 2048 * 1024 * 2 = 12,582,912 bytes.
     """
+    return expert_bytes_of(*read_model_config(path))
+
+
+def read_model_config(path: str | Path) -> tuple[dict, str, str]:
+    """``(config, where, name)``: the JSON object of a config.json (or of the config.json in the
+    folder ``path``), at most :data:`MAX_CONFIG_BYTES` long; ``where`` (``--model-config PATH``)
+    and the file's ``name`` for messages. Every refusal is one ConfigError line."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     where = f"--model-config {path}"
     if not file.is_file():
         raise ConfigError(f"{where}: no such file" + (" (expected a config.json or a folder holding one)"
                                                       if not path.exists() else ": the folder holds no config.json"))
-    if file.stat().st_size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{where}: {file.name} is larger than {MAX_CONFIG_BYTES:,} bytes; not a model config")
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise ConfigError(f"{where}: {file.name} is not a JSON text file") from None
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read {file.name} ({exc.strerror or exc.__class__.__name__})") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: {file.name} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except (ValueError, RecursionError) as exc:  # giant integers, nesting deeper than Python parses
-        raise ConfigError(f"{where}: {file.name} cannot be read as JSON ({type(exc).__name__})") from None
+    config = read_json(file, where, max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: {file.name} is not a JSON object")
+    return config, where, file.name
+
+
+def expert_bytes_of(config: Mapping, where: str, name: str = "config.json") -> int:
+    """:func:`expert_bytes_from_config` of a config already read (``where`` and ``name`` for messages)."""
     scopes = config_scopes(config, where)
 
     def get(*keys: str) -> tuple[str, Any]:
@@ -231,7 +232,7 @@ def expert_bytes_from_config(path: str | Path) -> int:
             for scope in scopes:
                 if scope.get(key) is not None:
                     return key, scope[key]
-        raise ConfigError(f"{where}: {file.name} has no {' or '.join(repr(k) for k in keys)}; "
+        raise ConfigError(f"{where}: {name} has no {' or '.join(repr(k) for k in keys)}; "
                           "give the expert size with --expert-mb instead")
 
     def positive(key: str, value: Any) -> int:

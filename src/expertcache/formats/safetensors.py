@@ -1,8 +1,8 @@
 """The safetensors header: an 8-byte little-endian length n, n bytes of JSON (tensor name -> dtype,
 shape, data_offsets relative to the data section), then the raw tensor bytes. Read here only (the
-file tier's expert index, the cost model's byte counts): the length bounded by :data:`MAX_HEADER`
-and by the file, the JSON an object, every tensor's data_offsets inside the file; anything else is
-one ConfigError line naming the file."""
+file tier's expert index, the cost model's byte counts, convert's bf16 widening): the length
+bounded by :data:`MAX_HEADER` and by the file, the JSON an object, every tensor's data_offsets
+inside the file; anything else is one ConfigError line naming the file."""
 
 from __future__ import annotations
 

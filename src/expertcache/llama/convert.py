@@ -61,20 +61,20 @@ checkpoint tensor with no place in the GGUF.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
-from .._io import temporary_name
+from .._io import read_json, read_text, temporary_name
+from ..costmodel.sizing import MAX_CONFIG_BYTES
 from ..errors import ConfigError, is_int, is_real
 from ..formats.gguf import chat_template_problem
+from ..formats.safetensors import read_header
 
 DTYPES = ("f32", "f16", "q8_0")
 
@@ -412,10 +412,8 @@ class _Checkpoint:
 
     def _bf16(self, name: str) -> np.ndarray:
         path = self.file[name]
-        if path not in self._headers:
-            with open(path, "rb") as fh:
-                n = struct.unpack("<Q", fh.read(8))[0]
-                self._headers[path] = (json.loads(fh.read(n)), 8 + n)
+        if path not in self._headers:  # safe_open checked it whole; the format has one reader
+            self._headers[path] = read_header(path)
         header, start = self._headers[path]
         begin, end = header[name]["data_offsets"]
         raw = np.fromfile(path, dtype="<u2", count=(end - begin) // 2, offset=start + begin)
@@ -514,14 +512,11 @@ def read_config(folder: Path) -> tuple[dict, ArchSpec]:
     """The checkpoint's config (the class defaults of :attr:`ArchSpec.defaults` under it, the rope
     settings normalized into ``rope_parameters``) and its :class:`ArchSpec`; refusals as in the
     module docstring."""
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{folder}: cannot read config.json ({getattr(exc, 'strerror', None) or exc})") from None
+    raw = read_json(folder / "config.json", str(folder), max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(raw, dict):
         raise ConfigError(f"{folder}: config.json is not a JSON object")
     mt = raw.get("model_type")
-    if mt not in SPECS:
+    if not isinstance(mt, str) or mt not in SPECS:
         raise ConfigError(f"{folder}: model_type {mt!r} is not supported by convert (supported: {', '.join(SPECS)})")
     spec = SPECS[mt]
     for key in ("rope_parameters", "rope_scaling"):  # not a table: it had been passed over, exit 0
@@ -560,6 +555,9 @@ ROPE_REALS = ("rope_theta", "factor", "beta_fast", "beta_slow", "mscale", "mscal
               "partial_rotary_factor", "low_freq_factor", "high_freq_factor")
 """``rope_parameters`` keys that hold numbers (a text value among them had been a ValueError, exit 70);
 its other keys (``rope_type``, ``truncate``, a per-layer-type table) are checked where they are read."""
+CONFIG_BOOLS = ("norm_topk_prob", "attention_bias", "rope_interleave")
+"""config.json switches convert reads: where present and not null, each true or false (a string had
+been read by its truthiness, so ``"false"`` meant true, exit 0); ``rope_parameters.truncate`` too."""
 CONFIG_ZERO_OK = ("q_lora_rank", "first_k_dense_replace", "num_nextn_predict_layers", "n_shared_experts",
                   "sliding_window")
 
@@ -591,6 +589,9 @@ def config_types(cfg: dict) -> str | None:
     if orig is not None and not is_int(orig, 1, CONFIG_INT_MAX):
         return (f"rope_parameters.original_max_position_embeddings {str(orig)[:60]!r} in config.json is not a "
                 f"positive integer of at most {CONFIG_INT_MAX:,}")
+    for key, v in [(k, cfg.get(k)) for k in CONFIG_BOOLS] + [("rope_parameters.truncate", rope.get("truncate"))]:
+        if v is not None and not isinstance(v, bool):
+            return f"{key} {str(v)[:60]!r} in config.json is not true or false"
     numbers = [(k, cfg.get(k)) for k in CONFIG_REALS]
     numbers += [(f"rope_parameters.{k}", rope.get(k)) for k in ROPE_REALS]
     for key, v in numbers:
@@ -814,104 +815,171 @@ def write_hparams(writer, cfg: dict, spec: ArchSpec, dtype: str, nextn: int = 0)
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
 
 
+MAX_TOKENIZER_BYTES = 1 << 27
+"""The largest ``tokenizer.json``, ``tokenizer_config.json`` or ``chat_template.jinja`` convert
+reads (128 MiB; released tokenizers are tens of MB: Gemma 3's 262k-token tokenizer.json is 33 MB)."""
+
+
+def _tokenizer_file(folder: Path, name: str):
+    """The JSON value of ``folder/name``, or None when there is no such entry; a file that is
+    there but unreadable, too large, not JSON or not a JSON object is one ConfigError line."""
+    path = folder / name
+    if not os.path.lexists(path):
+        return None
+    value = read_json(path, str(folder), max_bytes=MAX_TOKENIZER_BYTES)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return value
+
+
 def read_chat_template(folder: Path | None):
     """The checkpoint's chat template: ``chat_template.jinja`` (transformers 5 saves it so), else
     ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{name, template}``);
-    None when there is none."""
+    None when there is none (or it is empty). One that is there but is not UTF-8 text, or is
+    neither a string nor such a list, is refused in one line (each had been exit 70, or passed
+    over with exit 0)."""
     if folder is None:
         return None
     jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        text = jinja.read_text(encoding="utf-8")
+    if os.path.lexists(jinja):
+        text = read_text(jinja, str(folder), max_bytes=MAX_TOKENIZER_BYTES)
         return text if text.strip() else None
-    try:
-        tc = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    tc = _tokenizer_file(folder, "tokenizer_config.json") or {}
+    value = tc.get("chat_template")
+    if value is None or (isinstance(value, str) and not value.strip()) or value == []:
         return None
-    value = tc.get("chat_template") if isinstance(tc, dict) else None
-    if isinstance(value, str) and value.strip():
+    if isinstance(value, str) or (isinstance(value, list) and all(
+            isinstance(t, dict) and isinstance(t.get("template"), str) and isinstance(t.get("name", ""), str)
+            for t in value)):
         return value
-    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
-        return value or None
-    return None
+    raise ConfigError(f"{folder / 'tokenizer_config.json'}: chat_template {str(value)[:60]!r} is neither a string "
+                      "nor a list of {name, template} tables")
 
 
-def write_tokenizer(writer, folder: Path | None, vocab: int, config: dict | None = None) -> str:
-    """GPT-2-style byte-level BPE as ``gpt2``/``gpt-2``, else ``no_vocab``; returns which."""
-    tok = None
-    if folder is not None and (folder / "tokenizer.json").is_file():
-        try:
-            tok = json.loads((folder / "tokenizer.json").read_text())
-        except (OSError, ValueError):
-            tok = None
-    model = (tok or {}).get("model") or {}
-    pre = (tok or {}).get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or not isinstance(model.get("vocab"), dict):
+@dataclass
+class Vocabulary:
+    """A GPT-2-style byte-level BPE vocabulary as the GGUF stores it, read and checked before
+    anything is written: ``tokens``/``types`` of the model's ``vocab_size`` (ids the tokenizer leaves
+    unused are ``[PADi]``), ``merges`` as ``"a b"``, ``special`` ids (``bos``/``eos``/``unk``/``pad``
+    ``_token`` -> id), ``add_bos`` and ``dropped``: tokenizer ids at or past ``vocab_size``, which
+    the model has no embedding for and the GGUF leaves out (said in convert's notes)."""
+
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    special: dict[str, int]
+    add_bos: bool
+    dropped: int = 0
+
+
+def read_vocabulary(folder: Path | None, vocab: int, config: dict | None = None) -> tuple[Vocabulary | None, str | None]:
+    """``(vocabulary, None)`` for a GPT-2-style byte-level BPE ``tokenizer.json``; ``(None, note)``
+    for a checkpoint without one (note None) or with another kind (the note says which, since
+    the GGUF then runs on token ids only). A tokenizer.json or tokenizer_config.json that is there
+    but malformed is one ConfigError line: a wrong type anywhere convert reads had been exit 70 or
+    passed over (a GGUF without vocabulary, or with llama.cpp's default id 11 as EOS), exit 0."""
+    tok = _tokenizer_file(folder, "tokenizer.json") if folder is not None else None
+    if tok is None:
+        return None, None
+    where = f"{folder / 'tokenizer.json'}"
+    model, pre = tok.get("model"), tok.get("pre_tokenizer")
+    for key, value in (("model", model), ("pre_tokenizer", pre)):
+        if not isinstance(value, dict) and (key == "model" or value is not None):
+            raise ConfigError(f"{where}: {key} {str(value)[:40]!r} is not a table (a JSON object)")
+    kind = (model.get("type"), (pre or {}).get("type"))
+    if kind != ("BPE", "ByteLevel"):
+        return None, (f"tokenizer.json is a {str(kind[0])[:20]} model with a {str(kind[1])[:20]} pre-tokenizer, not "
+                      "GPT-2-style byte-level BPE: the GGUF has no vocabulary and runs on token ids")
+    table = model.get("vocab")
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: model.vocab {str(table)[:40]!r} is not a table of token -> id")
+    tokens, types, dropped = [f"[PAD{i}]" for i in range(vocab)], [1] * vocab, 0  # 1: NORMAL
+    for text, i in table.items():
+        if not is_int(i, 0):
+            raise ConfigError(f"{where}: model.vocab gives {text[:40]!r} the id {str(i)[:40]!r}, not an integer >= 0")
+        if i < vocab:
+            tokens[i] = text
+        else:
+            dropped += 1
+    merges = model.get("merges", [])
+    if not isinstance(merges, list):
+        raise ConfigError(f"{where}: model.merges {str(merges)[:40]!r} is not a list")
+    for m in merges:
+        if not (isinstance(m, str) or (isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m))):
+            raise ConfigError(f"{where}: the merge {str(m)[:40]!r} is neither \"a b\" nor [\"a\", \"b\"]")
+    added = tok.get("added_tokens") or []
+    if not isinstance(added, list):
+        raise ConfigError(f"{where}: added_tokens {str(added)[:40]!r} is not a list")
+    for a in added:
+        if not (isinstance(a, dict) and is_int(a.get("id"), 0) and isinstance(a.get("content"), str)
+                and isinstance(a.get("special", False), bool)):
+            raise ConfigError(f"{where}: the added token {str(a)[:60]!r} needs an integer id >= 0, a string content "
+                              "and special true or false")
+        if a["id"] < vocab:
+            tokens[a["id"]], types[a["id"]] = a["content"], 3 if a.get("special") else 4  # CONTROL / USER
+        elif a["content"] not in table:
+            dropped += 1
+    special, add_bos = _special_tokens(folder, tokens, config or {})
+    return Vocabulary(tokens, types, [m if isinstance(m, str) else " ".join(m) for m in merges], special, add_bos,
+                      dropped), None
+
+
+def write_tokenizer(writer, v: Vocabulary | None) -> str:
+    """``v`` as ``gpt2``/``gpt-2`` (:func:`read_vocabulary`), else ``no_vocab``; returns which."""
+    if v is None:
         writer.add_tokenizer_model("no_vocab")
         return "no_vocab"
-    tokens = [f"[PAD{i}]" for i in range(vocab)]
-    types = [1] * vocab  # NORMAL
-    for text, i in model["vocab"].items():
-        if 0 <= i < vocab:
-            tokens[i] = text
-    for added in tok.get("added_tokens") or []:
-        i = added.get("id")
-        if isinstance(i, int) and 0 <= i < vocab:
-            tokens[i], types[i] = added.get("content", tokens[i]), 3 if added.get("special") else 4  # CONTROL / USER
-    merges = [" ".join(m) if isinstance(m, list) else str(m) for m in model.get("merges") or []]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    _write_special_tokens(writer, folder, tokens, config or {})
+    writer.add_token_list(v.tokens)
+    writer.add_token_types(v.types)
+    writer.add_token_merges(v.merges)
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                     ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+        if key in v.special:
+            add(v.special[key])
+    writer.add_add_bos_token(v.add_bos)
     return "gpt2"
 
 
-def _write_special_tokens(writer, folder: Path, tokens: list[str], config: dict) -> None:
+def _special_tokens(folder: Path, tokens: list[str], config: dict) -> tuple[dict[str, int], bool]:
     """The special tokens ``tokenizer_config.json`` names (``bos_token``, ``eos_token``,
     ``unk_token``, ``pad_token``: a string or ``{"content": ...}``) as their ids, and whether a BOS is
     prepended (``add_bos_token``, default false as for GPT-2). Without them llama.cpp takes its
     defaults for a ``gpt2`` vocabulary (id 11 as BOS and EOS), so generation would stop at whatever
     token 11 is: a BOS or EOS the file does not name is taken from config.json's ``bos_token_id`` /
-    ``eos_token_id``; a ``tokenizer_config.json`` that is not a JSON object, a BOS or EOS not in the
-    vocabulary, and ``add_bos_token`` with no BOS are refused in one line (each had been written
-    with llama.cpp's id 11 in its place, exit 0)."""
+    ``eos_token_id`` (an integer, or a list whose first is taken). A ``tokenizer_config.json`` that
+    is not a JSON object, a BOS or EOS not in the vocabulary, config.json's id that is not a token
+    id, and ``add_bos_token`` with no BOS are refused in one line (each had been written with
+    llama.cpp's id 11 in its place, exit 0)."""
     path = folder / "tokenizer_config.json"
-    cfg: object = {}
-    if path.is_file():
-        try:
-            cfg = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{path}: cannot be read as JSON ({str(exc)[:100]})") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"{path}: not a JSON object")
+    cfg = _tokenizer_file(folder, "tokenizer_config.json") or {}
     ids = {t: i for i, t in enumerate(tokens)}
-    written = {}
-    for key, add, fallback in (("bos_token", writer.add_bos_token_id, "bos_token_id"),
-                               ("eos_token", writer.add_eos_token_id, "eos_token_id"),
-                               ("unk_token", writer.add_unk_token_id, None),
-                               ("pad_token", writer.add_pad_token_id, None)):
+    written: dict[str, int] = {}
+    for key, fallback in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", None),
+                          ("pad_token", None)):
         value = cfg.get(key)
         if value is None:
             token = config.get(fallback) if fallback else None
             token = token[0] if isinstance(token, list) and token else token  # several EOS ids: the first
-            if is_int(token) and 0 <= token < len(tokens):
-                add(token)
-                written[key] = token
+            if token is None or token == []:
+                continue
+            if not (is_int(token, 0) and token < len(tokens)):
+                raise ConfigError(f"{folder}: config.json's {fallback} {str(config.get(fallback))[:40]!r} is not a "
+                                  f"token id below vocab_size {len(tokens)}")
+            written[key] = token
             continue
         text = value.get("content") if isinstance(value, dict) else value
         if not isinstance(text, str) or (text not in ids and fallback):
             raise ConfigError(f"{path}: {key} {str(value)[:60]!r} is not a token of tokenizer.json's vocabulary")
         if text in ids:
-            add(ids[text])
             written[key] = ids[text]
     add_bos = cfg.get("add_bos_token", False)
     if not isinstance(add_bos, bool):
         raise ConfigError(f"{path}: add_bos_token {str(add_bos)[:40]!r} is not true or false")
     if add_bos and "bos_token" not in written:
         raise ConfigError(f"{path}: add_bos_token is true but no bos_token is named (nor config.json's bos_token_id)")
-    writer.add_add_bos_token(add_bos)
+    return written, add_bos
 
 
 # ------------------------------------------------------------------------------ writing
@@ -974,18 +1042,22 @@ def convert(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = "f32
     if problem:  # llama-cpp-python would fail to load the GGUF, for a prompt as for a chat
         raise ConfigError(f"{folder}: its chat template does not compile ({problem}); fix it, or remove it "
                           "(chat_template.jinja / tokenizer_config.json's chat_template)")
-    info: dict = {}
+    vocabulary, note = read_vocabulary(folder, int(cfg["vocab_size"]), cfg)
+    notes = design_notes(cfg, spec) + ([note] if note else [])
+    if vocabulary is not None and vocabulary.dropped:
+        notes.append(f"tokenizer.json: {vocabulary.dropped} token(s) with ids at or past vocab_size {cfg['vocab_size']} "
+                     "(no embedding row) are left out")
 
     def keys(writer):
         write_hparams(writer, cfg, spec, dtype, nextn)
-        info["tokenizer"] = write_tokenizer(writer, folder, int(cfg["vocab_size"]), cfg)
+        write_tokenizer(writer, vocabulary)
         if template is not None:
             writer.add_chat_template(template)
 
     size = write_gguf(out, spec.arch, planned, keys, folder.name)
     return {"out": os.fspath(out), "model": os.fspath(folder), "architecture": spec.arch, "dtype": dtype,
-            "tensors": len(planned), "bytes": size, "tokenizer": info["tokenizer"],
-            "chat_template": template is not None, "nextn_layers": nextn, "notes": design_notes(cfg, spec)}
+            "tensors": len(planned), "bytes": size, "tokenizer": "no_vocab" if vocabulary is None else "gpt2",
+            "chat_template": template is not None, "nextn_layers": nextn, "notes": notes}
 
 
 class RandomWeights:
@@ -1042,10 +1114,11 @@ def convert_random(cfg: dict, out: str | os.PathLike, dtype: str = "f16", seed: 
     if problem:
         raise ConfigError(f"convert_random: {problem}")
     planned = plan_tensors(RandomWeights(cfg, spec, seed), cfg, spec, dtype)
+    vocabulary, _ = read_vocabulary(Path(tokenizer) if tokenizer is not None else None, int(cfg["vocab_size"]), cfg)
 
     def keys(writer):
         write_hparams(writer, cfg, spec, dtype)
-        write_tokenizer(writer, Path(tokenizer) if tokenizer is not None else None, int(cfg["vocab_size"]), cfg)
+        write_tokenizer(writer, vocabulary)
 
     size = write_gguf(out, spec.arch, planned, keys, f"random-{spec.arch}-seed{seed}")
     return {"out": os.fspath(out), "architecture": spec.arch, "dtype": dtype, "bytes": size, "seed": seed}

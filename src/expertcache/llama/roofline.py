@@ -44,7 +44,7 @@ import threading
 import time
 from pathlib import Path
 
-from .._io import atomic_open
+from .._io import atomic_open, read_json
 from ..errors import ConfigError
 from ..wall.pagecache import evict_file_pages, residency
 from ..wall.procfs import OpenProcFile
@@ -57,6 +57,10 @@ CACHE_SECONDS = 24 * 3600
 """How long a measured bandwidth or compute rate is reused."""
 
 
+MAX_CACHE_BYTES = 1 << 20
+"""The device cache is a few hundred bytes a device; a larger file is taken as damaged."""
+
+
 def cache_path() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "expertcache" / "devices.json"
@@ -64,10 +68,10 @@ def cache_path() -> Path:
 
 def _load() -> dict:
     try:
-        data = json.loads(cache_path().read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+        data = read_json(cache_path(), "device cache", max_bytes=MAX_CACHE_BYTES)
+    except ConfigError:  # none yet, or damaged: measure again (the next save replaces it)
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _store(key: str, value: dict) -> None:

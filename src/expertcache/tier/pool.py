@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .._io import atomic_open
+from .._io import atomic_open, read_json
 from ..errors import ConfigError, is_int
 
 FORMAT = "expertcache-pool"
@@ -133,14 +133,7 @@ def open_pool(root: str | os.PathLike, *, verify: bool = False) -> Pool:
         raise ConfigError(f"--pool {root}: no such folder (write one with 'expertcache tier write')")
     if not mpath.is_file():
         raise ConfigError(f"--pool {root}: {MANIFEST} missing (not a pool, or its writing did not finish)")
-    if mpath.stat().st_size > MAX_MANIFEST_BYTES:
-        raise ConfigError(f"pool {root}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        man = json.loads(mpath.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"pool {root}: {MANIFEST}: not JSON ({str(exc).splitlines()[0]})") from None
-    except RecursionError:
-        raise ConfigError(f"pool {root}: {MANIFEST}: not JSON (nested too deeply)") from None
+    man = read_json(mpath, f"pool {root}", max_bytes=MAX_MANIFEST_BYTES)
     _check_manifest(root, man)
     for name, size in man["files"].items():
         path = root / name

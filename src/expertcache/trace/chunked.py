@@ -40,7 +40,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .._io import clean_stale_temporaries, temporary_name
+from .._io import clean_stale_temporaries, read_json, temporary_name
 from ..errors import ConfigError, TraceError, is_int
 from .core import Trace, load_trace
 from .validate import MAX_LAYERS, MAX_META_CHARS
@@ -191,21 +191,9 @@ def open_chunked(path: str | os.PathLike) -> ChunkedTrace:
     root = Path(path)
     man = root / MANIFEST
     src = str(man)
-    try:
-        size = man.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise TraceError(f"{src}: {size:,} bytes (a manifest is at most {MAX_MANIFEST_BYTES:,})")
-        text = man.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise TraceError(f"{root}: no {MANIFEST} (not a chunked trace)") from None
-    except UnicodeDecodeError as exc:
-        raise TraceError(f"{src}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise TraceError(f"{src}: cannot read it ({exc.strerror or exc})") from None
-    try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise TraceError(f"{src}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    if not os.path.lexists(man):
+        raise TraceError(f"{root}: no {MANIFEST} (not a chunked trace)")
+    doc = read_json(man, str(root), max_bytes=MAX_MANIFEST_BYTES, error=TraceError)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise TraceError(f"{src}: not a chunked trace manifest (expected \"format\": \"{FORMAT}\")")
     if doc.get("version") != VERSION:
