@@ -211,6 +211,11 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_before_it_runs(capsys, ckpt
         (dict(config={"num_experts": 16}), "in the checkpoint but [16, "),
         (dict(config={"num_experts_per_tok": 9}), "config.json has num_experts_per_tok 9, not 1..8"),
         (dict(config={"num_experts": "8"}), "cannot load it (Validation error for field 'num_experts':"),
+        (dict(config={"dtype": "x"}), "cannot load it (module 'torch' has no attribute 'x')"),  # were exit 70
+        (dict(config={"dtype": []}), "cannot load it (list index out of range)"),
+        (dict(config={"num_attention_heads": 0}), "config.json has num_attention_heads 0, not 1..hidden_size (32)"),
+        (dict(config={"pad_token_id": 10**30}), "config.json has pad_token_id 1000000000000000000000000000000, outside"),
+        (dict(config={"num_hidden_layers": 0}), "config.json has num_hidden_layers 0; a model has at least 1"),
         (dict(raw=full[: len(full) // 2]), "data_offsets missing or outside the file"),
         (dict(raw=b""), "too short for a safetensors file"),
     ]
@@ -223,6 +228,29 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_before_it_runs(capsys, ckpt
     code, out, err = run_cli(capsys, "capture", "--model", fewer, "--tokens", ids, "--out", tmp_path / "t.npz")
     assert code == 0 and err.count("\n") == 1 and "weight(s) in the checkpoint are not used by its config" in err
     assert load_trace(tmp_path / "t.npz").layer_ids == [0]
+
+
+@pytest.mark.parametrize("name, text", [
+    ("tokenizer.json", "[" * 100_000 + "]" * 100_000),  # RecursionError
+    ("tokenizer.json", "5"),  # AttributeError
+    ("tokenizer.json", '{"added_tokens": [], "model": {"type": "XYZ"}}'),  # the Rust tokenizers' plain Exception
+    ("tokenizer_config.json", "[1]"),  # AttributeError
+])
+def test_a_damaged_tokenizer_for_text_is_one_line(capsys, tmp_path, name, text):
+    """``--text`` with tokenizer files transformers cannot read: each had been exit 70."""
+    import shutil
+    from pathlib import Path
+
+    small = Path(__file__).resolve().parents[1] / "models" / "small-moe"
+    if not (small / "tokenizer.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    model = tmp_path / "m"
+    shutil.copytree(small, model)
+    (model / name).write_text(text)
+    (tmp_path / "t.txt").write_text("hello world")
+    code, _, err = run_cli(capsys, "capture", "--model", model, "--text", tmp_path / "t.txt", "--out", tmp_path / "t.npz")
+    assert code == 2 and err.count("\n") == 1 and f"--text needs a tokenizer saved in {model} (" in err, err
+    assert not (tmp_path / "t.npz").exists()
 
 
 def test_capture_inputs_that_said_nothing(capsys, ckpt, ids, tmp_path):

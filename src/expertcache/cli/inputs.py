@@ -52,7 +52,7 @@ text took 3.4 GB), so a corpus larger than this is tokenized ahead into ``--toke
 def read_text(model_dir: str, path: str) -> np.ndarray:
     """The UTF-8 text file ``path`` (``--text``; a leading byte-order mark is not text) as token ids,
     by the tokenizer saved in ``model_dir``; at most :data:`MAX_TEXT_BYTES`."""
-    from transformers import AutoTokenizer
+    from ..hf.loading import tokenizer_or_reason  # torch and transformers: only for --text
 
     try:
         st = os.stat(path)
@@ -63,12 +63,9 @@ def read_text(model_dir: str, path: str) -> np.ndarray:
     if st.st_size > MAX_TEXT_BYTES:
         raise ConfigError(f"--text {path}: {st.st_size:,} bytes, more than {MAX_TEXT_BYTES:,} (tokenizing holds about "
                           "170 bytes per byte of text): tokenize it into --tokens ids.npy instead")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(
-            f"--text needs a tokenizer saved in {model_dir} ({first_line(exc)}); without one, pass --tokens ids.npy"
-        ) from None
+    tokenizer, why = tokenizer_or_reason(model_dir)
+    if tokenizer is None:
+        raise ConfigError(f"--text needs a tokenizer saved in {model_dir} ({why}); without one, pass --tokens ids.npy")
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:

@@ -88,7 +88,7 @@ def load_model(
         torch.cuda.reset_peak_memory_stats(dev)
     try:
         config = transformers.AutoConfig.from_pretrained(folder)
-    except LOAD_ERRORS as exc:
+    except CONFIG_ERRORS as exc:
         raise ConfigError(f"model {path}: cannot load it ({one_line(exc)[:300]})") from None
     check_weights_cover_config(folder, config)
     try:
@@ -115,8 +115,9 @@ def load_model(
 def _load_errors() -> tuple:
     """What transformers' loading raises on a damaged checkpoint: a truncated or lying safetensors
     file (``SafetensorError``), a config value of the wrong type (huggingface_hub's strict
-    dataclass errors, ``TypeError``), besides the usual OSError, ValueError, KeyError, RuntimeError."""
-    kinds = [OSError, ValueError, KeyError, RuntimeError, TypeError]
+    dataclass errors, ``TypeError``), arithmetic on a config value (a size divided by 0 heads, a
+    power of 0: ``ArithmeticError``), besides the usual OSError, ValueError, KeyError, RuntimeError."""
+    kinds = [OSError, ValueError, KeyError, RuntimeError, TypeError, ArithmeticError]
     with contextlib.suppress(ImportError):
         from safetensors import SafetensorError
 
@@ -129,6 +130,25 @@ def _load_errors() -> tuple:
 
 
 LOAD_ERRORS = _load_errors()
+CONFIG_ERRORS = LOAD_ERRORS + (AttributeError, IndexError)
+"""What reading a config.json raises besides: transformers looks its ``dtype`` up on the torch module
+(``"dtype": "x"``, AttributeError) and takes the first of a list (``[]``, IndexError); each had been
+exit 70. Only around the config's read, where no expertcache code runs."""
+
+
+def tokenizer_or_reason(model_dir: str | Path):
+    """``(tokenizer, None)``: transformers' ``AutoTokenizer`` of the checkpoint folder; or ``(None,
+    why)`` in one line when it has none or its files are damaged. Every exception is caught here:
+    transformers raises AttributeError, KeyError or RecursionError on a tokenizer_config.json or
+    tokenizer.json of the wrong shape, and the Rust tokenizers a plain ``Exception`` ("data did not
+    match any variant ..."); each had been exit 70. Only transformers' code runs inside."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir)), None
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        return None, first_line(exc)
+
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -139,8 +159,10 @@ def check_weights_cover_config(folder: Path, config) -> None:
     so a ``num_hidden_layers`` of 10^7 or a ``vocab_size`` of 10^8 beside small weights took gigabytes
     before any check. From the safetensors headers (bounded reads): every layer ``model.layers.i``
     below ``num_hidden_layers`` has a weight, and ``model.embed_tokens.weight`` is ``[vocab_size,
-    hidden_size]``. Checkpoints of other layouts (``.bin`` weights, other tensor names) are left to
-    :func:`check_loading_info`."""
+    hidden_size]``; the attention and KV heads are 1..hidden_size (0 had been a ZeroDivisionError as
+    transformers built the model, exit 70), the layers at least 1 and ``pad_token_id`` a token id
+    (torch's assertion, exit 70). Checkpoints of other layouts (``.bin`` weights, other
+    tensor names) are left to :func:`check_loading_info`."""
     files = sorted(folder.glob("*.safetensors"))
     shapes: dict[str, list] = {}
     for f in files:
@@ -152,14 +174,24 @@ def check_weights_cover_config(folder: Path, config) -> None:
         return
     text = text_config(config)
     L = getattr(text, "num_hidden_layers", None)
+    if is_int(L) and L < 1:  # had been "not supported: it has no experts module"
+        raise ConfigError(f"model {folder}: config.json has num_hidden_layers {L}; a model has at least 1")
     if is_int(L):
         present = sorted({int(m.group(1)) for k in shapes if (m := _LAYER.match(k))})
         missing = next((i for i, v in enumerate(present) if v != i), len(present))
         if missing < L:
             raise ConfigError(f"model {folder}: config.json has num_hidden_layers {L}, but the weights hold no "
                               f"model.layers.{missing}.* (they hold layers {present[0]}..{present[-1]})")
+    H = getattr(text, "hidden_size", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):  # transformers divides by them as it builds
+        n = getattr(text, key, None)
+        if is_int(H) and is_int(n) and not 1 <= n <= H:
+            raise ConfigError(f"model {folder}: config.json has {key} {n}, not 1..hidden_size ({H})")
+    V, pad = getattr(text, "vocab_size", None), getattr(text, "pad_token_id", None)
+    if is_int(V) and is_int(pad) and not -V <= pad < V:  # torch's Embedding asserts it (exit 70)
+        raise ConfigError(f"model {folder}: config.json has pad_token_id {pad}, outside its vocab_size {V}")
     embed = shapes.get("model.embed_tokens.weight")
-    want = [getattr(text, "vocab_size", None), getattr(text, "hidden_size", None)]
+    want = [V, H]
     if isinstance(embed, list) and all(is_int(x) for x in want) and embed != want:
         raise ConfigError(f"model {folder}: config.json has vocab_size {want[0]} and hidden_size {want[1]}, but "
                           f"model.embed_tokens.weight is {embed}")

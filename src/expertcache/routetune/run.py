@@ -16,7 +16,6 @@ import numpy as np
 import torch
 import transformers
 
-from .._text import first_line
 from ..errors import ConfigError
 from ..hf.loading import check_checkpoint, load_model
 from ..hf.model import find_sites, top_k_of
@@ -28,14 +27,12 @@ from .rollout import make_prompts
 
 def load_tokenizer(model_dir: str | Path, required: str | None = None):
     """The checkpoint's tokenizer, or None (a ConfigError naming ``required`` when one is needed)."""
-    from transformers import AutoTokenizer
+    from ..hf.loading import tokenizer_or_reason
 
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        if required:
-            raise ConfigError(f"{required} needs a tokenizer saved in {model_dir} ({first_line(exc)})") from None
-        return None
+    tokenizer, why = tokenizer_or_reason(model_dir)
+    if tokenizer is None and required:
+        raise ConfigError(f"{required} needs a tokenizer saved in {model_dir} ({why})")
+    return tokenizer
 
 
 def tag_ids(tokenizer, capacity: int) -> list[int]:
