@@ -258,3 +258,66 @@ def test_a_trace_without_meta_says_its_E_was_inferred(tmp_path, capsys):
     assert main(["stats", str(tmp_path / "imp.npz")]) == 0
     err = capsys.readouterr().err
     assert "E = 6 was inferred" in err and "no meta" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["size", "--model-config", "{m}", "--device-memory", "1GB"],  # had doubled the expert bytes, exit 0
+    ["tier", "write", "--pool", "{tmp}/pool", "--from-safetensors", "{m}"],  # had listed each slice twice
+    ["convert", "{m}", "--out", "{tmp}/m.gguf"],  # had taken the later file's tensor
+])
+def test_a_tensor_two_shards_hold_is_refused(tmp_path, argv):
+    """A stale shard beside a re-saved checkpoint (here small-moe's one file, copied as a second
+    shard): every reader of the folder's safetensors headers refuses it in one line."""
+    import shutil
+    from pathlib import Path
+
+    small = Path(__file__).resolve().parents[1] / "models" / "small-moe"
+    if not (small / "model.safetensors").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    if argv[0] == "convert" and importlib.util.find_spec("gguf") is None:
+        pytest.skip("convert needs the llama extra (gguf)")
+    m = tmp_path / "m"
+    shutil.copytree(small, m)
+    shutil.copy(m / "model.safetensors", m / "model-00002-of-00002.safetensors")
+    proc = run(*(a.format(m=m, tmp=tmp_path) for a in argv))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "model.safetensors: tensor 'lm_head.weight' is also in model-00002-of-00002.safetensors" in proc.stderr
+
+
+def _first_expert(header):
+    return next(k for k in header if "experts" in k)
+
+
+@pytest.mark.parametrize("edit, message", [
+    # each had been a TypeError in tier write (exit 70) and counted as it stood by size (exit 0)
+    (lambda h: h[_first_expert(h)].update(dtype=2.5), "dtype '2.5' is not a safetensors dtype"),
+    (lambda h: h[_first_expert(h)].update(dtype="x"), "dtype 'x' is not a safetensors dtype"),
+    (lambda h: h[_first_expert(h)].update(shape=["a", 2]), "shape ['a', 2] is not a list of non-negative integers"),
+    (lambda h: h[_first_expert(h)].update(shape=[1]), "shape [1] of F16 is 2 bytes, but its data_offsets span 32768"),
+    (lambda h: h.update({"__metadata__": {"format": 5}}), "safetensors __metadata__ is not a table of strings"),
+    (lambda h: h[_first_expert(h)].update(data_offsets=[0, h[_first_expert(h)]["data_offsets"][1]
+                                                        - h[_first_expert(h)]["data_offsets"][0]]),
+     "overlap the tensor before"),
+])
+def test_a_safetensors_entry_the_format_forbids_is_refused(tmp_path, edit, message):
+    """The header checks of the safetensors library, made by the one reader of the format: every
+    command that reads headers only (size, tier write) refuses what convert's safe_open would."""
+    import shutil
+    import struct
+    from pathlib import Path
+
+    small = Path(__file__).resolve().parents[1] / "models" / "small-moe"
+    if not (small / "model.safetensors").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    raw = (small / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    m = tmp_path / "m"
+    shutil.copytree(small, m, ignore=shutil.ignore_patterns("model.safetensors"))
+    (m / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    for argv in (["size", "--model-config", m, "--device-memory", "1GB"],
+                 ["tier", "write", "--pool", tmp_path / "pool", "--from-safetensors", m]):
+        proc = run(*argv)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr

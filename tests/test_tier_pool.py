@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO
 from expertcache import Trace
 from expertcache.errors import ConfigError
-from expertcache.tier.checkpoint import expert_tensors, read_header
+from expertcache.formats.safetensors import read_header
+from expertcache.tier.checkpoint import expert_tensors
 from expertcache.tier.pool import ALIGN, checksum, open_pool, pool_from_trace, synthetic_bytes
 
 SIZE = 50_000  # deliberately not a multiple of 4096

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError, is_int
-from ..formats.safetensors import read_header
+from ..formats.safetensors import read_headers
 from ..trace.validate import MAX_EXPERTS, MAX_LAYERS
 from .sizing import LIMITS, _dtype_bytes, _weight_bytes, config_scopes, expert_bytes_of, read_model_config
 
@@ -185,8 +185,8 @@ def estimate_other_params(config: dict, where: str, moe_layers: int) -> int:
 def _safetensors_bytes(shards: list[Path]) -> tuple[int, int]:
     """``(routed-expert bytes, other bytes)`` summed over the tensors of ``shards`` (headers only)."""
     experts = other = 0
-    for shard in shards:
-        for name, info in read_header(shard)[0].items():
+    for shard, header, _ in read_headers(shards):
+        for name, info in header.items():
             if name == "__metadata__":
                 continue
             try:

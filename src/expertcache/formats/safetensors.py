@@ -1,24 +1,31 @@
 """The safetensors header: an 8-byte little-endian length n, n bytes of JSON (tensor name -> dtype,
 shape, data_offsets relative to the data section), then the raw tensor bytes. Read here only (the
-file tier's expert index, the cost model's byte counts, convert's bf16 widening): the length
-bounded by :data:`MAX_HEADER` and by the file, the JSON an object, every tensor's data_offsets
-inside the file; anything else is one ConfigError line naming the file."""
+file tier's expert index, the cost model's byte counts, convert's bf16 widening, the HF harness's
+checks): the length bounded by :data:`MAX_HEADER` and by the file, the JSON an object, and every
+tensor entry checked as the reference library checks it (a dtype it names, a shape of
+non-negative integers, data_offsets spanning the shape's bytes, the tensors tiling the data section
+without gaps or overlaps to the file's end, ``__metadata__`` a table of strings); anything else is
+one ConfigError line naming the file."""
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int
 
-__all__ = ["MAX_HEADER", "DTYPE_BYTES", "read_header"]
+__all__ = ["MAX_HEADER", "DTYPE_BITS", "DTYPE_BYTES", "held_twice", "read_header", "read_headers"]
 
 MAX_HEADER = 100 * 2**20
 """A header larger than this is refused (real ones are a few MB at most)."""
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-"""Bytes per element of each safetensors dtype."""
+DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+              "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+              "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+"""Bits per element of each dtype the safetensors format names (the reference library's list, 0.8)."""
+DTYPE_BYTES = {k: v // 8 for k, v in DTYPE_BITS.items() if v % 8 == 0}
+"""Bytes per element of each whole-byte dtype."""
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -39,14 +46,62 @@ def read_header(path: Path) -> tuple[dict, int]:
     if not isinstance(header, dict):
         raise ConfigError(f"{path}: safetensors header is not a JSON object")
     data_start = 8 + n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            a, b = info["data_offsets"]
-            ok = isinstance(a, int) and isinstance(b, int) and 0 <= a <= b and data_start + b <= size
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise ConfigError(f"{path}: tensor {name[:60]!r}: data_offsets missing or outside the file")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise ConfigError(f"{path}: safetensors __metadata__ is not a table of strings")
+    spans = sorted((_span(path, name, info, data_start, size), name) for name, info in header.items()
+                   if name != "__metadata__")
+    end = 0
+    for (a, b), name in spans:
+        if a != end:
+            raise ConfigError(f"{path}: tensor {name[:60]!r}: data_offsets [{a}, {b}] "
+                              + ("overlap the tensor before" if a < end else f"leave a gap after byte {end}"))
+        end = b
+    if data_start + end != size:
+        raise ConfigError(f"{path}: the tensors end at byte {data_start + end:,} of a {size:,}-byte file "
+                          "(truncated, or bytes no tensor holds)")
     return header, data_start
+
+
+def _span(path: Path, name: str, info, data_start: int, size: int) -> tuple[int, int]:
+    """A tensor entry's ``data_offsets``, checked as the reference library checks them: a known
+    dtype, a shape of non-negative integers, offsets inside the file whose length is the shape's
+    elements times the dtype's width. Any other entry had reached a reader (tier write's dtype set,
+    size's byte counts) as a TypeError (exit 70) or was counted as it stood (exit 0)."""
+    where = f"{path}: tensor {name[:60]!r}"
+    if not isinstance(info, dict):
+        raise ConfigError(f"{where}: its entry is not a table")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise ConfigError(f"{where}: dtype {str(dtype)[:20]!r} is not a safetensors dtype")
+    if not isinstance(shape, list) or not all(is_int(d, 0) for d in shape):
+        raise ConfigError(f"{where}: shape {str(shape)[:40]} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(x, 0) for x in offsets)
+            and offsets[0] <= offsets[1] and data_start + offsets[1] <= size):
+        raise ConfigError(f"{where}: data_offsets missing or outside the file")
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits != 8 * (offsets[1] - offsets[0]):
+        raise ConfigError(f"{where}: shape {shape} of {dtype} is {bits / 8:g} bytes, but its data_offsets span "
+                          f"{offsets[1] - offsets[0]}")
+    return offsets[0], offsets[1]
+
+
+def read_headers(files) -> list[tuple[Path, dict, int]]:
+    """``(path, header, data start)`` of each of a checkpoint's safetensors ``files`` (:func:`read_header`),
+    refusing a tensor name that two files hold: a stale shard beside a re-saved checkpoint (a
+    ``model.safetensors`` left beside ``model-0000N-of-...``) had been counted twice, so an expert's
+    bytes were doubled (``size``) and its slices listed twice (``tier write``), exit 0."""
+    out, seen = [], {}
+    for path in files:
+        header, start = read_header(path)
+        for name in header:
+            if name != "__metadata__" and seen.setdefault(name, path) != path:
+                raise held_twice(name, path, seen[name])
+        out.append((Path(path), header, start))
+    return out
+
+
+def held_twice(name: str, path, first) -> ConfigError:
+    """The refusal of a tensor ``name`` that ``path`` holds after ``first`` did."""
+    return ConfigError(f"{path}: tensor {name[:80]!r} is also in {Path(first).name}; a checkpoint holds each tensor "
+                       "once (a stale shard? keep the files its index names)")

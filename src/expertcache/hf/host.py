@@ -121,9 +121,9 @@ def _layer_pieces(headers, layer: int, E: int) -> list[dict[str, tuple]]:
 def map_file_experts(site, folder: Path, mode: str, device: torch.device) -> "FileExperts":
     """Where each of ``site``'s experts is in the checkpoint's files, checked byte for byte against
     the loaded tensors; refused in one line when the files do not hold those bytes."""
-    from ..formats.safetensors import read_header
+    from ..formats.safetensors import read_headers
 
-    headers = [(p, *read_header(p)) for p in safetensors_files(folder)]
+    headers = read_headers(safetensors_files(folder))
     gu, dn = site.experts.gate_up_proj.detach(), site.experts.down_proj.detach()
     E, two_i, _ = gu.shape
     half = two_i // 2

@@ -30,7 +30,7 @@ import torch
 
 from .._text import first_line
 from ..errors import ConfigError, one_line, is_int
-from ..formats.safetensors import read_header
+from ..formats.safetensors import read_headers
 from .model import ExpertsSite, find_sites, model_label, require_transformers, select_sites, text_config
 from .host import check_host, host_of, map_file_experts, use_files
 from .pagecache import drop_cached, release_mappings
@@ -165,8 +165,7 @@ def check_weights_cover_config(folder: Path, config) -> None:
     tensor names) are left to :func:`check_loading_info`."""
     files = sorted(folder.glob("*.safetensors"))
     shapes: dict[str, list] = {}
-    for f in files:
-        header, _ = read_header(f)
+    for _, header, _ in read_headers(files):
         shapes.update({k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
     if files and not shapes:
         raise ConfigError(f"model {folder}: its safetensors files hold no weights")

@@ -74,7 +74,7 @@ from .._io import read_json, read_text, temporary_name
 from ..costmodel.sizing import MAX_CONFIG_BYTES
 from ..errors import ConfigError, is_int, is_real
 from ..formats.gguf import chat_template_problem
-from ..formats.safetensors import read_header
+from ..formats.safetensors import held_twice, read_header
 
 DTYPES = ("f32", "f16", "q8_0")
 
@@ -394,6 +394,8 @@ class _Checkpoint:
             except SafetensorError as exc:  # its header checked whole: lengths, offsets, shapes, JSON
                 raise ConfigError(f"{f}: not a safetensors file convert can read ({str(exc)[:200]})") from None
             for k in h.keys():
+                if k in self.file:  # as formats.safetensors.read_headers refuses it
+                    raise held_twice(k, f, self.file[k])
                 self.where[k], self.file[k] = h, f
 
     def shape(self, name: str) -> tuple[int, ...]:

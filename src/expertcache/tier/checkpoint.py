@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..formats.safetensors import read_header
+from ..formats.safetensors import read_headers
 
 _PER_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\..*?experts\.(\d+)\.(.+)$")
 _PACKED = re.compile(r"(?:^|\.)layers\.(\d+)\..*?experts\.([A-Za-z_][\w.]*)$")
@@ -35,8 +35,7 @@ def expert_tensors(model_dir: str | Path) -> tuple[list[int], int, dict, str]:
         raise ConfigError(f"--from-safetensors {model_dir}: no *.safetensors files in this folder")
     parts: dict[tuple[int, int], list] = {}
     dtypes = set()
-    for path in files:
-        header, start = read_header(path)
+    for path, header, start in read_headers(files):
         for name in sorted(header):
             info = header[name]
             if name == "__metadata__":
