@@ -14,7 +14,7 @@ import math
 import struct
 from pathlib import Path
 
-from ..errors import ConfigError, is_int
+from ..errors import ConfigError
 
 __all__ = ["MAX_HEADER", "DTYPE_BITS", "DTYPE_BYTES", "held_twice", "read_header", "read_headers"]
 
@@ -74,16 +74,17 @@ def _span(path: Path, name: str, info, data_start: int, size: int) -> tuple[int,
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise ConfigError(f"{where}: dtype {str(dtype)[:20]!r} is not a safetensors dtype")
-    if not isinstance(shape, list) or not all(is_int(d, 0) for d in shape):
+    if type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):  # type(): not a bool
         raise ConfigError(f"{where}: shape {str(shape)[:40]} is not a list of non-negative integers")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(x, 0) for x in offsets)
-            and offsets[0] <= offsets[1] and data_start + offsets[1] <= size):
+    if type(offsets) is not list or len(offsets) != 2:
+        raise ConfigError(f"{where}: data_offsets missing or outside the file")
+    a, b = offsets
+    if type(a) is not int or type(b) is not int or not 0 <= a <= b or data_start + b > size:
         raise ConfigError(f"{where}: data_offsets missing or outside the file")
     bits = math.prod(shape) * DTYPE_BITS[dtype]
-    if bits != 8 * (offsets[1] - offsets[0]):
-        raise ConfigError(f"{where}: shape {shape} of {dtype} is {bits / 8:g} bytes, but its data_offsets span "
-                          f"{offsets[1] - offsets[0]}")
-    return offsets[0], offsets[1]
+    if bits != 8 * (b - a):
+        raise ConfigError(f"{where}: shape {shape} of {dtype} is {bits / 8:g} bytes, but its data_offsets span {b - a}")
+    return a, b
 
 
 def read_headers(files) -> list[tuple[Path, dict, int]]:
