@@ -335,6 +335,7 @@ def test_refusals_are_one_line(small_gguf, tmp_path):
         ([str(small_gguf), "--cache-memory", "50%", "--mode", "advise"], "--cache-memory bounds the managed"),
         ([str(small_gguf), "--cache-memory", "1MB"], "fewer than one layer routes"),
         ([str(small_gguf), "--port", "70000"], "--port"),
+        ([str(small_gguf), "--host", ""], "argument --host: expected an address"),  # had listened on every interface
         ([str(small_gguf), "--chat-format", "nonsense"], "--chat-format"),
         ([str(tmp_path / "x.gguf")], "not a GGUF file"),
     ]:

@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server for a GGUF MoE with a bounded expert cache",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_generation_options(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", type=listen_host, default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=port_int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--model-alias", default=None, metavar="NAME",
                    help="the model id clients name (default: the file name without .gguf)")
@@ -55,6 +56,15 @@ def port_int(text: str) -> int:
 
 def connections_int(text: str) -> int:
     return _int_in(text, 2, 100_000, "a number of connections", "in 2..100000")
+
+
+def listen_host(text: str) -> str:
+    """``--host``: an address or name, not empty (uvicorn took ``''`` as every interface, so a
+    blank value opened the server to the network and printed ``http://:8000``)."""
+    if not text.strip() or text != text.strip() or len(text) > 253:
+        raise argparse.ArgumentTypeError(f"expected an address to listen on (127.0.0.1, or 0.0.0.0 for every "
+                                         f"interface), got {text[:60]!r}")
+    return text
 
 
 def run(args) -> int:
