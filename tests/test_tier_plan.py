@@ -230,6 +230,10 @@ def test_through_main_one_line_errors(tmp_path, capsys):
         main(_argv(tp, "--hbm-gbps", "-1"))
     assert exc.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    for option in ("--expert-mb", "--target-iters-per-s"):  # had said "expected a positive bandwidth in GB/s"
+        with pytest.raises(SystemExit):
+            main(["tier", "plan", "--trace", str(tp), option, "nan"])
+        assert f"argument {option}: expected a positive finite number, got 'nan'" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ issue 22, item 6: plan checks its inputs

@@ -161,6 +161,17 @@ def byte_size(what: str):
     return parse
 
 
+def positive_number(text: str) -> float:
+    """A finite real number > 0 (a size in MB, a rate, a target)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text[:40]!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text[:40]!r}")
+    return x
+
+
 def nonnegative_float(text: str) -> float:
     """A finite number >= 0 (no nan, no inf)."""
     try:

@@ -9,10 +9,9 @@ import numpy as np
 
 from ..errors import ConfigError
 from .common import (TIMEOUT_SECONDS, add_json, add_subcommands, byte_size, check_out, emit_json, positive_int,
-                     seed_int, table, threads_int)
+                     positive_number, seed_int, table, threads_int)
 from .inputs import read_tokens
 from .llama_opts import add_generation_options, add_readers, open_session
-from .sizing_opts import positive_number
 
 HELP = """llama.cpp as the engine: the GGUF is mmapped, so the kernel page cache is the expert tier.
 'info' prints the expert geometry; 'run' greedy-decodes a prompt in one page-cache mode (mmap,

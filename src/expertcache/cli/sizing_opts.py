@@ -17,6 +17,7 @@ from typing import Any
 from ..costmodel import FIGURES, GB, LIMITS, MB, Sizing, SizingFigures, cache_bytes, expert_bytes_from_config, parse_duration_ms
 from ..costmodel.sizing import MIN_DURATION_MS
 from ..errors import ConfigError
+from .common import positive_number
 
 SIZING_OPTIONS = ("expert_mb", "model_config", "tau", "c", "tokens_per_s")
 
@@ -38,16 +39,6 @@ def add_sizing_options(p: argparse.ArgumentParser) -> None:
                         "or that decode rate, e.g. 49tok/s for c = 1000/49 ms")
     g.add_argument("--tokens-per-s", type=positive_number, default=None, metavar="N",
                    help="decode rate to size the link for (GB/s needed); default: the predicted blocking rate")
-
-
-def positive_number(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(x) and x > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return x
 
 
 def duration(text: str) -> float:

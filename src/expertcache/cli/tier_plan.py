@@ -9,7 +9,7 @@ import math
 from .._units import format_bytes, parse_bytes
 from ..errors import ConfigError
 from ..tier import plan as P
-from .common import add_json, emit_json, open_trace, table
+from .common import add_json, emit_json, open_trace, positive_number, table
 
 HELP = """Size the tiers of a file-backed expert pool (paper section 8).
 
@@ -34,10 +34,6 @@ def _gbps(text: str) -> float:
     return x
 
 
-def _positive(text: str) -> float:
-    return _gbps(text)  # same rule: a finite number > 0
-
-
 def add_plan_parser(tier_sub) -> None:
     """Register ``tier plan`` under the ``tier`` command's subparsers."""
     p = tier_sub.add_parser("plan", help="breakeven reuse, placement and capacity for a target rate",
@@ -51,10 +47,10 @@ def add_plan_parser(tier_sub) -> None:
     p.add_argument("--nvme-gbps", type=_gbps, default=None, help="read rate of the pool's storage (the host<-nvme row)")
     p.add_argument("--copy-gbps", type=_gbps, default=None,
                    help="overlapped host-to-HBM copy rate (default: --host-gbps; the paper measured 346)")
-    p.add_argument("--expert-mb", type=_positive, default=None,
+    p.add_argument("--expert-mb", type=positive_number, default=None,
                    help="bytes per expert in MB (1 MB = 1e6 bytes); taken from the pool's manifest with --pool")
     p.add_argument("--pool", metavar="DIR", default=None, help="a pool from 'tier write': the expert size comes from it")
-    p.add_argument("--target-iters-per-s", type=_positive, default=None,
+    p.add_argument("--target-iters-per-s", type=positive_number, default=None,
                    help="iterations per second to meet (the capacity answer, with --curve)")
     p.add_argument("--hbm-capacity", default=None, metavar="SIZE",
                    help="HBM available for owned experts, e.g. 40GB (default: no cut)")
