@@ -163,23 +163,22 @@ def byte_size(what: str):
 
 def positive_number(text: str) -> float:
     """A finite real number > 0 (a size in MB, a rate, a target)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text[:40]!r}") from None
-    if not (math.isfinite(x) and x > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text[:40]!r}")
-    return x
+    return _finite(text, positive=True)
 
 
 def nonnegative_float(text: str) -> float:
     """A finite number >= 0 (no nan, no inf)."""
+    return _finite(text, positive=False)
+
+
+def _finite(text: str, *, positive: bool) -> float:
     try:
         x = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {_short(text)}") from None
-    if not math.isfinite(x) or x < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {_short(text)}")
+        raise argparse.ArgumentTypeError(f"expected {'a positive' if positive else 'a'} number, got {_short(text)}") from None
+    if not math.isfinite(x) or x < 0 or (positive and x == 0):
+        what = "a positive finite number" if positive else "a finite number >= 0"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {_short(text)}")
     return x
 
 
