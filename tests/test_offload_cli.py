@@ -214,7 +214,8 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_before_it_runs(capsys, ckpt
         (dict(config={"dtype": "x"}), "cannot load it (module 'torch' has no attribute 'x')"),  # were exit 70
         (dict(config={"dtype": []}), "cannot load it (list index out of range)"),
         (dict(config={"num_attention_heads": 0}), "config.json has num_attention_heads 0, not 1..hidden_size (32)"),
-        (dict(config={"pad_token_id": 10**30}), "config.json has pad_token_id 1000000000000000000000000000000, outside"),
+        (dict(config={"pad_token_id": 10**30}),
+         "config.json has pad_token_id 1000000000000000000000000000000, outside"),
         (dict(config={"num_hidden_layers": 0}), "config.json has num_hidden_layers 0; a model has at least 1"),
         (dict(raw=full[: len(full) // 2]), "data_offsets missing or outside the file"),
         (dict(raw=b""), "too short for a safetensors file"),
@@ -248,7 +249,8 @@ def test_a_damaged_tokenizer_for_text_is_one_line(capsys, tmp_path, name, text):
     shutil.copytree(small, model)
     (model / name).write_text(text)
     (tmp_path / "t.txt").write_text("hello world")
-    code, _, err = run_cli(capsys, "capture", "--model", model, "--text", tmp_path / "t.txt", "--out", tmp_path / "t.npz")
+    code, _, err = run_cli(capsys, "capture", "--model", model, "--text", tmp_path / "t.txt", "--out",
+                           tmp_path / "t.npz")
     assert code == 2 and err.count("\n") == 1 and f"--text needs a tokenizer saved in {model} (" in err, err
     assert not (tmp_path / "t.npz").exists()
 

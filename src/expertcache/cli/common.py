@@ -175,7 +175,8 @@ def _finite(text: str, *, positive: bool) -> float:
     try:
         x = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {'a positive' if positive else 'a'} number, got {_short(text)}") from None
+        what = "a positive number" if positive else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {_short(text)}") from None
     if not math.isfinite(x) or x < 0 or (positive and x == 0):
         what = "a positive finite number" if positive else "a finite number >= 0"
         raise argparse.ArgumentTypeError(f"expected {what}, got {_short(text)}")

@@ -20,8 +20,8 @@ from ..errors import ConfigError
 from ..policies import make_policy
 from ..trace.validate import MAX_EXPERT_BYTES
 from .budget_opts import budget_bytes
-from .common import (add_json, emit_json, fraction, open_trace, positive_int, positive_number, samples_int, seed_int, table,
-                     threads_int)
+from .common import (add_json, emit_json, fraction, open_trace, positive_int, positive_number, samples_int, seed_int,
+                     table, threads_int)
 from .sizing_opts import auto_or_rate, compute_time, duration
 
 DEFAULT_POLICIES = ("lru", "lfu", "decayed", "mean-interval", "belady")

@@ -874,7 +874,8 @@ class Vocabulary:
     dropped: int = 0
 
 
-def read_vocabulary(folder: Path | None, vocab: int, config: dict | None = None) -> tuple[Vocabulary | None, str | None]:
+def read_vocabulary(folder: Path | None, vocab: int,
+                    config: dict | None = None) -> tuple[Vocabulary | None, str | None]:
     """``(vocabulary, None)`` for a GPT-2-style byte-level BPE ``tokenizer.json``; ``(None, note)``
     for a checkpoint without one (note None) or with another kind (the note says which, since
     the GGUF then runs on token ids only). A tokenizer.json or tokenizer_config.json that is there
@@ -1047,8 +1048,8 @@ def convert(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = "f32
     vocabulary, note = read_vocabulary(folder, int(cfg["vocab_size"]), cfg)
     notes = design_notes(cfg, spec) + ([note] if note else [])
     if vocabulary is not None and vocabulary.dropped:
-        notes.append(f"tokenizer.json: {vocabulary.dropped} token(s) with ids at or past vocab_size {cfg['vocab_size']} "
-                     "(no embedding row) are left out")
+        notes.append(f"tokenizer.json: {vocabulary.dropped} token(s) with ids at or past vocab_size "
+                     f"{cfg['vocab_size']} (no embedding row) are left out")
 
     def keys(writer):
         write_hparams(writer, cfg, spec, dtype, nextn)
