@@ -355,3 +355,31 @@ def test_prefill_compute_rate_is_timed_once_per_prompt(gguf_path, prompt, tmp_pa
     assert first["tokens_per_s_min"] <= first["tokens_per_s"] <= first["tokens_per_s_max"]
     assert again["cached"] and again["tokens_per_s"] == first["tokens_per_s"]
     assert not other["cached"] and other["tokens_per_s"] > 0
+
+
+def test_the_roofline_cache_keeps_current_measurements_only(tmp_path, monkeypatch):
+    """The device cache (``~/.cache/expertcache/devices.json``): an entry is reused only while it is
+    current and its rates are numbers; storing drops the expired and damaged ones (test runs add one
+    per temporary file: this machine's had grown to 1,083 entries, 383 kB); a file that is not JSON
+    or too large is measured again, not an error. A text rate had been exit 70 where it was used."""
+    import expertcache.llama.roofline as rl
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    now = time.time()
+    good = {"bytes_per_s": 1e9, "bytes_per_s_min": 9e8, "bytes_per_s_max": 1.1e9, "passes": 3, "at": now}
+    rl.cache_path().parent.mkdir(parents=True)
+    rl.cache_path().write_text(json.dumps({
+        "good": good, "old": {**good, "at": now - rl.CACHE_SECONDS - 1}, "future": {**good, "at": now + 3600},
+        "text": {**good, "bytes_per_s": "x"}, "count": {**good, "passes": 2.5}, "no rate": {"at": now},
+        "not a table": 5}))
+    assert rl._cached("good", False) == good
+    for key in ("old", "future", "text", "count", "no rate", "not a table", "absent"):
+        assert rl._cached(key, False) is None, key
+    assert rl._cached("good", True) is None  # fresh: measured again
+    rl._store("new", {**good, "at": time.time()})
+    assert sorted(json.loads(rl.cache_path().read_text())) == ["good", "new"]
+    for damaged in ("[" * 100_000 + "]" * 100_000, "not json", " " * (rl.MAX_CACHE_BYTES + 1)):
+        rl.cache_path().write_text(damaged)
+        assert rl._cached("good", False) is None
+    rl._store("good", good)
+    assert json.loads(rl.cache_path().read_text()) == {"good": good}

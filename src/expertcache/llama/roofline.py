@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from .._io import atomic_open, read_json
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int, is_real
 from ..wall.pagecache import evict_file_pages, residency
 from ..wall.procfs import OpenProcFile
 from ..formats.gguf import read_geometry
@@ -57,8 +57,9 @@ CACHE_SECONDS = 24 * 3600
 """How long a measured bandwidth or compute rate is reused."""
 
 
-MAX_CACHE_BYTES = 1 << 20
-"""The device cache is a few hundred bytes a device; a larger file is taken as damaged."""
+MAX_CACHE_BYTES = 64 << 20
+"""A larger device cache is taken as damaged (it holds a few hundred bytes an entry, and entries
+older than :data:`CACHE_SECONDS` are dropped as each new one is stored)."""
 
 
 def cache_path() -> Path:
@@ -79,7 +80,8 @@ def _store(key: str, value: dict) -> None:
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = _load()
+        now = time.time()
+        data = {k: v for k, v in _load().items() if _current(v, now)}  # expired go (tests add one per temp file)
         data[key] = value
         with atomic_open(path, "w", encoding="utf-8", option="the roofline cache") as fh:
             json.dump(data, fh, indent=1)
@@ -89,9 +91,23 @@ def _store(key: str, value: dict) -> None:
 
 def _cached(key: str, fresh: bool) -> dict | None:
     entry = _load().get(key)
-    if fresh or not isinstance(entry, dict) or time.time() - entry.get("at", 0) > CACHE_SECONDS:
+    if fresh or not _current(entry, time.time()):
         return None
     return entry
+
+
+_COUNTS = ("passes", "requests", "bytes", "repeats", "request_bytes")
+
+
+def _current(entry, now: float) -> bool:
+    """A cache entry measured within :data:`CACHE_SECONDS` whose rates (``*_per_s*``) are positive
+    numbers and counts integers, as every stored measurement's are; a damaged one (an edited or
+    torn file) is measured again rather than computed with (a text rate had been exit 70)."""
+    if not (isinstance(entry, dict) and is_real(entry.get("at")) and 0 <= now - entry["at"] <= CACHE_SECONDS):
+        return False
+    rates = [v for k, v in entry.items() if "_per_s" in k]
+    return (bool(rates) and all(is_real(v) and v > 0 for v in rates)
+            and all(is_int(entry[k], 0) for k in _COUNTS if k in entry))
 
 
 def device_key(path: str) -> str:
