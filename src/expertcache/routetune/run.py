@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from ..errors import ConfigError
-from ..hf.loading import check_checkpoint, load_model
+from ..hf.loading import check_checkpoint, load_model, tokenizer_or_reason
 from ..hf.model import find_sites, top_k_of
 from .config import TuneConfig, cache_tag
 from .grpo import TuneResult, tune
@@ -27,8 +27,6 @@ from .rollout import make_prompts
 
 def load_tokenizer(model_dir: str | Path, required: str | None = None):
     """The checkpoint's tokenizer, or None (a ConfigError naming ``required`` when one is needed)."""
-    from ..hf.loading import tokenizer_or_reason
-
     tokenizer, why = tokenizer_or_reason(model_dir)
     if tokenizer is None and required:
         raise ConfigError(f"{required} needs a tokenizer saved in {model_dir} ({why})")
