@@ -101,7 +101,7 @@ def _layer_pieces(headers, layer: int, E: int) -> list[dict[str, tuple]]:
     out: list[dict[str, tuple]] = [{} for _ in range(E)]
     for path, header, start in headers:
         for name, info in header.items():
-            if name == "__metadata__" or not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+            if name == "__metadata__" or info["dtype"] not in _DTYPES:  # entries checked by read_headers
                 continue
             a, b = info["data_offsets"]
             m = own.search(name)

@@ -166,16 +166,16 @@ def check_weights_cover_config(folder: Path, config) -> None:
     files = sorted(folder.glob("*.safetensors"))
     shapes: dict[str, list] = {}
     for _, header, _ in read_headers(files):
-        shapes.update({k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})  # entries checked
     if files and not shapes:
         raise ConfigError(f"model {folder}: its safetensors files hold no weights")
     if not any(_LAYER.match(k) for k in shapes):
         return
     text = text_config(config)
     L = getattr(text, "num_hidden_layers", None)
-    if is_int(L) and L < 1:  # had been "not supported: it has no experts module"
-        raise ConfigError(f"model {folder}: config.json has num_hidden_layers {L}; a model has at least 1")
     if is_int(L):
+        if L < 1:  # had been "not supported: it has no experts module"
+            raise ConfigError(f"model {folder}: config.json has num_hidden_layers {L}; a model has at least 1")
         present = sorted({int(m.group(1)) for k in shapes if (m := _LAYER.match(k))})
         missing = next((i for i, v in enumerate(present) if v != i), len(present))
         if missing < L:
