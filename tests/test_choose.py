@@ -142,6 +142,34 @@ def test_choose_needs_an_admissible_run_and_a_tau():
         choose(runs_of([{k: v for k, v in r.items() if k != "tau_ms"} for r in THREE]), 0.05)
 
 
+def test_the_functions_check_what_a_python_caller_passes():
+    """The command parses its options first; a Python caller's arguments went in unchecked: a
+    negative tau predicted copies that save time, tolerance=True read as 1 nat, runs="x" ended as
+    AttributeError and an infinite tolerance admitted every run."""
+    from expertcache.costmodel.choose import frontier
+
+    runs = runs_of(THREE)
+    for tau in (-1, float("nan"), float("inf"), True, "0.5", 10**400):
+        for call in (lambda: predict(runs, tau), lambda: winner(runs, tau, 0.05), lambda: choose(runs, 0.05, tau),
+                     lambda: validate(runs, 0.05, tau)):
+            with pytest.raises(ConfigError, match="tau_ms must be a finite number >= 0"):
+                call()
+    for tol in (float("nan"), float("inf"), True, None, "0.1"):
+        for call in (lambda: admissible(runs, tol), lambda: winner(runs, 0.5, tol), lambda: choose(runs, tol)):
+            with pytest.raises(ConfigError, match="tolerance must be a finite number"):
+                call()
+    for bad in ("x", b"x", 5, None, [1], {"policy": "A"}):
+        for call in (lambda: crossovers(bad), lambda: predict(bad, 0.5), lambda: choose(bad, 0.05)):
+            with pytest.raises(ConfigError, match="runs must be a sequence of Run"):
+                call()
+    for factors in ((), (0,), (2.5,), "10", (True,)):
+        with pytest.raises(ConfigError, match="factors must be"):
+            choose(runs, 0.05, factors=factors)
+        with pytest.raises(ConfigError, match="factors must be"):
+            frontier(choose(runs, 0.05), factors)
+    assert choose(tuple(runs), np.float64(0.05), np.int64(1)).tau_ms == 1 and predict(runs, 0)[0].ms_per_token > 0
+
+
 # ------------------------------------------------------------------------------ the command
 def test_json_object_matches_the_contract(tmp_path, capsys):
     path = write(tmp_path, THREE)

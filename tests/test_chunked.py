@@ -155,6 +155,13 @@ def test_the_writer_is_atomic_and_keeps_other_folders(tmp_path):
         with ChunkWriter(tmp_path / "u") as w:
             w.add(pieces[1])
             w.add(pieces[0])
+    # a chunk that is not a trace had ended as AttributeError; seq_offset 2.5 wrote float sequence ids
+    for chunk, offset, says in ((None, 0, "a chunk must be a Trace"), (pieces[0], 2.5, "seq_offset must be"),
+                                (pieces[0], -1, "seq_offset must be"), (pieces[0], 10**5000, "seq_offset must be")):
+        with pytest.raises(ConfigError, match=says):
+            with ChunkWriter(tmp_path / "v") as w:
+                w.add(chunk, seq_offset=offset)
+        assert not (tmp_path / "v").exists()
 
 
 

@@ -33,6 +33,8 @@ def _one_line(capsys, argv) -> str:
      "argument --threads"),
     (["eval", "--model", "m", "--tokens", "t.npy", "-c", "4", "--slow-copies", "4611686018427387904"], "at most 1,000"),
     (["calibrate", "--model", "m", "--repeats", "20000"], "at most 10,000"),
+    (["eval", "--model", "m", "--tokens", "t.npy", "-c", "4", "--repeats", "4611686018427387904"],
+     "at most 10,000"),  # ran the reference and each policy that many times: for ever
     (["size", "--model-config", "c.json", "--device-memory", "1GB", "--calibrate", "99999999999"], "at most 10,000"),
     (["size", "--expert-mb", "1e308", "--experts", "64", "--top-k", "8", "--moe-layers", "16", "--device-memory",
       "24GB"], "--expert-mb 1e+308: above 1e+07 MB, not a plausible value"),

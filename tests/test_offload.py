@@ -158,6 +158,50 @@ def test_bad_options(checkpoints):
         with expertcache.offload(model, capacity=4, policy="belady"):
             pass
     assert model.config._experts_implementation != IMPLEMENTATION
+    # a Python caller's values: policy=None/True had ended as AttributeError, device=True or 2.5 as
+    # torch's many-line TypeError, device=-1 as RuntimeError, record=True as AttributeError
+    for policy in (None, True, 2.5):
+        with pytest.raises(PolicyError, match="expected a policy string"):
+            expertcache.offload(model, capacity=4, policy=policy)
+    for device in (True, 2.5, [], -1):
+        with pytest.raises(ConfigError, match="^device ") as err:
+            expertcache.offload(model, capacity=4, device=device)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="--record|record: expected text"):
+        expertcache.capture(model, record=True)
+    # the command stopped --slow-copies at 1,000; offload(slow_copies=10**30) repeated every copy for ever
+    for slow in (0, 2.5, 1001, 10**30):
+        with pytest.raises(ConfigError, match=r"slow_copies must be an integer in \[1, 1,000\]"):
+            expertcache.offload(model, capacity=4, slow_copies=slow)
+
+
+def test_a_failed_attach_leaves_the_model_as_it_was(checkpoints, monkeypatch):
+    """capacity=10**30 passed the run's check and failed as the pools started (``_start_streams``),
+    after the forward hook was on the model and outside attach's undo: every later forward, and
+    every later offload of that model, failed with the same message. The capacity is now checked
+    first, and a failure anywhere in attach, the pools' start included, undoes it."""
+    from expertcache.hf.run import OffloadRun
+
+    model = load(checkpoints, "olmoe")
+    ids = tokens(6)
+    with torch.no_grad():
+        stock = model(ids).logits
+    with pytest.raises(ConfigError, match="capacity must be an integer"):
+        expertcache.offload(model, capacity=10**30)
+
+    def failing_start(self):
+        raise ConfigError("stop")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(OffloadRun, "_start_streams", failing_start)
+        with pytest.raises(ConfigError, match="stop"):
+            expertcache.offload(model, capacity=4).attach()
+    assert not model._forward_pre_hooks and model.config._experts_implementation != IMPLEMENTATION
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, stock)
+    with expertcache.offload(model, capacity=4) as run, torch.no_grad():
+        model(ids)
+    assert run.stats().copies_total > 0
 
 
 # ---------------------------------------------------------------------- policies and streams
@@ -295,6 +339,29 @@ def test_evaluate_fails_loudly_when_a_run_is_not_exact(checkpoints, monkeypatch)
     assert not ev.results[0].exact
     with pytest.raises(ExactnessError, match="lossless policy must match"):
         ev.check()
+
+
+
+def test_evaluate_checks_a_python_callers_options(checkpoints):
+    """tolerance=True had read as 1 nat and infinity switched the exactness check off; batch=True
+    was a batch of 1; bootstrap=None or "" meant no interval and bootstrap_seed=2.5 went unchecked."""
+    model = load(checkpoints, "olmoe")
+    seqs = [np.arange(8) % 90]
+    for kwargs, says in (({"tolerance": True}, "tolerance must be"), ({"tolerance": float("inf")}, "tolerance must be"),
+                         ({"tolerance": -1e-3}, "tolerance must be"), ({"batch": True}, "batch must be"),
+                         ({"batch": 2.5}, "batch must be"), ({"bootstrap": None}, "bootstrap must be"),
+                         ({"bootstrap": ""}, "bootstrap must be"),
+                         ({"bootstrap": 10, "bootstrap_seed": 2.5}, "bootstrap"),
+                         ({"bootstrap": 10, "bootstrap_seed": -1}, "bootstrap"),
+                         ({"repeats": 10**30}, r"repeats must be an integer in \[1, 10,000\]"),
+                         ({"repeats": 2.5}, "repeats must be")):
+        with pytest.raises(ConfigError, match=says):
+            evaluate(model, seqs, 3, ["lru"], mode="forward", **kwargs)
+    from expertcache.hf.calibrate import calibrate
+
+    for kwargs in ({"repeats": 2.5}, {"repeats": 10**30}, {"tokens": 2.5}, {"slow_copies": 10**30}):
+        with pytest.raises(ConfigError, match="calibrate needs 3 to 10,000 repeats|slow_copies must be"):
+            calibrate(model, **kwargs)
 
 
 def decode_logits(model, x):

@@ -117,6 +117,46 @@ def test_the_step_by_step_cache_refuses_what_replay_refuses():
     assert len(big._free) == 8  # the slots 8 items can use, not 2**24 of them
 
 
+def test_every_method_of_the_cache_checks_its_ids_as_prepare_does():
+    """slot_of(-1) had read the last item's slot and slot_of((1, 2)) item 1's; slots_of and prefetch
+    had truncated 1.5 to 1, prefetch had dropped an id past n_items and slots_of raised IndexError on
+    it; steps_per_token took 0, -1, 2.5 and True (the policies' clock)."""
+    c = ec.ExpertCache(2, "lru", 8)
+    c.prepare([7])
+    assert c.slot_of(7) >= 0 and c.slot_of(-1) == -1 and c.slot_of(np.int64(6)) == -1
+    for item in ((1, 2), [], 1.0, True, 8, -2, None, "1", 2**70):
+        with pytest.raises(ec.ConfigError, match="slot_of: "):
+            c.slot_of(item)
+    assert c.slots_of(np.array([[7, -1], [3, 7]])).tolist() == [[c.slot_of(7), -1], [-1, c.slot_of(7)]]
+    for method in ("slots_of", "prefetch"):
+        for items in ([8], [1.5], [-2], [True], [[1], [2, 3]], np.array([2**64 - 1], dtype=np.uint64), [2**70]):
+            with pytest.raises(ec.ConfigError, match=f"{method}: "):
+                getattr(c, method)(items)
+    assert c.prefetch([3, -1, 3, 4]).loads == [(3, c.slot_of(3)), (4, c.slot_of(4))]
+    for steps in (0, -1, 2.5, True, "2", float("inf")):
+        with pytest.raises(ec.ConfigError, match="steps_per_token must be an integer"):
+            ec.ExpertCache(2, "lru", 8, steps_per_token=steps)
+
+
+@pytest.mark.parametrize("cls, arg, good", [
+    ("decayed", "beta", 0.5), ("foresight", "horizon", 3), ("random", "seed", 7)])
+def test_a_rules_constructor_checks_its_parameter_as_its_string_does(cls, arg, good):
+    """Decayed(2.5) had been taken (a negative decay rate: a silent wrong order), as had Decayed(nan)
+    and Foresight(-1); Random(2.5) was truncated to seed 2; Random(10**30) and Foresight(inf) ended
+    as OverflowError. The constructor now checks what ``name:value`` checks, with the same words."""
+    from expertcache.policies.registry import _REGISTRY
+
+    rule = _REGISTRY[cls]
+    made = rule(**{arg: good})
+    assert ec.make_policy(made.spec).spec == made.spec == f"{cls}:{good:g}"
+    for bad in (2.5, -1, float("nan"), float("inf"), True, None, "x", [1], 10**30, -(10**5000)):
+        with pytest.raises(PolicyError, match=f"{cls}:"):
+            rule(**{arg: bad})
+        if isinstance(bad, (int, float)) and not isinstance(bad, bool) and abs(bad) < 1e300:
+            with pytest.raises(PolicyError, match=f"{cls}:"):
+                ec.make_policy(f"{cls}:{bad}")
+
+
 def test_register_refuses_a_name_make_policy_could_never_find():
     """make_policy looks names up lower-cased and splits arguments at ':': "MyMRU" had been
     registered, then refused as "unknown policy 'MyMRU' (known: MyMRU, ...)"."""

@@ -92,6 +92,19 @@ def test_a_made_rule_object_is_checked_too():
     assert check_kind(make_policy("lru"), ("eviction",)).spec == "lru"
     with pytest.raises(PolicyError, match="is an admission rule"):
         check_kind(make_policy("static"), ("eviction", "set-holding"))
+    for thing in (None, True, 2.5, object()):  # had ended as AttributeError (taken for a set-holding rule)
+        with pytest.raises(PolicyError, match="expected a policy string"):
+            check_kind(thing, ("eviction", "set-holding"))
+
+
+def test_the_kinds_asked_for_are_checked():
+    """kinds="eviction" had been read letter by letter: "lru" was refused with a message listing
+    'e or v or i ...' over several lines."""
+    assert parse_policy("lru", ["eviction"]).kind == "eviction"
+    for kinds in ("eviction", (), ("eviction", "lossy"), None, ("eviction", [])):
+        with pytest.raises(PolicyError, match="parse_policy: kinds must be") as exc:
+            parse_policy("lru", kinds)
+        assert "\n" not in str(exc.value)
 
 
 @pytest.mark.parametrize("bad", ["", "  ", "nope", "dwell:x", "dwell:1:2:3", "static:0", "prefix:0", "random:-1", 3])

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from expertcache.sim import build_layout, replay_layout
-from expertcache.sim.parallel import replay_streams_parallel, split_streams
+from expertcache.errors import ConfigError
+from expertcache.sim.parallel import StreamReplayer, replay_streams_parallel, split_streams
 from expertcache.trace.synth import synthesize_preset
 
 POLICIES = ["lru", "lfu", "belady", "decayed:0.9", "foresight:4", "mean-interval", "random:3", "static"]
@@ -93,3 +94,16 @@ def test_sweep_jobs_matches_serial(tmp_path):
 
     serial = records()
     assert len(serial) >= 9 and records("--jobs", "2") == serial
+
+
+
+def test_the_replayer_checks_its_layout_and_jobs():
+    """jobs 0 and -1 had become 1, 2.5 became 2 and infinity an OverflowError; a trace in place of
+    its layout ended as AttributeError."""
+    trace = synthesize_preset("olmoe", seed=0).select_sequences([0]).select_layers([0, 1])
+    layout = build_layout(trace)
+    for jobs in (0, -1, 2.5, float("inf"), True, "2"):
+        with pytest.raises(ConfigError, match="jobs must be an integer"):
+            StreamReplayer(layout, jobs)
+    with pytest.raises(ConfigError, match="layout must be a StreamLayout"):
+        StreamReplayer(trace, 2)

@@ -118,6 +118,25 @@ def test_refusals():
         cache.prepare([1, 1])
 
 
+def test_sizes_capacities_and_ids_are_integers():
+    """A size of 1.5 had been truncated to 1, a NaN capacity passed the comparison with the largest
+    item (then failed inside numpy), and ``prepare`` had dropped -5 as padding, truncated 1.7 to 1
+    and raised IndexError on an id past the last item: it checks as ExpertCache.prepare does."""
+    for capacity in (float("nan"), 10.0, True, 0, "10", 2**70):
+        with pytest.raises(ConfigError, match="capacity_bytes must be an integer"):
+            SizedCache(capacity, "lru", [3, 4])
+    for sizes in ([1.5, 2], [3, [4]], np.array([2**64 - 1], dtype=np.uint64), [2**70], ["3"]):
+        with pytest.raises(ConfigError, match="item_bytes must be"):
+            SizedCache(10, "lru", sizes)
+    cache = SizedCache(10, "lru", [3, 4, 5])
+    for items in ([-5, 1], [1.7], [3], [True], [2**63]):
+        with pytest.raises(ConfigError, match="prepare: "):
+            cache.prepare(items)
+        with pytest.raises(ConfigError, match="prefetch: "):
+            cache.prefetch(items)
+    assert cache.prepare([-1, 2]).loads == [(2, 0)] and cache.slot_of(2) == 0 and cache.slot_of(1) == -1
+
+
 @pytest.mark.parametrize("rule", _rules())
 def test_a_step_of_hits_alone_decides_as_the_full_step(rule):
     """The fast path of a step whose items are all resident (and none an unused prefetch) skips the

@@ -182,6 +182,28 @@ def test_a_trace_owns_its_checked_arrays():
             arr[0] = 0
 
 
+def test_the_dataclass_constructor_checks_as_from_arrays_does():
+    """``Trace(experts=..., seq=..., meta=...)`` had taken its fields unchecked: an id past
+    num_experts reached the compiled replay loop and the process died (a segfault), and a meta of
+    ``True`` was kept. It now checks, derives what the meta lacks, and owns its arrays."""
+    ex = np.array([[[0, 1]], [[2, 3]]], dtype=np.int16)
+    seq = np.zeros(2, dtype=np.int64)
+    tr = ec.Trace(ex, seq, {"num_experts": 4})
+    assert tr.meta["top_k"] == 2 and tr.meta["tokens"] == 2 and not tr.experts.flags.writeable
+    ex[1, 0, 0] = 9
+    assert tr.experts[1, 0, 0] == 2 and ec.replay(tr, 2, "lru").copies_total == 4
+    for bad in (np.array([[[0, 1]], [[2, 3_000_000]]]), np.array([[[0, 1]], [[2, -7]]])):
+        with pytest.raises(TraceError, match="is outside \\[0, 4\\)"):
+            ec.Trace(bad, seq, {"num_experts": 4})
+    for meta, says in ((True, "meta: expected a mapping"), ({"num_experts": 4, "tokens": 5}, "tokens")):
+        with pytest.raises(TraceError, match=says):
+            ec.Trace(tr.experts, seq, meta)
+    with pytest.raises(TraceError, match="extras: expected a mapping"):
+        ec.Trace(tr.experts, seq, {"num_experts": 4}, extras=[1])
+    with pytest.raises(TraceError, match="seq: expected shape"):
+        ec.Trace(tr.experts, np.zeros(3, dtype=np.int64), {"num_experts": 4})
+
+
 def test_selecting_sequences_or_layers_that_are_not_there_is_refused():
     """select_sequences([1, 1]) had merged two copies into one sequence (replayed without a reset,
     its save() refused on load), [-1] had given an empty trace, [-2] the last one; an empty layer

@@ -103,3 +103,28 @@ def test_cli_verify_bad_arguments_exit_2(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+
+def test_arguments_are_checked_and_the_work_is_handed_out_lazily(monkeypatch):
+    """jobs=2.5 had started 2 processes, seed=inf ended as OverflowError, instances=0 reported an
+    empty check, and every unit was listed before the first ran: 10**30 instances took the whole
+    machine's memory. The first unit now runs at once, whatever the count."""
+    for kwargs in ({"instances": 0}, {"instances": 2.5}, {"instances": True}, {"instances": 2**70}, {"jobs": 0},
+                   {"jobs": 2.5}, {"jobs": float("inf")}, {"seed": -1}, {"seed": float("inf")}, {"seed": 2**63}):
+        with pytest.raises(verify_module.ConfigError, match="verify_greedy: .* must be an integer"):
+            verify_greedy(**{"instances": 10, **kwargs})
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def first_unit_only(unit):
+        seen.append(unit)
+        raise Stop
+
+    monkeypatch.setattr(verify_module, "_check_unit", first_unit_only)
+    with pytest.raises(Stop):
+        verify_greedy(2**62, seed=3, jobs=1)
+    assert seen == [(3, 0, verify_module.CHUNK)]

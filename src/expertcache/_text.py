@@ -22,3 +22,16 @@ def first_line(exc: BaseException, limit: int | None = None) -> str:
     """An exception's message as one line (its first, cut to ``limit`` characters), else its type's name."""
     text = str(exc).strip()
     return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
+def short(x: object, limit: int = 60) -> str:
+    """A bounded repr for messages. A value Python cannot print is named by its type: a structure
+    nested too deeply (``RecursionError``), or an integer of more digits than Python converts
+    (``ValueError``, ``sys.get_int_max_str_digits``), alone or inside a list."""
+    try:
+        text = repr(x)
+    except RecursionError:
+        return f"<deeply nested {type(x).__name__}>"
+    except ValueError:
+        return f"<{type(x).__name__} too large to print>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

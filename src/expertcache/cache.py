@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._text import short
 from .errors import ConfigError, is_int
 from .trace.validate import MAX_ITEMS
 from .policies import Policy, StreamFuture, make_policy
@@ -86,7 +87,7 @@ class ExpertCache:
         cls = type(self.policy)
         self._all_hit_fast = not self.policy.hooked and all(
             getattr(cls, m) is getattr(Policy, m) for m in ("on_miss", "on_evict", "on_admit"))
-        self.steps_per_token = steps_per_token
+        self.steps_per_token = _count(steps_per_token, "steps_per_token", 1 << 62)
         self._slot = np.full(self.n_items, -1, dtype=np.int64)
         self._last = np.full(self.n_items, -1, dtype=np.int64)
         self._speculative = np.zeros(self.n_items, dtype=bool)
@@ -118,11 +119,17 @@ class ExpertCache:
         return bool(self._free)
 
     def slot_of(self, item: int) -> int:
-        return int(self._slot[self._ids([item], "slot_of")[0]])
+        """The slot of one id (an integer in ``[0, n_items)``, or -1 for a pad); -1 if not resident.
+        Before, -1 had read the last item's slot and ``(1, 2)`` item 1's."""
+        if not is_int(item, -1, self.n_items - 1):
+            raise ConfigError(f"slot_of: an id must be an integer in [0, {self.n_items}) or -1 (padding), "
+                              f"got {short(item, 40)}")
+        return int(self._slot[item]) if item >= 0 else -1
 
     def slots_of(self, items: np.ndarray) -> np.ndarray:
-        """Slots of ``items`` (an int array of any shape; -1 for a pad or a non-resident item)."""
-        items = np.asarray(items, dtype=np.int64)
+        """Slots of ``items`` (ids of any shape, checked as :meth:`prepare` checks them; -1 for a
+        pad or a non-resident item)."""
+        items = self._checked(items, "slots_of")
         return np.where(items >= 0, self._slot[np.maximum(items, 0)], -1)
 
     @property
@@ -168,8 +175,8 @@ class ExpertCache:
         residents outside ``items``: unused prefetched items first, then the policy's order as
         seen just after the last step. The step's ``hits`` counts items already resident.
         """
-        items = np.asarray(items, dtype=np.int64).ravel()
-        items = items[(items >= 0) & (items < self.n_items)]
+        items = self._ids(items, "prefetch")
+        items = items[items >= 0]
         _, first = np.unique(items, return_index=True)
         items = items[np.sort(first)][: self.capacity]
         missing = items[self._slot[items] < 0]
@@ -237,16 +244,25 @@ class ExpertCache:
         return self._finish(items, step, t)
 
     def _ids(self, items, where: str) -> np.ndarray:
-        """``items`` as int64 ids, each in ``[0, n_items)`` or -1 (padding); a ConfigError otherwise
-        (-5 had been dropped as padding, 1.7 truncated to 1, uint64 2**64 - 1 wrapped to -1)."""
-        arr = np.asarray(items)
+        """``items`` as a flat int64 array of ids (:meth:`_checked`)."""
+        return self._checked(items, where).ravel()
+
+    def _checked(self, items, where: str) -> np.ndarray:
+        """``items`` as int64 ids of the same shape, each in ``[0, n_items)`` or -1 (padding); a
+        ConfigError otherwise (-5 had been dropped as padding, 1.7 truncated to 1, uint64 2**64 - 1
+        wrapped to -1; ``prefetch`` had dropped ids past ``n_items``, ``slots_of`` raised
+        IndexError on them). ``True`` is not an id."""
+        try:
+            arr = np.asarray(items)
+        except (ValueError, TypeError, OverflowError, RecursionError):  # ragged, or an int past int64
+            arr = np.asarray([None])
         if arr.size and arr.dtype.kind not in "iu":
-            raise ConfigError(f"{where}: expert ids must be integers, got {arr.dtype} {str(arr.tolist())[:60]}")
+            raise ConfigError(f"{where}: expert ids must be integers, got {arr.dtype} {short(items, 60)}")
         bad = arr.size and (int(arr.min()) < -1 or int(arr.max()) >= self.n_items)
         if bad:
             raise ConfigError(f"{where}: ids must be in [0, {self.n_items}) or -1 (padding), got "
                               f"{str(arr.ravel().tolist())[:60]}")
-        return arr.astype(np.int64).ravel()
+        return arr.astype(np.int64)
 
     def _all_resident(self, items: np.ndarray) -> bool:
         """Every item resident and none an unused prefetched one (a step of hits alone: the decode
@@ -322,8 +338,17 @@ class ExpertCache:
 
 
 def sized_items(capacity_bytes: int, item_bytes) -> np.ndarray:
-    """``item_bytes`` as int64, checked: non-empty, positive, none above ``capacity_bytes``."""
-    sizes = np.asarray(item_bytes, dtype=np.int64).ravel()
+    """``item_bytes`` as int64, checked: integers (1.5 had been truncated to 1), non-empty, positive,
+    none above ``capacity_bytes`` (a positive integer: NaN had passed the comparison)."""
+    if not is_int(capacity_bytes, 1, 1 << 62):
+        raise ConfigError(f"capacity_bytes must be an integer in [1, 2**62], got {short(capacity_bytes, 40)}")
+    try:
+        sizes = np.asarray(item_bytes).ravel()
+    except (ValueError, TypeError, OverflowError, RecursionError):  # ragged, or an int past int64
+        sizes = np.asarray([None])
+    if (sizes.size and sizes.dtype.kind not in "iu") or np.any(sizes > (1 << 62)):
+        raise ConfigError(f"item_bytes must be integer sizes in bytes, got {short(item_bytes, 60)}")
+    sizes = sizes.astype(np.int64)
     if sizes.size == 0 or int(sizes.min()) < 1:
         raise ConfigError("item_bytes must be a non-empty array of positive sizes")
     if capacity_bytes < int(sizes.max()):
@@ -405,7 +430,7 @@ class SizedCache(ExpertCache):
 
     def prepare(self, items) -> Step:
         """Make every item of this access group resident; see the class invariants."""
-        items = np.asarray(items, dtype=np.int64).ravel()
+        items = self._ids(items, "prepare")
         items = items[items >= 0]
         self._check_group(items)
         t = self.t
@@ -446,8 +471,8 @@ class SizedCache(ExpertCache):
     def prefetch(self, items) -> Step:
         """:meth:`ExpertCache.prefetch` by bytes: the ids kept are the longest prefix (deduplicated,
         in the order given) that fits the capacity; victims free what the missing ones need."""
-        items = np.asarray(items, dtype=np.int64).ravel()
-        items = items[(items >= 0) & (items < self.n_items)]
+        items = self._ids(items, "prefetch")
+        items = items[items >= 0]
         _, first = np.unique(items, return_index=True)
         items = items[np.sort(first)]
         items = items[: int(np.searchsorted(np.cumsum(self.item_bytes[items]), self.capacity_bytes, side="right"))]

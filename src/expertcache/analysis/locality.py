@@ -222,8 +222,8 @@ def sequence_blocks(trace: Trace, selections: int | None = None):
     while i < S:
         j = max(i + 1, int(np.searchsorted(bounds, bounds[i] + per, side="right")) - 1)
         a, b = int(bounds[i]), int(bounds[j])
-        yield Trace(experts=trace.experts[a:b], seq=trace.seq[a:b], meta=trace.meta,
-                    extras={} if step is None else {"step": step[a:b]}, source=trace.source)
+        yield Trace._trusted(experts=trace.experts[a:b], seq=trace.seq[a:b], meta=trace.meta,
+                             extras={} if step is None else {"step": step[a:b]}, source=trace.source)
         i = j
 
 

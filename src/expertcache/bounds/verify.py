@@ -19,12 +19,15 @@ number of workers because instance ``i`` depends only on ``(seed, i)``.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._text import short
+from ..errors import ConfigError, is_int
 from .exact import optimal_total
 from .flat import flat_min_totals
 from .instances import FAMILIES, Instance, make_instance
@@ -142,21 +145,32 @@ def _check_unit(unit: tuple[int, int, int]) -> VerifyReport:
 
 
 def verify_greedy(instances: int, *, seed: int = 0, jobs: int = 1, progress: bool = False) -> VerifyReport:
-    """Check ``instances`` random instances with ``jobs`` processes; see the module docstring."""
+    """Check ``instances`` random instances with ``jobs`` processes; see the module docstring.
+
+    ``instances`` and ``jobs`` are integers in ``[1, 2**62]``, ``seed`` one in ``[0, 2**63)``, as the
+    command's options are (a ConfigError otherwise: ``jobs=2.5`` had started 2 processes, ``seed=inf``
+    ended as OverflowError and ``instances=0`` reported an empty check). The work is handed out
+    ``CHUNK`` instances at a time and at most ``8 x jobs`` units ahead, so memory stays bounded
+    whatever the count (a list of every unit had taken this machine's 24 GB for 10**30)."""
+    for name, value, lo, hi in (("instances", instances, 1, 2**62), ("jobs", jobs, 1, 2**62),
+                                ("seed", seed, 0, 2**63 - 1)):
+        if not is_int(value, lo, hi):
+            raise ConfigError(f"verify_greedy: {name} must be an integer in [{lo}, {hi}], got {short(value, 40)}")
     t0 = time.perf_counter()
-    units = [(seed, a, min(a + CHUNK, instances)) for a in range(0, instances, CHUNK)]
+    units = ((seed, a, min(a + CHUNK, instances)) for a in range(0, instances, CHUNK))
     report = VerifyReport(seed=seed, jobs=jobs)
     bar = _progress_bar(instances, progress)
-    if jobs <= 1 or len(units) <= 1:
+    if jobs <= 1 or instances <= CHUNK:
         parts = map(_check_unit, units)
         for part in parts:
             report.merge(part)
             bar(part.instances)
     else:
         with multiprocessing.get_context().Pool(jobs) as pool:
-            for part in pool.imap_unordered(_check_unit, units):
-                report.merge(part)
-                bar(part.instances)
+            while batch := list(itertools.islice(units, 8 * jobs)):
+                for part in pool.imap_unordered(_check_unit, batch):
+                    report.merge(part)
+                    bar(part.instances)
     bar(None)
     report.seconds = time.perf_counter() - t0
     return report

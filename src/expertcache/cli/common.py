@@ -11,6 +11,7 @@ from typing import Any, Iterable, Sequence
 
 from .._io import check_not_input, check_special, check_writable
 from .._resample import MAX_RESAMPLES
+from ..costmodel.runs import MAX_SAMPLES, MAX_SLOW_COPIES
 from ..errors import ConfigError, is_int
 from ..report.plots import plot_format
 from ..trace import Trace, load_trace, parse_layers
@@ -120,17 +121,9 @@ def threads_int(text: str) -> int:
     return _int_in(text, 1, max_threads(), "a positive integer", f"at most {max_threads()} (4 per core here)")
 
 
-MAX_SLOW_COPIES = 1000
-"""Most times ``--slow-copies`` repeats each copy (a link that many times slower; 2^62 ran for ever)."""
-
-
 def slow_copies_int(text: str) -> int:
     """``--slow-copies N``: an integer in [1, :data:`MAX_SLOW_COPIES`]."""
     return _int_in(text, 1, MAX_SLOW_COPIES, "a positive integer", f"at most {MAX_SLOW_COPIES:,}")
-
-
-MAX_SAMPLES = 10_000
-"""Most timed samples a calibration takes (``calibrate --repeats``, ``size --calibrate``)."""
 
 
 def samples_int(text: str) -> int:

@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..costmodel.runs import HOSTS
 from ..policies import available_policies
 from .common import (add_json, add_layers, byte_size, check_out, emit_json, nonnegative_float, positive_int,
-                     resamples_int, seed_int, slow_copies_int, table)
+                     resamples_int, samples_int, seed_int, slow_copies_int, table)
 from .inputs import import_hf, read_text, read_tokens
 
 HELP = """Teacher-force token sequences through a Hugging Face MoE checkpoint whose experts live in host
@@ -95,9 +95,9 @@ def add_parser(sub) -> None:
     p.add_argument("--host", choices=HOSTS, default="memory",
                    help="where offloaded experts live between copies: memory (default), mmap (the checkpoint's "
                         "files through the page cache) or direct (O_DIRECT reads: every miss pays the device)")
-    p.add_argument("--repeats", type=positive_int, default=1, metavar="N",
+    p.add_argument("--repeats", type=samples_int, default=1, metavar="N",
                    help="run the reference and each policy N times, interleaved; timings: the median round, "
-                        "with each round's ms/token and the spread (default 1)")
+                        "with each round's ms/token and the spread (default 1; at most 10,000)")
     p.add_argument("--memory-wall", type=byte_size("--memory-wall"), default=None, metavar="SIZE",
                    help="run behind the tier's memory wall (a memory cgroup): the page cache holding experts "
                         "(--host mmap) gets at most SIZE, e.g. 400MB; the record carries the wall's proof")

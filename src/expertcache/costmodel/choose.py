@@ -28,7 +28,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-from ..errors import ConfigError
+from .._text import short
+from ..errors import ConfigError, is_int, is_real
 from .runs import Run, base_host
 
 LOSSLESS_NATS = 5e-3
@@ -38,6 +39,37 @@ FRONTIER_FACTORS = (1, 10, 50)
 DEFAULT_REPLAY_POLICIES = ("belady", "foresight:16")
 TIE_REL = 1e-9
 ADMIT_SLACK = 1e-12
+
+
+def checked(runs, **numbers) -> list[Run]:
+    """``runs`` and the numbers of this module's public functions, checked where a Python caller
+    passes them (the command parses its options first): ``runs`` a sequence of :class:`Run`
+    (``read_runs``), and the numbers as :func:`checked_numbers` says. A one-line ConfigError
+    otherwise (``runs="x"`` had ended as AttributeError). Returns ``runs`` as a list."""
+    checked_numbers(**numbers)
+    if isinstance(runs, (str, bytes)) or not isinstance(runs, Sequence):
+        raise ConfigError(f"runs must be a sequence of Run (read_runs), got {type(runs).__name__}")
+    bad = next((r for r in runs if not isinstance(r, Run)), None)
+    if bad is not None:
+        raise ConfigError(f"runs must be a sequence of Run (read_runs), got an item {short(bad, 40)}")
+    return list(runs)
+
+
+def checked_numbers(**numbers) -> None:
+    """``tau_ms`` a finite number >= 0 (``None`` passes: the measured one), ``tolerance`` a finite
+    number (below 0 it admits only runs that improve the NLL), ``factors`` a non-empty sequence of
+    positive integers; a one-line ConfigError otherwise. A negative tau had predicted copies that
+    save time, ``tolerance=True`` read as 1 nat, and a NaN tolerance admitted nothing, silently."""
+    for name, value in numbers.items():
+        if name == "factors":
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value or not all(
+                    is_int(n, 1, 2**31) for n in value):
+                raise ConfigError(f"factors must be a non-empty sequence of integers in [1, 2**31], got "
+                                  f"{short(value, 40)}")
+        elif name == "tolerance" and not is_real(value):
+            raise ConfigError(f"tolerance must be a finite number (nats), got {short(value, 40)}")
+        elif name == "tau_ms" and value is not None and not (is_real(value) and value >= 0):
+            raise ConfigError(f"tau_ms must be a finite number >= 0, got {short(value, 40)}")
 
 
 def blocking_ms(run: Run, tau_ms: float) -> float:
@@ -73,6 +105,7 @@ class Prediction:
 def predict(runs: Sequence[Run], tau_ms: float, overlapped: bool = False) -> list[Prediction]:
     """Every run's predicted ms/token and tokens/s at ``tau_ms``, in the order given; with
     ``overlapped`` also ``max(c, rho * tau)`` and its rate."""
+    runs = checked(runs, tau_ms=tau_ms)
     out = []
     for r in runs:
         ms = blocking_ms(r, tau_ms)
@@ -83,7 +116,7 @@ def predict(runs: Sequence[Run], tau_ms: float, overlapped: bool = False) -> lis
 
 def admissible(runs: Sequence[Run], tolerance: float) -> list[Run]:
     """The runs with ``dnll <= tolerance``, in the order given."""
-    return [r for r in runs if _admits(r, tolerance)]
+    return [r for r in checked(runs, tolerance=tolerance) if _admits(r, tolerance)]
 
 
 def _admits(run: Run, tolerance: float) -> bool:
@@ -107,6 +140,7 @@ def fastest(runs: Sequence[Run], cost: Callable[[Run], float]) -> Run | None:
 
 def winner(runs: Sequence[Run], tau_ms: float, tolerance: float, overlapped: bool = False) -> Run | None:
     """The fastest admissible run at ``tau_ms`` (``None`` when no run is admissible)."""
+    checked_numbers(tau_ms=tau_ms)
     cost = cost_function(overlapped)
     return fastest(admissible(runs, tolerance), lambda r: cost(r, tau_ms))
 
@@ -124,6 +158,7 @@ def crossovers(runs: Sequence[Run], overlapped: bool = False) -> list[Crossover]
     """Where the fastest of ``runs`` changes over ``tau > 0`` (pass the admissible runs), in
     increasing ``tau``. Exact: every point where two cost functions can meet is a candidate, and
     the winner is evaluated between consecutive candidates."""
+    runs = checked(runs)
     cuts = _candidates(runs, overlapped)
     if not cuts:
         return []
@@ -213,6 +248,7 @@ def frontier(choice: Choice, factors: Sequence[int] = FRONTIER_FACTORS) -> list[
     """The points of the frontier plot: per run ``policy``, ``dnll``, ``needs_future``, ``replayed``,
     ``admissible`` and ``tokens_per_s`` (a list, one per factor: the rate at ``factor x tau`` under
     the choice's model, ``None`` at 0 ms)."""
+    checked_numbers(factors=factors)
     cost = cost_function(choice.overlapped)
     ok = set(choice.admissible)
     return [{"policy": r.policy, "dnll": r.dnll, "needs_future": r.needs_future, "replayed": r.replayed,
@@ -225,6 +261,7 @@ def choose(runs: Sequence[Run], tolerance: float, tau_ms: float | None = None, o
     """Choose among the ``slow_copies == 1`` runs of the base host (:func:`base_host` of ``host``)
     at ``tau_ms`` (default :func:`measured_tau`). No such run, no tau, or no admissible run is a
     one-line ConfigError."""
+    runs = checked(runs, tolerance=tolerance, tau_ms=tau_ms, factors=factors)
     host = base_host(runs, host)
     base = [r for r in runs if r.slow_copies == 1 and r.host == host]
     if not base:
@@ -343,6 +380,7 @@ def validate(runs: Sequence[Run], tolerance: float, tau_ms: float, overlapped: b
     ``overlapped``) against the measured winner (smallest measured ``ms_per_token`` in the
     condition), both with :func:`fastest`'s tie-break. ``tau_h`` is ``tau_ms`` at the base host and
     the median measured ``tau_ms`` of a host's own ``slow_copies == 1`` runs at another host."""
+    runs = checked(runs, tolerance=tolerance, tau_ms=tau_ms)
     host = base_host(runs, host)
     base = {r.policy: r for r in runs if r.slow_copies == 1 and r.host == host}
     conditions = sorted({(r.host != host, r.host, r.slow_copies) for r in runs if (r.host, r.slow_copies) != (host, 1)})

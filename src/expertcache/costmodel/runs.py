@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._text import short
 from ..errors import ConfigError, PolicyError, is_int, is_real
 from .sizing import MAX_DURATION_MS
 
@@ -51,6 +52,22 @@ MAX_RUNS_BYTES = 1 << 26
 REQUIRED = ("policy", "c_ms", "rho", "dnll")
 HOSTS = ("memory", "mmap", "direct")
 """The host modes of the live harness (``eval --host``; :mod:`expertcache.hf.host`)."""
+
+
+MAX_SAMPLES = 10_000
+"""Most timed samples or rounds a measurement takes (``calibrate --repeats``, ``size --calibrate``,
+``eval --repeats`` and ``evaluate(repeats=)``: 10^30 rounds had run for ever)."""
+MAX_SLOW_COPIES = 1000
+"""Most times a live run repeats each copy (``slow_copies``: a link that many times slower): the
+commands' ``--slow-copies`` and the Python ``offload``/``evaluate``/``calibrate`` (2^62 ran for ever)."""
+
+
+def check_slow_copies(value) -> int:
+    """``slow_copies`` of a live run: an integer in ``[1, MAX_SLOW_COPIES]``, else one ConfigError line
+    (a Python caller's 10**30 had run for ever, and ``calibrate`` truncated 2.5 to 2)."""
+    if not is_int(value, 1, MAX_SLOW_COPIES):
+        raise ConfigError(f"slow_copies must be an integer in [1, {MAX_SLOW_COPIES:,}], got {short(value, 40)}")
+    return int(value)
 
 
 @dataclass(frozen=True)

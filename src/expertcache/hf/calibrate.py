@@ -27,7 +27,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from .._text import short
+from ..costmodel.runs import MAX_SAMPLES, check_slow_copies
+from ..errors import ConfigError, is_int
 from .host import host_of
 from .loading import resident
 from .model import cache_argument, find_sites, model_device, select_sites
@@ -69,8 +71,9 @@ def _spread(samples: list[float]) -> tuple[float, float, float]:
 def calibrate(model: torch.nn.Module, *, repeats: int = 30, tokens: int = 16, layers=None, seed: int = 0,
               slow_copies: int = 1) -> Calibration:
     """Measure tau and c for ``model`` (experts may be on the device or in host memory)."""
-    if repeats < 3 or tokens < 2:
-        raise ConfigError(f"calibrate needs at least 3 repeats and 2 tokens, got {repeats} and {tokens}")
+    if not (is_int(repeats, 3, MAX_SAMPLES) and is_int(tokens, 2)):  # 2.5 had passed, 10**30 run for ever
+        raise ConfigError(f"calibrate needs 3 to {MAX_SAMPLES:,} repeats and at least 2 tokens (integers), got "
+                          f"{short(repeats, 40)} and {short(tokens, 40)}")
     context = positions(model)
     if context is not None and tokens > context:  # positions past the trained ones; the KV cache grows each step
         raise ConfigError(f"--tokens {tokens}: more than the model's {context} positions (max_position_embeddings)")
@@ -79,7 +82,7 @@ def calibrate(model: torch.nn.Module, *, repeats: int = 30, tokens: int = 16, la
     site = sites[0]
     files = host_of(site.experts)
     pool = SlotPool.from_weights((site.experts.gate_up_proj, site.experts.down_proj), 2, device, files=[files])
-    pool.repeat = int(slow_copies)
+    pool.repeat = check_slow_copies(slow_copies)
     E = pool.num_experts
     if files is not None and files.mode == "mmap":  # every sampled expert in the page cache: the host tier's hit
         for e in range(min(E, repeats + 2)):

@@ -49,7 +49,9 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError, ExpertcacheError, is_int
+from .._text import short
+from ..costmodel.runs import MAX_SAMPLES
+from ..errors import ConfigError, ExpertcacheError, is_int, is_real
 from ..policies.registry import check_kind
 from ..sim import replay
 from ..trace import Trace
@@ -257,6 +259,9 @@ def evaluate(
     ``bootstrap`` > 0 gives each policy a 95% interval of its dNLL over the sequences
     (:mod:`.intervals`; every policy on the same resamples)."""
     _check_options(mode, reference, tolerance, prefetch, pool, router_probs, batch, repeats)
+    if not (is_int(bootstrap, 0) and is_int(bootstrap_seed, 0, 2**63 - 1)):
+        raise ConfigError(f"bootstrap must be an integer >= 0 (0: no interval) and bootstrap_seed one in [0, 2**63), "
+                          f"got {short(bootstrap, 40)} and {short(bootstrap_seed, 40)}")
     seqs = check_sequences(sequences, vocab_size(model))
     batches, dropped = make_batches(seqs, batch)
     idx = draws(len(seqs) - dropped, bootstrap, bootstrap_seed) if bootstrap else None
@@ -317,18 +322,20 @@ def _check_options(mode, reference, tolerance, prefetch, pool, router_probs, bat
         raise ConfigError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
     if reference not in REFERENCES:
         raise ConfigError(f"reference: {reference!r} is not one of {', '.join(REFERENCES)}")
-    if not tolerance >= 0:
-        raise ConfigError(f"tolerance must be a non-negative number of nats, got {tolerance}")
+    if not (is_real(tolerance) and tolerance >= 0):  # True had read as 1 nat, infinity switched the check off
+        raise ConfigError(f"tolerance must be a finite non-negative number of nats, got {short(tolerance, 40)}")
     if prefetch != "none" and mode != "decode":
         raise ConfigError(
             "prefetch needs mode decode: a teacher-forced forward runs every position of a layer before the next layer starts"
         )
     if pool == "global" and mode != "decode":
         raise ConfigError("pool global needs mode decode: it serves one token position per forward, layer by layer")
+    if not is_int(batch, 1):
+        raise ConfigError(f"batch must be an integer >= 1, got {short(batch, 40)}")
     if router_probs and batch > 1:
         raise ConfigError("router_probs records batch-1 passes; use batch 1 to capture them")
-    if not is_int(repeats, 1):
-        raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
+    if not is_int(repeats, 1, MAX_SAMPLES):
+        raise ConfigError(f"repeats must be an integer in [1, {MAX_SAMPLES:,}], got {short(repeats, 40)}")
 
 
 def fitting_capacity(model: torch.nn.Module, capacity: int, layers, pool: str) -> int:

@@ -31,7 +31,8 @@ import torch
 from .._text import first_line
 from ..errors import ConfigError, one_line, is_int
 from ..formats.safetensors import read_headers
-from .model import ExpertsSite, find_sites, model_label, require_transformers, select_sites, text_config
+from .model import (ExpertsSite, find_sites, model_label, require_transformers, resolve_device, select_sites,
+                    text_config)
 from .host import check_host, host_of, map_file_experts, use_files
 from .pagecache import drop_cached, release_mappings
 from .pool import host_tensor
@@ -45,21 +46,6 @@ class Offloaded(NamedTuple):
 
     model: torch.nn.Module
     run: OffloadRun
-
-
-def resolve_device(device: "str | torch.device | None") -> torch.device:
-    """``device`` as a torch device (default: cuda when available, else cpu), refused in one line if unusable."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device {device!r}: {first_line(exc)}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device}: CUDA is not available on this machine")
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {device}: only cpu and cuda devices are supported")
-    return dev
 
 
 def load_model(

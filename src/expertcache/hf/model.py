@@ -28,7 +28,7 @@ import torch
 import transformers
 from packaging.version import Version
 
-from .._text import id_ranges
+from .._text import first_line, id_ranges, short
 from ..errors import ConfigError
 
 #: The transformers releases this package was verified against (the ``hf`` extra pins the same).
@@ -108,6 +108,24 @@ def layout_problem(module: torch.nn.Module) -> str | None:
     if not gu.dtype.is_floating_point or not dn.dtype.is_floating_point:
         return f"are quantized ({gu.dtype})"
     return None
+
+
+def resolve_device(device: "str | torch.device | None") -> torch.device:
+    """``device`` as a torch device (default: cuda when available, else cpu), refused in one line if
+    unusable: a value torch does not take (``True``, ``2.5``, a list: torch's message is many lines),
+    a negative index, or a device this machine lacks. ``offload(device=...)`` and
+    ``load_offloaded`` both take it from here (offload had passed it to ``torch.device`` as it was)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"device {short(device, 40)}: {first_line(exc)}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device}: only cpu and cuda devices are supported")
+    return dev
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

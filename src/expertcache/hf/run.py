@@ -40,6 +40,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from .._text import short
+from ..costmodel.runs import check_slow_copies
 from ..errors import ConfigError, is_int
 from ..policies import Policy
 from ..policies.registry import check_kind
@@ -49,7 +51,8 @@ from .host import host_of
 from .layer import PREFETCH, OffloadedLayer, PoolState
 from .pool import SlotPool
 from .routing import route_for
-from .model import ExpertsSite, find_sites, forward_info, model_device, model_label, select_sites, top_k_of
+from .model import (ExpertsSite, find_sites, forward_info, model_device, model_label, resolve_device, select_sites,
+                    top_k_of)
 from .stats import LayerStats, Memory, OffloadStats
 
 RESETS = ("sequence", "none")
@@ -73,8 +76,8 @@ class OffloadRun:
         pool: str = "layer",
         slow_copies: int = 1,
     ):
-        if not is_int(capacity):
-            raise ConfigError(f"capacity must be an integer, got {capacity!r}")
+        if not is_int(capacity, None, 1 << 62):
+            raise ConfigError(f"capacity must be an integer (at most 2**62), got {short(capacity, 40)}")
         if reset not in RESETS:
             raise ConfigError(f"reset: {reset!r} is not one of {', '.join(RESETS)}")
         if prefetch not in PREFETCH:
@@ -83,8 +86,7 @@ class OffloadRun:
             raise ConfigError(f"pool: {pool!r} is not one of {', '.join(POOLS)}")
         if pool == "global" and prefetch != "none":
             raise ConfigError("prefetch needs a pool per layer (pool='layer')")
-        if not is_int(slow_copies, 1):
-            raise ConfigError(f"slow_copies must be a positive integer, got {slow_copies!r}")
+        check_slow_copies(slow_copies)
         self.pool = pool
         self.slow_copies = int(slow_copies)
         self.model = model
@@ -109,7 +111,7 @@ class OffloadRun:
         top_k = top_k_of(model)
         self.top_k = max(top_k, 1)
         self.prefetch = prefetch
-        self.device = torch.device(device) if device is not None else model_device(model)
+        self.device = resolve_device(device) if device is not None else model_device(model)
         if self.capacity < max(top_k, 1):
             raise ConfigError(
                 f"capacity {self.capacity} is below the {top_k} experts one token requests at a layer: "
@@ -160,11 +162,11 @@ class OffloadRun:
             for layer in self.layers:
                 layer.attach()
             self._hooks.append(self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+            self._stream = self._sequences = 0
+            self._start_streams()  # inside: a failure here had left the hook on the model, failing every later forward
         except BaseException:
             self.detach()
             raise
-        self._stream = self._sequences = 0
-        self._start_streams()
 
     def detach(self) -> None:
         """Undo :meth:`attach`: weights back on their device, the previous implementation restored."""

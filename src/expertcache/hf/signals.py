@@ -58,7 +58,11 @@ class SignalSpec:
 
 
 def parse_record(text: str | None, option: str = "--record") -> SignalSpec:
-    """``token-ids,next-top:M,hidden:D[:SEED]`` (any subset, any order) -> :class:`SignalSpec`."""
+    """``token-ids,next-top:M,hidden:D[:SEED]`` (any subset, any order) -> :class:`SignalSpec`; text
+    or ``None`` (a Python caller's ``record=True`` had ended as AttributeError)."""
+    if text is not None and not isinstance(text, str):
+        raise ConfigError(f"{option}: expected text such as 'token-ids,next-top:8' or a SignalSpec, got "
+                          f"{type(text).__name__}")
     if text is None or not text.strip():
         return SignalSpec()
     tok, top, dims, seed = False, 0, 0, 0

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from ..errors import PolicyError
+from .._text import short
+from ..errors import PolicyError, is_int, is_real
 from ..kernels import NEVER
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -167,25 +168,39 @@ class Policy:
         return None
 
 
-def parse_float(arg: str, what: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> float:
-    try:
-        x = float(arg)
-    except ValueError:
-        raise PolicyError(f"{what}: expected a number, got {arg!r}") from None
+def _value(arg, what: str, noun: str, convert, accepts) -> tuple:
+    """``arg`` as a number and as messages show it: text converted by ``convert`` (``float`` or
+    ``int``), or a number that ``accepts`` (:func:`is_real`, :func:`is_int`) converted the same way;
+    a PolicyError otherwise."""
+    shown = arg[:40] if isinstance(arg, str) else short(arg, 40)
+    if isinstance(arg, str):
+        try:
+            return convert(arg), shown
+        except ValueError:
+            raise PolicyError(f"{what}: expected {noun}, got {arg[:40]!r}") from None
+    if accepts(arg):
+        return convert(arg), shown
+    raise PolicyError(f"{what}: expected {noun}, got {shown}")
+
+
+def parse_float(arg, what: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> float:
+    """A real parameter in the interval: the text after ``name:`` in a policy string, or the number
+    a Python caller passes to the rule's constructor (not a bool, NaN or an infinity: each rule's
+    ``__init__`` checks its parameters here, so ``Decayed(2.5)`` is refused as ``decayed:2.5`` is)."""
+    x, shown = _value(arg, what, "a number", float, is_real)
     if not np.isfinite(x) or x < lo or x > hi or (lo_open and x == lo) or (hi_open and x == hi):
         lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise PolicyError(f"{what}: {arg} is outside {lb}{lo}, {hi}{rb}")
+        raise PolicyError(f"{what}: {shown} is outside {lb}{lo}, {hi}{rb}")
     return x
 
 
-def parse_int(arg: str, what: str, lo: int, hi: int = 2**63 - 1) -> int:
-    """An integer parameter in ``[lo, hi]`` (default: up to the largest int64, what loops can hold)."""
-    try:
-        x = int(arg)
-    except ValueError:
-        raise PolicyError(f"{what}: expected an integer, got {arg[:40]!r}") from None
+def parse_int(arg, what: str, lo: int, hi: int = 2**63 - 1) -> int:
+    """An integer parameter in ``[lo, hi]`` (default: up to the largest int64, what loops can hold):
+    text, as :func:`parse_float` takes it, or a Python or numpy integer (not a bool, nor a float
+    such as 2.5, which ``int()`` had truncated to 2)."""
+    x, shown = _value(arg, what, "an integer", int, is_int)
     if x < lo:
-        raise PolicyError(f"{what}: {x} is below {lo}")
+        raise PolicyError(f"{what}: {short(x, 40)} is below {lo}")
     if x > hi:
-        raise PolicyError(f"{what}: {arg[:40]} is above {hi}")
+        raise PolicyError(f"{what}: {shown} is above {hi}")
     return x

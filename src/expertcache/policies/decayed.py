@@ -77,13 +77,11 @@ class Decayed(Policy):
 
     def __init__(self, beta: float = 0.95):
         super().__init__()
-        self.beta = float(beta)
+        self.beta = parse_float(beta, "decayed:beta", 0.0, 1.0, lo_open=True)
 
     @classmethod
     def from_arg(cls, arg):
-        if arg is None:
-            return cls()
-        return cls(parse_float(arg, "decayed:beta", 0.0, 1.0, lo_open=True))
+        return cls() if arg is None else cls(arg)
 
     @property
     def spec(self):

@@ -22,15 +22,13 @@ class Foresight(Policy):
 
     def __init__(self, horizon: int = 16):
         super().__init__()
-        self.horizon = int(horizon)
+        self.horizon = parse_int(horizon, "foresight:h", 0, 2**40)
         if self.horizon == 0:  # sees nothing ahead: exactly LRU, so it does not need the future
             self.needs_future = False
 
     @classmethod
     def from_arg(cls, arg):
-        if arg is None:
-            return cls()
-        return cls(parse_int(arg, "foresight:h", 0, 2**40))
+        return cls() if arg is None else cls(arg)
 
     @property
     def spec(self):

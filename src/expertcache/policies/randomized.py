@@ -112,11 +112,11 @@ class Random(HookedPolicy):
 
     def __init__(self, seed: int = 0):
         super().__init__()
-        self.seed = int(seed)
+        self.seed = parse_int(seed, "random:seed", 0)
 
     @classmethod
     def from_arg(cls, arg):
-        return cls() if arg is None else cls(parse_int(arg, "random:seed", 0))
+        return cls() if arg is None else cls(arg)
 
     @property
     def spec(self):

@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass
 
 from ..errors import PolicyError
+from .._text import short
 from .base import Policy, parse_int
 
 KINDS = ("eviction", "admission", "set-holding")
@@ -227,7 +228,12 @@ def _parse(text, kinds: tuple[str, ...], where: str):
 
 def parse_policy(text, kinds: tuple[str, ...] = KINDS, where: str = "policy") -> PolicySpec:
     """Parse ``text`` once: its kind, checked parameters and canonical form (see the module docstring).
-    A kind outside ``kinds``, an unknown name or a bad parameter is one :class:`PolicyError` line."""
+    A kind outside ``kinds``, an unknown name or a bad parameter is one :class:`PolicyError` line;
+    ``kinds`` is a tuple of :data:`KINDS` (a string such as ``"eviction"`` had been read letter by letter)."""
+    if isinstance(kinds, str) or not isinstance(kinds, (tuple, list)) or not kinds or any(
+            k not in KINDS for k in kinds):
+        raise PolicyError(f"parse_policy: kinds must be a non-empty tuple of {', '.join(map(repr, KINDS))}, "
+                          f"got {short(kinds, 40)}")
     return _parse(text, kinds, where)[0]
 
 
@@ -238,8 +244,8 @@ def check_kind(policy, kinds: tuple[str, ...], where: str = "policy"):
     if isinstance(policy, str):
         spec, rule = _parse(policy, kinds, where)
         return spec.clone() if rule is None else rule
-    from .base import Policy
-
+    if not isinstance(policy, Policy) and not isinstance(getattr(policy, "spec", None), str):
+        raise PolicyError(f"{where}: expected a policy string such as 'lru' or a rule object, got {short(policy, 40)}")
     kind = ("eviction" if policy.admits else "admission") if isinstance(policy, Policy) else "set-holding"
     if kind not in kinds:
         raise wrong_kind(policy.spec, kind, where, kinds)

@@ -216,15 +216,13 @@ def external_tables(trace) -> FoldedTables:
 def cut(trace, parts: int = 2):
     """``trace`` with a single sequence cut into ``parts`` contiguous pieces (ids ``seq, seq + 1, ..``),
     pools restarting at each cut; any other trace, or one shorter than ``2 * parts`` rows, as it is."""
-    import dataclasses
-
     T = trace.num_tokens
     if trace.num_sequences != 1 or parts < 2 or T < 2 * parts:
         return trace
     seq = trace.seq.astype(np.int64)
     for i, part in enumerate(np.array_split(np.arange(T), parts)):
         seq[part] = seq[0] + i if i else seq[0]
-    return dataclasses.replace(trace, seq=seq, meta={**trace.meta, "sequences": parts})
+    return trace._with(seq=seq, meta={**trace.meta, "sequences": parts})
 
 
 def halved(trace):

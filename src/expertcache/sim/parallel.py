@@ -28,6 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .._text import short
+from ..errors import ConfigError, is_int
 from ..policies import Policy, make_policy
 from .layout import StreamLayout
 from .replay import ReplayResult, _tally, check_capacity, replay_layout
@@ -59,8 +61,15 @@ class StreamReplayer:
     """
 
     def __init__(self, layout: StreamLayout, jobs: int, *, ray: str | None = None):
+        """``layout`` a :class:`StreamLayout` (``build_layout``), ``jobs`` an integer in ``[1, 2**62]``:
+        a ConfigError otherwise (0 and -1 had become 1, 2.5 became 2, infinity an OverflowError)."""
+        if not isinstance(layout, StreamLayout):
+            raise ConfigError(f"StreamReplayer: layout must be a StreamLayout (build_layout(trace)), got "
+                              f"{type(layout).__name__}")
+        if not is_int(jobs, 1, 2**62):
+            raise ConfigError(f"StreamReplayer: jobs must be an integer in [1, 2**62], got {short(jobs, 40)}")
         self.layout = layout
-        self.jobs = max(1, int(jobs))
+        self.jobs = int(jobs)
         self.ray_address = ray
         self.chunks = split_streams(layout, self.jobs)
         self._stub = _stub(layout)

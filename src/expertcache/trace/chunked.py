@@ -41,6 +41,7 @@ from typing import Iterator
 import numpy as np
 
 from .._io import clean_stale_temporaries, read_json, temporary_name
+from .._text import short
 from ..errors import ConfigError, TraceError, is_int
 from .core import Trace, load_trace
 from .validate import MAX_LAYERS, MAX_META_CHARS
@@ -174,7 +175,7 @@ def concat(parts: list[Trace], meta: dict, source: str) -> Trace:
     full_meta["tokens"] = T
     full_meta["sequences"] = sum(p.num_sequences for p in parts)
     full_meta["layer_ids"], full_meta["num_layers"] = first.layer_ids, first.num_layers
-    return Trace(
+    return Trace._trusted(
         experts=cat([p.experts for p in parts]),
         seq=cat([p.seq for p in parts]),
         meta=full_meta,
@@ -274,8 +275,7 @@ def write_trace_chunked(trace: Trace, out: str | os.PathLike, *, chunk_sequences
             index = range(first, min(first + chunk_sequences, trace.num_sequences))
             piece = trace.select_sequences(index)
             seq = np.repeat(np.arange(first, first + len(index), dtype=np.int64), np.diff(bounds[index.start:index.stop + 1]))
-            writer.add(Trace(experts=piece.experts, seq=seq, meta=piece.meta, probs=piece.probs,
-                             router_probs=piece.router_probs, extras=piece.extras, source=piece.source))
+            writer.add(piece._with(seq=seq))
         writer.meta_override = trace.meta
     return open_chunked(out)
 
@@ -321,7 +321,13 @@ class ChunkWriter:
         return False
 
     def add(self, trace: Trace, *, seq_offset: int = 0) -> None:
-        """Append ``trace`` as the next chunk (its sequence ids shifted by ``seq_offset``)."""
+        """Append ``trace`` as the next chunk (its sequence ids shifted by ``seq_offset``, an integer
+        in ``[0, 2**62]``: 2.5 had written float sequence ids that only the reader refused)."""
+        if not isinstance(trace, Trace):
+            raise ConfigError(f"{self.option} {self.out}: a chunk must be a Trace, got {type(trace).__name__}")
+        if not is_int(seq_offset, 0, 2**62):
+            raise ConfigError(f"{self.option} {self.out}: seq_offset must be an integer in [0, 2**62], got "
+                              f"{short(seq_offset, 40)}")
         bad = [e for e in _ENGINE_EXTRAS if e in trace.extras]
         if bad:
             raise ConfigError(f"{self.option} {self.out}: engine traces (extra {bad[0]!r}) are not written chunked")
@@ -331,8 +337,7 @@ class ChunkWriter:
         elif shape != self.shape:
             raise ConfigError(f"{self.option} {self.out}: chunk {len(self.rows)} has E, k or layers unlike the first")
         if seq_offset:
-            trace = Trace(experts=trace.experts, seq=trace.seq.astype(np.int64) + seq_offset, meta=trace.meta,
-                          probs=trace.probs, router_probs=trace.router_probs, extras=trace.extras, source=trace.source)
+            trace = trace._with(seq=trace.seq.astype(np.int64) + seq_offset)
         lo, hi = int(trace.seq.min()), int(trace.seq.max())
         if self.rows and lo <= self.rows[-1]["last_seq"]:
             raise ConfigError(f"{self.option} {self.out}: chunk {len(self.rows)} has sequence ids from {lo}, not above "

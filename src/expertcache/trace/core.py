@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -69,7 +70,10 @@ class Trace:
     with ids in ``[0, num_experts)`` or -1 (padding), no id twice in one (token, layer);
     ``seq`` has one entry per token and each sequence's tokens are contiguous; ``probs`` matches
     ``experts`` in shape; ``router_probs`` is ``[T, L, num_experts]``; ``meta`` agrees with the
-    arrays. Use :meth:`from_arrays` to build one; the dataclass constructor does not validate.
+    arrays (keys it lacks are derived, as :meth:`from_arrays` derives them). :meth:`from_arrays`
+    builds one from any arrays; the dataclass constructor checks its fields the same way (before,
+    it took them unchecked, and an id past ``num_experts`` reached the compiled loops: a segfault).
+    Code that derives a trace from a checked one uses :meth:`_trusted`.
     """
 
     experts: np.ndarray
@@ -81,6 +85,41 @@ class Trace:
     source: str = "<arrays>"
 
     # ------------------------------------------------------------------ construction
+    def __post_init__(self) -> None:
+        if not isinstance(self.extras, Mapping):
+            raise TraceError(f"{self.source}: extras: expected a mapping of name -> array, got "
+                             f"{type(self.extras).__name__}")
+        if not isinstance(self.meta, Mapping):
+            raise TraceError(f"{self.source}: meta: expected a mapping, got {type(self.meta).__name__}")
+        arrays = {name: value for name, value in (("experts", self.experts), ("seq", self.seq), ("probs", self.probs),
+                                                  ("router_probs", self.router_probs)) if value is not None}
+        arrays.update(self.extras)
+        given = list(arrays.values())
+        fields = _frozen(check({k: np.asarray(v) for k, v in arrays.items()}, dict(self.meta), str(self.source),
+                               fill_meta=True), given)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def _trusted(cls, **fields) -> "Trace":
+        """A trace from fields already checked (:func:`check`'s, or derived from a checked trace's:
+        a selection, a concatenation, a window), without checking them again; not for a caller's
+        arrays. Fields left out take their defaults."""
+        trace = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in fields:
+                value = fields.pop(f.name)
+            else:
+                value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            object.__setattr__(trace, f.name, value)
+        if fields:
+            raise TypeError(f"Trace._trusted: unknown fields {sorted(fields)}")
+        return trace
+
+    def _with(self, **changes) -> "Trace":
+        """:meth:`_trusted` with this trace's fields, ``changes`` replacing some (checked by the caller)."""
+        return Trace._trusted(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | changes)
+
     @classmethod
     def from_arrays(
         cls,
@@ -120,7 +159,7 @@ class Trace:
         for name, value in (extras or {}).items():
             arrays[name] = np.asarray(value)
         given = list(arrays.values())
-        return Trace(**_frozen(check(arrays, meta, source, fill_meta=True), given))
+        return Trace._trusted(**_frozen(check(arrays, meta, source, fill_meta=True), given))
 
     # ------------------------------------------------------------------ shape
     @property
@@ -185,7 +224,7 @@ class Trace:
             k: (v[:, cols] if v.ndim >= 2 and v.shape[:2] == self.experts.shape[:2] and k not in SIGNAL_EXTRAS else v)
             for k, v in self.extras.items()
         }
-        return Trace(
+        return Trace._trusted(
             experts=self.experts[:, cols],
             seq=self.seq,
             meta=meta,
@@ -212,7 +251,7 @@ class Trace:
         meta["tokens"] = int(rows.size)
         meta["sequences"] = len(index)
         extras = {k: (v[rows] if v.ndim >= 1 and v.shape[0] == self.num_tokens else v) for k, v in self.extras.items()}
-        return Trace(
+        return Trace._trusted(
             experts=self.experts[rows],
             seq=self.seq[rows],
             meta=meta,
@@ -262,7 +301,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
         except UnicodeDecodeError as exc:
             raise TraceError(f"{src}: meta: not UTF-8 text (byte {exc.start})") from None
         meta = parse_meta(text, src)
-    return Trace(**_frozen(check(arrays, meta, src, fill_meta=meta_arr is None)))
+    return Trace._trusted(**_frozen(check(arrays, meta, src, fill_meta=meta_arr is None)))
 
 
 def layer_columns(ids: list[int], layers: Iterable[int] | None, source: str) -> np.ndarray:

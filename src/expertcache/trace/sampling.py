@@ -8,7 +8,6 @@ unkept ids become padding in place, which every rule and the layout take anywher
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
@@ -37,5 +36,4 @@ def sample_trace(trace: Trace, mask: np.ndarray) -> Trace:
     ex = trace.experts
     flat = (np.arange(trace.num_layers, dtype=np.int64) * trace.num_experts)[None, :, None] + ex
     keep = (ex >= 0) & mask.reshape(-1)[np.maximum(flat, 0)]
-    return dataclasses.replace(trace, experts=np.where(keep, ex, -1).astype(ex.dtype, copy=False), probs=None,
-                               router_probs=None)
+    return trace._with(experts=np.where(keep, ex, -1).astype(ex.dtype, copy=False), probs=None, router_probs=None)

@@ -10,21 +10,13 @@ from __future__ import annotations
 
 import math
 
+from ..._text import short  # noqa: F401 (importers take it from here with the other value checks)
 from ...errors import ConfigError, TraceError, is_int
 from ..validate import MAX_EXPERTS
 from .records import HugeInt
 INT32_MAX = (1 << 31) - 1
 FLOAT32_MAX = 3.4028234663852886e38
 _SEQ_LIMIT = 1 << 63
-
-
-def short(x: object, limit: int = 60) -> str:
-    """A bounded repr for messages (a structure nested too deeply to print is named by type)."""
-    try:
-        text = repr(x)
-    except RecursionError:
-        return f"<deeply nested {type(x).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _huge(x: object, field: str, where: str) -> None:
