@@ -260,6 +260,23 @@ def test_a_trace_without_meta_says_its_E_was_inferred(tmp_path, capsys):
     assert "E = 6 was inferred" in err and "no meta" not in err
 
 
+def _small_moe_with_a_stale_shard(tmp_path, command: str):
+    """models/small-moe copied to ``tmp_path/m``, its one file copied again as a second shard (a
+    shard of another download); skips where the checkout lacks the model or ``command`` its extra."""
+    import shutil
+    from pathlib import Path
+
+    small = Path(__file__).resolve().parents[1] / "models" / "small-moe"
+    if not (small / "model.safetensors").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    if command == "convert" and importlib.util.find_spec("gguf") is None:
+        pytest.skip("convert needs the llama extra (gguf)")
+    m = tmp_path / "m"
+    shutil.copytree(small, m)
+    shutil.copy(m / "model.safetensors", m / "model-00002-of-00002.safetensors")
+    return small, m
+
+
 @pytest.mark.parametrize("argv", [
     ["size", "--model-config", "{m}", "--device-memory", "1GB"],  # had doubled the expert bytes, exit 0
     ["tier", "write", "--pool", "{tmp}/pool", "--from-safetensors", "{m}"],  # had listed each slice twice
@@ -267,21 +284,50 @@ def test_a_trace_without_meta_says_its_E_was_inferred(tmp_path, capsys):
 ])
 def test_a_tensor_two_shards_hold_is_refused(tmp_path, argv):
     """A stale shard beside a re-saved checkpoint (here small-moe's one file, copied as a second
-    shard): every reader of the folder's safetensors headers refuses it in one line."""
-    import shutil
-    from pathlib import Path
-
-    small = Path(__file__).resolve().parents[1] / "models" / "small-moe"
-    if not (small / "model.safetensors").is_file():
-        pytest.skip("models/small-moe is not in this checkout")
-    if argv[0] == "convert" and importlib.util.find_spec("gguf") is None:
-        pytest.skip("convert needs the llama extra (gguf)")
-    m = tmp_path / "m"
-    shutil.copytree(small, m)
-    shutil.copy(m / "model.safetensors", m / "model-00002-of-00002.safetensors")
+    shard) and no shard index: every reader of the folder's safetensors headers refuses it in one line."""
+    _, m = _small_moe_with_a_stale_shard(tmp_path, argv[0])
     proc = run(*(a.format(m=m, tmp=tmp_path) for a in argv))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "model.safetensors: tensor 'lm_head.weight' is also in model-00002-of-00002.safetensors" in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["size", "--model-config", "{m}", "--device-memory", "1GB"],
+    ["tier", "write", "--pool", "{tmp}/pool", "--from-safetensors", "{m}"],
+    ["convert", "{m}", "--out", "{tmp}/m.gguf"],
+    ["capture", "--model", "{m}", "--tokens", "{ids}", "--out", "{tmp}/t.npz"],  # these two had been refused too
+    ["eval", "--model", "{m}", "--tokens", "{ids}", "-c", "4", "--host", "mmap"],
+])
+def test_a_shard_index_names_the_files_read(tmp_path, argv):
+    """A sharded checkpoint's model.safetensors.index.json names its files, and transformers loads
+    those: a shard of another download left beside them had been read too (and refused as holding
+    the same tensors twice). Every reader now takes the files the index names; an index that names
+    a missing file, one outside the folder or not a table is one line."""
+    from safetensors.numpy import load_file
+
+    from expertcache.costmodel.model import read_model
+
+    small, m = _small_moe_with_a_stale_shard(tmp_path, argv[0])
+    if argv[0] in ("capture", "eval"):
+        pytest.importorskip("transformers")
+    np.save(tmp_path / "ids.npy", np.arange(2, 26, dtype=np.int64).reshape(2, 12))
+    argv = [a.replace("{ids}", str(tmp_path / "ids.npy")) for a in argv]
+    names = list(load_file(str(m / "model.safetensors")))
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in names}}
+    (m / "model.safetensors.index.json").write_text(json.dumps(index))
+    proc = run(*(a.format(m=m, tmp=tmp_path) for a in argv))
+    assert proc.returncode == 0, proc.stderr
+    if argv[0] == "size":
+        clean, indexed = read_model(small), read_model(m)
+        assert (clean.expert_bytes, clean.other_bytes) == (indexed.expert_bytes, indexed.other_bytes)
+    (tmp_path / "again").mkdir()
+    for weight_map, says in (({names[0]: "missing.safetensors"}, "names missing.safetensors, which is not in"),
+                             ({names[0]: "../model.safetensors"}, "not a .safetensors file of this folder"),
+                             ({names[0]: "config.json"}, "not a .safetensors file of this folder"),
+                             ([["x", "model.safetensors"]], "weight_map is not a table")):
+        (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        proc = run(*(a.format(m=m, tmp=tmp_path / "again") for a in argv))
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
 
 
 def _first_expert(header):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..costmodel.runs import HOSTS
+from ..formats.safetensors import checkpoint_files
 from ..policies import available_policies
 from .common import (add_json, add_layers, byte_size, check_out, emit_json, nonnegative_float, positive_int,
                      resamples_int, samples_int, seed_int, slow_copies_int, table)
@@ -228,7 +229,7 @@ def _run_walled(args) -> int:
 
     reference = "offloaded" if args.reference == "auto" else args.reference  # all resident would fill the wall
     child = _child_argv(args, reference=reference)
-    shards = sorted(Path(args.model).glob("*.safetensors"))
+    shards = checkpoint_files(Path(args.model))
     records, wall, stderr = walled_eval(child, args.memory_wall, tier_files=shards, headroom_bytes=args.headroom)
     for line in stderr.splitlines():
         if line.startswith("expertcache eval:"):

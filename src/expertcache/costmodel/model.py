@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError, is_int
-from ..formats.safetensors import read_headers
+from ..formats.safetensors import checkpoint_files, read_headers
 from ..trace.validate import MAX_EXPERTS, MAX_LAYERS
 from .sizing import LIMITS, _dtype_bytes, _weight_bytes, config_scopes, expert_bytes_of, read_model_config
 
@@ -76,7 +76,7 @@ def read_model(path: str | Path) -> ModelSpec:
         return _from_gguf(path, where)
     config, _, name = read_model_config(path)
     spec = _from_config(config, path, where, name)
-    shards = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    shards = checkpoint_files(path) if path.is_dir() else []
     if not shards:
         return spec
     experts, other = _safetensors_bytes(shards)

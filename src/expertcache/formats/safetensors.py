@@ -14,9 +14,11 @@ import math
 import struct
 from pathlib import Path
 
+from .._io import read_json
 from ..errors import ConfigError
 
-__all__ = ["MAX_HEADER", "DTYPE_BITS", "DTYPE_BYTES", "held_twice", "read_header", "read_headers"]
+__all__ = ["INDEX", "MAX_HEADER", "DTYPE_BITS", "DTYPE_BYTES", "checkpoint_files", "held_twice", "read_header",
+           "read_headers"]
 
 MAX_HEADER = 100 * 2**20
 """A header larger than this is refused (real ones are a few MB at most)."""
@@ -105,4 +107,41 @@ def read_headers(files) -> list[tuple[Path, dict, int]]:
 def held_twice(name: str, path, first) -> ConfigError:
     """The refusal of a tensor ``name`` that ``path`` holds after ``first`` did."""
     return ConfigError(f"{path}: tensor {name[:80]!r} is also in {Path(first).name}; a checkpoint holds each tensor "
-                       "once (a stale shard? keep the files its index names)")
+                       f"once (a stale shard? remove it: with a {INDEX}, only the files it names are read)")
+
+
+INDEX = "model.safetensors.index.json"
+"""The shard index a sharded checkpoint carries (``weight_map``: tensor name -> file name)."""
+MAX_INDEX = 64 * 2**20
+"""A shard index larger than this is refused (DeepSeek-V3's 163 shards: about 9 MB)."""
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, as transformers loads them: the files its
+    ``model.safetensors.index.json`` names (``weight_map``'s values, each a file of this folder), or,
+    without an index, every ``*.safetensors`` in it; sorted, ``[]`` when there are none. Every reader
+    of a checkpoint's weights takes its files from here (convert, ``size``, the file tier, the HF
+    harness's checks and hosts): a shard of another download left beside the index had been read
+    too, and refused as holding the same tensors twice, where transformers loads the model. An index
+    that is not a table of names, or names a file that is missing, outside the folder or not a
+    safetensors file, is one ConfigError line."""
+    folder = Path(folder)
+    index = folder / INDEX
+    if not index.exists():
+        return sorted(folder.glob("*.safetensors"))
+    where = f"model {folder}"
+    table = read_json(index, where, max_bytes=MAX_INDEX)
+    names = table.get("weight_map") if isinstance(table, dict) else None
+    if not isinstance(names, dict) or not names or not all(isinstance(k, str) and isinstance(v, str)
+                                                            for k, v in names.items()):
+        raise ConfigError(f"{where}: {INDEX}'s weight_map is not a table of tensor name -> file name")
+    files = []
+    for name in sorted(set(names.values())):
+        path = folder / name
+        if Path(name).name != name or name in (".", "..") or not name.endswith(".safetensors"):
+            raise ConfigError(f"{where}: {INDEX} names {name[:80]!r}, not a .safetensors file of this folder")
+        if not path.is_file():
+            raise ConfigError(f"{where}: {INDEX} names {name[:80]}, which is not in the folder")
+        files.append(path)
+    return files
+

@@ -43,6 +43,7 @@ import torch
 
 from ..costmodel.runs import HOSTS
 from ..errors import ConfigError
+from ..formats.safetensors import checkpoint_files, read_headers
 from .pagecache import resident_bytes
 
 ALIGN = 4096
@@ -87,7 +88,7 @@ def use_files(site, files: "FileExperts") -> None:
 
 # ---------------------------------------------------------------------- finding the bytes
 def safetensors_files(folder: Path) -> list[Path]:
-    files = sorted(folder.glob("*.safetensors"))
+    files = checkpoint_files(folder)
     if not files:
         raise ConfigError(f"model {folder}: no *.safetensors file to serve experts from (use --host memory)")
     return files
@@ -121,8 +122,6 @@ def _layer_pieces(headers, layer: int, E: int) -> list[dict[str, tuple]]:
 def map_file_experts(site, folder: Path, mode: str, device: torch.device) -> "FileExperts":
     """Where each of ``site``'s experts is in the checkpoint's files, checked byte for byte against
     the loaded tensors; refused in one line when the files do not hold those bytes."""
-    from ..formats.safetensors import read_headers
-
     headers = read_headers(safetensors_files(folder))
     gu, dn = site.experts.gate_up_proj.detach(), site.experts.down_proj.detach()
     E, two_i, _ = gu.shape

@@ -30,7 +30,7 @@ import torch
 
 from .._text import first_line
 from ..errors import ConfigError, one_line, is_int
-from ..formats.safetensors import read_headers
+from ..formats.safetensors import checkpoint_files, read_headers
 from .model import (ExpertsSite, find_sites, model_label, require_transformers, resolve_device, select_sites,
                     text_config)
 from .host import check_host, host_of, map_file_experts, use_files
@@ -91,7 +91,7 @@ def load_model(
         for site, files in zip(sites, served):
             use_files(site, files)
     place(model, sites, dev)
-    paths = [str(p) for p in folder.glob("*.safetensors")]
+    paths = [str(p) for p in checkpoint_files(folder)]
     release_mappings(model, paths)  # weights loaded zero-copy get memory of their own: "memory" means memory
     if host != "memory":
         drop_cached(paths)  # the host tier starts cold
@@ -149,7 +149,7 @@ def check_weights_cover_config(folder: Path, config) -> None:
     transformers built the model, exit 70), the layers at least 1 and ``pad_token_id`` a token id
     (torch's assertion, exit 70). Checkpoints of other layouts (``.bin`` weights, other
     tensor names) are left to :func:`check_loading_info`."""
-    files = sorted(folder.glob("*.safetensors"))
+    files = checkpoint_files(folder)
     shapes: dict[str, list] = {}
     for _, header, _ in read_headers(files):
         shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})  # entries checked

@@ -74,7 +74,7 @@ from .._io import read_json, read_text, temporary_name
 from ..costmodel.sizing import MAX_CONFIG_BYTES
 from ..errors import ConfigError, is_int, is_real
 from ..formats.gguf import chat_template_problem
-from ..formats.safetensors import held_twice, read_header
+from ..formats.safetensors import checkpoint_files, held_twice, read_header
 
 DTYPES = ("f32", "f16", "q8_0")
 
@@ -382,7 +382,7 @@ class _Checkpoint:
 
     def __init__(self, folder: Path):
         from safetensors import SafetensorError, safe_open
-        files = sorted(folder.glob("*.safetensors"))
+        files = checkpoint_files(folder)
         if not files:
             raise ConfigError(f"{folder}: no *.safetensors weights in the checkpoint folder")
         self.where: dict[str, object] = {}

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..formats.safetensors import read_headers
+from ..formats.safetensors import checkpoint_files, read_headers
 
 _PER_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\..*?experts\.(\d+)\.(.+)$")
 _PACKED = re.compile(r"(?:^|\.)layers\.(\d+)\..*?experts\.([A-Za-z_][\w.]*)$")
@@ -30,7 +30,7 @@ _PACKED = re.compile(r"(?:^|\.)layers\.(\d+)\..*?experts\.([A-Za-z_][\w.]*)$")
 def expert_tensors(model_dir: str | Path) -> tuple[list[int], int, dict, str]:
     """Index a checkpoint folder: (layer ids, num_experts, {(layer, expert): [(file, offset, size)]}, dtype)."""
     model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    files = checkpoint_files(model_dir) if model_dir.is_dir() else []
     if not files:
         raise ConfigError(f"--from-safetensors {model_dir}: no *.safetensors files in this folder")
     parts: dict[tuple[int, int], list] = {}
