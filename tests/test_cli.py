@@ -330,6 +330,36 @@ def test_a_shard_index_names_the_files_read(tmp_path, argv):
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("argv", [
+    ["llama", "info", "{fifo}.gguf"],
+    ["size", "--model-config", "{fifo}.gguf", "--device-memory", "1GB"],  # had said "the folder holds no config.json"
+    ["size", "--model-config", "{m}", "--device-memory", "1GB"],
+    ["tier", "write", "--pool", "{tmp}/pool", "--from-safetensors", "{m}"],
+    ["convert", "{m}", "--out", "{tmp}/m.gguf"],
+])
+def test_a_fifo_for_a_model_file_is_refused_not_waited_on(tmp_path, argv):
+    """A FIFO given as a GGUF, or as a checkpoint's shard, had been opened, and opening one waits for
+    a writer: these commands hung for good (convert's safetensors open even past SIGTERM). Each
+    readers' files are checked to be regular files first (``_io.regular_size``)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    small = Path(__file__).resolve().parents[1] / "models" / "small-moe"
+    if not (small / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    m = tmp_path / "m"
+    m.mkdir()
+    shutil.copy(small / "config.json", m / "config.json")
+    os.mkfifo(m / "model.safetensors")
+    os.mkfifo(tmp_path / "fifo.gguf")
+    argv = [a.format(m=m, tmp=tmp_path, fifo=tmp_path / "fifo") for a in argv]
+    proc = subprocess.run([sys.executable, "-m", "expertcache.cli.main", *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "not a regular file (a FIFO, a device or a folder)" in proc.stderr
+
+
 def _first_expert(header):
     return next(k for k in header if "experts" in k)
 

@@ -261,6 +261,28 @@ def test_python_capture_takes_a_llama_engine(toy):
             eng.forward([96])
 
 
+
+def test_an_engine_checks_its_arguments(toy):
+    """ctypes had cut n_ctx=2**32 + 5 to 5 and threads=10**30 to its low bits without a word; 2.5
+    was truncated, 0 and -1 taken; a path of True had been opened as file descriptor 1 (stdout)."""
+    _needs_llama()
+    from expertcache.errors import max_threads
+    from expertcache.llama.engine import MAX_CONTEXT, Engine
+
+    path = str(toy / "f32.gguf")
+    for n_ctx in (0, -1, 2.5, True, 2**32 + 5, MAX_CONTEXT + 1, None):
+        with pytest.raises(ConfigError, match="n_ctx must be an integer in"):
+            Engine(path, n_ctx=n_ctx)
+    for threads in (0, -1, 2.5, True, 10**30, max_threads() + 1):
+        with pytest.raises(ConfigError, match="threads must be an integer in"):
+            Engine(path, threads=threads)
+    for bad in (True, 7, None):
+        with pytest.raises(ConfigError, match="expected a file name"):
+            Engine(bad)
+    with Engine(path, n_ctx=np.int64(16), threads=np.int64(1)) as eng:
+        assert (eng.n_ctx, eng.threads) == (16, 1)
+
+
 # ------------------------------------------------------------------------------ CLI
 def cli(*argv):
     return subprocess.run([sys.executable, "-m", "expertcache.cli.main", *map(str, argv)], capture_output=True,

@@ -75,6 +75,20 @@ def open_npz(path: str | os.PathLike, what: str, kind: str):
         raise ConfigError(f"{what} {p}: not {kind} ({numpy_reason(err)})") from None
 
 
+def regular_size(path: str | os.PathLike, where: str) -> int:
+    """The size of ``path``, which must be a regular file; else one ConfigError line starting
+    ``"{where}: "`` (``where`` names the file): missing or unreadable, or not a regular file. A FIFO
+    is refused without being opened: opening one waits for a writer, and a FIFO given as a GGUF or
+    a safetensors shard had hung ``llama info``, ``size``, ``tier write`` and ``convert``."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"{where}: {exc.strerror or type(exc).__name__}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{where}: not a regular file (a FIFO, a device or a folder)")
+    return st.st_size
+
+
 def read_text(path: str | os.PathLike, where: str, *, max_bytes: int, error: type[Exception] = ConfigError) -> str:
     """The UTF-8 text of the file ``path``, read only when it is at most ``max_bytes`` long (a
     hostile file cannot fill memory). Every failure is one ``error`` line that starts ``"{where}: "``

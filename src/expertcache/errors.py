@@ -1,5 +1,6 @@
 """Errors a user can cause, reported as one line saying what is wrong and where; and :func:`is_int`
-and :func:`is_real`, the integer and real-number tests behind many of them."""
+and :func:`is_real`, the integer and real-number tests behind many of them, and :func:`max_threads`,
+the bound of every thread count (the commands' options and the engines' arguments)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,9 @@ def is_real(value) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def max_threads() -> int:
+    """Most threads a command or an engine may start: 4 per core of this machine (at least 8). More
+    only slow compute, and 100,000 exhausted the machine's threads and crashed (SIGSEGV)."""
+    return max(8, 4 * (os.cpu_count() or 1))

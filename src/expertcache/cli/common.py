@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 from .._io import check_not_input, check_special, check_writable
 from .._resample import MAX_RESAMPLES
 from ..costmodel.runs import MAX_SAMPLES, MAX_SLOW_COPIES
-from ..errors import ConfigError, is_int
+from ..errors import ConfigError, is_int, max_threads
 from ..report.plots import plot_format
 from ..trace import Trace, load_trace, parse_layers
 
@@ -108,12 +108,6 @@ def check_local_jobs(jobs: int | None, ray: str | None = None) -> None:
 def positive_int(text: str) -> int:
     """A count or capacity: an integer in [1, 2**62]."""
     return _int_in(text, 1, MAX_INT, "a positive integer", "up to 2**62")
-
-
-def max_threads() -> int:
-    """Most threads a command may start: 4 per core of this machine (at least 8). More only slow
-    compute, and 100,000 exhausted the machine's threads and crashed (SIGSEGV)."""
-    return max(8, 4 * (os.cpu_count() or 1))
 
 
 def threads_int(text: str) -> int:

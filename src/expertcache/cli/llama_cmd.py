@@ -182,7 +182,7 @@ def _prompt_text(args) -> str | None:
 
 def _setup(args):
     from ..formats.gguf import read_geometry
-    from ..llama.capture import MAX_CONTEXT
+    from ..llama.engine import MAX_CONTEXT
     from ..policies import make_policy
 
     make_policy(args.policy or "lru")  # a bad --policy is one line before anything runs

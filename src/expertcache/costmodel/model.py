@@ -72,7 +72,7 @@ def read_model(path: str | Path) -> ModelSpec:
     where = f"--model-config {path}"
     if not path.exists():
         raise ConfigError(f"{where}: no such file or folder")
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if path.suffix.lower() == ".gguf" and not path.is_dir():  # a FIFO too: refused as not a regular file
         return _from_gguf(path, where)
     config, _, name = read_model_config(path)
     spec = _from_config(config, path, where, name)

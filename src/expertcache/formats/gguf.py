@@ -50,6 +50,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 
+from .._io import regular_size
 from ..errors import ConfigError, is_int
 
 TESTED = ("olmoe", "qwen2moe", "qwen3moe", "llama", "deepseek2", "gpt-oss", "glm4moe")
@@ -265,9 +266,11 @@ _KEEP_ARRAYS = ("feed_forward_length", "head_count", "head_count_kv", "swa_layer
 
 def read_header(path: str, where: str = "--model") -> tuple[dict, dict[str, TensorInfo], int]:
     """``(metadata, tensors, file size)`` of a GGUF file; refusals as in the module docstring."""
+    if not isinstance(path, (str, os.PathLike)):  # an int had been opened as a file descriptor (True: stdout)
+        raise ConfigError(f"{where}: expected a file name, got {type(path).__name__}")
     where = f"{where} {path}"
+    size = regular_size(path, where)
     try:
-        size = os.path.getsize(path)
         fh = open(path, "rb")
     except OSError as exc:
         raise ConfigError(f"{where}: {exc.strerror or exc}") from None

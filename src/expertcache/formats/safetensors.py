@@ -14,7 +14,7 @@ import math
 import struct
 from pathlib import Path
 
-from .._io import read_json
+from .._io import read_json, regular_size
 from ..errors import ConfigError
 
 __all__ = ["INDEX", "MAX_HEADER", "DTYPE_BITS", "DTYPE_BYTES", "checkpoint_files", "held_twice", "read_header",
@@ -33,8 +33,12 @@ DTYPE_BYTES = {k: v // 8 for k, v in DTYPE_BITS.items() if v % 8 == 0}
 def read_header(path: Path) -> tuple[dict, int]:
     """(header dict, start of the data section) of one safetensors file; ConfigError naming it if malformed."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
+    size = regular_size(path, str(path))
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or type(exc).__name__}") from None
+    with fh:
         raw = fh.read(8)
         if len(raw) != 8:
             raise ConfigError(f"{path}: too short for a safetensors file")
@@ -128,7 +132,10 @@ def checkpoint_files(folder: Path) -> list[Path]:
     folder = Path(folder)
     index = folder / INDEX
     if not index.exists():
-        return sorted(folder.glob("*.safetensors"))
+        files = sorted(folder.glob("*.safetensors"))
+        for path in files:  # a FIFO among them had hung every reader (safetensors' own open included)
+            regular_size(path, f"model {folder}: {path.name}")
+        return files
     where = f"model {folder}"
     table = read_json(index, where, max_bytes=MAX_INDEX)
     names = table.get("weight_map") if isinstance(table, dict) else None
@@ -140,8 +147,9 @@ def checkpoint_files(folder: Path) -> list[Path]:
         path = folder / name
         if Path(name).name != name or name in (".", "..") or not name.endswith(".safetensors"):
             raise ConfigError(f"{where}: {INDEX} names {name[:80]!r}, not a .safetensors file of this folder")
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(f"{where}: {INDEX} names {name[:80]}, which is not in the folder")
+        regular_size(path, f"{where}: {name[:80]}")
         files.append(path)
     return files
 

@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..formats.gguf import read_geometry
 from ..trace import Trace
+from .engine import MAX_CONTEXT, Engine
 from .ggml import read_2d
 
 PHASES = ("auto", "decode", "all")
@@ -230,8 +231,6 @@ def sequences(ids: np.ndarray, max_len: int, max_sequences: int | None) -> list[
     return [r for r in rows if r.size >= 2][:max_sequences]
 
 
-MAX_CONTEXT = 1 << 24
-"""Largest context a capture asks llama.cpp for (prompt plus --generate): 16M tokens."""
 
 
 def capture_gguf(path: str, ids: np.ndarray, *, max_len: int = 384, max_sequences: int | None = None,
@@ -241,8 +240,6 @@ def capture_gguf(path: str, ids: np.ndarray, *, max_len: int = 384, max_sequence
     ``keep_prompt`` (with ``generate``) keeps each prompt's forward too, as llama.cpp routed it (the
     last MoE layer routes only the output row: the others are -1 there), its rows flagged 1 in
     ``extras["prefill"]`` (``size --trace`` warms the managed pool with them, as a run's prefill does)."""
-    from .engine import Engine
-
     seqs = sequences(ids, max_len, max_sequences)
     if not seqs:
         raise ConfigError("no sequence of at least 2 tokens to capture")

@@ -20,7 +20,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from .._text import short
+from ..errors import ConfigError, is_int, max_threads
 from ..formats.gguf import Geometry, read_geometry
 from .ggml import abort_in_one_line, check_layout, tensor_name
 
@@ -143,11 +144,23 @@ def _silence(llama_cpp, model: str | os.PathLike | None = None) -> None:
         llama_cpp.llama_log_set(_LOG_SINK, ctypes.c_void_p())
 
 
+MAX_CONTEXT = 1 << 24
+"""Largest context an engine asks llama.cpp for (a capture's prompt plus --generate): 16M tokens."""
+
+
 class Engine:
-    """See the module docstring. ``mmap=False`` reads the weights into memory (``nommap``)."""
+    """See the module docstring. ``mmap=False`` reads the weights into memory (``nommap``).
+    ``n_ctx`` is an integer in ``[1, MAX_CONTEXT]`` and ``threads`` one in ``[1, max_threads()]``,
+    else one ConfigError line: llama.cpp's fields are 32-bit, and ctypes had cut ``n_ctx=2**32 + 5``
+    to 5 and ``threads=10**30`` to its low bits without a word; 2.5 was truncated, 0 and -1 taken."""
 
     def __init__(self, path: str, *, n_ctx: int = 512, threads: int = 1, mmap: bool = True,
                  geometry: Geometry | None = None):
+        if not is_int(n_ctx, 1, MAX_CONTEXT):
+            raise ConfigError(f"n_ctx must be an integer in [1, {MAX_CONTEXT:,}], got {short(n_ctx, 40)}")
+        if not is_int(threads, 1, max_threads()):
+            raise ConfigError(f"threads must be an integer in [1, {max_threads()}] (4 per core here), got "
+                              f"{short(threads, 40)}")
         self.geometry = geometry or read_geometry(path)
         self.bindings = check_layout()
         ll = self.ll = _llama()
