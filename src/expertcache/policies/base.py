@@ -100,6 +100,11 @@ class Policy:
     probabilities): the driver then calls :meth:`set_context` with the stream's
     :class:`~expertcache.trace.context.StreamContext` (or None) before each ``reset``."""
 
+    takes_parameter: ClassVar[bool] = False
+    """Whether ``name:VALUE`` gives the rule its one parameter: :meth:`from_arg` passes the text to
+    ``__init__``, which checks it (:func:`parse_int`, :func:`parse_float`) as it checks a Python
+    caller's number."""
+
     def __init__(self) -> None:
         self.n_items = 0
         self.capacity: int | None = None
@@ -114,10 +119,13 @@ class Policy:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_arg(cls, arg: str | None) -> "Policy":
-        """Build from the text after ``name:`` in a policy spec (``None`` when absent)."""
-        if arg is not None:
+        """Build from the text after ``name:`` in a policy spec (``None`` when absent): the rule's one
+        parameter where it :attr:`takes_parameter`, refused where it does not."""
+        if arg is None:
+            return cls()
+        if not cls.takes_parameter:
             raise PolicyError(f"policy {cls.name!r} takes no parameter (got {cls.name}:{arg})")
-        return cls()
+        return cls(arg)
 
     @property
     def spec(self) -> str:

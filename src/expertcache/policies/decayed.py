@@ -74,14 +74,11 @@ def access_keys(groups, starts, n_items, c):
 @register
 class Decayed(Policy):
     name = "decayed"
+    takes_parameter = True
 
     def __init__(self, beta: float = 0.95):
         super().__init__()
         self.beta = parse_float(beta, "decayed:beta", 0.0, 1.0, lo_open=True)
-
-    @classmethod
-    def from_arg(cls, arg):
-        return cls() if arg is None else cls(arg)
 
     @property
     def spec(self):

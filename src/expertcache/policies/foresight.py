@@ -18,6 +18,7 @@ from .registry import register
 @register
 class Foresight(Policy):
     name = "foresight"
+    takes_parameter = True
     needs_future = True
 
     def __init__(self, horizon: int = 16):
@@ -25,10 +26,6 @@ class Foresight(Policy):
         self.horizon = parse_int(horizon, "foresight:h", 0, 2**40)
         if self.horizon == 0:  # sees nothing ahead: exactly LRU, so it does not need the future
             self.needs_future = False
-
-    @classmethod
-    def from_arg(cls, arg):
-        return cls() if arg is None else cls(arg)
 
     @property
     def spec(self):

@@ -27,7 +27,8 @@ of the package, so ``@register`` makes it known):
    driver.run(groups, starts, n_items, capacity, rows, sc0, fs0, init, hit, miss, victim, evict, admit)``;
 4. ``@register class MyRule(HookedPolicy)`` with ``name``, ``hooks = (init, hit, miss, victim,
    evict, admit)``, ``loop = staticmethod(loop)``, ``rows``, ``n_int`` and, for parameters,
-   :meth:`params` and ``from_arg``/``spec`` (as :mod:`.randomized` does).
+   :meth:`params`, ``takes_parameter = True``, an ``__init__`` that checks its parameter and a
+   ``spec`` (as :mod:`.randomized` does).
 """
 
 from __future__ import annotations

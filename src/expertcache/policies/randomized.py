@@ -105,6 +105,7 @@ def loop(groups, starts, n_items, capacity, rows, sc0, fs0):
 @register
 class Random(HookedPolicy):
     name = "random"
+    takes_parameter = True
     rows = 1
     n_int = 1
     hooks = (init, hit, miss, victim, evict, admit)
@@ -113,10 +114,6 @@ class Random(HookedPolicy):
     def __init__(self, seed: int = 0):
         super().__init__()
         self.seed = parse_int(seed, "random:seed", 0)
-
-    @classmethod
-    def from_arg(cls, arg):
-        return cls() if arg is None else cls(arg)
 
     @property
     def spec(self):
