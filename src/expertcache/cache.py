@@ -252,10 +252,7 @@ class ExpertCache:
         ConfigError otherwise (-5 had been dropped as padding, 1.7 truncated to 1, uint64 2**64 - 1
         wrapped to -1; ``prefetch`` had dropped ids past ``n_items``, ``slots_of`` raised
         IndexError on them). ``True`` is not an id."""
-        try:
-            arr = np.asarray(items)
-        except (ValueError, TypeError, OverflowError, RecursionError):  # ragged, or an int past int64
-            arr = np.asarray([None])
+        arr = _array(items)
         if arr.size and arr.dtype.kind not in "iu":
             raise ConfigError(f"{where}: expert ids must be integers, got {arr.dtype} {short(items, 60)}")
         bad = arr.size and (int(arr.min()) < -1 or int(arr.max()) >= self.n_items)
@@ -337,15 +334,21 @@ class ExpertCache:
         return int(victim)
 
 
+def _array(values) -> np.ndarray:
+    """``np.asarray(values)``, or an object array where numpy makes none (a ragged list, an integer
+    past int64), which the integer checks of ids and sizes then refuse."""
+    try:
+        return np.asarray(values)
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        return np.asarray([None])
+
+
 def sized_items(capacity_bytes: int, item_bytes) -> np.ndarray:
     """``item_bytes`` as int64, checked: integers (1.5 had been truncated to 1), non-empty, positive,
     none above ``capacity_bytes`` (a positive integer: NaN had passed the comparison)."""
     if not is_int(capacity_bytes, 1, 1 << 62):
         raise ConfigError(f"capacity_bytes must be an integer in [1, 2**62], got {short(capacity_bytes, 40)}")
-    try:
-        sizes = np.asarray(item_bytes).ravel()
-    except (ValueError, TypeError, OverflowError, RecursionError):  # ragged, or an int past int64
-        sizes = np.asarray([None])
+    sizes = _array(item_bytes).ravel()
     if (sizes.size and sizes.dtype.kind not in "iu") or np.any(sizes > (1 << 62)):
         raise ConfigError(f"item_bytes must be integer sizes in bytes, got {short(item_bytes, 60)}")
     sizes = sizes.astype(np.int64)

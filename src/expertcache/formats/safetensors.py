@@ -152,4 +152,3 @@ def checkpoint_files(folder: Path) -> list[Path]:
         regular_size(path, f"{where}: {name[:80]}")
         files.append(path)
     return files
-

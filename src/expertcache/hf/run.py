@@ -86,9 +86,8 @@ class OffloadRun:
             raise ConfigError(f"pool: {pool!r} is not one of {', '.join(POOLS)}")
         if pool == "global" and prefetch != "none":
             raise ConfigError("prefetch needs a pool per layer (pool='layer')")
-        check_slow_copies(slow_copies)
+        self.slow_copies = check_slow_copies(slow_copies)
         self.pool = pool
-        self.slow_copies = int(slow_copies)
         self.model = model
         self.capacity = int(capacity)
         rule = check_kind(policy, ("eviction", "set-holding"))  # parsed once: a Policy or a holding spec

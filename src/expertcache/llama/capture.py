@@ -231,8 +231,6 @@ def sequences(ids: np.ndarray, max_len: int, max_sequences: int | None) -> list[
     return [r for r in rows if r.size >= 2][:max_sequences]
 
 
-
-
 def capture_gguf(path: str, ids: np.ndarray, *, max_len: int = 384, max_sequences: int | None = None,
                  generate: int = 0, threads: int = 1, keep_prompt: bool = False) -> Trace:
     """Teacher-force each sequence (every row's logits, so every row routes in every layer), or with

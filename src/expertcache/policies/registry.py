@@ -30,8 +30,8 @@ import re
 import sys
 from dataclasses import dataclass
 
-from ..errors import PolicyError
 from .._text import short
+from ..errors import PolicyError
 from .base import Policy, parse_int
 
 KINDS = ("eviction", "admission", "set-holding")

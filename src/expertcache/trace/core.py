@@ -86,6 +86,8 @@ class Trace:
 
     # ------------------------------------------------------------------ construction
     def __post_init__(self) -> None:
+        """The check :meth:`from_arrays` and a direct construction share: the fields checked
+        (:func:`check`, missing meta derived) and owned (:func:`_frozen`)."""
         if not isinstance(self.extras, Mapping):
             raise TraceError(f"{self.source}: extras: expected a mapping of name -> array, got "
                              f"{type(self.extras).__name__}")
@@ -147,19 +149,9 @@ class Trace:
         meta = dict(meta or {})
         if num_experts is not None:  # checked with the meta: 4.7 and "4" had become 4, True 1
             meta["num_experts"] = int(num_experts) if isinstance(num_experts, np.integer) else num_experts
-        if seq is None and experts.ndim >= 1:
+        if seq is None and experts.ndim >= 1:  # else the check names experts' rank (it had blamed a seq of None)
             seq = np.zeros(experts.shape[0], dtype=np.int32)
-        arrays = {"experts": experts}
-        if seq is not None:  # else the check names experts' rank (it had blamed a seq of None)
-            arrays["seq"] = np.asarray(seq)
-        if probs is not None:
-            arrays["probs"] = np.asarray(probs)
-        if router_probs is not None:
-            arrays["router_probs"] = np.asarray(router_probs)
-        for name, value in (extras or {}).items():
-            arrays[name] = np.asarray(value)
-        given = list(arrays.values())
-        return Trace._trusted(**_frozen(check(arrays, meta, source, fill_meta=True), given))
+        return Trace(experts, seq, meta, probs, router_probs, {} if extras is None else extras, source)  # checked there
 
     # ------------------------------------------------------------------ shape
     @property

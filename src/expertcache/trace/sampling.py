@@ -8,7 +8,6 @@ unkept ids become padding in place, which every rule and the layout take anywher
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from ..errors import ConfigError
