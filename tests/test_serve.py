@@ -871,27 +871,49 @@ def test_the_slot_is_first_come_first_served_and_waiters_may_leave():
     asyncio.run(main())
 
 
-def test_the_managed_warm_up_calls_warmed_with_its_pool_full(small_gguf, tmp_path):
-    """``serve --memory-wall``'s live gauge samples at the managed warm-up's fullest (``warmed``):
-    the pool is emptied 10-60 ms after, which the gauge's 50 ms thread missed in 1 run of 6 to 8
-    (tests/test_serve_wall.py: a live peak 0.93 of the proof's, the wall's own sampler having
-    caught it). Called once, after the forward and before anything is forgotten."""
-    import shutil
-
-    from expertcache.formats.gguf import read_geometry
-    from expertcache.llama.textgen import Session
+def test_the_live_wall_gauge_shows_the_proofs_published_peak(small_gguf, tmp_path):
+    """``serve --memory-wall``'s ``/metrics`` reads the peak the wall's sampler publishes (the proof's
+    own measure), not a sampler of its own: the higher of that and the page cache now; the proof's
+    verdict follows the peak."""
+    from expertcache.llama.server import WallGauge
+    from expertcache.wall.cgroupfs import publish_peak
     from expertcache.wall.pagecache import FileCache, evict_file_pages
 
-    path = tmp_path / "own.gguf"  # a copy no other test's process maps: its page cache is this session's
-    shutil.copy(small_gguf, path)
+    path = tmp_path / "own.gguf"  # a copy no other process maps: its page cache is this test's
+    path.write_bytes(small_gguf.read_bytes())
     evict_file_pages([str(path)])
-    g = read_geometry(str(path))
-    cache = FileCache([str(path)])
-    order: list = []
-    with Session.open(str(path), mode="managed", cache_bytes=int(g.dense_bytes + 0.5 * g.expert_tensor_bytes),
-                      n_ctx=128, settled=lambda: order.append(("settled", cache.bytes())),
-                      warmed=lambda: order.append(("warmed", cache.bytes()))) as session:
-        assert session.warm_up_tokens > 0
-        assert session.advisor.resident_expert_bytes() == 0  # forgotten before the first request
-    assert [k for k, _ in order] == ["warmed", "settled"]
-    assert order[0][1] > order[1][1]  # the pool's experts were in the page cache when warmed was called
+    now = FileCache([str(path)]).bytes()
+    peak_file = str(tmp_path / "w.follow.peak")
+    gauge = WallGauge(str(path), 10 << 20, peak_file)
+
+    def read():
+        return {name: value for name, _, value in gauge()}
+
+    assert read()["wall_tier_peak_bytes"] == now  # nothing published yet: the reading now
+    publish_peak(peak_file, now + (3 << 20))
+    got = read()
+    assert got["wall_tier_peak_bytes"] == now + (3 << 20) and got["wall_proof_ok"] == 1
+    publish_peak(peak_file, gauge.capacity + gauge.slack)  # at the proof's bound: still ok
+    assert read()["wall_proof_ok"] == 1
+    publish_peak(peak_file, gauge.capacity + gauge.slack + 1)  # over it: the live proof says so
+    assert read()["wall_proof_ok"] == 0
+
+
+@pytest.mark.parametrize("value", ["{", "[]", '{"capacity": 0, "follow_flag": null, "bandwidth": {}}',
+                                   '{"capacity": 5, "follow_flag": 3, "bandwidth": {}}',
+                                   '{"capacity": 5, "follow_flag": null, "bandwidth": {"2": 1.0}}',
+                                   '{"capacity": 5, "follow_flag": null, "bandwidth": {"1": "fast"}}',
+                                   '{"capacity": 5, "follow_flag": null}', "x" * 5000])
+def test_a_wall_variable_not_written_by_the_wall_is_one_line(monkeypatch, value):
+    """``EXPERTCACHE_SERVE_WALL`` is how the walled parent talks to its server; anything else found
+    there is refused in one line, not taken (a text bandwidth had been a rate)."""
+    from expertcache.cli.serve_cmd import WALL_ENV, wall_inside
+    from expertcache.errors import ConfigError
+
+    monkeypatch.setenv(WALL_ENV, value)
+    with pytest.raises(ConfigError, match="EXPERTCACHE_SERVE_WALL: not what serve --memory-wall gives"):
+        wall_inside()
+    monkeypatch.setenv(WALL_ENV, '{"capacity": 5, "follow_flag": "/tmp/f", "bandwidth": {"1": 2.5e9, "4": null}}')
+    assert wall_inside() == {"capacity": 5, "follow_flag": "/tmp/f", "bandwidth": {1: 2.5e9, 4: None}}
+    monkeypatch.delenv(WALL_ENV, raising=False)
+    assert wall_inside() is None

@@ -425,3 +425,25 @@ def test_a_load_over_the_capacity_leaves_no_bias_behind(cgroup, tmp_path):
         cgroup.set(usage=50 * MiB + CAPACITY + MARGIN, file=CAPACITY + MARGIN)
         s.sample()
     assert s._bias == 0 and s.limits.get("max_bias_bytes", 0) == 0
+
+
+def test_the_tier_peak_is_published_each_time_it_rises(cgroup, tmp_path):
+    """A wall with a follow flag publishes its proof's tier peak at ``flag + PEAK_SUFFIX`` (what
+    ``serve``'s ``/metrics`` shows live): the running maximum of the samples, the proof's number."""
+    flag = str(tmp_path / "w.follow")
+    s = sampler(cgroup, flag)
+    peak = flag + cg.PEAK_SUFFIX
+    assert cg.read_published_peak(peak) is None  # nothing sampled yet
+    for file, want in ((3 * MiB, 3 * MiB), (5 * MiB, 5 * MiB), (2 * MiB, 5 * MiB), (6 * MiB, 6 * MiB)):
+        cgroup.set(usage=100 * MiB, file=file)
+        s.sample()
+        assert cg.read_published_peak(peak) == want == s.peaks["tier_peak_bytes"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # replaced whole, nothing left
+
+
+@pytest.mark.parametrize("text", [b"", b"12a", b"-5", b"1" * 40, b"\xff\xfe", b" 7"])
+def test_a_published_peak_that_is_not_a_count_reads_as_none(tmp_path, text):
+    path = tmp_path / "w.peak"
+    path.write_bytes(text)
+    assert cg.read_published_peak(str(path)) is None
+    assert cg.read_published_peak(str(tmp_path / "absent")) is None

@@ -59,9 +59,9 @@ def _nonnegative_int(text: str) -> int:
     return _int_in(text, 0, 64, "a number of threads", "in 0..64")
 
 
-def open_session(args, before_load=None, loading=None, settled=None, warmed=None):
+def open_session(args, before_load=None, loading=None, settled=None):
     """The :class:`~expertcache.llama.textgen.Session` of ``generate`` / ``serve``'s options
-    (``before_load``, ``loading``, ``settled``, ``warmed``: :meth:`~expertcache.llama.textgen.Session.open`'s)."""
+    (``before_load``, ``loading``, ``settled``: :meth:`~expertcache.llama.textgen.Session.open`'s)."""
     from ..llama.advice import mode_options
     from ..llama.engine import _llama
     from ..formats.gguf import read_geometry
@@ -79,4 +79,4 @@ def open_session(args, before_load=None, loading=None, settled=None, warmed=None
     return Session.open(g.path, mode=mode, cache_bytes=cache, policy=policy, n_ctx=args.ctx,
                         threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format,
                         readers=args.readers, routed_experts=getattr(args, "enable_return_routed_experts", False),
-                        before_load=before_load, loading=loading, settled=settled, warmed=warmed)
+                        before_load=before_load, loading=loading, settled=settled)

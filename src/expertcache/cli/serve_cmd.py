@@ -10,7 +10,7 @@ import signal
 import sys
 
 from .. import __version__
-from ..errors import ConfigError
+from ..errors import ConfigError, is_int, is_real
 from .common import _int_in, byte_size, emit_json, seconds_in
 from .llama_opts import add_generation_options, open_session
 
@@ -81,7 +81,7 @@ def run(args) -> int:
     from ..llama.server import serve
 
     _llama()
-    inside = json.loads(os.environ.pop(WALL_ENV, "null") or "null")  # set by run_walled for its child
+    inside = wall_inside()  # set by run_walled for its child
     before_load = loading = settled = None
     if inside:  # the wall follows this process once all but the model's load is set up
         from ..wall.capacity import begin_following, model_load
@@ -92,12 +92,15 @@ def run(args) -> int:
         # managed: a warm-up forward, then the wall restarts its window (Session.warm_up)
         settled = functools.partial(settled_mark, inside.get("follow_flag"))
     model_id = args.model_alias or os.path.basename(args.model).removesuffix(".gguf")
-    wall_state = None
-    if inside:  # sampling from before the load: the live peak counts the load and the warm-up, as the proof does
+    wall_state = bandwidth = None
+    if inside:  # the live proof reads the peak the wall's sampler publishes (from before the load)
         from ..llama.server import WallGauge
+        from ..wall.cgroupfs import PEAK_SUFFIX
 
-        wall_state = WallGauge(args.model, int(inside["capacity"]))
-    with open_session(args, before_load, loading, settled, wall_state and wall_state.sample) as session:
+        flag = inside["follow_flag"]
+        wall_state = WallGauge(args.model, inside["capacity"], flag and flag + PEAK_SUFFIX)
+        bandwidth = inside["bandwidth"]  # measured by the parent, outside the wall
+    with open_session(args, before_load, loading, settled) as session:
         def announce(url: str) -> None:
             rec = {"url": url, "model": model_id, "gguf": session.geometry.path, "mode": session.mode,
                    "cache_memory": session.cache_bytes, "policy": session.policy if session.mode == "managed" else None,
@@ -112,13 +115,35 @@ def run(args) -> int:
                       f"on {url} (one slot; requests queue)", file=sys.stderr, flush=True)
 
         serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce, wall_state=wall_state,
-              version=__version__, max_connections=args.max_connections, request_seconds=args.request_timeout)
+              version=__version__, max_connections=args.max_connections, request_seconds=args.request_timeout,
+              bandwidth=bandwidth)
     return 0
 
 
 WALL_ENV = "EXPERTCACHE_SERVE_WALL"
-"""How ``serve --memory-wall`` tells its child (the server inside the wall) the capacity and the
-follow flag (JSON)."""
+"""How ``serve --memory-wall`` tells its child (the server inside the wall) the capacity, the follow
+flag and the device's bandwidths (JSON: :func:`wall_inside`)."""
+
+
+def wall_inside() -> dict | None:
+    """``{"capacity": bytes, "follow_flag": path or None, "bandwidth": {1: bytes/s or None, 4: ...}}``
+    from :data:`WALL_ENV` (removed from the environment), or None where it is not set; a value that
+    is not what ``run_walled`` writes is one line (exit 2)."""
+    text = os.environ.pop(WALL_ENV, "")
+    if not text:
+        return None
+    try:
+        rec = json.loads(text[:4096]) if len(text) <= 4096 else None
+    except ValueError:
+        rec = None
+    bw = rec.get("bandwidth") if isinstance(rec, dict) else None
+    if not (isinstance(rec, dict) and is_int(rec.get("capacity"), 1) and isinstance(bw, dict)
+            and (rec.get("follow_flag") is None or isinstance(rec["follow_flag"], str))
+            and set(bw) <= {"1", "4"} and all(v is None or (is_real(v) and v > 0) for v in bw.values())):
+        raise ConfigError(f"${WALL_ENV}: not what serve --memory-wall gives the server inside its wall "
+                          f"({text[:80]!r}); unset it")
+    return {"capacity": rec["capacity"], "follow_flag": rec.get("follow_flag"),
+            "bandwidth": {int(k): v for k, v in bw.items()}}
 
 
 def run_walled(args) -> int:
@@ -128,6 +153,7 @@ def run_walled(args) -> int:
     from ..formats.gguf import read_geometry
     from ..llama.advice import mode_options
     from ..llama.runner import check_managed, check_wall
+    from ..llama.server import device_bandwidths
     from ..llama.sweep import parse_wall
     from ..wall import capacity as cap
     from ..wall.pagecache import evict_for_wall
@@ -155,8 +181,10 @@ def run_walled(args) -> int:
     if args.enable_return_routed_experts:
         argv.append("--enable-return-routed-experts")
     headroom, margin, note = cap.follow_plan(wall, args.headroom)
+    bandwidth = device_bandwidths(g)  # here, outside the wall: its reader threads and buffers are not the server's
     with cap.worker_spec({}, "expertcache-serve-", True) as (_spec, flag):
-        os.environ[WALL_ENV] = json.dumps({"capacity": wall, "follow_flag": flag})
+        os.environ[WALL_ENV] = json.dumps({"capacity": wall, "follow_flag": flag,
+                                           "bandwidth": {str(k): v for k, v in bandwidth.items()}})
         try:
             evict_for_wall([g.path])
             run = cap.run_walled(argv, capacity_bytes=wall, wall="cgroup", headroom_bytes=headroom,

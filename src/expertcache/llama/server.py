@@ -228,6 +228,23 @@ def lone_surrogate(obj) -> str | None:
 
 
 # ------------------------------------------------------------------------------ metrics
+def device_bandwidths(g) -> dict:
+    """``{1: bytes/s, 4: bytes/s}``: the device's read bandwidth at the expert slice size of the GGUF
+    ``g``, one and four readers (:func:`~.roofline.device_bandwidth`: cached per device for a day,
+    else about 2 s of ``O_DIRECT`` reads by threads with buffers of their own); ``{}`` where the
+    file cannot be read so (no roofline gauges). ``serve --memory-wall`` calls it in the wall's
+    parent: inside the wall, whose limit hugs the server after its warm-up, the cache's parse and
+    rewrite and the reader threads with their buffers had met the limit (``can't start new
+    thread``, or ``ENOMEM`` from the next ``socket()``: 3 to 5 of 25 starts beside two CPU burners)."""
+    from .roofline import device_bandwidth
+    from .runner import request_bytes
+
+    try:
+        return {readers: device_bandwidth(g.path, request_bytes(g), readers)["bytes_per_s"] for readers in (1, 4)}
+    except OSError:
+        return {}
+
+
 class Metrics:
     """The counters of ``/metrics`` (Prometheus text format 0.0.4). ``requests_total`` counts a stream
     its client left before the end as code 499 (nginx's "client closed request"). Expert hits and misses are counted
@@ -236,7 +253,10 @@ class Metrics:
     export no such series. ``device_read_bytes_total`` is this process's ``/proc/self/io``
     ``read_bytes``."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, bandwidth: dict | None = None):
+        """``bandwidth``: ``{readers: bytes/s or None}`` for 1 and 4 readers, measured beforehand (a
+        walled server's parent measures it outside the wall: :func:`device_bandwidths`); None:
+        measured here."""
         self.session = session
         self.requests: dict[tuple[str, int], int] = {}
         self.prompt_tokens = self.completion_tokens = 0
@@ -244,21 +264,7 @@ class Metrics:
         self.ttft_sum, self.ttft_count = 0.0, 0
         self.waiting = 0
         self.wall = None  # a callable giving the live wall state, where the server runs inside one
-        self.bandwidth: dict = {}
-        self._measure_bandwidth()
-
-    def _measure_bandwidth(self) -> None:
-        """The device's read bandwidth at the expert slice size, 1 and 4 readers (:mod:`.roofline`;
-        cached per device for a day, else about 2 s of ``O_DIRECT`` reads before the server answers)."""
-        from .roofline import device_bandwidth
-        from .runner import request_bytes
-
-        g = self.session.geometry
-        try:
-            for readers in (1, 4):
-                self.bandwidth[readers] = device_bandwidth(g.path, request_bytes(g), readers)["bytes_per_s"]
-        except OSError:
-            pass  # no roofline gauges
+        self.bandwidth = device_bandwidths(session.geometry) if bandwidth is None else dict(bandwidth)
 
     def roofline(self, snap: dict) -> dict:
         """The roofline of the decode steps so far (docs/serve.md, Metrics): ``c`` the rate of the
@@ -522,13 +528,15 @@ class Guard:
                 await error_json(500, f"internal error ({type(exc).__name__})", "server_error")(scope, receive, send)
 
 
-def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, version: str = "") -> FastAPI:
-    """The FastAPI app serving ``session`` as model ``model_id`` (see the module docstring).
+def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, version: str = "",
+               bandwidth: dict | None = None) -> FastAPI:
+    """The FastAPI app serving ``session`` as model ``model_id`` (see the module docstring);
+    ``bandwidth``: :class:`Metrics`'s.
     ``app.state.stopping`` (a ``threading.Event``), once set, ends the decode in progress before its
     next token and sends every waiting request a 503: :func:`serve` sets it when shutdown begins."""
     app = FastAPI(title="expertcache", version=version, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)  # a trailing slash is a JSON 404, not a bare 307 to another URL
-    metrics = Metrics(session)
+    metrics = Metrics(session, bandwidth)
     stopping = threading.Event()
     app.state.metrics, app.state.session, app.state.stopping = metrics, session, stopping
     app.add_middleware(Guard, metrics=metrics)
@@ -834,32 +842,27 @@ class Producer:
 
 
 class WallGauge:
-    """The live proof of a server inside ``serve --memory-wall``: the GGUF's page cache now and its
-    peak (sampled every 50 ms by a thread of its own, as the wall's sampler measures it: the
-    file's cached bytes), the capacity, the proof's slack, the cgroup's limit now, and whether the
-    peak has stayed within the capacity + slack so far (the wall's parent process reads the same
-    measure and prints the final proof when the server stops)."""
+    """The live proof of a server inside ``serve --memory-wall``: the GGUF's page cache now, the
+    peak the wall's proof has measured so far (its sampler, in the parent process, publishes each
+    new peak to ``peak_file``: :data:`~expertcache.wall.cgroupfs.PEAK_SUFFIX`), the capacity, the
+    proof's slack, the cgroup's limit now, and whether the peak has stayed within the capacity +
+    slack. One measurement, the proof's: a sampler of the gauge's own, 50 ms apart from the wall's,
+    had read peaks 0.85-1.17 of the proof's. The peak shown is the higher of the published one and
+    the reading now (the proof takes its next sample later)."""
 
-    def __init__(self, path: str, capacity: int):
-        import threading
-
+    def __init__(self, path: str, capacity: int, peak_file: str | None):
         from ..wall.pagecache import FileCache
         from ..wall.capacity import proof_slack
 
         self.files, self.capacity, self.slack = FileCache([path]), capacity, proof_slack(capacity)
-        self.peak = self.files.bytes()
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
+        self.peak_file = peak_file
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.sample()
+    def published(self) -> int | None:
+        """The proof's peak so far, as the wall published it (None before its first sample, or where
+        the file holds no count)."""
+        from ..wall.cgroupfs import read_published_peak
 
-    def sample(self) -> None:
-        """Take one reading now: also called at the managed warm-up's fullest, whose pool is emptied
-        within 10-60 ms (the 50 ms thread missed it in 1 run of 6 or 8: a live peak 0.93 of the
-        proof's, which the wall's own sampler had caught)."""
-        self.peak = max(self.peak, self.files.bytes())
+        return read_published_peak(self.peak_file) if self.peak_file else None
 
     def limit(self) -> int | None:
         from ..wall.cgroupfs import locate_memory_cgroup, read_int
@@ -871,13 +874,13 @@ class WallGauge:
 
     def __call__(self) -> list[tuple[str, str, float]]:
         now = self.files.bytes()
-        self.peak = max(self.peak, now)
+        peak = max(now, self.published() or 0)
         out = [("wall_capacity_bytes", "The memory wall: the most the model's page cache may hold.", self.capacity),
                ("wall_tier_bytes", "The model file's page cache now (cachestat).", now),
-               ("wall_tier_peak_bytes", "The most the model file's page cache held since the server started.",
-                self.peak),
+               ("wall_tier_peak_bytes", "The most the model file's page cache held since the server started "
+                "(the wall's proof's samples, or the reading now where higher).", peak),
                ("wall_proof_ok", "1 while the peak has stayed within the capacity + the proof's slack.",
-                int(self.peak <= self.capacity + self.slack))]
+                int(peak <= self.capacity + self.slack))]
         lim = self.limit()
         if lim is not None:
             out.append(("wall_limit_bytes", "The cgroup limit now (it follows the server's own memory).", lim))
@@ -978,16 +981,16 @@ class SlotStream(StreamingResponse):
 
 def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_id: str,
           announce=None, wall_state=None, version: str = "", max_connections: int | None = None,
-          request_seconds: float | None = None) -> None:
+          request_seconds: float | None = None, bandwidth: dict | None = None) -> None:
     """Serve until SIGTERM / SIGINT. The socket is bound first (``port`` 0: any free port), then
     ``announce(url)`` is called (the CLI prints it), then requests are answered. ``max_connections``
     and ``request_seconds`` (default :data:`MAX_CONNECTIONS`, :data:`REQUEST_SECONDS`):
-    :func:`guarded_protocol`."""
+    :func:`guarded_protocol`; ``bandwidth``: :class:`Metrics`'s."""
     import socket
 
     import uvicorn
 
-    app = create_app(session, model_id=model_id, version=version)
+    app = create_app(session, model_id=model_id, version=version, bandwidth=bandwidth)
     if wall_state is not None:
         app.state.metrics.wall = wall_state
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

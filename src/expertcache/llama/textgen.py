@@ -186,7 +186,7 @@ class Session:
     def open(cls, path: str, *, mode: str = "mmap", cache_bytes: int | None = None, policy: str = "lru",
              n_ctx: int | None = None, threads: int = 1, seed: int = 0, chat_format: str | None = None,
              where: str = "MODEL", readers: int | None = None, routed_experts: bool = False,
-             before_load=None, loading=None, settled=None, warmed=None) -> "Session":
+             before_load=None, loading=None, settled=None) -> "Session":
         """``before_load``: called once the options are checked and the managed rule compiled, before
         more than its header is read (a following memory wall begins there:
         :func:`~expertcache.wall.capacity.begin_following`, so that the start-up's compiling and
@@ -194,9 +194,7 @@ class Session:
         around llama.cpp's load and the advisor's start (the wall's load phase:
         :func:`~expertcache.wall.capacity.model_load`); ``settled``: with the managed mode, called
         after a warm-up (:meth:`warm_up`) once the load is over (a following wall restarts its
-        window of own-memory samples there: :func:`~expertcache.wall.capacity.settled`); ``warmed``:
-        called inside the warm-up, its forward run and its pool not yet emptied (``serve``'s live
-        wall gauge samples the pool at its fullest there)."""
+        window of own-memory samples there: :func:`~expertcache.wall.capacity.settled`)."""
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         g = read_geometry(path, where)
@@ -258,28 +256,25 @@ class Session:
         session = cls(g, mode, policy, advisor, llm, budget, n_ctx, load_s, chat_format is not None)
         if mode == "managed" and settled is not None:
             try:
-                session.warm_up(warmed)
+                session.warm_up()
                 settled()
             except BaseException:
                 session.close()
                 raise
         return session
 
-    def warm_up(self, warmed=None) -> int:
+    def warm_up(self) -> int:
         """One forward of a full batch through the managed pool, then forgotten: the context emptied,
         the pool emptied and its counts reset (:meth:`PageAdvisor.restart`), the forward counters
         zeroed. A first forward touches llama.cpp's compute buffers (the largest batch touches the
         most); done before the pool fills, a following wall's limit has counted them by the time it
         does, as ``llama run --mode managed`` does with its prompt (docs/robustness.md). The tokens
         are ids ``0, 1, 2, ...``: what they route does not matter, since the pool is emptied after.
-        ``warmed`` (if given) is called after the forward, before anything is forgotten. Returns how
-        many tokens it ran."""
+        Returns how many tokens it ran."""
         llm = self.llama
         n = max(1, min(llm.n_batch, self.n_ctx - 1))
         llm.reset()
         llm.eval([i % llm.n_vocab() for i in range(n)])
-        if warmed is not None:
-            warmed()
         llm.reset()
         for key, value in llm.stats.items():
             llm.stats[key] = type(value)(0)

@@ -231,7 +231,7 @@ def worker_spec(spec: dict, prefix: str, follow: bool):
         os.unlink(path)
         if flag:
             for left in (flag, flag + cg.LOAD_SUFFIX, flag + cg.LOADED_SUFFIX, flag + cg.SETTLED_SUFFIX,
-                         flag + cg.STEADY_SUFFIX):
+                         flag + cg.STEADY_SUFFIX, flag + cg.PEAK_SUFFIX):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(left)
 

@@ -241,6 +241,37 @@ the wall, its window restarted from this sample and the limit written, removes i
 (:func:`~.capacity.settled`). A worker whose first forward has run (its allocations done) creates
 ``follow_flag + STEADY_SUFFIX`` and goes on (:func:`~.capacity.steady`): no handshake, no restart;
 from then on, as once settled, the wall samples at :data:`TIER_CPU_SHARE`'s pace."""
+PEAK_SUFFIX = ".peak"
+"""A wall with a follow flag publishes its tier's running peak (``tier_peak_bytes``, the proof's
+measure) at ``follow_flag + PEAK_SUFFIX`` each time it rises: the decimal count, replaced whole
+(written beside it, then renamed), so that a worker reporting its wall live (``serve``'s
+``/metrics``) shows the proof's own number rather than a second sampler's."""
+
+
+def publish_peak(path: str, value: int) -> None:
+    """Replace ``path`` with ``value`` in decimal (a temporary beside it, renamed over it: a reader
+    sees the old count or the new one). An error leaves the last count there."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="ascii") as fh:
+            fh.write(str(int(value)))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def read_published_peak(path: str) -> int | None:
+    """The count :func:`publish_peak` last wrote at ``path``; None if there is none (or it is not a
+    count: at most 32 bytes are read)."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(32)
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and len(text) < 32 else None
+
+
 AT_LIMIT_BYTES = 1 << 20
 """A cgroup counts as at its limit when its usage (or peak) is within this of the limit."""
 
@@ -348,10 +379,13 @@ class Sampler(threading.Thread):
         vals = {"file_peak_bytes": file, "anon_peak_bytes": st["active_anon"] + st["inactive_anon"],
                 "unevictable_peak_bytes": unev, "tier_peak_bytes": tier,
                 "own_peak_bytes": None if usage is None else max(0, usage - tier)}
+        rose = self.peaks["tier_peak_bytes"] is None or tier > self.peaks["tier_peak_bytes"]
         for k, v in vals.items():
             if v is not None:
                 self.peaks[k] = v if self.peaks[k] is None else max(self.peaks[k], v)
         self.peaks["samples"] += 1
+        if rose and self.follow_flag:
+            publish_peak(self.follow_flag + PEAK_SUFFIX, tier)
         flagged = bool(self.follow_flag and os.path.exists(self.follow_flag))
         load_mark = self.follow_flag and not flagged and os.path.exists(self.follow_flag + LOAD_SUFFIX)
         loaded = bool(self.follow_flag) and os.path.exists(self.follow_flag + LOADED_SUFFIX)
