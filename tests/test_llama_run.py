@@ -383,3 +383,28 @@ def test_the_roofline_cache_keeps_current_measurements_only(tmp_path, monkeypatc
         assert rl._cached("good", False) is None
     rl._store("good", good)
     assert json.loads(rl.cache_path().read_text()) == {"good": good}
+
+
+def test_the_roofline_cache_forgets_the_measurements_of_deleted_files(tmp_path, monkeypatch):
+    """A measurement of one file's (``file``: hinted bandwidth, compute and prefill rates) goes with
+    the file at the next store, not a day later (this machine's cache held 1,402 compute entries of
+    a test suite's deleted temporary GGUFs); the device's bandwidths (no ``file``) stay; a ``file``
+    that is not a path is a damaged entry."""
+    import expertcache.llama.roofline as rl
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    kept, gone = tmp_path / "kept.gguf", tmp_path / "gone.gguf"
+    kept.write_bytes(b"x")
+    gone.write_bytes(b"x")
+    rate = {"tokens_per_s": 50.0, "repeats": 3, "at": time.time()}
+    rl._store("kept", {**rate, "file": str(kept)})
+    rl._store("gone", {**rate, "file": str(gone)})
+    rl._store("device", {"bytes_per_s": 1e9, "passes": 3, "at": time.time()})
+    assert rl._cached("gone", False) is not None
+    gone.unlink()
+    assert rl._cached("gone", False) is None  # measured again were the file back
+    data = json.loads(rl.cache_path().read_text())
+    rl.cache_path().write_text(json.dumps({**data, "number": {**rate, "file": 5}}))
+    assert rl._cached("number", False) is None
+    rl._store("again", {**rate, "file": str(kept)})
+    assert sorted(json.loads(rl.cache_path().read_text())) == ["again", "device", "kept"]
