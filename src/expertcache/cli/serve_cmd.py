@@ -78,28 +78,25 @@ def run(args) -> int:
     if args.memory_wall is not None:
         return run_walled(args)
     from ..llama.engine import _llama
-    from ..llama.server import serve
+    from ..llama.server import WallGauge, serve
 
     _llama()
     inside = wall_inside()  # set by run_walled for its child
-    before_load = loading = settled = None
+    before_load = loading = settled = wall_state = bandwidth = None
     if inside:  # the wall follows this process once all but the model's load is set up
         from ..wall.capacity import begin_following, model_load
         from ..wall.capacity import settled as settled_mark
-
-        before_load = functools.partial(begin_following, inside.get("follow_flag"))
-        loading = model_load(inside.get("follow_flag"))
-        # managed: a warm-up forward, then the wall restarts its window (Session.warm_up)
-        settled = functools.partial(settled_mark, inside.get("follow_flag"))
-    model_id = args.model_alias or os.path.basename(args.model).removesuffix(".gguf")
-    wall_state = bandwidth = None
-    if inside:  # the live proof reads the peak the wall's sampler publishes (from before the load)
-        from ..llama.server import WallGauge
         from ..wall.cgroupfs import PEAK_SUFFIX
 
         flag = inside["follow_flag"]
+        before_load = functools.partial(begin_following, flag)
+        loading = model_load(flag)
+        # managed: a warm-up forward, then the wall restarts its window (Session.warm_up)
+        settled = functools.partial(settled_mark, flag)
+        # the live proof reads the peak the wall's sampler publishes (from before the load)
         wall_state = WallGauge(args.model, inside["capacity"], flag and flag + PEAK_SUFFIX)
         bandwidth = inside["bandwidth"]  # measured by the parent, outside the wall
+    model_id = args.model_alias or os.path.basename(args.model).removesuffix(".gguf")
     with open_session(args, before_load, loading, settled) as session:
         def announce(url: str) -> None:
             rec = {"url": url, "model": model_id, "gguf": session.geometry.path, "mode": session.mode,
