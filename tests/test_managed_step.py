@@ -19,7 +19,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import sys
 import tempfile
+import threading
+import types
 
 import numpy as np
 import pytest
@@ -30,6 +33,7 @@ from expertcache.llama import advice
 from expertcache.llama.advice import PageAdvisor, managed_item_bytes
 from expertcache.llama.ggml import GGML_TYPE_I32, GGMLTensor
 from expertcache.llama.managed import LRUPool, PageSteps
+from expertcache.llama.textgen import Session
 from test_managed_pages import E, geometry
 
 BASE = 1 << 40
@@ -98,8 +102,10 @@ def forwards(seed: int, n: int = 40):
     return out
 
 
-def drive(compiled: bool, seed: int, capacity_items: float) -> dict:
-    """Run one advisor over :func:`forwards` with its system calls logged; its log, stats, routing."""
+def drive(compiled: bool, seed: int, capacity_items: float, n: int = 40, readers: int = 0) -> dict:
+    """Run one advisor over ``n`` :func:`forwards` with its system calls logged; its log, stats,
+    routing. ``readers``: threads that meanwhile read the counters as a server's ``/metrics`` does
+    (``Session.snapshot``), over and over; what each read (``reads``)."""
     g = geometry()
     log: list = []
     madvise_cb = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int)(
@@ -120,18 +126,57 @@ def drive(compiled: bool, seed: int, capacity_items: float) -> dict:
         saved = advice.madvise, os.posix_fadvise
         advice.madvise = lambda a, n, a2: log.append(("madvise", a, n, a2))
         os.posix_fadvise = lambda fd, off, n, a2: log.append(("fadvise", off, n, a2))
+        session = Session.__new__(Session)  # only what snapshot reads
+        session.llama, session.advisor = types.SimpleNamespace(stats={}, io=None), adv
+        done, reads = threading.Event(), [[] for _ in range(readers)]
+
+        def read(out: list) -> None:
+            while not done.is_set():
+                snap = session.snapshot()
+                out.append((snap["expert_hits"], snap["expert_misses"]))
+
+        threads = [threading.Thread(target=read, args=(out,)) for out in reads]
+        for t in threads:
+            t.start()
         try:
-            for f in forwards(seed):
+            for f in forwards(seed, n):
                 adv.begin(f[0].shape[0], False, False)
                 for layer, ids in enumerate(f):
                     t = _Topk(ids)
                     adv.seen(f"ffn_moe_topk-{layer}".encode(), t.ptr)
+            done.set()
+            for t in threads:
+                t.join()
             stats = adv.stats()
         finally:
+            done.set()
             advice.madvise, os.posix_fadvise = saved
             adv.close()
     routing = [{k: v.tolist() for k, v in f.items()} for f in adv.routing]
-    return {"log": log, "stats": stats, "routing": routing, "resident": adv.cache.resident.tolist()}
+    return {"log": log, "stats": stats, "routing": routing, "resident": adv.cache.resident.tolist(), "reads": reads}
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_counters_read_beside_the_decode_count_each_step_once(compiled):
+    """A server renders ``/metrics`` on its own thread while its decode thread steps the pool
+    (docs/serve.md, "Threads"): the counters it reads (``Session.snapshot``) never go down, never pass
+    the end's, and reading them changes nothing. The thread switch is made as frequent as Python
+    allows. Before, the read moved the compiled step's counters too: a step was counted twice when
+    both threads moved it, or lost when it was counted between a move's read and its reset (the
+    compiled case failed in 3 runs of 3)."""
+    alone = drive(compiled, 0, 3, n=1500)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        read = drive(compiled, 0, 3, n=1500, readers=2)
+    finally:
+        sys.setswitchinterval(interval)
+    assert read["stats"] == alone["stats"]
+    end = (alone["stats"]["expert_hits"], alone["stats"]["expert_misses"])
+    for seq in read["reads"]:
+        assert seq, "a reader read nothing"
+        assert all(b[0] >= a[0] and b[1] >= a[1] for a, b in zip(seq, seq[1:])), "a counter went down"
+        assert all(h <= end[0] and m <= end[1] for h, m in seq)
 
 
 @pytest.mark.parametrize("seed,capacity_items", [(0, 3), (1, 3.5), (2, 5), (3, 8)])

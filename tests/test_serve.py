@@ -280,10 +280,11 @@ def test_metrics_move_and_agree_with_the_run(managed):
     assert d['expertcache_requests_total{endpoint="/v1/completions",code="200"}'] == 1
 
 
-def test_a_client_that_leaves_mid_stream_frees_the_slot(managed):
-    steps0 = managed.metrics()["expertcache_decode_steps_total"]
-    sock = socket.create_connection((managed.host, managed.port), timeout=60)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 480, "temperature": 0, "stream": True}).encode()
+def open_stream(server: Server, max_tokens: int, each=None) -> socket.socket:
+    """A greedy streamed completion of PROMPT sent by hand, read until its third event; its socket,
+    open. ``each()`` is called after every read."""
+    sock = socket.create_connection((server.host, server.port), timeout=60)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     got = b""
@@ -291,6 +292,14 @@ def test_a_client_that_leaves_mid_stream_frees_the_slot(managed):
         part = sock.recv(4096)
         assert part, "the stream ended early"
         got += part
+        if each is not None:
+            each()
+    return sock
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_slot(managed):
+    steps0 = managed.metrics()["expertcache_decode_steps_total"]
+    sock = open_stream(managed, 480)
     sock.close()  # gone mid-stream
     done = managed.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=5, temperature=0)
     assert done.usage.completion_tokens == 5  # the slot was freed
@@ -917,3 +926,31 @@ def test_a_wall_variable_not_written_by_the_wall_is_one_line(monkeypatch, value)
     assert wall_inside() == {"capacity": 5, "follow_flag": "/tmp/f", "bandwidth": {1: 2.5e9, 4: None}}
     monkeypatch.delenv(WALL_ENV, raising=False)
     assert wall_inside() is None
+
+
+def test_a_request_starts_no_thread(managed):
+    """Every thread a request runs on exists before it (docs/serve.md, "Threads"): the decode and the
+    rendering of ``/metrics`` run on two threads made at the server's start, before its model loads.
+    Inside ``serve --memory-wall`` a new thread's stack and kernel memory are charged to a cgroup
+    whose limit hugs the server after its warm-up (docs/robustness.md, "Under load"); before, every
+    request started a decode thread of its own and ``/metrics`` one of anyio's pool."""
+    tasks = Path(f"/proc/{managed.proc.pid}/task")
+
+    def threads() -> set[str]:
+        return {p.name for p in tasks.iterdir()}
+
+    managed.metrics()
+    before = threads()
+    seen: set[str] = set()
+    sock = open_stream(managed, 200, each=lambda: seen.update(threads()))  # while it decodes
+    managed.metrics()
+    seen |= threads()
+    sock.close()
+    client = managed.client()
+    client.completions.create(model="small-moe", prompt="x = 1", max_tokens=4, temperature=0)
+    seen |= threads()
+    client.chat.completions.create(model="small-moe", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                   temperature=0)
+    managed.metrics()
+    seen |= threads()
+    assert seen - before == set(), f"threads started by requests: {sorted(seen - before)}"

@@ -78,9 +78,10 @@ def run(args) -> int:
     if args.memory_wall is not None:
         return run_walled(args)
     from ..llama.engine import _llama
-    from ..llama.server import WallGauge, serve
+    from ..llama.server import WallGauge, Workers, serve
 
     _llama()
+    workers = Workers()  # a request starts no thread: these two run them, made before the wall follows us
     inside = wall_inside()  # set by run_walled for its child
     before_load = loading = settled = wall_state = bandwidth = None
     if inside:  # the wall follows this process once all but the model's load is set up
@@ -113,7 +114,7 @@ def run(args) -> int:
 
         serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce, wall_state=wall_state,
               version=__version__, max_connections=args.max_connections, request_seconds=args.request_timeout,
-              bandwidth=bandwidth)
+              bandwidth=bandwidth, workers=workers)
     return 0
 
 

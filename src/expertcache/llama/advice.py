@@ -59,6 +59,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
+import threading
 
 import numpy as np
 
@@ -401,6 +402,9 @@ class PageAdvisor:
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         self.g, self.mode = geometry, mode
+        self.moving = threading.Lock()
+        """Held while the compiled step's counters move into the advisor's (:meth:`sync_counters`) and
+        while :meth:`hit_counts` reads both, so that a reader on another thread counts each step once."""
         self.cache = None
         self.steps = None
         self.managed_loads = self.managed_drops = 0
@@ -545,17 +549,36 @@ class PageAdvisor:
             self.routing.append({})
 
     def sync_counters(self) -> None:
-        """Add the compiled step's counters to the advisor's (and zero them there)."""
+        """Move the compiled step's counters into the advisor's. Called on the thread that runs the
+        forwards (each forward's :meth:`begin`, :meth:`stats`): the Python step adds to the same
+        counters there. A reader on another thread (a server's ``/metrics``) calls
+        :meth:`hit_counts`, which moves nothing: two threads moving had counted some steps twice,
+        and a step counted between a move's read and its reset was lost."""
         if self.steps is not None and self.steps.cnt.any():
-            c = self.steps.cnt.tolist()
-            self.managed_loads += c[LOADS]
-            self.expert_hits += c[HITS]
-            self.expert_misses += c[MISSES]
-            self.managed_drops += c[DROPS]
-            self.edge_drops += c[EDGE_DROPS]
-            self.hints += c[HINTS]
-            self.hint_bytes += c[HINT_BYTES]
-            self.steps.cnt[:] = 0
+            with self.moving:
+                moved = self.steps.cnt.copy()
+                c = moved.tolist()
+                self.managed_loads += c[LOADS]
+                self.expert_hits += c[HITS]
+                self.expert_misses += c[MISSES]
+                self.managed_drops += c[DROPS]
+                self.edge_drops += c[EDGE_DROPS]
+                self.hints += c[HINTS]
+                self.hint_bytes += c[HINT_BYTES]
+                self.steps.cnt -= moved  # not zeroed: what a step counted meanwhile stays to be moved
+
+    def hit_counts(self) -> tuple[int | None, int | None]:
+        """``(expert_hits, expert_misses)`` so far, from any thread: the advisor's counters plus what
+        the compiled step has counted since they last moved, read together under :attr:`moving`;
+        ``(None, None)`` where they are not counted (:attr:`counts_hits`). Each never decreases."""
+        if not self.counts_hits:
+            return None, None
+        with self.moving:
+            pending = self.steps.cnt.tolist() if self.steps is not None else None
+            hits, misses = self.expert_hits, self.expert_misses
+        if pending is not None:
+            hits, misses = hits + pending[HITS], misses + pending[MISSES]
+        return hits, misses
 
     def _redrop(self) -> None:
         """Drop again the victims whose pages may have been in flight when they were dropped (loaded

@@ -36,6 +36,10 @@ Invariants:
 * **Routed experts** (``--enable-return-routed-experts``): a request asking ``return_routed_experts``
   gets every evaluated position's experts in SGLang's ``sglext.routed_experts`` encoding
   (:meth:`Generation.routed_experts`); without the switch the field is refused, never ignored.
+* **A request starts no thread.** Its decode and the rendering of ``/metrics`` run on two threads
+  made at the start (:class:`Workers`; ``expertcache serve`` makes them before the model loads).
+  Inside ``serve --memory-wall`` a new thread's stack and kernel memory would be charged to a cgroup
+  whose limit hugs the server after its warm-up.
 * Binds 127.0.0.1 unless told otherwise; SIGTERM and SIGINT stop it cleanly: the decode in progress
   ends before its next token (a stream gets an error event, a non-streamed request a 503), waiting
   requests get a 503, the model is closed, exit 0.
@@ -46,8 +50,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import concurrent.futures
 import json
 import logging
+import queue
 import signal
 import sys
 import threading
@@ -529,14 +535,15 @@ class Guard:
 
 
 def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, version: str = "",
-               bandwidth: dict | None = None) -> FastAPI:
+               bandwidth: dict | None = None, workers: "Workers | None" = None) -> FastAPI:
     """The FastAPI app serving ``session`` as model ``model_id`` (see the module docstring);
-    ``bandwidth``: :class:`Metrics`'s.
+    ``bandwidth``: :class:`Metrics`'s; ``workers``: the threads requests run on (made here if None).
     ``app.state.stopping`` (a ``threading.Event``), once set, ends the decode in progress before its
     next token and sends every waiting request a 503: :func:`serve` sets it when shutdown begins."""
     app = FastAPI(title="expertcache", version=version, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)  # a trailing slash is a JSON 404, not a bare 307 to another URL
     metrics = Metrics(session, bandwidth)
+    workers = workers or Workers()
     stopping = threading.Event()
     app.state.metrics, app.state.session, app.state.stopping = metrics, session, stopping
     app.add_middleware(Guard, metrics=metrics)
@@ -656,7 +663,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 metrics.count(endpoint, 499)
                 return Response(status_code=499)
             gen = Generation(session, body=body, shutdown=stopping, **args)
-            first = await anyio.to_thread.run_sync(gen.start)
+            first = await workers.decode.call(gen.start)
             if body.return_routed_experts:
                 gen.check_routed_start()
         except ApiError as exc:
@@ -665,12 +672,12 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             return exc.response()
         except BaseException:
             if gen is not None:
-                await anyio.to_thread.run_sync(gen.close)
+                await workers.decode.call(gen.close)
             slot.release()
             raise
         ttft = time.perf_counter() - t0
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
-        producer = Producer(gen, asyncio.get_running_loop())
+        producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
         def finished() -> dict:
             usage = gen.usage()
@@ -798,24 +805,71 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         metrics.count("/metrics", 200)
-        text = await anyio.to_thread.run_sync(metrics.render)
+        text = await workers.metrics.call(metrics.render)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
 
 
+class Worker:
+    """One daemon thread, started when made, running the calls handed to it one at a time in the
+    order given. A call's exception goes to its caller; the thread goes on."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn, done = self._calls.get()
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - the caller's to handle
+                done.set_exception(exc)
+
+    def submit(self, fn) -> concurrent.futures.Future:
+        """Queue ``fn()``; its future."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, done))
+        return done
+
+    async def call(self, fn):
+        """``fn()`` on this thread, awaited. A caller cancelled meanwhile waits for the call to end
+        before it is cancelled (as ``anyio.to_thread.run_sync`` does): what ``fn`` holds is released
+        before the caller's cleanup runs."""
+        done = asyncio.wrap_future(self.submit(fn))
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await asyncio.wait({done})
+            raise
+
+
+class Workers:
+    """The server's two threads: ``decode`` (a request's prompt, tokens and close: one request at a
+    time holds the slot, so one thread) and ``metrics`` (rendering ``/metrics``, which reads the
+    pool while a decode runs). Made once, before the first request: a request starts no thread."""
+
+    def __init__(self):
+        self.decode = Worker("expertcache-decode")
+        self.metrics = Worker("expertcache-metrics")
+
+
 class Producer:
-    """A request's decode on a thread of its own, handing each piece to the event loop
+    """A request's decode on the decode :class:`Worker`, handing each piece to the event loop
     (``call_soon_threadsafe``: one wake-up per piece, not a thread-pool round trip). :meth:`stop`
     asks it to end before the next token (``Generation.halt``), waits until it has, and stops the
     decode."""
 
-    def __init__(self, gen: Generation, loop: asyncio.AbstractEventLoop):
+    def __init__(self, gen: Generation, worker: Worker, loop: asyncio.AbstractEventLoop):
         self.gen, self.loop = gen, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.halt = gen.halt
         self.finished = asyncio.Event()
-        threading.Thread(target=self._run, daemon=True).start()
+        worker.submit(self._run)
 
     def _run(self) -> None:
         try:
@@ -981,16 +1035,17 @@ class SlotStream(StreamingResponse):
 
 def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_id: str,
           announce=None, wall_state=None, version: str = "", max_connections: int | None = None,
-          request_seconds: float | None = None, bandwidth: dict | None = None) -> None:
+          request_seconds: float | None = None, bandwidth: dict | None = None,
+          workers: Workers | None = None) -> None:
     """Serve until SIGTERM / SIGINT. The socket is bound first (``port`` 0: any free port), then
     ``announce(url)`` is called (the CLI prints it), then requests are answered. ``max_connections``
     and ``request_seconds`` (default :data:`MAX_CONNECTIONS`, :data:`REQUEST_SECONDS`):
-    :func:`guarded_protocol`; ``bandwidth``: :class:`Metrics`'s."""
+    :func:`guarded_protocol`; ``bandwidth``: :class:`Metrics`'s; ``workers``: :func:`create_app`'s."""
     import socket
 
     import uvicorn
 
-    app = create_app(session, model_id=model_id, version=version, bandwidth=bandwidth)
+    app = create_app(session, model_id=model_id, version=version, bandwidth=bandwidth, workers=workers)
     if wall_state is not None:
         app.state.metrics.wall = wall_state
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

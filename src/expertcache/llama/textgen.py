@@ -302,11 +302,9 @@ class Session:
         bytes and major faults, the mode's expert hits and misses (None where it does not observe
         the routing)."""
         io = io_counters(self.llama.io)
-        adv = self.advisor
-        adv.sync_counters()
+        hits, misses = self.advisor.hit_counts()  # moves nothing: /metrics calls this beside the decode
         return {**self.llama.stats, "read_bytes": io["read_bytes"], "major_faults": io["major_faults"],
-                "expert_hits": adv.expert_hits if adv.counts_hits else None,
-                "expert_misses": adv.expert_misses if adv.counts_hits else None}
+                "expert_hits": hits, "expert_misses": misses}
 
     def close(self) -> None:
         self.llama.close()
