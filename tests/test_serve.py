@@ -562,15 +562,19 @@ def test_hostile_requests_are_4xx_with_the_field_named(managed):
                         ('{"prompt": "x", "max_tokens": "5"}', "max_tokens"), ('{"prompt": "x", "max_tokens": 5.0}',
                                                                                "max_tokens"),
                         ('{"prompt": "x", "stream": "yes"}', "stream"), ('{"prompt": "x", "n": "1"}', "n"),
-                        ('{"prompt": "x", "logprobs": 0}', "logprobs"),  # options that would change the result
+                        ('{"prompt": "x", "logprobs": 21}', "logprobs"), ('{"prompt": "x", "logprobs": true}', "logprobs"),
+                        ('{"prompt": "x", "top_logprobs": 2}', "top_logprobs"),  # a chat field
                         ('{"prompt": "x", "logit_bias": {"1": 5}}', "logit_bias"),
-                        ('{"prompt": "x", "best_of": 3}', "best_of"), ('{"prompt": "x", "suffix": "y"}', "suffix")]:
+                        ('{"prompt": "x", "best_of": 3}', "best_of"),  # options that would change the result
+                        ('{"prompt": "x", "suffix": "y"}', "suffix")]:
         e = err(400, body)
         assert e["param"] == param and e["type"] == "invalid_request_error" and e["code"] is None, (body, e)
     user = '"messages": [{"role": "user", "content": "x"}]'
     for body, param in [('{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}', "messages"),
                         ('{%s, "response_format": {"type": "json_object"}}' % user, "response_format"),
-                        ('{%s, "tools": [{"type": "function"}]}' % user, "tools")]:
+                        ('{%s, "tools": [{"type": "function"}]}' % user, "tools"),
+                        ('{%s, "top_logprobs": 2}' % user, "top_logprobs"), ('{%s, "logprobs": 3}' % user, "logprobs"),
+                        ('{%s, "logprobs": true, "top_logprobs": 21}' % user, "top_logprobs")]:
         e = err(400, body, chat)
         assert e["param"] == param and e["code"] is None, (body, e)
     # a number of more digits than Python converts, anywhere in the body: 400, not the 500 of a ValueError
@@ -954,3 +958,64 @@ def test_a_request_starts_no_thread(managed):
     managed.metrics()
     seen |= threads()
     assert seen - before == set(), f"threads started by requests: {sorted(seen - before)}"
+
+
+def test_logprobs_agree_with_llama_cpp_pythons_own(managed, small_gguf):
+    """``logprobs`` (docs/serve.md, "Log-probabilities") against llama-cpp-python computing them its
+    own way: a ``Llama`` keeping every position's logits (``logits_all``) and its own non-streamed
+    ``create_completion(logprobs=N)``: the same tokens, log-probabilities, alternatives and text
+    offsets. Then the server's own invariants: one entry per completion token, a stream's entries
+    those of the same request unstreamed, a chat's shape."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    client = managed.client()
+    got = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
+                                    seed=1)
+    lp = got.choices[0].logprobs
+    llm = llama_cpp.Llama(str(small_gguf), n_ctx=512, logits_all=True, verbose=False)
+    try:
+        want = llm.create_completion(PROMPT, max_tokens=12, temperature=0.0, top_k=1, logprobs=3)["choices"][0]
+    finally:
+        llm.close()
+    assert got.choices[0].text == want["text"]
+    assert lp.tokens == want["logprobs"]["tokens"] and lp.text_offset == want["logprobs"]["text_offset"]
+    # its logits_all forward computes every row's output, ours the last row's: other matrix shapes,
+    # which move an f16 model's logits in the fourth digit (1.7e-3 of -3.81 seen)
+    close = {"rel": 2e-3, "abs": 2e-3}
+    assert lp.token_logprobs == pytest.approx(want["logprobs"]["token_logprobs"], **close)
+    for mine, theirs in zip(lp.top_logprobs, want["logprobs"]["top_logprobs"]):
+        assert mine.keys() == theirs.keys() and list(mine.values()) == pytest.approx(list(theirs.values()), **close)
+    n = got.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n == 12
+    assert "".join(lp.tokens) == got.choices[0].text and lp.text_offset[0] == len(PROMPT)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):  # greedy: the chosen is the likeliest
+        assert chosen == max(top.values()) and chosen <= 0 and len(top) == 3
+    # streamed: the same entries, each with the chunk its token made (its text may come later)
+    stream = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
+                                       seed=1, stream=True)
+    tokens, values = [], []
+    for c in stream:
+        if c.choices[0].logprobs is not None:
+            tokens += c.choices[0].logprobs.tokens
+            values += c.choices[0].logprobs.token_logprobs
+    assert tokens == lp.tokens and values == pytest.approx(lp.token_logprobs, abs=1e-5)
+    # a chat: OpenAI's shape, exactly top_logprobs alternatives, the token's bytes
+    msgs = [{"role": "user", "content": "What is a list?"}]
+    chat = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=2, seed=1)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    for e in content:
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token and len(e.top_logprobs) == 2
+        assert e.logprob == e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+    chunks = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=8, temperature=0,
+                                            logprobs=True, seed=1, stream=True)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)  # logprobs without top_logprobs: none
+    cut = client.completions.create(model="small-moe", prompt="def main():", max_tokens=24, temperature=0, logprobs=1,
+                                    stop=["\n"], seed=1)  # a stop sequence cuts the text, not the tokens' entries
+    assert cut.choices[0].finish_reason == "stop" and len(cut.choices[0].logprobs.tokens) == cut.usage.completion_tokens
+    assert "".join(cut.choices[0].logprobs.tokens).startswith(cut.choices[0].text + "\n")
+    plain = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None

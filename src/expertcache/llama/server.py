@@ -27,12 +27,16 @@ Invariants:
   prompt that with ``max_tokens`` exceeds the context (400 ``context_length_exceeded``), a chat to
   a model without a chat template, a field of the wrong JSON type (no coercion), a string holding
   a lone surrogate, an empty prompt or stop sequence, an option that would change the result and
-  is not implemented (``n`` > 1, ``logprobs``, ``echo``, ``logit_bias``, ``tools``, ...), an unknown
+  is not implemented (``n`` > 1, ``echo``, ``logit_bias``, ``tools``, ...), an unknown
   route (404) or method (405), a request the HTTP parser refuses (400). Anything else is a 500 of
   the same shape and one line on stderr (:class:`Guard`; uvicorn's and asyncio's records are folded
   to one line: :func:`one_line`); the server keeps serving either way.
 * **Greedy text is the model's**: ``temperature`` 0 samples the argmax with no repetition penalty,
   so a server's greedy completion equals ``expertcache llama generate``'s in every mode.
+* **Log-probabilities** (``logprobs``): one entry per token sampled, the end-of-generation token
+  left out as the usage leaves it out (so as many as ``completion_tokens``), each the log-softmax of
+  the logits it was sampled from (:func:`~.textgen.token_logprobs`) in OpenAI's shape
+  (:class:`Logprobs`); a stream sends each token's entry with the chunk that sends its text.
 * **Routed experts** (``--enable-return-routed-experts``): a request asking ``return_routed_experts``
   gets every evaluated position's experts in SGLang's ``sglext.routed_experts`` encoding
   (:meth:`Generation.routed_experts`); without the switch the field is refused, never ignored.
@@ -49,8 +53,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import collections
 import concurrent.futures
+import math
 import json
 import logging
 import queue
@@ -86,6 +92,9 @@ MAX_CONNECTIONS = 2 * MAX_QUEUE
 REQUEST_SECONDS = 30.0
 """A request's headers and body must arrive within this many seconds of its first byte (or of the
 connection, for one that sends nothing); else the connection is closed."""
+MAX_LOGPROBS = 20
+"""Most alternatives per token a request may ask for (``logprobs`` of a completion, ``top_logprobs``
+of a chat: OpenAI's chat limit)."""
 POLL_SECONDS = 0.25
 """How often a waiting or non-streamed request looks whether its client is still there."""
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -122,20 +131,20 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream_options: dict | None = None
-    logprobs: int | bool | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int | None = Field(None, ge=0)
     # OpenAI's options this server does not implement: refused when set (check_request), never ignored
     logit_bias: dict | None = None
     best_of: int | None = None
-    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
     max_tokens: int | None = Field(16, ge=1)  # null: OpenAI's default, 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # N: the sampled token's and the N likeliest
     echo: bool = False
     suffix: str | None = None
+    top_logprobs: int | None = None  # a chat field: refused here
 
 
 class _Part(BaseModel):
@@ -154,6 +163,8 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     functions: list | None = None
     tool_choice: str | dict | None = None
@@ -367,6 +378,8 @@ class Generation:
         kw = completion_kwargs(max_tokens or n_ctx, temperature, body.top_p, body.seed)
         kw.update(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, stop=body.stop)
         self.max_tokens = max_tokens
+        self.top = (body.logprobs if not self.chat else (body.top_logprobs or 0) if body.logprobs else None)
+        """Alternatives per token of the request's ``logprobs`` (None: none asked)."""
         self.before = session.snapshot()
         self.sampled0 = llm.sampled
         self._it = stream_chat(llm, messages, **kw) if self.chat else stream_completion(llm, prompt, **kw)
@@ -388,6 +401,7 @@ class Generation:
                 chunk = next(self._it)
             except StopIteration:
                 self.done = True
+                self.session.llama.logprobs = None
                 break
             choice = chunk["choices"][0] if chunk.get("choices") else {}
             self.finish = choice.get("finish_reason") or self.finish
@@ -398,6 +412,7 @@ class Generation:
 
     def start(self) -> str | None:
         llm = self.session.llama
+        llm.logprobs, llm.logprob_rows = self.top, []
         try:
             first = self._pull()
         except PromptError as exc:  # an empty prompt; one that leaves no room in the context
@@ -435,6 +450,15 @@ class Generation:
         if not self.done:
             self.done = True
             self._it.close()
+            self.session.llama.logprobs = None
+
+    def take_rows(self) -> list:
+        """The log-probability rows of the tokens sampled since the last call
+        (:attr:`~.textgen.ObservedLlama.logprob_rows`; none unless ``logprobs`` was asked). Called on
+        the thread that decodes, after each piece, or while nothing decodes."""
+        llm = self.session.llama
+        rows, llm.logprob_rows = llm.logprob_rows, []
+        return rows
 
     def usage(self) -> dict:
         llm = self.session.llama
@@ -445,6 +469,53 @@ class Generation:
 
     def figures(self) -> dict:
         return request_figures(self.before, self.session.snapshot())
+
+
+class Logprobs:
+    """A request's ``logprobs`` in OpenAI's shape, from rows of :func:`~.textgen.token_logprobs`,
+    one call per response or chunk, in order (the offsets run on across calls). A token's text is
+    its bytes (``detokenize``) decoded as UTF-8 with U+FFFD for what is not; a log-probability that
+    is not finite (a model whose logits are NaN) is null.
+
+    * chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+      "bytes"}] (the ``top_logprobs`` likeliest)}], "refusal": null}``;
+    * completion: ``{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}] (the
+      ``logprobs`` likeliest, and the sampled token), "text_offset"}``, a token's offset being the
+      prompt's characters plus those the completion's bytes before it decode to (as
+      llama-cpp-python counts them: a character still unfinished is not counted)."""
+
+    def __init__(self, llm, chat: bool, prompt_chars: int):
+        self.llm, self.chat, self.chars = llm, chat, prompt_chars
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    @staticmethod
+    def _num(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    def of(self, rows: list) -> dict:
+        def text(b: bytes) -> str:
+            return b.decode("utf-8", errors="replace")
+
+        if self.chat:
+            content = []
+            for token, logprob, top in rows:
+                b = self.llm.detokenize([token])
+                alts = [(self.llm.detokenize([i]), x) for i, x in top]
+                content.append({"token": text(b), "logprob": self._num(logprob), "bytes": list(b),
+                                "top_logprobs": [{"token": text(a), "logprob": self._num(x), "bytes": list(a)}
+                                                 for a, x in alts]})
+            return {"content": content, "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, logprob, top in rows:
+            b = self.llm.detokenize([token])
+            out["text_offset"].append(self.chars)
+            self.chars += len(self.decoder.decode(b))
+            out["tokens"].append(text(b))
+            out["token_logprobs"].append(self._num(logprob))
+            alts = {text(self.llm.detokenize([i])): self._num(x) for i, x in top}
+            alts.setdefault(text(b), self._num(logprob))
+            out["top_logprobs"].append(alts)
+        return out
 
 
 # ------------------------------------------------------------------------------ the app
@@ -575,10 +646,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                            param="model", code="model_not_found")
         if body.n != 1:
             raise ApiError(400, "n: one choice per request is served", param="n")
-        if body.logprobs is not None and body.logprobs is not False:
-            raise ApiError(400, "logprobs are not served", param="logprobs")
+        if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         unserved = {"logit_bias": bool(body.logit_bias), "best_of": body.best_of not in (None, 1),
-                    "top_logprobs": body.top_logprobs is not None,
+                    "top_logprobs": isinstance(body, CompletionRequest) and body.top_logprobs is not None,
                     "suffix": bool(getattr(body, "suffix", None)), "tools": bool(getattr(body, "tools", None)),
                     "functions": bool(getattr(body, "functions", None)),
                     "tool_choice": getattr(body, "tool_choice", None) not in (None, "none", "auto"),
@@ -676,6 +747,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             slot.release()
             raise
         ttft = time.perf_counter() - t0
+        first_rows = gen.take_rows()
+        lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", len(args.get("prompt") or ""))
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
@@ -691,7 +764,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             return usage
 
         if not body.stream:
-            pieces, gone = ([first] if first else []), False
+            pieces, rows, gone = ([first] if first else []), first_rows, False
             task, looked = None, time.monotonic()
             try:
                 while True:
@@ -704,7 +777,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                             break
                     if not done:
                         continue
-                    piece, task = task.result(), None
+                    (piece, more), task = task.result(), None
+                    rows += more
                     if piece is None:
                         break
                     pieces.append(piece)
@@ -722,10 +796,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             metrics.count(endpoint, 200)
             text = "".join(pieces)
             if kind == "completion":
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish or "stop"}
+                choice = {"index": 0, "text": text, "logprobs": lp and lp.of(rows), "finish_reason": gen.finish or "stop"}
                 obj = "text_completion"
             else:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp and lp.of(rows),
                           "finish_reason": gen.finish or "stop"}
                 obj = "chat.completion"
             out = {"id": rid, "object": obj, "created": int(time.time()), "model": model_id, "choices": [choice],
@@ -737,26 +811,25 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
 
-        def chunk(piece: str | None, finish: str | None, first_chunk: bool = False) -> str:
+        def chunk(piece: str | None, finish: str | None, rows: list, first_chunk: bool = False) -> str:
             if kind == "completion":
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": piece or "", "logprobs": lp and lp.of(rows), "finish_reason": finish}
             else:
                 delta = {"role": "assistant", "content": piece or ""} if first_chunk else \
                     ({"content": piece} if piece else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp and lp.of(rows), "finish_reason": finish}
             return "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
                                           "choices": [choice]}) + "\n\n"
 
         outcome = []
 
         async def events():
-            piece = first
-            yield chunk(piece, None, first_chunk=True)
+            yield chunk(first, None, first_rows, first_chunk=True)
             while True:
-                piece = await producer.get()
+                piece, rows = await producer.get()
                 if piece is None:
                     break
-                yield chunk(piece, None)
+                yield chunk(piece, None, rows)
             if gen.aborted:  # the server is stopping: an error event (OpenAI's shape) instead of a finish
                 outcome.append(503)
                 yield "data: " + json.dumps({"error": {"message": "the server is shutting down",
@@ -764,7 +837,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                                        "code": "shutting_down"}}) + "\n\n"
                 yield "data: [DONE]\n\n"
                 return
-            yield chunk(None, gen.finish or "stop")
+            yield chunk(None, gen.finish or "stop", rows)
             usage = finished()
             if body.return_routed_experts:  # SGLang's tail: one chunk without choices carrying them
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
@@ -875,7 +948,7 @@ class Producer:
         try:
             while not self.halt.is_set():
                 piece = self.gen.next()
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (piece, self.gen.take_rows()))
                 if piece is None:
                     break
         except BaseException as exc:  # noqa: BLE001 - handed to the stream, which ends with it
@@ -884,7 +957,9 @@ class Producer:
             self.gen.close()
             self.loop.call_soon_threadsafe(self.finished.set)
 
-    async def get(self) -> str | None:
+    async def get(self) -> tuple[str | None, list]:
+        """The next piece and the log-probability rows of the tokens that made it; ``(None, rows)``
+        at the end, with those of tokens that made no text (a stop sequence's)."""
         item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item

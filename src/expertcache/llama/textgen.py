@@ -7,7 +7,8 @@ parameters inside ``__init__`` and loads with them at once, with no argument for
 ``use_extra_bufts``, so the subclass receives each struct as ``__init__`` assigns it (a property
 setter) and sets the callback, and turns repacking off (a repacked weight is a copy in anonymous
 memory, outside the page cache: llama.cpp's ``--no-repack``). ``eval`` tells the hook where each
-forward begins. Nothing else of ``Llama`` is changed: tokenizer, chat templates and sampling are
+forward begins; ``sample`` counts the tokens sampled and, when asked (:attr:`ObservedLlama.logprobs`),
+reads each one's log-probabilities (:func:`token_logprobs`). Nothing else of ``Llama`` is changed: tokenizer, chat templates and sampling are
 llama-cpp-python's own; the streamed completion loop is :mod:`.completion`'s (llama-cpp-python's
 stalls on text that is not UTF-8).
 
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import llama_cpp
+import numpy as np
 
 from ..errors import ConfigError
 from .advice import MODES, PageAdvisor, readers_for
@@ -43,6 +45,24 @@ from ..wall.procfs import SELF_IO, OpenProcFile, read_self_io
 DEFAULT_CTX = 2048
 """Context (tokens) of ``generate`` and ``serve`` unless ``--ctx`` says otherwise (or the model was
 trained for less: :meth:`Session.open`)."""
+
+
+def token_logprobs(llm: llama_cpp.Llama, token: int, top: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """``(token, its log-probability, [(id, log-probability)] of the ``top`` most likely tokens, most
+    likely first, ties by lower id)``: the log-softmax of the logits the token was just sampled from
+    (the context's last output row: llama-cpp-python keeps only that row unless built with
+    ``logits_all``). That is the model's distribution, before temperature, top-p and the penalties
+    reshape it, as llama-cpp-python's and OpenAI's ``logprobs`` are. The exponentials of the logits
+    less their largest are taken in float32 and summed in float64: 0.4 ms a token for a vocabulary
+    of 151,936 here, against 1.7 all in float64, the normaliser 3e-9 apart."""
+    n = llm.n_vocab()
+    x = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n,))
+    peak = float(x.max())
+    lse = peak + float(np.log(np.exp(x - np.float32(peak)).sum(dtype=np.float64)))
+    top = min(top, n)
+    best = np.argpartition(-x, top - 1)[:top] if top else np.empty(0, dtype=np.int64)
+    best = best[np.lexsort((best, -x[best]))]
+    return int(token), float(x[token]) - lse, [(int(i), float(x[i]) - lse) for i in best]
 
 
 class ObservedLlama(llama_cpp.Llama):
@@ -72,6 +92,10 @@ class ObservedLlama(llama_cpp.Llama):
         self.last_sampled_is_eog = False
         self.prompt_length = 0
         """Context tokens when the current generation sampled its first token: its whole prompt."""
+        self.logprobs: int | None = None
+        """None, or N: each token :meth:`sample` draws (but an end-of-generation token, which the
+        usage leaves out too) appends :func:`token_logprobs` with N alternatives to :attr:`logprob_rows`."""
+        self.logprob_rows: list[tuple[int, float, list[tuple[int, float]]]] = []
         self._decoding = False
         super().__init__(model_path, **kwargs)
 
@@ -115,6 +139,8 @@ class ObservedLlama(llama_cpp.Llama):
             self.prompt_length, self._decoding = self.n_tokens, True
         self.sampled += 1
         self.last_sampled_is_eog = bool(llama_cpp.llama_vocab_is_eog(self._model.vocab, token))
+        if self.logprobs is not None and not self.last_sampled_is_eog:
+            self.logprob_rows.append(token_logprobs(self, token, self.logprobs))
         return token
 
     def eval(self, tokens) -> None:
