@@ -1019,3 +1019,26 @@ def test_logprobs_agree_with_llama_cpp_pythons_own(managed, small_gguf):
     assert "".join(cut.choices[0].logprobs.tokens).startswith(cut.choices[0].text + "\n")
     plain = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_a_prompt_of_token_ids_is_the_same_prompt(managed, small_gguf):
+    """A completion's ``prompt`` may be token ids (a list, or a list of one list), as OpenAI's and
+    vLLM's: the same text, usage and logprobs as the prompt's text; an id outside the vocabulary, a
+    number that is not an integer, or more than one prompt is a 400 naming the prompt."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    vocab = llama_cpp.Llama(str(small_gguf), vocab_only=True, verbose=False)
+    try:
+        ids, n = vocab.tokenize(PROMPT.encode(), special=True), vocab.n_vocab()
+    finally:
+        vocab.close()
+    client = managed.client()
+    want = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=8, temperature=0, seed=1, logprobs=1)
+    for prompt in (ids, [ids]):
+        got = client.completions.create(model="small-moe", prompt=prompt, max_tokens=8, temperature=0, seed=1,
+                                        logprobs=1)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens == len(ids)
+        assert got.choices[0].logprobs.text_offset == want.choices[0].logprobs.text_offset
+    for prompt in ([n], [-1], [ids[0], 1.5], [True], [ids, ids], [], [[]], [ids[0], "x"]):
+        status, raw = managed.raw("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}))
+        assert status == 400 and json.loads(raw)["error"]["param"] == "prompt", (prompt, raw[:200])

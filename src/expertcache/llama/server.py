@@ -139,7 +139,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text, or token ids; a list of one prompt
     max_tokens: int | None = Field(16, ge=1)  # null: OpenAI's default, 16
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # N: the sampled token's and the N likeliest
     echo: bool = False
@@ -189,8 +189,11 @@ def parse_body(raw: bytes, model_cls):
         return model_cls.model_validate(obj)
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = ".".join(str(x) for x in err.get("loc", ())) or None
-        raise ApiError(400, f"{where or 'body'}: {err.get('msg', 'invalid')}", param=where) from None
+        loc = err.get("loc", ())
+        where = ".".join(str(x) for x in loc) or None
+        # param: the request's field (a union's member, "prompt.str", or an item, "messages.0.role",
+        # is in the message)
+        raise ApiError(400, f"{where or 'body'}: {err.get('msg', 'invalid')}", param=str(loc[0]) if loc else None) from None
 
 
 def kept_roles(messages: list[dict], roles: dict) -> list[dict]:
@@ -481,11 +484,13 @@ class Logprobs:
       "bytes"}] (the ``top_logprobs`` likeliest)}], "refusal": null}``;
     * completion: ``{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}] (the
       ``logprobs`` likeliest, and the sampled token), "text_offset"}``, a token's offset being the
-      prompt's characters plus those the completion's bytes before it decode to (as
-      llama-cpp-python counts them: a character still unfinished is not counted)."""
+      prompt's characters (token ids: their text's) plus those the completion's bytes before it
+      decode to (as llama-cpp-python counts them: a character still unfinished is not counted)."""
 
-    def __init__(self, llm, chat: bool, prompt_chars: int):
-        self.llm, self.chat, self.chars = llm, chat, prompt_chars
+    def __init__(self, llm, chat: bool, prompt: str | list[int] | None):
+        self.llm, self.chat = llm, chat
+        self.chars = (0 if prompt is None else len(prompt) if isinstance(prompt, str)
+                      else len(llm.detokenize(prompt).decode("utf-8", errors="replace")))
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     @staticmethod
@@ -698,12 +703,18 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             if kind == "completion":
                 body = parse_body(raw, CompletionRequest)
                 prompt = body.prompt
-                if isinstance(prompt, list):
+                if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a list of prompts
                     if len(prompt) != 1:
                         raise ApiError(400, "prompt: one prompt per request is served", param="prompt")
                     prompt = prompt[0]
                 if not prompt:
                     raise ApiError(400, "prompt: the prompt is empty", param="prompt")
+                if isinstance(prompt, list):  # token ids
+                    vocab = session.llama.n_vocab()
+                    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+                    if bad is not None:
+                        raise ApiError(400, f"prompt: token id {str(bad)[:40]} is outside the model's vocabulary "
+                                       f"[0, {vocab})", param="prompt")
                 if body.echo:
                     raise ApiError(400, "echo is not served", param="echo")
                 args = {"prompt": prompt, "max_tokens": 16 if body.max_tokens is None else body.max_tokens}
@@ -748,7 +759,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise
         ttft = time.perf_counter() - t0
         first_rows = gen.take_rows()
-        lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", len(args.get("prompt") or ""))
+        lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", args.get("prompt"))
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
