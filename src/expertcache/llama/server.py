@@ -193,7 +193,8 @@ def parse_body(raw: bytes, model_cls):
         where = ".".join(str(x) for x in loc) or None
         # param: the request's field (a union's member, "prompt.str", or an item, "messages.0.role",
         # is in the message)
-        raise ApiError(400, f"{where or 'body'}: {err.get('msg', 'invalid')}", param=str(loc[0]) if loc else None) from None
+        raise ApiError(400, f"{where or 'body'}: {err.get('msg', 'invalid')}",
+                       param=str(loc[0]) if loc else None) from None
 
 
 def kept_roles(messages: list[dict], roles: dict) -> list[dict]:
@@ -807,7 +808,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             metrics.count(endpoint, 200)
             text = "".join(pieces)
             if kind == "completion":
-                choice = {"index": 0, "text": text, "logprobs": lp and lp.of(rows), "finish_reason": gen.finish or "stop"}
+                choice = {"index": 0, "text": text, "logprobs": lp and lp.of(rows),
+                          "finish_reason": gen.finish or "stop"}
                 obj = "text_completion"
             else:
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp and lp.of(rows),

@@ -7,9 +7,10 @@ parameters inside ``__init__`` and loads with them at once, with no argument for
 ``use_extra_bufts``, so the subclass receives each struct as ``__init__`` assigns it (a property
 setter) and sets the callback, and turns repacking off (a repacked weight is a copy in anonymous
 memory, outside the page cache: llama.cpp's ``--no-repack``). ``eval`` tells the hook where each
-forward begins; ``sample`` counts the tokens sampled and, when asked (:attr:`ObservedLlama.logprobs`),
-reads each one's log-probabilities (:func:`token_logprobs`). Nothing else of ``Llama`` is changed: tokenizer, chat templates and sampling are
-llama-cpp-python's own; the streamed completion loop is :mod:`.completion`'s (llama-cpp-python's
+forward begins; ``sample`` counts the tokens sampled and, when asked
+(:attr:`ObservedLlama.logprobs`), reads each one's log-probabilities (:func:`token_logprobs`).
+Nothing else of ``Llama`` is changed: tokenizer, chat templates and sampling are llama-cpp-python's
+own; the streamed completion loop is :mod:`.completion`'s (llama-cpp-python's
 stalls on text that is not UTF-8).
 
 :class:`Session` is one GGUF opened in one page-cache mode (:mod:`.advice`): the geometry, the
