@@ -564,6 +564,8 @@ def test_hostile_requests_are_4xx_with_the_field_named(managed):
                         ('{"prompt": "x", "stream": "yes"}', "stream"), ('{"prompt": "x", "n": "1"}', "n"),
                         ('{"prompt": "x", "logprobs": 21}', "logprobs"), ('{"prompt": "x", "logprobs": true}', "logprobs"),
                         ('{"prompt": "x", "top_logprobs": 2}', "top_logprobs"),  # a chat field
+                        ('{"prompt": "x", "logprobs": -1}', "logprobs"), ('{"prompt": "x", "logprobs": 1.0}', "logprobs"),
+                        ('{"prompt": [%d], "logprobs": 1}' % 10 ** 30, "prompt"), ('{"prompt": [[1, -5]]}', "prompt"),
                         ('{"prompt": "x", "logit_bias": {"1": 5}}', "logit_bias"),
                         ('{"prompt": "x", "best_of": 3}', "best_of"),  # options that would change the result
                         ('{"prompt": "x", "suffix": "y"}', "suffix")]:
@@ -574,7 +576,8 @@ def test_hostile_requests_are_4xx_with_the_field_named(managed):
                         ('{%s, "response_format": {"type": "json_object"}}' % user, "response_format"),
                         ('{%s, "tools": [{"type": "function"}]}' % user, "tools"),
                         ('{%s, "top_logprobs": 2}' % user, "top_logprobs"), ('{%s, "logprobs": 3}' % user, "logprobs"),
-                        ('{%s, "logprobs": true, "top_logprobs": 21}' % user, "top_logprobs")]:
+                        ('{%s, "logprobs": true, "top_logprobs": 21}' % user, "top_logprobs"),
+                        ('{%s, "logprobs": true, "top_logprobs": "2"}' % user, "top_logprobs")]:
         e = err(400, body, chat)
         assert e["param"] == param and e["code"] is None, (body, e)
     # a number of more digits than Python converts, anywhere in the body: 400, not the 500 of a ValueError
