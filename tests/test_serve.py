@@ -1024,16 +1024,22 @@ def test_logprobs_agree_with_llama_cpp_pythons_own(managed, small_gguf):
     assert plain.choices[0].logprobs is None
 
 
+def prompt_ids(gguf: Path) -> tuple[list[int], int, int]:
+    """PROMPT's token ids as the server tokenizes a text prompt, the vocabulary's size, its BOS."""
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    try:
+        return vocab.tokenize(PROMPT.encode(), special=True), vocab.n_vocab(), vocab.token_bos()
+    finally:
+        vocab.close()
+
+
 def test_a_prompt_of_token_ids_is_the_same_prompt(managed, small_gguf):
     """A completion's ``prompt`` may be token ids (a list, or a list of one list), as OpenAI's and
     vLLM's: the same text, usage and logprobs as the prompt's text; an id outside the vocabulary, a
     number that is not an integer, or more than one prompt is a 400 naming the prompt."""
-    llama_cpp = pytest.importorskip("llama_cpp")
-    vocab = llama_cpp.Llama(str(small_gguf), vocab_only=True, verbose=False)
-    try:
-        ids, n = vocab.tokenize(PROMPT.encode(), special=True), vocab.n_vocab()
-    finally:
-        vocab.close()
+    ids, n, _ = prompt_ids(small_gguf)
     client = managed.client()
     want = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=8, temperature=0, seed=1, logprobs=1)
     for prompt in (ids, [ids]):
@@ -1045,3 +1051,58 @@ def test_a_prompt_of_token_ids_is_the_same_prompt(managed, small_gguf):
     for prompt in ([n], [-1], [ids[0], 1.5], [True], [ids, ids], [], [[]], [ids[0], "x"]):
         status, raw = managed.raw("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2}))
         assert status == 400 and json.loads(raw)["error"]["param"] == "prompt", (prompt, raw[:200])
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_an_independent_forward_does(managed, small_gguf):
+    """``echo`` with ``logprobs`` (how an evaluation harness scores a text: lm-eval's
+    ``local-completions`` sends token ids, ``echo``, ``logprobs: 1``, ``max_tokens: 1``): the prompt's
+    tokens and their log-probabilities before the completion's, against expertcache's own engine
+    (``llama.engine.Engine``: llama.cpp through ctypes, not llama-cpp-python) giving every position's
+    logits in one forward. llama-cpp-python's ``echo`` is no reference: on a model without a BOS it
+    scores each token with the row before the one that predicts it, and leaves out the last new
+    token. Streamed, the same; without ``logprobs``, the prompt's text before the completion's."""
+    from expertcache.llama.engine import Engine
+
+    ids, _, bos = prompt_ids(small_gguf)
+    client = managed.client()
+    got = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3,
+                                    echo=True, seed=1).choices[0]
+    lp = got.logprobs
+    skip = 1 if ids[0] == bos else 0  # a leading BOS is not listed
+    new = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3,
+                                    seed=1).choices[0]
+    assert got.text == PROMPT + new.text and len(lp.tokens) == len(ids) - skip + 4
+    assert lp.tokens[len(ids) - skip:] == new.logprobs.tokens
+    assert lp.text_offset[0] == 0 and lp.text_offset[len(ids) - skip:] == new.logprobs.text_offset
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first listed: OpenAI's null
+    with Engine(str(small_gguf), n_ctx=512) as eng:
+        completion: list[int] = []  # the greedy new tokens
+        logits = eng.forward(ids, logits="all").astype(np.float64)
+        for _ in range(3):  # the new tokens, greedy, one forward each (as the server decodes them)
+            completion.append(int(np.argmax(logits[-1])))
+            logits = np.vstack([logits, eng.forward([completion[-1]], logits="all")])
+    full = ids + completion
+    lse = np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)) + logits.max(axis=1)
+    want = [logits[i - 1, full[i]] - lse[i - 1] for i in range(1 + skip, len(full))]  # row i-1 predicts token i
+    close = {"rel": 2e-3, "abs": 2e-3}  # another batch shape: an f16 model's logits move in the fourth digit
+    assert lp.token_logprobs[1:len(full) - skip] == pytest.approx(want, **close)
+    for j, top in enumerate(lp.top_logprobs[1:len(full) - skip], start=1 + skip):
+        assert len(top) in (3, 4) and top[lp.tokens[j - skip]] == pytest.approx(want[j - 1 - skip], **close)
+    streamed = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3,
+                                         echo=True, seed=1, stream=True)
+    tokens, values, text = [], [], ""
+    for c in streamed:
+        text += c.choices[0].text
+        if c.choices[0].logprobs is not None:
+            tokens += c.choices[0].logprobs.tokens
+            values += c.choices[0].logprobs.token_logprobs
+    assert text == got.text and tokens == lp.tokens and values[0] is None
+    assert values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    # as lm-eval asks: token ids, one new token
+    harness = client.completions.create(model="small-moe", prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                        echo=True).choices[0].logprobs
+    n = len(ids) - skip
+    assert harness.tokens == lp.tokens[:n + 1]
+    assert harness.token_logprobs[1:n + 1] == pytest.approx(lp.token_logprobs[1:n + 1], abs=1e-5)
+    plain = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, seed=1)
+    assert plain.choices[0].text == got.text and plain.choices[0].logprobs is None

@@ -27,7 +27,7 @@ Invariants:
   prompt that with ``max_tokens`` exceeds the context (400 ``context_length_exceeded``), a chat to
   a model without a chat template, a field of the wrong JSON type (no coercion), a string holding
   a lone surrogate, an empty prompt or stop sequence, an option that would change the result and
-  is not implemented (``n`` > 1, ``echo``, ``logit_bias``, ``tools``, ...), an unknown
+  is not implemented (``n`` > 1, ``logit_bias``, ``tools``, ...), an unknown
   route (404) or method (405), a request the HTTP parser refuses (400). Anything else is a 500 of
   the same shape and one line on stderr (:class:`Guard`; uvicorn's and asyncio's records are folded
   to one line: :func:`one_line`); the server keeps serving either way.
@@ -36,7 +36,9 @@ Invariants:
 * **Log-probabilities** (``logprobs``): one entry per token sampled, the end-of-generation token
   left out as the usage leaves it out (so as many as ``completion_tokens``), each the log-softmax of
   the logits it was sampled from (:func:`~.textgen.token_logprobs`) in OpenAI's shape
-  (:class:`Logprobs`); a stream sends each token's entry with the chunk that sends its text.
+  (:class:`Logprobs`); a stream sends each token's entry with the chunk that sends its text. With
+  ``echo`` the prompt's tokens come first, each scored by the row before it (the prompt evaluated
+  whole, every row's logits read: :attr:`~.textgen.ObservedLlama.prompt_logprobs`).
 * **Routed experts** (``--enable-return-routed-experts``): a request asking ``return_routed_experts``
   gets every evaluated position's experts in SGLang's ``sglext.routed_experts`` encoding
   (:meth:`Generation.routed_experts`); without the switch the field is refused, never ignored.
@@ -384,6 +386,9 @@ class Generation:
         self.max_tokens = max_tokens
         self.top = (body.logprobs if not self.chat else (body.top_logprobs or 0) if body.logprobs else None)
         """Alternatives per token of the request's ``logprobs`` (None: none asked)."""
+        self.echo = bool(getattr(body, "echo", False))
+        self.prompt_rows: list = []
+        """With ``echo`` and ``logprobs``: the prompt's rows (:attr:`~.textgen.ObservedLlama.prompt_rows`)."""
         self.before = session.snapshot()
         self.sampled0 = llm.sampled
         self._it = stream_chat(llm, messages, **kw) if self.chat else stream_completion(llm, prompt, **kw)
@@ -417,11 +422,17 @@ class Generation:
     def start(self) -> str | None:
         llm = self.session.llama
         llm.logprobs, llm.logprob_rows = self.top, []
+        if self.echo and self.top is not None:  # every prompt row's logits: the prompt evaluated whole
+            llm.reset()
+            llm.prompt_logprobs, llm.prompt_rows = self.top, []
         try:
             first = self._pull()
         except PromptError as exc:  # an empty prompt; one that leaves no room in the context
             self.close()
             raise ApiError(400, str(exc), param="messages" if self.chat else "prompt", code=exc.code) from None
+        finally:
+            llm.prompt_logprobs = None
+        self.prompt_rows, llm.prompt_rows = llm.prompt_rows, []
         self.prompt_tokens = llm.prompt_length
         if self.max_tokens is not None and self.prompt_tokens + self.max_tokens > self.session.n_ctx:
             self.close()
@@ -456,6 +467,11 @@ class Generation:
             self._it.close()
             self.session.llama.logprobs = None
 
+    def prompt_ids(self) -> list[int]:
+        """The prompt's token ids as evaluated (once :meth:`start` has run)."""
+        llm = self.session.llama
+        return [int(t) for t in llm.input_ids[:self.prompt_tokens or 0]]
+
     def take_rows(self) -> list:
         """The log-probability rows of the tokens sampled since the last call
         (:attr:`~.textgen.ObservedLlama.logprob_rows`; none unless ``logprobs`` was asked). Called on
@@ -486,7 +502,9 @@ class Logprobs:
     * completion: ``{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}] (the
       ``logprobs`` likeliest, and the sampled token), "text_offset"}``, a token's offset being the
       prompt's characters (token ids: their text's) plus those the completion's bytes before it
-      decode to (as llama-cpp-python counts them: a character still unfinished is not counted)."""
+      decode to (as llama-cpp-python counts them: a character still unfinished is not counted).
+      With ``echo`` the prompt's tokens come first (a leading BOS left out), offsets from 0, the
+      first one's log-probability and alternatives null, as OpenAI's and llama-cpp-python's."""
 
     def __init__(self, llm, chat: bool, prompt: str | list[int] | None):
         self.llm, self.chat = llm, chat
@@ -498,30 +516,52 @@ class Logprobs:
     def _num(x: float) -> float | None:
         return x if math.isfinite(x) else None
 
-    def of(self, rows: list) -> dict:
-        def text(b: bytes) -> str:
-            return b.decode("utf-8", errors="replace")
-
+    def of(self, rows: list, echoed: tuple[list[int], list] | None = None) -> dict:
+        """The entries of ``rows``, after those of the prompt where ``echoed`` is ``(the prompt's
+        ids, its rows)`` (completions only: row j is the log-probabilities of token j + 1)."""
         if self.chat:
             content = []
             for token, logprob, top in rows:
                 b = self.llm.detokenize([token])
                 alts = [(self.llm.detokenize([i]), x) for i, x in top]
-                content.append({"token": text(b), "logprob": self._num(logprob), "bytes": list(b),
-                                "top_logprobs": [{"token": text(a), "logprob": self._num(x), "bytes": list(a)}
+                content.append({"token": _text(b), "logprob": self._num(logprob), "bytes": list(b),
+                                "top_logprobs": [{"token": _text(a), "logprob": self._num(x), "bytes": list(a)}
                                                  for a, x in alts]})
             return {"content": content, "refusal": None}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, logprob, top in rows:
-            b = self.llm.detokenize([token])
+        if echoed is not None:
+            ids, prompt_rows = echoed
+            first = 1 if ids and ids[0] == self.llm.token_bos() else 0
+            decoder, chars = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0
+            for j in range(first, len(ids)):
+                b = self.llm.detokenize([ids[j]])
+                out["text_offset"].append(chars)
+                chars += len(decoder.decode(b))
+                self._add(out, b, prompt_rows[j - 1] if j > first else None)
+        for row in rows:
+            b = self.llm.detokenize([row[0]])
             out["text_offset"].append(self.chars)
             self.chars += len(self.decoder.decode(b))
-            out["tokens"].append(text(b))
-            out["token_logprobs"].append(self._num(logprob))
-            alts = {text(self.llm.detokenize([i])): self._num(x) for i, x in top}
-            alts.setdefault(text(b), self._num(logprob))
-            out["top_logprobs"].append(alts)
+            self._add(out, b, row)
         return out
+
+    def _add(self, out: dict, b: bytes, row) -> None:
+        """One completion-shaped entry: token ``b``'s text, its log-probability and alternatives
+        (``row``; None: both null)."""
+        out["tokens"].append(_text(b))
+        if row is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            return
+        _, logprob, top = row
+        out["token_logprobs"].append(self._num(logprob))
+        alts = {_text(self.llm.detokenize([i])): self._num(x) for i, x in top}
+        alts.setdefault(_text(b), self._num(logprob))
+        out["top_logprobs"].append(alts)
+
+
+def _text(b: bytes) -> str:
+    return b.decode("utf-8", errors="replace")
 
 
 # ------------------------------------------------------------------------------ the app
@@ -716,8 +756,6 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                     if bad is not None:
                         raise ApiError(400, f"prompt: token id {str(bad)[:40]} is outside the model's vocabulary "
                                        f"[0, {vocab})", param="prompt")
-                if body.echo:
-                    raise ApiError(400, "echo is not served", param="echo")
                 args = {"prompt": prompt, "max_tokens": 16 if body.max_tokens is None else body.max_tokens}
             else:
                 body = parse_body(raw, ChatRequest)
@@ -761,6 +799,11 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         ttft = time.perf_counter() - t0
         first_rows = gen.take_rows()
         lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", args.get("prompt"))
+        echo, echoed = "", None  # echo: the prompt's text before the completion's, its rows before theirs
+        if gen.echo:
+            echo = args["prompt"] if isinstance(args["prompt"], str) else \
+                session.llama.detokenize(args["prompt"]).decode("utf-8", errors="replace")
+            echoed = (gen.prompt_ids(), gen.prompt_rows) if lp is not None else None
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
@@ -776,7 +819,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             return usage
 
         if not body.stream:
-            pieces, rows, gone = ([first] if first else []), first_rows, False
+            pieces, rows, gone = [echo, first or ""], first_rows, False
             task, looked = None, time.monotonic()
             try:
                 while True:
@@ -808,7 +851,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             metrics.count(endpoint, 200)
             text = "".join(pieces)
             if kind == "completion":
-                choice = {"index": 0, "text": text, "logprobs": lp and lp.of(rows),
+                choice = {"index": 0, "text": text, "logprobs": lp and lp.of(rows, echoed),
                           "finish_reason": gen.finish or "stop"}
                 obj = "text_completion"
             else:
@@ -826,7 +869,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
 
         def chunk(piece: str | None, finish: str | None, rows: list, first_chunk: bool = False) -> str:
             if kind == "completion":
-                choice = {"index": 0, "text": piece or "", "logprobs": lp and lp.of(rows), "finish_reason": finish}
+                choice = {"index": 0, "text": (echo if first_chunk else "") + (piece or ""),
+                          "logprobs": lp and lp.of(rows, echoed if first_chunk else None), "finish_reason": finish}
             else:
                 delta = {"role": "assistant", "content": piece or ""} if first_chunk else \
                     ({"content": piece} if piece else {})

@@ -48,16 +48,16 @@ DEFAULT_CTX = 2048
 trained for less: :meth:`Session.open`)."""
 
 
-def token_logprobs(llm: llama_cpp.Llama, token: int, top: int) -> tuple[int, float, list[tuple[int, float]]]:
+def token_logprobs(llm: llama_cpp.Llama, token: int, top: int, row: int = -1) -> tuple[int, float, list[tuple[int, float]]]:
     """``(token, its log-probability, [(id, log-probability)] of the ``top`` most likely tokens, most
-    likely first, ties by lower id)``: the log-softmax of the logits the token was just sampled from
-    (the context's last output row: llama-cpp-python keeps only that row unless built with
-    ``logits_all``). That is the model's distribution, before temperature, top-p and the penalties
+    likely first, ties by lower id)``: the log-softmax of the logits of output ``row`` of the last
+    forward (-1: the last, the row a token is sampled from; llama-cpp-python keeps only that row
+    unless built with ``logits_all``). That is the model's distribution, before temperature, top-p and the penalties
     reshape it, as llama-cpp-python's and OpenAI's ``logprobs`` are. The exponentials of the logits
     less their largest are taken in float32 and summed in float64: 0.4 ms a token for a vocabulary
     of 151,936 here, against 1.7 all in float64, the normaliser 3e-9 apart."""
     n = llm.n_vocab()
-    x = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n,))
+    x = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, row), shape=(n,))
     peak = float(x.max())
     lse = peak + float(np.log(np.exp(x - np.float32(peak)).sum(dtype=np.float64)))
     top = min(top, n)
@@ -97,6 +97,12 @@ class ObservedLlama(llama_cpp.Llama):
         """None, or N: each token :meth:`sample` draws (but an end-of-generation token, which the
         usage leaves out too) appends :func:`token_logprobs` with N alternatives to :attr:`logprob_rows`."""
         self.logprob_rows: list[tuple[int, float, list[tuple[int, float]]]] = []
+        self.prompt_logprobs: int | None = None
+        """None, or N: a prompt's forward computes every row's logits, and each row appends to
+        :attr:`prompt_rows` the :func:`token_logprobs` (N alternatives) of the prompt token after it:
+        one row per prompt token but the first (``echo`` with ``logprobs``). The prompt must be
+        evaluated whole (``reset`` first: a prefix kept in the KV cache is not evaluated again)."""
+        self.prompt_rows: list[tuple[int, float, list[tuple[int, float]]]] = []
         self._decoding = False
         super().__init__(model_path, **kwargs)
 
@@ -149,7 +155,9 @@ class ObservedLlama(llama_cpp.Llama):
         self._decoding = decode
         r0 = self._read_bytes() if decode else None
         t0 = time.perf_counter()
-        if self.hook is None:
+        if not decode and self.prompt_logprobs is not None:
+            self._eval_every_row(tokens)
+        elif self.hook is None:
             super().eval(tokens)
         elif self.routing is None or self._logits_all:
             if self.routing is not None:
@@ -176,18 +184,26 @@ class ObservedLlama(llama_cpp.Llama):
 
 
     def _eval_every_row(self, tokens) -> None:
-        """``Llama.eval`` with every row an output, so that each layer routes every row; the logits
-        stay in the context (``Llama.scores`` holds ``n_batch`` rows unless ``logits_all``, and the
-        sampler reads the last row from the context either way). The loop is ``Llama.eval``'s."""
+        """``Llama.eval`` with every row an output, so that each layer routes every row (``routing``)
+        and each row's logits can be read (``prompt_logprobs``: before the next batch replaces
+        them); the logits stay in the context (``Llama.scores`` holds ``n_batch`` rows unless
+        ``logits_all``, and the sampler reads the last row from the context either way). The loop is
+        ``Llama.eval``'s."""
         self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
         for i in range(0, len(tokens), self.n_batch):
             batch = tokens[i: min(len(tokens), i + self.n_batch)]
             n_past, n = self.n_tokens, len(batch)
-            self.routing.n_past = n_past
-            self.hook.begin(n, n_past == 0, True)
+            if self.routing is not None:
+                self.routing.n_past = n_past
+            if self.hook is not None:
+                self.hook.begin(n, n_past == 0, True)
             self._batch.set_batch(batch=batch, n_past=n_past, logits_all=True)
             self._ctx.decode(self._batch)
-            self.hook.raise_pending()
+            if self.hook is not None:
+                self.hook.raise_pending()
+            if self.prompt_logprobs is not None:  # row j predicts the token after it
+                self.prompt_rows += [token_logprobs(self, tokens[i + j + 1], self.prompt_logprobs, j)
+                                     for j in range(min(n, len(tokens) - i - 1))]
             self.input_ids[n_past: n_past + n] = batch
             self.n_tokens += n
             self._requires_eval = False
