@@ -1059,8 +1059,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_an_independent_forward_does(man
     tokens and their log-probabilities before the completion's, against expertcache's own engine
     (``llama.engine.Engine``: llama.cpp through ctypes, not llama-cpp-python) giving every position's
     logits in one forward. llama-cpp-python's ``echo`` is no reference: on a model without a BOS it
-    scores each token with the row before the one that predicts it, and leaves out the last new
-    token. Streamed, the same; without ``logprobs``, the prompt's text before the completion's."""
+    scores each token with the logits of its own position (which predict the next token), and
+    leaves out the last new token. Streamed, the same; without ``logprobs``, the prompt's text before the completion's."""
     from expertcache.llama.engine import Engine
 
     ids, _, bos = prompt_ids(small_gguf)
