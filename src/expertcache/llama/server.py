@@ -537,7 +537,7 @@ class Logprobs:
                 b = self.llm.detokenize([ids[j]])
                 out["text_offset"].append(chars)
                 chars += len(decoder.decode(b))
-                self._add(out, b, prompt_rows[j - 1] if j > first else None)
+                self._add(out, b, prompt_rows[j - 1] if first < j <= len(prompt_rows) else None)
         for row in rows:
             b = self.llm.detokenize([row[0]])
             out["text_offset"].append(self.chars)
