@@ -48,12 +48,13 @@ DEFAULT_CTX = 2048
 trained for less: :meth:`Session.open`)."""
 
 
-def token_logprobs(llm: llama_cpp.Llama, token: int, top: int, row: int = -1) -> tuple[int, float, list[tuple[int, float]]]:
+def token_logprobs(llm: llama_cpp.Llama, token: int, top: int,
+                   row: int = -1) -> tuple[int, float, list[tuple[int, float]]]:
     """``(token, its log-probability, [(id, log-probability)] of the ``top`` most likely tokens, most
     likely first, ties by lower id)``: the log-softmax of the logits of output ``row`` of the last
     forward (-1: the last, the row a token is sampled from; llama-cpp-python keeps only that row
-    unless built with ``logits_all``). That is the model's distribution, before temperature, top-p and the penalties
-    reshape it, as llama-cpp-python's and OpenAI's ``logprobs`` are. The exponentials of the logits
+    unless built with ``logits_all``). That is the model's distribution, before temperature, top-p
+    and the penalties reshape it, as llama-cpp-python's and OpenAI's ``logprobs`` are. The exponentials of the logits
     less their largest are taken in float32 and summed in float64: 0.4 ms a token for a vocabulary
     of 151,936 here, against 1.7 all in float64, the normaliser 3e-9 apart."""
     n = llm.n_vocab()
@@ -95,7 +96,8 @@ class ObservedLlama(llama_cpp.Llama):
         """Context tokens when the current generation sampled its first token: its whole prompt."""
         self.logprobs: int | None = None
         """None, or N: each token :meth:`sample` draws (but an end-of-generation token, which the
-        usage leaves out too) appends :func:`token_logprobs` with N alternatives to :attr:`logprob_rows`."""
+        usage leaves out too) appends :func:`token_logprobs` with N alternatives to
+        :attr:`logprob_rows`."""
         self.logprob_rows: list[tuple[int, float, list[tuple[int, float]]]] = []
         self.prompt_logprobs: int | None = None
         """None, or N: a prompt's forward computes every row's logits, and each row appends to
