@@ -59,7 +59,7 @@ from expertcache.llama.convert import convert_random  # noqa: E402
 from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.quantize import quantize  # noqa: E402
 from expertcache.llama.forecast import measure_compute, measure_hinted  # noqa: E402
-from expertcache.llama.roofline import (PAGE_STATES, STEPS, compute_rate, device_bandwidth, limits,  # noqa: E402
+from expertcache.llama.roofline import (PAGE_STATES, STEPS, compute_rate, device_bandwidths, limits,  # noqa: E402
                                         pages_of, prefill_compute_rate, roofline)
 from expertcache.llama.runner import request_bytes, run_one  # noqa: E402
 from expertcache.llama.sweep import parse_walls  # noqa: E402
@@ -246,7 +246,8 @@ def prefill(g, args, labels) -> tuple[list[str], dict]:
     # the prefill's roofline: its compute with every routed expert resident (no callback), and the
     # device reading the routed experts' bytes once (each expert once per prompt)
     c = prefill_compute_rate(g.path, ids, 1, fresh=True)["tokens_per_s"]
-    bw1, bw4 = (device_bandwidth(g.path, request_bytes(g), n, fresh=True)["bytes_per_s"] for n in (1, 4))
+    bw = device_bandwidths(g.path, request_bytes(g), fresh=True)
+    bw1, bw4 = bw[1]["bytes_per_s"], bw[4]["bytes_per_s"]
     routed = statistics.median(r["prefill_routed_bytes"] for r in out["managed"]) / args.prefill_tokens
     lim = limits(c, routed, bw1, bw4)
     out["limit"] = {"compute_tokens_per_s": c, "limit_tokens_per_s": lim["limit_tokens_per_s"],

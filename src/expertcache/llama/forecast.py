@@ -340,8 +340,8 @@ def measure_bandwidth(g, fresh: bool = False) -> tuple[float, float, int, str]:
     the device cannot be read with ``O_DIRECT``."""
 
     req = request_bytes(g)
-    b1 = rl.device_bandwidth(g.path, req, 1, fresh=fresh)
-    b4 = rl.device_bandwidth(g.path, req, 4, fresh=fresh)
+    bw = rl.device_bandwidths(g.path, req, fresh=fresh)
+    b1, b4 = bw[1], bw[4]
     for b in (b1, b4):
         if not b.get("bytes_per_s"):
             raise ConfigError(f"--disk-bandwidth auto: cannot measure the device of {g.path} ({b.get('note')}): "

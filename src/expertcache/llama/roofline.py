@@ -120,6 +120,10 @@ def device_key(path: str) -> str:
     return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
 
+READERS = (1, 4)
+"""The reader counts the device is measured with (:func:`device_bandwidths`): one, a miss read
+while the compute waits (the serial limit), and four, several requests in flight (the overlapped
+limit)."""
 BANDWIDTH_PASSES = 3
 """Timed passes of :func:`device_bandwidth` per reader count; the median is kept. One second of
 reads moved by 20-50% between the blocks of one benchmark run on this shared host (B1 1.29-1.92 GB/s)."""
@@ -430,12 +434,17 @@ def limits(compute_tokens_per_s: float | None, missed_bytes_per_token: float | N
     return out
 
 
+def device_bandwidths(path: str, request_bytes: int, *, fresh: bool = False) -> dict[int, dict]:
+    """:func:`device_bandwidth`'s record for each reader count of :data:`READERS`."""
+    return {readers: device_bandwidth(path, request_bytes, readers, fresh=fresh) for readers in READERS}
+
+
 def roofline(path: str, request_bytes: int, prompt, tokens: int, threads: int = 1, *, fresh: bool = False,
              pages: str = "faulted") -> dict:
     """Everything a run's limits need, measured (or taken from the cache): both bandwidths at
     ``request_bytes`` and the compute rate in the page state ``pages``."""
-    b1 = device_bandwidth(path, request_bytes, 1, fresh=fresh)
-    b4 = device_bandwidth(path, request_bytes, 4, fresh=fresh)
+    bw = device_bandwidths(path, request_bytes, fresh=fresh)
+    b1, b4 = bw[1], bw[4]
     c = compute_rate(path, prompt, tokens, threads, fresh=fresh, pages=pages)
     return {"device_read_bytes_per_s_1": b1["bytes_per_s"], "device_read_bytes_per_s_4": b4["bytes_per_s"],
             "device_request_bytes": b1["request_bytes"], "compute_tokens_per_s": c["tokens_per_s"],

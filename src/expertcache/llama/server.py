@@ -253,17 +253,17 @@ def lone_surrogate(obj) -> str | None:
 # ------------------------------------------------------------------------------ metrics
 def device_bandwidths(g) -> dict:
     """``{1: bytes/s, 4: bytes/s}``: the device's read bandwidth at the expert slice size of the GGUF
-    ``g``, one and four readers (:func:`~.roofline.device_bandwidth`: cached per device for a day,
+    ``g``, one and four readers (:func:`~.roofline.device_bandwidths`: cached per device for a day,
     else about 2 s of ``O_DIRECT`` reads by threads with buffers of their own); ``{}`` where the
     file cannot be read so (no roofline gauges). ``serve --memory-wall`` calls it in the wall's
     parent: inside the wall, whose limit hugs the server after its warm-up, the cache's parse and
     rewrite and the reader threads with their buffers had met the limit (``can't start new
     thread``, or ``ENOMEM`` from the next ``socket()``: 3 to 5 of 25 starts beside two CPU burners)."""
-    from .roofline import device_bandwidth
+    from .roofline import device_bandwidths as records
     from .runner import request_bytes
 
     try:
-        return {readers: device_bandwidth(g.path, request_bytes(g), readers)["bytes_per_s"] for readers in (1, 4)}
+        return {readers: rec["bytes_per_s"] for readers, rec in records(g.path, request_bytes(g)).items()}
     except OSError:
         return {}
 
