@@ -506,10 +506,9 @@ class Logprobs:
       With ``echo`` the prompt's tokens come first (a leading BOS left out), offsets from 0, the
       first one's log-probability and alternatives null, as OpenAI's and llama-cpp-python's."""
 
-    def __init__(self, llm, chat: bool, prompt: str | list[int] | None):
-        self.llm, self.chat = llm, chat
-        self.chars = (0 if prompt is None else len(prompt) if isinstance(prompt, str)
-                      else len(llm.detokenize(prompt).decode("utf-8", errors="replace")))
+    def __init__(self, llm, chat: bool, prompt_chars: int):
+        """``prompt_chars``: where the completion's offsets begin, the prompt's characters."""
+        self.llm, self.chat, self.chars = llm, chat, prompt_chars
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     @staticmethod
@@ -798,12 +797,13 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise
         ttft = time.perf_counter() - t0
         first_rows = gen.take_rows()
-        lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", args.get("prompt"))
-        echo, echoed = "", None  # echo: the prompt's text before the completion's, its rows before theirs
-        if gen.echo:
-            echo = args["prompt"] if isinstance(args["prompt"], str) else \
-                session.llama.detokenize(args["prompt"]).decode("utf-8", errors="replace")
-            echoed = (gen.prompt_ids(), gen.prompt_rows) if lp is not None else None
+        prompt_text = ""  # a completion's prompt as text (token ids: theirs), for echo and the offsets
+        if kind == "completion" and (gen.echo or gen.top is not None):
+            given = args["prompt"]
+            prompt_text = given if isinstance(given, str) else _text(session.llama.detokenize(given))
+        lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", len(prompt_text))
+        echo = prompt_text if gen.echo else ""  # echo: the prompt's text before the completion's,
+        echoed = (gen.prompt_ids(), gen.prompt_rows) if gen.echo and lp is not None else None  # its rows first
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
