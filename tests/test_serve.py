@@ -566,14 +566,37 @@ def test_hostile_requests_are_4xx_with_the_field_named(managed):
                         ('{"prompt": "x", "top_logprobs": 2}', "top_logprobs"),  # a chat field
                         ('{"prompt": "x", "logprobs": -1}', "logprobs"), ('{"prompt": "x", "logprobs": 1.0}', "logprobs"),
                         ('{"prompt": [%d], "logprobs": 1}' % 10 ** 30, "prompt"), ('{"prompt": [[1, -5]]}', "prompt"),
-                        ('{"prompt": "x", "logit_bias": {"1": 5}}', "logit_bias"),
+                        ('{"prompt": "x", "logit_bias": {"01": 5}}', "logit_bias"),
+                        ('{"prompt": "x", "logit_bias": {"1": 100.5}}', "logit_bias"),
+                        ('{"prompt": "x", "logit_bias": {"1": NaN}}', "logit_bias"),
+                        ('{"prompt": "x", "logit_bias": {"1": "5"}}', "logit_bias"),
+                        ('{"prompt": "x", "logit_bias": {"99999999": 1}}', "logit_bias"),
+                        ('{"prompt": "x", "response_format": {"type": "xml"}}', "response_format"),
+                        ('{"prompt": "x", "response_format": {"type": "json_schema"}}', "response_format"),
+                        ('{"prompt": "x", "response_format": {"type": "json_object", "schema": []}}', "response_format"),
+                        # a remote reference (nothing is fetched), an unknown type, a grammar of 1 GB, one that
+                        # llama.cpp refuses (llama-cpp-python would add its null sampler: the process died)
+                        ('{"prompt": "x", "response_format": {"type": "json_object", "schema": {"$ref": '
+                         '"https://example.com/s.json"}}}', "response_format"),
+                        ('{"prompt": "x", "response_format": {"type": "json_object", "schema": {"type": "foo"}}}',
+                         "response_format"),
+                        ('{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "n", '
+                         '"schema": {"type": "string", "pattern": "^a{1000000000}$"}}}}', "response_format"),
+                        ('{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "n", '
+                         '"schema": {"type": "string", "pattern": "^(|a)*$"}}}}', "response_format"),
+                        # keywords the grammar would not hold the text to: refused, not ignored
+                        ('{"prompt": "x", "response_format": {"type": "json_object", "schema": {"type": "integer", '
+                         '"maximum": 99}}}', "response_format"),
+                        ('{"prompt": "x", "response_format": {"type": "json_object", "schema": {"type": "string", '
+                         '"format": "email"}}}', "response_format"),
                         ('{"prompt": "x", "best_of": 3}', "best_of"),  # options that would change the result
                         ('{"prompt": "x", "suffix": "y"}', "suffix")]:
         e = err(400, body)
         assert e["param"] == param and e["type"] == "invalid_request_error" and e["code"] is None, (body, e)
     user = '"messages": [{"role": "user", "content": "x"}]'
     for body, param in [('{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}', "messages"),
-                        ('{%s, "response_format": {"type": "json_object"}}' % user, "response_format"),
+                        ('{%s, "response_format": {"type": "json_schema", "json_schema": {"schema": '
+                         '{"type": "string", "pattern": "^(|a)*$"}}}}' % user, "response_format"),
                         ('{%s, "tools": [{"type": "function"}]}' % user, "tools"),
                         ('{%s, "top_logprobs": 2}' % user, "top_logprobs"), ('{%s, "logprobs": 3}' % user, "logprobs"),
                         ('{%s, "logprobs": true, "top_logprobs": 21}' % user, "top_logprobs"),
@@ -1106,3 +1129,96 @@ def test_echo_with_logprobs_scores_the_prompt_as_an_independent_forward_does(man
     assert harness.token_logprobs[1:n + 1] == pytest.approx(lp.token_logprobs[1:n + 1], abs=1e-5)
     plain = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, seed=1)
     assert plain.choices[0].text == got.text and plain.choices[0].logprobs is None
+
+
+def test_response_format_and_logit_bias_sample_as_llama_cpp_python_does(managed, small_gguf):
+    """``response_format`` and ``logit_bias`` (docs/serve.md, "Structured output and logit_bias")
+    against llama-cpp-python sampling with the same grammar or biases in its own loop
+    (``create_completion``): the same text, greedy. Then what they promise: a JSON mode's text is a
+    JSON object, a schema's text validates (an enum is one of its values), a stream sends the same
+    text, a biased token is the only one sampled (+100) or never (-100)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
+
+    client = managed.client()
+    point = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                                              "tag": {"type": "string", "maxLength": 8}}, "required": ["n", "ok"]}
+    answer = {"type": "string", "enum": ["yes", "no"]}
+    cases = [({"type": "json_object"}, LlamaGrammar.from_string(JSON_GBNF), dict),
+             ({"type": "json_schema", "json_schema": {"name": "point", "schema": point, "strict": True}},
+              LlamaGrammar.from_json_schema(json.dumps(point)), dict),
+             ({"type": "json_object", "schema": answer},  # llama-cpp-python's server's spelling
+              LlamaGrammar.from_json_schema(json.dumps(answer)), str)]
+    llm = llama_cpp.Llama(str(small_gguf), n_ctx=512, verbose=False)
+    try:
+        for fmt, grammar, kind in cases:
+            got = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=64, temperature=0, seed=1,
+                                            extra_body={"response_format": fmt})
+            want = llm.create_completion(PROMPT, max_tokens=64, temperature=0.0, top_k=1, repeat_penalty=1.0,
+                                         grammar=grammar)["choices"][0]
+            text = got.choices[0].text
+            assert text == want["text"] and got.choices[0].finish_reason == "stop" == want["finish_reason"], (fmt, text)
+            value = json.loads(text)
+            assert isinstance(value, kind), (fmt, text)
+            if fmt.get("json_schema"):
+                assert isinstance(value["n"], int) and isinstance(value["ok"], bool) and len(value.get("tag", "")) <= 8
+            if kind is str:
+                assert value in answer["enum"]
+            streamed = "".join(c.choices[0].text for c in client.completions.create(
+                model="small-moe", prompt=PROMPT, max_tokens=64, temperature=0, seed=1, stream=True,
+                extra_body={"response_format": fmt}))
+            assert streamed == text
+        plain = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=6, temperature=0, seed=1,
+                                          logprobs=0)
+        first = plain.choices[0].logprobs.tokens[0]
+        first_id = llm.tokenize(first.encode(), add_bos=False, special=True)
+        assert len(first_id) == 1
+        target = 7 if first_id[0] != 7 else 8
+        for bias in ({str(target): 100.0}, {str(first_id[0]): -100.0}):
+            got = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=6, temperature=0, seed=1,
+                                            logit_bias=bias, logprobs=0)
+            want = llm.create_completion(PROMPT, max_tokens=6, temperature=0.0, top_k=1, repeat_penalty=1.0,
+                                         logit_bias=bias)["choices"][0]["text"]
+            assert got.choices[0].text == want, bias
+            tokens = got.choices[0].logprobs.tokens
+            if bias.get(str(target)) == 100.0:
+                assert tokens == [llm.detokenize([target]).decode("utf-8", "replace")] * 6
+            else:
+                assert tokens[0] != first and first not in tokens
+    finally:
+        llm.close()
+    chat = client.chat.completions.create(model="small-moe", messages=[{"role": "user", "content": "Is it?"}],
+                                          max_tokens=32, temperature=0,
+                                          response_format={"type": "json_schema", "json_schema": {
+                                              "name": "answer", "schema": {"type": "object", "properties": {
+                                                  "answer": answer}, "required": ["answer"]}}})
+    assert chat.choices[0].finish_reason == "stop"
+    assert json.loads(chat.choices[0].message.content)["answer"] in answer["enum"]
+
+
+def test_sampled_text_keeps_to_the_schema_at_any_temperature(managed):
+    """Sampling under a grammar draws from the chain first and lets the grammar check only that
+    token (``constraints.GrammarFirst``, as llama.cpp's own sampler); whatever is drawn, the text
+    keeps to the schema and is JSON: seeded requests at temperatures 0.7-2 with patterns (escapes,
+    ``.``), an enum, a length bound and a date format. Before, the converter's string let a newline
+    through unescaped (``json.loads`` refused the text) and its patterns' ``\\d`` made a grammar
+    llama.cpp refuses."""
+    import re
+
+    client = managed.client()
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[ab]{2,4}\\.\\d$"},
+                                               "note": {"type": "string", "pattern": "^.{1,6}$"},
+                                               "pick": {"type": "string", "enum": ["red", "green"]},
+                                               "n": {"type": "integer"}, "tag": {"type": "string", "maxLength": 3},
+                                               "when": {"type": "string", "format": "date"}},
+              "required": ["code", "note", "pick", "n", "tag", "when"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    for seed in range(12):
+        got = client.completions.create(model="small-moe", prompt=PROMPT, max_tokens=240, temperature=0.7 + seed / 9,
+                                        seed=seed, extra_body={"response_format": fmt})
+        assert got.choices[0].finish_reason == "stop", (seed, got.choices[0].text)
+        value = json.loads(got.choices[0].text)
+        assert re.fullmatch(r"[ab]{2,4}\.\d", value["code"]) and re.fullmatch(".{1,6}", value["note"]), value
+        assert value["pick"] in ("red", "green"), value
+        assert isinstance(value["n"], int) and len(value["tag"]) <= 3, value
+        assert re.fullmatch(r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])", value["when"]), value

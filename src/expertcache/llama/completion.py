@@ -35,7 +35,7 @@ import uuid
 import jinja2
 import llama_cpp
 
-UNSERVED = ("suffix", "logprobs", "echo", "logits_processor", "grammar", "logit_bias")
+UNSERVED = ("suffix", "logprobs", "echo", "logit_bias")
 """``create_completion`` options this loop does not implement: a call setting any of them goes to
 llama-cpp-python's own loop."""
 
@@ -68,7 +68,7 @@ def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 
                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_penalty: float = 1.0,
                       top_k: int = 40, seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
                       mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
-                      stopping_criteria=None, stream: bool = True):
+                      stopping_criteria=None, stream: bool = True, logits_processor=None, grammar=None):
     """Yield ``text_completion`` chunks of ``prompt`` (a string, or token ids as a chat handler gives
     them) continued by ``llm`` (module docstring). The arguments are ``Llama.create_completion``'s,
     with its defaults."""
@@ -105,7 +105,8 @@ def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 
                               tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
                               mirostat_eta=mirostat_eta, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, repeat_penalty=repeat_penalty,
-                              stopping_criteria=stopping_criteria):
+                              stopping_criteria=stopping_criteria, logits_processor=logits_processor,
+                              grammar=grammar):
         if llama_cpp.llama_vocab_is_eog(vocab, token):
             finish = "stop"
             break

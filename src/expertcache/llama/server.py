@@ -78,6 +78,7 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
 from .completion import PromptError, rendered_roles, stream_chat, stream_completion
+from .constraints import ConstraintError, logit_bias, response_grammar
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -120,6 +121,24 @@ def error_json(status: int, message: str, type_: str = "invalid_request_error", 
 
 
 # ------------------------------------------------------------------------------ requests
+class _JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # the grammar holds the output to the schema either way
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema`` with its schema), and
+    llama-cpp-python's server's ``json_object`` with a ``schema`` beside it (:mod:`.constraints`)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+    schema_: dict | None = Field(None, alias="schema")
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # "0.5", true or 5.0 where a number or bool goes: 400
 
@@ -135,8 +154,9 @@ class _Sampling(BaseModel):
     stream_options: dict | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int | None = Field(None, ge=0)
+    logit_bias: dict[str, float] | None = None  # token id -> [-100, 100] (constraints.logit_bias)
+    response_format: ResponseFormat | None = None
     # OpenAI's options this server does not implement: refused when set (check_request), never ignored
-    logit_bias: dict | None = None
     best_of: int | None = None
 
 
@@ -171,7 +191,6 @@ class ChatRequest(_Sampling):
     functions: list | None = None
     tool_choice: str | dict | None = None
     function_call: str | dict | None = None
-    response_format: dict | None = None
 
 
 def parse_body(raw: bytes, model_cls):
@@ -367,8 +386,10 @@ class Metrics:
 class Generation:
     """One request's decode, advanced one piece at a time from a worker thread (never two at once).
 
-    :meth:`start` runs the prefill and returns the first piece (or raises :class:`ApiError` before
-    anything is sent: an empty prompt, or one too long for the context with its ``max_tokens``);
+    :meth:`start` makes the request's grammar and logit biases (:mod:`.constraints`), runs the
+    prefill and returns the first piece (or raises :class:`ApiError` before anything is sent: a
+    schema that makes no grammar, an empty prompt, or one too long for the context with its
+    ``max_tokens``);
     :meth:`next` returns the next piece or None at the end; :meth:`close` stops the decode
     (idempotent). ``halt`` (this request's) or ``shutdown`` (the server's) set, the decode ends
     before the next token (:mod:`.completion` yields a chunk per token); ``aborted`` then says the
@@ -391,7 +412,9 @@ class Generation:
         """With ``echo`` and ``logprobs``: the prompt's rows (:attr:`~.textgen.ObservedLlama.prompt_rows`)."""
         self.before = session.snapshot()
         self.sampled0 = llm.sampled
-        self._it = stream_chat(llm, messages, **kw) if self.chat else stream_completion(llm, prompt, **kw)
+        self._make = (lambda **more: stream_chat(llm, messages, **kw, **more)) if self.chat else \
+            (lambda **more: stream_completion(llm, prompt, **kw, **more))
+        self._it = None  # made by start, on the decode's thread: a schema's grammar can take a second to make
         self.finish: str | None = None
         self.prompt_tokens: int | None = None
         self.done = False
@@ -421,6 +444,14 @@ class Generation:
 
     def start(self) -> str | None:
         llm = self.session.llama
+        try:
+            fmt = self.body.response_format
+            grammar = response_grammar(fmt and fmt.model_dump(by_alias=True), llm._model.vocab)
+            bias = logit_bias(self.body.logit_bias, llm.n_vocab())
+        except ConstraintError as exc:
+            self.done = True
+            raise ApiError(400, str(exc), param=exc.param) from None
+        self._it = self._make(grammar=grammar, logits_processor=bias)
         llm.logprobs, llm.logprob_rows = self.top, []
         if self.echo and self.top is not None:  # every prompt row's logits: the prompt evaluated whole
             llm.reset()
@@ -464,7 +495,8 @@ class Generation:
     def close(self) -> None:
         if not self.done:
             self.done = True
-            self._it.close()
+            if self._it is not None:
+                self._it.close()
             self.session.llama.logprobs = None
 
     def prompt_ids(self) -> list[int]:
@@ -693,17 +725,19 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise ApiError(400, "n: one choice per request is served", param="n")
         if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        unserved = {"logit_bias": bool(body.logit_bias), "best_of": body.best_of not in (None, 1),
+        unserved = {"best_of": body.best_of not in (None, 1),
                     "top_logprobs": isinstance(body, CompletionRequest) and body.top_logprobs is not None,
                     "suffix": bool(getattr(body, "suffix", None)), "tools": bool(getattr(body, "tools", None)),
                     "functions": bool(getattr(body, "functions", None)),
                     "tool_choice": getattr(body, "tool_choice", None) not in (None, "none", "auto"),
-                    "function_call": getattr(body, "function_call", None) not in (None, "none", "auto"),
-                    "response_format": (getattr(body, "response_format", None) or {"type": "text"}).get("type")
-                    != "text"}
+                    "function_call": getattr(body, "function_call", None) not in (None, "none", "auto")}
         for field, used in unserved.items():
             if used:
                 raise ApiError(400, f"{field} is not served (it would change the result)", param=field)
+        try:
+            logit_bias(body.logit_bias, session.llama.n_vocab())  # checked here; made again by the decode (Generation.start)
+        except ConstraintError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         if body.return_routed_experts and session.llama.routing is None:
             raise ApiError(400, "this server does not return routed experts: start it with "
                            "--enable-return-routed-experts", param="return_routed_experts", code="routed_experts_disabled")

@@ -38,6 +38,7 @@ from ..errors import ConfigError
 from .advice import MODES, PageAdvisor, readers_for
 from .capture import ContextRouting
 from .completion import stream_chat, stream_completion
+from .constraints import GrammarFirst
 from .engine import EvalHook, _silence
 from ..formats.gguf import Geometry, chat_template_problem, read_geometry, read_header
 from .runner import check_managed, io_counters
@@ -106,6 +107,7 @@ class ObservedLlama(llama_cpp.Llama):
         evaluated whole (``reset`` first: a prefix kept in the KV cache is not evaluated again)."""
         self.prompt_rows: list[tuple[int, float, list[tuple[int, float]]]] = []
         self._decoding = False
+        self._grammar: GrammarFirst | None = None  # a generation's grammar, checked after the chain draws
         super().__init__(model_path, **kwargs)
 
     # ``Llama.__init__`` makes both parameter structs and loads with them at once, with no argument for
@@ -138,12 +140,27 @@ class ObservedLlama(llama_cpp.Llama):
         counters, _ = read_self_io(self.io)
         return counters["read_bytes"] if counters else None
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, grammar=None, **kwargs):
+        """``Llama.generate``, a ``grammar`` applied as llama.cpp's own sampler applies it
+        (:class:`~.constraints.GrammarFirst`) instead of in the chain, where it matched the whole
+        vocabulary at every token."""
         self._decoding = False
-        return (yield from super().generate(*args, **kwargs))
+        mine = self._grammar = GrammarFirst(self._model.vocab, grammar, self._n_vocab) if grammar is not None else None
+        try:
+            return (yield from super().generate(*args, **kwargs))
+        finally:
+            if mine is not None:
+                mine.close()
+            if self._grammar is mine:
+                self._grammar = None
 
     def sample(self, *args, **kwargs) -> int:
-        token = super().sample(*args, **kwargs)
+        if self._grammar is not None and self._sampler is not None and kwargs.get("grammar") is None:
+            idx = kwargs.get("idx")
+            token = self._grammar.sample(self._ctx.ctx, self._sampler.sampler,
+                                         idx - self.n_tokens if idx is not None else -1)
+        else:
+            token = super().sample(*args, **kwargs)
         if not self._decoding:
             self.prompt_length, self._decoding = self.n_tokens, True
         self.sampled += 1
