@@ -1222,3 +1222,34 @@ def test_sampled_text_keeps_to_the_schema_at_any_temperature(managed):
         assert value["pick"] in ("red", "green"), value
         assert isinstance(value["n"], int) and len(value["tag"]) <= 3, value
         assert re.fullmatch(r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])", value["when"]), value
+
+
+def test_generate_keeps_to_a_json_schema_as_the_server_does(managed, small_gguf, tmp_path):
+    """``llama generate --json-schema`` (llama.cpp's ``-j``) gives the server's ``response_format``
+    text for the same schema; a schema it cannot hold, or not JSON, is one line (exit 2)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema), encoding="utf-8")
+    served = managed.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=64, temperature=0,
+                                                 seed=1, extra_body={"response_format": {"type": "json_schema",
+                                                                     "json_schema": {"name": "s", "schema": schema}}})
+
+    def gen(*args):
+        return subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(small_gguf),
+                               "--prompt", PROMPT, "--max-new-tokens", "64", *args], capture_output=True, text=True,
+                              cwd=REPO, timeout=300)
+
+    for args in (["--json-schema", json.dumps(schema)], ["--json-schema-file", str(tmp_path / "s.json")]):
+        done = gen(*args, "--json")
+        assert done.returncode == 0, done.stderr
+        rec = json.loads(done.stdout)
+        assert rec["text"] == served.choices[0].text and rec["finish_reason"] == "stop", (rec, served)
+    (tmp_path / "bad.json").write_bytes(b"\xff{}")
+    for args, match in [(["--json-schema", '{"type": "integer", "maximum": 3}'], "--json-schema: schema: maximum"),
+                        (["--json-schema", "[1]"], "a JSON schema is a JSON object"),
+                        (["--json-schema", "{"], "--json-schema: not JSON"),
+                        (["--json-schema-file", str(tmp_path / "bad.json")], "not UTF-8"),
+                        (["--json-schema-file", str(tmp_path / "none.json")], "No such file")]:
+        done = gen(*args)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and match in lines[0], (args, done.stderr)

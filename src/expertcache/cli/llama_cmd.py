@@ -3,6 +3,7 @@ decode under a memory wall (``run``) and the capacity response (``sweep``). docs
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -83,6 +84,7 @@ def add_parser(sub) -> None:
 
 def run_generate(args) -> int:
     from ..llama.completion import PromptError, rendered_roles
+    from ..llama.constraints import ConstraintError, response_grammar
     from ..llama.textgen import stream_text
 
     text = _prompt_text(args)
@@ -94,7 +96,16 @@ def run_generate(args) -> int:
         raise ConfigError("--system goes with --chat")
     else:
         text = _checked_text(text, args)
+    schema = _json_schema(args)
     with open_session(args) as session:
+        grammar = None
+        if schema is not None:
+            try:
+                grammar = response_grammar({"type": "json_schema", "json_schema": {"schema": schema}},
+                                           session.llama._model.vocab)
+            except ConstraintError as exc:
+                where = f"--json-schema-file {args.json_schema_file}" if args.json_schema_file else "--json-schema"
+                raise ConfigError(f"{where}: {exc}") from None
         if messages is not None:
             session.check_chat()
             if args.system is not None and rendered_roles(session.llama).get("system") is False:
@@ -107,7 +118,8 @@ def run_generate(args) -> int:
         pieces = []
         try:
             for piece in stream_text(session, prompt=text, messages=messages, max_tokens=args.max_new_tokens,
-                                     temperature=args.temperature, top_p=args.top_p, seed=args.seed):
+                                     temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                     grammar=grammar):
                 if isinstance(piece, dict):
                     figures = piece
                     break
@@ -178,6 +190,39 @@ def _prompt_text(args) -> str | None:
         raise ConfigError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise ConfigError(f"--prompt-file {args.prompt_file}: {exc.strerror or exc}") from None
+
+
+MAX_SCHEMA_BYTES = 1 << 20
+"""Largest ``--json-schema`` (or its file): a request body's bound in ``serve``."""
+
+
+def _json_schema(args) -> dict | None:
+    """The JSON schema of ``--json-schema`` / ``--json-schema-file`` (None when neither is given): a
+    JSON object, at most :data:`MAX_SCHEMA_BYTES`; anything else is one line."""
+    where, text = "--json-schema", args.json_schema
+    if args.json_schema_file is not None:
+        where = f"--json-schema-file {args.json_schema_file}"
+        try:
+            with open(args.json_schema_file, "rb") as fh:
+                raw = fh.read(MAX_SCHEMA_BYTES + 1)
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+        except OSError as exc:
+            raise ConfigError(f"{where}: {exc.strerror or exc}") from None
+    if text is None:
+        return None
+    if len(text.encode("utf-8", errors="replace")) > MAX_SCHEMA_BYTES:
+        raise ConfigError(f"{where}: more than {MAX_SCHEMA_BYTES:,} bytes")
+    try:
+        schema = json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not JSON ({str(exc)[:120]})") from None
+    if not isinstance(schema, dict):
+        raise ConfigError(f"{where}: a JSON schema is a JSON object, not {type(schema).__name__}")
+    return schema
 
 
 def _setup(args):

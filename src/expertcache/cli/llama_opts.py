@@ -27,6 +27,13 @@ def add_generation_options(p) -> None:
                        help="nucleus sampling (default 1)")
         p.add_argument("--seed", type=sampling_seed, default=0,
                        help=f"sampling seed, 0 to {MAX_SEED} (llama.cpp's is 32-bit; default 0)")
+        shape = p.add_mutually_exclusive_group()
+        shape.add_argument("--json-schema", metavar="SCHEMA", default=None,
+                           help="hold the text to this JSON schema (JSON text; {} is any JSON object), as llama.cpp's "
+                                "-j does; a keyword the grammar would not hold is refused (docs/serve.md, "
+                                "Structured output)")
+        shape.add_argument("--json-schema-file", metavar="PATH", default=None,
+                           help="--json-schema read from this UTF-8 file")
     p.add_argument("--mode", choices=MODES, default=None,
                    help="page-cache mode (default: managed with --cache-memory, else mmap; docs/llama.md)")
     p.add_argument("--cache-memory", default=None, metavar="SIZE",

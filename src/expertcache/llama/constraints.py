@@ -45,7 +45,8 @@ MAX_BIAS = 100.0
 
 
 class ConstraintError(ValueError):
-    """A ``response_format`` or ``logit_bias`` this server cannot sample with; ``param`` is the request's field."""
+    """A ``response_format`` or ``logit_bias`` this server cannot sample with; ``param`` is the request's
+    field, which the message follows (the server writes ``param: message``)."""
 
     def __init__(self, message: str, param: str):
         super().__init__(message)
@@ -62,35 +63,35 @@ def response_grammar(fmt: dict | None, vocab) -> LlamaGrammar | None:
     if fmt["type"] == "json_schema":
         schema = (fmt.get("json_schema") or {}).get("schema")
         if schema is None:
-            raise ConstraintError("response_format.json_schema.schema: a JSON schema is required", "response_format")
+            raise ConstraintError("json_schema.schema: a JSON schema is required", "response_format")
     else:
         schema = fmt.get("schema")
     if schema is None:
         text = JSON_GBNF  # its root is an object, as OpenAI's JSON mode gives
     else:
         if not isinstance(schema, dict):
-            raise ConstraintError("response_format: the schema is not a JSON object", "response_format")
+            raise ConstraintError("the schema is not a JSON object", "response_format")
         schema = held_schema(schema)
         cost = expansion(schema)
         if cost > MAX_GRAMMAR_CHARS:
-            raise ConstraintError(f"response_format: the schema's repetitions (minLength, maxItems, a pattern's "
+            raise ConstraintError(f"the schema's repetitions (minLength, maxItems, a pattern's "
                                   f"{{m,n}}) would write a grammar of about {cost:,} characters, over "
                                   f"{MAX_GRAMMAR_CHARS:,}", "response_format")
         try:
             text = strict_strings(json_schema_to_gbnf(json.dumps(schema)))
         except RecursionError:
-            raise ConstraintError("response_format: the schema is nested too deeply to convert",
+            raise ConstraintError("the schema is nested too deeply to convert",
                                   "response_format") from None
         except Exception as exc:  # the converter's own refusals: AssertionError, ValueError, KeyError, ...
-            raise ConstraintError(f"response_format: the schema cannot be made a grammar "
+            raise ConstraintError(f"the schema cannot be made a grammar "
                                   f"({type(exc).__name__}: {str(exc)[:200]})", "response_format") from None
         if len(text) > MAX_GRAMMAR_CHARS:
-            raise ConstraintError(f"response_format: the schema makes a grammar of {len(text):,} characters, over "
+            raise ConstraintError(f"the schema makes a grammar of {len(text):,} characters, over "
                                   f"{MAX_GRAMMAR_CHARS:,}", "response_format")
     grammar = LlamaGrammar.from_string(text, verbose=False)
     sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), grammar._root.encode("utf-8"))
     if not sampler:
-        raise ConstraintError("response_format: llama.cpp refuses the grammar made from the schema (a rule "
+        raise ConstraintError("llama.cpp refuses the grammar made from the schema (a rule "
                               "that can repeat without reading anything, such as the pattern ^(|a)*$, or one "
                               "that calls itself first)", "response_format")
     llama_cpp.llama_sampler_free(sampler)
@@ -151,10 +152,10 @@ def held_schema(schema: dict) -> dict:
     try:
         schema = json.loads(json.dumps(schema))
     except RecursionError:
-        raise ConstraintError("response_format: the schema is nested too deeply", "response_format") from None
+        raise ConstraintError("the schema is nested too deeply", "response_format") from None
 
     def refuse(why: str):
-        raise ConstraintError(f"response_format: {why}", "response_format")
+        raise ConstraintError(why, "response_format")
 
     stack = [(schema, "schema")]
     while stack:
@@ -207,7 +208,7 @@ def json_safe_pattern(pattern: str, where: str = "pattern") -> str:
     pattern needs what the grammar cannot write: a quote, a backslash or a control character, or
     ``\D``, ``\b`` and the other escapes."""
     def refuse(why: str):
-        raise ConstraintError(f"response_format: {where}: {why}", "response_format")
+        raise ConstraintError(f"{where}: {why}", "response_format")
 
     def escape(c: str) -> str:
         if c in CLASS_ESCAPES:
@@ -376,10 +377,10 @@ def logit_bias(bias: dict[str, float] | None, n_vocab: int) -> llama_cpp.LogitsP
     values = np.empty(len(bias), dtype=np.float32)
     for i, (key, value) in enumerate(bias.items()):
         if not (key.isascii() and key.isdigit() and len(key) <= 12 and key == str(int(key)) and int(key) < n_vocab):
-            raise ConstraintError(f"logit_bias: {key[:40]!r} is not a token id of this model's vocabulary [0, {n_vocab})",
+            raise ConstraintError(f"{key[:40]!r} is not a token id of this model's vocabulary [0, {n_vocab})",
                                   "logit_bias")
         if not -MAX_BIAS <= value <= MAX_BIAS:
-            raise ConstraintError(f"logit_bias: {key}: {value} is outside [-100, 100]", "logit_bias")
+            raise ConstraintError(f"{key}: {value} is outside [-100, 100]", "logit_bias")
         ids[i], values[i] = int(key), value
 
     def add_bias(_input_ids, scores):  # the chain's first step: scores are the logits in token id order

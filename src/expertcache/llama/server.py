@@ -450,7 +450,7 @@ class Generation:
             bias = logit_bias(self.body.logit_bias, llm.n_vocab())
         except ConstraintError as exc:
             self.done = True
-            raise ApiError(400, str(exc), param=exc.param) from None
+            raise ApiError(400, f"{exc.param}: {exc}", param=exc.param) from None
         self._it = self._make(grammar=grammar, logits_processor=bias)
         llm.logprobs, llm.logprob_rows = self.top, []
         if self.echo and self.top is not None:  # every prompt row's logits: the prompt evaluated whole
@@ -737,7 +737,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         try:
             logit_bias(body.logit_bias, session.llama.n_vocab())  # checked here; made again by the decode (Generation.start)
         except ConstraintError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
+            raise ApiError(400, f"{exc.param}: {exc}", param=exc.param) from None
         if body.return_routed_experts and session.llama.routing is None:
             raise ApiError(400, "this server does not return routed experts: start it with "
                            "--enable-return-routed-experts", param="return_routed_experts", code="routed_experts_disabled")

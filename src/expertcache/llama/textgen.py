@@ -391,13 +391,16 @@ def completion_kwargs(max_tokens: int, temperature: float, top_p: float, seed: i
 
 
 def stream_text(session: Session, *, prompt: str | None = None, messages: list | None = None, max_tokens: int = 64,
-                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
+                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, grammar=None):
     """Yield the generated text piece by piece (``prompt``: a completion; ``messages``: a chat with
-    the model's template), then a final ``dict``: :func:`request_figures`, ``finish_reason``,
+    the model's template; ``grammar``: a ``LlamaGrammar`` the tokens keep to,
+    :func:`~.constraints.response_grammar`), then a final ``dict``: :func:`request_figures`, ``finish_reason``,
     ``prompt_tokens``, ``completion_tokens`` (sampled; an end-of-generation token not counted),
     ``ttft_seconds`` (call to first piece) and ``stream_seconds`` (first piece to last)."""
     llm = session.llama
     kw = completion_kwargs(max_tokens, temperature, top_p, seed)
+    if grammar is not None:
+        kw["grammar"] = grammar
     before = session.snapshot()
     sampled0 = llm.sampled
     t0 = time.perf_counter()
