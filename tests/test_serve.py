@@ -1253,3 +1253,68 @@ def test_generate_keeps_to_a_json_schema_as_the_server_does(managed, small_gguf,
         done = gen(*args)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and match in lines[0], (args, done.stderr)
+
+
+def test_a_forced_tool_call_is_its_arguments_under_the_parameters_grammar(managed):
+    """``tools`` with ``tool_choice`` naming a function (or ``required`` with one tool): the answer is
+    that call, its arguments sampled under the grammar of its ``parameters`` (the text
+    ``response_format`` gives for that schema: chatml shows no tools, so the prompt is the same),
+    in OpenAI's shapes: ``message.tool_calls``, a stream's ``delta.tool_calls`` pieces,
+    ``finish_reason`` ``stop`` for a named call and ``tool_calls`` for ``required``, as OpenAI's API
+    gives them. ``auto``, which would need the model's own call format parsed, is a 400."""
+    client = managed.client()
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+              "required": ["city", "days"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "a city's weather",
+                                               "parameters": params}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    shaped = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=64, temperature=0, seed=1,
+                                            response_format={"type": "json_schema", "json_schema": {
+                                                "name": "w", "schema": params}})
+    named = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=64, temperature=0, seed=1,
+                                           tools=tools, tool_choice={"type": "function",
+                                                                     "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert named.choices[0].message.content is None and named.choices[0].finish_reason == "stop"
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments == shaped.choices[0].message.content
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "days"} and isinstance(args["days"], int) and len(args["city"]) <= 12
+    required = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=64, temperature=0, seed=1,
+                                              tools=tools, tool_choice="required")
+    assert required.choices[0].finish_reason == "tool_calls"
+    assert required.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    pieces, firsts, finish = [], [], None
+    for c in client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=64, temperature=0, seed=1,
+                                            tools=tools, tool_choice="required", stream=True):
+        for tc in c.choices[0].delta.tool_calls or []:
+            pieces.append(tc.function.arguments or "")
+            if tc.id is not None:
+                firsts.append((tc.id, tc.function.name))
+        finish = c.choices[0].finish_reason or finish
+    assert "".join(pieces) == call.function.arguments and finish == "tool_calls"
+    assert len(firsts) == 1 and firsts[0][1] == "get_weather" and firsts[0][0].startswith("call_")
+    none = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=8, temperature=0, seed=1,
+                                          tools=tools, tool_choice="none")
+    plain = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=8, temperature=0, seed=1)
+    assert none.choices[0].message.content == plain.choices[0].message.content and not none.choices[0].message.tool_calls
+
+    def refused(param, **kw):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=8, **kw)
+        assert info.value.body["param"] == param, info.value.body
+        return info.value.body["message"]
+
+    assert "not parsed by this server" in refused("tool_choice", tools=tools)  # auto, by default
+    assert "not parsed" in refused("tool_choice", tools=tools, tool_choice="auto")
+    two = tools + [{"type": "function", "function": {"name": "f2"}}]
+    assert "2 tools given" in refused("tool_choice", tools=two, tool_choice="required")
+    assert "no tool is named" in refused("tool_choice", tools=tools, tool_choice={"type": "function",
+                                                                                 "function": {"name": "nope"}})
+    assert "no tools" in refused("tool_choice", tool_choice="required")
+    assert "leave response_format out" in refused("response_format", tools=tools, tool_choice="required",
+                                                  response_format={"type": "json_object"})
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "maximum": 3}}}}}]
+    assert "maximum is not held" in refused("tools", tools=bad, tool_choice="required")
+    refused("tools", tools=[{"type": "function", "function": {"name": "has space"}}], tool_choice="required")

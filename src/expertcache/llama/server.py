@@ -27,7 +27,7 @@ Invariants:
   prompt that with ``max_tokens`` exceeds the context (400 ``context_length_exceeded``), a chat to
   a model without a chat template, a field of the wrong JSON type (no coercion), a string holding
   a lone surrogate, an empty prompt or stop sequence, an option that would change the result and
-  is not implemented (``n`` > 1, ``logit_bias``, ``tools``, ...), an unknown
+  is not implemented (``n`` > 1, ``suffix``, ``tool_choice`` ``auto``, ...), an unknown
   route (404) or method (405), a request the HTTP parser refuses (400). Anything else is a 500 of
   the same shape and one line on stderr (:class:`Guard`; uvicorn's and asyncio's records are folded
   to one line: :func:`one_line`); the server keeps serving either way.
@@ -121,27 +121,31 @@ def error_json(status: int, message: str, type_: str = "invalid_request_error", 
 
 
 # ------------------------------------------------------------------------------ requests
-class _JsonSchema(BaseModel):
+class _Strict(BaseModel):
+    """A request's part: unknown fields ignored (OpenAI's clients send some), known ones typed strictly
+    (``"0.5"``, ``true`` or ``5.0`` where a number, a bool or an integer goes is a 400, not a
+    coercion)."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _JsonSchema(_Strict):
     name: str | None = None
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None  # the grammar holds the output to the schema either way
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Strict):
     """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema`` with its schema), and
     llama-cpp-python's server's ``json_object`` with a ``schema`` beside it (:mod:`.constraints`)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: _JsonSchema | None = None
     schema_: dict | None = Field(None, alias="schema")
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # "0.5", true or 5.0 where a number or bool goes: 400
-
+class _Sampling(_Strict):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -169,16 +173,52 @@ class CompletionRequest(_Sampling):
     top_logprobs: int | None = None  # a chat field: refused here
 
 
-class _Part(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class _Part(_Strict):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class _CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class _ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: _CalledFunction
+
+
+class Message(_Strict):
+    """A chat message; an assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to the
+    chat template as given (a template that has no place for them leaves them out)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_Part] | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class _Function(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; none: an object with no properties
+    strict: bool | None = None  # the grammar holds the arguments to the schema either way
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: _Function
+
+
+class _Named(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _Named
 
 
 class ChatRequest(_Sampling):
@@ -187,10 +227,41 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # a forced call is one call either way
     functions: list | None = None
-    tool_choice: str | dict | None = None
     function_call: str | dict | None = None
+
+
+def forced_tool(body) -> Tool | None:
+    """The tool a chat's ``tool_choice`` makes the model call (a named function, or ``required`` with
+    one tool): its arguments are then sampled under the grammar of its ``parameters``; None where no
+    call is forced. ``auto`` (a request with tools says it by default) is a 400: the model would
+    choose between text and a call in its own format, which this server does not parse; ``required``
+    among several tools and a name no tool has are 400s too."""
+    tools = getattr(body, "tools", None) or []
+    choice = getattr(body, "tool_choice", None)
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if not tools:
+        raise ApiError(400, "tool_choice: no tools are given", param="tool_choice")
+    if choice == "auto":
+        raise ApiError(400, "tool_choice auto: the model's own tool-call format is not parsed by this server; name "
+                       "the function ({\"type\": \"function\", \"function\": {\"name\": ...}}), or give one tool "
+                       "with \"required\", or \"none\"", param="tool_choice")
+    if choice == "required":
+        if len(tools) != 1:
+            raise ApiError(400, f"tool_choice required: {len(tools)} tools given; one, or name the function",
+                           param="tool_choice")
+        return tools[0]
+    tool = next((t for t in tools if t.function.name == choice.function.name), None)
+    if tool is None:
+        raise ApiError(400, f"tool_choice.function.name: no tool is named {choice.function.name[:64]!r}",
+                       param="tool_choice")
+    return tool
 
 
 def parse_body(raw: bytes, model_cls):
@@ -415,6 +486,8 @@ class Generation:
         self._make = (lambda **more: stream_chat(llm, messages, **kw, **more)) if self.chat else \
             (lambda **more: stream_completion(llm, prompt, **kw, **more))
         self._it = None  # made by start, on the decode's thread: a schema's grammar can take a second to make
+        self.tool = forced_tool(body) if self.chat else None
+        """The tool whose call the text is (its arguments), or None (:func:`forced_tool`)."""
         self.finish: str | None = None
         self.prompt_tokens: int | None = None
         self.done = False
@@ -444,14 +517,20 @@ class Generation:
 
     def start(self) -> str | None:
         llm = self.session.llama
+        more = {}
         try:
-            fmt = self.body.response_format
-            grammar = response_grammar(fmt and fmt.model_dump(by_alias=True), llm._model.vocab)
+            fmt = self.body.response_format and self.body.response_format.model_dump(by_alias=True)
+            if self.tool is not None:  # the call's arguments, under its parameters' grammar; the tools to the template
+                parameters = self.tool.function.parameters or {"type": "object", "properties": {}}
+                fmt = {"type": "json_schema", "json_schema": {"schema": parameters}}
+                more["tools"] = [t.model_dump(exclude_none=True) for t in self.body.tools]
+            grammar = response_grammar(fmt, llm._model.vocab)
             bias = logit_bias(self.body.logit_bias, llm.n_vocab())
         except ConstraintError as exc:
             self.done = True
-            raise ApiError(400, f"{exc.param}: {exc}", param=exc.param) from None
-        self._it = self._make(grammar=grammar, logits_processor=bias)
+            field = "tools" if self.tool is not None and exc.param == "response_format" else exc.param
+            raise ApiError(400, f"{field}: {exc}", param=field) from None
+        self._it = self._make(grammar=grammar, logits_processor=bias, **more)
         llm.logprobs, llm.logprob_rows = self.top, []
         if self.echo and self.top is not None:  # every prompt row's logits: the prompt evaluated whole
             llm.reset()
@@ -727,13 +806,16 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         unserved = {"best_of": body.best_of not in (None, 1),
                     "top_logprobs": isinstance(body, CompletionRequest) and body.top_logprobs is not None,
-                    "suffix": bool(getattr(body, "suffix", None)), "tools": bool(getattr(body, "tools", None)),
+                    "suffix": bool(getattr(body, "suffix", None)),
                     "functions": bool(getattr(body, "functions", None)),
-                    "tool_choice": getattr(body, "tool_choice", None) not in (None, "none", "auto"),
                     "function_call": getattr(body, "function_call", None) not in (None, "none", "auto")}
         for field, used in unserved.items():
             if used:
                 raise ApiError(400, f"{field} is not served (it would change the result)", param=field)
+        if forced_tool(body) is not None and body.response_format is not None and \
+                body.response_format.type != "text":
+            raise ApiError(400, "response_format: a forced tool call's arguments keep to its parameters; "
+                           "leave response_format out", param="response_format")
         try:
             logit_bias(body.logit_bias, session.llama.n_vocab())  # checked here; made again by the decode (Generation.start)
         except ConstraintError as exc:
@@ -796,7 +878,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                     raise ApiError(400, f"{model_id} has no chat template; use /v1/completions, or restart the server "
                                    "with --chat-format", param="messages", code="chat_template_missing")
                 messages = kept_roles([{"role": m.role, "content": m.content if isinstance(m.content, str)
-                                        or m.content is None else "".join(p.text for p in m.content)}
+                                        or m.content is None else "".join(p.text for p in m.content),
+                                        **m.model_dump(include={"tool_calls", "tool_call_id", "name"},
+                                                       exclude_none=True)}
                                        for m in body.messages], roles)
                 args = {"messages": messages, "max_tokens": body.max_completion_tokens or body.max_tokens}
             check_request(body)
@@ -839,6 +923,14 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         echo = prompt_text if gen.echo else ""  # echo: the prompt's text before the completion's,
         echoed = (gen.prompt_ids(), gen.prompt_rows) if gen.echo and lp is not None else None  # its rows first
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        call_id = "call_" + uuid.uuid4().hex[:24]
+
+        def finish_reason() -> str:
+            """``stop`` or ``length``; a completed call forced by ``required`` is ``tool_calls``, by a
+            name ``stop``, as OpenAI's API answers them."""
+            finish = gen.finish or "stop"
+            return "tool_calls" if gen.tool is not None and finish == "stop" and body.tool_choice == "required" \
+                else finish
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
         def finished() -> dict:
@@ -889,8 +981,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                           "finish_reason": gen.finish or "stop"}
                 obj = "text_completion"
             else:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp and lp.of(rows),
-                          "finish_reason": gen.finish or "stop"}
+                message = {"role": "assistant", "content": text} if gen.tool is None else \
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
+                        "name": gen.tool.function.name, "arguments": text}}]}
+                choice = {"index": 0, "message": message, "logprobs": lp and lp.of(rows), "finish_reason": finish_reason()}
                 obj = "chat.completion"
             out = {"id": rid, "object": obj, "created": int(time.time()), "model": model_id, "choices": [choice],
                    "usage": usage}
@@ -905,6 +999,15 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             if kind == "completion":
                 choice = {"index": 0, "text": (echo if first_chunk else "") + (piece or ""),
                           "logprobs": lp and lp.of(rows, echoed if first_chunk else None), "finish_reason": finish}
+            elif gen.tool is not None:  # the call's arguments, piece by piece
+                call = {"index": 0, "function": {"arguments": piece or ""}}
+                if first_chunk:
+                    call.update(id=call_id, type="function", function={"name": gen.tool.function.name,
+                                                                        "arguments": piece or ""})
+                delta = {"role": "assistant", "content": None} if first_chunk else {}
+                if first_chunk or piece:
+                    delta["tool_calls"] = [call]
+                choice = {"index": 0, "delta": delta, "logprobs": lp and lp.of(rows), "finish_reason": finish}
             else:
                 delta = {"role": "assistant", "content": piece or ""} if first_chunk else \
                     ({"content": piece} if piece else {})
@@ -928,7 +1031,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                                        "code": "shutting_down"}}) + "\n\n"
                 yield "data: [DONE]\n\n"
                 return
-            yield chunk(None, gen.finish or "stop", rows)
+            yield chunk(None, finish_reason(), rows)
             usage = finished()
             if body.return_routed_experts:  # SGLang's tail: one chunk without choices carrying them
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
