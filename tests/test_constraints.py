@@ -176,6 +176,9 @@ def test_keywords_the_grammar_would_not_hold_are_refused():
                            "items beside prefixItems")]:
         with pytest.raises(ConstraintError, match=match):
             held_schema(schema)
+    with pytest.raises(ConstraintError) as info:  # a path of the request's own long keys: the message stays short
+        held_schema({"type": "object", "properties": {"x" * 100_000: {"type": "integer", "maximum": 1}}})
+    assert len(str(info.value)) < 400 and str(info.value).endswith("...: maximum is not held by the grammar")
     ok = {"title": "t", "description": "d", "type": "object", "additionalProperties": False, "required": ["a"],
           "properties": {"a": {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "null"}], "default": None},
                          "b": {"type": "string", "format": "date-time", "examples": ["x"]},
