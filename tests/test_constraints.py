@@ -185,3 +185,35 @@ def test_keywords_the_grammar_would_not_hold_are_refused():
                          "c": {"type": "array", "items": {"$ref": "#/$defs/C"}, "minItems": 1}},
           "$defs": {"C": {"enum": ["x", "y"]}}}
     assert held_schema(ok) == ok and held_schema(ok) is not ok
+
+
+def test_what_the_converter_writes_wrongly_is_refused_before_llama_cpp_reads_it(vocab):
+    """Schemas whose grammar llama.cpp could not parse (it then printed the whole grammar to stderr)
+    or whose text would not be what the schema says: an empty enum or union, a value or property
+    name holding a quote, a backslash or a control character, a required name with no property."""
+    for schema, match in [({"enum": []}, "an empty enum"), ({"anyOf": []}, "an empty union"),
+                          ({"type": "object", "additionalProperties": {"enum": []}}, "an empty enum"),
+                          ({"const": 'say "hi"'}, "holds a quote"), ({"const": "a\nb"}, "holds a quote"),
+                          ({"enum": ["x", {"k": "a\\b"}]}, "holds a quote"),
+                          ({"type": "object", "properties": {'a"b': {"type": "string"}}}, "schema.properties: 'a\"b'"),
+                          ({"type": "object", "properties": {"a": {}}, "required": ["a", "zz"]},
+                           "'zz' is not among the properties")]:
+        with pytest.raises(ConstraintError, match=match):
+            response_grammar({"type": "json_schema", "json_schema": {"schema": schema}}, vocab)
+    assert response_grammar({"type": "json_schema", "json_schema": {"schema": {"enum": ["é", 1, None]}}}, vocab)
+
+
+def test_llama_cpps_dump_of_a_grammar_it_cannot_parse_never_reaches_stderr(vocab, capfd):
+    """llama.cpp prints a grammar it cannot parse whole with fprintf (up to 4 MiB a request); what
+    else is written meanwhile comes through."""
+    import llama_cpp
+
+    from expertcache.llama.constraints import grammar_dump_dropped
+
+    bad = b'root ::= \nspace ::= " "?'
+    with grammar_dump_dropped(bad):
+        print("a line of our own", file=__import__("sys").stderr, flush=True)
+        sampler = llama_cpp.llama_sampler_init_grammar(vocab, bad, b"root")
+    assert not sampler
+    err = capfd.readouterr().err
+    assert err == "a line of our own\n", err

@@ -10,6 +10,7 @@ Needs the llama and serve extras and the openai client; skips with the reason ot
 from __future__ import annotations
 
 import base64
+import collections
 import http.client
 import json
 import shutil
@@ -1318,3 +1319,70 @@ def test_a_forced_tool_call_is_its_arguments_under_the_parameters_grammar(manage
         "n": {"type": "integer", "maximum": 3}}}}}]
     assert "maximum is not held" in refused("tools", tools=bad, tool_choice="required")
     refused("tools", tools=[{"type": "function", "function": {"name": "has space"}}], tool_choice="required")
+
+
+def _fuzzed_schema(rng, depth=0):
+    """A generated JSON-schema-like value: keywords held and not, hostile values, nesting."""
+    hostile = [None, True, -1, 0, 2.5, 1e308, 10**20, "", "x", "^[a-z]{2,3}$", "^\\d+$", "^.{1,4}$", "^(|a)*$",
+               "^a{99999999}$", '^a"$', "^\\D$", [], [1], {}]
+    types = ["object", "array", "string", "integer", "number", "boolean", "null", "foo", ["string", "null"]]
+    if depth > 3 or rng.random() < 0.2:
+        return rng.choice(hostile) if rng.random() < 0.3 else {"type": rng.choice(types[:7])}
+    node = {}
+    for _ in range(rng.randint(0, 4)):
+        k = rng.choice(["type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+                        "maxItems", "minLength", "maxLength", "pattern", "enum", "const", "anyOf", "allOf", "$ref",
+                        "$defs", "format", "maximum", "title"])
+        node[k] = (rng.choice(types) if k == "type" else
+                   {rng.choice(["a", "b", 'q"', "x" * 40]): _fuzzed_schema(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+                   if k == "properties" else _fuzzed_schema(rng, depth + 1) if k in ("items", "additionalProperties")
+                   else [_fuzzed_schema(rng, depth + 1) for _ in range(rng.randint(0, 2))] if k in ("prefixItems", "anyOf", "allOf")
+                   else {"D": _fuzzed_schema(rng, depth + 1)} if k == "$defs"
+                   else rng.choice(["#/$defs/D", "#", "#/nope", "https://x/y"]) if k == "$ref"
+                   else rng.choice([["a", "b"], [1, None], [], ["a\nb"]]) if k == "enum"
+                   else rng.choice([["a"], ["a", "zz"], []]) if k == "required"
+                   else rng.choice(["date", "uuid", "email"]) if k == "format"
+                   else rng.choice([h for h in hostile if isinstance(h, str)]) if k == "pattern"
+                   else rng.choice(hostile))
+    return node
+
+
+def test_generated_schemas_tools_and_biases_are_a_200_or_a_400_and_json(managed):
+    """Seeded generated requests (schemas with keywords held and not, hostile values; tools and
+    tool choices; logit biases; streamed or not): each a 200 or a 400, never a 5xx; a non-streamed
+    text under a grammar that finished with ``stop`` is JSON, and so is a completed call's
+    arguments; the server answers after all of it."""
+    import random
+
+    rng = random.Random(59)
+    seen = collections.Counter()
+    for i in range(120):
+        chat = rng.random() < 0.5
+        body = {"max_tokens": rng.choice([8, 64]), "temperature": rng.choice([0, 1.2]), "seed": i,
+                "stream": rng.random() < 0.25}
+        body.update({"messages": [{"role": "user", "content": "JSON?"}]} if chat else {"prompt": PROMPT})
+        r = rng.random()
+        if r < 0.5:
+            body["response_format"] = {"type": rng.choice(["json_object", "json_schema", "text", "xml"]),
+                                       "json_schema": {"name": "s", "schema": _fuzzed_schema(rng)}}
+        elif r < 0.75 and chat:
+            body["tools"] = [{"type": "function", "function": {"name": rng.choice(["f", "g", "bad name"]),
+                                                               "parameters": _fuzzed_schema(rng)}}]
+            body["tool_choice"] = rng.choice([None, "auto", "none", "required", {"type": "function",
+                                                                                 "function": {"name": "f"}}])
+        else:
+            body["logit_bias"] = {rng.choice(["1", "7", "2048", "01", "x"]): rng.choice([5, -100, 100.5, "5"])
+                                  for _ in range(rng.randint(0, 3))}
+        status, raw = managed.raw("POST", "/v1/chat/completions" if chat else "/v1/completions", json.dumps(body))
+        seen[status] += 1
+        assert status in (200, 400), (status, body, raw[:300])
+        if status != 200 or body["stream"]:
+            continue
+        out = json.loads(raw)["choices"][0]
+        if out["finish_reason"] in ("stop", "tool_calls") and (body.get("response_format") or {}).get("type") in (
+                "json_object", "json_schema"):
+            json.loads(out["text"] if "text" in out else out["message"]["content"])
+        if chat and out["message"].get("tool_calls") and out["finish_reason"] != "length":
+            json.loads(out["message"]["tool_calls"][0]["function"]["arguments"])
+    assert seen[200] >= 20 and seen[400] >= 20, seen
+    assert managed.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2

@@ -27,8 +27,11 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
+import os
+import sys
 
 import numpy as np
 
@@ -89,13 +92,41 @@ def response_grammar(fmt: dict | None, vocab) -> LlamaGrammar | None:
             raise ConstraintError(f"the schema makes a grammar of {len(text):,} characters, over "
                                   f"{MAX_GRAMMAR_CHARS:,}", "response_format")
     grammar = LlamaGrammar.from_string(text, verbose=False)
-    sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), grammar._root.encode("utf-8"))
+    with grammar_dump_dropped(text.encode("utf-8")):
+        sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), grammar._root.encode("utf-8"))
     if not sampler:
         raise ConstraintError("llama.cpp refuses the grammar made from the schema (a rule "
                               "that can repeat without reading anything, such as the pattern ^(|a)*$, or one "
                               "that calls itself first)", "response_format")
     llama_cpp.llama_sampler_free(sampler)
     return grammar
+
+
+@contextlib.contextmanager
+def grammar_dump_dropped(grammar: bytes):
+    """File descriptor 2 into a memory file for the block; then what was written to it meanwhile (by
+    any thread) is written back, less llama.cpp's report of a grammar it cannot parse, which it
+    prints with ``fprintf`` (no log callback reaches it): its ``parse: error parsing grammar`` line
+    and the grammar itself, up to :data:`MAX_GRAMMAR_CHARS` a request. :func:`held_schema` keeps
+    the converter from making such a grammar (none in 20,000 generated schemas); this is the guard
+    for what it does not foresee."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    buf = os.memfd_create("expertcache-grammar-stderr")
+    os.dup2(buf, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        size = os.lseek(buf, 0, os.SEEK_END)
+        data = os.pread(buf, size, 0) if size else b""
+        os.close(buf)
+        if data:
+            kept = [line for line in data.replace(grammar, b"").split(b"\n")
+                    if line.strip() and not line.startswith(b"parse: error parsing grammar")]
+            if kept:
+                os.write(2, b"\n".join(kept) + b"\n")
 
 
 ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$anchor", "$comment", "default", "examples",
@@ -163,6 +194,11 @@ def held_schema(schema: dict) -> dict:
     def refuse(where: str, why: str):
         raise ConstraintError(f"{clipped(where, 120)}: {clipped(why, 200)}", "response_format")
 
+    def literal(where: str, value) -> None:  # a const, an enum's value, a property's name
+        if "\\" in json.dumps(value, ensure_ascii=False):
+            refuse(where, f"{clipped(repr(value), 40)} holds a quote, a backslash or a control character, which "
+                   "the converter writes wrongly (a grammar llama.cpp cannot read, or a raw newline in the JSON)")
+
     stack = [(schema, "schema")]
     while stack:
         node, where = stack.pop()
@@ -180,6 +216,21 @@ def held_schema(schema: dict) -> dict:
             refuse(where, "items beside prefixItems is not held by the grammar")
         if kind == "pattern" and isinstance(node["pattern"], str):
             node["pattern"] = json_safe_pattern(node["pattern"], f"{where}.pattern")
+        if kind == "enum" and not (isinstance(node["enum"], list) and node["enum"]):
+            refuse(where, "enum: an empty enum admits no value (and makes a grammar llama.cpp cannot read)")
+        if kind == "union" and not (isinstance(node.get("anyOf", node.get("oneOf")), list)
+                                    and node.get("anyOf", node.get("oneOf"))):
+            refuse(where, "anyOf / oneOf: an empty union admits no value (and makes a grammar llama.cpp cannot read)")
+        for value in ([node["const"]] if kind == "const" else node["enum"] if kind == "enum" else []):
+            literal(where, value)
+        if kind == "object":
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            for name in props:
+                literal(f"{where}.properties", name)
+            missing = [r for r in node.get("required") or [] if r not in props]
+            if missing:
+                refuse(where, f"required: {clipped(str(missing[0]), 40)!r} is not among the properties (the "
+                       "converter leaves such a name out)")
         children = []
         for key in ("$defs", "definitions", "properties"):
             if isinstance(node.get(key), dict):
