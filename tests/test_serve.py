@@ -1262,7 +1262,8 @@ def test_a_forced_tool_call_is_its_arguments_under_the_parameters_grammar(manage
     ``response_format`` gives for that schema: chatml shows no tools, so the prompt is the same),
     in OpenAI's shapes: ``message.tool_calls``, a stream's ``delta.tool_calls`` pieces,
     ``finish_reason`` ``stop`` for a named call and ``tool_calls`` for ``required``, as OpenAI's API
-    gives them. ``auto``, which would need the model's own call format parsed, is a 400."""
+    gives them. ``auto`` is a 400 here: chatml teaches no call format the server reads (a Hermes
+    template: ``test_auto_tool_calls_of_a_hermes_template``)."""
     client = managed.client()
     params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
               "required": ["city", "days"]}
@@ -1306,8 +1307,9 @@ def test_a_forced_tool_call_is_its_arguments_under_the_parameters_grammar(manage
         assert info.value.body["param"] == param, info.value.body
         return info.value.body["message"]
 
-    assert "not parsed by this server" in refused("tool_choice", tools=tools)  # auto, by default
-    assert "not parsed" in refused("tool_choice", tools=tools, tool_choice="auto")
+    # chatml teaches no call format: auto, by default, and required among several are refused
+    assert "teaches no tool-call format" in refused("tool_choice", tools=tools)
+    assert "teaches no tool-call format" in refused("tool_choice", tools=tools, tool_choice="auto")
     two = tools + [{"type": "function", "function": {"name": "f2"}}]
     assert "2 tools given" in refused("tool_choice", tools=two, tool_choice="required")
     assert "no tool is named" in refused("tool_choice", tools=tools, tool_choice={"type": "function",
@@ -1386,3 +1388,108 @@ def test_generated_schemas_tools_and_biases_are_a_200_or_a_400_and_json(managed)
             json.loads(out["message"]["tool_calls"][0]["function"]["arguments"])
     assert seen[200] >= 20 and seen[400] >= 20, seen
     assert managed.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+{%- if message.tool_calls %}{% for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments }}}
+</tool_call>{% endfor %}{% endif %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+"""A Qwen3-style chat template (its tools block and the Hermes <tool_call> format, simplified)."""
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    """small-moe converted with HERMES_TEMPLATE as its own chat template, served."""
+    from expertcache.llama.convert import convert
+
+    if not (SMALL / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    folder = tmp_path_factory.mktemp("hermes") / "small-moe"
+    folder.mkdir()
+    for f in SMALL.iterdir():
+        if f.is_file():
+            (folder / f.name).symlink_to(f)
+    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE, encoding="utf-8")
+    out = folder.parent / "hermes.gguf"
+    convert(folder, out, "f16")
+    s = Server(out, "--ctx", "512", "--model-alias", "small-moe")
+    yield s
+    s.stop()
+
+
+def test_auto_tool_calls_of_a_hermes_template(hermes):
+    """A GGUF whose template teaches the Hermes format: ``auto`` shows the tools to the model and
+    reads its ``<tool_call>`` blocks back (a model that answers in text gets its text); ``required``
+    among several tools and a named one force a call in that format by grammar, read back by the
+    same parser: the call's name one of the tools, its arguments JSON of its schema; streamed, the
+    same call; a second turn with the call and its result goes to the template."""
+    client = hermes.client()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {
+            "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=24, temperature=0, seed=1)
+    auto = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=24, temperature=0, seed=1,
+                                          tools=tools)
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools are in the prompt
+    assert auto.choices[0].message.content and not auto.choices[0].message.tool_calls
+    assert auto.choices[0].finish_reason in ("stop", "length")
+    required = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=96, temperature=0, seed=1,
+                                              tools=tools, tool_choice="required")
+    (call,) = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.content is None
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(args) == {"city"} and len(args["city"]) <= 10
+    else:
+        assert call.function.name == "get_time" and args["zone"] in ("UTC", "CET")
+    named = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=96, temperature=0, seed=1,
+                                           tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.choices[0].finish_reason == "stop" and named.choices[0].message.tool_calls[0].function.name == "get_time"
+    streamed, finish, content = [], None, ""
+    for c in client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=96, temperature=0, seed=1,
+                                            tools=tools, tool_choice="required", stream=True):
+        d = c.choices[0].delta
+        streamed += [(tc.index, tc.function.name, tc.function.arguments) for tc in d.tool_calls or []]
+        content += d.content or ""
+        finish = c.choices[0].finish_reason or finish
+    assert streamed == [(0, call.function.name, call.function.arguments)] and finish == "tool_calls", streamed
+    assert content == ""
+    turn2 = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    after = client.chat.completions.create(model="small-moe", messages=turn2, max_tokens=8, temperature=0, tools=tools)
+    assert after.usage.prompt_tokens > auto.usage.prompt_tokens and after.choices[0].finish_reason in ("stop", "length")

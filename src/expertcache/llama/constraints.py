@@ -69,28 +69,52 @@ def response_grammar(fmt: dict | None, vocab) -> LlamaGrammar | None:
             raise ConstraintError("json_schema.schema: a JSON schema is required", "response_format")
     else:
         schema = fmt.get("schema")
-    if schema is None:
-        text = JSON_GBNF  # its root is an object, as OpenAI's JSON mode gives
-    else:
-        if not isinstance(schema, dict):
-            raise ConstraintError("the schema is not a JSON object", "response_format")
-        schema = held_schema(schema)
-        cost = expansion(schema)
-        if cost > MAX_GRAMMAR_CHARS:
-            raise ConstraintError(f"the schema's repetitions (minLength, maxItems, a pattern's "
-                                  f"{{m,n}}) would write a grammar of about {cost:,} characters, over "
-                                  f"{MAX_GRAMMAR_CHARS:,}", "response_format")
-        try:
-            text = strict_strings(json_schema_to_gbnf(json.dumps(schema)))
-        except RecursionError:
-            raise ConstraintError("the schema is nested too deeply to convert",
-                                  "response_format") from None
-        except Exception as exc:  # the converter's own refusals: AssertionError, ValueError, KeyError, ...
-            raise ConstraintError(f"the schema cannot be made a grammar "
-                                  f"({type(exc).__name__}: {str(exc)[:200]})", "response_format") from None
-        if len(text) > MAX_GRAMMAR_CHARS:
-            raise ConstraintError(f"the schema makes a grammar of {len(text):,} characters, over "
-                                  f"{MAX_GRAMMAR_CHARS:,}", "response_format")
+    return checked_grammar(JSON_GBNF if schema is None else schema_text(schema), vocab)
+
+
+def tool_call_grammar(tools: list[tuple[str, dict | None]], vocab) -> LlamaGrammar:
+    """The grammar of one Hermes-format call (:mod:`.toolcalls`) to one of ``tools`` (``(name,
+    parameters schema)``; None: an object with no properties): ``<tool_call>``, a newline, ``{"name":
+    NAME, "arguments": ARGS}`` with ARGS held to that tool's schema, a newline, ``</tool_call>``."""
+    alternatives = [{"type": "object", "properties": {"name": {"const": name},
+                                                     "arguments": params or {"type": "object", "properties": {}}},
+                     "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools]
+    body = schema_text(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives})
+    # the converter's root is the call's JSON; no other rule names it (a "$ref": "#" is refused)
+    body = "\n".join("call ::= " + line[len("root ::= "):] if line.startswith("root ::= ") else line
+                     for line in body.split("\n"))
+    return checked_grammar('root ::= "<tool_call>\\n" call "\\n</tool_call>"\n' + body, vocab)
+
+
+def schema_text(schema) -> str:
+    """The grammar text of a JSON ``schema``: held (:func:`held_schema`), bounded (:func:`expansion`),
+    converted by llama-cpp-python, its strings strict (:func:`strict_strings`). Raises
+    :class:`ConstraintError`."""
+    if not isinstance(schema, dict):
+        raise ConstraintError("the schema is not a JSON object", "response_format")
+    schema = held_schema(schema)
+    cost = expansion(schema)
+    if cost > MAX_GRAMMAR_CHARS:
+        raise ConstraintError(f"the schema's repetitions (minLength, maxItems, a pattern's "
+                              f"{{m,n}}) would write a grammar of about {cost:,} characters, over "
+                              f"{MAX_GRAMMAR_CHARS:,}", "response_format")
+    try:
+        text = strict_strings(json_schema_to_gbnf(json.dumps(schema)))
+    except RecursionError:
+        raise ConstraintError("the schema is nested too deeply to convert", "response_format") from None
+    except Exception as exc:  # the converter's own refusals: AssertionError, ValueError, KeyError, ...
+        raise ConstraintError(f"the schema cannot be made a grammar ({type(exc).__name__}: {str(exc)[:200]})",
+                              "response_format") from None
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ConstraintError(f"the schema makes a grammar of {len(text):,} characters, over "
+                              f"{MAX_GRAMMAR_CHARS:,}", "response_format")
+    return text
+
+
+def checked_grammar(text: str, vocab) -> LlamaGrammar:
+    """``text`` as a grammar once llama.cpp has made its sampler from it against ``vocab`` (its
+    report of a grammar it cannot parse kept off stderr); a grammar it refuses is a
+    :class:`ConstraintError`, never a null sampler in a chain."""
     grammar = LlamaGrammar.from_string(text, verbose=False)
     with grammar_dump_dropped(text.encode("utf-8")):
         sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), grammar._root.encode("utf-8"))

@@ -27,7 +27,8 @@ Invariants:
   prompt that with ``max_tokens`` exceeds the context (400 ``context_length_exceeded``), a chat to
   a model without a chat template, a field of the wrong JSON type (no coercion), a string holding
   a lone surrogate, an empty prompt or stop sequence, an option that would change the result and
-  is not implemented (``n`` > 1, ``suffix``, ``tool_choice`` ``auto``, ...), an unknown
+  is not implemented (``n`` > 1, ``suffix``, ``tool_choice`` ``auto`` where the chat template
+  teaches no call format this server reads, ...), an unknown
   route (404) or method (405), a request the HTTP parser refuses (400). Anything else is a 500 of
   the same shape and one line on stderr (:class:`Guard`; uvicorn's and asyncio's records are folded
   to one line: :func:`one_line`); the server keeps serving either way.
@@ -67,6 +68,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Literal
 
 import anyio
@@ -78,7 +80,8 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
 from .completion import PromptError, rendered_roles, stream_chat, stream_completion
-from .constraints import ConstraintError, logit_bias, response_grammar
+from .constraints import ConstraintError, logit_bias, response_grammar, tool_call_grammar
+from .toolcalls import HERMES, HermesStream, call_format, parse_hermes
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -234,12 +237,31 @@ class ChatRequest(_Sampling):
     function_call: str | dict | None = None
 
 
-def forced_tool(body) -> Tool | None:
-    """The tool a chat's ``tool_choice`` makes the model call (a named function, or ``required`` with
-    one tool): its arguments are then sampled under the grammar of its ``parameters``; None where no
-    call is forced. ``auto`` (a request with tools says it by default) is a 400: the model would
-    choose between text and a call in its own format, which this server does not parse; ``required``
-    among several tools and a name no tool has are 400s too."""
+@dataclass
+class ToolPlan:
+    """What a chat's ``tools`` and ``tool_choice`` make of its decode (:func:`tool_plan`)."""
+
+    offered: list
+    """The tools, to the chat template (which shows them to the model where it has a place)."""
+    arguments_of: Tool | None = None
+    """The text is this tool's arguments, under its parameters' grammar (a call forced on a model
+    whose call format this server does not read)."""
+    parsed: bool = False
+    """The text is read for calls in the model's own format (:mod:`.toolcalls`)."""
+    forced: list | None = None
+    """With ``parsed``: a call to one of these is forced by grammar (``required``, or a name)."""
+    named: bool = False
+    """``tool_choice`` named the function: a completed call finishes ``stop`` (OpenAI's answer), else ``tool_calls``."""
+
+
+def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
+    """The :class:`ToolPlan` of a chat, or None where no tool is offered or ``tool_choice`` is
+    ``none``. With a template that teaches a call format this server reads (``call_fmt``:
+    :func:`~.toolcalls.call_format`), ``auto`` lets the model answer or call, ``required`` and a
+    named function force a call in that format by grammar. Without one, a named function (or
+    ``required`` with one tool) makes the text the call's arguments, and ``auto`` is a 400 (a call
+    the model wrote in its own format would be read as text); so is ``required`` among several tools
+    there, and a name no tool has."""
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
     if choice is None:
@@ -248,20 +270,24 @@ def forced_tool(body) -> Tool | None:
         return None
     if not tools:
         raise ApiError(400, "tool_choice: no tools are given", param="tool_choice")
-    if choice == "auto":
-        raise ApiError(400, "tool_choice auto: the model's own tool-call format is not parsed by this server; name "
-                       "the function ({\"type\": \"function\", \"function\": {\"name\": ...}}), or give one tool "
-                       "with \"required\", or \"none\"", param="tool_choice")
-    if choice == "required":
-        if len(tools) != 1:
-            raise ApiError(400, f"tool_choice required: {len(tools)} tools given; one, or name the function",
+    named = None
+    if isinstance(choice, NamedToolChoice):
+        named = next((t for t in tools if t.function.name == choice.function.name), None)
+        if named is None:
+            raise ApiError(400, f"tool_choice.function.name: no tool is named {choice.function.name[:64]!r}",
                            param="tool_choice")
-        return tools[0]
-    tool = next((t for t in tools if t.function.name == choice.function.name), None)
-    if tool is None:
-        raise ApiError(400, f"tool_choice.function.name: no tool is named {choice.function.name[:64]!r}",
-                       param="tool_choice")
-    return tool
+    if call_fmt == HERMES:
+        return ToolPlan(offered=tools, parsed=True, named=named is not None,
+                        forced=[named] if named is not None else tools if choice == "required" else None)
+    if choice == "auto":
+        raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
+                       "reads (the Hermes <tool_call> JSON of Qwen3 and others); name the function ({\"type\": "
+                       "\"function\", \"function\": {\"name\": ...}}), or give one tool with \"required\", or "
+                       "\"none\"", param="tool_choice")
+    if choice == "required" and len(tools) != 1:
+        raise ApiError(400, f"tool_choice required: {len(tools)} tools given, and this model's chat template teaches "
+                       "no tool-call format this server reads; give one, or name the function", param="tool_choice")
+    return ToolPlan(offered=tools, arguments_of=named or tools[0], named=named is not None)
 
 
 def parse_body(raw: bytes, model_cls):
@@ -467,7 +493,7 @@ class Generation:
     server's shutdown ended it."""
 
     def __init__(self, session: Session, *, prompt=None, messages=None, max_tokens: int | None, body: _Sampling,
-                 shutdown: threading.Event | None = None):
+                 shutdown: threading.Event | None = None, tools: ToolPlan | None = None):
         self.session, self.body = session, body
         self.chat = messages is not None
         llm = session.llama
@@ -486,8 +512,8 @@ class Generation:
         self._make = (lambda **more: stream_chat(llm, messages, **kw, **more)) if self.chat else \
             (lambda **more: stream_completion(llm, prompt, **kw, **more))
         self._it = None  # made by start, on the decode's thread: a schema's grammar can take a second to make
-        self.tool = forced_tool(body) if self.chat else None
-        """The tool whose call the text is (its arguments), or None (:func:`forced_tool`)."""
+        self.tools = tools
+        """What the request's tools make of the decode (:func:`tool_plan`), or None."""
         self.finish: str | None = None
         self.prompt_tokens: int | None = None
         self.done = False
@@ -517,18 +543,24 @@ class Generation:
 
     def start(self) -> str | None:
         llm = self.session.llama
-        more = {}
+        more, plan = {}, self.tools
         try:
             fmt = self.body.response_format and self.body.response_format.model_dump(by_alias=True)
-            if self.tool is not None:  # the call's arguments, under its parameters' grammar; the tools to the template
-                parameters = self.tool.function.parameters or {"type": "object", "properties": {}}
-                fmt = {"type": "json_schema", "json_schema": {"schema": parameters}}
-                more["tools"] = [t.model_dump(exclude_none=True) for t in self.body.tools]
-            grammar = response_grammar(fmt, llm._model.vocab)
+            if plan is not None:  # the tools to the template; a forced call's grammar
+                more["tools"] = [t.model_dump(exclude_none=True) for t in plan.offered]
+                if plan.arguments_of is not None:
+                    parameters = plan.arguments_of.function.parameters or {"type": "object", "properties": {}}
+                    fmt = {"type": "json_schema", "json_schema": {"schema": parameters}}
+            if plan is not None and plan.forced:
+                grammar = tool_call_grammar([(t.function.name, t.function.parameters) for t in plan.forced],
+                                            llm._model.vocab)
+            else:
+                grammar = response_grammar(fmt, llm._model.vocab)
             bias = logit_bias(self.body.logit_bias, llm.n_vocab())
         except ConstraintError as exc:
             self.done = True
-            field = "tools" if self.tool is not None and exc.param == "response_format" else exc.param
+            from_tools = plan is not None and (bool(plan.forced) or plan.arguments_of is not None)
+            field = "tools" if from_tools and exc.param == "response_format" else exc.param
             raise ApiError(400, f"{field}: {exc}", param=field) from None
         self._it = self._make(grammar=grammar, logits_processor=bias, **more)
         llm.logprobs, llm.logprob_rows = self.top, []
@@ -777,6 +809,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     slot = Slot()
     created = int(time.time())
     roles = rendered_roles(session.llama) if session.chat_ready else {}  # the template is fixed: asked once
+    template = session.llama.metadata.get("tokenizer.chat_template") \
+        if session.llama.chat_format == "chat_template.default" else None  # the GGUF's own, not a named format
+    call_fmt = call_format(template)
 
     def label(request: Request) -> str:
         """The ``endpoint`` label: a served path, else ``other`` (a client cannot grow the series)."""
@@ -796,7 +831,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         return bytes(raw)
 
-    def check_request(body: _Sampling) -> None:
+    def check_request(body: _Sampling) -> ToolPlan | None:
+        """The request's 4xx, if any; else what its tools make of the decode (:func:`tool_plan`)."""
         if body.model not in (None, "", model_id):
             raise ApiError(404, f"The model `{body.model[:200]}` does not exist (this server serves `{model_id}`)",
                            param="model", code="model_not_found")
@@ -812,8 +848,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         for field, used in unserved.items():
             if used:
                 raise ApiError(400, f"{field} is not served (it would change the result)", param=field)
-        if forced_tool(body) is not None and body.response_format is not None and \
-                body.response_format.type != "text":
+        plan = tool_plan(body, call_fmt) if isinstance(body, ChatRequest) else None
+        if plan is not None and (plan.forced or plan.arguments_of is not None) and body.response_format is not None \
+                and body.response_format.type != "text":
             raise ApiError(400, "response_format: a forced tool call's arguments keep to its parameters; "
                            "leave response_format out", param="response_format")
         try:
@@ -830,6 +867,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise ApiError(400, f"stop: at most {MAX_STOP} sequences", param="stop")
         if any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise ApiError(400, f"stop: each sequence is 1 to {MAX_STOP_CHARS} characters", param="stop")
+        return plan
 
     async def acquire(request: Request) -> str | None:
         """Wait for the slot: None once held, else why the request left the queue ("gone", "stopping")."""
@@ -883,7 +921,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                                        exclude_none=True)}
                                        for m in body.messages], roles)
                 args = {"messages": messages, "max_tokens": body.max_completion_tokens or body.max_tokens}
-            check_request(body)
+            plan = check_request(body)
             left = await acquire(request)
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
@@ -900,7 +938,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 slot.release()
                 metrics.count(endpoint, 499)
                 return Response(status_code=499)
-            gen = Generation(session, body=body, shutdown=stopping, **args)
+            gen = Generation(session, body=body, shutdown=stopping, tools=plan, **args)
             first = await workers.decode.call(gen.start)
             if body.return_routed_experts:
                 gen.check_routed_start()
@@ -924,13 +962,15 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         echoed = (gen.prompt_ids(), gen.prompt_rows) if gen.echo and lp is not None else None  # its rows first
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         call_id = "call_" + uuid.uuid4().hex[:24]
+        plan = gen.tools
+        arguments_of = plan.arguments_of if plan is not None else None
+        hermes = HermesStream([t.function.name for t in plan.offered]) if plan is not None and plan.parsed else None
 
-        def finish_reason() -> str:
-            """``stop`` or ``length``; a completed call forced by ``required`` is ``tool_calls``, by a
-            name ``stop``, as OpenAI's API answers them."""
+        def finish_reason(calls: int) -> str:
+            """``stop`` or ``length``; a decode that completed ``calls`` > 0 tool calls, ``tool_calls``,
+            but ``stop`` for a call the request named, as OpenAI's API answers them."""
             finish = gen.finish or "stop"
-            return "tool_calls" if gen.tool is not None and finish == "stop" and body.tool_choice == "required" \
-                else finish
+            return ("stop" if plan.named else "tool_calls") if calls and finish == "stop" else finish
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
         def finished() -> dict:
@@ -981,10 +1021,17 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                           "finish_reason": gen.finish or "stop"}
                 obj = "text_completion"
             else:
-                message = {"role": "assistant", "content": text} if gen.tool is None else \
-                    {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
-                        "name": gen.tool.function.name, "arguments": text}}]}
-                choice = {"index": 0, "message": message, "logprobs": lp and lp.of(rows), "finish_reason": finish_reason()}
+                message, calls = {"role": "assistant", "content": text}, []
+                if arguments_of is not None:
+                    calls = [{"id": call_id, "type": "function", "function": {"name": arguments_of.function.name,
+                                                                             "arguments": text}}]
+                    message["content"] = None
+                elif hermes is not None:
+                    message["content"], calls = parse_hermes(text, hermes.names)
+                if calls:
+                    message["tool_calls"] = calls
+                choice = {"index": 0, "message": message, "logprobs": lp and lp.of(rows),
+                          "finish_reason": finish_reason(len(calls))}
                 obj = "chat.completion"
             out = {"id": rid, "object": obj, "created": int(time.time()), "model": model_id, "choices": [choice],
                    "usage": usage}
@@ -995,18 +1042,29 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
 
-        def chunk(piece: str | None, finish: str | None, rows: list, first_chunk: bool = False) -> str:
+        def chunk(piece: str | None, finish: str | None, rows: list, first_chunk: bool = False,
+                  flush: bool = False) -> str:
             if kind == "completion":
                 choice = {"index": 0, "text": (echo if first_chunk else "") + (piece or ""),
                           "logprobs": lp and lp.of(rows, echoed if first_chunk else None), "finish_reason": finish}
-            elif gen.tool is not None:  # the call's arguments, piece by piece
+            elif arguments_of is not None:  # the call's arguments, piece by piece
                 call = {"index": 0, "function": {"arguments": piece or ""}}
                 if first_chunk:
-                    call.update(id=call_id, type="function", function={"name": gen.tool.function.name,
+                    call.update(id=call_id, type="function", function={"name": arguments_of.function.name,
                                                                         "arguments": piece or ""})
                 delta = {"role": "assistant", "content": None} if first_chunk else {}
                 if first_chunk or piece:
                     delta["tool_calls"] = [call]
+                choice = {"index": 0, "delta": delta, "logprobs": lp and lp.of(rows), "finish_reason": finish}
+            elif hermes is not None:  # content as it comes, a call once its block is complete
+                done = hermes.calls
+                out = hermes.feed(piece or "") + (hermes.finish() if flush else [])
+                content = "".join(x for k, x in out if k == "content")
+                calls = [{"index": done + i, **x} for i, x in enumerate(x for k, x in out if k == "call")]
+                delta = {"role": "assistant", "content": content} if first_chunk else \
+                    ({"content": content} if content else {})
+                if calls:
+                    delta["tool_calls"] = calls
                 choice = {"index": 0, "delta": delta, "logprobs": lp and lp.of(rows), "finish_reason": finish}
             else:
                 delta = {"role": "assistant", "content": piece or ""} if first_chunk else \
@@ -1031,7 +1089,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                                        "code": "shutting_down"}}) + "\n\n"
                 yield "data: [DONE]\n\n"
                 return
-            yield chunk(None, finish_reason(), rows)
+            if hermes is not None:  # what it held back, before the finish is known
+                yield chunk(None, None, rows, flush=True)
+                rows = []
+            yield chunk(None, finish_reason(1 if arguments_of is not None else hermes.calls if hermes else 0), rows)
             usage = finished()
             if body.return_routed_experts:  # SGLang's tail: one chunk without choices carrying them
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
