@@ -1349,13 +1349,16 @@ def _fuzzed_schema(rng, depth=0):
     return node
 
 
-def test_generated_schemas_tools_and_biases_are_a_200_or_a_400_and_json(managed):
+@pytest.mark.parametrize("server", ["managed", "hermes"])
+def test_generated_schemas_tools_and_biases_are_a_200_or_a_400_and_json(server, request):
     """Seeded generated requests (schemas with keywords held and not, hostile values; tools and
     tool choices; logit biases; streamed or not): each a 200 or a 400, never a 5xx; a non-streamed
     text under a grammar that finished with ``stop`` is JSON, and so is a completed call's
-    arguments; the server answers after all of it."""
+    arguments; the server answers after all of it. Against chatml (no call format read) and a
+    Hermes template (calls read back)."""
     import random
 
+    managed = request.getfixturevalue(server)
     rng = random.Random(59)
     seen = collections.Counter()
     for i in range(120):
