@@ -217,3 +217,19 @@ def test_llama_cpps_dump_of_a_grammar_it_cannot_parse_never_reaches_stderr(vocab
     assert not sampler
     err = capfd.readouterr().err
     assert err == "a line of our own\n", err
+
+
+def test_a_tool_call_grammar_reads_each_tools_definitions_from_the_root(vocab):
+    """A tool's parameters with ``$defs`` (pydantic's nested models) are nested in the call's
+    grammar, where ``#/$defs/X`` is read from the root: the definitions are moved there; two tools
+    defining one name differently are refused."""
+    from expertcache.llama.constraints import tool_call_grammar
+
+    nested = {"$defs": {"City": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+              "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]}
+    grammar = tool_call_grammar([("f", nested), ("g", None), ("h", nested)], vocab)
+    assert grammar._grammar.startswith('root ::= "<tool_call>\\n" call "\\n</tool_call>"')
+    assert nested["$defs"]  # the caller's schema untouched
+    other = {"$defs": {"City": {"type": "string"}}, "type": "object", "properties": {"c": {"$ref": "#/$defs/City"}}}
+    with pytest.raises(ConstraintError, match=r"two tools define \$defs.City differently"):
+        tool_call_grammar([("f", nested), ("h", other)], vocab)

@@ -76,10 +76,17 @@ def tool_call_grammar(tools: list[tuple[str, dict | None]], vocab) -> LlamaGramm
     """The grammar of one Hermes-format call (:mod:`.toolcalls`) to one of ``tools`` (``(name,
     parameters schema)``; None: an object with no properties): ``<tool_call>``, a newline, ``{"name":
     NAME, "arguments": ARGS}`` with ARGS held to that tool's schema, a newline, ``</tool_call>``."""
-    alternatives = [{"type": "object", "properties": {"name": {"const": name},
-                                                     "arguments": params or {"type": "object", "properties": {}}},
-                     "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools]
-    body = schema_text(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives})
+    alternatives, defs = [], {}
+    for name, params in tools:
+        params = dict(params) if isinstance(params, dict) else {"type": "object", "properties": {}}
+        for key in ("$defs", "definitions"):  # "#/$defs/X" is read from the root: the definitions go there
+            for def_name, definition in (params.pop(key, None) or {}).items():
+                if defs.setdefault(key, {}).setdefault(def_name, definition) != definition:
+                    raise ConstraintError(f"two tools define {key}.{clipped(str(def_name), 40)} differently",
+                                          "response_format")
+        alternatives.append({"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                             "required": ["name", "arguments"], "additionalProperties": False})
+    body = schema_text({**(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}), **defs})
     # the converter's root is the call's JSON; no other rule names it (a "$ref": "#" is refused)
     body = "\n".join("call ::= " + line[len("root ::= "):] if line.startswith("root ::= ") else line
                      for line in body.split("\n"))
