@@ -40,6 +40,12 @@ Invariants:
   (:class:`Logprobs`); a stream sends each token's entry with the chunk that sends its text. With
   ``echo`` the prompt's tokens come first, each scored by the row before it (the prompt evaluated
   whole, every row's logits read: :attr:`~.textgen.ObservedLlama.prompt_logprobs`).
+* **Structured output and tools**: ``response_format``'s JSON schema, and a forced tool call's
+  parameters, become a grammar every token keeps to (:mod:`.constraints`: a keyword the grammar would
+  not hold is a 400, never ignored; the grammar checks the token the chain drew, as llama.cpp's own
+  sampler); with a chat template that teaches the Hermes format, the model's ``<tool_call>`` blocks
+  are read back into ``tool_calls`` (:mod:`.toolcalls`), a block that is not a valid call left in
+  the content as written (:func:`tool_plan`).
 * **Routed experts** (``--enable-return-routed-experts``): a request asking ``return_routed_experts``
   gets every evaluated position's experts in SGLang's ``sglext.routed_experts`` encoding
   (:meth:`Generation.routed_experts`); without the switch the field is refused, never ignored.
