@@ -233,3 +233,46 @@ def test_a_tool_call_grammar_reads_each_tools_definitions_from_the_root(vocab):
     other = {"$defs": {"City": {"type": "string"}}, "type": "object", "properties": {"c": {"$ref": "#/$defs/City"}}}
     with pytest.raises(ConstraintError, match=r"two tools define \$defs.City differently"):
         tool_call_grammar([("f", nested), ("h", other)], vocab)
+
+
+KEYWORDS = ["type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
+            "minLength", "maxLength", "pattern", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs",
+            "definitions", "format", "title"]
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=True) | st.sampled_from(
+        ["", "a", "object", "string", "integer", "array", "^a$", "^\\d{2}$", "#/$defs/X", "#", "date", "uuid", 'q"']),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYWORDS + ["a", "X"]), inner,
+                                                                max_size=4), max_leaves=12)
+
+
+@settings(max_examples=600, deadline=None)
+@given(JSON_VALUES, st.sampled_from(["response_format", "tool"]))
+def test_any_json_value_as_a_schema_is_a_grammar_or_a_constraint_error(vocab, value, where):
+    """Whatever JSON a client sends as a schema (or a tool's parameters), the answer is a grammar or
+    a ConstraintError (a 400), never another exception (a 500): ``"required": [{}]`` had raised a
+    TypeError, a list of ``$defs`` an AttributeError."""
+    from expertcache.llama.constraints import tool_call_grammar
+
+    try:
+        if where == "tool":
+            tool_call_grammar([("f", value if isinstance(value, dict) else None), ("g", {"$defs": value})], vocab)
+        else:
+            response_grammar({"type": "json_schema", "json_schema": {"schema": value}}, vocab)
+    except ConstraintError:
+        pass
+
+
+def test_an_empty_type_list_is_refused_and_a_failed_parse_leaves_stderr_clean(vocab, capfd):
+    """``{"type": []}`` made an empty rule, which llama.cpp cannot parse; its report quotes the
+    grammar from where the parse failed (lines the guard drops too), found by the JSON-value
+    property test above."""
+    from expertcache.llama.constraints import grammar_dump_dropped, tool_call_grammar
+
+    with pytest.raises(ConstraintError, match="an empty list of types"):
+        tool_call_grammar([("f", {"type": []})], vocab)
+    import llama_cpp
+
+    bad = b'root ::= a\na ::= \nb ::= "x"\nc ::= "y"'
+    with grammar_dump_dropped(bad):
+        assert not llama_cpp.llama_sampler_init_grammar(vocab, bad, b"root")
+    assert capfd.readouterr().err == ""
