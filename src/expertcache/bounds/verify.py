@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,8 +151,9 @@ def verify_greedy(instances: int, *, seed: int = 0, jobs: int = 1, progress: boo
     ``instances`` and ``jobs`` are integers in ``[1, 2**62]``, ``seed`` one in ``[0, 2**63)``, as the
     command's options are (a ConfigError otherwise: ``jobs=2.5`` had started 2 processes, ``seed=inf``
     ended as OverflowError and ``instances=0`` reported an empty check). The work is handed out
-    ``CHUNK`` instances at a time and at most ``8 x jobs`` units ahead, so memory stays bounded
-    whatever the count (a list of every unit had taken this machine's 24 GB for 10**30)."""
+    ``CHUNK`` instances at a time and at most ``8 x`` the workers' units ahead, so memory stays bounded
+    whatever the count (a list of every unit had taken this machine's 24 GB for 10**30), to at most
+    one spawned worker per unit (``jobs=2**62`` had asked for as many forked processes)."""
     for name, value, lo, hi in (("instances", instances, 1, 2**62), ("jobs", jobs, 1, 2**62),
                                 ("seed", seed, 0, 2**63 - 1)):
         if not is_int(value, lo, hi):
@@ -166,9 +168,13 @@ def verify_greedy(instances: int, *, seed: int = 0, jobs: int = 1, progress: boo
             report.merge(part)
             bar(part.instances)
     else:
-        with multiprocessing.get_context().Pool(jobs) as pool:
-            while batch := list(itertools.islice(units, 8 * jobs)):
-                for part in pool.imap_unordered(_check_unit, batch):
+        # spawned, not forked: a fork of this process (numpy's BLAS thread is running) once hung a
+        # worker, and multiprocessing.Pool then waited for its unit forever (a README check stopped
+        # at 600 s where it takes 3); a worker that dies is a BrokenProcessPool here, not a hang
+        workers = min(jobs, -(-instances // CHUNK))
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            while batch := list(itertools.islice(units, 8 * workers)):
+                for part in pool.map(_check_unit, batch):
                     report.merge(part)
                     bar(part.instances)
     bar(None)
