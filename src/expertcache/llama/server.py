@@ -259,6 +259,11 @@ class ToolPlan:
     named: bool = False
     """``tool_choice`` named the function: a completed call finishes ``stop`` (OpenAI's answer), else ``tool_calls``."""
 
+    @property
+    def sets_grammar(self) -> bool:
+        """The decode's grammar comes from a tool's parameters (a call is forced)."""
+        return bool(self.forced) or self.arguments_of is not None
+
 
 def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     """The :class:`ToolPlan` of a chat, or None where no tool is offered or ``tool_choice`` is
@@ -489,7 +494,7 @@ class Metrics:
 class Generation:
     """One request's decode, advanced one piece at a time from a worker thread (never two at once).
 
-    :meth:`start` makes the request's grammar and logit biases (:mod:`.constraints`), runs the
+    :meth:`start` makes the request's grammar (:mod:`.constraints`), runs the
     prefill and returns the first piece (or raises :class:`ApiError` before anything is sent: a
     schema that makes no grammar, an empty prompt, or one too long for the context with its
     ``max_tokens``);
@@ -499,7 +504,7 @@ class Generation:
     server's shutdown ended it."""
 
     def __init__(self, session: Session, *, prompt=None, messages=None, max_tokens: int | None, body: _Sampling,
-                 shutdown: threading.Event | None = None, tools: ToolPlan | None = None):
+                 shutdown: threading.Event | None = None, tools: ToolPlan | None = None, bias=None):
         self.session, self.body = session, body
         self.chat = messages is not None
         llm = session.llama
@@ -520,6 +525,8 @@ class Generation:
         self._it = None  # made by start, on the decode's thread: a schema's grammar can take a second to make
         self.tools = tools
         """What the request's tools make of the decode (:func:`tool_plan`), or None."""
+        self.bias = bias
+        """The request's ``logit_bias`` as a logits processor (:func:`~.constraints.logit_bias`), or None."""
         self.finish: str | None = None
         self.prompt_tokens: int | None = None
         self.done = False
@@ -562,13 +569,11 @@ class Generation:
                                             llm._model.vocab)
             else:
                 grammar = response_grammar(fmt, llm._model.vocab)
-            bias = logit_bias(self.body.logit_bias, llm.n_vocab())
         except ConstraintError as exc:
             self.done = True
-            from_tools = plan is not None and (bool(plan.forced) or plan.arguments_of is not None)
-            field = "tools" if from_tools and exc.param == "response_format" else exc.param
+            field = "tools" if plan is not None and plan.sets_grammar and exc.param == "response_format" else exc.param
             raise ApiError(400, f"{field}: {exc}", param=field) from None
-        self._it = self._make(grammar=grammar, logits_processor=bias, **more)
+        self._it = self._make(grammar=grammar, logits_processor=self.bias, **more)
         llm.logprobs, llm.logprob_rows = self.top, []
         if self.echo and self.top is not None:  # every prompt row's logits: the prompt evaluated whole
             llm.reset()
@@ -837,8 +842,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         return bytes(raw)
 
-    def check_request(body: _Sampling) -> ToolPlan | None:
-        """The request's 4xx, if any; else what its tools make of the decode (:func:`tool_plan`)."""
+    def check_request(body: _Sampling) -> tuple[ToolPlan | None, object]:
+        """The request's 4xx, if any; else what its tools make of the decode (:func:`tool_plan`) and its
+        ``logit_bias`` as a logits processor (None for none)."""
         if body.model not in (None, "", model_id):
             raise ApiError(404, f"The model `{body.model[:200]}` does not exist (this server serves `{model_id}`)",
                            param="model", code="model_not_found")
@@ -855,12 +861,12 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             if used:
                 raise ApiError(400, f"{field} is not served (it would change the result)", param=field)
         plan = tool_plan(body, call_fmt) if isinstance(body, ChatRequest) else None
-        if plan is not None and (plan.forced or plan.arguments_of is not None) and body.response_format is not None \
+        if plan is not None and plan.sets_grammar and body.response_format is not None \
                 and body.response_format.type != "text":
             raise ApiError(400, "response_format: a forced tool call's arguments keep to its parameters; "
                            "leave response_format out", param="response_format")
         try:
-            logit_bias(body.logit_bias, session.llama.n_vocab())  # checked here; made again by the decode (Generation.start)
+            bias = logit_bias(body.logit_bias, session.llama.n_vocab())
         except ConstraintError as exc:
             raise ApiError(400, f"{exc.param}: {exc}", param=exc.param) from None
         if body.return_routed_experts and session.llama.routing is None:
@@ -873,7 +879,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise ApiError(400, f"stop: at most {MAX_STOP} sequences", param="stop")
         if any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise ApiError(400, f"stop: each sequence is 1 to {MAX_STOP_CHARS} characters", param="stop")
-        return plan
+        return plan, bias
 
     async def acquire(request: Request) -> str | None:
         """Wait for the slot: None once held, else why the request left the queue ("gone", "stopping")."""
@@ -927,7 +933,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                                        exclude_none=True)}
                                        for m in body.messages], roles)
                 args = {"messages": messages, "max_tokens": body.max_completion_tokens or body.max_tokens}
-            plan = check_request(body)
+            plan, bias = check_request(body)
             left = await acquire(request)
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
@@ -944,7 +950,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 slot.release()
                 metrics.count(endpoint, 499)
                 return Response(status_code=499)
-            gen = Generation(session, body=body, shutdown=stopping, tools=plan, **args)
+            gen = Generation(session, body=body, shutdown=stopping, tools=plan, bias=bias, **args)
             first = await workers.decode.call(gen.start)
             if body.return_routed_experts:
                 gen.check_routed_start()
