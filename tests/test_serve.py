@@ -347,6 +347,10 @@ def test_refusals_are_one_line(small_gguf, tmp_path):
         ([str(small_gguf), "--port", "70000"], "--port"),
         ([str(small_gguf), "--host", ""], "argument --host: expected an address"),  # had listened on every interface
         ([str(small_gguf), "--chat-format", "nonsense"], "--chat-format"),
+        ([str(small_gguf), "--chat-template-kwargs", "nope"], "argument --chat-template-kwargs: not JSON"),
+        ([str(small_gguf), "--chat-template-kwargs", '{"stop": 1}'], "'stop' is set by the server"),
+        ([str(small_gguf), "--chat-format", "chatml", "--chat-template-kwargs", '{"enable_thinking": false}'],
+         "named format 'chatml', which takes no template variables"),
         ([str(tmp_path / "x.gguf")], "not a GGUF file"),
     ]:
         done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "serve", *args], capture_output=True,
@@ -1416,7 +1420,11 @@ For each function call, return a json object with function name and arguments wi
 {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}<|im_start|>{{ message.role }}
 {{ message.content }}<|im_end|>
 {% elif message.role == 'assistant' %}<|im_start|>assistant
-{% if message.content %}{{ message.content }}{% endif %}
+{% if message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{% if message.content %}{{ message.content }}{% endif %}
 {%- if message.tool_calls %}{% for tc in message.tool_calls %}
 <tool_call>
 {"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments }}}
@@ -1428,8 +1436,16 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-"""A Qwen3-style chat template (its tools block and the Hermes <tool_call> format, simplified)."""
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% elif think_open %}<think>
+{% endif %}{% endif %}"""
+"""A Qwen3-style chat template (its tools block, the Hermes <tool_call> format, an assistant turn's
+thinking and Qwen3's ``enable_thinking`` switch, simplified). ``think_open``, a variable of this
+test's, opens the <think> block in the prompt, as DeepSeek-R1-0528's and Qwen3's 2507 thinking
+models' templates always do."""
 
 
 @pytest.fixture(scope="module")
@@ -1496,3 +1512,52 @@ def test_auto_tool_calls_of_a_hermes_template(hermes):
         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     after = client.chat.completions.create(model="small-moe", messages=turn2, max_tokens=8, temperature=0, tools=tools)
     assert after.usage.prompt_tokens > auto.usage.prompt_tokens and after.choices[0].finish_reason in ("stop", "length")
+
+
+def test_thinking_is_read_out_into_reasoning_content_and_template_variables_reach_the_template(hermes):
+    """A template that teaches <think> blocks: a prompt the template opens one in (``think_open``, a
+    ``chat_template_kwargs`` variable) makes the model's text its reasoning, as
+    ``reasoning_format: none`` shows it raw, streamed the same; ``enable_thinking: false`` reaches
+    the template (Qwen3's empty block in the prompt); a text with no block is content word for word;
+    an assistant turn's ``reasoning_content`` goes back to the template; a grammar's text is not
+    read for thinking; names the server sets are refused as template variables."""
+    from expertcache.llama.reasoning import split_reasoning
+
+    client = hermes.client()
+    msgs = [{"role": "user", "content": "Capital of France?"}]
+    ask = dict(model="small-moe", messages=msgs, max_tokens=24, temperature=0, seed=1)
+    first = client.chat.completions.create(**ask)
+    plain = first.choices[0]
+    assert plain.message.content and getattr(plain.message, "reasoning_content", None) is None
+    raw = client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"think_open": True},
+                                                            "reasoning_format": "none"})
+    opened = client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"think_open": True}})
+    assert opened.usage.prompt_tokens > first.usage.prompt_tokens and raw.usage == opened.usage
+    reasoning, content = split_reasoning(raw.choices[0].message.content, opened=True)
+    msg = opened.choices[0].message
+    assert reasoning and (msg.reasoning_content, msg.content) == (reasoning, content), (msg, raw)
+    streamed = {"reasoning_content": "", "content": ""}
+    for c in client.chat.completions.create(**ask, stream=True, extra_body={"chat_template_kwargs": {"think_open": True}}):
+        for key in streamed:
+            streamed[key] += (getattr(c.choices[0].delta, key, None) or "") if c.choices else ""
+    assert streamed == {"reasoning_content": msg.reasoning_content, "content": msg.content}
+    off = client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.prompt_tokens > opened.usage.prompt_tokens  # the empty block: more than "<think>"
+    assert getattr(off.choices[0].message, "reasoning_content", None) is None
+    turn2 = msgs + [{"role": "assistant", "content": "Paris.", "reasoning_content": "The user asks a capital."},
+                    {"role": "user", "content": "And Spain?"}]
+    bare = msgs + [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Spain?"}]
+    with_thought = client.chat.completions.create(**{**ask, "messages": turn2, "max_tokens": 1})
+    assert with_thought.usage.prompt_tokens > client.chat.completions.create(
+        **{**ask, "messages": bare, "max_tokens": 1}).usage.prompt_tokens
+    as_json = client.chat.completions.create(**ask, response_format={"type": "json_object"},
+                                             extra_body={"chat_template_kwargs": {"think_open": True}})
+    assert getattr(as_json.choices[0].message, "reasoning_content", None) is None and as_json.choices[0].message.content
+    for kwargs, says in (({"temperature": 2}, "'temperature' is set by the server"),
+                         ({"1x": 1}, "'1x' is not a template variable's name"),
+                         ([1], "chat_template_kwargs: Input should be a valid dictionary")):
+        status, body = hermes.raw("POST", "/v1/chat/completions", json.dumps({**ask, "chat_template_kwargs": kwargs}))
+        err = json.loads(body)["error"]
+        assert status == 400 and says in err["message"] and err["param"] == "chat_template_kwargs", body
+    status, body = hermes.raw("POST", "/v1/chat/completions", json.dumps({**ask, "reasoning_format": "think"}))
+    assert status == 400 and json.loads(body)["error"]["param"] == "reasoning_format", body

@@ -18,6 +18,21 @@ def id_ranges(ids: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+def held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that could begin one of ``stops``: a stop sequence, a tag (the
+    longest proper prefix of one that ``text`` ends with; 0 if none)."""
+    best = 0
+    if not text:
+        return 0
+    last = text[-1]
+    for s in stops:
+        for i in range(min(len(s) - 1, len(text)), best, -1):
+            if s[i - 1] == last and text.endswith(s[:i]):
+                best = i
+                break
+    return best
+
+
 def first_line(exc: BaseException, limit: int | None = None) -> str:
     """An exception's message as one line (its first, cut to ``limit`` characters), else its type's name."""
     text = str(exc).strip()

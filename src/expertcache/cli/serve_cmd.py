@@ -47,6 +47,13 @@ def add_parser(sub) -> None:
     p.add_argument("--headroom", type=byte_size("--headroom"), default=None, metavar="SIZE",
                    help="with --memory-wall: the most the wall's limit follows the server's own memory to, above "
                         "the wall (default 4 GiB, within what the machine can give)")
+    p.add_argument("--reasoning-format", choices=("auto", "deepseek", "none"), default=None,
+                   help="a chat's <think> block, where the model's template teaches one (Qwen3, DeepSeek-R1, "
+                        "GLM-4.5): auto or deepseek read it out into message.reasoning_content, none leaves it in "
+                        "the content (default auto; a request's reasoning_format overrides it)")
+    p.add_argument("--chat-template-kwargs", type=template_kwargs, default=None, metavar="JSON",
+                   help="variables the chat template is rendered with, as a JSON object (e.g. "
+                        "'{\"enable_thinking\": false}' for Qwen3); a request's chat_template_kwargs add to them")
     p.set_defaults(func=run)
 
 
@@ -56,6 +63,18 @@ def port_int(text: str) -> int:
 
 def connections_int(text: str) -> int:
     return _int_in(text, 2, 100_000, "a number of connections", "in 2..100000")
+
+
+def template_kwargs(text: str) -> dict:
+    """``--chat-template-kwargs``: a JSON object (its names are checked once the llama extra is known
+    to be there: :func:`~..llama.completion.template_variables`)."""
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({str(exc)[:80]})") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of template variables, got {type(obj).__name__}")
+    return obj
 
 
 def listen_host(text: str) -> str:
@@ -75,6 +94,15 @@ def run(args) -> int:
         raise ConfigError("serve needs FastAPI and uvicorn: pip install 'expertcache[serve]'") from None
     if args.headroom is not None and args.memory_wall is None:
         raise ConfigError("--headroom needs --memory-wall")
+    if args.chat_template_kwargs is not None:
+        from ..llama.engine import _llama
+
+        _llama()
+        from ..llama.completion import template_variables
+        try:
+            template_variables(args.chat_template_kwargs, "--chat-template-kwargs")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if args.memory_wall is not None:
         return run_walled(args)
     from ..llama.engine import _llama
@@ -114,7 +142,8 @@ def run(args) -> int:
 
         serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce, wall_state=wall_state,
               version=__version__, max_connections=args.max_connections, request_seconds=args.request_timeout,
-              bandwidth=bandwidth, workers=workers)
+              bandwidth=bandwidth, workers=workers, reasoning_format=args.reasoning_format or "auto",
+              template_kwargs=args.chat_template_kwargs)
     return 0
 
 
@@ -168,10 +197,10 @@ def run_walled(args) -> int:
                           "the wall")
     argv = [sys.executable, "-m", "expertcache.cli.main", "serve", g.path]
     for opt in ("mode", "cache_memory", "policy", "threads", "readers", "ctx", "chat_format", "host", "port",
-                "model_alias", "max_connections", "request_timeout"):
+                "model_alias", "max_connections", "request_timeout", "reasoning_format", "chat_template_kwargs"):
         value = getattr(args, opt)
         if value is not None:
-            argv += ["--" + opt.replace("_", "-"), str(value)]
+            argv += ["--" + opt.replace("_", "-"), json.dumps(value) if isinstance(value, dict) else str(value)]
     if args.cache_memory is None and (args.mode in (None, "managed")):
         argv += ["--cache-memory", str(wall)]  # the managed pool bounded by the wall itself
     if args.json:

@@ -28,12 +28,15 @@ Invariants (``tests/test_serve.py``):
 from __future__ import annotations
 
 import codecs
+import inspect
 import random
 import time
 import uuid
 
 import jinja2
 import llama_cpp
+
+from .._text import held_back
 
 UNSERVED = ("suffix", "logprobs", "echo", "logit_bias")
 """``create_completion`` options this loop does not implement: a call setting any of them goes to
@@ -47,20 +50,6 @@ class PromptError(ValueError):
         super().__init__(message)
         self.code = code
 
-
-def held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of ``text`` that could begin one of ``stops`` (the longest proper prefix
-    of a stop that ``text`` ends with; 0 if none)."""
-    best = 0
-    if not text:
-        return 0
-    last = text[-1]
-    for s in stops:
-        for i in range(min(len(s) - 1, len(text)), best, -1):
-            if s[i - 1] == last and text.endswith(s[:i]):
-                best = i
-                break
-    return best
 
 
 def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 16, temperature: float = 0.8,
@@ -173,6 +162,33 @@ def stream_chat(llm: llama_cpp.Llama, messages: list[dict], **kw):
     except (ValueError, TypeError, jinja2.TemplateError) as exc:  # the formatting: the messages' fault
         raise PromptError(f"the chat template refused the messages: {str(exc)[:300]}") from None
     yield from chunks
+
+
+def _reserved_variables() -> frozenset[str]:
+    """Names a chat template's extra variables may not take: the chat handler's own arguments
+    (``temperature``, ``stop``, ``grammar``, ...: a variable of that name would set them) and what the
+    template is rendered with (``messages``, ``eos_token``, ...)."""
+    handler = llama_cpp.llama_chat_format.chat_formatter_to_chat_completion_handler(None)
+    own = set(inspect.signature(handler).parameters) - {"kwargs"}
+    return frozenset(own | {"eos_token", "bos_token", "raise_exception", "add_generation_prompt", "strftime_now"})
+
+
+RESERVED_VARIABLES = _reserved_variables()
+
+
+def template_variables(obj, where: str) -> dict:
+    """``obj`` (a request's ``chat_template_kwargs``, the server's ``--chat-template-kwargs``) checked
+    as variables the chat template is rendered with (``enable_thinking``: Qwen3's switch), as
+    llama.cpp's server and vLLM take them; a ``ValueError`` naming ``where`` otherwise."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object of template variables, got {type(obj).__name__}")
+    for key in obj:
+        if not key.isidentifier() or key.startswith("_"):
+            raise ValueError(f"{where}: {key[:64]!r} is not a template variable's name")
+        if key in RESERVED_VARIABLES:
+            raise ValueError(f"{where}: {key!r} is set by the server (the request's own field, or the template's "
+                             "fixed input), not a template variable")
+    return dict(obj)
 
 
 ROLE_PROBE = "expertcache7role7probe"

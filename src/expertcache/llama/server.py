@@ -85,8 +85,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
-from .completion import PromptError, rendered_roles, stream_chat, stream_completion
+from .completion import PromptError, rendered_roles, stream_chat, stream_completion, template_variables
 from .constraints import ConstraintError, logit_bias, response_grammar, tool_call_grammar
+from .reasoning import ThinkStream, opens_thinking, split_reasoning, think_format
 from .toolcalls import HERMES, HermesStream, call_format, parse_hermes
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
@@ -207,6 +208,7 @@ class Message(_Strict):
     tool_calls: list[_ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's thinking, as this server answered it
 
 
 class _Function(_Strict):
@@ -241,6 +243,8 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None  # a forced call is one call either way
     functions: list | None = None
     function_call: str | dict | None = None
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None  # None: the server's (--reasoning-format)
+    chat_template_kwargs: dict | None = None  # variables for the chat template (enable_thinking), over the server's
 
 
 @dataclass
@@ -504,7 +508,8 @@ class Generation:
     server's shutdown ended it."""
 
     def __init__(self, session: Session, *, prompt=None, messages=None, max_tokens: int | None, body: _Sampling,
-                 shutdown: threading.Event | None = None, tools: ToolPlan | None = None, bias=None):
+                 shutdown: threading.Event | None = None, tools: ToolPlan | None = None, bias=None,
+                 variables: dict | None = None):
         self.session, self.body = session, body
         self.chat = messages is not None
         llm = session.llama
@@ -527,6 +532,10 @@ class Generation:
         """What the request's tools make of the decode (:func:`tool_plan`), or None."""
         self.bias = bias
         """The request's ``logit_bias`` as a logits processor (:func:`~.constraints.logit_bias`), or None."""
+        self.variables = variables or {}
+        """A chat's template variables (``chat_template_kwargs``)."""
+        self.grammar = False
+        """Whether the decode keeps to a grammar (``response_format``, a forced tool call): set by :meth:`start`."""
         self.finish: str | None = None
         self.prompt_tokens: int | None = None
         self.done = False
@@ -573,6 +582,9 @@ class Generation:
             self.done = True
             field = "tools" if plan is not None and plan.sets_grammar and exc.param == "response_format" else exc.param
             raise ApiError(400, f"{field}: {exc}", param=field) from None
+        self.grammar = grammar is not None
+        if self.chat:
+            more.update(self.variables)
         self._it = self._make(grammar=grammar, logits_processor=self.bias, **more)
         llm.logprobs, llm.logprob_rows = self.top, []
         if self.echo and self.top is not None:  # every prompt row's logits: the prompt evaluated whole
@@ -620,6 +632,12 @@ class Generation:
             if self._it is not None:
                 self._it.close()
             self.session.llama.logprobs = None
+
+    def opened_thinking(self) -> bool:
+        """Whether the chat template's prompt (once :meth:`start` has run) ends inside a ``<think>``
+        block that the model's text continues (:func:`~.reasoning.opens_thinking`)."""
+        tail = self.prompt_ids()[-16:]
+        return opens_thinking(_text(self.session.llama.detokenize(tail, special=True))) if tail else False
 
     def prompt_ids(self) -> list[int]:
         """The prompt's token ids as evaluated (once :meth:`start` has run)."""
@@ -805,9 +823,12 @@ class Guard:
 
 
 def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, version: str = "",
-               bandwidth: dict | None = None, workers: "Workers | None" = None) -> FastAPI:
+               bandwidth: dict | None = None, workers: "Workers | None" = None, reasoning_format: str = "auto",
+               template_kwargs: dict | None = None) -> FastAPI:
     """The FastAPI app serving ``session`` as model ``model_id`` (see the module docstring);
-    ``bandwidth``: :class:`Metrics`'s; ``workers``: the threads requests run on (made here if None).
+    ``bandwidth``: :class:`Metrics`'s; ``workers``: the threads requests run on (made here if None);
+    ``reasoning_format`` and ``template_kwargs``: a chat's defaults (``--reasoning-format``,
+    ``--chat-template-kwargs``), which its ``reasoning_format`` and ``chat_template_kwargs`` override.
     ``app.state.stopping`` (a ``threading.Event``), once set, ends the decode in progress before its
     next token and sends every waiting request a 503: :func:`serve` sets it when shutdown begins."""
     app = FastAPI(title="expertcache", version=version, docs_url=None, redoc_url=None, openapi_url=None,
@@ -823,6 +844,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     template = session.llama.metadata.get("tokenizer.chat_template") \
         if session.llama.chat_format == "chat_template.default" else None  # the GGUF's own, not a named format
     call_fmt = call_format(template)
+    think_fmt = think_format(template)
+    if template_kwargs and template is None:
+        raise ConfigError(f"--chat-template-kwargs: this server formats chats with llama-cpp-python's named format "
+                          f"{session.llama.chat_format!r}, which takes no template variables")
 
     def label(request: Request) -> str:
         """The ``endpoint`` label: a served path, else ``other`` (a client cannot grow the series)."""
@@ -842,9 +867,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         return bytes(raw)
 
-    def check_request(body: _Sampling) -> tuple[ToolPlan | None, object]:
-        """The request's 4xx, if any; else what its tools make of the decode (:func:`tool_plan`) and its
-        ``logit_bias`` as a logits processor (None for none)."""
+    def check_request(body: _Sampling) -> tuple[ToolPlan | None, object, dict]:
+        """The request's 4xx, if any; else what its tools make of the decode (:func:`tool_plan`), its
+        ``logit_bias`` as a logits processor (None for none) and a chat's template variables (the
+        server's, then the request's)."""
         if body.model not in (None, "", model_id):
             raise ApiError(404, f"The model `{body.model[:200]}` does not exist (this server serves `{model_id}`)",
                            param="model", code="model_not_found")
@@ -879,7 +905,17 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise ApiError(400, f"stop: at most {MAX_STOP} sequences", param="stop")
         if any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise ApiError(400, f"stop: each sequence is 1 to {MAX_STOP_CHARS} characters", param="stop")
-        return plan, bias
+        variables = dict(template_kwargs or {})
+        if isinstance(body, ChatRequest) and body.chat_template_kwargs is not None:
+            if template is None:
+                raise ApiError(400, f"chat_template_kwargs: this server formats chats with llama-cpp-python's named "
+                               f"format {session.llama.chat_format!r}, which takes no template variables",
+                               param="chat_template_kwargs")
+            try:
+                variables.update(template_variables(body.chat_template_kwargs, "chat_template_kwargs"))
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="chat_template_kwargs") from None
+        return plan, bias, variables
 
     async def acquire(request: Request) -> str | None:
         """Wait for the slot: None once held, else why the request left the queue ("gone", "stopping")."""
@@ -929,11 +965,12 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                    "with --chat-format", param="messages", code="chat_template_missing")
                 messages = kept_roles([{"role": m.role, "content": m.content if isinstance(m.content, str)
                                         or m.content is None else "".join(p.text for p in m.content),
-                                        **m.model_dump(include={"tool_calls", "tool_call_id", "name"},
+                                        **m.model_dump(include={"tool_calls", "tool_call_id", "name",
+                                                                "reasoning_content"},
                                                        exclude_none=True)}
                                        for m in body.messages], roles)
                 args = {"messages": messages, "max_tokens": body.max_completion_tokens or body.max_tokens}
-            plan, bias = check_request(body)
+            plan, bias, variables = check_request(body)
             left = await acquire(request)
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
@@ -950,7 +987,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 slot.release()
                 metrics.count(endpoint, 499)
                 return Response(status_code=499)
-            gen = Generation(session, body=body, shutdown=stopping, tools=plan, bias=bias, **args)
+            gen = Generation(session, body=body, shutdown=stopping, tools=plan, bias=bias, variables=variables, **args)
             first = await workers.decode.call(gen.start)
             if body.return_routed_experts:
                 gen.check_routed_start()
@@ -983,6 +1020,11 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             but ``stop`` for a call the request named, as OpenAI's API answers them."""
             finish = gen.finish or "stop"
             return ("stop" if plan.named else "tool_calls") if calls and finish == "stop" else finish
+        # a reasoning model's thinking read out of the text (.reasoning), unless a grammar writes the text
+        fmt = (body.reasoning_format if kind == "chat" else None) or reasoning_format
+        thinking = kind == "chat" and think_fmt is not None and fmt != "none" and not gen.grammar
+        opened = thinking and gen.opened_thinking()
+        think = ThinkStream(opened) if thinking else None
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
         def finished() -> dict:
@@ -1034,6 +1076,11 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 obj = "text_completion"
             else:
                 message, calls = {"role": "assistant", "content": text}, []
+                if thinking:
+                    reasoning, text = split_reasoning(text, opened)
+                    message["content"] = text
+                    if reasoning is not None:
+                        message["reasoning_content"] = reasoning
                 if arguments_of is not None:
                     calls = [{"id": call_id, "type": "function", "function": {"name": arguments_of.function.name,
                                                                              "arguments": text}}]
@@ -1068,19 +1115,23 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 if first_chunk or piece:
                     delta["tool_calls"] = [call]
                 choice = {"index": 0, "delta": delta, "logprobs": lp and lp.of(rows), "finish_reason": finish}
-            elif hermes is not None:  # content as it comes, a call once its block is complete
-                done = hermes.calls
-                out = hermes.feed(piece or "") + (hermes.finish() if flush else [])
-                content = "".join(x for k, x in out if k == "content")
-                calls = [{"index": done + i, **x} for i, x in enumerate(x for k, x in out if k == "call")]
+            else:  # thinking as it comes (reasoning_content), content as it comes, a call once its block is complete
+                parts = ([("content", piece or "")] if think is None else
+                         think.feed(piece or "") + (think.finish() if flush else []))
+                reasoning = "".join(x for k, x in parts if k == "reasoning")
+                content = "".join(x for k, x in parts if k == "content")
+                calls = []
+                if hermes is not None:
+                    done = hermes.calls
+                    out = hermes.feed(content) + (hermes.finish() if flush else [])
+                    content = "".join(x for k, x in out if k == "content")
+                    calls = [{"index": done + i, **x} for i, x in enumerate(x for k, x in out if k == "call")]
                 delta = {"role": "assistant", "content": content} if first_chunk else \
                     ({"content": content} if content else {})
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
                 if calls:
                     delta["tool_calls"] = calls
-                choice = {"index": 0, "delta": delta, "logprobs": lp and lp.of(rows), "finish_reason": finish}
-            else:
-                delta = {"role": "assistant", "content": piece or ""} if first_chunk else \
-                    ({"content": piece} if piece else {})
                 choice = {"index": 0, "delta": delta, "logprobs": lp and lp.of(rows), "finish_reason": finish}
             return "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
                                           "choices": [choice]}) + "\n\n"
@@ -1101,7 +1152,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                                        "code": "shutting_down"}}) + "\n\n"
                 yield "data: [DONE]\n\n"
                 return
-            if hermes is not None:  # what it held back, before the finish is known
+            if hermes is not None or think is not None:  # what they held back, before the finish is known
                 yield chunk(None, None, rows, flush=True)
                 rows = []
             yield chunk(None, finish_reason(1 if arguments_of is not None else hermes.calls if hermes else 0), rows)
@@ -1378,7 +1429,7 @@ class SlotStream(StreamingResponse):
 def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_id: str,
           announce=None, wall_state=None, version: str = "", max_connections: int | None = None,
           request_seconds: float | None = None, bandwidth: dict | None = None,
-          workers: Workers | None = None) -> None:
+          workers: Workers | None = None, reasoning_format: str = "auto", template_kwargs: dict | None = None) -> None:
     """Serve until SIGTERM / SIGINT. The socket is bound first (``port`` 0: any free port), then
     ``announce(url)`` is called (the CLI prints it), then requests are answered. ``max_connections``
     and ``request_seconds`` (default :data:`MAX_CONNECTIONS`, :data:`REQUEST_SECONDS`):
@@ -1387,7 +1438,8 @@ def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_
 
     import uvicorn
 
-    app = create_app(session, model_id=model_id, version=version, bandwidth=bandwidth, workers=workers)
+    app = create_app(session, model_id=model_id, version=version, bandwidth=bandwidth, workers=workers,
+                     reasoning_format=reasoning_format, template_kwargs=template_kwargs)
     if wall_state is not None:
         app.state.metrics.wall = wall_state
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import uuid
 
+from .._text import held_back
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HERMES = "hermes"
 
@@ -83,7 +85,7 @@ class HermesStream:
                 self.pending = self.pending[start + len(OPEN):]
                 self.inside = True
                 continue
-            keep = _partial_open(self.pending)
+            keep = held_back(self.pending, [OPEN])
             text, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
             if text:
                 out.append(("content", text))
@@ -94,14 +96,6 @@ class HermesStream:
         text = (OPEN if self.inside else "") + self.pending
         self.pending, self.inside = "", False
         return [("content", text)] if text else []
-
-
-def _partial_open(text: str) -> int:
-    """Characters at the end of ``text`` that could begin :data:`OPEN`."""
-    for i in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:i]):
-            return i
-    return 0
 
 
 def parse_hermes(text: str, names) -> tuple[str | None, list[dict]]:
