@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import expertcache as ec
+from conftest import REPO
 from expertcache.cli.main import build_parser, main
 
 
@@ -397,3 +399,34 @@ def test_a_safetensors_entry_the_format_forbids_is_refused(tmp_path, edit, messa
                  ["tier", "write", "--pool", tmp_path / "pool", "--from-safetensors", m]):
         proc = run(*argv)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["capture", "--model", "{m}", "--tokens", "{ids}", "--out", "{tmp}/t.npz"],
+    ["eval", "--model", "{m}", "--tokens", "{ids}", "-c", "4"],
+    ["controller", "train", "--model", "{m}", "--tokens", "{ids}", "--layers", "0-3", "-c", "8", "--out", "{tmp}/h.pt"],
+    ["router-tune", "--model", "{m}", "--tokens", "{ids}", "--layer", "2", "--cache", "4", "--out", "{tmp}/rt"],
+])
+def test_a_bad_checkpoint_folder_is_refused_before_torch_is_imported(tmp_path, argv):
+    """The commands that load a checkpoint with transformers refuse a folder without config.json, or
+    with a shard index naming a missing file, before they import torch (5 s of imports here): a
+    ``torch`` that exits 97 on import stands first on the path, and the refusal is the folder's."""
+    small = REPO / "models" / "small-moe"
+    if not (small / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    poison = tmp_path / "poison"
+    poison.mkdir()
+    (poison / "torch.py").write_text("import sys\nsys.exit(97)\n")
+    np.save(tmp_path / "ids.npy", np.arange(2, 26, dtype=np.int64).reshape(2, 12))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(poison), os.environ.get("PYTHONPATH", "")]))
+    bare, indexed = tmp_path / "bare", tmp_path / "indexed"
+    bare.mkdir()
+    indexed.mkdir()
+    (indexed / "config.json").write_text((small / "config.json").read_text())
+    (indexed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "missing.safetensors"}}))
+    for folder, says in ((bare, "not a checkpoint folder (no config.json)"),
+                         (indexed, "names missing.safetensors, which is not in the folder")):
+        args = [a.format(m=folder, tmp=tmp_path, ids=tmp_path / "ids.npy") for a in argv]
+        proc = subprocess.run([sys.executable, "-m", "expertcache.cli.main", *args], capture_output=True, text=True,
+                              env=env)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr

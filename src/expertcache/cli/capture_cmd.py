@@ -14,7 +14,7 @@ from .._progress import progress
 from .._text import first_line
 from ..errors import ConfigError
 from .common import add_json, add_layers, add_out, check_out, emit_json, positive_int
-from .inputs import read_text, read_tokens
+from .inputs import check_checkpoint, read_text, read_tokens
 
 HELP = """Run one teacher-forced forward per sequence (batch 1, every expert resident) through a Hugging
 Face MoE checkpoint and save the router decisions as a canonical trace (phase teacher-forced): per
@@ -68,6 +68,7 @@ def run(args) -> int:
     if args.generate is not None:
         raise ConfigError("--generate: supported with a .gguf model (llama.cpp); for a checkpoint use "
                           "expertcache.capture around model.generate")
+    check_checkpoint(args.model, "--model")  # before torch and transformers are imported
     try:
         import torch
 
@@ -79,7 +80,6 @@ def run(args) -> int:
     except ImportError as exc:
         raise ConfigError(first_line(exc)) from None
     spec = parse_record(args.record)
-    hf.check_checkpoint(args.model, "--model")
     ids = read_tokens(args.tokens) if args.tokens else read_text(args.model, args.text)
     model = hf.load_model(args.model, device=args.device, dtype=args.dtype).eval()
     sequences = split_tokens(ids, args.max_len, args.max_sequences, positions(model))

@@ -81,10 +81,10 @@ def run_train(args) -> int:
     check_out(args.out)
     if args.exchange is not None and args.price_tau is None:
         raise ConfigError("--exchange prices copies only with --price-tau (the measured copy time)")
-    from .inputs import import_hf, read_text, read_tokens
+    from .inputs import check_checkpoint, import_hf, read_text, read_tokens
 
+    check_checkpoint(args.model, "--model")  # before torch and transformers are imported
     hf = import_hf()
-    hf.check_checkpoint(args.model, "--model")
     if args.tokens:
         ids = read_tokens(args.tokens).reshape(-1)
     else:

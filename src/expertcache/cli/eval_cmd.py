@@ -16,7 +16,7 @@ from ..formats.safetensors import checkpoint_files
 from ..policies import available_policies
 from .common import (add_json, add_layers, byte_size, check_out, emit_json, nonnegative_float, positive_int,
                      resamples_int, samples_int, seed_int, slow_copies_int, table)
-from .inputs import import_hf, read_text, read_tokens
+from .inputs import check_checkpoint, import_hf, read_text, read_tokens
 
 HELP = """Teacher-force token sequences through a Hugging Face MoE checkpoint whose experts live in host
 memory behind CAPACITY device slots per offloaded layer, once per policy, and compare each run
@@ -119,8 +119,8 @@ def run(args) -> int:
     check_out(args.capture, "--capture")
     if args.headroom is not None and args.memory_wall is None:
         raise ConfigError("--headroom needs --memory-wall")
+    check_checkpoint(args.model, "--model")  # before torch and transformers are imported: a bad folder is quick
     hf = import_hf()
-    hf.check_checkpoint(args.model, "--model")
     if args.memory_wall is not None:
         return _run_walled(args)
     ids = read_tokens(args.tokens) if args.tokens else read_text(args.model, args.text)  # inputs first: cheap

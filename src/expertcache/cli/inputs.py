@@ -14,9 +14,10 @@ import numpy as np
 
 from .._text import first_line
 from ..errors import ConfigError
+from ..formats.safetensors import check_checkpoint
 from ..trace.npz import read_npy
 
-__all__ = ["import_hf", "read_tokens", "read_text"]
+__all__ = ["check_checkpoint", "import_hf", "read_tokens", "read_text"]
 
 
 def import_hf():
@@ -28,7 +29,7 @@ def import_hf():
         raise ConfigError(first_line(exc)) from None
     from ..hf.evaluation import fitting_capacity
 
-    return SimpleNamespace(check_checkpoint=hf.check_checkpoint, load_model=hf.load_model,
+    return SimpleNamespace(load_model=hf.load_model,
                            evaluate=hf.evaluate, split_tokens=split_tokens, fitting_capacity=fitting_capacity,
                            positions=positions)
 

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..routetune.config import TARGETS, TuneConfig
 from ..routetune.reward import REWARDS
 from .common import add_json, emit_json, nonnegative_float, positive_int, seed_int, table
-from .inputs import read_text, read_tokens
+from .inputs import check_checkpoint, read_text, read_tokens
 
 HELP = """Fine-tune the router of one MoE layer so that a simulated LRU cache of --cache slots at that
 layer hits more often on the model's own generations (GRPO, after Calanzone et al.), or, with
@@ -90,14 +90,13 @@ def config_of(args) -> TuneConfig:
 
 def run(args) -> int:
     config = config_of(args)
+    check_checkpoint(args.model, "--model")  # before torch and transformers are imported
     try:
         from ..routetune.output import check_out_folder
         from ..routetune.run import router_tune
-        from ..hf.loading import check_checkpoint
     except ImportError as exc:
         raise ConfigError(first_line(exc)) from None
     check_out_folder(args.out)
-    check_checkpoint(args.model, "--model")
     stream = (read_tokens(args.tokens) if args.tokens else read_text(args.model, args.text)).ravel()
     if stream.size and (stream.min() < 0):
         raise ConfigError(f"--tokens {args.tokens}: negative token id {int(stream.min())}")

@@ -152,3 +152,18 @@ def checkpoint_files(folder: Path) -> list[Path]:
         regular_size(path, f"{where}: {name[:80]}")
         files.append(path)
     return files
+
+
+def check_checkpoint(path: "str | Path", what: str = "model") -> Path:
+    """``path`` as a folder holding a ``config.json`` and, where it has one, a shard index that names
+    files it holds (:func:`checkpoint_files`), or a one-line refusal naming it as ``what``. Needs
+    neither torch nor transformers, so a command refuses a bad folder before it imports them."""
+    folder = Path(path)
+    if not folder.exists():
+        raise ConfigError(f"{what} {path}: no such folder")
+    if not folder.is_dir():
+        raise ConfigError(f"{what} {path}: is a file, expected a checkpoint folder")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{what} {path}: not a checkpoint folder (no config.json)")
+    checkpoint_files(folder)
+    return folder

@@ -30,7 +30,7 @@ import torch
 
 from .._text import first_line
 from ..errors import ConfigError, one_line, is_int
-from ..formats.safetensors import checkpoint_files, read_headers
+from ..formats.safetensors import check_checkpoint, checkpoint_files, read_headers
 from .model import (ExpertsSite, find_sites, model_label, require_transformers, resolve_device, select_sites,
                     text_config)
 from .host import check_host, host_of, map_file_experts, use_files
@@ -209,18 +209,6 @@ def check_loading_info(path, info: dict) -> None:
     if unexpected:
         warnings.warn(f"model {path}: {len(unexpected)} weight(s) in the checkpoint are not used by its config, e.g. "
                       f"{unexpected[0]}")
-
-
-def check_checkpoint(path: "str | Path", what: str = "model") -> Path:
-    """``path`` as a folder holding a ``config.json``, or a one-line refusal naming it as ``what``."""
-    folder = Path(path)
-    if not folder.exists():
-        raise ConfigError(f"{what} {path}: no such folder")
-    if not folder.is_dir():
-        raise ConfigError(f"{what} {path}: is a file, expected a checkpoint folder")
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"{what} {path}: not a checkpoint folder (no config.json)")
-    return folder
 
 
 @torch.no_grad()
