@@ -67,3 +67,88 @@ def test_what_is_held_back_is_bounded_by_a_tag_and_white_space():
     for _ in range(1000):
         assert stream.feed("word ") == [("reasoning", "word")] or stream.pending == " "
         assert len(stream.pending) <= len("</think>")
+
+
+def harmony_reference(text: str) -> tuple[str | None, str]:
+    """gpt-oss's harmony text split by its messages (``<|start|>``), their headers and their ends
+    (``<|end|>``), as HarmonyStream's docstring states the rule."""
+    if not text.startswith("<|channel|>"):
+        return None, text
+    reasoning, content, began = [], [], False
+    for i, msg in enumerate(text.split("<|start|>")):
+        raw = msg if i == 0 else "<|start|>" + msg
+        head, sep, body = msg.partition("<|message|>")
+        if not sep:  # never closed: as written
+            content.append(raw)
+            continue
+        at = head.find("<|channel|>")
+        kind = None
+        if at >= 0:
+            words = [w for w in re.split(r"\s|<\|constrain\|>", head[at + len("<|channel|>"):]) if w]
+            if words and not any(w.startswith("to=") for w in words):
+                kind = {"analysis": "reasoning", "final": "content", "commentary": "content"}.get(words[0])
+        if kind is None:  # the header as written, the body without its <|end|> markers
+            content.append(raw[:len(raw) - len(body)] + body.replace("<|end|>", ""))
+            continue
+        first, _, after = body.partition("<|end|>")
+        if kind == "reasoning":
+            reasoning.append(("\n" if began else "") + first)
+            began = True
+        else:
+            content.append(first)
+        content.append(after.replace("<|end|>", ""))
+    return ("".join(reasoning) if began else None), "".join(content)
+
+
+def test_harmony_reference_cases():
+    from expertcache.llama.reasoning import split_harmony
+
+    text = ("<|channel|>analysis<|message|>User greets.<|start|>assistant<|channel|>final<|message|>Bonjour.")
+    assert split_harmony(text) == ("User greets.", "Bonjour.")
+    call = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}"
+    assert split_harmony(call) == (None, call)  # a call, not read as one: as written
+    assert split_harmony("Bonjour <|channel|>") == (None, "Bonjour <|channel|>")
+    assert split_harmony("<|channel|>analysis<|message|>a<|start|>assistant<|channel|>analysis<|message|>b") == \
+        ("a\nb", "")
+    assert split_harmony("<|channel|>analysis<|message|>Hi.<|end|><|start|>assistant<|channel|>final<|message|>Bye.") \
+        == ("Hi.", "Bye.")  # as the pinned llama.cpp writes it
+    assert think_format("{{ '<|start|>assistant<|channel|>final<|message|>' }}") == "harmony"
+
+
+HARMONY_PIECES = st.lists(st.sampled_from(["<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|en", "assistant", "analysis",
+                                           "final", "commentary", " to=functions.f", "<|constrain|>", "json", " ",
+                                           "<|", "|>", "<|chan", "nel|>", "text", "\n", "é"]), max_size=16)
+
+
+@st.composite
+def harmony_messages(draw) -> str:
+    """Messages as gpt-oss writes them (a channel, maybe a recipient and a constraint, a body), the
+    bodies drawn from the pieces above (so holding partial markers)."""
+    out = []
+    for i in range(draw(st.integers(1, 4))):
+        head = "<|channel|>" + draw(st.sampled_from(["analysis"] * 3 + ["final"] * 3 + ["commentary", "other", ""]))
+        head += draw(st.sampled_from(["", "", "", " to=functions.get_weather", " to=browser.search"]))
+        head += draw(st.sampled_from(["", " <|constrain|>json", "<|constrain|>json"]))
+        start = "" if i == 0 else "<|start|>" + draw(st.sampled_from(["assistant", ""]))
+        out.append(start + head + "<|message|>" + "".join(draw(HARMONY_PIECES.map(lambda p: p[:4])))
+                   + draw(st.sampled_from(["<|end|>", "<|end|>", ""])))
+    return "".join(out)
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=st.one_of(HARMONY_PIECES.map("".join), HARMONY_PIECES.map(lambda p: "<|channel|>" + "".join(p)),
+                      harmony_messages()), cuts=st.lists(st.integers(0, 300), max_size=8))
+def test_harmony_whole_agrees_with_the_reference_and_any_pieces_with_the_whole(text, cuts):
+    from expertcache.llama.reasoning import HarmonyStream, split_harmony
+
+    whole = split_harmony(text)
+    assert whole == harmony_reference(text), text
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    stream = HarmonyStream()
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        out += stream.feed(text[a:b])
+    out += stream.finish()
+    assert all(x for _, x in out)
+    assert ("".join(x for k, x in out if k == "reasoning"), "".join(x for k, x in out if k == "content")) == \
+        (whole[0] or "", whole[1]), (text, bounds)

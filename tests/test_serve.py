@@ -1561,3 +1561,67 @@ def test_thinking_is_read_out_into_reasoning_content_and_template_variables_reac
         assert status == 400 and says in err["message"] and err["param"] == "chat_template_kwargs", body
     status, body = hermes.raw("POST", "/v1/chat/completions", json.dumps({**ask, "reasoning_format": "think"}))
     assert status == 400 and json.loads(body)["error"]["param"] == "reasoning_format", body
+
+
+HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+HARMONY_TEMPLATE = """{%- for message in messages %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>
+{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+"""gpt-oss's harmony turns, simplified (its template also states the channels in a system message)."""
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    """small-moe with gpt-oss's harmony markers as special tokens of its vocabulary (the last seven
+    ids: llama.cpp knows them by their text) and HARMONY_TEMPLATE, converted and served."""
+    from expertcache.llama.convert import convert
+
+    if not (SMALL / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    folder = tmp_path_factory.mktemp("harmony") / "small-moe"
+    folder.mkdir()
+    for f in SMALL.iterdir():
+        if f.is_file() and f.name != "tokenizer.json":
+            (folder / f.name).symlink_to(f)
+    tok = json.loads((SMALL / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = len(tok["model"]["vocab"])
+    tok["added_tokens"] += [{"id": vocab - 1 - i, "content": m, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for i, m in enumerate(HARMONY_MARKERS)]
+    (folder / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
+    (folder / "chat_template.jinja").write_text(HARMONY_TEMPLATE, encoding="utf-8")
+    out = folder.parent / "harmony.gguf"
+    convert(folder, out, "f16")
+    s = Server(out, "--ctx", "512", "--model-alias", "small-moe")
+    s.gguf = out
+    yield s
+    s.stop()
+
+
+def test_harmony_markers_reach_the_text_and_a_harmony_chat_is_read(harmony):
+    """The premise of reading gpt-oss's channels from the text: with the pinned llama.cpp, the
+    markers that structure a message (``<|end|>`` too) are written into the text by the same
+    per-token detokenization the server's loop uses, and ``<|return|>`` / ``<|call|>`` end the
+    decode where ``<|end|>`` does not. Served: a harmony template's chat is read with the
+    harmony reader (a text that does not begin with a channel is content as written, equal to
+    ``reasoning_format: none``'s), and a forced ``<|channel|>`` reaches the client's text."""
+    import llama_cpp
+
+    from expertcache.llama.reasoning import split_harmony
+
+    llm = llama_cpp.Llama(str(harmony.gguf), vocab_only=True, verbose=False)
+    text = "<|channel|>analysis<|message|>Hi.<|end|><|start|>assistant<|channel|>final<|message|>Bye."
+    ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+    shown = "".join(llm.detokenize([t], prev_tokens=ids[:i]).decode() for i, t in enumerate(ids))
+    assert shown == text, shown
+    assert split_harmony(shown) == ("Hi.", "Bye.")
+    vocab = llm._model.vocab
+    eog = {m: bool(llama_cpp.llama_vocab_is_eog(vocab, llm.tokenize(m.encode(), add_bos=False, special=True)[0]))
+           for m in ("<|return|>", "<|call|>", "<|end|>")}
+    assert eog == {"<|return|>": True, "<|call|>": True, "<|end|>": False}, eog
+    client = harmony.client()
+    ask = dict(model="small-moe", messages=[{"role": "user", "content": "Hi"}], max_tokens=16, temperature=0, seed=1)
+    raw = client.chat.completions.create(**ask, extra_body={"reasoning_format": "none"}).choices[0].message
+    read = client.chat.completions.create(**ask).choices[0].message
+    assert (getattr(read, "reasoning_content", None), read.content) == split_harmony(raw.content)
+    channel = llm.tokenize(b"<|channel|>", add_bos=False, special=True)[0]
+    forced = client.chat.completions.create(**{**ask, "max_tokens": 1}, logit_bias={str(channel): 100})
+    assert forced.choices[0].message.content == "<|channel|>"  # a header never closed: as written

@@ -11,6 +11,8 @@ Qwen3-MoE, Qwen3-Next, DeepSeek-R1 and GLM-4.5 write their thinking this way, an
 templates say so: a template holding both ``<think>`` and ``</think>`` is taken to teach it
 (:func:`think_format`). Some templates open the block themselves (the prompt ends in ``<think>``:
 DeepSeek-R1-0528, Qwen3's 2507 thinking models); the text then begins inside it (``opened``).
+gpt-oss writes its thinking in harmony channels instead (:class:`HarmonyStream`), with the same
+two invariants below.
 
 Invariants (``tests/test_reasoning.py``):
 
@@ -30,16 +32,22 @@ from __future__ import annotations
 from .._text import held_back
 
 OPEN, CLOSE = "<think>", "</think>"
-DEEPSEEK = "deepseek"
-REASONING_FORMATS = ("auto", "deepseek", "none")
-"""A request's or the server's ``reasoning_format``: ``auto`` and ``deepseek`` read the thinking out
-where the template teaches it, ``none`` leaves it in the content (llama.cpp's server's names)."""
+DEEPSEEK, HARMONY = "deepseek", "harmony"
+CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end|>"
+"""gpt-oss's harmony markers that reach the text: the pinned llama.cpp renders these and
+``<|constrain|>`` (``tests/test_serve.py`` checks it), and ends the decode at ``<|return|>`` and
+``<|call|>``."""
+MAX_HEADER = 512
+"""Characters a harmony header (``<|channel|>`` to ``<|message|>``) may take before the text is taken as plain."""
 
 
 def think_format(template: str | None) -> str | None:
-    """``"deepseek"`` where the chat ``template`` teaches ``<think>`` blocks (module docstring); None."""
+    """``"deepseek"`` where the chat ``template`` teaches ``<think>`` blocks, ``"harmony"`` where it
+    teaches gpt-oss's channels (:class:`HarmonyStream`); None."""
     if template and OPEN in template and CLOSE in template:
         return DEEPSEEK
+    if template and CHANNEL in template and MESSAGE in template:
+        return HARMONY
     return None
 
 
@@ -66,17 +74,15 @@ class ThinkStream:
         while True:
             if self.state == "start":
                 head = self.pending.lstrip()
-                if head.startswith(OPEN):
+                opens = _opens(head, OPEN)
+                if opens is None:  # white space, or the start of the tag: not known yet
+                    return out
+                if opens:
                     self.state, self.pending, self.lead = "inside", head[len(OPEN):], True
                     continue
-                if OPEN.startswith(head):  # white space, or the start of the tag: not known yet
-                    return out
-                self.state = "plain"
+                return _plain(self, out)
             if self.state == "plain":
-                if self.pending:
-                    out.append(("content", self.pending))
-                self.pending = ""
-                return out
+                return _plain(self, out)
             if self.state == "inside":
                 self.reasoned = True
                 if self.lead:
@@ -121,11 +127,146 @@ class ThinkStream:
         return []
 
 
-def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
-    """``(reasoning, content)`` of a whole text (module docstring); reasoning None where the text
-    holds no ``<think>`` block and the prompt opened none."""
-    stream = ThinkStream(opened)
+def _opens(head: str, marker: str) -> bool | None:
+    """Whether a text beginning ``head`` opens with ``marker``; None while ``head`` is a prefix of it."""
+    if head.startswith(marker):
+        return True
+    return None if marker.startswith(head) else False
+
+
+def _plain(stream, out: list) -> list:
+    """A text that did not open with the stream's marker: the rest of it is content, as written."""
+    stream.state = "plain"
+    if stream.pending:
+        out.append(("content", stream.pending))
+    stream.pending = ""
+    return out
+
+
+def _split(stream, text: str) -> tuple[str | None, str]:
+    """``(reasoning, content)`` of a whole text read by ``stream``; reasoning None where none began."""
     parts = stream.feed(text) + stream.finish()
     reasoning = "".join(x for kind, x in parts if kind == "reasoning")
     content = "".join(x for kind, x in parts if kind == "content")
     return (reasoning if stream.reasoned else None), content
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """``(reasoning, content)`` of a whole text (module docstring); reasoning None where the text
+    holds no ``<think>`` block and the prompt opened none."""
+    return _split(ThinkStream(opened), text)
+
+
+class HarmonyStream:
+    """gpt-oss's harmony format, as its text reaches the server: messages
+    ``<|channel|>NAME[ to=RECIPIENT][ <|constrain|>TYPE]<|message|>BODY<|end|>``, each after the
+    first opened by ``<|start|>ROLE`` (the prompt opened the first: ``<|start|>assistant``); the
+    channel's name is the header's first word (``<|constrain|>`` and white space separate words).
+    Out, as :class:`ThinkStream`'s: the ``analysis`` channel's bodies are reasoning (a second one
+    after a newline), the ``final`` channel's and a ``commentary`` body with no recipient are
+    content; a body ends at ``<|end|>`` or the next ``<|start|>``, and text after its ``<|end|>``
+    (none, as gpt-oss writes) is content, ``<|end|>`` markers left out. Everything else stays
+    content as written, header and all: a message to a recipient (a tool call: not read as one
+    here), a channel not named above, a message with no channel, a header longer than
+    :data:`MAX_HEADER`, and a text that does not begin with ``<|channel|>``."""
+
+    def __init__(self):
+        self.state = "start"  # start -> header -> body -> role -> header ..., or plain
+        self.pending = ""
+        self.kind: str | None = None  # where the body goes: "reasoning", "content"
+        self.reasoned = False  # a reasoning body has begun
+        self.raw = ""  # the message's header as written, for a body kept as written
+
+    def feed(self, piece: str) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        self.pending += piece
+        while True:
+            if self.state == "start":
+                opens = _opens(self.pending, CHANNEL)
+                if opens is None:
+                    return out
+                if opens:
+                    self.state = "header"
+                    continue
+                return _plain(self, out)
+            if self.state == "plain":
+                return _plain(self, out)
+            if self.state in ("role", "header"):
+                # role (after <|start|>): up to the header or the body; header: up to the body
+                marks = (CHANNEL, MESSAGE, START) if self.state == "role" else (MESSAGE, START)
+                at, mark = min(((self.pending.find(m), m) for m in marks if m in self.pending), default=(-1, None))
+                if at < 0:
+                    if len(self.pending) > MAX_HEADER:
+                        self._as_written(out)
+                        continue
+                    return out
+                if mark == START:  # a message that began before this one's body did: this one as written
+                    out.append(("content", self.raw + self.pending[:at]))
+                    self.raw, self.pending, self.state = START, self.pending[at + len(START):], "role"
+                    continue
+                if self.state == "role":
+                    self.raw += self.pending[:at]
+                    self.pending = self.pending[at:]
+                    self.state = "header"
+                    continue
+                end = at
+                header = self.pending[:end]
+                self.raw += header + MESSAGE
+                self.pending = self.pending[end + len(MESSAGE):]
+                self.kind = _body_kind(header)
+                if self.kind is None:
+                    out.append(("content", self.raw))
+                    self.kind = "content"
+                elif self.kind == "reasoning" and self.reasoned:
+                    out.append(("reasoning", "\n"))
+                self.reasoned = self.reasoned or self.kind == "reasoning"
+                self.raw = ""
+                self.state = "body"
+                continue
+            # body: up to its <|end|> (what follows, content) or the next <|start|>
+            end, mark = min(((self.pending.find(m), m) for m in (END, START) if m in self.pending),
+                            default=(-1, None))
+            if end >= 0:
+                if end:
+                    out.append((self.kind, self.pending[:end]))
+                self.pending = self.pending[end + len(mark):]
+                if mark == END:
+                    self.kind = "content"
+                else:
+                    self.raw, self.state = START, "role"
+                continue
+            keep = held_back(self.pending, [START, END])
+            if len(self.pending) > keep:
+                out.append((self.kind, self.pending[:len(self.pending) - keep]))
+            self.pending = self.pending[len(self.pending) - keep:]
+            return out
+
+    def _as_written(self, out: list) -> None:
+        """A header that never closed: it and the rest are content, as written."""
+        out.append(("content", self.raw + self.pending))
+        self.raw, self.pending, self.state = "", "", "plain"
+
+    def finish(self) -> list[tuple[str, str]]:
+        """What is held at the end: a partial marker or header as content (as written), a body's
+        partial ``<|start|>`` in its body."""
+        text, state = self.raw + self.pending, self.state
+        self.raw = self.pending = ""
+        self.state = "plain"
+        if not text:
+            return []
+        return [(self.kind, text)] if state == "body" else [("content", text)]
+
+
+def _body_kind(header: str) -> str | None:
+    """Where a harmony message's body goes, from its header (``<|channel|>NAME ...``): None for a body
+    kept as written, header and all."""
+    words = header[len(CHANNEL):].replace("<|constrain|>", " ").split()
+    if not words or any(w.startswith("to=") for w in words):
+        return None
+    return {"analysis": "reasoning", "final": "content", "commentary": "content"}.get(words[0])
+
+
+def split_harmony(text: str) -> tuple[str | None, str]:
+    """``(reasoning, content)`` of a whole harmony text (:class:`HarmonyStream`); reasoning None
+    where no ``analysis`` message began."""
+    return _split(HarmonyStream(), text)

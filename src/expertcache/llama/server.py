@@ -87,7 +87,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import ConfigError
 from .completion import PromptError, rendered_roles, stream_chat, stream_completion, template_variables
 from .constraints import ConstraintError, logit_bias, response_grammar, tool_call_grammar
-from .reasoning import ThinkStream, opens_thinking, split_reasoning, think_format
+from .reasoning import HARMONY, HarmonyStream, ThinkStream, opens_thinking, split_harmony, split_reasoning, think_format
 from .toolcalls import HERMES, HermesStream, call_format, parse_hermes
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
@@ -1023,8 +1023,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         # a reasoning model's thinking read out of the text (.reasoning), unless a grammar writes the text
         fmt = (body.reasoning_format if kind == "chat" else None) or reasoning_format
         thinking = kind == "chat" and think_fmt is not None and fmt != "none" and not gen.grammar
-        opened = thinking and gen.opened_thinking()
-        think = ThinkStream(opened) if thinking else None
+        harmony = thinking and think_fmt == HARMONY  # gpt-oss's channels, else <think> blocks
+        opened = thinking and not harmony and gen.opened_thinking()
+        think = (HarmonyStream() if harmony else ThinkStream(opened)) if thinking else None
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
         def finished() -> dict:
@@ -1077,7 +1078,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             else:
                 message, calls = {"role": "assistant", "content": text}, []
                 if thinking:
-                    reasoning, text = split_reasoning(text, opened)
+                    reasoning, text = split_harmony(text) if harmony else split_reasoning(text, opened)
                     message["content"] = text
                     if reasoning is not None:
                         message["reasoning_content"] = reasoning
