@@ -4,6 +4,7 @@ whole one for the text cut into any pieces."""
 
 from __future__ import annotations
 
+import json
 import re
 
 from hypothesis import given, settings
@@ -69,35 +70,50 @@ def test_what_is_held_back_is_bounded_by_a_tag_and_white_space():
         assert len(stream.pending) <= len("</think>")
 
 
-def harmony_reference(text: str) -> tuple[str | None, str]:
+def harmony_reference(text: str, names=None) -> tuple[str | None, str, list]:
     """gpt-oss's harmony text split by its messages (``<|start|>``), their headers and their ends
-    (``<|end|>``), as HarmonyStream's docstring states the rule."""
-    if not text.startswith("<|channel|>"):
-        return None, text
-    reasoning, content, began = [], [], False
+    (``<|end|>``), as HarmonyStream's docstring states the rule; calls as (name, arguments)."""
+    if not text.startswith(("<|channel|>", " to=", "to=")):
+        return None, text, []
+    reasoning, content, calls, began = [], [], [], False
     for i, msg in enumerate(text.split("<|start|>")):
         raw = msg if i == 0 else "<|start|>" + msg
         head, sep, body = msg.partition("<|message|>")
         if not sep:  # never closed: as written
             content.append(raw)
             continue
-        at = head.find("<|channel|>")
-        kind = None
-        if at >= 0:
-            words = [w for w in re.split(r"\s|<\|constrain\|>", head[at + len("<|channel|>"):]) if w]
-            if words and not any(w.startswith("to=") for w in words):
-                kind = {"analysis": "reasoning", "final": "content", "commentary": "content"}.get(words[0])
-        if kind is None:  # the header as written, the body without its <|end|> markers
-            content.append(raw[:len(raw) - len(body)] + body.replace("<|end|>", ""))
-            continue
+        opening = raw[:len(raw) - len(body)]
+        header = head.rsplit("<|channel|>", 1)[1] if "<|channel|>" in head else ""
+        words = re.split(r"\s|<\|constrain\|>", header)
+        words = [w for w in words if w]
+        recipient = [w[3:] for w in re.split(r"\s|<\|channel\|>|<\|constrain\|>", head) if w.startswith("to=")]
         first, _, after = body.partition("<|end|>")
-        if kind == "reasoning":
+        after = after.replace("<|end|>", "")
+        kind = None
+        if recipient:
+            name = recipient[0][len("functions."):]
+            if names is not None and recipient[0].startswith("functions.") and name in names:
+                try:
+                    args = json.loads(first)
+                except ValueError:
+                    args = None
+                if isinstance(args, dict):
+                    calls.append((name, json.dumps(args, ensure_ascii=False)))
+                else:
+                    content.append(opening + first)
+                content.append(after)
+                continue
+        elif words:
+            kind = {"analysis": "reasoning", "final": "content", "commentary": "content"}.get(words[0])
+        if kind is None:  # the opening as written, the body without its <|end|> markers
+            content.append(opening + body.replace("<|end|>", ""))
+        elif kind == "reasoning":
             reasoning.append(("\n" if began else "") + first)
             began = True
+            content.append(after)
         else:
-            content.append(first)
-        content.append(after.replace("<|end|>", ""))
-    return ("".join(reasoning) if began else None), "".join(content)
+            content.append(first + after)
+    return ("".join(reasoning) if began else None), "".join(content), calls
 
 
 def test_harmony_reference_cases():
@@ -113,6 +129,19 @@ def test_harmony_reference_cases():
     assert split_harmony("<|channel|>analysis<|message|>Hi.<|end|><|start|>assistant<|channel|>final<|message|>Bye.") \
         == ("Hi.", "Bye.")  # as the pinned llama.cpp writes it
     assert think_format("{{ '<|start|>assistant<|channel|>final<|message|>' }}") == "harmony"
+    from expertcache.llama.reasoning import read_harmony
+    from expertcache.llama.toolcalls import call_format
+
+    for text in (' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}',  # gpt-oss's order
+                 '<|channel|>analysis<|message|>Weather?<|end|><|start|>assistant<|channel|>commentary '
+                 'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}'):
+        reasoning, content, (c,) = read_harmony(text, ["get_weather"])
+        assert content is None and (c["function"]["name"], json.loads(c["function"]["arguments"])) == \
+            ("get_weather", {"city": "Paris"})
+        assert read_harmony(text, ["other"])[2] == [] and text.split("<|start|>")[-1] in read_harmony(text, ["other"])[1]
+    bad = '<|channel|>commentary to=functions.get_weather<|message|>{"city": '  # cut off: as written
+    assert read_harmony(bad, ["get_weather"]) == (None, bad, [])
+    assert call_format("<|channel|>x<|message|>{{ 'to=functions.' }}") == "harmony" and call_format("<|channel|>") is None
 
 
 HARMONY_PIECES = st.lists(st.sampled_from(["<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|en", "assistant", "analysis",
@@ -126,29 +155,38 @@ def harmony_messages(draw) -> str:
     bodies drawn from the pieces above (so holding partial markers)."""
     out = []
     for i in range(draw(st.integers(1, 4))):
-        head = "<|channel|>" + draw(st.sampled_from(["analysis"] * 3 + ["final"] * 3 + ["commentary", "other", ""]))
-        head += draw(st.sampled_from(["", "", "", " to=functions.get_weather", " to=browser.search"]))
-        head += draw(st.sampled_from(["", " <|constrain|>json", "<|constrain|>json"]))
+        to = draw(st.sampled_from(["", "", "", " to=functions.get_weather", " to=functions.nope", " to=browser.search"]))
+        before = draw(st.booleans())  # the recipient before the channel (in the role) or after it
+        head = (to if before else "") + "<|channel|>" + draw(st.sampled_from(
+            ["analysis"] * 3 + ["final"] * 3 + ["commentary", "other", ""])) + ("" if before else to)
+        head += draw(st.sampled_from(["", " <|constrain|>json", "<|constrain|>json", " json"]))
         start = "" if i == 0 else "<|start|>" + draw(st.sampled_from(["assistant", ""]))
-        out.append(start + head + "<|message|>" + "".join(draw(HARMONY_PIECES.map(lambda p: p[:4])))
+        body = draw(st.sampled_from(['{"city": "Paris"}', '{"city": 1, "x": [1, 2]}', "[1]", "{", ""]))
+        out.append(start + head + "<|message|>" + draw(st.sampled_from([body, body, ""]))
+                   + ("".join(draw(HARMONY_PIECES.map(lambda p: p[:3]))) if draw(st.booleans()) else "")
                    + draw(st.sampled_from(["<|end|>", "<|end|>", ""])))
     return "".join(out)
 
 
 @settings(max_examples=400, deadline=None)
 @given(text=st.one_of(HARMONY_PIECES.map("".join), HARMONY_PIECES.map(lambda p: "<|channel|>" + "".join(p)),
-                      harmony_messages()), cuts=st.lists(st.integers(0, 300), max_size=8))
-def test_harmony_whole_agrees_with_the_reference_and_any_pieces_with_the_whole(text, cuts):
-    from expertcache.llama.reasoning import HarmonyStream, split_harmony
+                      harmony_messages()), cuts=st.lists(st.integers(0, 300), max_size=8), with_tools=st.booleans())
+def test_harmony_whole_agrees_with_the_reference_and_any_pieces_with_the_whole(text, cuts, with_tools):
+    from expertcache.llama.reasoning import HarmonyStream, read_harmony, split_harmony
 
-    whole = split_harmony(text)
-    assert whole == harmony_reference(text), text
+    names = {"get_weather"} if with_tools else None
+    reasoning, content, calls = read_harmony(text, names)
+    got = (reasoning, content or "", [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+    assert got == harmony_reference(text, names), text
+    if not with_tools:
+        assert split_harmony(text) == (reasoning, content)
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    stream = HarmonyStream()
+    stream = HarmonyStream(names)
     out = []
     for a, b in zip(bounds, bounds[1:]):
         out += stream.feed(text[a:b])
     out += stream.finish()
     assert all(x for _, x in out)
-    assert ("".join(x for k, x in out if k == "reasoning"), "".join(x for k, x in out if k == "content")) == \
-        (whole[0] or "", whole[1]), (text, bounds)
+    assert ("".join(x for k, x in out if k == "reasoning"), "".join(x for k, x in out if k == "content"),
+            [(x["function"]["name"], x["function"]["arguments"]) for k, x in out if k == "call"]) == \
+        (got[0] or "", got[1], got[2]), (text, bounds)

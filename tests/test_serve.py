@@ -1564,9 +1564,17 @@ def test_thinking_is_read_out_into_reasoning_content_and_template_variables_reac
 
 
 HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
-HARMONY_TEMPLATE = """{%- for message in messages %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>
+HARMONY_TEMPLATE = """{%- if tools %}<|start|>developer<|message|># Tools
+namespace functions {
+{% for tool in tools %}type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => any;
+{% endfor %}}<|end|>{% endif %}
+{%- for message in messages %}
+{%- if message.tool_calls %}{% for tc in message.tool_calls %}<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary json<|message|>{{ tc.function.arguments }}<|call|>{% endfor %}
+{%- elif message.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>{{ message.content }}<|end|>
+{%- else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>{% endif %}
 {%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
-"""gpt-oss's harmony turns, simplified (its template also states the channels in a system message)."""
+"""gpt-oss's harmony turns and tool calls, simplified (its template also states the channels in a system
+message)."""
 
 
 @pytest.fixture(scope="module")
@@ -1602,7 +1610,10 @@ def test_harmony_markers_reach_the_text_and_a_harmony_chat_is_read(harmony):
     per-token detokenization the server's loop uses, and ``<|return|>`` / ``<|call|>`` end the
     decode where ``<|end|>`` does not. Served: a harmony template's chat is read with the
     harmony reader (a text that does not begin with a channel is content as written, equal to
-    ``reasoning_format: none``'s), and a forced ``<|channel|>`` reaches the client's text."""
+    ``reasoning_format: none``'s), and a forced ``<|channel|>`` reaches the client's text; ``tools``
+    with ``auto`` are shown to the template and the text read for calls (``reasoning_format: none``
+    with them, a 400), a named call is its arguments under the grammar, and a second turn with
+    the call and its result goes to the template."""
     import llama_cpp
 
     from expertcache.llama.reasoning import split_harmony
@@ -1625,3 +1636,19 @@ def test_harmony_markers_reach_the_text_and_a_harmony_chat_is_read(harmony):
     channel = llm.tokenize(b"<|channel|>", add_bos=False, special=True)[0]
     forced = client.chat.completions.create(**{**ask, "max_tokens": 1}, logit_bias={str(channel): 100})
     assert forced.choices[0].message.content == "<|channel|>"  # a header never closed: as written
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    auto = client.chat.completions.create(**ask, tools=tools)  # read from its channels (this model calls nothing)
+    assert auto.usage.prompt_tokens > client.chat.completions.create(**ask).usage.prompt_tokens + 20
+    assert auto.choices[0].message.content is not None and not auto.choices[0].message.tool_calls
+    named = client.chat.completions.create(**{**ask, "max_tokens": 64}, tools=tools,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and len(json.loads(call.function.arguments)["city"]) <= 8
+    turn2 = ask["messages"] + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    after = client.chat.completions.create(**{**ask, "messages": turn2}, tools=tools)
+    assert after.usage.prompt_tokens > auto.usage.prompt_tokens
+    status, body = harmony.raw("POST", "/v1/chat/completions", json.dumps({**ask, "tools": tools,
+                                                                           "reasoning_format": "none"}))
+    assert status == 400 and json.loads(body)["error"]["param"] == "reasoning_format", body

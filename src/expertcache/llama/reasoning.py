@@ -30,6 +30,7 @@ Invariants (``tests/test_reasoning.py``):
 from __future__ import annotations
 
 from .._text import held_back
+from .toolcalls import function_call
 
 OPEN, CLOSE = "<think>", "</think>"
 DEEPSEEK, HARMONY = "deepseek", "harmony"
@@ -159,35 +160,43 @@ def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
 
 class HarmonyStream:
     """gpt-oss's harmony format, as its text reaches the server: messages
-    ``<|channel|>NAME[ to=RECIPIENT][ <|constrain|>TYPE]<|message|>BODY<|end|>``, each after the
-    first opened by ``<|start|>ROLE`` (the prompt opened the first: ``<|start|>assistant``); the
-    channel's name is the header's first word (``<|constrain|>`` and white space separate words).
-    Out, as :class:`ThinkStream`'s: the ``analysis`` channel's bodies are reasoning (a second one
-    after a newline), the ``final`` channel's and a ``commentary`` body with no recipient are
-    content; a body ends at ``<|end|>`` or the next ``<|start|>``, and text after its ``<|end|>``
-    (none, as gpt-oss writes) is content, ``<|end|>`` markers left out. Everything else stays
-    content as written, header and all: a message to a recipient (a tool call: not read as one
-    here), a channel not named above, a message with no channel, a header longer than
-    :data:`MAX_HEADER`, and a text that does not begin with ``<|channel|>``."""
+    ``[ to=RECIPIENT]<|channel|>NAME[ to=RECIPIENT][ [<|constrain|>]TYPE]<|message|>BODY<|end|>``,
+    each after the first opened by ``<|start|>ROLE`` (the prompt opened the first:
+    ``<|start|>assistant``); the channel's name is the header's first word (``<|constrain|>`` and
+    white space separate words), a recipient a word ``to=...`` before the body.
 
-    def __init__(self):
-        self.state = "start"  # start -> header -> body -> role -> header ..., or plain
+    Out, as :class:`ThinkStream`'s, plus ``("call", call)``: the ``analysis`` channel's bodies are
+    reasoning (a second one after a newline), the ``final`` channel's and a ``commentary`` body with
+    no recipient are content; a body ends at ``<|end|>`` or the next ``<|start|>`` (or the text's
+    end: ``<|call|>`` and ``<|return|>`` end the decode), and text after its ``<|end|>`` (none, as
+    gpt-oss writes) is content, ``<|end|>`` markers left out. A message to ``functions.NAME``, with
+    ``names`` given and NAME among them, is a tool call (:func:`~.toolcalls.function_call`) once its
+    body is complete, if the body is a JSON object. Everything else stays content as written, header
+    and all: such a message whose body is not a JSON object, a message to another recipient, a
+    channel not named above, a message with no channel, a header longer than :data:`MAX_HEADER`, and
+    a text that begins with neither ``<|channel|>`` nor a recipient."""
+
+    def __init__(self, names=None):
+        self.names = None if names is None else set(names)
+        self.state = "start"  # start -> role -> header -> body -> role ..., or plain
         self.pending = ""
-        self.kind: str | None = None  # where the body goes: "reasoning", "content"
+        self.kind: str | None = None  # where the body goes: "reasoning", "content", "call"
         self.reasoned = False  # a reasoning body has begun
-        self.raw = ""  # the message's header as written, for a body kept as written
+        self.raw = ""  # the message's opening as written (for one kept as written)
+        self.callee: str | None = None  # with kind "call": the function
+        self.calls = 0
 
-    def feed(self, piece: str) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
+    def feed(self, piece: str) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
         self.pending += piece
         while True:
             if self.state == "start":
-                opens = _opens(self.pending, CHANNEL)
-                if opens is None:
-                    return out
-                if opens:
-                    self.state = "header"
+                opens = [_opens(self.pending, m) for m in (CHANNEL, " to=", "to=")]
+                if any(opens):
+                    self.state = "role"
                     continue
+                if None in opens:
+                    return out
                 return _plain(self, out)
             if self.state == "plain":
                 return _plain(self, out)
@@ -204,66 +213,101 @@ class HarmonyStream:
                     out.append(("content", self.raw + self.pending[:at]))
                     self.raw, self.pending, self.state = START, self.pending[at + len(START):], "role"
                     continue
+                self.raw += self.pending[:at]
+                self.pending = self.pending[at:]
                 if self.state == "role":
-                    self.raw += self.pending[:at]
-                    self.pending = self.pending[at:]
                     self.state = "header"
                     continue
-                end = at
-                header = self.pending[:end]
-                self.raw += header + MESSAGE
-                self.pending = self.pending[end + len(MESSAGE):]
-                self.kind = _body_kind(header)
-                if self.kind is None:
-                    out.append(("content", self.raw))
-                    self.kind = "content"
-                elif self.kind == "reasoning" and self.reasoned:
-                    out.append(("reasoning", "\n"))
-                self.reasoned = self.reasoned or self.kind == "reasoning"
-                self.raw = ""
-                self.state = "body"
+                self.raw += MESSAGE
+                self.pending = self.pending[len(MESSAGE):]
+                self._open_body(out)
                 continue
             # body: up to its <|end|> (what follows, content) or the next <|start|>
             end, mark = min(((self.pending.find(m), m) for m in (END, START) if m in self.pending),
                             default=(-1, None))
             if end >= 0:
-                if end:
-                    out.append((self.kind, self.pending[:end]))
+                self._body(out, self.pending[:end], done=True)
                 self.pending = self.pending[end + len(mark):]
-                if mark == END:
-                    self.kind = "content"
-                else:
+                if mark == START:
                     self.raw, self.state = START, "role"
+                else:  # after <|end|>: content (none, as gpt-oss writes)
+                    self.kind = "content"
                 continue
             keep = held_back(self.pending, [START, END])
-            if len(self.pending) > keep:
-                out.append((self.kind, self.pending[:len(self.pending) - keep]))
+            self._body(out, self.pending[:len(self.pending) - keep], done=False)
             self.pending = self.pending[len(self.pending) - keep:]
             return out
+
+    def _open_body(self, out: list) -> None:
+        """The header is complete (``self.raw`` holds the message's opening): where its body goes."""
+        opening = self.raw.removesuffix(MESSAGE)
+        header = opening.rsplit(CHANNEL, 1)[1] if CHANNEL in opening else ""
+        words = header.replace("<|constrain|>", " ").split()
+        recipient = next((w[3:] for w in opening.replace(START, " ").replace(CHANNEL, " ").replace(
+                          "<|constrain|>", " ").split()
+                          if w.startswith("to=")), None)
+        kind = None
+        if recipient is not None:
+            name = recipient.removeprefix("functions.")
+            if self.names is not None and recipient.startswith("functions.") and name in self.names:
+                kind, self.callee, self.args = "call", name, ""
+        elif words:
+            kind = {"analysis": "reasoning", "final": "content", "commentary": "content"}.get(words[0])
+        if kind is None:
+            out.append(("content", self.raw))
+            kind = "content"
+        elif kind == "reasoning":
+            if self.reasoned:
+                out.append(("reasoning", "\n"))
+            self.reasoned = True
+        if kind != "call":
+            self.raw = ""
+        self.kind, self.state = kind, "body"
+
+    def _body(self, out: list, text: str, done: bool) -> None:
+        """A body's ``text``; ``done``: its end (a call is then read, or kept as written)."""
+        if self.kind != "call":
+            if text:
+                out.append((self.kind, text))
+            return
+        self.args += text
+        if done:
+            call = function_call(self.callee, self.args, self.names)
+            if call is None:
+                out.append(("content", self.raw + self.args))
+            else:
+                self.calls += 1
+                out.append(("call", call))
+            self.raw, self.kind = "", "content"
 
     def _as_written(self, out: list) -> None:
         """A header that never closed: it and the rest are content, as written."""
         out.append(("content", self.raw + self.pending))
         self.raw, self.pending, self.state = "", "", "plain"
 
-    def finish(self) -> list[tuple[str, str]]:
+    def finish(self) -> list[tuple[str, object]]:
         """What is held at the end: a partial marker or header as content (as written), a body's
-        partial ``<|start|>`` in its body."""
-        text, state = self.raw + self.pending, self.state
+        partial marker in its body, a call's body read."""
+        out: list[tuple[str, object]] = []
+        if self.state == "body":
+            self._body(out, self.pending, done=True)
+        elif self.raw + self.pending:
+            out.append(("content", self.raw + self.pending))
         self.raw = self.pending = ""
         self.state = "plain"
-        if not text:
-            return []
-        return [(self.kind, text)] if state == "body" else [("content", text)]
+        return out
 
 
-def _body_kind(header: str) -> str | None:
-    """Where a harmony message's body goes, from its header (``<|channel|>NAME ...``): None for a body
-    kept as written, header and all."""
-    words = header[len(CHANNEL):].replace("<|constrain|>", " ").split()
-    if not words or any(w.startswith("to=") for w in words):
-        return None
-    return {"analysis": "reasoning", "final": "content", "commentary": "content"}.get(words[0])
+def read_harmony(text: str, names=None) -> tuple[str | None, str | None, list[dict]]:
+    """``(reasoning, content, calls)`` of a whole harmony text (:class:`HarmonyStream` with the
+    tools' ``names``): reasoning None where no ``analysis`` message began, content None where only
+    white space is left beside calls."""
+    stream = HarmonyStream(names)
+    parts = stream.feed(text) + stream.finish()
+    reasoning = "".join(x for kind, x in parts if kind == "reasoning")
+    content = "".join(x for kind, x in parts if kind == "content")
+    calls = [x for kind, x in parts if kind == "call"]
+    return (reasoning if stream.reasoned else None), (None if calls and not content.strip() else content), calls
 
 
 def split_harmony(text: str) -> tuple[str | None, str]:

@@ -87,8 +87,8 @@ from starlette.requests import ClientDisconnect
 from ..errors import ConfigError
 from .completion import PromptError, rendered_roles, stream_chat, stream_completion, template_variables
 from .constraints import ConstraintError, logit_bias, response_grammar, tool_call_grammar
-from .reasoning import HARMONY, HarmonyStream, ThinkStream, opens_thinking, split_harmony, split_reasoning, think_format
-from .toolcalls import HERMES, HermesStream, call_format, parse_hermes
+from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
+from .toolcalls import HARMONY, HERMES, HermesStream, call_format, parse_hermes
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -276,7 +276,8 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     named function force a call in that format by grammar. Without one, a named function (or
     ``required`` with one tool) makes the text the call's arguments, and ``auto`` is a 400 (a call
     the model wrote in its own format would be read as text); so is ``required`` among several tools
-    there, and a name no tool has."""
+    there, and a name no tool has. gpt-oss's harmony format (``call_fmt`` ``"harmony"``) is read for
+    ``auto`` only; a forced call is its arguments under the grammar, as for other templates."""
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
     if choice is None:
@@ -294,6 +295,8 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     if call_fmt == HERMES:
         return ToolPlan(offered=tools, parsed=True, named=named is not None,
                         forced=[named] if named is not None else tools if choice == "required" else None)
+    if call_fmt == HARMONY and choice == "auto":  # gpt-oss: its calls read from its channels (.reasoning)
+        return ToolPlan(offered=tools, parsed=True)
     if choice == "auto":
         raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
                        "reads (the Hermes <tool_call> JSON of Qwen3 and others); name the function ({\"type\": "
@@ -887,6 +890,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             if used:
                 raise ApiError(400, f"{field} is not served (it would change the result)", param=field)
         plan = tool_plan(body, call_fmt) if isinstance(body, ChatRequest) else None
+        if plan is not None and plan.parsed and call_fmt == HARMONY and (body.reasoning_format or reasoning_format) == "none":
+            raise ApiError(400, "reasoning_format none: this model's tool calls are read from its channels, as its "
+                           "thinking is; with tool_choice auto, ask reasoning_format auto", param="reasoning_format")
         if plan is not None and plan.sets_grammar and body.response_format is not None \
                 and body.response_format.type != "text":
             raise ApiError(400, "response_format: a forced tool call's arguments keep to its parameters; "
@@ -1013,7 +1019,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         call_id = "call_" + uuid.uuid4().hex[:24]
         plan = gen.tools
         arguments_of = plan.arguments_of if plan is not None else None
-        hermes = HermesStream([t.function.name for t in plan.offered]) if plan is not None and plan.parsed else None
+        names = [t.function.name for t in plan.offered] if plan is not None and plan.parsed else None
+        hermes = HermesStream(names) if names is not None and call_fmt == HERMES else None
 
         def finish_reason(calls: int) -> str:
             """``stop`` or ``length``; a decode that completed ``calls`` > 0 tool calls, ``tool_calls``,
@@ -1023,9 +1030,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         # a reasoning model's thinking read out of the text (.reasoning), unless a grammar writes the text
         fmt = (body.reasoning_format if kind == "chat" else None) or reasoning_format
         thinking = kind == "chat" and think_fmt is not None and fmt != "none" and not gen.grammar
-        harmony = thinking and think_fmt == HARMONY  # gpt-oss's channels, else <think> blocks
+        harmony = thinking and think_fmt == HARMONY  # gpt-oss's channels (its calls too), else <think> blocks
         opened = thinking and not harmony and gen.opened_thinking()
-        think = (HarmonyStream() if harmony else ThinkStream(opened)) if thinking else None
+        think = (HarmonyStream(names) if harmony else ThinkStream(opened)) if thinking else None
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
         def finished() -> dict:
@@ -1077,11 +1084,13 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 obj = "text_completion"
             else:
                 message, calls = {"role": "assistant", "content": text}, []
-                if thinking:
-                    reasoning, text = split_harmony(text) if harmony else split_reasoning(text, opened)
+                if harmony:
+                    reasoning, message["content"], calls = read_harmony(text, names)
+                elif thinking:
+                    reasoning, text = split_reasoning(text, opened)
                     message["content"] = text
-                    if reasoning is not None:
-                        message["reasoning_content"] = reasoning
+                if thinking and reasoning is not None:
+                    message["reasoning_content"] = reasoning
                 if arguments_of is not None:
                     calls = [{"id": call_id, "type": "function", "function": {"name": arguments_of.function.name,
                                                                              "arguments": text}}]
@@ -1117,11 +1126,12 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                     delta["tool_calls"] = [call]
                 choice = {"index": 0, "delta": delta, "logprobs": lp and lp.of(rows), "finish_reason": finish}
             else:  # thinking as it comes (reasoning_content), content as it comes, a call once its block is complete
+                before = think.calls if harmony else 0  # gpt-oss's calls come from its channels
                 parts = ([("content", piece or "")] if think is None else
                          think.feed(piece or "") + (think.finish() if flush else []))
                 reasoning = "".join(x for k, x in parts if k == "reasoning")
                 content = "".join(x for k, x in parts if k == "content")
-                calls = []
+                calls = [{"index": before + i, **x} for i, x in enumerate(x for k, x in parts if k == "call")]
                 if hermes is not None:
                     done = hermes.calls
                     out = hermes.feed(content) + (hermes.finish() if flush else [])
@@ -1156,7 +1166,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             if hermes is not None or think is not None:  # what they held back, before the finish is known
                 yield chunk(None, None, rows, flush=True)
                 rows = []
-            yield chunk(None, finish_reason(1 if arguments_of is not None else hermes.calls if hermes else 0), rows)
+            yield chunk(None, finish_reason(1 if arguments_of is not None else hermes.calls if hermes else
+                                            think.calls if harmony else 0), rows)
             usage = finished()
             if body.return_routed_experts:  # SGLang's tail: one chunk without choices carrying them
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,

@@ -27,14 +27,32 @@ import uuid
 from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES = "hermes"
+HERMES, HARMONY = "hermes", "harmony"
 
 
 def call_format(template: str | None) -> str | None:
-    """``"hermes"`` where the chat ``template`` teaches the Hermes format (module docstring); None."""
+    """``"hermes"`` where the chat ``template`` teaches the Hermes format (module docstring),
+    ``"harmony"`` where it teaches gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
+    :class:`~.reasoning.HarmonyStream`); None."""
     if template and OPEN in template and "<arg_key>" not in template:
         return HERMES
+    if template and "<|channel|>" in template and "<|message|>" in template and "to=" in template:
+        return HARMONY
     return None
+
+
+def function_call(name, arguments, names) -> dict | None:
+    """The OpenAI tool call of ``name`` with ``arguments`` (an object, or its JSON text), or None
+    where ``name`` is not among ``names`` or the arguments are not a JSON object."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    if not (isinstance(name, str) and name in names and isinstance(arguments, dict)):
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 def _call(block: str, names: set[str]) -> dict | None:
@@ -43,11 +61,9 @@ def _call(block: str, names: set[str]) -> dict | None:
         obj = json.loads(block)
     except (ValueError, RecursionError):
         return None
-    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"] in names
-            and isinstance(obj.get("arguments"), dict)):
+    if not (isinstance(obj, dict) and isinstance(obj.get("arguments"), dict)):  # an object, not its text
         return None
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
+    return function_call(obj.get("name"), obj["arguments"], names)
 
 
 class HermesStream:
