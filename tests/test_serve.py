@@ -840,7 +840,7 @@ class _ByteVocab:
     def tokenize(self, text, special=True):
         return list(text)
 
-    def detokenize(self, tokens, prev_tokens=None):
+    def detokenize(self, tokens, prev_tokens=None, special=False):
         self.detokenized += len(tokens)
         return bytes(tokens)
 
@@ -1448,22 +1448,36 @@ test's, opens the <think> block in the prompt, as DeepSeek-R1-0528's and Qwen3's
 models' templates always do."""
 
 
-@pytest.fixture(scope="module")
-def hermes(tmp_path_factory):
-    """small-moe converted with HERMES_TEMPLATE as its own chat template, served."""
+def small_moe_with(tmp_path_factory, name: str, template: str, specials=()) -> Path:
+    """small-moe converted with ``template`` as its own chat template and ``specials`` as special
+    tokens of its vocabulary (its last ids, one each), as a release's tokenizer holds its tags."""
     from expertcache.llama.convert import convert
 
     if not (SMALL / "config.json").is_file():
         pytest.skip("models/small-moe is not in this checkout")
-    folder = tmp_path_factory.mktemp("hermes") / "small-moe"
+    folder = tmp_path_factory.mktemp(name) / "small-moe"
     folder.mkdir()
     for f in SMALL.iterdir():
-        if f.is_file():
+        if f.is_file() and f.name != "tokenizer.json":
             (folder / f.name).symlink_to(f)
-    (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE, encoding="utf-8")
-    out = folder.parent / "hermes.gguf"
+    tok = json.loads((SMALL / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = len(tok["model"]["vocab"])
+    tok["added_tokens"] += [{"id": vocab - 1 - i, "content": m, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for i, m in enumerate(specials)]
+    (folder / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
+    (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    out = folder.parent / f"{name}.gguf"
     convert(folder, out, "f16")
+    return out
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    """small-moe with HERMES_TEMPLATE as its own chat template and <think> / </think> as control
+    tokens of its vocabulary (whose text llama.cpp leaves out unless asked), served."""
+    out = small_moe_with(tmp_path_factory, "hermes", HERMES_TEMPLATE, ("<think>", "</think>"))
     s = Server(out, "--ctx", "512", "--model-alias", "small-moe")
+    s.gguf = out
     yield s
     s.stop()
 
@@ -1561,6 +1575,17 @@ def test_thinking_is_read_out_into_reasoning_content_and_template_variables_reac
         assert status == 400 and says in err["message"] and err["param"] == "chat_template_kwargs", body
     status, body = hermes.raw("POST", "/v1/chat/completions", json.dumps({**ask, "reasoning_format": "think"}))
     assert status == 400 and json.loads(body)["error"]["param"] == "reasoning_format", body
+    # </think> is a control token here: written into the text all the same (as llama.cpp's server
+    # preserves it), so the block closes; three of them forced by logit_bias
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(hermes.gguf), vocab_only=True, verbose=False)
+    (close,) = llm.tokenize(b"</think>", add_bos=False, special=True)
+    assert llama_cpp.llama_vocab_is_control(llm._model.vocab, close)
+    forced = dict(ask, max_tokens=3, logit_bias={str(close): 100}, extra_body={"chat_template_kwargs": {"think_open": True}})
+    assert client.chat.completions.create(**forced).choices[0].message.content == "</think></think>"
+    forced["extra_body"]["reasoning_format"] = "none"
+    assert client.chat.completions.create(**forced).choices[0].message.content == "</think>" * 3
 
 
 HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
@@ -1579,25 +1604,9 @@ message)."""
 
 @pytest.fixture(scope="module")
 def harmony(tmp_path_factory):
-    """small-moe with gpt-oss's harmony markers as special tokens of its vocabulary (the last seven
-    ids: llama.cpp knows them by their text) and HARMONY_TEMPLATE, converted and served."""
-    from expertcache.llama.convert import convert
-
-    if not (SMALL / "config.json").is_file():
-        pytest.skip("models/small-moe is not in this checkout")
-    folder = tmp_path_factory.mktemp("harmony") / "small-moe"
-    folder.mkdir()
-    for f in SMALL.iterdir():
-        if f.is_file() and f.name != "tokenizer.json":
-            (folder / f.name).symlink_to(f)
-    tok = json.loads((SMALL / "tokenizer.json").read_text(encoding="utf-8"))
-    vocab = len(tok["model"]["vocab"])
-    tok["added_tokens"] += [{"id": vocab - 1 - i, "content": m, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": True} for i, m in enumerate(HARMONY_MARKERS)]
-    (folder / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
-    (folder / "chat_template.jinja").write_text(HARMONY_TEMPLATE, encoding="utf-8")
-    out = folder.parent / "harmony.gguf"
-    convert(folder, out, "f16")
+    """small-moe with gpt-oss's harmony markers as special tokens of its vocabulary (llama.cpp knows
+    them by their text) and HARMONY_TEMPLATE, served."""
+    out = small_moe_with(tmp_path_factory, "harmony", HARMONY_TEMPLATE, HARMONY_MARKERS)
     s = Server(out, "--ctx", "512", "--model-alias", "small-moe")
     s.gguf = out
     yield s

@@ -57,10 +57,12 @@ def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 
                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_penalty: float = 1.0,
                       top_k: int = 40, seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
                       mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
-                      stopping_criteria=None, stream: bool = True, logits_processor=None, grammar=None):
+                      stopping_criteria=None, stream: bool = True, logits_processor=None, grammar=None,
+                      preserved: frozenset = frozenset()):
     """Yield ``text_completion`` chunks of ``prompt`` (a string, or token ids as a chat handler gives
     them) continued by ``llm`` (module docstring). The arguments are ``Llama.create_completion``'s,
-    with its defaults."""
+    with its defaults; ``preserved``: special tokens written into the text all the same
+    (:func:`preserved_tokens`)."""
     if isinstance(prompt, str):
         tokens = llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else []
     else:
@@ -99,7 +101,7 @@ def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 
         if llama_cpp.llama_vocab_is_eog(vocab, token):
             finish = "stop"
             break
-        piece = llm.detokenize([token], prev_tokens=tokens + completion)
+        piece = llm.detokenize([token], prev_tokens=tokens + completion, special=token in preserved)
         completion.append(token)
         pending += decoder.decode(piece)
         cut = _first_stop(pending, stops)
@@ -122,6 +124,19 @@ def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 
     yield chunk("", finish)
 
 
+def preserved_tokens(llm: llama_cpp.Llama, markers) -> frozenset[int]:
+    """The ids of ``markers`` (the tags a chat's text is read by: ``<think>``, ``<tool_call>``, ...)
+    that the vocabulary holds as one special token, which llama.cpp leaves out of the text it
+    writes (a control token). llama.cpp's server writes such tokens all the same for the chat
+    formats it reads (its ``preserved_tokens``); so does :func:`stream_completion` given these."""
+    out = set()
+    for marker in markers:
+        ids = llm.tokenize(marker.encode("utf-8"), add_bos=False, special=True)
+        if len(ids) == 1 and llama_cpp.llama_vocab_is_control(llm._model.vocab, ids[0]):
+            out.add(ids[0])
+    return frozenset(out)
+
+
 def _first_stop(text: str, stops: list[str]) -> int:
     """Where the first of ``stops`` begins in ``text`` (-1: none does)."""
     return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
@@ -132,8 +147,8 @@ class _Completer:
     ``create_completion``, which streams through :func:`stream_completion` (a call with an option of
     :data:`UNSERVED`, or not streamed, goes to ``llm``'s own)."""
 
-    def __init__(self, llm: llama_cpp.Llama):
-        self._llm = llm
+    def __init__(self, llm: llama_cpp.Llama, preserved: frozenset = frozenset()):
+        self._llm, self._preserved = llm, preserved
 
     def __getattr__(self, name):
         return getattr(self._llm, name)
@@ -141,7 +156,8 @@ class _Completer:
     def create_completion(self, prompt, **kw):
         if not kw.get("stream") or any(kw.get(k) not in (None, False) for k in UNSERVED):
             return self._llm.create_completion(prompt, **kw)
-        return stream_completion(self._llm, prompt, **{k: v for k, v in kw.items() if k not in UNSERVED})
+        return stream_completion(self._llm, prompt, preserved=self._preserved,
+                                 **{k: v for k, v in kw.items() if k not in UNSERVED})
 
 
 def _chat_handler(llm: llama_cpp.Llama):
@@ -151,14 +167,14 @@ def _chat_handler(llm: llama_cpp.Llama):
             or llama_cpp.llama_chat_format.get_chat_completion_handler(llm.chat_format))
 
 
-def stream_chat(llm: llama_cpp.Llama, messages: list[dict], **kw):
+def stream_chat(llm: llama_cpp.Llama, messages: list[dict], preserved: frozenset = frozenset(), **kw):
     """Yield ``chat.completion.chunk`` chunks of ``messages`` answered by ``llm``: the chat handler
     :func:`_chat_handler` picks formats the prompt and converts the chunks; the tokens stream
-    through :func:`stream_completion`. Nothing runs before the first chunk is asked for; a template
-    that refuses the messages (its ``raise_exception``: "System role not supported") is a
-    :class:`PromptError` then, as a prompt too long for the context is."""
+    through :func:`stream_completion` (``preserved``: its). Nothing runs before the first chunk is
+    asked for; a template that refuses the messages (its ``raise_exception``: "System role not
+    supported") is a :class:`PromptError` then, as a prompt too long for the context is."""
     try:
-        chunks = _chat_handler(llm)(llama=_Completer(llm), messages=messages, stream=True, **kw)
+        chunks = _chat_handler(llm)(llama=_Completer(llm, preserved), messages=messages, stream=True, **kw)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:  # the formatting: the messages' fault
         raise PromptError(f"the chat template refused the messages: {str(exc)[:300]}") from None
     yield from chunks

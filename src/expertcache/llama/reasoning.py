@@ -38,6 +38,8 @@ CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end
 """gpt-oss's harmony markers that reach the text: the pinned llama.cpp renders these and
 ``<|constrain|>`` (``tests/test_serve.py`` checks it), and ends the decode at ``<|return|>`` and
 ``<|call|>``."""
+MARKERS = {DEEPSEEK: (OPEN, CLOSE), HARMONY: (CHANNEL, MESSAGE, START, END, "<|constrain|>")}
+"""The tags each format is read by (:func:`~.completion.preserved_tokens`)."""
 MAX_HEADER = 512
 """Characters a harmony header (``<|channel|>`` to ``<|message|>``) may take before the text is taken as plain."""
 

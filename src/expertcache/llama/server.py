@@ -85,9 +85,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
-from .completion import PromptError, rendered_roles, stream_chat, stream_completion, template_variables
+from .completion import (PromptError, preserved_tokens, rendered_roles, stream_chat, stream_completion,
+                         template_variables)
 from .constraints import ConstraintError, logit_bias, response_grammar, tool_call_grammar
+from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
+from .toolcalls import MARKERS as CALL_MARKERS
 from .toolcalls import HARMONY, HERMES, HermesStream, call_format, parse_hermes
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
@@ -512,7 +515,7 @@ class Generation:
 
     def __init__(self, session: Session, *, prompt=None, messages=None, max_tokens: int | None, body: _Sampling,
                  shutdown: threading.Event | None = None, tools: ToolPlan | None = None, bias=None,
-                 variables: dict | None = None):
+                 variables: dict | None = None, preserved: frozenset = frozenset()):
         self.session, self.body = session, body
         self.chat = messages is not None
         llm = session.llama
@@ -528,7 +531,7 @@ class Generation:
         """With ``echo`` and ``logprobs``: the prompt's rows (:attr:`~.textgen.ObservedLlama.prompt_rows`)."""
         self.before = session.snapshot()
         self.sampled0 = llm.sampled
-        self._make = (lambda **more: stream_chat(llm, messages, **kw, **more)) if self.chat else \
+        self._make = (lambda **more: stream_chat(llm, messages, preserved, **kw, **more)) if self.chat else \
             (lambda **more: stream_completion(llm, prompt, **kw, **more))
         self._it = None  # made by start, on the decode's thread: a schema's grammar can take a second to make
         self.tools = tools
@@ -848,6 +851,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         if session.llama.chat_format == "chat_template.default" else None  # the GGUF's own, not a named format
     call_fmt = call_format(template)
     think_fmt = think_format(template)
+    # the tags the chat's text is read by, written into it even where the vocabulary makes them control tokens
+    preserved = preserved_tokens(session.llama, THINK_MARKERS.get(think_fmt, ()) + CALL_MARKERS.get(call_fmt, ()))
     if template_kwargs and template is None:
         raise ConfigError(f"--chat-template-kwargs: this server formats chats with llama-cpp-python's named format "
                           f"{session.llama.chat_format!r}, which takes no template variables")
@@ -993,7 +998,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 slot.release()
                 metrics.count(endpoint, 499)
                 return Response(status_code=499)
-            gen = Generation(session, body=body, shutdown=stopping, tools=plan, bias=bias, variables=variables, **args)
+            gen = Generation(session, body=body, shutdown=stopping, tools=plan, bias=bias, variables=variables,
+                             preserved=preserved, **args)
             first = await workers.decode.call(gen.start)
             if body.return_routed_experts:
                 gen.check_routed_start()

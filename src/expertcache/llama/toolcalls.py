@@ -28,6 +28,8 @@ from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HERMES, HARMONY = "hermes", "harmony"
+MARKERS = {HERMES: (OPEN, CLOSE)}
+"""The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`)."""
 
 
 def call_format(template: str | None) -> str | None:
