@@ -1471,13 +1471,19 @@ def small_moe_with(tmp_path_factory, name: str, template: str, specials=()) -> P
     return out
 
 
+def serving(tmp_path_factory, name: str, template: str, specials=()) -> Server:
+    """:func:`small_moe_with`'s file served (``.gguf``: the file)."""
+    out = small_moe_with(tmp_path_factory, name, template, specials)
+    s = Server(out, "--ctx", "512", "--model-alias", "small-moe")
+    s.gguf = out
+    return s
+
+
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
     """small-moe with HERMES_TEMPLATE as its own chat template and <think> / </think> as control
     tokens of its vocabulary (whose text llama.cpp leaves out unless asked), served."""
-    out = small_moe_with(tmp_path_factory, "hermes", HERMES_TEMPLATE, ("<think>", "</think>"))
-    s = Server(out, "--ctx", "512", "--model-alias", "small-moe")
-    s.gguf = out
+    s = serving(tmp_path_factory, "hermes", HERMES_TEMPLATE, ("<think>", "</think>"))
     yield s
     s.stop()
 
@@ -1606,9 +1612,7 @@ message)."""
 def harmony(tmp_path_factory):
     """small-moe with gpt-oss's harmony markers as special tokens of its vocabulary (llama.cpp knows
     them by their text) and HARMONY_TEMPLATE, served."""
-    out = small_moe_with(tmp_path_factory, "harmony", HARMONY_TEMPLATE, HARMONY_MARKERS)
-    s = Server(out, "--ctx", "512", "--model-alias", "small-moe")
-    s.gguf = out
+    s = serving(tmp_path_factory, "harmony", HARMONY_TEMPLATE, HARMONY_MARKERS)
     yield s
     s.stop()
 
@@ -1661,3 +1665,70 @@ def test_harmony_markers_reach_the_text_and_a_harmony_chat_is_read(harmony):
     status, body = harmony.raw("POST", "/v1/chat/completions", json.dumps({**ask, "tools": tools,
                                                                            "reasoning_format": "none"}))
     assert status == 400 and json.loads(body)["error"]["param"] == "reasoning_format", body
+
+
+GLM_TAGS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>", "</think>")
+GLM_TEMPLATE = """[gMASK]<sop>{%- if tools %}<|system|>
+# Tools
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+</tool_call>{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|user|>
+{{ m.content }}
+{%- elif m.role == 'assistant' %}<|assistant|>
+{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}
+{{ m.content or '' }}
+{%- if m.tool_calls %}{% for tc in m.tool_calls %}
+<tool_call>{{ tc.function.name }}
+{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v if v is string else v | tojson }}</arg_value>
+{% endfor %}</tool_call>{% endfor %}{% endif %}
+{%- elif m.role == 'tool' %}<|observation|>
+<tool_response>{{ m.content }}</tool_response>
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}
+<think></think>{% endif %}{% endif %}"""
+"""GLM-4.5's chat template, simplified: its tools block, its <arg_key> calls (arguments iterated as an
+object), its thinking."""
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    """small-moe with GLM_TEMPLATE and GLM's tags as control tokens of its vocabulary, served."""
+    s = serving(tmp_path_factory, "glm", GLM_TEMPLATE, GLM_TAGS)
+    yield s
+    s.stop()
+
+
+def test_a_glm_template_is_answered_in_its_call_format(glm):
+    """GLM-4.5's format: ``auto`` shows the tools and reads <arg_key> blocks back (this model writes
+    none, so its text is content as written); its tags, control tokens here, reach the text (a
+    forced <tool_call> never closed stays content); a named call is its arguments under the grammar;
+    a second turn's call goes to the template with its arguments as the object the template
+    iterates (OpenAI's clients send their JSON text)."""
+    import llama_cpp
+
+    client = glm.client()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    ask = dict(model="small-moe", messages=[{"role": "user", "content": "Weather?"}], max_tokens=16, temperature=0,
+               seed=1)
+    auto = client.chat.completions.create(**ask, tools=tools)
+    assert auto.usage.prompt_tokens > client.chat.completions.create(**ask).usage.prompt_tokens + 20
+    assert auto.choices[0].message.content is not None and not auto.choices[0].message.tool_calls
+    llm = llama_cpp.Llama(str(glm.gguf), vocab_only=True, verbose=False)
+    (tag,) = llm.tokenize(b"<tool_call>", add_bos=False, special=True)
+    forced = client.chat.completions.create(**{**ask, "max_tokens": 2}, tools=tools, logit_bias={str(tag): 100})
+    assert forced.choices[0].message.content == "<tool_call><tool_call>"
+    named = client.chat.completions.create(**{**ask, "max_tokens": 64}, tools=tools,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    city = json.loads(call.function.arguments)["city"]
+    turn2 = ask["messages"] + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    after = client.chat.completions.create(**{**ask, "messages": turn2, "max_tokens": 1}, tools=tools)
+    assert after.usage.prompt_tokens >= auto.usage.prompt_tokens + len(llm.tokenize(city.encode(), add_bos=False))

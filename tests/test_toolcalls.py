@@ -1,4 +1,4 @@
-"""``expertcache.llama.toolcalls``: calls in the Hermes format read back into OpenAI's ``tool_calls``.
+"""``expertcache.llama.toolcalls``: calls in the Hermes and GLM-4.5 formats read back into OpenAI's ``tool_calls``.
 Reference cases, and the property that a stream fed the text in any pieces gives what the whole
 text gives, nothing the model wrote dropped (docs/serve.md, "Tool calls"). The server's use of it is
 tested in tests/test_serve.py with a GGUF whose template teaches the format."""
@@ -7,16 +7,27 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.llama.toolcalls import HERMES, HermesStream, call_format, parse_hermes
+from expertcache.llama.toolcalls import GLM, HERMES, TaggedCalls, call_format, parse_tagged, reader
 
 NAMES = ("get_weather", "f")
+def parse_hermes(text, names):
+    return parse_tagged(text, reader(HERMES, [(n, None) for n in names]))
 
 
 def block(name, args, pad="\n"):
     return f"<tool_call>{pad}{json.dumps({'name': name, 'arguments': args})}{pad}</tool_call>"
+
+
+def streamed(stream, text: str, cuts: list[int]) -> list:
+    """What ``stream`` gives for ``text`` fed in the pieces ``cuts`` (sorted offsets) make, then finished."""
+    events = []
+    for a, b in zip([0] + cuts, cuts + [len(text)]):
+        events += stream.feed(text[a:b])
+    return events + stream.finish()
 
 
 def test_reference_cases():
@@ -35,7 +46,7 @@ def test_reference_cases():
 
 def test_the_format_is_told_by_the_template():
     assert call_format("... <tool_call>\n{\"name\": ...} ...") == HERMES
-    assert call_format("<tool_call>{{ name }}<arg_key>k</arg_key>") is None  # GLM-4.5: not JSON
+    assert call_format("<tool_call>{{ name }}<arg_key>k</arg_key>") == GLM  # GLM-4.5: not JSON
     assert call_format(None) is None and call_format("{{ messages }}") is None
 
 
@@ -63,18 +74,84 @@ def reference(text: str) -> tuple[str, list[dict]]:
     return "".join(content), calls
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                            "tags": {"type": "array"}}}
+GLM_TOOLS = [("get_weather", WEATHER), ("f", None)]
+
+
+def glm_block(name, pairs, sep="\n"):
+    return "<tool_call>" + name + sep + "".join(f"<arg_key>{k}</arg_key>{sep}<arg_value>{v}</arg_value>{sep}"
+                                               for k, v in pairs) + "</tool_call>"
+
+
+def test_glm_reference_cases():
+    read = reader(GLM, GLM_TOOLS)
+    content, (call,) = parse_tagged("Let me look." + glm_block("get_weather", [("city", "Paris"), ("days", "3")]), read)
+    assert content == "Let me look." and json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    # a string parameter keeps its text as written (a number-looking city too); others are JSON where they parse
+    (call,) = parse_tagged(glm_block("get_weather", [("city", "1984"), ("tags", '["a", 1]'), ("x", "not json")]),
+                           read)[1]
+    assert json.loads(call["function"]["arguments"]) == {"city": "1984", "tags": ["a", 1], "x": "not json"}
+    assert json.loads(parse_tagged(glm_block("f", [], sep=""), read)[1][0]["function"]["arguments"]) == {}
+    for bad in (glm_block("nope", []), glm_block("get_weather", [("city", "a"), ("city", "b")]),
+                "<tool_call>get_weather<arg_key>city</arg_key>stray</tool_call>",
+                "<tool_call>get_weather<arg_key>city</arg_key><arg_value>a</arg_value>junk</tool_call>"):
+        assert parse_tagged("a " + bad, read) == ("a " + bad, []), bad  # the text stays, word for word
+
+
+GLM_PARTS = st.sampled_from(["ok ", "<", "<tool_call>", "</tool_call>", "\n", "<arg_key>", "</arg_key>", "<arg_value>",
+                             "</arg_value>", glm_block("get_weather", [("city", "Paris")]),
+                             glm_block("get_weather", [("days", "2"), ("city", "é")], sep=""), glm_block("f", []),
+                             glm_block("nope", [("a", "1")]), "get_weather", "city", "2", "{"])
+
+
+def glm_reference(text: str) -> tuple[str, list]:
+    """An independent reading of GLM blocks by regular expression (the name, then whole key-value
+    pairs only, each key once; a value typed string kept, else JSON where it parses)."""
+    import re
+
+    content, calls, last = [], [], 0
+    for m in re.finditer(r"<tool_call>(.*?)</tool_call>", text, re.S):
+        inner = m.group(1)
+        name = re.match(r"(.*?)(?=<arg_key>|$)", inner, re.S).group(1)
+        pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", inner[len(name):], re.S)
+        rest = re.sub(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", "", inner[len(name):], flags=re.S)
+        keys = [k.strip() for k, _ in pairs]
+        if name.strip() not in dict(GLM_TOOLS) or rest.strip() or len(set(keys)) != len(keys):
+            continue
+        args = {}
+        for k, v in pairs:
+            k = k.strip()
+            if (WEATHER["properties"].get(k, {}) if name.strip() == "get_weather" else {}).get("type") == "string":
+                args[k] = v
+                continue
+            try:
+                args[k] = json.loads(v)
+            except ValueError:
+                args[k] = v
+        content.append(text[last:m.start()])
+        calls.append({"name": name.strip(), "arguments": json.dumps(args, ensure_ascii=False)})
+        last = m.end()
+    content.append(text[last:])
+    return "".join(content), calls
+
+
+CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS, GLM_TOOLS, glm_reference)}
+"""Per format: the pieces its texts are drawn from, the tools, an independent reading."""
+
+
+@pytest.mark.parametrize("fmt", CASES)
 @settings(max_examples=400, deadline=None)
-@given(st.lists(PARTS, max_size=8), st.data())
-def test_any_split_of_the_text_gives_what_an_independent_reading_gives(parts, data):
-    text = "".join(parts)
+@given(data=st.data())
+def test_any_split_of_the_text_gives_what_an_independent_reading_gives(fmt, data):
+    pieces, tools, independent = CASES[fmt]
+    text = "".join(data.draw(st.lists(pieces, max_size=8), label="parts"))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6), label="cuts"))
-    stream, events = HermesStream(NAMES), []
-    for a, b in zip([0] + cuts, cuts + [len(text)]):
-        events += stream.feed(text[a:b])
-    events += stream.finish()
-    want_content, want_calls = reference(text)
+    read = reader(fmt, tools)
+    events = streamed(TaggedCalls(read), text, cuts)
+    want_content, want_calls = independent(text)
     assert "".join(x for k, x in events if k == "content") == want_content  # nothing dropped, nothing added
     assert [x["function"] for k, x in events if k == "call"] == want_calls
-    whole_content, whole_calls = parse_hermes(text, NAMES)
+    whole_content, whole_calls = parse_tagged(text, read)
     assert [c["function"] for c in whole_calls] == want_calls
     assert whole_content == (None if want_calls and not want_content.strip() else want_content)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import codecs
 import inspect
+import json
 import random
 import time
 import uuid
@@ -222,6 +223,36 @@ class _Formatter(_Completer):
         raise _Formatted(prompt)
 
 
+def _formatted(handler, llm: llama_cpp.Llama, messages: list[dict]) -> str | None:
+    """The prompt's text the chat handler makes of ``messages`` (nothing decoded), or None where the
+    template refuses them."""
+    try:
+        handler(llama=_Formatter(llm), messages=messages, stream=True, max_tokens=1)
+    except _Formatted as done:
+        prompt = done.args[0]
+        return prompt if isinstance(prompt, str) else llm.detokenize(list(prompt), special=True).decode(
+            "utf-8", "replace")
+    except Exception:  # the template's own refusal (jinja2 errors, ValueError, ...)
+        return None
+    return None  # pragma: no cover - every handler asks for a completion
+
+
+def arguments_as_objects(llm: llama_cpp.Llama) -> bool:
+    """Whether the chat template needs an assistant message's ``tool_calls[].function.arguments`` as
+    an object where OpenAI's clients send its JSON text (GLM-4.5's iterates ``arguments.items()``;
+    Qwen3's takes either): a probe call with text arguments does not reach the prompt, and with an
+    object it does. llama.cpp's server asks templates the same question."""
+    handler = _chat_handler(llm)
+
+    def reaches(arguments) -> bool:
+        call = {"id": "call_0", "type": "function", "function": {"name": "probe", "arguments": arguments}}
+        text = _formatted(handler, llm, [{"role": "user", "content": "x"},
+                                         {"role": "assistant", "content": "", "tool_calls": [call]},
+                                         {"role": "user", "content": "y"}])
+        return text is not None and ROLE_PROBE in text
+    return not reaches(json.dumps({ROLE_PROBE: 1})) and reaches({ROLE_PROBE: 1})
+
+
 def rendered_roles(llm: llama_cpp.Llama) -> dict[str, bool | None]:
     """Per role of :data:`PROBED_ROLES`: whether the chat handler puts such a message's text into
     the prompt (a message of the role holding :data:`ROLE_PROBE`, then a user message, formatted
@@ -231,15 +262,6 @@ def rendered_roles(llm: llama_cpp.Llama) -> dict[str, bool | None]:
     the handler refused the probe itself (a template that raises on that order), so it is not known."""
     handler, out = _chat_handler(llm), {}
     for role, before in PROBED_ROLES.items():
-        messages = before + [{"role": role, "content": ROLE_PROBE}, {"role": "user", "content": "y"}]
-        try:
-            handler(llama=_Formatter(llm), messages=messages, stream=True, max_tokens=1)
-            out[role] = None  # pragma: no cover - every handler asks for a completion
-        except _Formatted as done:
-            prompt = done.args[0]
-            text = prompt if isinstance(prompt, str) else llm.detokenize(list(prompt), special=True).decode(
-                "utf-8", "replace")
-            out[role] = ROLE_PROBE in text
-        except Exception:  # the template's own refusal (jinja2 errors, ValueError, ...)
-            out[role] = None
+        text = _formatted(handler, llm, before + [{"role": role, "content": ROLE_PROBE}, {"role": "user", "content": "y"}])
+        out[role] = None if text is None else ROLE_PROBE in text
     return out

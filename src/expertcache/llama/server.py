@@ -85,13 +85,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
-from .completion import (PromptError, preserved_tokens, rendered_roles, stream_chat, stream_completion,
-                         template_variables)
+from .completion import (PromptError, arguments_as_objects, preserved_tokens, rendered_roles, stream_chat,
+                         stream_completion, template_variables)
 from .constraints import ConstraintError, logit_bias, response_grammar, tool_call_grammar
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
 from .toolcalls import MARKERS as CALL_MARKERS
-from .toolcalls import HARMONY, HERMES, HermesStream, call_format, parse_hermes
+from .toolcalls import GLM, HARMONY, HERMES, TaggedCalls, call_format, parse_tagged, reader
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -279,8 +279,8 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     named function force a call in that format by grammar. Without one, a named function (or
     ``required`` with one tool) makes the text the call's arguments, and ``auto`` is a 400 (a call
     the model wrote in its own format would be read as text); so is ``required`` among several tools
-    there, and a name no tool has. gpt-oss's harmony format (``call_fmt`` ``"harmony"``) is read for
-    ``auto`` only; a forced call is its arguments under the grammar, as for other templates."""
+    there, and a name no tool has. GLM-4.5's format and gpt-oss's harmony are read for ``auto`` only;
+    a forced call is its arguments under the grammar, as for other templates."""
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
     if choice is None:
@@ -298,11 +298,12 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     if call_fmt == HERMES:
         return ToolPlan(offered=tools, parsed=True, named=named is not None,
                         forced=[named] if named is not None else tools if choice == "required" else None)
-    if call_fmt == HARMONY and choice == "auto":  # gpt-oss: its calls read from its channels (.reasoning)
+    if call_fmt in (GLM, HARMONY) and choice == "auto":  # GLM's blocks; gpt-oss's channels (.reasoning)
         return ToolPlan(offered=tools, parsed=True)
     if choice == "auto":
         raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
-                       "reads (the Hermes <tool_call> JSON of Qwen3 and others); name the function ({\"type\": "
+                       "reads (the Hermes <tool_call> JSON of Qwen3 and others, GLM-4.5's, gpt-oss's); name the "
+                       "function ({\"type\": "
                        "\"function\", \"function\": {\"name\": ...}}), or give one tool with \"required\", or "
                        "\"none\"", param="tool_choice")
     if choice == "required" and len(tools) != 1:
@@ -334,6 +335,25 @@ def parse_body(raw: bytes, model_cls):
         # is in the message)
         raise ApiError(400, f"{where or 'body'}: {err.get('msg', 'invalid')}",
                        param=str(loc[0]) if loc else None) from None
+
+
+def with_object_arguments(messages: list[dict]) -> list[dict]:
+    """``messages`` with each tool call's ``arguments`` as the object its JSON text holds, for a
+    template that needs objects (:func:`~.completion.arguments_as_objects`); text that is not a JSON
+    object stays text (the template then says what it makes of it)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                try:
+                    args = json.loads(c["function"]["arguments"])
+                except (ValueError, RecursionError):
+                    args = None
+                calls.append({**c, "function": {**c["function"], "arguments": args}} if isinstance(args, dict) else c)
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
 
 
 def kept_roles(messages: list[dict], roles: dict) -> list[dict]:
@@ -847,6 +867,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     slot = Slot()
     created = int(time.time())
     roles = rendered_roles(session.llama) if session.chat_ready else {}  # the template is fixed: asked once
+    objects = session.chat_ready and arguments_as_objects(session.llama)  # tool calls' arguments as objects
     template = session.llama.metadata.get("tokenizer.chat_template") \
         if session.llama.chat_format == "chat_template.default" else None  # the GGUF's own, not a named format
     call_fmt = call_format(template)
@@ -980,6 +1001,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                                                 "reasoning_content"},
                                                        exclude_none=True)}
                                        for m in body.messages], roles)
+                if objects:
+                    messages = with_object_arguments(messages)
                 args = {"messages": messages, "max_tokens": body.max_completion_tokens or body.max_tokens}
             plan, bias, variables = check_request(body)
             left = await acquire(request)
@@ -1026,7 +1049,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         plan = gen.tools
         arguments_of = plan.arguments_of if plan is not None else None
         names = [t.function.name for t in plan.offered] if plan is not None and plan.parsed else None
-        hermes = HermesStream(names) if names is not None and call_fmt == HERMES else None
+        tagged = TaggedCalls(reader(call_fmt, [(t.function.name, t.function.parameters) for t in plan.offered])) \
+            if names is not None and call_fmt in (HERMES, GLM) else None  # calls in <tool_call> blocks
 
         def finish_reason(calls: int) -> str:
             """``stop`` or ``length``; a decode that completed ``calls`` > 0 tool calls, ``tool_calls``,
@@ -1101,8 +1125,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                     calls = [{"id": call_id, "type": "function", "function": {"name": arguments_of.function.name,
                                                                              "arguments": text}}]
                     message["content"] = None
-                elif hermes is not None:
-                    message["content"], calls = parse_hermes(text, hermes.names)
+                elif tagged is not None:
+                    message["content"], calls = parse_tagged(text, tagged.read)
                 if calls:
                     message["tool_calls"] = calls
                 choice = {"index": 0, "message": message, "logprobs": lp and lp.of(rows),
@@ -1138,9 +1162,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 reasoning = "".join(x for k, x in parts if k == "reasoning")
                 content = "".join(x for k, x in parts if k == "content")
                 calls = [{"index": before + i, **x} for i, x in enumerate(x for k, x in parts if k == "call")]
-                if hermes is not None:
-                    done = hermes.calls
-                    out = hermes.feed(content) + (hermes.finish() if flush else [])
+                if tagged is not None:
+                    done = tagged.calls
+                    out = tagged.feed(content) + (tagged.finish() if flush else [])
                     content = "".join(x for k, x in out if k == "content")
                     calls = [{"index": done + i, **x} for i, x in enumerate(x for k, x in out if k == "call")]
                 delta = {"role": "assistant", "content": content} if first_chunk else \
@@ -1169,10 +1193,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                                        "code": "shutting_down"}}) + "\n\n"
                 yield "data: [DONE]\n\n"
                 return
-            if hermes is not None or think is not None:  # what they held back, before the finish is known
+            if tagged is not None or think is not None:  # what they held back, before the finish is known
                 yield chunk(None, None, rows, flush=True)
                 rows = []
-            yield chunk(None, finish_reason(1 if arguments_of is not None else hermes.calls if hermes else
+            yield chunk(None, finish_reason(1 if arguments_of is not None else tagged.calls if tagged else
                                             think.calls if harmony else 0), rows)
             usage = finished()
             if body.return_routed_experts:  # SGLang's tail: one chunk without choices carrying them
