@@ -1704,14 +1704,42 @@ def glm(tmp_path_factory):
     s.stop()
 
 
-def test_a_glm_template_is_answered_in_its_call_format(glm):
-    """GLM-4.5's format: ``auto`` shows the tools and reads <arg_key> blocks back (this model writes
-    none, so its text is content as written); its tags, control tokens here, reach the text (a
-    forced <tool_call> never closed stays content); a named call is its arguments under the grammar;
-    a second turn's call goes to the template with its arguments as the object the template
-    iterates (OpenAI's clients send their JSON text)."""
+DEEPSEEK_TAGS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                 "<｜tool▁sep｜>")
+DEEPSEEK_TEMPLATE = """{{ bos_token }}{%- if tools %}## Tools
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}Call a tool as <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+```json
+ARGUMENTS
+```<｜tool▁call▁end｜><｜tool▁calls▁end｜>{% endif %}
+{%- for m in messages %}{%- if m.role == 'user' %}<｜User｜>{{ m.content }}
+{%- elif m.role == 'assistant' %}<｜Assistant｜>{% if m.tool_calls %}<｜tool▁calls▁begin｜>{% for tc in m.tool_calls %}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ tc.function.name }}
+```json
+{{ tc.function.arguments }}
+```<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>{% endif %}{{ m.content or '' }}
+{%- elif m.role == 'tool' %}<｜tool▁outputs▁begin｜>{{ m.content }}<｜tool▁outputs▁end｜>
+{%- endif %}{%- endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"""
+"""DeepSeek-V3's chat template, simplified: its tools and its call sections."""
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """small-moe with DEEPSEEK_TEMPLATE and DeepSeek's call tags as control tokens, served."""
+    s = serving(tmp_path_factory, "deepseek", DEEPSEEK_TEMPLATE, DEEPSEEK_TAGS)
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("fixture, tag", [("glm", "<tool_call>"), ("deepseek", "<｜tool▁calls▁begin｜>")])
+def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
+    """GLM-4.5's and DeepSeek's formats: ``auto`` shows the tools and reads their blocks back (this
+    model writes none, so its text is content as written); their tags, control tokens here, reach
+    the text (a forced opening tag never closed stays content); a named call is its arguments under
+    the grammar; a second turn's call goes to the template (with its arguments as the object GLM's
+    iterates: OpenAI's clients send their JSON text)."""
     import llama_cpp
 
+    glm = request.getfixturevalue(fixture)
     client = glm.client()
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
@@ -1721,9 +1749,9 @@ def test_a_glm_template_is_answered_in_its_call_format(glm):
     assert auto.usage.prompt_tokens > client.chat.completions.create(**ask).usage.prompt_tokens + 20
     assert auto.choices[0].message.content is not None and not auto.choices[0].message.tool_calls
     llm = llama_cpp.Llama(str(glm.gguf), vocab_only=True, verbose=False)
-    (tag,) = llm.tokenize(b"<tool_call>", add_bos=False, special=True)
-    forced = client.chat.completions.create(**{**ask, "max_tokens": 2}, tools=tools, logit_bias={str(tag): 100})
-    assert forced.choices[0].message.content == "<tool_call><tool_call>"
+    (tag_id,) = llm.tokenize(tag.encode(), add_bos=False, special=True)
+    forced = client.chat.completions.create(**{**ask, "max_tokens": 2}, tools=tools, logit_bias={str(tag_id): 100})
+    assert forced.choices[0].message.content == tag * 2
     named = client.chat.completions.create(**{**ask, "max_tokens": 64}, tools=tools,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = named.choices[0].message.tool_calls

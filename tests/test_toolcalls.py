@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.llama.toolcalls import GLM, HERMES, TaggedCalls, call_format, parse_tagged, reader
+from expertcache.llama.toolcalls import DSV3, GLM, HERMES, TaggedCalls, call_format, parse_tagged
 
 NAMES = ("get_weather", "f")
 def parse_hermes(text, names):
-    return parse_tagged(text, reader(HERMES, [(n, None) for n in names]))
+    return parse_tagged(text, HERMES, [(n, None) for n in names])
 
 
 def block(name, args, pad="\n"):
@@ -47,6 +47,7 @@ def test_reference_cases():
 def test_the_format_is_told_by_the_template():
     assert call_format("... <tool_call>\n{\"name\": ...} ...") == HERMES
     assert call_format("<tool_call>{{ name }}<arg_key>k</arg_key>") == GLM  # GLM-4.5: not JSON
+    assert call_format("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>'}}") == DSV3
     assert call_format(None) is None and call_format("{{ messages }}") is None
 
 
@@ -85,18 +86,19 @@ def glm_block(name, pairs, sep="\n"):
 
 
 def test_glm_reference_cases():
-    read = reader(GLM, GLM_TOOLS)
-    content, (call,) = parse_tagged("Let me look." + glm_block("get_weather", [("city", "Paris"), ("days", "3")]), read)
+    def read(text):
+        return parse_tagged(text, GLM, GLM_TOOLS)
+
+    content, (call,) = read("Let me look." + glm_block("get_weather", [("city", "Paris"), ("days", "3")]))
     assert content == "Let me look." and json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
     # a string parameter keeps its text as written (a number-looking city too); others are JSON where they parse
-    (call,) = parse_tagged(glm_block("get_weather", [("city", "1984"), ("tags", '["a", 1]'), ("x", "not json")]),
-                           read)[1]
+    (call,) = read(glm_block("get_weather", [("city", "1984"), ("tags", '["a", 1]'), ("x", "not json")]))[1]
     assert json.loads(call["function"]["arguments"]) == {"city": "1984", "tags": ["a", 1], "x": "not json"}
-    assert json.loads(parse_tagged(glm_block("f", [], sep=""), read)[1][0]["function"]["arguments"]) == {}
+    assert json.loads(read(glm_block("f", [], sep=""))[1][0]["function"]["arguments"]) == {}
     for bad in (glm_block("nope", []), glm_block("get_weather", [("city", "a"), ("city", "b")]),
                 "<tool_call>get_weather<arg_key>city</arg_key>stray</tool_call>",
                 "<tool_call>get_weather<arg_key>city</arg_key><arg_value>a</arg_value>junk</tool_call>"):
-        assert parse_tagged("a " + bad, read) == ("a " + bad, []), bad  # the text stays, word for word
+        assert read("a " + bad) == ("a " + bad, []), bad  # the text stays, word for word
 
 
 GLM_PARTS = st.sampled_from(["ok ", "<", "<tool_call>", "</tool_call>", "\n", "<arg_key>", "</arg_key>", "<arg_value>",
@@ -136,7 +138,63 @@ def glm_reference(text: str) -> tuple[str, list]:
     return "".join(content), calls
 
 
-CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS, GLM_TOOLS, glm_reference)}
+B, E, CB, CE, SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+def ds_call(name, args, v31=False):
+    if v31:
+        return f"{CB}{name}{SEP}{json.dumps(args)}{CE}"
+    return f"{CB}function{SEP}{name}\n```json\n{json.dumps(args)}\n```{CE}"
+
+
+def test_deepseek_reference_cases():
+    for v31 in (False, True):
+        text = "Checking." + B + ds_call("get_weather", {"city": "Paris"}, v31) + "\n" + ds_call("f", {}, v31) + E
+        content, calls = parse_tagged(text, DSV3, [(n, None) for n in NAMES])
+        assert content == "Checking." and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                           for c in calls] == [("get_weather", {"city": "Paris"}), ("f", {})]
+    for bad in (B + ds_call("nope", {}) + E, B + ds_call("f", [1]) + E, B + "junk" + ds_call("f", {}) + E,
+                B + CB + "f" + CE + E, B + ds_call("f", {}) + ds_call("nope", {}, True) + E, B + ds_call("f", {})):
+        assert parse_tagged("a " + bad, DSV3, [(n, None) for n in NAMES]) == ("a " + bad, []), bad
+
+
+DS_PARTS = st.sampled_from(["ok ", B, E, CB, CE, SEP, "function", "\n", "```json\n{}\n```", "<｜tool", "▁calls",
+                            ds_call("f", {"a": 1}), ds_call("get_weather", {"city": "é"}, True), ds_call("nope", {}),
+                            B + ds_call("f", {}) + E, "{}", " "])
+
+
+def deepseek_reference(text: str) -> tuple[str, list]:
+    """An independent reading of DeepSeek's call sections by regular expression."""
+    import re
+
+    content, calls, last = [], [], 0
+    for m in re.finditer(re.escape(B) + "(.*?)" + re.escape(E), text, re.S):
+        items = re.findall(re.escape(CB) + "(.*?)" + re.escape(CE), m.group(1), re.S)
+        if not items or re.sub(re.escape(CB) + ".*?" + re.escape(CE), "", m.group(1), flags=re.S).strip():
+            continue
+        found = []
+        for inner in items:
+            v3 = re.fullmatch(r"\s*function\s*" + re.escape(SEP) + r"([^\n]*)\n\s*```json\n(.*)\n```\s*", inner, re.S)
+            v31 = re.fullmatch("(.*?)" + re.escape(SEP) + "(.*)", inner, re.S)
+            name, args = (v3.group(1), v3.group(2)) if v3 else (v31.group(1), v31.group(2)) if v31 and \
+                v31.group(1).strip() != "function" else (None, None)
+            try:
+                args = json.loads(args) if args is not None else None
+            except ValueError:
+                args = None
+            if name is None or name.strip() not in NAMES or not isinstance(args, dict):
+                break
+            found.append({"name": name.strip(), "arguments": json.dumps(args, ensure_ascii=False)})
+        else:
+            content.append(text[last:m.start()])
+            calls += found
+            last = m.end()
+    content.append(text[last:])
+    return "".join(content), calls
+
+
+CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS, GLM_TOOLS, glm_reference),
+         DSV3: (DS_PARTS, [(n, None) for n in NAMES], deepseek_reference)}
 """Per format: the pieces its texts are drawn from, the tools, an independent reading."""
 
 
@@ -147,11 +205,10 @@ def test_any_split_of_the_text_gives_what_an_independent_reading_gives(fmt, data
     pieces, tools, independent = CASES[fmt]
     text = "".join(data.draw(st.lists(pieces, max_size=8), label="parts"))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6), label="cuts"))
-    read = reader(fmt, tools)
-    events = streamed(TaggedCalls(read), text, cuts)
+    events = streamed(TaggedCalls(fmt, tools), text, cuts)
     want_content, want_calls = independent(text)
     assert "".join(x for k, x in events if k == "content") == want_content  # nothing dropped, nothing added
     assert [x["function"] for k, x in events if k == "call"] == want_calls
-    whole_content, whole_calls = parse_tagged(text, read)
+    whole_content, whole_calls = parse_tagged(text, fmt, tools)
     assert [c["function"] for c in whole_calls] == want_calls
     assert whole_content == (None if want_calls and not want_content.strip() else want_content)

@@ -91,7 +91,7 @@ from .constraints import ConstraintError, logit_bias, response_grammar, tool_cal
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
 from .toolcalls import MARKERS as CALL_MARKERS
-from .toolcalls import GLM, HARMONY, HERMES, TaggedCalls, call_format, parse_tagged, reader
+from .toolcalls import DSV3, GLM, HARMONY, HERMES, TaggedCalls, call_format, parse_tagged
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -279,7 +279,7 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     named function force a call in that format by grammar. Without one, a named function (or
     ``required`` with one tool) makes the text the call's arguments, and ``auto`` is a 400 (a call
     the model wrote in its own format would be read as text); so is ``required`` among several tools
-    there, and a name no tool has. GLM-4.5's format and gpt-oss's harmony are read for ``auto`` only;
+    there, and a name no tool has. GLM-4.5's, DeepSeek's and gpt-oss's formats are read for ``auto`` only;
     a forced call is its arguments under the grammar, as for other templates."""
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
@@ -298,11 +298,12 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     if call_fmt == HERMES:
         return ToolPlan(offered=tools, parsed=True, named=named is not None,
                         forced=[named] if named is not None else tools if choice == "required" else None)
-    if call_fmt in (GLM, HARMONY) and choice == "auto":  # GLM's blocks; gpt-oss's channels (.reasoning)
+    if call_fmt in (GLM, DSV3, HARMONY) and choice == "auto":  # their blocks; gpt-oss's channels (.reasoning)
         return ToolPlan(offered=tools, parsed=True)
     if choice == "auto":
         raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
-                       "reads (the Hermes <tool_call> JSON of Qwen3 and others, GLM-4.5's, gpt-oss's); name the "
+                       "reads (the Hermes <tool_call> JSON of Qwen3 and others, GLM-4.5's, DeepSeek's, gpt-oss's); "
+                       "name the "
                        "function ({\"type\": "
                        "\"function\", \"function\": {\"name\": ...}}), or give one tool with \"required\", or "
                        "\"none\"", param="tool_choice")
@@ -1049,8 +1050,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         plan = gen.tools
         arguments_of = plan.arguments_of if plan is not None else None
         names = [t.function.name for t in plan.offered] if plan is not None and plan.parsed else None
-        tagged = TaggedCalls(reader(call_fmt, [(t.function.name, t.function.parameters) for t in plan.offered])) \
-            if names is not None and call_fmt in (HERMES, GLM) else None  # calls in <tool_call> blocks
+        offered = [(t.function.name, t.function.parameters) for t in plan.offered] if names is not None else []
+        tagged = TaggedCalls(call_fmt, offered) if names is not None and call_fmt in (HERMES, GLM, DSV3) else None
 
         def finish_reason(calls: int) -> str:
             """``stop`` or ``length``; a decode that completed ``calls`` > 0 tool calls, ``tool_calls``,
@@ -1126,7 +1127,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                                                              "arguments": text}}]
                     message["content"] = None
                 elif tagged is not None:
-                    message["content"], calls = parse_tagged(text, tagged.read)
+                    message["content"], calls = parse_tagged(text, call_fmt, offered)
                 if calls:
                     message["tool_calls"] = calls
                 choice = {"index": 0, "message": message, "logprobs": lp and lp.of(rows),

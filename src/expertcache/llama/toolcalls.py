@@ -13,17 +13,26 @@ and GLM-4.5's (GLM-4.5, 4.6, 4.5-Air), the name, then each argument's key and va
     <arg_value>Paris</arg_value>
     </tool_call>
 
+and DeepSeek's (V3, R1; V3.1 without ``function`` and the fence), a section of calls::
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+    ```json
+    {"city": "Paris"}
+    ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
 A chat template that holds ``<tool_call>`` is taken to teach GLM's where it holds ``<arg_key>`` too,
-else Hermes' (:func:`call_format`), as llama.cpp's server detects them. (gpt-oss's calls are
-messages on its channels: :class:`~.reasoning.HarmonyStream`.)
+else Hermes'; one that holds ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁sep｜>``, DeepSeek's
+(:func:`call_format`), as llama.cpp's server detects them. (gpt-oss's calls are messages on its
+channels: :class:`~.reasoning.HarmonyStream`.)
 
 Invariants (``tests/test_toolcalls.py``):
 
 * **A call is reported only when its block is complete and valid**: the JSON parses to an object
   with a ``name`` among the request's tools and an object of ``arguments`` (Hermes), or the name is
   among them and the rest is key-value pairs only, each key once (GLM: a value is the text as
-  written where the tool's parameters type the key a string, else its JSON when it parses);
-  otherwise the block's text stays content, word for word (nothing the model wrote is dropped).
+  written where the tool's parameters type the key a string, else its JSON when it parses), or
+  every call of the section is valid (DeepSeek); otherwise the block's text stays content, word
+  for word (nothing the model wrote is dropped).
 * **Streamed and whole agree**: :class:`TaggedCalls` fed the text in any pieces gives the content
   and calls :func:`parse_tagged` gives for the whole text; content that could begin ``<tool_call>``
   is held back until it cannot, a block until its ``</tool_call>``.
@@ -39,17 +48,24 @@ from typing import Callable
 from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES, GLM, HARMONY = "hermes", "glm", "harmony"
-MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")}
+HERMES, GLM, DSV3, HARMONY = "hermes", "glm", "deepseek-v3", "harmony"
+CALLS_OPEN, CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_OPEN, CALL_CLOSE, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), DSV3: (CALLS_OPEN, CALLS_CLOSE)}
+"""The tags around a format's block of calls."""
+MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+           DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP)}
 """The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`)."""
 
 
 def call_format(template: str | None) -> str | None:
-    """``"hermes"`` or ``"glm"`` where the chat ``template`` teaches that format (module docstring),
+    """``"hermes"``, ``"glm"`` or ``"deepseek-v3"`` where the chat ``template`` teaches that format (module docstring),
     ``"harmony"`` where it teaches gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
     :class:`~.reasoning.HarmonyStream`); None."""
     if template and OPEN in template:
         return GLM if "<arg_key>" in template else HERMES
+    if template and CALLS_OPEN in template and CALL_SEP in template:
+        return DSV3
     if template and "<|channel|>" in template and "<|message|>" in template and "to=" in template:
         return HARMONY
     return None
@@ -69,7 +85,7 @@ def function_call(name, arguments, names) -> dict | None:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def _hermes_call(block: str, names: set[str]) -> dict | None:
+def _hermes_call(block: str, names: set[str]) -> list[dict] | None:
     """The OpenAI tool call a Hermes block's inner text holds, or None where it is not a valid one."""
     try:
         obj = json.loads(block.strip())
@@ -77,7 +93,37 @@ def _hermes_call(block: str, names: set[str]) -> dict | None:
         return None
     if not (isinstance(obj, dict) and isinstance(obj.get("arguments"), dict)):  # an object, not its text
         return None
-    return function_call(obj.get("name"), obj["arguments"], names)
+    call = function_call(obj.get("name"), obj["arguments"], names)
+    return None if call is None else [call]
+
+
+DSV3_FENCED = re.compile(r"\s*```json\n(.*)\n```\s*", re.S)
+
+
+def _deepseek_calls(block: str, names: set[str]) -> list[dict] | None:
+    """The calls a DeepSeek block (between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``)
+    holds, each ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` with only white space between them;
+    inside one, V3's and R1's ``function<｜tool▁sep｜>NAME`` and its arguments in a fenced json block,
+    or V3.1's ``NAME<｜tool▁sep｜>ARGUMENTS``. None where any is not a valid call."""
+    calls, rest = [], block
+    while rest.strip():
+        rest = rest.lstrip()
+        if not rest.startswith(CALL_OPEN) or CALL_CLOSE not in rest:
+            return None
+        inner, rest = rest[len(CALL_OPEN):].split(CALL_CLOSE, 1)
+        kind, sep, tail = inner.partition(CALL_SEP)
+        if not sep:
+            return None
+        if kind.strip() == "function":  # V3, R1
+            name, _, fenced = tail.partition("\n")
+            m = DSV3_FENCED.fullmatch(fenced)
+            call = function_call(name.strip(), m.group(1), names) if m else None
+        else:  # V3.1
+            call = function_call(kind.strip(), tail, names)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
 
 
 GLM_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -109,27 +155,31 @@ def _glm_call(block: str, parameters: dict) -> dict | None:
         args[key], at = value, m.end()
     if rest[at:].strip():
         return None
-    return function_call(name, args, parameters)
+    call = function_call(name, args, parameters)
+    return None if call is None else [call]
 
 
-def reader(fmt: str, tools) -> Callable[[str], dict | None]:
-    """The block reader of call format ``fmt`` (:data:`HERMES`, :data:`GLM`) for ``tools``
-    (``(name, parameters)`` pairs): a block's inner text -> its call, or None."""
+def reader(fmt: str, tools) -> Callable[[str], list[dict] | None]:
+    """The block reader of call format ``fmt`` (:data:`HERMES`, :data:`GLM`, :data:`DSV3`) for
+    ``tools`` (``(name, parameters)`` pairs): a block's inner text -> its calls, or None."""
     tools = dict(tools)
     if fmt == GLM:
         return lambda block: _glm_call(block, tools)
+    if fmt == DSV3:
+        return lambda block: _deepseek_calls(block, set(tools))
     return lambda block: _hermes_call(block, set(tools))
 
 
 class TaggedCalls:
     """Text in, in pieces; out, content pieces and complete calls (:meth:`feed`, :meth:`finish`:
-    lists of ``("content", text)`` and ``("call", call)``), each ``<tool_call>`` block read by
-    ``read`` (:func:`reader`). Per piece the work is bounded by the piece and the open block, not by
-    the text so far."""
+    lists of ``("content", text)`` and ``("call", call)``) of call format ``fmt`` for ``tools``
+    (:func:`reader`): each block between the format's tags (:data:`TAGS`) read. Per piece the work is
+    bounded by the piece and the open block, not by the text so far."""
 
-    def __init__(self, read):
-        self.read = read
-        self.pending = ""  # content held back (it could begin OPEN), or an open block
+    def __init__(self, fmt: str, tools):
+        self.read = reader(fmt, tools)
+        self.open, self.close = TAGS[fmt]
+        self.pending = ""  # content held back (it could begin the open tag), or an open block
         self.inside = False
         self.calls = 0
 
@@ -138,26 +188,26 @@ class TaggedCalls:
         self.pending += piece
         while True:
             if self.inside:
-                end = self.pending.find(CLOSE)
+                end = self.pending.find(self.close)
                 if end < 0:
                     return out
-                block, self.pending = self.pending[:end], self.pending[end + len(CLOSE):]
+                block, self.pending = self.pending[:end], self.pending[end + len(self.close):]
                 self.inside = False
-                call = self.read(block)
-                if call is None:  # not a call after all: its text is content, as written
-                    out.append(("content", OPEN + block + CLOSE))
+                calls = self.read(block)
+                if calls is None:  # not a call after all: its text is content, as written
+                    out.append(("content", self.open + block + self.close))
                 else:
-                    self.calls += 1
-                    out.append(("call", call))
+                    self.calls += len(calls)
+                    out += [("call", call) for call in calls]
                 continue
-            start = self.pending.find(OPEN)
+            start = self.pending.find(self.open)
             if start >= 0:
                 if start:
                     out.append(("content", self.pending[:start]))
-                self.pending = self.pending[start + len(OPEN):]
+                self.pending = self.pending[start + len(self.open):]
                 self.inside = True
                 continue
-            keep = held_back(self.pending, [OPEN])
+            keep = held_back(self.pending, [self.open])
             text, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
             if text:
                 out.append(("content", text))
@@ -165,15 +215,15 @@ class TaggedCalls:
 
     def finish(self) -> list[tuple[str, object]]:
         """What is left at the end: held-back content, or an unclosed block's text, as content."""
-        text = (OPEN if self.inside else "") + self.pending
+        text = (self.open if self.inside else "") + self.pending
         self.pending, self.inside = "", False
         return [("content", text)] if text else []
 
 
-def parse_tagged(text: str, read) -> tuple[str | None, list[dict]]:
-    """``(content, calls)`` of a whole text: the blocks ``read`` makes calls of as calls, the rest as
-    content (None where only whitespace is left once calls were found)."""
-    stream = TaggedCalls(read)
+def parse_tagged(text: str, fmt: str, tools) -> tuple[str | None, list[dict]]:
+    """``(content, calls)`` of a whole text (:class:`TaggedCalls`): the valid blocks as calls, the
+    rest as content (None where only whitespace is left once calls were found)."""
+    stream = TaggedCalls(fmt, tools)
     events = stream.feed(text) + stream.finish()
     content = "".join(x for kind, x in events if kind == "content")
     calls = [x for kind, x in events if kind == "call"]
