@@ -48,9 +48,10 @@ def add_parser(sub) -> None:
                    help="with --memory-wall: the most the wall's limit follows the server's own memory to, above "
                         "the wall (default 4 GiB, within what the machine can give)")
     p.add_argument("--reasoning-format", choices=("auto", "deepseek", "none"), default=None,
-                   help="a chat's <think> block, where the model's template teaches one (Qwen3, DeepSeek-R1, "
-                        "GLM-4.5): auto or deepseek read it out into message.reasoning_content, none leaves it in "
-                        "the content (default auto; a request's reasoning_format overrides it)")
+                   help="a chat's thinking, where the model's template teaches it (a <think> block: Qwen3, "
+                        "DeepSeek-R1, GLM-4.5; gpt-oss's analysis channel): auto or deepseek read it out into "
+                        "message.reasoning_content, none leaves the text as written (default auto; a request's "
+                        "reasoning_format overrides it)")
     p.add_argument("--chat-template-kwargs", type=template_kwargs, default=None, metavar="JSON",
                    help="variables the chat template is rendered with, as a JSON object (e.g. "
                         "'{\"enable_thinking\": false}' for Qwen3); a request's chat_template_kwargs add to them")

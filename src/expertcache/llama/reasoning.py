@@ -16,9 +16,9 @@ two invariants below.
 
 Invariants (``tests/test_reasoning.py``):
 
-* **Nothing the model wrote is lost or moved between turns of its text**: a text that does not
-  begin (after white space) with ``<think>``, and was not opened by the prompt, is content word for
-  word. Otherwise the block's inner text, stripped of white space at both ends, is the reasoning,
+* **Nothing the model wrote is lost but the tags and the white space around them**: a text that
+  does not begin (after white space) with ``<think>``, and was not opened by the prompt, is content
+  word for word. Otherwise the block's inner text, stripped of white space at both ends, is the reasoning,
   and what follows ``</think>``, less its leading white space, is the content; a block never closed
   (the decode hit ``max_tokens``) is all reasoning.
 * **Streamed and whole agree**: :class:`ThinkStream` fed the text in any pieces gives the
