@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expertcache.llama.reasoning import ThinkStream, opens_thinking, split_reasoning, think_format
+from test_toolcalls import streamed
 
 BLOCK = re.compile(r"\s*<think>(.*?)</think>(.*)", re.S)
 
@@ -51,12 +52,8 @@ def test_whole_agrees_with_the_reference_and_any_pieces_with_the_whole(parts, op
     text = "".join(parts)
     whole = split_reasoning(text, opened)
     assert whole == reference(text, opened), (text, opened)
-    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    stream = ThinkStream(opened)
-    out = []
-    for a, b in zip(bounds, bounds[1:]):
-        out += stream.feed(text[a:b])
-    out += stream.finish()
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    out = streamed(ThinkStream(opened), text, bounds)
     assert all(x for _, x in out)  # no empty part is reported
     reasoning = "".join(x for k, x in out if k == "reasoning")
     content = "".join(x for k, x in out if k == "content")
@@ -180,12 +177,8 @@ def test_harmony_whole_agrees_with_the_reference_and_any_pieces_with_the_whole(t
     assert got == harmony_reference(text, names), text
     if not with_tools:
         assert split_harmony(text) == (reasoning, content)
-    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    stream = HarmonyStream(names)
-    out = []
-    for a, b in zip(bounds, bounds[1:]):
-        out += stream.feed(text[a:b])
-    out += stream.finish()
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    out = streamed(HarmonyStream(names), text, bounds)
     assert all(x for _, x in out)
     assert ("".join(x for k, x in out if k == "reasoning"), "".join(x for k, x in out if k == "content"),
             [(x["function"]["name"], x["function"]["arguments"]) for k, x in out if k == "call"]) == \

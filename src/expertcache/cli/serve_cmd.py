@@ -95,21 +95,20 @@ def run(args) -> int:
         raise ConfigError("serve needs FastAPI and uvicorn: pip install 'expertcache[serve]'") from None
     if args.headroom is not None and args.memory_wall is None:
         raise ConfigError("--headroom needs --memory-wall")
-    if args.chat_template_kwargs is not None:
-        from ..llama.engine import _llama
+    from ..llama.engine import _llama
 
-        _llama()
+    _llama()  # the extra's presence, before a wall or the model (the names below are checked against it)
+    if args.chat_template_kwargs is not None:
         from ..llama.completion import template_variables
+
         try:
             template_variables(args.chat_template_kwargs, "--chat-template-kwargs")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     if args.memory_wall is not None:
         return run_walled(args)
-    from ..llama.engine import _llama
     from ..llama.server import WallGauge, Workers, serve
 
-    _llama()
     workers = Workers()  # a request starts no thread: these two run them, made before the wall follows us
     inside = wall_inside()  # set by run_walled for its child
     before_load = loading = settled = wall_state = bandwidth = None

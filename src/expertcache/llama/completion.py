@@ -52,7 +52,6 @@ class PromptError(ValueError):
         self.code = code
 
 
-
 def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 16, temperature: float = 0.8,
                       top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0, stop=None,
                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_penalty: float = 1.0,

@@ -30,7 +30,7 @@ Invariants (``tests/test_reasoning.py``):
 from __future__ import annotations
 
 from .._text import held_back
-from .toolcalls import function_call
+from .toolcalls import function_call, read_whole
 
 OPEN, CLOSE = "<think>", "</think>"
 DEEPSEEK, HARMONY = "deepseek", "harmony"
@@ -113,7 +113,8 @@ class ThinkStream:
                 if not self.pending:
                     return out
                 self.lead = False
-            out.append(("content", self.pending))
+            if self.pending:  # an empty piece gives no part
+                out.append(("content", self.pending))
             self.pending = ""
             return out
 
@@ -146,18 +147,12 @@ def _plain(stream, out: list) -> list:
     return out
 
 
-def _split(stream, text: str) -> tuple[str | None, str]:
-    """``(reasoning, content)`` of a whole text read by ``stream``; reasoning None where none began."""
-    parts = stream.feed(text) + stream.finish()
-    reasoning = "".join(x for kind, x in parts if kind == "reasoning")
-    content = "".join(x for kind, x in parts if kind == "content")
-    return (reasoning if stream.reasoned else None), content
-
-
 def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
     """``(reasoning, content)`` of a whole text (module docstring); reasoning None where the text
     holds no ``<think>`` block and the prompt opened none."""
-    return _split(ThinkStream(opened), text)
+    stream = ThinkStream(opened)
+    reasoning, content, _ = read_whole(stream, text)  # no calls: the content is text
+    return (reasoning if stream.reasoned else None), content
 
 
 class HarmonyStream:
@@ -305,14 +300,11 @@ def read_harmony(text: str, names=None) -> tuple[str | None, str | None, list[di
     tools' ``names``): reasoning None where no ``analysis`` message began, content None where only
     white space is left beside calls."""
     stream = HarmonyStream(names)
-    parts = stream.feed(text) + stream.finish()
-    reasoning = "".join(x for kind, x in parts if kind == "reasoning")
-    content = "".join(x for kind, x in parts if kind == "content")
-    calls = [x for kind, x in parts if kind == "call"]
-    return (reasoning if stream.reasoned else None), (None if calls and not content.strip() else content), calls
+    reasoning, content, calls = read_whole(stream, text)
+    return (reasoning if stream.reasoned else None), content, calls
 
 
 def split_harmony(text: str) -> tuple[str | None, str]:
     """``(reasoning, content)`` of a whole harmony text (:class:`HarmonyStream`); reasoning None
-    where no ``analysis`` message began."""
-    return _split(HarmonyStream(), text)
+    where no ``analysis`` message began (no tools: every message to one is content)."""
+    return read_harmony(text)[:2]

@@ -220,13 +220,19 @@ class TaggedCalls:
         return [("content", text)] if text else []
 
 
+def read_whole(stream, text: str) -> tuple[str, str | None, list[dict]]:
+    """``(reasoning, content, calls)`` of a whole text read by ``stream`` (a :class:`TaggedCalls`, or
+    a :mod:`.reasoning` stream): its parts joined by kind, the content None where only white space is
+    left beside calls."""
+    parts = stream.feed(text) + stream.finish()
+    reasoning = "".join(x for kind, x in parts if kind == "reasoning")
+    content = "".join(x for kind, x in parts if kind == "content")
+    calls = [x for kind, x in parts if kind == "call"]
+    return reasoning, (None if calls and not content.strip() else content), calls
+
+
 def parse_tagged(text: str, fmt: str, tools) -> tuple[str | None, list[dict]]:
     """``(content, calls)`` of a whole text (:class:`TaggedCalls`): the valid blocks as calls, the
     rest as content (None where only whitespace is left once calls were found)."""
-    stream = TaggedCalls(fmt, tools)
-    events = stream.feed(text) + stream.finish()
-    content = "".join(x for kind, x in events if kind == "content")
-    calls = [x for kind, x in events if kind == "call"]
-    if calls and not content.strip():
-        content = None
+    _, content, calls = read_whole(TaggedCalls(fmt, tools), text)
     return content, calls
