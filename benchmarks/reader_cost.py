@@ -1,6 +1,8 @@
 """What the server's text readers cost per piece of text (docs/serve.md, "What reading costs"): the
 <think> reader, gpt-oss's harmony reader and the tagged tool-call reader, each fed 4,000 pieces
-(2,000 of thinking, 2,000 of answer), 5 repeats, median [min-max] microseconds a piece.
+(2,000 of thinking, 2,000 of answer), and the tool-call reader fed one Qwen3-Coder call whose
+parameter is 4,000 or 16,000 pieces of code (a file an agent writes), 5 repeats, median [min-max]
+microseconds a piece.
 
     .venv/bin/python benchmarks/reader_cost.py [--repeats N] [--json]
 """
@@ -13,7 +15,7 @@ import statistics
 import time
 
 from expertcache.llama.reasoning import HarmonyStream, ThinkStream
-from expertcache.llama.toolcalls import HERMES, TaggedCalls
+from expertcache.llama.toolcalls import HERMES, QWEN_XML, TaggedCalls
 
 THINK = ["<think>"] + [" word"] * 2000 + ["</think>", "\n\n"] + [" answer"] * 2000
 HARMONY = (["<|channel|>analysis<|message|>"] + [" word"] * 2000
@@ -21,6 +23,11 @@ HARMONY = (["<|channel|>analysis<|message|>"] + [" word"] * 2000
 READERS = {"`<think>` (ThinkStream)": (ThinkStream, THINK),
            "harmony (HarmonyStream)": (lambda: HarmonyStream(["get_weather"]), HARMONY),
            "Hermes calls (TaggedCalls)": (lambda: TaggedCalls(HERMES, [("get_weather", None)]), THINK)}
+for n in (4000, 16000):  # one call whose block grows piece by piece until its close
+    READERS[f"a Qwen3-Coder call of {n:,} pieces (TaggedCalls)"] = (
+        lambda: TaggedCalls(QWEN_XML, [("write_file", None)]),
+        ["<tool_call>\n<function=write_file>\n<parameter=content>\n"] + ["    x = f(y)\n"] * n
+        + ["</parameter>\n</function>\n</tool_call>"])
 
 
 def main() -> None:

@@ -1448,9 +1448,11 @@ test's, opens the <think> block in the prompt, as DeepSeek-R1-0528's and Qwen3's
 models' templates always do."""
 
 
-def small_moe_with(tmp_path_factory, name: str, template: str, specials=()) -> Path:
+def small_moe_with(tmp_path_factory, name: str, template: str, specials=(), words=()) -> Path:
     """small-moe converted with ``template`` as its own chat template and ``specials`` as special
-    tokens of its vocabulary (its last ids, one each), as a release's tokenizer holds its tags."""
+    tokens of its vocabulary (its last ids, one each), as a release's tokenizer holds its tags;
+    ``words`` as tokens written as text (user-defined), the ids before them: a test biases one to
+    make the model write a whole call."""
     from expertcache.llama.convert import convert
 
     if not (SMALL / "config.json").is_file():
@@ -1464,6 +1466,8 @@ def small_moe_with(tmp_path_factory, name: str, template: str, specials=()) -> P
     vocab = len(tok["model"]["vocab"])
     tok["added_tokens"] += [{"id": vocab - 1 - i, "content": m, "single_word": False, "lstrip": False, "rstrip": False,
                              "normalized": False, "special": True} for i, m in enumerate(specials)]
+    tok["added_tokens"] += [{"id": vocab - 1 - len(specials) - i, "content": w, "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": False, "special": False} for i, w in enumerate(words)]
     (folder / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
     (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
     out = folder.parent / f"{name}.gguf"
@@ -1471,9 +1475,9 @@ def small_moe_with(tmp_path_factory, name: str, template: str, specials=()) -> P
     return out
 
 
-def serving(tmp_path_factory, name: str, template: str, specials=()) -> Server:
+def serving(tmp_path_factory, name: str, template: str, specials=(), words=()) -> Server:
     """:func:`small_moe_with`'s file served (``.gguf``: the file)."""
-    out = small_moe_with(tmp_path_factory, name, template, specials)
+    out = small_moe_with(tmp_path_factory, name, template, specials, words)
     s = Server(out, "--ctx", "512", "--model-alias", "small-moe")
     s.gguf = out
     return s
@@ -1667,6 +1671,22 @@ def test_harmony_markers_reach_the_text_and_a_harmony_chat_is_read(harmony):
     assert status == 400 and json.loads(body)["error"]["param"] == "reasoning_format", body
 
 
+WRITTEN_CALLS = {
+    "glm": ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>", None, None),
+    "deepseek": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                 '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None, None),
+    "qwen_xml": ("Paris, then.</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                 "</function>\n</tool_call>", "Paris, then.", None),
+    "minimax": ('Paris, then.</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+                'Paris</parameter>\n</invoke>\n</minimax:tool_call>', "Paris, then.", None),
+    "kimi": ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+             '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>', None, "functions.get_weather:0"),
+}
+"""Per served format: a call to get_weather(city="Paris") as the model writes it (Qwen3.5's and
+MiniMax's after the thinking their prompt opens), one token of the fixture's vocabulary; the
+reasoning it holds; the call's id where the format writes one."""
+
+
 GLM_TAGS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>", "</think>")
 GLM_TEMPLATE = """[gMASK]<sop>{%- if tools %}<|system|>
 # Tools
@@ -1699,7 +1719,7 @@ object), its thinking."""
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
     """small-moe with GLM_TEMPLATE and GLM's tags as control tokens of its vocabulary, served."""
-    s = serving(tmp_path_factory, "glm", GLM_TEMPLATE, GLM_TAGS)
+    s = serving(tmp_path_factory, "glm", GLM_TEMPLATE, GLM_TAGS, [WRITTEN_CALLS["glm"][0]])
     yield s
     s.stop()
 
@@ -1725,18 +1745,166 @@ ARGUMENTS
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     """small-moe with DEEPSEEK_TEMPLATE and DeepSeek's call tags as control tokens, served."""
-    s = serving(tmp_path_factory, "deepseek", DEEPSEEK_TEMPLATE, DEEPSEEK_TAGS)
+    s = serving(tmp_path_factory, "deepseek", DEEPSEEK_TEMPLATE, DEEPSEEK_TAGS, [WRITTEN_CALLS["deepseek"][0]])
     yield s
     s.stop()
 
 
-@pytest.mark.parametrize("fixture, tag", [("glm", "<tool_call>"), ("deepseek", "<｜tool▁calls▁begin｜>")])
+QWEN_XML_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+
+You have access to the following functions:
+
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+
+If you choose to call a function ONLY reply in the following format with NO suffix:
+
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter_1>
+value_1
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|im_start|>user
+{{ m.content }}<|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content or '' }}{% for tc in m.tool_calls or [] %}
+<tool_call>
+<function={{ tc.function.name }}>
+{% for k, v in tc.function.arguments|items %}<parameter={{ k }}>
+{{ v if v is string else v | tojson }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% endif %}{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+<think>
+{% if enable_thinking is defined and enable_thinking is false %}
+</think>
+
+{% endif %}{% endif %}"""
+"""Qwen3.5's chat template (Qwen3-Coder's calls), simplified: its tools, its XML calls (arguments
+iterated as an object), a generation prompt that opens <think>."""
+MINIMAX_TEMPLATE = """]~!b[]~b]system
+You are a helpful assistant.{% if tools %}
+
+# Tools
+<tools>{% for tool in tools %}
+<tool>{{ tool.function | tojson }}</tool>{% endfor %}
+</tools>
+When making tool calls, use XML format to invoke tools and pass parameters:
+<minimax:tool_call>
+<invoke name="tool-name-1">
+<parameter name="param-key-1">param-value-1</parameter>
+</invoke>
+</minimax:tool_call>{% endif %}[e~[
+{%- for m in messages %}
+{%- if m.role == 'user' %}]~b]user
+{{ m.content }}[e~[
+{% elif m.role == 'assistant' %}]~b]ai
+{% if m.reasoning_content %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{{ m.content or '' }}{% if m.tool_calls %}
+<minimax:tool_call>
+{% for tc in m.tool_calls %}<invoke name="{{ tc.function.name }}">
+{% if tc.function.arguments is mapping %}{% for k, v in tc.function.arguments|items %}<parameter name="{{ k }}">{{ v if v is string else v | tojson }}</parameter>
+{% endfor %}{% endif %}</invoke>
+{% endfor %}</minimax:tool_call>{% endif %}[e~[
+{% elif m.role == 'tool' %}]~b]tool
+<response>{{ m.content }}</response>[e~[
+{% endif %}{%- endfor %}
+{%- if add_generation_prompt %}]~b]ai
+<think>
+{% endif %}"""
+"""MiniMax-M2's chat template, simplified: its tools, its invoke calls, an assistant turn's thinking, a
+prompt that opens <think>."""
+KIMI_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_end|>",
+             "<|tool_call_argument_begin|>", "<think>", "</think>")
+KIMI_TEMPLATE = """{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>
+{%- elif m.role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|><think></think>{{ m.content or '' }}
+{%- if m.tool_calls -%}<|tool_calls_section_begin|>{%- for tc in m.tool_calls -%}<|tool_call_begin|>{{ tc.id }}<|tool_call_argument_begin|>{{ tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson }}<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}<|im_end|>
+{%- elif m.role == 'tool' -%}<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}
+{{ m.content }}<|im_end|>
+{%- endif -%}{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"""
+"""Kimi K2 Thinking's chat template, simplified: its declared tools, its call sections (the call's
+id written back), its empty thinking on past turns."""
+
+
+@pytest.fixture(scope="module")
+def qwen_xml(tmp_path_factory):
+    """small-moe with QWEN_XML_TEMPLATE and <tool_call>, <think> as control tokens, served."""
+    s = serving(tmp_path_factory, "qwen-xml", QWEN_XML_TEMPLATE, ("<tool_call>", "</tool_call>", "<think>", "</think>"),
+                [WRITTEN_CALLS["qwen_xml"][0], INDENT])
+    yield s
+    s.stop()
+
+
+INDENT = "\n" + " " * 40
+"""A token of 41 bytes: a new line and the spaces that indent code (GPT-NeoX's and Qwen's vocabularies
+hold such runs; OLMoE's tokenizer in models/ has this one)."""
+
+
+def test_a_token_longer_than_32_bytes_is_written_whole(qwen_xml):
+    """llama-cpp-python's ``detokenize`` writes nothing for a token longer than 32 bytes (the premise,
+    abetlen/llama-cpp-python#2362: should it pass, the workaround can go); the server writes it
+    whole, in a completion, its stream and its log-probabilities, and so does ``llama run``'s text."""
+    import llama_cpp
+
+    from expertcache.llama.textgen import detokenize_file
+
+    llm = llama_cpp.Llama(str(qwen_xml.gguf), vocab_only=True, verbose=False)
+    (tid,) = llm.tokenize(INDENT.encode(), add_bos=False, special=False)
+    assert llm.detokenize([tid]) == b""  # the premise
+    client = qwen_xml.client()
+    ask = dict(model="small-moe", prompt="def f():", max_tokens=3, temperature=0, logit_bias={str(tid): 100})
+    whole = client.completions.create(**ask, logprobs=1).choices[0]
+    assert whole.text == INDENT * 3 and whole.logprobs.tokens == [INDENT] * 3
+    assert "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True)) == INDENT * 3
+    assert detokenize_file(str(qwen_xml.gguf), [tid, tid]) == INDENT * 2
+
+
+@pytest.fixture(scope="module")
+def minimax(tmp_path_factory):
+    """small-moe with MINIMAX_TEMPLATE and MiniMax's call tags as control tokens, served."""
+    s = serving(tmp_path_factory, "minimax", MINIMAX_TEMPLATE,
+                ("<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>"), [WRITTEN_CALLS["minimax"][0]])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    """small-moe with KIMI_TEMPLATE and Kimi's call tags as control tokens, served."""
+    s = serving(tmp_path_factory, "kimi", KIMI_TEMPLATE, KIMI_TAGS, [WRITTEN_CALLS["kimi"][0]])
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("fixture, tag", [("glm", "<tool_call>"), ("deepseek", "<｜tool▁calls▁begin｜>"),
+                                          ("qwen_xml", "<tool_call>"), ("minimax", "<minimax:tool_call>"),
+                                          ("kimi", "<|tool_calls_section_begin|>")])
 def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
-    """GLM-4.5's and DeepSeek's formats: ``auto`` shows the tools and reads their blocks back (this
-    model writes none, so its text is content as written); their tags, control tokens here, reach
-    the text (a forced opening tag never closed stays content); a named call is its arguments under
-    the grammar; a second turn's call goes to the template (with its arguments as the object GLM's
-    iterates: OpenAI's clients send their JSON text)."""
+    """GLM-4.5's, DeepSeek's, Qwen3.5's, MiniMax-M2's and Kimi K2's formats: ``auto`` shows the tools
+    (a model that answers in text gets its text); their tags, control tokens here, reach the text (a
+    forced opening tag never closed stays content); a call the model writes in the format (a token
+    of this vocabulary, forced) is read back into ``tool_calls``, after the reasoning where the
+    prompt opened a <think> block, Kimi's with its own id, streamed the same; a named call is its
+    arguments under the grammar; a second turn's calls go to the template (with arguments as the
+    object GLM's, Qwen3.5's and MiniMax's iterate: OpenAI's clients send their JSON text)."""
     import llama_cpp
 
     glm = request.getfixturevalue(fixture)
@@ -1750,8 +1918,24 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
     assert auto.choices[0].message.content is not None and not auto.choices[0].message.tool_calls
     llm = llama_cpp.Llama(str(glm.gguf), vocab_only=True, verbose=False)
     (tag_id,) = llm.tokenize(tag.encode(), add_bos=False, special=True)
-    forced = client.chat.completions.create(**{**ask, "max_tokens": 2}, tools=tools, logit_bias={str(tag_id): 100})
+    forced = client.chat.completions.create(**{**ask, "max_tokens": 2}, tools=tools, logit_bias={str(tag_id): 100},
+                                            extra_body={"reasoning_format": "none"})  # Qwen3.5's prompt opens <think>
     assert forced.choices[0].message.content == tag * 2
+    # the model writes a whole call (one token of this vocabulary, forced): read back as the call, streamed the same
+    word, reasoning, call_id = WRITTEN_CALLS[fixture]
+    (word_id,) = llm.tokenize(word.encode(), add_bos=False, special=True)
+    written = dict(ask, max_tokens=1, tools=tools, logit_bias={str(word_id): 100})
+    message = client.chat.completions.create(**written).choices[0].message
+    (wrote,) = message.tool_calls
+    assert (wrote.function.name, json.loads(wrote.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert message.content is None and getattr(message, "reasoning_content", None) == reasoning
+    assert wrote.id == call_id if call_id else wrote.id.startswith("call_")
+    chunks = list(client.chat.completions.create(**written, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert [(tc.index, tc.function.name, tc.function.arguments) for d in deltas for tc in d.tool_calls or []] == \
+        [(0, "get_weather", wrote.function.arguments)]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (reasoning or "")
+    assert "".join(d.content or "" for d in deltas) == ""
     named = client.chat.completions.create(**{**ask, "max_tokens": 64}, tools=tools,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = named.choices[0].message.tool_calls
@@ -1760,3 +1944,7 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
                                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     after = client.chat.completions.create(**{**ask, "messages": turn2, "max_tokens": 1}, tools=tools)
     assert after.usage.prompt_tokens >= auto.usage.prompt_tokens + len(llm.tokenize(city.encode(), add_bos=False))
+    turn2 = ask["messages"] + [{"role": "assistant", "content": None, "tool_calls": [wrote.model_dump()]},
+                               {"role": "tool", "tool_call_id": wrote.id, "content": "sunny"}]
+    again = client.chat.completions.create(**{**ask, "messages": turn2, "max_tokens": 1}, tools=tools)
+    assert again.usage.prompt_tokens > auto.usage.prompt_tokens  # the written call goes back to the template

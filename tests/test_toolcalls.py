@@ -1,4 +1,5 @@
-"""``expertcache.llama.toolcalls``: calls in the Hermes and GLM-4.5 formats read back into OpenAI's ``tool_calls``.
+"""``expertcache.llama.toolcalls``: calls in the Hermes, GLM-4.5, Qwen3-Coder, MiniMax-M2, DeepSeek and Kimi K2
+formats read back into OpenAI's ``tool_calls``.
 Reference cases, and the property that a stream fed the text in any pieces gives what the whole
 text gives, nothing the model wrote dropped (docs/serve.md, "Tool calls"). The server's use of it is
 tested in tests/test_serve.py with a GGUF whose template teaches the format."""
@@ -11,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.llama.toolcalls import DSV3, GLM, HERMES, TaggedCalls, call_format, parse_tagged
+from expertcache.llama.toolcalls import (DSV3, GLM, HERMES, KIMI, MINIMAX, QWEN_XML, READERS, TAGS, TaggedCalls,
+                                         call_format, parse_tagged)
 
 NAMES = ("get_weather", "f")
 def parse_hermes(text, names):
@@ -48,7 +50,14 @@ def test_the_format_is_told_by_the_template():
     assert call_format("... <tool_call>\n{\"name\": ...} ...") == HERMES
     assert call_format("<tool_call>{{ name }}<arg_key>k</arg_key>") == GLM  # GLM-4.5: not JSON
     assert call_format("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>'}}") == DSV3
+    # Qwen3-Coder's and Qwen3.5's templates: <tool_call> around <function=...> and <parameter=...>
+    assert call_format("{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + k + '>\\n' }}") \
+        == QWEN_XML
+    # MiniMax-M2's (it writes <think> too) and Kimi K2's
+    assert call_format("{%- set toolcall_begin_token = '<minimax:tool_call>' -%}<invoke name=\"...\"><think>") == MINIMAX
+    assert call_format("<|tool_calls_section_begin|>{%- for tc in m.tool_calls -%}<|tool_call_begin|>") == KIMI
     assert call_format(None) is None and call_format("{{ messages }}") is None
+    assert set(READERS) == set(TAGS)  # every tagged format has its reader
 
 
 PARTS = st.sampled_from(["hello ", "<", "<tool", "<tool_call>", "</tool_call>", "\n", block("f", {"a": 1}),
@@ -56,23 +65,45 @@ PARTS = st.sampled_from(["hello ", "<", "<tool", "<tool_call>", "</tool_call>", 
                          "call>", " <think>", "tool_call"])
 
 
-def reference(text: str) -> tuple[str, list[dict]]:
-    """An independent reading by regular expression: each ``<tool_call>...</tool_call>`` (the first
-    close after an open) whose inside is a valid call is a call; everything else is content."""
+def blockwise(text: str, pattern: str, calls_of) -> tuple[str, list[dict]]:
+    """``text`` read block by block: each match of ``pattern`` (group 1: the block's inside) whose
+    ``calls_of(inside)`` is a list is those calls, everything else content."""
     import re
 
     content, calls, last = [], [], 0
-    for m in re.finditer(r"<tool_call>(.*?)</tool_call>", text, re.S):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and obj.get("name") in NAMES and isinstance(obj.get("arguments"), dict):
+    for m in re.finditer(pattern, text, re.S):
+        found = calls_of(m.group(1))
+        if found is not None:
             content.append(text[last:m.start()])
-            calls.append({"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)})
+            calls += found
             last = m.end()
     content.append(text[last:])
     return "".join(content), calls
+
+
+def typed(name: str, key: str, value: str):
+    """A value written as text, as the GLM and XML formats' readers type it: kept where the tool's
+    parameters (:data:`WEATHER` for get_weather) type the key a string, else JSON where it parses."""
+    if (WEATHER["properties"].get(key, {}) if name == "get_weather" else {}).get("type") == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def reference(text: str) -> tuple[str, list[dict]]:
+    """An independent reading by regular expression: each ``<tool_call>...</tool_call>`` (the first
+    close after an open) whose inside is a valid call is a call; everything else is content."""
+    def calls_of(inside):
+        try:
+            obj = json.loads(inside)
+        except ValueError:
+            return None
+        if isinstance(obj, dict) and obj.get("name") in NAMES and isinstance(obj.get("arguments"), dict):
+            return [{"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}]
+        return None
+    return blockwise(text, r"<tool_call>(.*?)</tool_call>", calls_of)
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -112,30 +143,16 @@ def glm_reference(text: str) -> tuple[str, list]:
     pairs only, each key once; a value typed string kept, else JSON where it parses)."""
     import re
 
-    content, calls, last = [], [], 0
-    for m in re.finditer(r"<tool_call>(.*?)</tool_call>", text, re.S):
-        inner = m.group(1)
+    def calls_of(inner):
         name = re.match(r"(.*?)(?=<arg_key>|$)", inner, re.S).group(1)
         pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", inner[len(name):], re.S)
         rest = re.sub(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", "", inner[len(name):], flags=re.S)
         keys = [k.strip() for k, _ in pairs]
         if name.strip() not in dict(GLM_TOOLS) or rest.strip() or len(set(keys)) != len(keys):
-            continue
-        args = {}
-        for k, v in pairs:
-            k = k.strip()
-            if (WEATHER["properties"].get(k, {}) if name.strip() == "get_weather" else {}).get("type") == "string":
-                args[k] = v
-                continue
-            try:
-                args[k] = json.loads(v)
-            except ValueError:
-                args[k] = v
-        content.append(text[last:m.start()])
-        calls.append({"name": name.strip(), "arguments": json.dumps(args, ensure_ascii=False)})
-        last = m.end()
-    content.append(text[last:])
-    return "".join(content), calls
+            return None
+        args = {k.strip(): typed(name.strip(), k.strip(), v) for k, v in pairs}
+        return [{"name": name.strip(), "arguments": json.dumps(args, ensure_ascii=False)}]
+    return blockwise(text, r"<tool_call>(.*?)</tool_call>", calls_of)
 
 
 B, E, CB, CE, SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -167,11 +184,10 @@ def deepseek_reference(text: str) -> tuple[str, list]:
     """An independent reading of DeepSeek's call sections by regular expression."""
     import re
 
-    content, calls, last = [], [], 0
-    for m in re.finditer(re.escape(B) + "(.*?)" + re.escape(E), text, re.S):
-        items = re.findall(re.escape(CB) + "(.*?)" + re.escape(CE), m.group(1), re.S)
-        if not items or re.sub(re.escape(CB) + ".*?" + re.escape(CE), "", m.group(1), flags=re.S).strip():
-            continue
+    def calls_of(section):
+        items = re.findall(re.escape(CB) + "(.*?)" + re.escape(CE), section, re.S)
+        if not items or re.sub(re.escape(CB) + ".*?" + re.escape(CE), "", section, flags=re.S).strip():
+            return None
         found = []
         for inner in items:
             v3 = re.fullmatch(r"\s*function\s*" + re.escape(SEP) + r"([^\n]*)\n\s*```json\n(.*)\n```\s*", inner, re.S)
@@ -183,18 +199,144 @@ def deepseek_reference(text: str) -> tuple[str, list]:
             except ValueError:
                 args = None
             if name is None or name.strip() not in NAMES or not isinstance(args, dict):
-                break
+                return None
             found.append({"name": name.strip(), "arguments": json.dumps(args, ensure_ascii=False)})
-        else:
-            content.append(text[last:m.start()])
-            calls += found
-            last = m.end()
-    content.append(text[last:])
-    return "".join(content), calls
+        return found
+    return blockwise(text, re.escape(B) + "(.*?)" + re.escape(E), calls_of)
+
+
+def qwen_block(calls, frame="\n"):
+    """A Qwen3-Coder block of ``calls`` (``(name, [(key, value), ...])``), as its template writes one."""
+    return "<tool_call>\n" + "".join(f"<function={name}>\n" + "".join(f"<parameter={k}>{frame}{v}{frame}</parameter>\n"
+                                                                       for k, v in pairs) + "</function>\n"
+                                     for name, pairs in calls) + "</tool_call>"
+
+
+def minimax_block(calls):
+    return "<minimax:tool_call>\n" + "".join(f'<invoke name="{name}">\n' + "".join(
+        f'<parameter name="{k}">{v}</parameter>\n' for k, v in pairs) + "</invoke>\n" for name, pairs in calls) + \
+        "</minimax:tool_call>"
+
+
+def test_xml_reference_cases():
+    for fmt, make in ((QWEN_XML, qwen_block), (MINIMAX, minimax_block)):
+        def read(text):
+            return parse_tagged(text, fmt, GLM_TOOLS)
+
+        content, (call,) = read("Let me look.\n\n" + make([("get_weather", [("city", "Paris"), ("days", "3")])]))
+        assert content == "Let me look.\n\n" and call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+        # a string keeps its text, one framing newline less at each end (inner lines and spaces kept);
+        # others are JSON where they parse
+        (call,) = read(make([("get_weather", [("city", "\n 1984\n"), ("tags", '["a", 1]'), ("x", "no json")])]))[1]
+        assert json.loads(call["function"]["arguments"]) == \
+            {"city": ("\n 1984\n" if fmt == QWEN_XML else " 1984"), "tags": ["a", 1], "x": "no json"}
+        content, calls = read(make([("f", []), ("get_weather", [("city", "a")])]) + " done")
+        assert content == " done" and [c["function"]["name"] for c in calls] == ["f", "get_weather"]
+        for bad in (make([("nope", [])]), make([("get_weather", [("city", "a"), ("city", "b")])]),
+                    make([("f", []), ("nope", [])]), make([("f", [])]).replace("</", "<", 1)):
+            assert read("a " + bad) == ("a " + bad, []), bad  # the text stays, word for word
+    assert parse_tagged(qwen_block([("f", [])]).replace("<function=f>", "<function=f>junk"), QWEN_XML, GLM_TOOLS)[1] == []
+    assert parse_tagged('<minimax:tool_call><invoke name="f">x</invoke></minimax:tool_call>', MINIMAX, GLM_TOOLS)[1] == []
+    assert parse_tagged(qwen_block([("f", [("a<b", "1")])]), QWEN_XML, GLM_TOOLS)[1] == []  # a key holds no tag
+
+
+KB, KE, KCB, KCE, KARG = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", \
+    "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+
+
+def kimi_call(name, args, index=0):
+    return f"{KCB}functions.{name}:{index}{KARG}{json.dumps(args)}{KCE}"
+
+
+def test_kimi_reference_cases():
+    text = "Checking." + KB + kimi_call("get_weather", {"city": "Paris"}) + "\n" + kimi_call("f", {}, 1) + KE
+    content, calls = parse_tagged(text, KIMI, [(n, None) for n in NAMES])
+    assert content == "Checking." and [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                       for c in calls] == [("functions.get_weather:0", "get_weather", {"city": "Paris"}),
+                                                           ("functions.f:1", "f", {})]
+    for bad in (KB + kimi_call("nope", {}) + KE, KB + kimi_call("f", [1]) + KE, KB + "x" + kimi_call("f", {}) + KE,
+                KB + f"{KCB}f:0{KARG}{{}}{KCE}" + KE, KB + f"{KCB}functions.f{KARG}{{}}{KCE}" + KE,
+                KB + f"{KCB}functions.f:0{{}}{KCE}" + KE, KB + kimi_call("f", {})):
+        assert parse_tagged("a " + bad, KIMI, [(n, None) for n in NAMES]) == ("a " + bad, []), bad
+
+
+def xml_reference(fmt):
+    """An independent reading of Qwen3-Coder's or MiniMax's blocks by regular expression (whole calls
+    only, with only white space around them; a key without ``<``; each key once; a value one
+    framing newline less at each end, typed as GLM's)."""
+    import re
+
+    opener, closer = TAGS[fmt]
+    if fmt == QWEN_XML:
+        call_re = r"\s*<function=([^>]*)>((?:\s*<parameter=[^<>]*>(?:(?!</parameter>).)*</parameter>)*)\s*</function>"
+        param_re = r"\s*<parameter=([^<>]*)>((?:(?!</parameter>).)*)</parameter>"
+    else:
+        call_re = (r'\s*<invoke name="((?:(?!">).)*)">((?:\s*<parameter name="(?:(?!">)[^<])*">(?:(?!</parameter>).)*'
+                   r'</parameter>)*)\s*</invoke>')
+        param_re = r'\s*<parameter name="((?:(?!">)[^<])*)">((?:(?!</parameter>).)*)</parameter>'
+
+    def calls_of(inner):
+        if not re.fullmatch(f"(?:{call_re})+\\s*", inner, re.S):
+            return None
+        found = []
+        for c in re.finditer(call_re, inner, re.S):
+            name = c.group(1).strip()
+            pairs = [(k.strip(), re.sub(r"\n\Z", "", re.sub(r"\A\n", "", v)))
+                     for k, v in re.findall(param_re, c.group(2), re.S)]
+            if name not in dict(GLM_TOOLS) or len({k for k, _ in pairs}) != len(pairs):
+                return None
+            found.append({"name": name, "arguments": json.dumps({k: typed(name, k, v) for k, v in pairs},
+                                                                ensure_ascii=False)})
+        return found
+    return lambda text: blockwise(text, re.escape(opener) + "(.*?)" + re.escape(closer), calls_of)
+
+
+QWEN_PARTS = st.sampled_from(["ok ", "<", "<tool_call>", "</tool_call>", "\n", "<function=", "</function>",
+                              "<parameter=", "</parameter>", ">", "get_weather", "city", "2", "[1]", " ",
+                              qwen_block([("get_weather", [("city", "Paris")])]),
+                              qwen_block([("get_weather", [("days", "2"), ("city", "é")]), ("f", [])], frame=""),
+                              qwen_block([("nope", [("a", "1")])]), "<function=f>\n</function>",
+                              qwen_block([("get_weather", [("city", "\n\nx\n\n")])])])
+MINIMAX_PARTS = st.sampled_from(["ok ", "<", "<minimax:tool_call>", "</minimax:tool_call>", "\n", '<invoke name="',
+                                 "</invoke>", '<parameter name="', "</parameter>", '">', "get_weather", "city", "2",
+                                 minimax_block([("get_weather", [("city", "Paris")])]),
+                                 minimax_block([("get_weather", [("days", "2"), ("city", "\né\n")]), ("f", [])]),
+                                 minimax_block([("nope", [("a", "1")])]), '<invoke name="f"></invoke>'])
+KIMI_PARTS = st.sampled_from(["ok ", KB, KE, KCB, KCE, KARG, "functions.", "f", ":0", "\n", "{}", "<|tool", " ",
+                              kimi_call("f", {"a": 1}), kimi_call("get_weather", {"city": "é"}, 7), kimi_call("nope", {}),
+                              KB + kimi_call("f", {}) + KE])
+
+
+def kimi_reference(text: str) -> tuple[str, list]:
+    """An independent reading of Kimi K2's call sections by regular expression (the id kept)."""
+    import re
+
+    item = re.escape(KCB) + "((?:(?!" + re.escape(KCE) + ").)*)" + re.escape(KCE)
+
+    def calls_of(section):
+        if not re.fullmatch(f"(?:\\s*{item})+\\s*", section, re.S):
+            return None
+        found = []
+        for inner in re.findall(item, section, re.S):
+            parts = re.fullmatch("((?:(?!" + re.escape(KARG) + ").)*)" + re.escape(KARG) + "(.*)", inner, re.S)
+            ident = re.fullmatch(r"\s*functions\.(.+):[0-9]+\s*", parts.group(1), re.S) if parts else None
+            try:
+                args = json.loads(parts.group(2)) if ident else None
+            except ValueError:
+                args = None
+            if ident is None or ident.group(1) not in NAMES or not isinstance(args, dict):
+                return None
+            found.append({"name": ident.group(1), "arguments": json.dumps(args, ensure_ascii=False)})
+        return found
+    return blockwise(text, re.escape(KB) + "(.*?)" + re.escape(KE), calls_of)
 
 
 CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS, GLM_TOOLS, glm_reference),
-         DSV3: (DS_PARTS, [(n, None) for n in NAMES], deepseek_reference)}
+         DSV3: (DS_PARTS, [(n, None) for n in NAMES], deepseek_reference),
+         QWEN_XML: (QWEN_PARTS, GLM_TOOLS, xml_reference(QWEN_XML)), MINIMAX: (MINIMAX_PARTS, GLM_TOOLS,
+                                                                               xml_reference(MINIMAX)),
+         KIMI: (KIMI_PARTS, [(n, None) for n in NAMES], kimi_reference)}
 """Per format: the pieces its texts are drawn from, the tools, an independent reading."""
 
 

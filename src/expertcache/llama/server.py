@@ -43,9 +43,10 @@ Invariants:
 * **Structured output and tools**: ``response_format``'s JSON schema, and a forced tool call's
   parameters, become a grammar every token keeps to (:mod:`.constraints`: a keyword the grammar would
   not hold is a 400, never ignored; the grammar checks the token the chain drew, as llama.cpp's own
-  sampler); with a chat template that teaches the Hermes format, the model's ``<tool_call>`` blocks
-  are read back into ``tool_calls`` (:mod:`.toolcalls`), a block that is not a valid call left in
-  the content as written (:func:`tool_plan`).
+  sampler); with a chat template that teaches a call format (Hermes', Qwen3-Coder's XML, GLM's,
+  MiniMax's, DeepSeek's, Kimi's, gpt-oss's channels), the model's calls are read back into
+  ``tool_calls`` (:mod:`.toolcalls`), a block that is not a valid call left in the content as
+  written (:func:`tool_plan`).
 * **Routed experts** (``--enable-return-routed-experts``): a request asking ``return_routed_experts``
   gets every evaluated position's experts in SGLang's ``sglext.routed_experts`` encoding
   (:meth:`Generation.routed_experts`); without the switch the field is refused, never ignored.
@@ -91,7 +92,7 @@ from .constraints import ConstraintError, logit_bias, response_grammar, tool_cal
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
 from .toolcalls import MARKERS as CALL_MARKERS
-from .toolcalls import DSV3, GLM, HARMONY, HERMES, TaggedCalls, call_format, parse_tagged
+from .toolcalls import HARMONY, HERMES, TAGS, TaggedCalls, call_format, parse_tagged
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -279,8 +280,8 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     named function force a call in that format by grammar. Without one, a named function (or
     ``required`` with one tool) makes the text the call's arguments, and ``auto`` is a 400 (a call
     the model wrote in its own format would be read as text); so is ``required`` among several tools
-    there, and a name no tool has. GLM-4.5's, DeepSeek's and gpt-oss's formats are read for ``auto`` only;
-    a forced call is its arguments under the grammar, as for other templates."""
+    there, and a name no tool has. The formats other than Hermes' are read for ``auto`` only; a
+    forced call is its arguments under the grammar, as for other templates."""
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
     if choice is None:
@@ -298,11 +299,12 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     if call_fmt == HERMES:
         return ToolPlan(offered=tools, parsed=True, named=named is not None,
                         forced=[named] if named is not None else tools if choice == "required" else None)
-    if call_fmt in (GLM, DSV3, HARMONY) and choice == "auto":  # their blocks; gpt-oss's channels (.reasoning)
+    if call_fmt is not None and choice == "auto":  # their blocks; gpt-oss's channels (.reasoning)
         return ToolPlan(offered=tools, parsed=True)
     if choice == "auto":
         raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
-                       "reads (the Hermes <tool_call> JSON of Qwen3 and others, GLM-4.5's, DeepSeek's, gpt-oss's); "
+                       "reads (the Hermes <tool_call> JSON of Qwen3 and others, Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's, "
+                       "MiniMax-M2's, DeepSeek's, Kimi K2's, gpt-oss's); "
                        "name the "
                        "function ({\"type\": "
                        "\"function\", \"function\": {\"name\": ...}}), or give one tool with \"required\", or "
@@ -1051,7 +1053,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         arguments_of = plan.arguments_of if plan is not None else None
         names = [t.function.name for t in plan.offered] if plan is not None and plan.parsed else None
         offered = [(t.function.name, t.function.parameters) for t in plan.offered] if names is not None else []
-        tagged = TaggedCalls(call_fmt, offered) if names is not None and call_fmt in (HERMES, GLM, DSV3) else None
+        tagged = TaggedCalls(call_fmt, offered) if names is not None and call_fmt in TAGS else None
 
         def finish_reason(calls: int) -> str:
             """``stop`` or ``length``; a decode that completed ``calls`` > 0 tool calls, ``tool_calls``,

@@ -8,10 +8,11 @@ parameters inside ``__init__`` and loads with them at once, with no argument for
 setter) and sets the callback, and turns repacking off (a repacked weight is a copy in anonymous
 memory, outside the page cache: llama.cpp's ``--no-repack``). ``eval`` tells the hook where each
 forward begins; ``sample`` counts the tokens sampled and, when asked
-(:attr:`ObservedLlama.logprobs`), reads each one's log-probabilities (:func:`token_logprobs`).
-Nothing else of ``Llama`` is changed: tokenizer, chat templates and sampling are llama-cpp-python's
-own; the streamed completion loop is :mod:`.completion`'s (llama-cpp-python's
-stalls on text that is not UTF-8).
+(:attr:`ObservedLlama.logprobs`), reads each one's log-probabilities (:func:`token_logprobs`);
+``detokenize`` writes every token's whole text (llama-cpp-python's drops a token longer than 32
+bytes: :func:`token_bytes`). Nothing else of ``Llama`` is changed: tokenizer, chat templates and
+sampling are llama-cpp-python's own; the streamed completion loop is :mod:`.completion`'s
+(llama-cpp-python's stalls on text that is not UTF-8).
 
 :class:`Session` is one GGUF opened in one page-cache mode (:mod:`.advice`): the geometry, the
 mode's :class:`~.advice.PageAdvisor` (started once the model is mapped), the ``ObservedLlama``
@@ -28,6 +29,7 @@ not then drop one expert at a time (seen on a freshly quantized file: evicted ex
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from dataclasses import dataclass
 
@@ -66,6 +68,26 @@ def token_logprobs(llm: llama_cpp.Llama, token: int, top: int,
     best = np.argpartition(-x, top - 1)[:top] if top else np.empty(0, dtype=np.int64)
     best = best[np.lexsort((best, -x[best]))]
     return int(token), float(x[token]) - lse, [(int(i), float(x[i]) - lse) for i in best]
+
+
+def token_bytes(vocab, tokens, special: bool = False) -> bytes:
+    """The bytes of ``tokens``' texts in the vocabulary ``vocab`` (a ``llama_vocab`` pointer), each
+    as llama.cpp's ``llama_token_to_piece`` writes it, its buffer grown to what a piece needs.
+    llama-cpp-python 0.3.36's ``detokenize`` gives each piece 32 bytes and writes nothing for a
+    longer one (llama.cpp answers with the size it needs, negated, and the slice of that is empty):
+    a token of 33 or more bytes, such as a run of spaces that indents code, vanished from the text
+    without a word (abetlen/llama-cpp-python#2362; ``tests/test_serve.py`` checks the premise)."""
+    size = 64
+    buf = ctypes.create_string_buffer(size)
+    out = bytearray()
+    for token in tokens:
+        n = llama_cpp.llama_token_to_piece(vocab, llama_cpp.llama_token(int(token)), buf, size, 0, special)
+        if n < 0:  # the piece needs -n bytes
+            size = -n
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(vocab, llama_cpp.llama_token(int(token)), buf, size, 0, special)
+        out += buf.raw[:max(n, 0)]
+    return bytes(out)
 
 
 class ObservedLlama(llama_cpp.Llama):
@@ -153,6 +175,14 @@ class ObservedLlama(llama_cpp.Llama):
                 mine.close()
             if self._grammar is mine:
                 self._grammar = None
+
+    def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
+        """llama-cpp-python's ``detokenize``, every token's text whole (:func:`token_bytes`), the
+        leading space after a BOS dropped as its own does."""
+        if not isinstance(self.tokenizer_, llama_cpp.llama_tokenizer.LlamaTokenizer):  # a Hugging Face tokenizer's
+            return super().detokenize(tokens, prev_tokens=prev_tokens, special=special)
+        out = token_bytes(self._model.vocab, tokens, special)
+        return out[1:] if tokens and tokens[0] == self.token_bos() and out[:1] == b" " else out
 
     def sample(self, *args, **kwargs) -> int:
         if self._grammar is not None and self._sampler is not None and kwargs.get("grammar") is None:
@@ -481,4 +511,4 @@ def tokenize(path: str, text: str, where: str = "--prompt") -> list[int]:
 def detokenize_file(path: str, ids) -> str:
     """Token ids of the model at ``path`` as text (invalid UTF-8 replaced)."""
     with _vocabulary(path) as vocab:
-        return vocab.detokenize([int(i) for i in ids]).decode("utf-8", errors="replace")
+        return token_bytes(vocab._model.vocab, ids).decode("utf-8", errors="replace")

@@ -1,38 +1,63 @@
 """Tool calls written in a model's own format, read back into OpenAI's ``tool_calls`` (docs/serve.md,
-"Tool calls"). Two formats write each call in a ``<tool_call>`` block: the Hermes format, which
+"Tool calls"). Three formats write each call in a ``<tool_call>`` block: the Hermes format, which
 Qwen3-MoE, Qwen3-Next and many other models are trained on, a JSON object::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-and GLM-4.5's (GLM-4.5, 4.6, 4.5-Air), the name, then each argument's key and value::
+GLM-4.5's (GLM-4.5, 4.6, 4.5-Air), the name, then each argument's key and value::
 
     <tool_call>get_weather
     <arg_key>city</arg_key>
     <arg_value>Paris</arg_value>
     </tool_call>
 
-and DeepSeek's (V3, R1; V3.1 without ``function`` and the fence), a section of calls::
+and the XML of Qwen3-Coder, which Qwen3.5, Nemotron 3 Nano and Step-3.5-Flash write too::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+MiniMax-M2's is XML of its own::
+
+    <minimax:tool_call>
+    <invoke name="get_weather">
+    <parameter name="city">Paris</parameter>
+    </invoke>
+    </minimax:tool_call>
+
+DeepSeek's (V3, R1; V3.1 without ``function`` and the fence) and Kimi K2's are sections of calls
+with JSON arguments; Kimi's call id, ``functions.NAME:INDEX``, is the id the call is reported with
+(its template writes it back into the next turn)::
 
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
     ```json
     {"city": "Paris"}
     ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
-A chat template that holds ``<tool_call>`` is taken to teach GLM's where it holds ``<arg_key>`` too,
-else Hermes'; one that holds ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁sep｜>``, DeepSeek's
-(:func:`call_format`), as llama.cpp's server detects them. (gpt-oss's calls are messages on its
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
+
+The chat template tells the format (:func:`call_format`), as llama.cpp's server detects it: one
+that holds ``<minimax:tool_call>`` teaches MiniMax's, ``<|tool_calls_section_begin|>`` Kimi's;
+one that holds ``<tool_call>`` teaches Qwen3-Coder's where it holds ``<function=`` and
+``<parameter=`` too, GLM's where it holds ``<arg_key>``, else Hermes'; one that holds
+``<｜tool▁calls▁begin｜>`` and ``<｜tool▁sep｜>``, DeepSeek's. (gpt-oss's calls are messages on its
 channels: :class:`~.reasoning.HarmonyStream`.)
 
 Invariants (``tests/test_toolcalls.py``):
 
 * **A call is reported only when its block is complete and valid**: the JSON parses to an object
-  with a ``name`` among the request's tools and an object of ``arguments`` (Hermes), or the name is
-  among them and the rest is key-value pairs only, each key once (GLM: a value is the text as
-  written where the tool's parameters type the key a string, else its JSON when it parses), or
-  every call of the section is valid (DeepSeek); otherwise the block's text stays content, word
-  for word (nothing the model wrote is dropped).
+  with a ``name`` among the request's tools and an object of ``arguments`` (Hermes); the name is
+  among them and the rest is key-value pairs only, each key once (GLM, Qwen3-Coder, MiniMax: a
+  value is the text as written where the tool's parameters type the key a string, else its JSON
+  when it parses; the XML formats' values lose one newline at each end, the template's framing);
+  every call of a block is valid (DeepSeek, Kimi, and the XML formats, which may hold several).
+  Otherwise the block's text stays content, word for word (nothing the model wrote is dropped).
 * **Streamed and whole agree**: :class:`TaggedCalls` fed the text in any pieces gives the content
   and calls :func:`parse_tagged` gives for the whole text; content that could begin ``<tool_call>``
   is held back until it cannot, a block until its ``</tool_call>``.
@@ -48,32 +73,48 @@ from typing import Callable
 from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES, GLM, DSV3, HARMONY = "hermes", "glm", "deepseek-v3", "harmony"
+HERMES, GLM, QWEN_XML, MINIMAX, DSV3, KIMI, HARMONY = (
+    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3", "kimi-k2", "harmony")
 CALLS_OPEN, CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_OPEN, CALL_CLOSE, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), DSV3: (CALLS_OPEN, CALLS_CLOSE)}
+KIMI_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+             "<|tool_call_end|>", "<|tool_call_argument_begin|>")
+MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
+        DSV3: (CALLS_OPEN, CALLS_CLOSE), KIMI: KIMI_TAGS[:2]}
 """The tags around a format's block of calls."""
 MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-           DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP)}
+           QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
+           DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP), KIMI: KIMI_TAGS}
 """The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`)."""
 
 
 def call_format(template: str | None) -> str | None:
-    """``"hermes"``, ``"glm"`` or ``"deepseek-v3"`` where the chat ``template`` teaches that format (module docstring),
-    ``"harmony"`` where it teaches gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
+    """The call format the chat ``template`` teaches (module docstring): :data:`HERMES`,
+    :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSV3` or :data:`KIMI`; :data:`HARMONY`
+    where it teaches gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
     :class:`~.reasoning.HarmonyStream`); None."""
-    if template and OPEN in template:
+    if not template:
+        return None
+    if MINIMAX_OPEN in template:
+        return MINIMAX
+    if KIMI_TAGS[0] in template:
+        return KIMI
+    if OPEN in template:
+        if "<function=" in template and "<parameter=" in template:
+            return QWEN_XML
         return GLM if "<arg_key>" in template else HERMES
-    if template and CALLS_OPEN in template and CALL_SEP in template:
+    if CALLS_OPEN in template and CALL_SEP in template:
         return DSV3
-    if template and "<|channel|>" in template and "<|message|>" in template and "to=" in template:
+    if "<|channel|>" in template and "<|message|>" in template and "to=" in template:
         return HARMONY
     return None
 
 
-def function_call(name, arguments, names) -> dict | None:
-    """The OpenAI tool call of ``name`` with ``arguments`` (an object, or its JSON text), or None
-    where ``name`` is not among ``names`` or the arguments are not a JSON object."""
+def function_call(name, arguments, names, call_id: str | None = None) -> dict | None:
+    """The OpenAI tool call of ``name`` with ``arguments`` (an object, or its JSON text), its id
+    ``call_id`` or a new one, or None where ``name`` is not among ``names`` or the arguments are not
+    a JSON object."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -81,118 +122,204 @@ def function_call(name, arguments, names) -> dict | None:
             return None
     if not (isinstance(name, str) and name in names and isinstance(arguments, dict)):
         return None
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+    return {"id": call_id or "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def _hermes_call(block: str, names: set[str]) -> list[dict] | None:
-    """The OpenAI tool call a Hermes block's inner text holds, or None where it is not a valid one."""
+def _hermes_calls(block: str, tools: dict) -> list[dict] | None:
+    """The call a Hermes block's inner text holds, or None where it is not a valid one."""
     try:
         obj = json.loads(block.strip())
     except (ValueError, RecursionError):
         return None
     if not (isinstance(obj, dict) and isinstance(obj.get("arguments"), dict)):  # an object, not its text
         return None
-    call = function_call(obj.get("name"), obj["arguments"], names)
+    call = function_call(obj.get("name"), obj["arguments"], tools)
     return None if call is None else [call]
 
 
-DSV3_FENCED = re.compile(r"\s*```json\n(.*)\n```\s*", re.S)
-
-
-def _deepseek_calls(block: str, names: set[str]) -> list[dict] | None:
-    """The calls a DeepSeek block (between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``)
-    holds, each ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` with only white space between them;
-    inside one, V3's and R1's ``function<｜tool▁sep｜>NAME`` and its arguments in a fenced json block,
-    or V3.1's ``NAME<｜tool▁sep｜>ARGUMENTS``. None where any is not a valid call."""
-    calls, rest = [], block
-    while rest.strip():
-        rest = rest.lstrip()
-        if not rest.startswith(CALL_OPEN) or CALL_CLOSE not in rest:
+def _keyed_call(name: str, pairs: list[tuple[str, str]], tools: dict) -> dict | None:
+    """The call of ``name`` with its arguments written as ``(key, text)`` pairs (GLM's and the XML
+    formats'), each value the text as written where the tool's parameters (``tools``: name -> its
+    parameters' JSON schema, or None) type the key a string, else its JSON when it parses; None
+    where the name is no tool's or a key repeats."""
+    if name not in tools:
+        return None
+    schema = tools[name] if isinstance(tools[name], dict) else {}
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    args = {}
+    for key, value in pairs:
+        if key in args:
             return None
-        inner, rest = rest[len(CALL_OPEN):].split(CALL_CLOSE, 1)
-        kind, sep, tail = inner.partition(CALL_SEP)
-        if not sep:
-            return None
-        if kind.strip() == "function":  # V3, R1
-            name, _, fenced = tail.partition("\n")
-            m = DSV3_FENCED.fullmatch(fenced)
-            call = function_call(name.strip(), m.group(1), names) if m else None
-        else:  # V3.1
-            call = function_call(kind.strip(), tail, names)
-        if call is None:
-            return None
-        calls.append(call)
-    return calls or None
+        typed = properties.get(key)
+        if not (isinstance(typed, dict) and typed.get("type") == "string"):
+            try:
+                value = json.loads(value)
+            except (ValueError, RecursionError):
+                pass  # not JSON: the text, as written
+        args[key] = value
+    return function_call(name, args, tools)
 
 
 GLM_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
-def _glm_call(block: str, parameters: dict) -> dict | None:
-    """The OpenAI tool call a GLM block's inner text holds (``parameters``: tool name -> its
-    parameters' JSON schema, or None), or None where it is not a valid one (module docstring)."""
+def _glm_calls(block: str, tools: dict) -> list[dict] | None:
+    """The call a GLM block's inner text holds (the name, then key-value pairs only), or None where
+    it is not a valid one (:func:`_keyed_call`)."""
     at = block.find("<arg_key>")
     name, rest = (block, "") if at < 0 else (block[:at], block[at:])
-    name = name.strip()
-    if name not in parameters:
-        return None
-    types = {k: (v or {}).get("type") if isinstance(v, dict) else None
-             for k, v in ((parameters[name] or {}).get("properties") or {}).items()}
-    args, at = {}, 0
+    pairs, at = [], 0
     while at < len(rest):
         m = GLM_ARGUMENT.match(rest, at)
         if m is None:
             break
-        key, value = m.group(1).strip(), m.group(2)
-        if key in args:
-            return None
-        if types.get(key) != "string":
-            try:
-                value = json.loads(value)
-            except (ValueError, RecursionError):
-                pass  # not JSON: the text, as written
-        args[key], at = value, m.end()
+        pairs.append((m.group(1).strip(), m.group(2)))
+        at = m.end()
     if rest[at:].strip():
         return None
-    call = function_call(name, args, parameters)
+    call = _keyed_call(name.strip(), pairs, tools)
     return None if call is None else [call]
 
 
+XML_FORMS = {QWEN_XML: ("<function=", ">", "</function>", "<parameter=", ">", "</parameter>"),
+             MINIMAX: ('<invoke name="', '">', "</invoke>", '<parameter name="', '">', "</parameter>")}
+"""Per XML format: the call's opening and the end of its name, its closing; a parameter's opening
+and the end of its key, its closing."""
+
+
+def _unframed(value: str) -> str:
+    """An XML value less one newline at each end (the template's framing: ``>\\nVALUE\\n</``)."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _xml_calls(block: str, form: tuple, tools: dict) -> list[dict] | None:
+    """The calls an XML block holds (``form``: :data:`XML_FORMS`): one or more calls with only white
+    space around them, each its name, then its parameters with only white space around them (a
+    name or key is the text to its end mark, a key without ``<``; a value the text to its closing,
+    which it cannot hold); None where any is not a valid call (:func:`_keyed_call`)."""
+    call_open, name_end, call_close, key_open, key_end, value_close = form
+    calls, rest = [], block.lstrip()
+    while rest:
+        if not rest.startswith(call_open):
+            return None
+        name, sep, rest = rest[len(call_open):].partition(name_end)
+        if not sep:
+            return None
+        pairs = []
+        while not (rest := rest.lstrip()).startswith(call_close):
+            if not rest.startswith(key_open):
+                return None
+            key, sep, rest = rest[len(key_open):].partition(key_end)
+            value, closed, rest = rest.partition(value_close)
+            if not (sep and closed) or "<" in key:
+                return None
+            pairs.append((key.strip(), _unframed(value)))
+        call = _keyed_call(name.strip(), pairs, tools)
+        if call is None:
+            return None
+        calls.append(call)
+        rest = rest[len(call_close):].lstrip()
+    return calls or None
+
+
+def _sections(block: str, open_: str, close: str) -> list[str] | None:
+    """The inner texts of a block made of ``open_ ... close`` sections with only white space around
+    them (at least one); None otherwise."""
+    inner, rest = [], block.strip()
+    while rest:
+        if not rest.startswith(open_) or close not in rest:
+            return None
+        text, rest = rest[len(open_):].split(close, 1)
+        inner.append(text)
+        rest = rest.lstrip()
+    return inner or None
+
+
+DSV3_FENCED = re.compile(r"\s*```json\n(.*)\n```\s*", re.S)
+
+
+def _deepseek_call(inner: str, tools: dict) -> dict | None:
+    """The call one DeepSeek section holds: V3's and R1's ``function<｜tool▁sep｜>NAME`` and its
+    arguments in a fenced json block, or V3.1's ``NAME<｜tool▁sep｜>ARGUMENTS``; None."""
+    kind, sep, tail = inner.partition(CALL_SEP)
+    if not sep:
+        return None
+    if kind.strip() == "function":  # V3, R1
+        name, _, fenced = tail.partition("\n")
+        m = DSV3_FENCED.fullmatch(fenced)
+        return function_call(name.strip(), m.group(1), tools) if m else None
+    return function_call(kind.strip(), tail, tools)  # V3.1
+
+
+KIMI_ID = re.compile(r"functions\.(.+):[0-9]+")
+
+
+def _kimi_call(inner: str, tools: dict) -> dict | None:
+    """The call one Kimi K2 section holds: ``functions.NAME:INDEX``, the id it is reported with,
+    then ``<|tool_call_argument_begin|>`` and the JSON arguments; None."""
+    ident, sep, arguments = inner.partition(KIMI_TAGS[4])
+    m = KIMI_ID.fullmatch(ident.strip())
+    return function_call(m.group(1), arguments, tools, call_id=ident.strip()) if sep and m else None
+
+
+def _each(sections: list[str] | None, read: Callable, tools: dict) -> list[dict] | None:
+    """Each section read into its call (``read``), or None where there are none or any is not a call."""
+    calls = [read(inner, tools) for inner in sections or ()]
+    return calls if calls and None not in calls else None
+
+
+READERS = {
+    HERMES: _hermes_calls,
+    GLM: _glm_calls,
+    QWEN_XML: lambda block, tools: _xml_calls(block, XML_FORMS[QWEN_XML], tools),
+    MINIMAX: lambda block, tools: _xml_calls(block, XML_FORMS[MINIMAX], tools),
+    DSV3: lambda block, tools: _each(_sections(block, CALL_OPEN, CALL_CLOSE), _deepseek_call, tools),
+    KIMI: lambda block, tools: _each(_sections(block, KIMI_TAGS[2], KIMI_TAGS[3]), _kimi_call, tools),
+}
+"""Per call format: a block's inner text and the tools (name -> parameters' schema) -> its calls, or None."""
+
+
 def reader(fmt: str, tools) -> Callable[[str], list[dict] | None]:
-    """The block reader of call format ``fmt`` (:data:`HERMES`, :data:`GLM`, :data:`DSV3`) for
-    ``tools`` (``(name, parameters)`` pairs): a block's inner text -> its calls, or None."""
-    tools = dict(tools)
-    if fmt == GLM:
-        return lambda block: _glm_call(block, tools)
-    if fmt == DSV3:
-        return lambda block: _deepseek_calls(block, set(tools))
-    return lambda block: _hermes_call(block, set(tools))
+    """The block reader of call format ``fmt`` (:data:`READERS`) for ``tools`` (``(name,
+    parameters)`` pairs): a block's inner text -> its calls, or None."""
+    tools, read = dict(tools), READERS[fmt]
+    return lambda block: read(block, tools)
 
 
 class TaggedCalls:
     """Text in, in pieces; out, content pieces and complete calls (:meth:`feed`, :meth:`finish`:
     lists of ``("content", text)`` and ``("call", call)``) of call format ``fmt`` for ``tools``
-    (:func:`reader`): each block between the format's tags (:data:`TAGS`) read. Per piece the work is
-    bounded by the piece and the open block, not by the text so far."""
+    (:func:`reader`): each block between the format's tags (:data:`TAGS`) read once it closes. Per
+    piece the work is bounded by the piece and the tags, not by the text so far nor by the open
+    block (a call that writes a file grows one block over thousands of pieces); a block is joined
+    and read once, when its close arrives."""
 
     def __init__(self, fmt: str, tools):
         self.read = reader(fmt, tools)
         self.open, self.close = TAGS[fmt]
-        self.pending = ""  # content held back (it could begin the open tag), or an open block
+        self.pending = ""  # content held back: it could begin the open tag
         self.inside = False
+        self.parts: list[str] = []  # the open block's text, as it came
+        self.tail = ""  # the open block's last len(close) - 1 characters: a close may begin in them
         self.calls = 0
 
     def feed(self, piece: str) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []
-        self.pending += piece
+        text = piece
         while True:
             if self.inside:
-                end = self.pending.find(self.close)
+                window = self.tail + text  # a close that ends in this piece begins in the window
+                end = window.find(self.close)
                 if end < 0:
+                    self.parts.append(text)
+                    self.tail = window[max(0, len(window) - len(self.close) + 1):]
                     return out
-                block, self.pending = self.pending[:end], self.pending[end + len(self.close):]
-                self.inside = False
+                whole = "".join(self.parts) + text
+                at = len(whole) - len(window) + end  # where the close begins in the block's text
+                block, text = whole[:at], whole[at + len(self.close):]
+                self.inside, self.parts, self.tail = False, [], ""
                 calls = self.read(block)
                 if calls is None:  # not a call after all: its text is content, as written
                     out.append(("content", self.open + block + self.close))
@@ -200,23 +327,23 @@ class TaggedCalls:
                     self.calls += len(calls)
                     out += [("call", call) for call in calls]
                 continue
-            start = self.pending.find(self.open)
+            text, self.pending = self.pending + text, ""
+            start = text.find(self.open)
             if start >= 0:
                 if start:
-                    out.append(("content", self.pending[:start]))
-                self.pending = self.pending[start + len(self.open):]
-                self.inside = True
+                    out.append(("content", text[:start]))
+                text, self.inside = text[start + len(self.open):], True
                 continue
-            keep = held_back(self.pending, [self.open])
-            text, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+            keep = held_back(text, [self.open])
+            text, self.pending = text[:len(text) - keep], text[len(text) - keep:]
             if text:
                 out.append(("content", text))
             return out
 
     def finish(self) -> list[tuple[str, object]]:
         """What is left at the end: held-back content, or an unclosed block's text, as content."""
-        text = (self.open if self.inside else "") + self.pending
-        self.pending, self.inside = "", False
+        text = (self.open + "".join(self.parts) if self.inside else "") + self.pending
+        self.pending, self.inside, self.parts, self.tail = "", False, [], ""
         return [("content", text)] if text else []
 
 
