@@ -1538,6 +1538,63 @@ def test_auto_tool_calls_of_a_hermes_template(hermes):
     assert after.usage.prompt_tokens > auto.usage.prompt_tokens and after.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_chat_template_file_stands_for_the_ggufs_own(small_gguf, hermes, tmp_path):
+    """``--chat-template-file`` (llama.cpp's): its template formats the chats of a GGUF that has none,
+    and tells the server the call and thinking formats (``required`` among two tools is a Hermes
+    call under its grammar, where the GGUF alone refuses it; a prompt the file opens a <think> block
+    in gives reasoning); it serves a GGUF whose own template does not compile, which is otherwise
+    refused; a file that cannot be read, is not UTF-8, is empty or does not compile, and the option
+    beside ``--chat-format``, are one line before anything loads, for ``serve`` and ``llama
+    generate`` alike."""
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "maxLength": 6}}, "required": ["x"]}}}
+        for name in ("get_weather", "get_time")]
+    ask = dict(model="small-moe", messages=[{"role": "user", "content": "hi"}], temperature=0, seed=1)
+    (tmp_path / "hermes.jinja").write_text(HERMES_TEMPLATE, encoding="utf-8")
+    plain = Server(small_gguf, "--ctx", "512", "--model-alias", "small-moe", "--chat-format", "chatml")
+    try:
+        status, body = plain.raw("POST", "/v1/chat/completions", json.dumps({**ask, "tools": tools,
+                                                                             "tool_choice": "required"}))
+        assert status == 400 and b"required" in body
+    finally:
+        plain.stop()
+    served = Server(small_gguf, "--ctx", "512", "--model-alias", "small-moe", "--chat-template-file",
+                    str(tmp_path / "hermes.jinja"))
+    try:
+        client = served.client()
+        answer = client.chat.completions.create(**ask, max_tokens=96, tools=tools, tool_choice="required")
+        (call,) = answer.choices[0].message.tool_calls
+        assert call.function.name in ("get_weather", "get_time") and answer.choices[0].finish_reason == "tool_calls"
+        assert set(json.loads(call.function.arguments)) == {"x"}
+        opened = client.chat.completions.create(**ask, max_tokens=4,
+                                                extra_body={"chat_template_kwargs": {"think_open": True}})
+        assert getattr(opened.choices[0].message, "reasoning_content", None)
+    finally:
+        served.stop()
+    broken = _with_metadata(hermes.gguf, tmp_path / "broken.gguf", tokenizer__chat_template="{% if %}")
+    (tmp_path / "bin.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    (tmp_path / "empty.jinja").write_text(" \n", encoding="utf-8")
+    (tmp_path / "bad.jinja").write_text("{% for %}", encoding="utf-8")
+    text = ["--prompt", PROMPT, "--max-new-tokens", "2"]
+    for cmd, options, cases in [(["serve"], ["--port", "0"], slice(None)), (["llama", "generate"], text, slice(0, 3))]:
+        for args, match in [([], "its tokenizer.chat_template is not a template Jinja compiles"),
+                            (["--chat-template-file", str(tmp_path / "none.jinja")], "No such file"),
+                            (["--chat-template-file", str(tmp_path / "bin.jinja")], "not UTF-8 text (byte 0)"),
+                            (["--chat-template-file", str(tmp_path / "empty.jinja")], "the file is empty"),
+                            (["--chat-template-file", str(tmp_path / "bad.jinja")], "not a template Jinja compiles"),
+                            (["--chat-template-file", str(tmp_path / "hermes.jinja"), "--chat-format", "chatml"],
+                             "not allowed with argument")][cases]:  # one parser: generate checks a few
+            done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", *cmd, str(broken), *options, *args],
+                                  capture_output=True, text=True, cwd=REPO, timeout=120)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and match in lines[-1] and (len(lines) == 1 or "usage:" in lines[0]), \
+                (cmd, args, done.stderr)
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(broken), "--chat",
+                           "hi", "--max-new-tokens", "2", "--chat-template-file", str(tmp_path / "hermes.jinja")],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
 def test_thinking_is_read_out_into_reasoning_content_and_template_variables_reach_the_template(hermes):
     """A template that teaches <think> blocks: a prompt the template opens one in (``think_open``, a
     ``chat_template_kwargs`` variable) makes the model's text its reasoning, as

@@ -6,6 +6,9 @@ inside the functions: every command's module is imported to build the parser, an
 
 from __future__ import annotations
 
+from .._io import read_text
+from ..errors import ConfigError
+from ..formats.gguf import chat_template_problem
 from ..llama import MAX_SEED
 from .common import _int_in, add_json, float_in, nonnegative_float, positive_int, threads_int
 
@@ -46,8 +49,12 @@ def add_generation_options(p) -> None:
     p.add_argument("--ctx", type=positive_int, default=None, metavar="N",
                    help="context tokens, at most the model's trained context (default 2048, or that context where "
                         "it is smaller)")
-    p.add_argument("--chat-format", default=None, metavar="NAME",
-                   help="a llama-cpp-python chat format (chatml, ...) for a GGUF without its own chat template")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat-format", default=None, metavar="NAME",
+                      help="a llama-cpp-python chat format (chatml, ...) for a GGUF without its own chat template")
+    chat.add_argument("--chat-template-file", default=None, metavar="PATH",
+                      help="a Jinja chat template (UTF-8, at most 1 MiB) in place of the GGUF's own, as llama.cpp's "
+                           "--chat-template-file: the tool-call and thinking formats are then read from it")
     add_json(p)
 
 
@@ -64,6 +71,26 @@ def sampling_seed(text: str) -> int:
 
 def _nonnegative_int(text: str) -> int:
     return _int_in(text, 0, 64, "a number of threads", "in 0..64")
+
+
+MAX_TEMPLATE_BYTES = 1 << 20
+"""Largest ``--chat-template-file``: real templates are a few to some tens of kilobytes."""
+
+
+def chat_template(args) -> str | None:
+    """The template of ``--chat-template-file`` (None without it), one line where it cannot be
+    read or does not compile as llama-cpp-python compiles a GGUF's."""
+    path = getattr(args, "chat_template_file", None)
+    if path is None:
+        return None
+    where = f"--chat-template-file {path}"
+    text = read_text(path, where, max_bytes=MAX_TEMPLATE_BYTES)
+    if not text.strip():
+        raise ConfigError(f"{where}: the file is empty")
+    problem = chat_template_problem(text)
+    if problem:
+        raise ConfigError(f"{where}: not a template Jinja compiles ({problem})")
+    return text
 
 
 def open_session(args, before_load=None, loading=None, settled=None):
@@ -85,5 +112,6 @@ def open_session(args, before_load=None, loading=None, settled=None):
     cache = parse_wall(args.cache_memory, g, "--cache-memory")
     return Session.open(g.path, mode=mode, cache_bytes=cache, policy=policy, n_ctx=args.ctx,
                         threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format,
+                        chat_template=chat_template(args),
                         readers=args.readers, routed_experts=getattr(args, "enable_return_routed_experts", False),
                         before_load=before_load, loading=loading, settled=settled)

@@ -12,7 +12,7 @@ import sys
 from .. import __version__
 from ..errors import ConfigError, is_int, is_real
 from .common import _int_in, byte_size, emit_json, seconds_in
-from .llama_opts import add_generation_options, open_session
+from .llama_opts import add_generation_options, chat_template, open_session
 
 HELP = """Serve a GGUF MoE over HTTP with the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions,
 streamed or not), /health and /metrics (Prometheus), with llama-cpp-python's Llama (tokenizer, chat
@@ -190,6 +190,7 @@ def run_walled(args) -> int:
     wall = parse_wall(args.memory_wall, g, "--memory-wall")
     check_wall(g, wall, mode=args.mode)
     mode_options([args.mode or "managed"], args.policy, args.readers)  # as the child will, before the wall starts
+    chat_template(args)  # read and compiled as the child will, a bad file one line before the wall starts
     if args.mode in (None, "managed"):  # the child's own check, made before the wall starts
         check_managed(g, parse_wall(args.cache_memory, g, "--cache-memory") or wall, args.policy or "lru")
     cache = parse_wall(args.cache_memory, g, "--cache-memory")
@@ -197,7 +198,8 @@ def run_walled(args) -> int:
         raise ConfigError(f"--cache-memory {cache} is above the --memory-wall {wall}: the pool would not fit in "
                           "the wall")
     argv = [sys.executable, "-m", "expertcache.cli.main", "serve", g.path]
-    for opt in ("mode", "cache_memory", "policy", "threads", "readers", "ctx", "chat_format", "host", "port",
+    for opt in ("mode", "cache_memory", "policy", "threads", "readers", "ctx", "chat_format", "chat_template_file",
+                "host", "port",
                 "model_alias", "max_connections", "request_timeout", "reasoning_format", "chat_template_kwargs"):
         value = getattr(args, opt)
         if value is not None:

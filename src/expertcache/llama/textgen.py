@@ -94,7 +94,12 @@ class ObservedLlama(llama_cpp.Llama):
     """``llama_cpp.Llama`` with an :class:`EvalHook` on its context (see the module docstring)."""
 
     def __init__(self, model_path: str, *, hook: EvalHook | None = None, routing: ContextRouting | None = None,
-                 io: OpenProcFile | None = None, **kwargs):
+                 io: OpenProcFile | None = None, chat_template: str | None = None, **kwargs):
+        self.chat_template = chat_template
+        """A Jinja chat template that stands for the GGUF's ``tokenizer.chat_template`` (llama.cpp's
+        ``--chat-template-file``): :attr:`metadata` holds it from the moment ``Llama.__init__`` reads
+        the file's, so llama-cpp-python makes its chat handler of it, and whatever reads the
+        template from the metadata (the server's call and thinking formats) reads this one."""
         self.hook = hook
         self.routing = routing
         """Where each position's routing is kept (``serve --enable-return-routed-experts``): every
@@ -175,6 +180,16 @@ class ObservedLlama(llama_cpp.Llama):
                 mine.close()
             if self._grammar is mine:
                 self._grammar = None
+
+    @property
+    def metadata(self) -> dict:
+        return self._metadata
+
+    @metadata.setter
+    def metadata(self, value: dict) -> None:
+        if self.chat_template is not None:
+            value = {**value, "tokenizer.chat_template": self.chat_template}
+        self._metadata = value
 
     def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
         """llama-cpp-python's ``detokenize``, every token's text whole (:func:`token_bytes`), the
@@ -277,7 +292,7 @@ class Session:
     @classmethod
     def open(cls, path: str, *, mode: str = "mmap", cache_bytes: int | None = None, policy: str = "lru",
              n_ctx: int | None = None, threads: int = 1, seed: int = 0, chat_format: str | None = None,
-             where: str = "MODEL", readers: int | None = None, routed_experts: bool = False,
+             chat_template: str | None = None, where: str = "MODEL", readers: int | None = None, routed_experts: bool = False,
              before_load=None, loading=None, settled=None) -> "Session":
         """``before_load``: called once the options are checked and the managed rule compiled, before
         more than its header is read (a following memory wall begins there:
@@ -286,11 +301,12 @@ class Session:
         around llama.cpp's load and the advisor's start (the wall's load phase:
         :func:`~expertcache.wall.capacity.model_load`); ``settled``: with the managed mode, called
         after a warm-up (:meth:`warm_up`) once the load is over (a following wall restarts its
-        window of own-memory samples there: :func:`~expertcache.wall.capacity.settled`)."""
+        window of own-memory samples there: :func:`~expertcache.wall.capacity.settled`). ``chat_template``:
+        a Jinja chat template in place of the GGUF's own (:attr:`ObservedLlama.chat_template`)."""
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         g = read_geometry(path, where)
-        check_tokenizer(g.metadata, path)
+        check_tokenizer(g.metadata, path, template_given=chat_template is not None)
         trained = g.context_length
         if n_ctx is None:
             n_ctx = min(DEFAULT_CTX, trained or DEFAULT_CTX)
@@ -333,7 +349,8 @@ class Session:
             try:
                 llm = ObservedLlama(g.path, hook=hook, routing=routing, io=selfio, n_ctx=n_ctx,
                                     n_batch=min(512, n_ctx), n_threads=threads, n_threads_batch=threads,
-                                    use_mmap=mode != "nommap", seed=seed, verbose=False, chat_format=chat_format)
+                                    use_mmap=mode != "nommap", seed=seed, verbose=False, chat_format=chat_format,
+                                    chat_template=chat_template)
             except ValueError as exc:  # llama-cpp-python's "Failed to load model from file" and the like
                 advisor.close()
                 selfio.close()
@@ -469,14 +486,17 @@ def _delta(a: dict, b: dict, key: str):
     return b[key] - a[key] if a.get(key) is not None and b.get(key) is not None else None
 
 
-def check_tokenizer(meta: dict, path: str) -> None:
+def check_tokenizer(meta: dict, path: str, template_given: bool = False) -> None:
     """Refuse, in one line, a GGUF without a tokenizer where text goes in or out: llama.cpp asserts
-    on it (an abort that ends the process) the first time it tokenizes or detokenizes."""
+    on it (an abort that ends the process) the first time it tokenizes or detokenizes; and one whose
+    chat template does not compile (but its default one where ``template_given``: it is replaced)."""
     if not meta.get("tokenizer.ggml.model") or not meta.get("tokenizer.ggml.tokens"):
         raise ConfigError(f"MODEL {path}: has no tokenizer (no tokenizer.ggml.model / tokens in its metadata): "
                           "convert it with the checkpoint's tokenizer files beside config.json, or give token ids "
                           "(llama run --tokens IDS.npy)")
     for key, value in meta.items():  # llama-cpp-python compiles these when it loads the model, prompt or chat
+        if template_given and key == "tokenizer.chat_template":
+            continue
         problem = chat_template_problem(value) if key.startswith("tokenizer.chat_template") and isinstance(
             value, str) else None
         if problem:
