@@ -13,6 +13,7 @@ import base64
 import collections
 import http.client
 import json
+import re
 import shutil
 import signal
 import socket
@@ -1737,11 +1738,13 @@ WRITTEN_CALLS = {
     "minimax": ('Paris, then.</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
                 'Paris</parameter>\n</invoke>\n</minimax:tool_call>', "Paris, then.", None),
     "kimi": ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-             '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>', None, "functions.get_weather:0"),
+             '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>', None, r"functions\.get_weather:0"),
+    "mistral": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, "[A-Za-z0-9]{9}"),
 }
 """Per served format: a call to get_weather(city="Paris") as the model writes it (Qwen3.5's and
 MiniMax's after the thinking their prompt opens), one token of the fixture's vocabulary; the
-reasoning it holds; the call's id where the format writes one."""
+reasoning it holds; the pattern of the call's id where it is not OpenAI's (Kimi writes its own,
+Mistral's templates take 9 letters and digits only)."""
 
 
 GLM_TAGS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>", "</think>")
@@ -1951,17 +1954,37 @@ def kimi(tmp_path_factory):
     s.stop()
 
 
+MISTRAL_TAGS = ("[TOOL_CALLS]", "[ARGS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+                "[INST]", "[/INST]")
+MISTRAL_TEMPLATE = """{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}{% if tools and loop.first %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST] {{ m.content }}[/INST]
+{%- elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] [{% for tc in m.tool_calls %}{% if tc.id is not defined or tc.id|length != 9 %}{{ raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson }}, "id": "{{ tc.id }}"}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}
+{%- elif m.role == 'assistant' %}{{ m.content }}{{ eos_token }}
+{%- elif m.role == 'tool' %}{% if m.tool_call_id is not defined or m.tool_call_id|length != 9 %}{{ raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}[TOOL_RESULTS] {"content": {{ m.content | tojson }}, "call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]
+{%- endif %}{% endfor %}"""
+"""Mixtral-8x22B-Instruct's chat template, simplified: its tools, its [TOOL_CALLS] JSON array, and its
+refusal of any call id that is not 9 characters long."""
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """small-moe with MISTRAL_TEMPLATE and Mistral's control tokens, served."""
+    s = serving(tmp_path_factory, "mistral", MISTRAL_TEMPLATE, MISTRAL_TAGS, [WRITTEN_CALLS["mistral"][0]])
+    yield s
+    s.stop()
+
+
 @pytest.mark.parametrize("fixture, tag", [("glm", "<tool_call>"), ("deepseek", "<｜tool▁calls▁begin｜>"),
                                           ("qwen_xml", "<tool_call>"), ("minimax", "<minimax:tool_call>"),
-                                          ("kimi", "<|tool_calls_section_begin|>")])
+                                          ("kimi", "<|tool_calls_section_begin|>"), ("mistral", "[TOOL_CALLS]")])
 def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
-    """GLM-4.5's, DeepSeek's, Qwen3.5's, MiniMax-M2's and Kimi K2's formats: ``auto`` shows the tools
+    """GLM-4.5's, DeepSeek's, Qwen3.5's, MiniMax-M2's, Kimi K2's and Mistral's formats: ``auto`` shows the tools
     (a model that answers in text gets its text); their tags, control tokens here, reach the text (a
     forced opening tag never closed stays content); a call the model writes in the format (a token
     of this vocabulary, forced) is read back into ``tool_calls``, after the reasoning where the
-    prompt opened a <think> block, Kimi's with its own id, streamed the same; a named call is its
-    arguments under the grammar; a second turn's calls go to the template (with arguments as the
-    object GLM's, Qwen3.5's and MiniMax's iterate: OpenAI's clients send their JSON text)."""
+    prompt opened a <think> block, Kimi's with its own id, Mistral's with one of the 9 characters
+    its template insists on, streamed the same; a named call is its arguments under the grammar; a
+    second turn's calls go to the template (with arguments as the object GLM's, Qwen3.5's and
+    MiniMax's iterate: OpenAI's clients send their JSON text; Mistral's refuses any other id)."""
     import llama_cpp
 
     glm = request.getfixturevalue(fixture)
@@ -1986,7 +2009,7 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
     (wrote,) = message.tool_calls
     assert (wrote.function.name, json.loads(wrote.function.arguments)) == ("get_weather", {"city": "Paris"})
     assert message.content is None and getattr(message, "reasoning_content", None) == reasoning
-    assert wrote.id == call_id if call_id else wrote.id.startswith("call_")
+    assert re.fullmatch(call_id or "call_[0-9a-f]{24}", wrote.id), wrote.id
     chunks = list(client.chat.completions.create(**written, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert [(tc.index, tc.function.name, tc.function.arguments) for d in deltas for tc in d.tool_calls or []] == \

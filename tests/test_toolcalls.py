@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.llama.toolcalls import (DSV3, GLM, HERMES, KIMI, MINIMAX, QWEN_XML, READERS, TAGS, TaggedCalls,
-                                         call_format, parse_tagged)
+from expertcache.llama.toolcalls import (DSV3, GLM, HERMES, KIMI, MINIMAX, MISTRAL, QWEN_XML, READERS, TAGS,
+                                         TaggedCalls, call_format, parse_tagged)
 
 NAMES = ("get_weather", "f")
 def parse_hermes(text, names):
@@ -56,6 +56,7 @@ def test_the_format_is_told_by_the_template():
     # MiniMax-M2's (it writes <think> too) and Kimi K2's
     assert call_format("{%- set toolcall_begin_token = '<minimax:tool_call>' -%}<invoke name=\"...\"><think>") == MINIMAX
     assert call_format("<|tool_calls_section_begin|>{%- for tc in m.tool_calls -%}<|tool_call_begin|>") == KIMI
+    assert call_format('{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}') == MISTRAL
     assert call_format(None) is None and call_format("{{ messages }}") is None
     assert set(READERS) == set(TAGS)  # every tagged format has its reader
 
@@ -332,12 +333,76 @@ def kimi_reference(text: str) -> tuple[str, list]:
     return blockwise(text, re.escape(KB) + "(.*?)" + re.escape(KE), calls_of)
 
 
+MC = "[TOOL_CALLS]"
+
+
+def mistral_array(calls, ident=None):
+    return MC + " " + json.dumps([{"name": n, "arguments": a, **({"id": ident} if ident else {})} for n, a in calls])
+
+
+def test_mistral_reference_cases():
+    tools = [(n, None) for n in NAMES]
+    content, calls = parse_tagged("Sure." + mistral_array([("get_weather", {"city": "Paris"}), ("f", {})]), MISTRAL,
+                                  tools)
+    assert content == "Sure." and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == [("get_weather", {"city": "Paris"}), ("f", {})]
+    # Mistral's templates take ids of 9 letters and digits only: a model's own such id is kept, else one is made
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    assert parse_tagged(mistral_array([("f", {})], "a1B2c3D4e"), MISTRAL, tools)[1][0]["id"] == "a1B2c3D4e"
+    assert parse_tagged(mistral_array([("f", {})], "call_0"), MISTRAL, tools)[1][0]["id"] != "call_0"
+    content, calls = parse_tagged(MC + 'get_weather[ARGS]{"city": "P"}' + MC + "f[ARGS]{}", MISTRAL, tools)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "f"]
+    for bad in (mistral_array([("nope", {})]), mistral_array([("f", {}), ("nope", {})]), MC + "[]", MC,
+                mistral_array([("f", {})]) + " and more", MC + 'f{"a": 1}', MC + "f[ARGS][1]", MC + MC):
+        assert parse_tagged("a " + bad, MISTRAL, tools) == ("a " + bad, []), bad
+
+
+MISTRAL_PARTS = st.sampled_from(["ok ", MC, " ", "[", "]", "[ARGS]", "get_weather", "f", "{}", '{"city": "é"}', ",",
+                                 mistral_array([("f", {"a": 1})]), mistral_array([("get_weather", {"city": "é"}),
+                                                                                  ("f", {})]),
+                                 mistral_array([("nope", {})]), MC + "f[ARGS]{}", '[{"name": "f", "arguments": {}}]'])
+
+
+def mistral_reference(text: str) -> tuple[str, list]:
+    """An independent reading of Mistral's calls: everything after the first ``[TOOL_CALLS]`` is the
+    block, a JSON array of calls or ``NAME[ARGS]ARGUMENTS`` pieces split by ``[TOOL_CALLS]``."""
+    import re
+
+    m = re.search(re.escape(MC) + "(.*)", text, re.S)
+    if m is None:
+        return text, []
+    try:
+        items = json.loads(m.group(1))
+    except ValueError:
+        items = None
+    if isinstance(items, list):
+        pairs = [(x.get("name"), x.get("arguments")) for x in items if isinstance(x, dict)]
+        if len(pairs) != len(items):
+            pairs = [(None, None)]
+    else:
+        pieces = [re.fullmatch(r"(.*?)\[ARGS\](.*)", piece, re.S) for piece in re.split(re.escape(MC), m.group(1))]
+        pairs = []
+        for piece in pieces:
+            try:
+                pairs.append((piece.group(1).strip(), json.loads(piece.group(2))) if piece else (None, None))
+            except ValueError:
+                pairs.append((None, None))
+    if not pairs or any(name not in NAMES or not isinstance(args, dict) for name, args in pairs):
+        return text, []
+    return text[:m.start()], [{"name": n, "arguments": json.dumps(a, ensure_ascii=False)} for n, a in pairs]
+
+
 CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS, GLM_TOOLS, glm_reference),
          DSV3: (DS_PARTS, [(n, None) for n in NAMES], deepseek_reference),
          QWEN_XML: (QWEN_PARTS, GLM_TOOLS, xml_reference(QWEN_XML)), MINIMAX: (MINIMAX_PARTS, GLM_TOOLS,
                                                                                xml_reference(MINIMAX)),
-         KIMI: (KIMI_PARTS, [(n, None) for n in NAMES], kimi_reference)}
+         KIMI: (KIMI_PARTS, [(n, None) for n in NAMES], kimi_reference),
+         MISTRAL: (MISTRAL_PARTS, [(n, None) for n in NAMES], mistral_reference)}
 """Per format: the pieces its texts are drawn from, the tools, an independent reading."""
+ENDINGS = {MISTRAL: st.sampled_from(["", "", mistral_array([("f", {})]), mistral_array([("get_weather", {"days": 2})]),
+                                     MC + "f[ARGS]{}" + MC + 'get_weather[ARGS]{"city": "x"}'])}
+"""Per format whose calls run to the end of the text: what a text may end with, so that a third of
+them end in a block of valid calls."""
 
 
 @pytest.mark.parametrize("fmt", CASES)
@@ -345,7 +410,7 @@ CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS
 @given(data=st.data())
 def test_any_split_of_the_text_gives_what_an_independent_reading_gives(fmt, data):
     pieces, tools, independent = CASES[fmt]
-    text = "".join(data.draw(st.lists(pieces, max_size=8), label="parts"))
+    text = "".join(data.draw(st.lists(pieces, max_size=8), label="parts")) + data.draw(ENDINGS.get(fmt, st.just("")))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6), label="cuts"))
     events = streamed(TaggedCalls(fmt, tools), text, cuts)
     want_content, want_calls = independent(text)

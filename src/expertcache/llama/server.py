@@ -44,7 +44,7 @@ Invariants:
   parameters, become a grammar every token keeps to (:mod:`.constraints`: a keyword the grammar would
   not hold is a 400, never ignored; the grammar checks the token the chain drew, as llama.cpp's own
   sampler); with a chat template that teaches a call format (Hermes', Qwen3-Coder's XML, GLM's,
-  MiniMax's, DeepSeek's, Kimi's, gpt-oss's channels), the model's calls are read back into
+  MiniMax's, DeepSeek's, Kimi's, Mistral's, gpt-oss's channels), the model's calls are read back into
   ``tool_calls`` (:mod:`.toolcalls`), a block that is not a valid call left in the content as
   written (:func:`tool_plan`).
 * **Routed experts** (``--enable-return-routed-experts``): a request asking ``return_routed_experts``
@@ -92,7 +92,7 @@ from .constraints import ConstraintError, logit_bias, response_grammar, tool_cal
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
 from .toolcalls import MARKERS as CALL_MARKERS
-from .toolcalls import HARMONY, HERMES, TAGS, TaggedCalls, call_format, parse_tagged
+from .toolcalls import HARMONY, HERMES, TAGS, TaggedCalls, call_format, new_call_id, parse_tagged
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -304,7 +304,7 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     if choice == "auto":
         raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
                        "reads (the Hermes <tool_call> JSON of Qwen3 and others, Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's, "
-                       "MiniMax-M2's, DeepSeek's, Kimi K2's, gpt-oss's); "
+                       "MiniMax-M2's, DeepSeek's, Kimi K2's, Mistral's, gpt-oss's); "
                        "name the "
                        "function ({\"type\": "
                        "\"function\", \"function\": {\"name\": ...}}), or give one tool with \"required\", or "
@@ -1048,7 +1048,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         echo = prompt_text if gen.echo else ""  # echo: the prompt's text before the completion's,
         echoed = (gen.prompt_ids(), gen.prompt_rows) if gen.echo and lp is not None else None  # its rows first
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
-        call_id = "call_" + uuid.uuid4().hex[:24]
+        call_id = new_call_id(call_fmt)  # a forced call's: 9 letters and digits for Mistral's templates
         plan = gen.tools
         arguments_of = plan.arguments_of if plan is not None else None
         names = [t.function.name for t in plan.offered] if plan is not None and plan.parsed else None

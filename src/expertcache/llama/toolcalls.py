@@ -42,8 +42,20 @@ with JSON arguments; Kimi's call id, ``functions.NAME:INDEX``, is the id the cal
 
     <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
 
+Mistral's (Mixtral 8x22B, Mistral Small and Large) has an opening tag and no closing one: the
+calls run to the end of the text, a JSON array (``[{"name": ..., "arguments": {...}}]``) or, in
+its later tokenizers, each call ``NAME[ARGS]{...}`` after its own ``[TOOL_CALLS]``::
+
+    [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}
+
+Mistral's templates refuse a call id that is not 9 letters and digits (``Tool call IDs should be
+alphanumeric strings with length 9!``): the calls of this format get such ids (:func:`new_call_id`).
+
 The chat template tells the format (:func:`call_format`), as llama.cpp's server detects it: one
-that holds ``<minimax:tool_call>`` teaches MiniMax's, ``<|tool_calls_section_begin|>`` Kimi's;
+that holds ``<minimax:tool_call>`` teaches MiniMax's, ``<|tool_calls_section_begin|>`` Kimi's,
+``[TOOL_CALLS]`` Mistral's;
 one that holds ``<tool_call>`` teaches Qwen3-Coder's where it holds ``<function=`` and
 ``<parameter=`` too, GLM's where it holds ``<arg_key>``, else Hermes'; one that holds
 ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁sep｜>``, DeepSeek's. (gpt-oss's calls are messages on its
@@ -56,7 +68,8 @@ Invariants (``tests/test_toolcalls.py``):
   among them and the rest is key-value pairs only, each key once (GLM, Qwen3-Coder, MiniMax: a
   value is the text as written where the tool's parameters type the key a string, else its JSON
   when it parses; the XML formats' values lose one newline at each end, the template's framing);
-  every call of a block is valid (DeepSeek, Kimi, and the XML formats, which may hold several).
+  every call of a block is valid (DeepSeek, Kimi, Mistral, and the XML formats, which may hold
+  several).
   Otherwise the block's text stays content, word for word (nothing the model wrote is dropped).
 * **Streamed and whole agree**: :class:`TaggedCalls` fed the text in any pieces gives the content
   and calls :func:`parse_tagged` gives for the whole text; content that could begin ``<tool_call>``
@@ -67,31 +80,35 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from typing import Callable
 
 from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES, GLM, QWEN_XML, MINIMAX, DSV3, KIMI, HARMONY = (
-    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3", "kimi-k2", "harmony")
+HERMES, GLM, QWEN_XML, MINIMAX, DSV3, KIMI, MISTRAL, HARMONY = (
+    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3", "kimi-k2", "mistral", "harmony")
 CALLS_OPEN, CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_OPEN, CALL_CLOSE, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KIMI_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
              "<|tool_call_end|>", "<|tool_call_argument_begin|>")
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
-        DSV3: (CALLS_OPEN, CALLS_CLOSE), KIMI: KIMI_TAGS[:2]}
-"""The tags around a format's block of calls."""
+        DSV3: (CALLS_OPEN, CALLS_CLOSE), KIMI: KIMI_TAGS[:2], MISTRAL: (MISTRAL_CALLS, None)}
+"""The tags around a format's block of calls (None: the block runs to the end of the text)."""
 MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
            QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
-           DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP), KIMI: KIMI_TAGS}
+           DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP), KIMI: KIMI_TAGS,
+           MISTRAL: (MISTRAL_CALLS, MISTRAL_ARGS)}
 """The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`)."""
 
 
 def call_format(template: str | None) -> str | None:
     """The call format the chat ``template`` teaches (module docstring): :data:`HERMES`,
-    :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSV3` or :data:`KIMI`; :data:`HARMONY`
+    :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSV3`, :data:`KIMI` or :data:`MISTRAL`; :data:`HARMONY`
     where it teaches gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
     :class:`~.reasoning.HarmonyStream`); None."""
     if not template:
@@ -100,6 +117,8 @@ def call_format(template: str | None) -> str | None:
         return MINIMAX
     if KIMI_TAGS[0] in template:
         return KIMI
+    if MISTRAL_CALLS in template:
+        return MISTRAL
     if OPEN in template:
         if "<function=" in template and "<parameter=" in template:
             return QWEN_XML
@@ -109,6 +128,17 @@ def call_format(template: str | None) -> str | None:
     if "<|channel|>" in template and "<|message|>" in template and "to=" in template:
         return HARMONY
     return None
+
+
+ID_CHARACTERS = string.ascii_letters + string.digits
+
+
+def new_call_id(fmt: str | None) -> str:
+    """A new tool call's id: 9 random letters and digits for Mistral's format (its templates refuse
+    any other id), else OpenAI's shape, ``call_`` and 24 hexadecimal digits."""
+    if fmt == MISTRAL:
+        return "".join(secrets.choice(ID_CHARACTERS) for _ in range(9))
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 def function_call(name, arguments, names, call_id: str | None = None) -> dict | None:
@@ -122,7 +152,7 @@ def function_call(name, arguments, names, call_id: str | None = None) -> dict | 
             return None
     if not (isinstance(name, str) and name in names and isinstance(arguments, dict)):
         return None
-    return {"id": call_id or "call_" + uuid.uuid4().hex[:24], "type": "function",
+    return {"id": call_id or new_call_id(None), "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
@@ -264,6 +294,31 @@ def _kimi_call(inner: str, tools: dict) -> dict | None:
     return function_call(m.group(1), arguments, tools, call_id=ident.strip()) if sep and m else None
 
 
+def _mistral_calls(block: str, tools: dict) -> list[dict] | None:
+    """The calls of a Mistral block (the text after ``[TOOL_CALLS]``, to the end): a JSON array of
+    objects with a ``name`` and an object of ``arguments`` (an ``id`` of 9 letters and digits kept),
+    or one or more ``NAME[ARGS]ARGUMENTS``, each after its own ``[TOOL_CALLS]``; None."""
+    try:
+        items = json.loads(block)
+    except (ValueError, RecursionError):
+        items = None
+    if isinstance(items, list):
+        calls = []
+        for item in items:
+            if not (isinstance(item, dict) and isinstance(item.get("arguments"), dict)):
+                return None
+            given = item.get("id")
+            keep = isinstance(given, str) and len(given) == 9 and given.isascii() and given.isalnum()
+            calls.append(function_call(item.get("name"), item["arguments"], tools,
+                                       call_id=given if keep else new_call_id(MISTRAL)))
+        return calls if calls and None not in calls else None
+    calls = []
+    for part in block.split(MISTRAL_CALLS):
+        name, sep, arguments = part.partition(MISTRAL_ARGS)
+        calls.append(function_call(name.strip(), arguments, tools, call_id=new_call_id(MISTRAL)) if sep else None)
+    return calls if None not in calls else None
+
+
 def _each(sections: list[str] | None, read: Callable, tools: dict) -> list[dict] | None:
     """Each section read into its call (``read``), or None where there are none or any is not a call."""
     calls = [read(inner, tools) for inner in sections or ()]
@@ -277,6 +332,7 @@ READERS = {
     MINIMAX: lambda block, tools: _xml_calls(block, XML_FORMS[MINIMAX], tools),
     DSV3: lambda block, tools: _each(_sections(block, CALL_OPEN, CALL_CLOSE), _deepseek_call, tools),
     KIMI: lambda block, tools: _each(_sections(block, KIMI_TAGS[2], KIMI_TAGS[3]), _kimi_call, tools),
+    MISTRAL: _mistral_calls,
 }
 """Per call format: a block's inner text and the tools (name -> parameters' schema) -> its calls, or None."""
 
@@ -291,7 +347,8 @@ def reader(fmt: str, tools) -> Callable[[str], list[dict] | None]:
 class TaggedCalls:
     """Text in, in pieces; out, content pieces and complete calls (:meth:`feed`, :meth:`finish`:
     lists of ``("content", text)`` and ``("call", call)``) of call format ``fmt`` for ``tools``
-    (:func:`reader`): each block between the format's tags (:data:`TAGS`) read once it closes. Per
+    (:func:`reader`): each block between the format's tags (:data:`TAGS`) read once it closes (at the
+    end of the text where the format has no closing tag). Per
     piece the work is bounded by the piece and the tags, not by the text so far nor by the open
     block (a call that writes a file grows one block over thousands of pieces); a block is joined
     and read once, when its close arrives."""
@@ -310,6 +367,9 @@ class TaggedCalls:
         text = piece
         while True:
             if self.inside:
+                if self.close is None:  # the block runs to the end of the text
+                    self.parts.append(text)
+                    return out
                 window = self.tail + text  # a close that ends in this piece begins in the window
                 end = window.find(self.close)
                 if end < 0:
@@ -320,12 +380,7 @@ class TaggedCalls:
                 at = len(whole) - len(window) + end  # where the close begins in the block's text
                 block, text = whole[:at], whole[at + len(self.close):]
                 self.inside, self.parts, self.tail = False, [], ""
-                calls = self.read(block)
-                if calls is None:  # not a call after all: its text is content, as written
-                    out.append(("content", self.open + block + self.close))
-                else:
-                    self.calls += len(calls)
-                    out += [("call", call) for call in calls]
+                out += self._read(block, self.close)
                 continue
             text, self.pending = self.pending + text, ""
             start = text.find(self.open)
@@ -340,8 +395,21 @@ class TaggedCalls:
                 out.append(("content", text))
             return out
 
+    def _read(self, block: str, close: str) -> list[tuple[str, object]]:
+        """A block's calls, or its text as content, as written, where it is not a call after all."""
+        calls = self.read(block)
+        if calls is None:
+            return [("content", self.open + block + close)]
+        self.calls += len(calls)
+        return [("call", call) for call in calls]
+
     def finish(self) -> list[tuple[str, object]]:
-        """What is left at the end: held-back content, or an unclosed block's text, as content."""
+        """What is left at the end: held-back content, or an open block: read where the format has
+        no closing tag, else its text as content."""
+        if self.inside and self.close is None:
+            out = self._read("".join(self.parts), "")
+            self.inside, self.parts = False, []
+            return out
         text = (self.open + "".join(self.parts) if self.inside else "") + self.pending
         self.pending, self.inside, self.parts, self.tail = "", False, [], ""
         return [("content", text)] if text else []
