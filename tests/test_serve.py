@@ -1740,6 +1740,9 @@ WRITTEN_CALLS = {
     "kimi": ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
              '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>', None, r"functions\.get_weather:0"),
     "mistral": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, "[A-Za-z0-9]{9}"),
+    "dsml": ('Paris, then.</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+             '</｜DSML｜function_calls>', "Paris, then.", None),
 }
 """Per served format: a call to get_weather(city="Paris") as the model writes it (Qwen3.5's and
 MiniMax's after the thinking their prompt opens), one token of the fixture's vocabulary; the
@@ -1973,18 +1976,57 @@ def mistral(tmp_path_factory):
     s.stop()
 
 
+DSML_TEMPLATE = """{%- set dsml_token = "｜DSML｜" -%}{{ bos_token }}{%- if tools -%}## Tools
+You can invoke functions by writing a "<{{ dsml_token }}function_calls>" block:
+<{{ dsml_token }}function_calls>
+<{{ dsml_token }}invoke name="$FUNCTION_NAME">
+<{{ dsml_token }}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{{ dsml_token }}parameter>
+</{{ dsml_token }}invoke>
+</{{ dsml_token }}function_calls>
+<functions>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</functions>
+{% endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}<｜User｜>{{ m.content }}<｜Assistant｜></think>
+{%- elif m.role == 'assistant' -%}{{ m.content or '' }}{% if m.tool_calls %}
+
+<{{ dsml_token }}function_calls>{% for tc in m.tool_calls %}
+<{{ dsml_token }}invoke name="{{ tc.function.name }}">{% if tc.function.arguments is mapping %}{% for k, v in tc.function.arguments.items() %}
+<{{ dsml_token }}parameter name="{{ k }}" string="{{ 'true' if v is string else 'false' }}">{{ v if v is string else v | tojson }}</{{ dsml_token }}parameter>{% endfor %}{% endif %}
+</{{ dsml_token }}invoke>{% endfor %}
+</{{ dsml_token }}function_calls>{% endif %}<｜end▁of▁sentence｜>
+{%- elif m.role == 'tool' -%}<function_results><result>{{ m.content }}</result></function_results></think>
+{%- endif -%}{%- endfor -%}
+{%- if add_generation_prompt -%}<｜User｜>
+<｜Assistant｜>{{ '</think>' if enable_thinking is defined and not enable_thinking else '<think>' }}{%- endif -%}"""
+"""DeepSeek-V3.2's chat template (llama.cpp's), simplified: its tools, its DSML calls spelled through a
+variable (arguments iterated as an object, each marked a string or not), a prompt that opens <think>."""
+
+
+@pytest.fixture(scope="module")
+def dsml(tmp_path_factory):
+    """small-moe with DSML_TEMPLATE, <think>, </think> and the DSML block's tags as control tokens, served."""
+    s = serving(tmp_path_factory, "dsml", DSML_TEMPLATE, ("<think>", "</think>", "<｜DSML｜function_calls>",
+                                                          "</｜DSML｜function_calls>"), [WRITTEN_CALLS["dsml"][0]])
+    yield s
+    s.stop()
+
+
 @pytest.mark.parametrize("fixture, tag", [("glm", "<tool_call>"), ("deepseek", "<｜tool▁calls▁begin｜>"),
+                                          ("dsml", "<｜DSML｜function_calls>"),
                                           ("qwen_xml", "<tool_call>"), ("minimax", "<minimax:tool_call>"),
                                           ("kimi", "<|tool_calls_section_begin|>"), ("mistral", "[TOOL_CALLS]")])
 def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
-    """GLM-4.5's, DeepSeek's, Qwen3.5's, MiniMax-M2's, Kimi K2's and Mistral's formats: ``auto`` shows the tools
-    (a model that answers in text gets its text); their tags, control tokens here, reach the text (a
-    forced opening tag never closed stays content); a call the model writes in the format (a token
-    of this vocabulary, forced) is read back into ``tool_calls``, after the reasoning where the
-    prompt opened a <think> block, Kimi's with its own id, Mistral's with one of the 9 characters
-    its template insists on, streamed the same; a named call is its arguments under the grammar; a
-    second turn's calls go to the template (with arguments as the object GLM's, Qwen3.5's and
-    MiniMax's iterate: OpenAI's clients send their JSON text; Mistral's refuses any other id)."""
+    """GLM-4.5's, DeepSeek's (V3 and V3.2), Qwen3.5's, MiniMax-M2's, Kimi K2's and Mistral's formats:
+    ``auto`` shows the tools (a model that answers in text gets its text); their tags, control tokens
+    here, reach the text (a forced opening tag never closed stays content); a call the model writes
+    in the format (a token of this vocabulary, forced) is read back into ``tool_calls``, after the
+    reasoning where the prompt opened a <think> block (Qwen3.5's, MiniMax's, DeepSeek-V3.2's),
+    Kimi's with its own id, Mistral's with one of the 9 characters its template insists on,
+    streamed the same; a named call is its arguments under the grammar; a second turn's calls go to
+    the template (with arguments as the object GLM's, Qwen3.5's, MiniMax's and DeepSeek-V3.2's
+    iterate: OpenAI's clients send their JSON text; Mistral's refuses any other id)."""
     import llama_cpp
 
     glm = request.getfixturevalue(fixture)

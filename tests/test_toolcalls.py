@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.llama.toolcalls import (DSV3, GLM, HERMES, KIMI, MINIMAX, MISTRAL, QWEN_XML, READERS, TAGS,
-                                         TaggedCalls, call_format, parse_tagged)
+from expertcache.llama.toolcalls import (DSML, DSV3, GLM, HERMES, KIMI, MINIMAX, MISTRAL, QWEN_XML, READERS,
+                                         TAGS, TaggedCalls, call_format, parse_tagged)
 
 NAMES = ("get_weather", "f")
 def parse_hermes(text, names):
@@ -57,6 +57,8 @@ def test_the_format_is_told_by_the_template():
     assert call_format("{%- set toolcall_begin_token = '<minimax:tool_call>' -%}<invoke name=\"...\"><think>") == MINIMAX
     assert call_format("<|tool_calls_section_begin|>{%- for tc in m.tool_calls -%}<|tool_call_begin|>") == KIMI
     assert call_format('{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}') == MISTRAL
+    # DeepSeek-V3.2's spells its tags through a variable
+    assert call_format('{%- set dsml_token = "｜DSML｜" -%}<{{ dsml_token }}function_calls>') == DSML
     assert call_format(None) is None and call_format("{{ messages }}") is None
     assert set(READERS) == set(TAGS)  # every tagged format has its reader
 
@@ -219,8 +221,21 @@ def minimax_block(calls):
         "</minimax:tool_call>"
 
 
+DM = "｜DSML｜"
+
+
+def dsml_block(calls):
+    """A DeepSeek-V3.2 block of ``calls`` (``(name, [(key, value), ...])``), each value marked a string
+    where it is one (typed as GLM's), as its template marks them."""
+    def mark(name, k, v):
+        return "true" if isinstance(typed(name, k, v), str) else "false"
+    return f"<{DM}function_calls>\n" + "".join(f'<{DM}invoke name="{name}">\n' + "".join(
+        f'<{DM}parameter name="{k}" string="{mark(name, k, v)}">{v}</{DM}parameter>\n' for k, v in pairs)
+        + f"</{DM}invoke>\n" for name, pairs in calls) + f"</{DM}function_calls>"
+
+
 def test_xml_reference_cases():
-    for fmt, make in ((QWEN_XML, qwen_block), (MINIMAX, minimax_block)):
+    for fmt, make in ((QWEN_XML, qwen_block), (MINIMAX, minimax_block), (DSML, dsml_block)):
         def read(text):
             return parse_tagged(text, fmt, GLM_TOOLS)
 
@@ -240,6 +255,13 @@ def test_xml_reference_cases():
     assert parse_tagged(qwen_block([("f", [])]).replace("<function=f>", "<function=f>junk"), QWEN_XML, GLM_TOOLS)[1] == []
     assert parse_tagged('<minimax:tool_call><invoke name="f">x</invoke></minimax:tool_call>', MINIMAX, GLM_TOOLS)[1] == []
     assert parse_tagged(qwen_block([("f", [("a<b", "1")])]), QWEN_XML, GLM_TOOLS)[1] == []  # a key holds no tag
+    # DSML's mark, not the schema, says what is a string: a city marked false is JSON, days marked true text
+    (call,) = parse_tagged(dsml_block([("get_weather", [("city", "1984")])]).replace('string="false"', 'string="true"')
+                           .replace('"city" string="true"', '"city" string="false"') + dsml_block(
+        [("get_weather", [("days", "x")])]), DSML, GLM_TOOLS)[1][:1]
+    assert json.loads(call["function"]["arguments"]) == {"city": 1984}
+    assert parse_tagged(dsml_block([("f", [("a", "1")])]).replace('string="false"', 'string="maybe"'), DSML,
+                        GLM_TOOLS)[1] == []
 
 
 KB, KE, KCB, KCE, KARG = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", \
@@ -263,19 +285,25 @@ def test_kimi_reference_cases():
 
 
 def xml_reference(fmt):
-    """An independent reading of Qwen3-Coder's or MiniMax's blocks by regular expression (whole calls
-    only, with only white space around them; a key without ``<``; each key once; a value one
-    framing newline less at each end, typed as GLM's)."""
+    """An independent reading of Qwen3-Coder's, MiniMax's or DeepSeek-V3.2's (DSML) blocks by regular
+    expression (whole calls only, with only white space around them; a key without ``<``; each key
+    once; DSML's string mark true or false; a value one framing newline less at each end, typed as
+    GLM's, or by DSML's mark)."""
     import re
 
     opener, closer = TAGS[fmt]
     if fmt == QWEN_XML:
         call_re = r"\s*<function=([^>]*)>((?:\s*<parameter=[^<>]*>(?:(?!</parameter>).)*</parameter>)*)\s*</function>"
-        param_re = r"\s*<parameter=([^<>]*)>((?:(?!</parameter>).)*)</parameter>"
-    else:
+        param_re = r"\s*<parameter=([^<>]*)>()((?:(?!</parameter>).)*)</parameter>"
+    elif fmt == MINIMAX:
         call_re = (r'\s*<invoke name="((?:(?!">).)*)">((?:\s*<parameter name="(?:(?!">)[^<])*">(?:(?!</parameter>).)*'
                    r'</parameter>)*)\s*</invoke>')
-        param_re = r'\s*<parameter name="((?:(?!">)[^<])*)">((?:(?!</parameter>).)*)</parameter>'
+        param_re = r'\s*<parameter name="((?:(?!">)[^<])*)">()((?:(?!</parameter>).)*)</parameter>'
+    else:
+        param_re = (r'\s*<ⓜparameter name="((?:(?!" string=")[^<])*)" string="((?:(?!">).)*)">((?:(?!</ⓜparameter>).)*)'
+                    r'</ⓜparameter>').replace("ⓜ", DM)
+        call_re = (r'\s*<ⓜinvoke name="((?:(?!">).)*)">((?:' + param_re.replace("(", "(?:").replace("(?:?", "(?")
+                   + r')*)\s*</ⓜinvoke>').replace("ⓜ", DM)
 
     def calls_of(inner):
         if not re.fullmatch(f"(?:{call_re})+\\s*", inner, re.S):
@@ -283,12 +311,14 @@ def xml_reference(fmt):
         found = []
         for c in re.finditer(call_re, inner, re.S):
             name = c.group(1).strip()
-            pairs = [(k.strip(), re.sub(r"\n\Z", "", re.sub(r"\A\n", "", v)))
-                     for k, v in re.findall(param_re, c.group(2), re.S)]
-            if name not in dict(GLM_TOOLS) or len({k for k, _ in pairs}) != len(pairs):
+            triples = [(k.strip(), mark, re.sub(r"\n\Z", "", re.sub(r"\A\n", "", v)))
+                       for k, mark, v in re.findall(param_re, c.group(2), re.S)]
+            if name not in dict(GLM_TOOLS) or len({k for k, _, _ in triples}) != len(triples) or \
+                    any(mark not in ("", "true", "false") for _, mark, _ in triples):
                 return None
-            found.append({"name": name, "arguments": json.dumps({k: typed(name, k, v) for k, v in pairs},
-                                                                ensure_ascii=False)})
+            found.append({"name": name, "arguments": json.dumps(
+                {k: (v if mark == "true" else typed("", k, v) if mark == "false" else typed(name, k, v))
+                 for k, mark, v in triples}, ensure_ascii=False)})
         return found
     return lambda text: blockwise(text, re.escape(opener) + "(.*?)" + re.escape(closer), calls_of)
 
@@ -304,6 +334,12 @@ MINIMAX_PARTS = st.sampled_from(["ok ", "<", "<minimax:tool_call>", "</minimax:t
                                  minimax_block([("get_weather", [("city", "Paris")])]),
                                  minimax_block([("get_weather", [("days", "2"), ("city", "\né\n")]), ("f", [])]),
                                  minimax_block([("nope", [("a", "1")])]), '<invoke name="f"></invoke>'])
+DSML_PARTS = st.sampled_from(["ok ", "<", f"<{DM}function_calls>", f"</{DM}function_calls>", "\n", f'<{DM}invoke name="',
+                              f"</{DM}invoke>", f'<{DM}parameter name="', '" string="', "true", "false", '">',
+                              f"</{DM}parameter>", "get_weather", "city", "2",
+                              dsml_block([("get_weather", [("city", "Paris")])]),
+                              dsml_block([("get_weather", [("days", "2"), ("city", "\né\n")]), ("f", [])]),
+                              dsml_block([("nope", [("a", "1")])]), f'<{DM}invoke name="f"></{DM}invoke>'])
 KIMI_PARTS = st.sampled_from(["ok ", KB, KE, KCB, KCE, KARG, "functions.", "f", ":0", "\n", "{}", "<|tool", " ",
                               kimi_call("f", {"a": 1}), kimi_call("get_weather", {"city": "é"}, 7), kimi_call("nope", {}),
                               KB + kimi_call("f", {}) + KE])
@@ -396,6 +432,7 @@ CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS
          DSV3: (DS_PARTS, [(n, None) for n in NAMES], deepseek_reference),
          QWEN_XML: (QWEN_PARTS, GLM_TOOLS, xml_reference(QWEN_XML)), MINIMAX: (MINIMAX_PARTS, GLM_TOOLS,
                                                                                xml_reference(MINIMAX)),
+         DSML: (DSML_PARTS, GLM_TOOLS, xml_reference(DSML)),
          KIMI: (KIMI_PARTS, [(n, None) for n in NAMES], kimi_reference),
          MISTRAL: (MISTRAL_PARTS, [(n, None) for n in NAMES], mistral_reference)}
 """Per format: the pieces its texts are drawn from, the tools, an independent reading."""

@@ -10,7 +10,8 @@ memory, outside the page cache: llama.cpp's ``--no-repack``). ``eval`` tells the
 forward begins; ``sample`` counts the tokens sampled and, when asked
 (:attr:`ObservedLlama.logprobs`), reads each one's log-probabilities (:func:`token_logprobs`);
 ``detokenize`` writes every token's whole text (llama-cpp-python's drops a token longer than 32
-bytes: :func:`token_bytes`). Nothing else of ``Llama`` is changed: tokenizer, chat templates and
+bytes: :func:`token_bytes`); given a ``chat_template`` (``--chat-template-file``), ``metadata``
+holds it in place of the GGUF's. Nothing else of ``Llama`` is changed: tokenizer, chat templates and
 sampling are llama-cpp-python's own; the streamed completion loop is :mod:`.completion`'s
 (llama-cpp-python's stalls on text that is not UTF-8).
 
@@ -292,8 +293,8 @@ class Session:
     @classmethod
     def open(cls, path: str, *, mode: str = "mmap", cache_bytes: int | None = None, policy: str = "lru",
              n_ctx: int | None = None, threads: int = 1, seed: int = 0, chat_format: str | None = None,
-             chat_template: str | None = None, where: str = "MODEL", readers: int | None = None, routed_experts: bool = False,
-             before_load=None, loading=None, settled=None) -> "Session":
+             chat_template: str | None = None, where: str = "MODEL", readers: int | None = None,
+             routed_experts: bool = False, before_load=None, loading=None, settled=None) -> "Session":
         """``before_load``: called once the options are checked and the managed rule compiled, before
         more than its header is read (a following memory wall begins there:
         :func:`~expertcache.wall.capacity.begin_following`, so that the start-up's compiling and

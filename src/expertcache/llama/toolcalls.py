@@ -23,13 +23,20 @@ and the XML of Qwen3-Coder, which Qwen3.5, Nemotron 3 Nano and Step-3.5-Flash wr
     </function>
     </tool_call>
 
-MiniMax-M2's is XML of its own::
+MiniMax-M2's is XML of its own, and DeepSeek-V3.2's (DSML) the same with a mark in each tag and
+each parameter saying whether it is a string (``string="true"``: the text as written) or JSON::
 
     <minimax:tool_call>
     <invoke name="get_weather">
     <parameter name="city">Paris</parameter>
     </invoke>
     </minimax:tool_call>
+
+    <｜DSML｜function_calls>
+    <｜DSML｜invoke name="get_weather">
+    <｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>
+    </｜DSML｜invoke>
+    </｜DSML｜function_calls>
 
 DeepSeek's (V3, R1; V3.1 without ``function`` and the fence) and Kimi K2's are sections of calls
 with JSON arguments; Kimi's call id, ``functions.NAME:INDEX``, is the id the call is reported with
@@ -54,8 +61,8 @@ Mistral's templates refuse a call id that is not 9 letters and digits (``Tool ca
 alphanumeric strings with length 9!``): the calls of this format get such ids (:func:`new_call_id`).
 
 The chat template tells the format (:func:`call_format`), as llama.cpp's server detects it: one
-that holds ``<minimax:tool_call>`` teaches MiniMax's, ``<|tool_calls_section_begin|>`` Kimi's,
-``[TOOL_CALLS]`` Mistral's;
+that holds ``<minimax:tool_call>`` teaches MiniMax's, ``｜DSML｜`` DeepSeek-V3.2's,
+``<|tool_calls_section_begin|>`` Kimi's, ``[TOOL_CALLS]`` Mistral's;
 one that holds ``<tool_call>`` teaches Qwen3-Coder's where it holds ``<function=`` and
 ``<parameter=`` too, GLM's where it holds ``<arg_key>``, else Hermes'; one that holds
 ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁sep｜>``, DeepSeek's. (gpt-oss's calls are messages on its
@@ -65,9 +72,10 @@ Invariants (``tests/test_toolcalls.py``):
 
 * **A call is reported only when its block is complete and valid**: the JSON parses to an object
   with a ``name`` among the request's tools and an object of ``arguments`` (Hermes); the name is
-  among them and the rest is key-value pairs only, each key once (GLM, Qwen3-Coder, MiniMax: a
-  value is the text as written where the tool's parameters type the key a string, else its JSON
-  when it parses; the XML formats' values lose one newline at each end, the template's framing);
+  among them and the rest is key-value pairs only, each key once (GLM, Qwen3-Coder, MiniMax,
+  DSML: a value is the text as written where the tool's parameters type the key a string, or DSML's
+  mark says ``string="true"``, else its JSON when it parses; the XML formats' values lose one
+  newline at each end, the template's framing);
   every call of a block is valid (DeepSeek, Kimi, Mistral, and the XML formats, which may hold
   several).
   Otherwise the block's text stays content, word for word (nothing the model wrote is dropped).
@@ -88,19 +96,22 @@ from typing import Callable
 from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES, GLM, QWEN_XML, MINIMAX, DSV3, KIMI, MISTRAL, HARMONY = (
-    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3", "kimi-k2", "mistral", "harmony")
+HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV3, KIMI, MISTRAL, HARMONY = (
+    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "mistral", "harmony")
 CALLS_OPEN, CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_OPEN, CALL_CLOSE, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KIMI_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
              "<|tool_call_end|>", "<|tool_call_argument_begin|>")
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+DSML_MARK = "｜DSML｜"
+DSML_OPEN, DSML_CLOSE = f"<{DSML_MARK}function_calls>", f"</{DSML_MARK}function_calls>"
 TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
+        DSML: (DSML_OPEN, DSML_CLOSE),
         DSV3: (CALLS_OPEN, CALLS_CLOSE), KIMI: KIMI_TAGS[:2], MISTRAL: (MISTRAL_CALLS, None)}
 """The tags around a format's block of calls (None: the block runs to the end of the text)."""
 MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-           QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
+           QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE), DSML: (DSML_OPEN, DSML_CLOSE),
            DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP), KIMI: KIMI_TAGS,
            MISTRAL: (MISTRAL_CALLS, MISTRAL_ARGS)}
 """The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`)."""
@@ -108,13 +119,16 @@ MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", 
 
 def call_format(template: str | None) -> str | None:
     """The call format the chat ``template`` teaches (module docstring): :data:`HERMES`,
-    :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSV3`, :data:`KIMI` or :data:`MISTRAL`; :data:`HARMONY`
+    :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSML`, :data:`DSV3`, :data:`KIMI` or
+    :data:`MISTRAL`; :data:`HARMONY`
     where it teaches gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
     :class:`~.reasoning.HarmonyStream`); None."""
     if not template:
         return None
     if MINIMAX_OPEN in template:
         return MINIMAX
+    if DSML_MARK in template:  # V3.2's template spells its tags through a variable: the mark is what shows
+        return DSML
     if KIMI_TAGS[0] in template:
         return KIMI
     if MISTRAL_CALLS in template:
@@ -168,21 +182,24 @@ def _hermes_calls(block: str, tools: dict) -> list[dict] | None:
     return None if call is None else [call]
 
 
-def _keyed_call(name: str, pairs: list[tuple[str, str]], tools: dict) -> dict | None:
-    """The call of ``name`` with its arguments written as ``(key, text)`` pairs (GLM's and the XML
-    formats'), each value the text as written where the tool's parameters (``tools``: name -> its
-    parameters' JSON schema, or None) type the key a string, else its JSON when it parses; None
-    where the name is no tool's or a key repeats."""
+def _keyed_call(name: str, pairs: list[tuple[str, str, bool | None]], tools: dict) -> dict | None:
+    """The call of ``name`` with its arguments written as ``(key, text, as_text)`` triples (GLM's and
+    the XML formats'), each value the text as written where ``as_text`` is true, or, with ``as_text``
+    None, where the tool's parameters (``tools``: name -> its parameters' JSON schema, or None) type
+    the key a string; else its JSON when it parses. None where the name is no tool's or a key
+    repeats."""
     if name not in tools:
         return None
     schema = tools[name] if isinstance(tools[name], dict) else {}
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     args = {}
-    for key, value in pairs:
+    for key, value, as_text in pairs:
         if key in args:
             return None
         typed = properties.get(key)
-        if not (isinstance(typed, dict) and typed.get("type") == "string"):
+        if as_text is None:
+            as_text = isinstance(typed, dict) and typed.get("type") == "string"
+        if not as_text:
             try:
                 value = json.loads(value)
             except (ValueError, RecursionError):
@@ -204,7 +221,7 @@ def _glm_calls(block: str, tools: dict) -> list[dict] | None:
         m = GLM_ARGUMENT.match(rest, at)
         if m is None:
             break
-        pairs.append((m.group(1).strip(), m.group(2)))
+        pairs.append((m.group(1).strip(), m.group(2), None))
         at = m.end()
     if rest[at:].strip():
         return None
@@ -212,10 +229,13 @@ def _glm_calls(block: str, tools: dict) -> list[dict] | None:
     return None if call is None else [call]
 
 
-XML_FORMS = {QWEN_XML: ("<function=", ">", "</function>", "<parameter=", ">", "</parameter>"),
-             MINIMAX: ('<invoke name="', '">', "</invoke>", '<parameter name="', '">', "</parameter>")}
+XML_FORMS = {QWEN_XML: ("<function=", ">", "</function>", "<parameter=", ">", None, "</parameter>"),
+             MINIMAX: ('<invoke name="', '">', "</invoke>", '<parameter name="', '">', None, "</parameter>"),
+             DSML: (f'<{DSML_MARK}invoke name="', '">', f"</{DSML_MARK}invoke>", f'<{DSML_MARK}parameter name="',
+                    '" string="', '">', f"</{DSML_MARK}parameter>")}
 """Per XML format: the call's opening and the end of its name, its closing; a parameter's opening
-and the end of its key, its closing."""
+and the end of its key, the end of its string mark (``true`` or ``false``; None: the format has
+none), its closing."""
 
 
 def _unframed(value: str) -> str:
@@ -229,7 +249,7 @@ def _xml_calls(block: str, form: tuple, tools: dict) -> list[dict] | None:
     space around them, each its name, then its parameters with only white space around them (a
     name or key is the text to its end mark, a key without ``<``; a value the text to its closing,
     which it cannot hold); None where any is not a valid call (:func:`_keyed_call`)."""
-    call_open, name_end, call_close, key_open, key_end, value_close = form
+    call_open, name_end, call_close, key_open, key_end, mark_end, value_close = form
     calls, rest = [], block.lstrip()
     while rest:
         if not rest.startswith(call_open):
@@ -242,10 +262,11 @@ def _xml_calls(block: str, form: tuple, tools: dict) -> list[dict] | None:
             if not rest.startswith(key_open):
                 return None
             key, sep, rest = rest[len(key_open):].partition(key_end)
+            mark, marked, rest = rest.partition(mark_end) if mark_end else (None, True, rest)
             value, closed, rest = rest.partition(value_close)
-            if not (sep and closed) or "<" in key:
+            if not (sep and marked and closed) or "<" in key or mark not in (None, "true", "false"):
                 return None
-            pairs.append((key.strip(), _unframed(value)))
+            pairs.append((key.strip(), _unframed(value), None if mark is None else mark == "true"))
         call = _keyed_call(name.strip(), pairs, tools)
         if call is None:
             return None
@@ -330,6 +351,7 @@ READERS = {
     GLM: _glm_calls,
     QWEN_XML: lambda block, tools: _xml_calls(block, XML_FORMS[QWEN_XML], tools),
     MINIMAX: lambda block, tools: _xml_calls(block, XML_FORMS[MINIMAX], tools),
+    DSML: lambda block, tools: _xml_calls(block, XML_FORMS[DSML], tools),
     DSV3: lambda block, tools: _each(_sections(block, CALL_OPEN, CALL_CLOSE), _deepseek_call, tools),
     KIMI: lambda block, tools: _each(_sections(block, KIMI_TAGS[2], KIMI_TAGS[3]), _kimi_call, tools),
     MISTRAL: _mistral_calls,
