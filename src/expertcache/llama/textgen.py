@@ -80,15 +80,16 @@ def token_bytes(vocab, tokens, special: bool = False) -> bytes:
     without a word (abetlen/llama-cpp-python#2362; ``tests/test_serve.py`` checks the premise)."""
     size = 64
     buf = ctypes.create_string_buffer(size)
-    out = bytearray()
+    piece = llama_cpp.llama_token_to_piece
+    out = b""
     for token in tokens:
-        n = llama_cpp.llama_token_to_piece(vocab, llama_cpp.llama_token(int(token)), buf, size, 0, special)
+        n = piece(vocab, int(token), buf, size, 0, special)
         if n < 0:  # the piece needs -n bytes
             size = -n
             buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(vocab, llama_cpp.llama_token(int(token)), buf, size, 0, special)
+            n = piece(vocab, int(token), buf, size, 0, special)
         out += buf.raw[:max(n, 0)]
-    return bytes(out)
+    return out
 
 
 class ObservedLlama(llama_cpp.Llama):
