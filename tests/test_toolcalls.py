@@ -456,3 +456,24 @@ def test_any_split_of_the_text_gives_what_an_independent_reading_gives(fmt, data
     whole_content, whole_calls = parse_tagged(text, fmt, tools)
     assert [c["function"] for c in whole_calls] == want_calls
     assert whole_content == (None if want_calls and not want_content.strip() else want_content)
+
+
+MARKS = sorted({m for fmt in TAGS for m in TAGS[fmt] if m} | {"<function=", "<parameter=", "[ARGS]", "<arg_key>",
+                                                              '" string="', '">', "functions.f:0", "\n"})
+
+
+@pytest.mark.parametrize("fmt", sorted(TAGS))
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_any_text_is_read_without_an_error_and_nothing_is_lost_but_calls(fmt, data):
+    """Every reader on any text (any characters, any of every format's tags among them), in any
+    pieces: no exception, and the content with the calls' blocks is the text (a reader that reads
+    no call gives the text back word for word)."""
+    text = "".join(data.draw(st.lists(st.one_of(st.text(max_size=12), st.sampled_from(MARKS)), max_size=12)))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    events = streamed(TaggedCalls(fmt, GLM_TOOLS), text, cuts)
+    content = "".join(x for k, x in events if k == "content")
+    if not any(k == "call" for k, _ in events):
+        assert content == text
+    else:
+        assert len(content) < len(text)
