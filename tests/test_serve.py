@@ -1578,7 +1578,7 @@ def test_a_chat_template_file_stands_for_the_ggufs_own(small_gguf, hermes, tmp_p
     (tmp_path / "bad.jinja").write_text("{% for %}", encoding="utf-8")
     text = ["--prompt", PROMPT, "--max-new-tokens", "2"]
     for cmd, options, cases in [(["serve"], ["--port", "0"], slice(None)), (["llama", "generate"], text, slice(0, 3))]:
-        for args, match in [([], "its tokenizer.chat_template is not a template Jinja compiles"),
+        for args, match in [([], "or none (serve and llama generate take --chat-template-file PATH in its place)"),
                             (["--chat-template-file", str(tmp_path / "none.jinja")], "No such file"),
                             (["--chat-template-file", str(tmp_path / "bin.jinja")], "not UTF-8 text (byte 0)"),
                             (["--chat-template-file", str(tmp_path / "empty.jinja")], "the file is empty"),

@@ -502,8 +502,11 @@ def check_tokenizer(meta: dict, path: str, template_given: bool = False) -> None
         problem = chat_template_problem(value) if key.startswith("tokenizer.chat_template") and isinstance(
             value, str) else None
         if problem:
+            instead = (" (serve and llama generate take --chat-template-file PATH in its place)"
+                       if key == "tokenizer.chat_template" else "")
             raise ConfigError(f"MODEL {path}: its {key} is not a template Jinja compiles ({problem}); "
-                              "llama-cpp-python compiles it at load: write the GGUF again with a valid one, or none")
+                              f"llama-cpp-python compiles it at load: write the GGUF again with a valid one, or "
+                              f"none{instead}")
 
 
 @contextlib.contextmanager
