@@ -1740,6 +1740,7 @@ WRITTEN_CALLS = {
     "kimi": ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
              '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>', None, r"functions\.get_weather:0"),
     "mistral": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, "[A-Za-z0-9]{9}"),
+    "lfm2": ("<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|>", None, None),
     "dsml": ('Paris, then.</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
              '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
              '</｜DSML｜function_calls>', "Paris, then.", None),
@@ -2013,12 +2014,41 @@ def dsml(tmp_path_factory):
     s.stop()
 
 
+LFM2_TEMPLATE = """{{- bos_token -}}
+{%- if tools -%}<|im_start|>system
+List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|><|im_end|>
+{% endif -%}
+{%- for m in messages -%}<|im_start|>{{ m.role }}
+{% if m.role == 'assistant' and m.tool_calls -%}
+{%- set calls = namespace(items=[]) -%}
+{%- for tc in m.tool_calls -%}{%- set args = namespace(items=[]) -%}
+{%- for k, v in tc.function.arguments.items() -%}{%- set args.items = args.items + [k + "=" + ("'" + v + "'" if v is string else v | tojson)] -%}{%- endfor -%}
+{%- set calls.items = calls.items + [tc.function.name + "(" + (args.items | join(", ")) + ")"] -%}{%- endfor -%}
+<|tool_call_start|>[{{ calls.items | join(", ") }}]<|tool_call_end|>{{ m.content or '' }}
+{%- else -%}{{ m.content or '' }}{%- endif -%}<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+{% endif -%}"""
+"""LFM2's chat template, simplified: its tool list, its Python calls (arguments iterated as an object)."""
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    """small-moe with LFM2_TEMPLATE and LFM2's call tags as control tokens, served."""
+    s = serving(tmp_path_factory, "lfm2", LFM2_TEMPLATE, ("<|tool_call_start|>", "<|tool_call_end|>",
+                                                          "<|tool_list_start|>", "<|tool_list_end|>"),
+                [WRITTEN_CALLS["lfm2"][0]])
+    yield s
+    s.stop()
+
+
 @pytest.mark.parametrize("fixture, tag", [("glm", "<tool_call>"), ("deepseek", "<｜tool▁calls▁begin｜>"),
+                                          ("lfm2", "<|tool_call_start|>"),
                                           ("dsml", "<｜DSML｜function_calls>"),
                                           ("qwen_xml", "<tool_call>"), ("minimax", "<minimax:tool_call>"),
                                           ("kimi", "<|tool_calls_section_begin|>"), ("mistral", "[TOOL_CALLS]")])
 def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
-    """GLM-4.5's, DeepSeek's (V3 and V3.2), Qwen3.5's, MiniMax-M2's, Kimi K2's and Mistral's formats:
+    """GLM-4.5's, DeepSeek's (V3 and V3.2), Qwen3.5's, MiniMax-M2's, Kimi K2's, Mistral's and LFM2's formats:
     ``auto`` shows the tools (a model that answers in text gets its text); their tags, control tokens
     here, reach the text (a forced opening tag never closed stays content); a call the model writes
     in the format (a token of this vocabulary, forced) is read back into ``tool_calls``, after the

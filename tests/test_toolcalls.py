@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.llama.toolcalls import (DSML, DSV3, GLM, HERMES, KIMI, MINIMAX, MISTRAL, QWEN_XML, READERS,
-                                         TAGS, TaggedCalls, call_format, parse_tagged)
+from expertcache.llama.toolcalls import (DSML, DSV3, GLM, HERMES, KIMI, LFM2, MINIMAX, MISTRAL, QWEN_XML,
+                                         READERS, TAGS, TaggedCalls, call_format, parse_tagged)
 
 NAMES = ("get_weather", "f")
 def parse_hermes(text, names):
@@ -57,6 +57,7 @@ def test_the_format_is_told_by_the_template():
     assert call_format("{%- set toolcall_begin_token = '<minimax:tool_call>' -%}<invoke name=\"...\"><think>") == MINIMAX
     assert call_format("<|tool_calls_section_begin|>{%- for tc in m.tool_calls -%}<|tool_call_begin|>") == KIMI
     assert call_format('{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}') == MISTRAL
+    assert call_format('{{- "<|tool_call_start|>[" + (tool_calls | join(", ")) + "]<|tool_call_end|>" -}}') == LFM2
     # DeepSeek-V3.2's spells its tags through a variable
     assert call_format('{%- set dsml_token = "｜DSML｜" -%}<{{ dsml_token }}function_calls>') == DSML
     assert call_format(None) is None and call_format("{{ messages }}") is None
@@ -428,13 +429,86 @@ def mistral_reference(text: str) -> tuple[str, list]:
     return text[:m.start()], [{"name": n, "arguments": json.dumps(a, ensure_ascii=False)} for n, a in pairs]
 
 
+LS, LE = "<|tool_call_start|>", "<|tool_call_end|>"
+
+
+def test_lfm2_reference_cases():
+    def read(inner, tools=GLM_TOOLS):
+        return parse_tagged("Checking. " + LS + inner + LE, LFM2, tools)
+
+    content, calls = read("[get_weather(city='Paris', days=2, tags=(1, 'a')), f()]")
+    assert content == "Checking. " and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == [("get_weather", {"city": "Paris", "days": 2, "tags": [1, "a"]}), ("f", {})]
+    # LFM2's template writes a mapping as JSON (true, null): read as JSON
+    (call,) = read('[f(o={"a": true, "b": null}, n=-1.5, s="x")]')[1]
+    assert json.loads(call["function"]["arguments"]) == {"o": {"a": True, "b": None}, "n": -1.5, "s": "x"}
+    assert [c["function"]["name"] for c in read('[{"name": "f", "arguments": {}}]')[1]] == ["f"]  # its JSON mode
+    # read by Python's parser, never run: nothing but literals; the text stays, word for word
+    for bad in ("[f(1)]", "[f(**k)]", "[os.system('ls')]", "[f(a=__import__('os'))]", "[f(a=1, a=2)]", "[f(a={1})]",
+                "[f(a=1e999)]", "[f(a={1: 2})]", "[f(a=b'x')]", "f()", "[]", "[nope()]", "[f(), 2]", "[f()][0]",
+                "[f(a=1+2)]", "[f(" + "[" * 200 + "]" * 200 + ")]", "[f(a=" + "(" * 5000 + ")]"):
+        assert read(bad) == ("Checking. " + LS + bad + LE, []), bad
+
+
+LFM2_PARTS = st.sampled_from(["ok ", LS, LE, "[", "]", ", ", "f(", "get_weather(", ")", "city='Paris'", "days=2",
+                              "tags=(1, 'é')", 'o={"a": true}', "x=null", "2", "nope(", "=", LS + "[f()]" + LE,
+                              LS + "[get_weather(city='x'), f(a=[1])]" + LE, LS + '[{"name": "f", "arguments": {}}]' + LE])
+
+
+class _Recorded(tuple):
+    """A call the reference's evaluation recorded: (name, keyword arguments)."""
+
+
+def lfm2_reference(text: str) -> tuple[str, list]:
+    """An independent reading of LFM2's blocks: the inside evaluated by Python with nothing in scope
+    but the tools (each recording its call) and JSON's true, false and null, a JSON array of calls
+    tried first; valid when it is a list of recorded calls whose arguments JSON holds."""
+    def recorder(name):
+        return lambda *args, **kw: _Recorded((name, kw)) if not args else None
+
+    def calls_of(inner):
+        try:
+            items = json.loads(inner)
+        except ValueError:
+            items = None
+        if isinstance(items, list):
+            if items and all(isinstance(x, dict) and x.get("name") in dict(GLM_TOOLS) and
+                             isinstance(x.get("arguments"), dict) for x in items):
+                return [{"name": x["name"], "arguments": json.dumps(x["arguments"], ensure_ascii=False)} for x in items]
+            return None
+        scope = {name: recorder(name) for name, _ in GLM_TOOLS} | {"true": True, "false": False, "null": None}
+        try:
+            value = eval(inner.strip(), {"__builtins__": {}}, scope)  # the test's own pieces, nothing in scope
+        except Exception:
+            return None
+        if not (isinstance(value, list) and value and all(isinstance(x, _Recorded) for x in value)):
+            return None
+        def text_keys(x):
+            return all(isinstance(k, str) and text_keys(v) for k, v in x.items()) if isinstance(x, dict) else \
+                all(text_keys(v) for v in x) if isinstance(x, (list, tuple)) else True
+
+        out = []
+        for name, kw in value:
+            if not text_keys(kw):
+                return None
+            try:
+                out.append({"name": name, "arguments": json.dumps(json.loads(json.dumps(kw, allow_nan=False)),
+                                                                  ensure_ascii=False)})
+            except (TypeError, ValueError):
+                return None
+        return out
+    import re
+    return blockwise(text, re.escape(LS) + "(.*?)" + re.escape(LE), calls_of)
+
+
 CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS, GLM_TOOLS, glm_reference),
          DSV3: (DS_PARTS, [(n, None) for n in NAMES], deepseek_reference),
          QWEN_XML: (QWEN_PARTS, GLM_TOOLS, xml_reference(QWEN_XML)), MINIMAX: (MINIMAX_PARTS, GLM_TOOLS,
                                                                                xml_reference(MINIMAX)),
          DSML: (DSML_PARTS, GLM_TOOLS, xml_reference(DSML)),
          KIMI: (KIMI_PARTS, [(n, None) for n in NAMES], kimi_reference),
-         MISTRAL: (MISTRAL_PARTS, [(n, None) for n in NAMES], mistral_reference)}
+         MISTRAL: (MISTRAL_PARTS, [(n, None) for n in NAMES], mistral_reference),
+         LFM2: (LFM2_PARTS, GLM_TOOLS, lfm2_reference)}
 """Per format: the pieces its texts are drawn from, the tools, an independent reading."""
 ENDINGS = {MISTRAL: st.sampled_from(["", "", mistral_array([("f", {})]), mistral_array([("get_weather", {"days": 2})]),
                                      MC + "f[ARGS]{}" + MC + 'get_weather[ARGS]{"city": "x"}'])}

@@ -44,7 +44,7 @@ Invariants:
   parameters, become a grammar every token keeps to (:mod:`.constraints`: a keyword the grammar would
   not hold is a 400, never ignored; the grammar checks the token the chain drew, as llama.cpp's own
   sampler); with a chat template that teaches a call format (Hermes', Qwen3-Coder's XML, GLM's,
-  MiniMax's, DeepSeek's V3 and V3.2 (DSML), Kimi's, Mistral's, gpt-oss's channels), the model's calls
+  MiniMax's, DeepSeek's V3 and V3.2 (DSML), Kimi's, Mistral's, LFM2's, gpt-oss's channels), the model's calls
   are read back into
   ``tool_calls`` (:mod:`.toolcalls`), a block that is not a valid call left in the content as
   written (:func:`tool_plan`).
@@ -305,7 +305,7 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     if choice == "auto":
         raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
                        "reads (the Hermes <tool_call> JSON of Qwen3 and others, Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's, "
-                       "MiniMax-M2's, DeepSeek's V3 and V3.2, Kimi K2's, Mistral's, gpt-oss's); "
+                       "MiniMax-M2's, DeepSeek's V3 and V3.2, Kimi K2's, Mistral's, LFM2's, gpt-oss's); "
                        "name the "
                        "function ({\"type\": "
                        "\"function\", \"function\": {\"name\": ...}}), or give one tool with \"required\", or "

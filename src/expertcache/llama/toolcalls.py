@@ -57,12 +57,18 @@ its later tokenizers, each call ``NAME[ARGS]{...}`` after its own ``[TOOL_CALLS]
 
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}
 
+LFM2's (LFM2-8B-A1B) are Python calls, keyword arguments only, each a Python literal (or, as its
+template writes a mapping, JSON), read by Python's parser, never run::
+
+    <|tool_call_start|>[get_weather(city='Paris', days=2)]<|tool_call_end|>
+
 Mistral's templates refuse a call id that is not 9 letters and digits (``Tool call IDs should be
 alphanumeric strings with length 9!``): the calls of this format get such ids (:func:`new_call_id`).
 
 The chat template tells the format (:func:`call_format`), as llama.cpp's server detects it: one
 that holds ``<minimax:tool_call>`` teaches MiniMax's, ``｜DSML｜`` DeepSeek-V3.2's,
-``<|tool_calls_section_begin|>`` Kimi's, ``[TOOL_CALLS]`` Mistral's;
+``<|tool_calls_section_begin|>`` Kimi's, ``[TOOL_CALLS]`` Mistral's, ``<|tool_call_start|>``
+LFM2's;
 one that holds ``<tool_call>`` teaches Qwen3-Coder's where it holds ``<function=`` and
 ``<parameter=`` too, GLM's where it holds ``<arg_key>``, else Hermes'; one that holds
 ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁sep｜>``, DeepSeek's. (gpt-oss's calls are messages on its
@@ -76,8 +82,8 @@ Invariants (``tests/test_toolcalls.py``):
   DSML: a value is the text as written where the tool's parameters type the key a string, or DSML's
   mark says ``string="true"``, else its JSON when it parses; the XML formats' values lose one
   newline at each end, the template's framing);
-  every call of a block is valid (DeepSeek, Kimi, Mistral, and the XML formats, which may hold
-  several).
+  every call of a block is valid (DeepSeek, Kimi, Mistral, LFM2, and the XML formats, which may
+  hold several).
   Otherwise the block's text stays content, word for word (nothing the model wrote is dropped).
 * **Streamed and whole agree**: :class:`TaggedCalls` fed the text in any pieces gives the content
   and calls :func:`parse_tagged` gives for the whole text; content that could begin ``<tool_call>``
@@ -86,6 +92,7 @@ Invariants (``tests/test_toolcalls.py``):
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -96,31 +103,34 @@ from typing import Callable
 from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV3, KIMI, MISTRAL, HARMONY = (
-    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "mistral", "harmony")
+HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV3, KIMI, MISTRAL, LFM2, HARMONY = (
+    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "mistral", "lfm2",
+    "harmony")
 CALLS_OPEN, CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_OPEN, CALL_CLOSE, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KIMI_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
              "<|tool_call_end|>", "<|tool_call_argument_begin|>")
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+LFM2_OPEN, LFM2_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 DSML_MARK = "｜DSML｜"
 DSML_OPEN, DSML_CLOSE = f"<{DSML_MARK}function_calls>", f"</{DSML_MARK}function_calls>"
 TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
         DSML: (DSML_OPEN, DSML_CLOSE),
-        DSV3: (CALLS_OPEN, CALLS_CLOSE), KIMI: KIMI_TAGS[:2], MISTRAL: (MISTRAL_CALLS, None)}
+        DSV3: (CALLS_OPEN, CALLS_CLOSE), KIMI: KIMI_TAGS[:2], MISTRAL: (MISTRAL_CALLS, None),
+        LFM2: (LFM2_OPEN, LFM2_CLOSE)}
 """The tags around a format's block of calls (None: the block runs to the end of the text)."""
 MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
            QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE), DSML: (DSML_OPEN, DSML_CLOSE),
            DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP), KIMI: KIMI_TAGS,
-           MISTRAL: (MISTRAL_CALLS, MISTRAL_ARGS)}
+           MISTRAL: (MISTRAL_CALLS, MISTRAL_ARGS), LFM2: (LFM2_OPEN, LFM2_CLOSE)}
 """The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`)."""
 
 
 def call_format(template: str | None) -> str | None:
     """The call format the chat ``template`` teaches (module docstring): :data:`HERMES`,
     :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSML`, :data:`DSV3`, :data:`KIMI` or
-    :data:`MISTRAL`; :data:`HARMONY`
+    :data:`MISTRAL` or :data:`LFM2`; :data:`HARMONY`
     where it teaches gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
     :class:`~.reasoning.HarmonyStream`); None."""
     if not template:
@@ -133,6 +143,8 @@ def call_format(template: str | None) -> str | None:
         return KIMI
     if MISTRAL_CALLS in template:
         return MISTRAL
+    if LFM2_OPEN in template:
+        return LFM2
     if OPEN in template:
         if "<function=" in template and "<parameter=" in template:
             return QWEN_XML
@@ -340,6 +352,65 @@ def _mistral_calls(block: str, tools: dict) -> list[dict] | None:
     return calls if None not in calls else None
 
 
+def _python_value(node: ast.expr, source: str):
+    """A keyword argument's value: a Python literal (a tuple as a list), or the JSON its source text
+    holds (LFM2's template writes a mapping as JSON: ``true``, ``null``); a ``ValueError`` otherwise,
+    or where it is not JSON's (a set, bytes, a complex or infinite number)."""
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        text = ast.get_source_segment(source, node)
+        value = json.loads(text) if text is not None else None  # a ValueError where it is not JSON either
+    json.dumps(_lists(value), allow_nan=False)  # a ValueError or TypeError where JSON cannot hold it
+    return _lists(value)
+
+
+def _lists(value):
+    """``value`` with its tuples as lists (JSON's arrays); a ``ValueError`` for a mapping with a key
+    that is not text (JSON would make it text without a word)."""
+    if isinstance(value, (list, tuple)):
+        return [_lists(v) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise ValueError("a key that is not text")
+        return {k: _lists(v) for k, v in value.items()}
+    return value
+
+
+def _pythonic_calls(block: str, tools: dict) -> list[dict] | None:
+    """The calls of an LFM2 block: a Python list of calls ``NAME(KEY=VALUE, ...)`` (keywords only,
+    each key once, values :func:`_python_value`), parsed by Python's parser and never run, or a JSON
+    array of objects with a ``name`` and an object of ``arguments``; None."""
+    try:
+        items = json.loads(block)
+    except (ValueError, RecursionError):
+        items = None
+    if isinstance(items, list):
+        calls = [function_call(x.get("name"), x.get("arguments"), tools) if isinstance(x, dict) and isinstance(
+            x.get("arguments"), dict) else None for x in items]
+        return calls if calls and None not in calls else None
+    source = block.strip()
+    try:
+        tree = ast.parse(source, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    if not (isinstance(tree, ast.List) and tree.elts):
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg is not None for k in node.keywords)):
+            return None
+        try:
+            args = {k.arg: _python_value(k.value, source) for k in node.keywords}
+        except (ValueError, TypeError, RecursionError):
+            return None
+        if len(args) != len(node.keywords):
+            return None
+        calls.append(function_call(node.func.id, args, tools))
+    return calls if None not in calls else None
+
+
 def _each(sections: list[str] | None, read: Callable, tools: dict) -> list[dict] | None:
     """Each section read into its call (``read``), or None where there are none or any is not a call."""
     calls = [read(inner, tools) for inner in sections or ()]
@@ -355,6 +426,7 @@ READERS = {
     DSV3: lambda block, tools: _each(_sections(block, CALL_OPEN, CALL_CLOSE), _deepseek_call, tools),
     KIMI: lambda block, tools: _each(_sections(block, KIMI_TAGS[2], KIMI_TAGS[3]), _kimi_call, tools),
     MISTRAL: _mistral_calls,
+    LFM2: _pythonic_calls,
 }
 """Per call format: a block's inner text and the tools (name -> parameters' schema) -> its calls, or None."""
 
