@@ -68,8 +68,7 @@ alphanumeric strings with length 9!``): the calls of this format get such ids (:
 The chat template tells the format (:func:`call_format`), as llama.cpp's server detects it: one
 that holds ``<minimax:tool_call>`` teaches MiniMax's, ``｜DSML｜`` DeepSeek-V3.2's,
 ``<|tool_calls_section_begin|>`` Kimi's, ``[TOOL_CALLS]`` Mistral's, ``<|tool_call_start|>``
-LFM2's;
-one that holds ``<tool_call>`` teaches Qwen3-Coder's where it holds ``<function=`` and
+LFM2's; one that holds ``<tool_call>`` teaches Qwen3-Coder's where it holds ``<function=`` and
 ``<parameter=`` too, GLM's where it holds ``<arg_key>``, else Hermes'; one that holds
 ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁sep｜>``, DeepSeek's. (gpt-oss's calls are messages on its
 channels: :class:`~.reasoning.HarmonyStream`.)
@@ -81,13 +80,13 @@ Invariants (``tests/test_toolcalls.py``):
   among them and the rest is key-value pairs only, each key once (GLM, Qwen3-Coder, MiniMax,
   DSML: a value is the text as written where the tool's parameters type the key a string, or DSML's
   mark says ``string="true"``, else its JSON when it parses; the XML formats' values lose one
-  newline at each end, the template's framing);
-  every call of a block is valid (DeepSeek, Kimi, Mistral, LFM2, and the XML formats, which may
-  hold several).
-  Otherwise the block's text stays content, word for word (nothing the model wrote is dropped).
+  newline at each end, the template's framing); every call of a block is valid (DeepSeek, Kimi,
+  Mistral, LFM2, and the XML formats, which may hold several). Otherwise the block's text stays
+  content, word for word (nothing the model wrote is dropped).
 * **Streamed and whole agree**: :class:`TaggedCalls` fed the text in any pieces gives the content
-  and calls :func:`parse_tagged` gives for the whole text; content that could begin ``<tool_call>``
-  is held back until it cannot, a block until its ``</tool_call>``.
+  and calls :func:`parse_tagged` gives for the whole text; content that could begin the format's
+  opening tag is held back until it cannot, a block until its closing tag (or the end of the text,
+  Mistral's).
 """
 
 from __future__ import annotations
@@ -116,9 +115,8 @@ LFM2_OPEN, LFM2_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 DSML_MARK = "｜DSML｜"
 DSML_OPEN, DSML_CLOSE = f"<{DSML_MARK}function_calls>", f"</{DSML_MARK}function_calls>"
 TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
-        DSML: (DSML_OPEN, DSML_CLOSE),
-        DSV3: (CALLS_OPEN, CALLS_CLOSE), KIMI: KIMI_TAGS[:2], MISTRAL: (MISTRAL_CALLS, None),
-        LFM2: (LFM2_OPEN, LFM2_CLOSE)}
+        DSML: (DSML_OPEN, DSML_CLOSE), DSV3: (CALLS_OPEN, CALLS_CLOSE), KIMI: KIMI_TAGS[:2],
+        MISTRAL: (MISTRAL_CALLS, None), LFM2: (LFM2_OPEN, LFM2_CLOSE)}
 """The tags around a format's block of calls (None: the block runs to the end of the text)."""
 MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
            QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE), DSML: (DSML_OPEN, DSML_CLOSE),
@@ -129,10 +127,9 @@ MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", 
 
 def call_format(template: str | None) -> str | None:
     """The call format the chat ``template`` teaches (module docstring): :data:`HERMES`,
-    :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSML`, :data:`DSV3`, :data:`KIMI` or
-    :data:`MISTRAL` or :data:`LFM2`; :data:`HARMONY`
-    where it teaches gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
-    :class:`~.reasoning.HarmonyStream`); None."""
+    :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSML`, :data:`DSV3`, :data:`KIMI`,
+    :data:`MISTRAL` or :data:`LFM2`; :data:`HARMONY` where it teaches gpt-oss's calls (a message
+    ``to=functions.NAME`` on its channels: :class:`~.reasoning.HarmonyStream`); None."""
     if not template:
         return None
     if MINIMAX_OPEN in template:
