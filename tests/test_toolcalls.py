@@ -537,7 +537,7 @@ MARKS = sorted({m for fmt in TAGS for m in TAGS[fmt] if m} | {"<function=", "<pa
 
 
 @pytest.mark.parametrize("fmt", sorted(TAGS))
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data())
 def test_any_text_is_read_without_an_error_and_nothing_is_lost_but_calls(fmt, data):
     """Every reader on any text (any characters, any of every format's tags among them), in any

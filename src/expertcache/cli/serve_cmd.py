@@ -202,6 +202,8 @@ def run_walled(args) -> int:
                 "host", "port",
                 "model_alias", "max_connections", "request_timeout", "reasoning_format", "chat_template_kwargs"):
         value = getattr(args, opt)
+        if opt == "chat_template_file" and value is not None:
+            value = os.path.abspath(value)  # as the model's path: the child reads the same file
         if value is not None:
             argv += ["--" + opt.replace("_", "-"), json.dumps(value) if isinstance(value, dict) else str(value)]
     if args.cache_memory is None and (args.mode in (None, "managed")):
