@@ -199,8 +199,8 @@ def run_walled(args) -> int:
                           "the wall")
     argv = [sys.executable, "-m", "expertcache.cli.main", "serve", g.path]
     for opt in ("mode", "cache_memory", "policy", "threads", "readers", "ctx", "chat_format", "chat_template_file",
-                "host", "port",
-                "model_alias", "max_connections", "request_timeout", "reasoning_format", "chat_template_kwargs"):
+                "host", "port", "model_alias", "max_connections", "request_timeout", "reasoning_format",
+                "chat_template_kwargs"):
         value = getattr(args, opt)
         if opt == "chat_template_file" and value is not None:
             value = os.path.abspath(value)  # as the model's path: the child reads the same file

@@ -44,10 +44,9 @@ Invariants:
   parameters, become a grammar every token keeps to (:mod:`.constraints`: a keyword the grammar would
   not hold is a 400, never ignored; the grammar checks the token the chain drew, as llama.cpp's own
   sampler); with a chat template that teaches a call format (Hermes', Qwen3-Coder's XML, GLM's,
-  MiniMax's, DeepSeek's V3 and V3.2 (DSML), Kimi's, Mistral's, LFM2's, gpt-oss's channels), the model's calls
-  are read back into
-  ``tool_calls`` (:mod:`.toolcalls`), a block that is not a valid call left in the content as
-  written (:func:`tool_plan`).
+  MiniMax's, DeepSeek's V3 and V3.2 (DSML), Kimi's, Mistral's, LFM2's, gpt-oss's channels), the
+  model's calls are read back into ``tool_calls`` (:mod:`.toolcalls`), a block that is not a valid
+  call left in the content as written (:func:`tool_plan`).
 * **Routed experts** (``--enable-return-routed-experts``): a request asking ``return_routed_experts``
   gets every evaluated position's experts in SGLang's ``sglext.routed_experts`` encoding
   (:meth:`Generation.routed_experts`); without the switch the field is refused, never ignored.
