@@ -81,7 +81,7 @@ def token_bytes(vocab, tokens, special: bool = False) -> bytes:
     size = 64
     buf = ctypes.create_string_buffer(size)
     piece = llama_cpp.llama_token_to_piece
-    out = b""
+    out = bytearray()  # bytes += bytes copies the whole text at each token: 80,000 tokens took 5.7 s
     for token in tokens:
         n = piece(vocab, int(token), buf, size, 0, special)
         if n < 0:  # the piece needs -n bytes
@@ -89,7 +89,7 @@ def token_bytes(vocab, tokens, special: bool = False) -> bytes:
             buf = ctypes.create_string_buffer(size)
             n = piece(vocab, int(token), buf, size, 0, special)
         out += buf.raw[:max(n, 0)]
-    return out
+    return bytes(out)
 
 
 class ObservedLlama(llama_cpp.Llama):
