@@ -324,24 +324,39 @@ def _kimi_call(inner: str, tools: dict) -> dict | None:
     return function_call(m.group(1), arguments, tools, call_id=ident.strip()) if sep and m else None
 
 
+def _json_list(block: str) -> list | None:
+    """The JSON array a block's text is, or None where it is not one."""
+    try:
+        items = json.loads(block)
+    except (ValueError, RecursionError):
+        return None
+    return items if isinstance(items, list) else None
+
+
+def _listed_calls(items: list, tools: dict, call_id: Callable[[dict], str | None] = lambda item: None
+                  ) -> list[dict] | None:
+    """The calls of a JSON array of objects, each a ``name`` and an object of ``arguments`` (Mistral's
+    and LFM2's JSON; ``call_id``: an item's id, None for a new one); None where there are none or any
+    is not a call."""
+    calls = [function_call(x.get("name"), x["arguments"], tools, call_id=call_id(x))
+             if isinstance(x, dict) and isinstance(x.get("arguments"), dict) else None for x in items]
+    return calls if calls and None not in calls else None
+
+
+def _mistral_id(item: dict) -> str:
+    """A Mistral call's id: the model's own where it is 9 letters and digits, else a new one."""
+    given = item.get("id")
+    keep = isinstance(given, str) and len(given) == 9 and given.isascii() and given.isalnum()
+    return given if keep else new_call_id(MISTRAL)
+
+
 def _mistral_calls(block: str, tools: dict) -> list[dict] | None:
     """The calls of a Mistral block (the text after ``[TOOL_CALLS]``, to the end): a JSON array of
     objects with a ``name`` and an object of ``arguments`` (an ``id`` of 9 letters and digits kept),
     or one or more ``NAME[ARGS]ARGUMENTS``, each after its own ``[TOOL_CALLS]``; None."""
-    try:
-        items = json.loads(block)
-    except (ValueError, RecursionError):
-        items = None
-    if isinstance(items, list):
-        calls = []
-        for item in items:
-            if not (isinstance(item, dict) and isinstance(item.get("arguments"), dict)):
-                return None
-            given = item.get("id")
-            keep = isinstance(given, str) and len(given) == 9 and given.isascii() and given.isalnum()
-            calls.append(function_call(item.get("name"), item["arguments"], tools,
-                                       call_id=given if keep else new_call_id(MISTRAL)))
-        return calls if calls and None not in calls else None
+    items = _json_list(block)
+    if items is not None:
+        return _listed_calls(items, tools, _mistral_id)
     calls = []
     for part in block.split(MISTRAL_CALLS):
         name, sep, arguments = part.partition(MISTRAL_ARGS)
@@ -358,8 +373,9 @@ def _python_value(node: ast.expr, source: str):
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         text = ast.get_source_segment(source, node)
         value = json.loads(text) if text is not None else None  # a ValueError where it is not JSON either
-    json.dumps(_lists(value), allow_nan=False)  # a ValueError or TypeError where JSON cannot hold it
-    return _lists(value)
+    value = _lists(value)
+    json.dumps(value, allow_nan=False)  # a ValueError or TypeError where JSON cannot hold it
+    return value
 
 
 def _lists(value):
@@ -378,14 +394,9 @@ def _pythonic_calls(block: str, tools: dict) -> list[dict] | None:
     """The calls of an LFM2 block: a Python list of calls ``NAME(KEY=VALUE, ...)`` (keywords only,
     each key once, values :func:`_python_value`), parsed by Python's parser and never run, or a JSON
     array of objects with a ``name`` and an object of ``arguments``; None."""
-    try:
-        items = json.loads(block)
-    except (ValueError, RecursionError):
-        items = None
-    if isinstance(items, list):
-        calls = [function_call(x.get("name"), x.get("arguments"), tools) if isinstance(x, dict) and isinstance(
-            x.get("arguments"), dict) else None for x in items]
-        return calls if calls and None not in calls else None
+    items = _json_list(block)
+    if items is not None:
+        return _listed_calls(items, tools)
     source = block.strip()
     try:
         tree = ast.parse(source, mode="eval").body
