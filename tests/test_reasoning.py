@@ -7,24 +7,27 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expertcache.llama.reasoning import ThinkStream, opens_thinking, split_reasoning, think_format
 from test_toolcalls import streamed
 
-BLOCK = re.compile(r"\s*<think>(.*?)</think>(.*)", re.S)
+SPELLED = {"deepseek": ("<think>", "</think>"), "gemma4": ("<|channel>thought", "<channel|>")}
+"""Each format's tags, as its models write them."""
 
 
-def reference(text: str, opened: bool) -> tuple[str | None, str]:
+def reference(text: str, opened: bool, fmt: str = "deepseek") -> tuple[str | None, str]:
     """The module docstring's rule, written as a regular expression over the whole text."""
+    open_, close = SPELLED[fmt]
     if opened:
-        text = "<think>" + text
-    m = BLOCK.fullmatch(text)
+        text = open_ + text
+    m = re.fullmatch(r"\s*" + re.escape(open_) + "(.*?)" + re.escape(close) + "(.*)", text, re.S)
     if m:
         return m.group(1).strip(), m.group(2).lstrip()
-    if re.match(r"\s*<think>", text):  # never closed: all of it reasoning
-        return text.lstrip()[len("<think>"):].strip(), ""
+    if re.match(r"\s*" + re.escape(open_), text):  # never closed: all of it reasoning
+        return text.lstrip()[len(open_):].strip(), ""
     return None, text
 
 
@@ -40,20 +43,30 @@ def test_reference_cases():
     assert think_format("{{ '<think>' }}x{{ '</think>' }}") == "deepseek"
     assert think_format("<tool_call>") is None and think_format(None) is None
     assert opens_thinking("<|im_start|>assistant\n<think>\n") and not opens_thinking("<think>\n\n</think>\n\n")
+    # Gemma 4's: the same block between its own tags; its prompt opens and closes an empty one
+    assert split_reasoning("<|channel>thought\nI'm\nthinking<channel|>Hello", fmt="gemma4") == ("I'm\nthinking", "Hello")
+    assert split_reasoning("<|channel>thought<channel|>Hi", fmt="gemma4") == ("", "Hi")
+    assert split_reasoning("<think>a</think>b", fmt="gemma4") == (None, "<think>a</think>b")
+    assert think_format("{{- '<|channel>thought\\n' + t + '\\n<channel|>' -}}") == "gemma4"
+    assert not opens_thinking("<|turn>model\n<|channel>thought\n<channel|>", "gemma4")
+    assert opens_thinking("<|turn>model\n<|channel>thought\n", "gemma4")
 
 
-PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "<th", "ink>", "k>", "/think", " ", "\n", "\t",
-                                   "a", "b c", "é", "\u00a0", "</tool_call>", "x\n\n"]), max_size=14)
+PIECES = {"deepseek": ["<think>", "</think>", "<", "</", "<th", "ink>", "k>", "/think"],
+          "gemma4": ["<|channel>thought", "<|channel>", "thought", "<channel|>", "<|chan", "nel|>", "<", "<|", "|>"]}
 
 
+@pytest.mark.parametrize("fmt", sorted(SPELLED))
 @settings(max_examples=400, deadline=None)
-@given(parts=PIECES, opened=st.booleans(), cuts=st.lists(st.integers(0, 200), max_size=8))
-def test_whole_agrees_with_the_reference_and_any_pieces_with_the_whole(parts, opened, cuts):
+@given(data=st.data(), opened=st.booleans(), cuts=st.lists(st.integers(0, 200), max_size=8))
+def test_whole_agrees_with_the_reference_and_any_pieces_with_the_whole(fmt, data, opened, cuts):
+    parts = data.draw(st.lists(st.sampled_from(PIECES[fmt] + [" ", "\n", "\t", "a", "b c", "é", "\u00a0", "</tool_call>",
+                                                              "x\n\n"]), max_size=14), label="parts")
     text = "".join(parts)
-    whole = split_reasoning(text, opened)
-    assert whole == reference(text, opened), (text, opened)
+    whole = split_reasoning(text, opened, fmt)
+    assert whole == reference(text, opened, fmt), (text, opened)
     bounds = sorted({min(c, len(text)) for c in cuts})
-    out = streamed(ThinkStream(opened), text, bounds)
+    out = streamed(ThinkStream(opened, fmt), text, bounds)
     assert all(x for _, x in out)  # no empty part is reported
     reasoning = "".join(x for k, x in out if k == "reasoning")
     content = "".join(x for k, x in out if k == "content")

@@ -1736,6 +1736,7 @@ WRITTEN_CALLS = {
              '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>', None, r"functions\.get_weather:0"),
     "mistral": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, "[A-Za-z0-9]{9}"),
     "lfm2": ("<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|>", None, None),
+    "gemma4": ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>', None, None),
     "dsml": ('Paris, then.</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
              '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
              '</｜DSML｜function_calls>', "Paris, then.", None),
@@ -2037,13 +2038,99 @@ def lfm2(tmp_path_factory):
     s.stop()
 
 
+GEMMA4_THOUGHT = "<|channel>thought\nParis, then.<channel|>Sunny."
+"""A thought and an answer as Gemma 4 writes them when asked to think: one token of the fixture's vocabulary."""
+GEMMA4_TAGS = ("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>", "<|turn>", "<turn|>", "<|tool>",
+               "<tool|>", "<|tool_response>", "<tool_response|>")
+GEMMA4_TEMPLATE = """{%- macro arg(v) -%}
+{%- if v is string -%}{{ '<|"|>' + v + '<|"|>' }}
+{%- elif v is boolean -%}{{ 'true' if v else 'false' }}
+{%- elif v is mapping -%}{{ '{' }}{%- for k, x in v | dictsort -%}{{ ',' if not loop.first else '' }}{{ k }}:{{ arg(x) }}{%- endfor -%}{{ '}' }}
+{%- elif v is sequence -%}{{ '[' }}{%- for x in v -%}{{ ',' if not loop.first else '' }}{{ arg(x) }}{%- endfor -%}{{ ']' }}
+{%- else -%}{{ v }}{%- endif -%}
+{%- endmacro -%}
+{#- OpenAI Chat Completions: a call's tool messages go after it -#}
+{%- set ns = namespace(prev=None) -%}
+{{- bos_token -}}
+{%- if tools -%}{{- '<|turn>system\\n' -}}
+{%- for t in tools -%}{{- '<|tool>declaration:' + t.function.name + arg(t.function.parameters) + '<tool|>' -}}{%- endfor -%}
+{{- '<turn|>\\n' -}}{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}{{- '<|turn>user\\n' + m.content + '<turn|>\\n' -}}{%- set ns.prev = 'user' -%}
+{%- elif m.role == 'assistant' -%}{{- '<|turn>model\\n' -}}{%- set ns.prev = 'model' -%}
+{%- for tc in m.tool_calls or [] -%}{{- '<|tool_call>call:' + tc.function.name + arg(tc.function.arguments) + '<tool_call|>' -}}
+{%- set ns.prev = 'call' -%}{%- endfor -%}
+{%- set scan = namespace(on=m.tool_calls is defined and m.tool_calls) -%}
+{%- for r in messages[loop.index0 + 1:] -%}{%- if r.role != 'tool' -%}{%- set scan.on = false -%}{%- endif -%}
+{%- if scan.on -%}{%- set who = namespace(name='unknown') -%}
+{%- for tc in m.tool_calls -%}{%- if tc.id == r.tool_call_id -%}{%- set who.name = tc.function.name -%}{%- endif -%}{%- endfor -%}
+{{- '<|tool_response>response:' + who.name + '{value:' + arg(r.content) + '}<tool_response|>' -}}{%- set ns.prev = 'response' -%}
+{%- endif -%}{%- endfor -%}
+{{- m.content or '' -}}
+{%- if not (ns.prev == 'response' and not m.content) -%}{{- '<turn|>\\n' -}}{%- endif -%}
+{%- endif -%}{%- endfor -%}
+{%- if add_generation_prompt and ns.prev not in ['call', 'response'] -%}
+{{- '<|turn>model\\n' -}}{%- if not enable_thinking | default(false) -%}{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}
+{%- endif -%}"""
+"""Gemma 4's chat template, simplified: its declarations, its calls (arguments iterated as an object),
+a call's results after it and none elsewhere, content after them, no next turn opened after a
+call's results; a generation prompt that opens and closes an empty thought."""
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """small-moe with GEMMA4_TEMPLATE and Gemma 4's tags as control tokens, served."""
+    s = serving(tmp_path_factory, "gemma4", GEMMA4_TEMPLATE, GEMMA4_TAGS, [WRITTEN_CALLS["gemma4"][0], GEMMA4_THOUGHT])
+    yield s
+    s.stop()
+
+
+def test_gemma4s_round_trip_reaches_its_template(gemma4):
+    """Gemma 4's template renders a tool message only after its call: the server takes it there
+    (the role probe asks again after a call); a call's arguments reach it as an object, written in
+    Gemma's syntax; a turn with content beside its calls, whose template closes it and opens none,
+    is given a model turn as llama.cpp does; its string mark reaches the text; asked to think, its
+    thought is read out of its own tags."""
+    import llama_cpp
+
+    client = gemma4.client()
+    llm = llama_cpp.Llama(str(gemma4.gguf), vocab_only=True, verbose=False)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    ask = dict(model="small-moe", max_tokens=1, temperature=0, seed=1, tools=tools)
+
+    def prompt_tokens(content, arguments='{"city": "Paris"}'):
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        msgs = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": content, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        return client.chat.completions.create(messages=msgs, **ask).usage.prompt_tokens
+
+    def count(text):
+        return len(llm.tokenize(text.encode(), add_bos=False, special=True))
+
+    assert prompt_tokens(None) - prompt_tokens(None, "{}") == \
+        count('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>') - count("<|tool_call>call:get_weather{}<tool_call|>")
+    assert prompt_tokens("Let me look.") - prompt_tokens(None) == count("Let me look.") + count("<turn|>\n") + \
+        count("<|turn>model\n")
+    (quote,) = llm.tokenize('<|"|>'.encode(), add_bos=False, special=True)
+    forced = client.chat.completions.create(messages=[{"role": "user", "content": "Weather?"}], logit_bias={str(quote): 100},
+                                            **{**ask, "max_tokens": 2})
+    assert forced.choices[0].message.content == '<|"|>' * 2
+    (thought,) = llm.tokenize(GEMMA4_THOUGHT.encode(), add_bos=False, special=True)
+    message = client.chat.completions.create(messages=[{"role": "user", "content": "Weather?"}],
+                                             logit_bias={str(thought): 100}, extra_body={"chat_template_kwargs": {
+                                                 "enable_thinking": True}}, **ask).choices[0].message
+    assert (message.reasoning_content, message.content) == ("Paris, then.", "Sunny.")
+
+
 @pytest.mark.parametrize("fixture, tag", [("glm", "<tool_call>"), ("deepseek", "<｜tool▁calls▁begin｜>"),
                                           ("lfm2", "<|tool_call_start|>"),
                                           ("dsml", "<｜DSML｜function_calls>"),
                                           ("qwen_xml", "<tool_call>"), ("minimax", "<minimax:tool_call>"),
-                                          ("kimi", "<|tool_calls_section_begin|>"), ("mistral", "[TOOL_CALLS]")])
+                                          ("kimi", "<|tool_calls_section_begin|>"), ("mistral", "[TOOL_CALLS]"),
+                                          ("gemma4", "<|tool_call>")])
 def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
-    """GLM-4.5's, DeepSeek's (V3 and V3.2), Qwen3.5's, MiniMax-M2's, Kimi K2's, Mistral's and LFM2's formats:
+    """GLM-4.5's, DeepSeek's (V3 and V3.2), Qwen3.5's, MiniMax-M2's, Kimi K2's, Mistral's, LFM2's and Gemma 4's formats:
     ``auto`` shows the tools (a model that answers in text gets its text); their tags, control tokens
     here, reach the text (a forced opening tag never closed stays content); a call the model writes
     in the format (a token of this vocabulary, forced) is read back into ``tool_calls``, after the

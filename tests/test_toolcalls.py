@@ -1,5 +1,5 @@
-"""``expertcache.llama.toolcalls``: calls in the Hermes, GLM-4.5, Qwen3-Coder, MiniMax-M2, DeepSeek and Kimi K2
-formats read back into OpenAI's ``tool_calls``.
+"""``expertcache.llama.toolcalls``: calls in the Hermes, GLM-4.5, Qwen3-Coder, MiniMax-M2, DeepSeek, Kimi K2,
+Mistral, LFM2 and Gemma 4 formats read back into OpenAI's ``tool_calls``.
 Reference cases, and the property that a stream fed the text in any pieces gives what the whole
 text gives, nothing the model wrote dropped (docs/serve.md, "Tool calls"). The server's use of it is
 tested in tests/test_serve.py with a GGUF whose template teaches the format."""
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.llama.toolcalls import (DSML, DSV3, GLM, HERMES, KIMI, LFM2, MINIMAX, MISTRAL, QWEN_XML,
-                                         READERS, TAGS, TaggedCalls, call_format, parse_tagged)
+from expertcache.llama.toolcalls import (DSML, DSV3, GEMMA4, GLM, HERMES, KIMI, LFM2, MINIMAX, MISTRAL, QWEN_XML,
+                                         READERS, TAGS, TaggedCalls, call_format, gemma4_tool_responses, parse_tagged)
 
 NAMES = ("get_weather", "f")
 def parse_hermes(text, names):
@@ -60,6 +60,7 @@ def test_the_format_is_told_by_the_template():
     assert call_format('{{- "<|tool_call_start|>[" + (tool_calls | join(", ")) + "]<|tool_call_end|>" -}}') == LFM2
     # DeepSeek-V3.2's spells its tags through a variable
     assert call_format('{%- set dsml_token = "｜DSML｜" -%}<{{ dsml_token }}function_calls>') == DSML
+    assert call_format("{{- '<|tool_call>call:' + function['name'] + '{' -}}") == GEMMA4
     assert call_format(None) is None and call_format("{{ messages }}") is None
     assert set(READERS) == set(TAGS)  # every tagged format has its reader
 
@@ -501,6 +502,110 @@ def lfm2_reference(text: str) -> tuple[str, list]:
     return blockwise(text, re.escape(LS) + "(.*?)" + re.escape(LE), calls_of)
 
 
+GS, GE, GQ = "<|tool_call>", "<tool_call|>", '<|"|>'
+
+
+def test_gemma4_reference_cases():
+    """Gemma 4's calls, as llama.cpp's tests write them: each value type, nested, several calls."""
+    def read(text, tools=GLM_TOOLS):
+        content, calls = parse_tagged(text, GEMMA4, tools)
+        return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+    assert read(f"{GS}call:get_weather{{city:{GQ}San Francisco{GQ}}}{GE}") == \
+        (None, [("get_weather", {"city": "San Francisco"})])
+    assert read(f"Hello, world!\nWhat's up?{GS}call:f{{}}{GE}") == ("Hello, world!\nWhat's up?", [("f", {})])
+    args = (f"{{n:42,m:-7,x:3.14,e:1.5e10,t:true,u:false,z:null,todos:[{GQ}buy milk{GQ},{GQ}walk dog{GQ}],"
+            f"config:{{theme:{GQ}dark{GQ},count:3,empty:{{}}}},none:[],{GQ}3{GQ}:{GQ}a \"raw\" \\ text,\n{GQ}}}")
+    assert read(f"{GS}call:f{args}{GE}{GS}call:get_weather{{days: 2}}{GE}")[1] == [
+        ("f", {"n": 42, "m": -7, "x": 3.14, "e": 1.5e10, "t": True, "u": False, "z": None,
+               "todos": ["buy milk", "walk dog"], "config": {"theme": "dark", "count": 3, "empty": {}}, "none": [],
+               "3": 'a "raw" \\ text,\n'}),
+        ("get_weather", {"days": 2})]
+    # not a call: the text stays, word for word (a bare word, a key twice, a text never closed, a trailing
+    # comma, a number JSON cannot hold, JSON's quotes, no name, another name, anything after the object)
+    for bad in ("call:f{a:x}", "call:f{a:1,a:2}", f"call:f{{a:{GQ}x}}", "call:f{a:1,}", "call:f{a:[1,]}",
+                "call:f{a:1e999}", 'call:f{"a":1}', "call:f{a:01}", "call:{}", "call:nope{}", "call:f{}x",
+                "call:f{a:1} {}", "call:f[1]", "f{}", "call:f{a:" + "[" * 70 + "]" * 70 + "}", "call:f {}"):
+        assert read(GS + bad + GE) == (GS + bad + GE, []), bad
+
+
+def test_gemma4_results_go_on_the_call_for_its_first_templates():
+    """An assistant message's calls, the tool messages after it and the content-only assistant message
+    after those become one message with ``tool_responses`` (names by the calls' order, content as JSON
+    where it parses), as llama.cpp's server gives Gemma 4's first templates; other messages as they are."""
+    call = {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    msgs = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call, call]},
+            {"role": "tool", "tool_call_id": "c0", "content": '{"temp": 15}'},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "c2", "content": "[1"},
+            {"role": "assistant", "content": "It is 15."}, {"role": "user", "content": "thanks"}]
+    assert gemma4_tool_responses(msgs) == [
+        msgs[0], {"role": "assistant", "tool_calls": [call, call], "content": "It is 15.", "tool_responses": [
+            {"name": "get_weather", "response": {"temp": 15}}, {"name": "get_weather", "response": "sunny"},
+            {"name": "c2", "response": "[1"}]}, msgs[-1]]
+    assert gemma4_tool_responses(msgs[:2]) == [msgs[0], {"role": "assistant", "tool_calls": [call, call]}]
+
+
+GEMMA4_PARTS = st.sampled_from(["ok ", GS, GE, GQ, "call:", "f", "get_weather", "{", "}", "[", "]", ",", ":", " ",
+                                "\n", "city", "days:2", "x:", "1", "-0.5e3", "true", "null", "nope", "é", '"', "<",
+                                "{ ", " }", ", ", ": ", f"{GS}call:f{{}}{GE}", f"{GS}call:f{{ x :\n[ 1 , {{ }} ] }}{GE}",
+                                f"{GS}call:get_weather{{city:{GQ}a, b{GQ},days:[1,{{}}]}}{GE}"])
+
+
+def gemma4_reference(text: str) -> tuple[str, list]:
+    """An independent reading of Gemma 4's blocks: the inside ``call:NAME{...}`` cut into tokens by one
+    regular expression, translated to JSON text (a marked text a JSON string, a word before a colon a
+    key), parsed by ``json`` with no key twice and finite numbers only."""
+    import math
+    import re
+
+    token = re.compile(r'<\|"\|>(.*?)<\|"\|>|([{}\[\],:])|([ \t\n\r]+)|([^ \t\n\r:{}\[\],"<]+)', re.S)
+    scalar = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?|true|false|null")
+
+    def no_twice(pairs):
+        if len({k for k, _ in pairs}) != len(pairs):
+            raise ValueError("a key twice")
+        return dict(pairs)
+
+    def finite(s):
+        if not math.isfinite(float(s)):
+            raise ValueError("not finite")
+        return float(s)
+
+    def calls_of(inside):
+        m = re.fullmatch(r"\s*call:([^{]*)(\{.*)", inside, re.S)
+        if m is None or m.group(1) not in dict(GLM_TOOLS):
+            return None
+        args = m.group(2).rstrip()
+        toks, at = [], 0
+        while at < len(args):
+            t = token.match(args, at)
+            if t is None:
+                return None
+            toks.append(t)
+            at = t.end()
+        out = []
+        for i, t in enumerate(toks):
+            after = next((u for u in toks[i + 1:] if u.group(3) is None), None)
+            keyed = after is not None and after.group(2) == ":"
+            if t.group(4) is not None:
+                if not keyed and not scalar.fullmatch(t.group(4)):
+                    return None
+                out.append(json.dumps(t.group(4)) if keyed else t.group(4))
+            elif t.group(2) is None and t.group(3) is None:
+                out.append(json.dumps(t.group(1)))
+            else:
+                out.append(t.group())
+        try:
+            value = json.loads("".join(out), object_pairs_hook=no_twice, parse_float=finite)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(value, dict):
+            return None
+        return [{"name": m.group(1), "arguments": json.dumps(value, ensure_ascii=False)}]
+    return blockwise(text, re.escape(GS) + "(.*?)" + re.escape(GE), calls_of)
+
+
 CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS, GLM_TOOLS, glm_reference),
          DSV3: (DS_PARTS, [(n, None) for n in NAMES], deepseek_reference),
          QWEN_XML: (QWEN_PARTS, GLM_TOOLS, xml_reference(QWEN_XML)), MINIMAX: (MINIMAX_PARTS, GLM_TOOLS,
@@ -508,7 +613,7 @@ CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS
          DSML: (DSML_PARTS, GLM_TOOLS, xml_reference(DSML)),
          KIMI: (KIMI_PARTS, [(n, None) for n in NAMES], kimi_reference),
          MISTRAL: (MISTRAL_PARTS, [(n, None) for n in NAMES], mistral_reference),
-         LFM2: (LFM2_PARTS, GLM_TOOLS, lfm2_reference)}
+         LFM2: (LFM2_PARTS, GLM_TOOLS, lfm2_reference), GEMMA4: (GEMMA4_PARTS, GLM_TOOLS, gemma4_reference)}
 """Per format: the pieces its texts are drawn from, the tools, an independent reading."""
 ENDINGS = {MISTRAL: st.sampled_from(["", "", mistral_array([("f", {})]), mistral_array([("get_weather", {"days": 2})]),
                                      MC + "f[ARGS]{}" + MC + 'get_weather[ARGS]{"city": "x"}'])}
@@ -533,7 +638,7 @@ def test_any_split_of_the_text_gives_what_an_independent_reading_gives(fmt, data
 
 
 MARKS = sorted({m for fmt in TAGS for m in TAGS[fmt] if m} | {"<function=", "<parameter=", "[ARGS]", "<arg_key>",
-                                                              '" string="', '">', "functions.f:0", "\n"})
+                                                              '" string="', '">', "functions.f:0", "\n", GQ, "call:f{"})
 
 
 @pytest.mark.parametrize("fmt", sorted(TAGS))

@@ -147,13 +147,19 @@ class _Completer:
     ``create_completion``, which streams through :func:`stream_completion` (a call with an option of
     :data:`UNSERVED`, or not streamed, goes to ``llm``'s own)."""
 
-    def __init__(self, llm: llama_cpp.Llama, preserved: frozenset = frozenset()):
-        self._llm, self._preserved = llm, preserved
+    def __init__(self, llm: llama_cpp.Llama, preserved: frozenset = frozenset(),
+                 reopen: tuple[str, str] | None = None):
+        self._llm, self._preserved, self._reopen = llm, preserved, reopen
 
     def __getattr__(self, name):
         return getattr(self._llm, name)
 
     def create_completion(self, prompt, **kw):
+        if self._reopen is not None and isinstance(prompt, list) and prompt:
+            ended, more = self._reopen  # a prompt ending in `ended` (the template left no turn open) gets `more`
+            tail = self._llm.detokenize(prompt[-8:], special=True).decode("utf-8", errors="replace")
+            if tail.endswith(ended):
+                prompt = prompt + self._llm.tokenize(more.encode("utf-8"), add_bos=False, special=True)
         if not kw.get("stream") or any(kw.get(k) not in (None, False) for k in UNSERVED):
             return self._llm.create_completion(prompt, **kw)
         return stream_completion(self._llm, prompt, preserved=self._preserved,
@@ -167,14 +173,17 @@ def _chat_handler(llm: llama_cpp.Llama):
             or llama_cpp.llama_chat_format.get_chat_completion_handler(llm.chat_format))
 
 
-def stream_chat(llm: llama_cpp.Llama, messages: list[dict], preserved: frozenset = frozenset(), **kw):
+def stream_chat(llm: llama_cpp.Llama, messages: list[dict], preserved: frozenset = frozenset(),
+                reopen: tuple[str, str] | None = None, **kw):
     """Yield ``chat.completion.chunk`` chunks of ``messages`` answered by ``llm``: the chat handler
     :func:`_chat_handler` picks formats the prompt and converts the chunks; the tokens stream
-    through :func:`stream_completion` (``preserved``: its). Nothing runs before the first chunk is
+    through :func:`stream_completion` (``preserved``: its). ``reopen``: ``(ended, more)``, a prompt
+    whose text ends in ``ended`` is given ``more`` (Gemma 4's template ends a turn holding tool
+    results and content without opening the next: :data:`~.toolcalls.GEMMA4_REOPEN`). Nothing runs before the first chunk is
     asked for; a template that refuses the messages (its ``raise_exception``: "System role not
     supported") is a :class:`PromptError` then, as a prompt too long for the context is."""
     try:
-        chunks = _chat_handler(llm)(llama=_Completer(llm, preserved), messages=messages, stream=True, **kw)
+        chunks = _chat_handler(llm)(llama=_Completer(llm, preserved, reopen), messages=messages, stream=True, **kw)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:  # the formatting: the messages' fault
         raise PromptError(f"the chat template refused the messages: {str(exc)[:300]}") from None
     yield from chunks
@@ -211,6 +220,9 @@ ROLE_PROBE = "expertcache7role7probe"
 """The text of the probe messages of :func:`rendered_roles` (no space or markup a template would change)."""
 PROBED_ROLES = {"system": [], "developer": [], "tool": [{"role": "user", "content": "x"}]}
 """The roles :func:`rendered_roles` asks about, each with the messages before its probe."""
+PROBE_CALL = {"id": "call00000", "type": "function", "function": {"name": "probe", "arguments": "{}"}}
+"""The call a ``tool`` probe answers where a template renders tool results only after their call
+(Gemma 4's); its id 9 letters and digits, as Mistral's templates insist."""
 
 
 class _Formatted(Exception):
@@ -258,9 +270,16 @@ def rendered_roles(llm: llama_cpp.Llama) -> dict[str, bool | None]:
     and tokenized as a request would be, nothing decoded, the probe looked for in the prompt's
     text). llama-cpp-python's named formats (``chatml``, ...) map system, user and assistant and
     drop every other role without a word, as a template without a branch for a role does. ``None``:
-    the handler refused the probe itself (a template that raises on that order), so it is not known."""
+    the handler refused the probe itself (a template that raises on that order), so it is not known.
+    A ``tool`` message left out is asked again after an assistant message calling :data:`PROBE_CALL`,
+    which it answers."""
     handler, out = _chat_handler(llm), {}
     for role, before in PROBED_ROLES.items():
         text = _formatted(handler, llm, before + [{"role": role, "content": ROLE_PROBE}, {"role": "user", "content": "y"}])
         out[role] = None if text is None else ROLE_PROBE in text
+        if role == "tool" and out[role] is False:
+            text = _formatted(handler, llm, before + [
+                {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]},
+                {"role": role, "content": ROLE_PROBE, "tool_call_id": PROBE_CALL["id"]}, {"role": "user", "content": "y"}])
+            out[role] = False if text is None else ROLE_PROBE in text
     return out

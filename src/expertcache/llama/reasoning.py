@@ -9,7 +9,9 @@
 
 Qwen3-MoE, Qwen3-Next, DeepSeek-R1 and GLM-4.5 write their thinking this way, and their chat
 templates say so: a template holding both ``<think>`` and ``</think>`` is taken to teach it
-(:func:`think_format`). Some templates open the block themselves (the prompt ends in ``<think>``:
+(:func:`think_format`). Gemma 4 writes the same block between other tags,
+``<|channel>thought`` and ``<channel|>`` (:data:`TAGS`); its prompt opens and closes an empty one
+unless ``enable_thinking`` is set. Some templates open the block themselves (the prompt ends in ``<think>``:
 DeepSeek-R1-0528, Qwen3's 2507 thinking models); the text then begins inside it (``opened``).
 gpt-oss writes its thinking in harmony channels instead (:class:`HarmonyStream`), with the same
 two invariants below.
@@ -33,31 +35,36 @@ from .._text import held_back
 from .toolcalls import function_call, read_whole
 
 OPEN, CLOSE = "<think>", "</think>"
-DEEPSEEK, HARMONY = "deepseek", "harmony"
+DEEPSEEK, GEMMA4, HARMONY = "deepseek", "gemma4", "harmony"
+TAGS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: ("<|channel>thought", "<channel|>")}
+"""The tags around a thinking block, per format :class:`ThinkStream` reads."""
 CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end|>"
 """gpt-oss's harmony markers that reach the text: the pinned llama.cpp renders these and
 ``<|constrain|>`` (``tests/test_serve.py`` checks it), and ends the decode at ``<|return|>`` and
 ``<|call|>``."""
-MARKERS = {DEEPSEEK: (OPEN, CLOSE), HARMONY: (CHANNEL, MESSAGE, START, END, "<|constrain|>")}
+MARKERS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: ("<|channel>", "<channel|>"),
+           HARMONY: (CHANNEL, MESSAGE, START, END, "<|constrain|>")}
 """The tags each format is read by (:func:`~.completion.preserved_tokens`)."""
 MAX_HEADER = 512
 """Characters a harmony header (``<|channel|>`` to ``<|message|>``) may take before the text is taken as plain."""
 
 
 def think_format(template: str | None) -> str | None:
-    """``"deepseek"`` where the chat ``template`` teaches ``<think>`` blocks, ``"harmony"`` where it
-    teaches gpt-oss's channels (:class:`HarmonyStream`); None."""
+    """``"deepseek"`` where the chat ``template`` teaches ``<think>`` blocks, ``"gemma4"`` Gemma 4's
+    (:data:`TAGS`), ``"harmony"`` where it teaches gpt-oss's channels (:class:`HarmonyStream`); None."""
     if template and OPEN in template and CLOSE in template:
         return DEEPSEEK
     if template and CHANNEL in template and MESSAGE in template:
         return HARMONY
+    if template and all(tag in template for tag in MARKERS[GEMMA4]):
+        return GEMMA4
     return None
 
 
-def opens_thinking(prompt_tail: str) -> bool:
+def opens_thinking(prompt_tail: str, fmt: str = DEEPSEEK) -> bool:
     """Whether a prompt ending in ``prompt_tail`` (its last tokens' text, special tokens spelled) has
-    opened a ``<think>`` block the model's text continues."""
-    return prompt_tail.rstrip().endswith(OPEN)
+    opened a thinking block (``<think>``: format ``fmt``'s, :data:`TAGS`) the model's text continues."""
+    return prompt_tail.rstrip().endswith(TAGS[fmt][0])
 
 
 class ThinkStream:
@@ -65,7 +72,8 @@ class ThinkStream:
     :meth:`finish`). Per piece the work is bounded by the piece and what is held back (a partial tag
     and white space), not by the text so far."""
 
-    def __init__(self, opened: bool = False):
+    def __init__(self, opened: bool = False, fmt: str = DEEPSEEK):
+        self.open, self.close = TAGS[fmt]
         self.state = "inside" if opened else "start"  # start -> inside -> after, or start -> plain
         self.pending = ""
         self.lead = True  # the part being written has not yet shown a character that is not white space
@@ -77,11 +85,11 @@ class ThinkStream:
         while True:
             if self.state == "start":
                 head = self.pending.lstrip()
-                opens = _opens(head, OPEN)
+                opens = _opens(head, self.open)
                 if opens is None:  # white space, or the start of the tag: not known yet
                     return out
                 if opens:
-                    self.state, self.pending, self.lead = "inside", head[len(OPEN):], True
+                    self.state, self.pending, self.lead = "inside", head[len(self.open):], True
                     continue
                 return _plain(self, out)
             if self.state == "plain":
@@ -93,14 +101,14 @@ class ThinkStream:
                     if not self.pending:
                         return out
                     self.lead = False
-                end = self.pending.find(CLOSE)
+                end = self.pending.find(self.close)
                 if end >= 0:
                     text = self.pending[:end].rstrip()
                     if text:
                         out.append(("reasoning", text))
-                    self.state, self.pending, self.lead = "after", self.pending[end + len(CLOSE):], True
+                    self.state, self.pending, self.lead = "after", self.pending[end + len(self.close):], True
                     continue
-                keep = held_back(self.pending, [CLOSE])
+                keep = held_back(self.pending, [self.close])
                 body = self.pending[:len(self.pending) - keep]
                 text = body.rstrip()  # white space at the end is held: the block may close after it
                 if text:
@@ -147,10 +155,10 @@ def _plain(stream, out: list) -> list:
     return out
 
 
-def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+def split_reasoning(text: str, opened: bool = False, fmt: str = DEEPSEEK) -> tuple[str | None, str]:
     """``(reasoning, content)`` of a whole text (module docstring); reasoning None where the text
-    holds no ``<think>`` block and the prompt opened none."""
-    stream = ThinkStream(opened)
+    holds no thinking block (format ``fmt``'s: :data:`TAGS`) and the prompt opened none."""
+    stream = ThinkStream(opened, fmt)
     reasoning, content, _ = read_whole(stream, text)  # no calls: the content is text
     return (reasoning if stream.reasoned else None), content
 

@@ -92,7 +92,8 @@ from .constraints import ConstraintError, logit_bias, response_grammar, tool_cal
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
 from .toolcalls import MARKERS as CALL_MARKERS
-from .toolcalls import HARMONY, HERMES, TAGS, TaggedCalls, call_format, new_call_id, parse_tagged
+from .toolcalls import (GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, HERMES, TAGS, TaggedCalls, call_format,
+                        gemma4_tool_responses, new_call_id, parse_tagged)
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -538,7 +539,8 @@ class Generation:
 
     def __init__(self, session: Session, *, prompt=None, messages=None, max_tokens: int | None, body: _Sampling,
                  shutdown: threading.Event | None = None, tools: ToolPlan | None = None, bias=None,
-                 variables: dict | None = None, preserved: frozenset = frozenset()):
+                 variables: dict | None = None, preserved: frozenset = frozenset(),
+                 reopen: tuple[str, str] | None = None):
         self.session, self.body = session, body
         self.chat = messages is not None
         llm = session.llama
@@ -554,7 +556,7 @@ class Generation:
         """With ``echo`` and ``logprobs``: the prompt's rows (:attr:`~.textgen.ObservedLlama.prompt_rows`)."""
         self.before = session.snapshot()
         self.sampled0 = llm.sampled
-        self._make = (lambda **more: stream_chat(llm, messages, preserved, **kw, **more)) if self.chat else \
+        self._make = (lambda **more: stream_chat(llm, messages, preserved, reopen, **kw, **more)) if self.chat else \
             (lambda **more: stream_completion(llm, prompt, **kw, **more))
         self._it = None  # made by start, on the decode's thread: a schema's grammar can take a second to make
         self.tools = tools
@@ -662,11 +664,11 @@ class Generation:
                 self._it.close()
             self.session.llama.logprobs = None
 
-    def opened_thinking(self) -> bool:
-        """Whether the chat template's prompt (once :meth:`start` has run) ends inside a ``<think>``
-        block that the model's text continues (:func:`~.reasoning.opens_thinking`)."""
+    def opened_thinking(self, fmt: str) -> bool:
+        """Whether the chat template's prompt (once :meth:`start` has run) ends inside a thinking block
+        (format ``fmt``'s: ``<think>``) that the model's text continues (:func:`~.reasoning.opens_thinking`)."""
         tail = self.prompt_ids()[-16:]
-        return opens_thinking(_text(self.session.llama.detokenize(tail, special=True))) if tail else False
+        return opens_thinking(_text(self.session.llama.detokenize(tail, special=True)), fmt) if tail else False
 
     def prompt_ids(self) -> list[int]:
         """The prompt's token ids as evaluated (once :meth:`start` has run)."""
@@ -870,11 +872,16 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     slot = Slot()
     created = int(time.time())
     roles = rendered_roles(session.llama) if session.chat_ready else {}  # the template is fixed: asked once
-    objects = session.chat_ready and arguments_as_objects(session.llama)  # tool calls' arguments as objects
     template = session.llama.metadata.get("tokenizer.chat_template") \
         if session.llama.chat_format == "chat_template.default" else None  # the GGUF's own, not a named format
     call_fmt = call_format(template)
     think_fmt = think_format(template)
+    # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
+    # writes a text of arguments as it is, JSON inside its own syntax
+    objects = session.chat_ready and (call_fmt == GEMMA4 or arguments_as_objects(session.llama))
+    # Gemma 4's first templates render no tool messages: their results go on the call's message, as llama.cpp does
+    responses_on_calls = call_fmt == GEMMA4 and GEMMA4_TOOL_ROLE not in template
+    reopen = GEMMA4_REOPEN if call_fmt == GEMMA4 else None
     # the tags the chat's text is read by, written into it even where the vocabulary makes them control tokens
     preserved = preserved_tokens(session.llama, THINK_MARKERS.get(think_fmt, ()) + CALL_MARKERS.get(call_fmt, ()))
     if template_kwargs and template is None:
@@ -1006,6 +1013,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                        for m in body.messages], roles)
                 if objects:
                     messages = with_object_arguments(messages)
+                if responses_on_calls:
+                    messages = gemma4_tool_responses(messages)
                 args = {"messages": messages, "max_tokens": body.max_completion_tokens or body.max_tokens}
             plan, bias, variables = check_request(body)
             left = await acquire(request)
@@ -1025,7 +1034,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 metrics.count(endpoint, 499)
                 return Response(status_code=499)
             gen = Generation(session, body=body, shutdown=stopping, tools=plan, bias=bias, variables=variables,
-                             preserved=preserved, **args)
+                             preserved=preserved, reopen=reopen, **args)
             first = await workers.decode.call(gen.start)
             if body.return_routed_experts:
                 gen.check_routed_start()
@@ -1064,8 +1073,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         fmt = (body.reasoning_format if kind == "chat" else None) or reasoning_format
         thinking = kind == "chat" and think_fmt is not None and fmt != "none" and not gen.grammar
         harmony = thinking and think_fmt == HARMONY  # gpt-oss's channels (its calls too), else <think> blocks
-        opened = thinking and not harmony and gen.opened_thinking()
-        think = (HarmonyStream(names) if harmony else ThinkStream(opened)) if thinking else None
+        opened = thinking and not harmony and gen.opened_thinking(think_fmt)
+        think = (HarmonyStream(names) if harmony else ThinkStream(opened, think_fmt)) if thinking else None
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
         def finished() -> dict:
@@ -1120,7 +1129,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 if harmony:
                     reasoning, message["content"], calls = read_harmony(text, names)
                 elif thinking:
-                    reasoning, text = split_reasoning(text, opened)
+                    reasoning, text = split_reasoning(text, opened, think_fmt)
                     message["content"] = text
                 if thinking and reasoning is not None:
                     message["reasoning_content"] = reasoning

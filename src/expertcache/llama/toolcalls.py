@@ -62,13 +62,19 @@ template writes a mapping, JSON), read by Python's parser, never run::
 
     <|tool_call_start|>[get_weather(city='Paris', days=2)]<|tool_call_end|>
 
+Gemma 4's (gemma-4-26B-A4B and its dense kin) is a call in a syntax of its own: keys bare, text
+between ``<|"|>`` marks (written raw: nothing is escaped), numbers, ``true``, ``false``, ``null``,
+objects and arrays as JSON writes them, with no white space; a block per call, back to back::
+
+    <|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2,opts:{units:[<|"|>C<|"|>]}}<tool_call|>
+
 Mistral's templates refuse a call id that is not 9 letters and digits (``Tool call IDs should be
 alphanumeric strings with length 9!``): the calls of this format get such ids (:func:`new_call_id`).
 
 The chat template tells the format (:func:`call_format`), as llama.cpp's server detects it: one
 that holds ``<minimax:tool_call>`` teaches MiniMax's, ``｜DSML｜`` DeepSeek-V3.2's,
 ``<|tool_calls_section_begin|>`` Kimi's, ``[TOOL_CALLS]`` Mistral's, ``<|tool_call_start|>``
-LFM2's; one that holds ``<tool_call>`` teaches Qwen3-Coder's where it holds ``<function=`` and
+LFM2's, ``<|tool_call>call:`` Gemma 4's; one that holds ``<tool_call>`` teaches Qwen3-Coder's where it holds ``<function=`` and
 ``<parameter=`` too, GLM's where it holds ``<arg_key>``, else Hermes'; one that holds
 ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁sep｜>``, DeepSeek's. (gpt-oss's calls are messages on its
 channels: :class:`~.reasoning.HarmonyStream`.)
@@ -81,7 +87,8 @@ Invariants (``tests/test_toolcalls.py``):
   DSML: a value is the text as written where the tool's parameters type the key a string, or DSML's
   mark says ``string="true"``, else its JSON when it parses; the XML formats' values lose one
   newline at each end, the template's framing); every call of a block is valid (DeepSeek, Kimi,
-  Mistral, LFM2, and the XML formats, which may hold several). Otherwise the block's text stays
+  Mistral, LFM2, and the XML formats, which may hold several); Gemma 4's is ``call:NAME`` and an
+  object of :func:`gemma4_value`'s grammar, each key once, nothing after it. Otherwise the block's text stays
   content, word for word (nothing the model wrote is dropped).
 * **Streamed and whole agree**: :class:`TaggedCalls` fed the text in any pieces gives the content
   and calls :func:`parse_tagged` gives for the whole text; content that could begin the format's
@@ -93,6 +100,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import secrets
 import string
@@ -102,9 +110,9 @@ from typing import Callable
 from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV3, KIMI, MISTRAL, LFM2, HARMONY = (
+HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV3, KIMI, MISTRAL, LFM2, GEMMA4, HARMONY = (
     "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "mistral", "lfm2",
-    "harmony")
+    "gemma4", "harmony")
 CALLS_OPEN, CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_OPEN, CALL_CLOSE, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KIMI_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
@@ -112,23 +120,25 @@ KIMI_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|to
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 LFM2_OPEN, LFM2_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
+GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 DSML_MARK = "｜DSML｜"
 DSML_OPEN, DSML_CLOSE = f"<{DSML_MARK}function_calls>", f"</{DSML_MARK}function_calls>"
 TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
         DSML: (DSML_OPEN, DSML_CLOSE), DSV3: (CALLS_OPEN, CALLS_CLOSE), KIMI: KIMI_TAGS[:2],
-        MISTRAL: (MISTRAL_CALLS, None), LFM2: (LFM2_OPEN, LFM2_CLOSE)}
+        MISTRAL: (MISTRAL_CALLS, None), LFM2: (LFM2_OPEN, LFM2_CLOSE), GEMMA4: (GEMMA4_OPEN, GEMMA4_CLOSE)}
 """The tags around a format's block of calls (None: the block runs to the end of the text)."""
 MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
            QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE), DSML: (DSML_OPEN, DSML_CLOSE),
            DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP), KIMI: KIMI_TAGS,
-           MISTRAL: (MISTRAL_CALLS, MISTRAL_ARGS), LFM2: (LFM2_OPEN, LFM2_CLOSE)}
+           MISTRAL: (MISTRAL_CALLS, MISTRAL_ARGS), LFM2: (LFM2_OPEN, LFM2_CLOSE),
+           GEMMA4: (GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE)}
 """The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`)."""
 
 
 def call_format(template: str | None) -> str | None:
     """The call format the chat ``template`` teaches (module docstring): :data:`HERMES`,
     :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSML`, :data:`DSV3`, :data:`KIMI`,
-    :data:`MISTRAL` or :data:`LFM2`; :data:`HARMONY` where it teaches gpt-oss's calls (a message
+    :data:`MISTRAL`, :data:`LFM2` or :data:`GEMMA4`; :data:`HARMONY` where it teaches gpt-oss's calls (a message
     ``to=functions.NAME`` on its channels: :class:`~.reasoning.HarmonyStream`); None."""
     if not template:
         return None
@@ -142,6 +152,8 @@ def call_format(template: str | None) -> str | None:
         return MISTRAL
     if LFM2_OPEN in template:
         return LFM2
+    if GEMMA4_OPEN + "call:" in template:
+        return GEMMA4
     if OPEN in template:
         if "<function=" in template and "<parameter=" in template:
             return QWEN_XML
@@ -419,6 +431,139 @@ def _pythonic_calls(block: str, tools: dict) -> list[dict] | None:
     return calls if None not in calls else None
 
 
+JSON_SPACE = " \t\n\r"
+GEMMA4_SCALAR = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
+GEMMA4_KEY = re.compile(r'[^ \t\n\r:{}\[\],"<]+')
+GEMMA4_DEPTH = 64
+"""Objects and arrays within one another that a Gemma 4 call may hold (deeper: not a call)."""
+
+
+def _space(text: str, at: int) -> int:
+    """Where the JSON white space beginning at ``at`` ends."""
+    while at < len(text) and text[at] in JSON_SPACE:
+        at += 1
+    return at
+
+
+def _quoted(text: str, at: int) -> tuple[str, int]:
+    """The text between the ``<|"|>`` mark at ``at`` and the next one, and where that one ends."""
+    end = text.find(GEMMA4_QUOTE, at + len(GEMMA4_QUOTE))
+    if end < 0:
+        raise ValueError("a text never closed")
+    return text[at + len(GEMMA4_QUOTE):end], end + len(GEMMA4_QUOTE)
+
+
+def gemma4_value(text: str, at: int = 0, depth: int = 0) -> tuple[object, int]:
+    """The Gemma 4 value beginning at ``text[at]`` (after JSON white space) and where it ends; a
+    ``ValueError`` where none does. A value: a text between ``<|"|>`` marks, as written; a JSON number
+    (finite), ``true``, ``false`` or ``null``; ``[`` values ``]`` or ``{`` members ``}``, separated by
+    commas, white space around each; a member: a key, ``:``, a value, the key bare (characters other
+    than white space and ``:{}[],"<``) or between ``<|"|>`` marks, each key once; at most
+    :data:`GEMMA4_DEPTH` levels."""
+    at = _space(text, at)
+    if text.startswith(GEMMA4_QUOTE, at):
+        return _quoted(text, at)
+    if text.startswith(("{", "["), at):
+        if depth >= GEMMA4_DEPTH:
+            raise ValueError("nested too deep")
+        close, out = ("}", {}) if text[at] == "{" else ("]", [])
+        at = _space(text, at + 1)
+        if text.startswith(close, at):
+            return out, at + 1
+        while True:
+            if close == "]":
+                value, at = gemma4_value(text, at, depth + 1)
+                out.append(value)
+            else:
+                if text.startswith(GEMMA4_QUOTE, at):
+                    key, at = _quoted(text, at)
+                else:
+                    m = GEMMA4_KEY.match(text, at)
+                    if m is None:
+                        raise ValueError("no key")
+                    key, at = m.group(), m.end()
+                at = _space(text, at)
+                if key in out or not text.startswith(":", at):
+                    raise ValueError("a key twice, or no colon")
+                out[key], at = gemma4_value(text, at + 1, depth + 1)
+            at = _space(text, at)
+            if text.startswith(close, at):
+                return out, at + 1
+            if not text.startswith(",", at):
+                raise ValueError("no comma")
+            at = _space(text, at + 1)
+    m = GEMMA4_SCALAR.match(text, at)
+    if m is None:
+        raise ValueError("no value")
+    value = json.loads(m.group())
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("a number JSON cannot hold")
+    return value, m.end()
+
+
+def _gemma4_calls(block: str, tools: dict) -> list[dict] | None:
+    """The call a Gemma 4 block holds: ``call:NAME`` and an object of arguments
+    (:func:`gemma4_value`), white space around it; None where it is not a valid one."""
+    inner = block.strip()
+    name, brace, _ = inner[len("call:"):].partition("{")
+    if not (inner.startswith("call:") and brace):
+        return None
+    try:
+        args, end = gemma4_value(inner, len("call:") + len(name))
+    except (ValueError, RecursionError):
+        return None
+    call = function_call(name, args, tools) if end == len(inner) else None
+    return None if call is None else [call]
+
+
+def gemma4_tool_responses(messages: list[dict]) -> list[dict]:
+    """``messages`` as Gemma 4's first templates take a tool round trip, as llama.cpp's server passes
+    them (its ``convert_tool_responses_gemma4``): an assistant message with ``tool_calls``, the
+    ``tool`` messages after it and an assistant message of content only after those, one assistant
+    message with ``tool_responses`` (each ``{"name": the call's name in order, else the message's
+    tool_call_id, "response": its content's JSON where it parses, else the content}``; the content of
+    the message with the calls is not carried, as llama.cpp's is not). Those templates render no
+    ``tool`` role; the later one (:data:`GEMMA4_TOOL_ROLE`) takes both."""
+    out, i = [], 0
+    while i < len(messages):
+        m = messages[i]
+        i += 1
+        if m.get("role") != "assistant" or not m.get("tool_calls"):
+            out.append(m)
+            continue
+        turn = {"role": "assistant", "tool_calls": m["tool_calls"]}
+        if isinstance(m.get("reasoning_content"), str):
+            turn["reasoning_content"] = m["reasoning_content"]
+        responses = []
+        while i < len(messages) and messages[i].get("role") == "tool":
+            result, content = messages[i], messages[i].get("content")
+            try:
+                response = json.loads(content) if isinstance(content, str) else content
+            except (ValueError, RecursionError):
+                response = content
+            calls = m["tool_calls"]
+            name = calls[len(responses)].get("function", {}).get("name") if len(responses) < len(calls) else None
+            responses.append({"name": name or result.get("tool_call_id", ""), "response": response})
+            i += 1
+        if responses:
+            turn["tool_responses"] = responses
+        if i < len(messages) and messages[i].get("role") == "assistant" and not messages[i].get("tool_calls") \
+                and messages[i].get("content"):
+            turn["content"] = messages[i]["content"]
+            i += 1
+        out.append(turn)
+    return out
+
+
+GEMMA4_REOPEN = ("<turn|>\n", "<|turn>model\n")
+"""A Gemma 4 prompt ending in the first (an assistant message with content beside its calls and
+their results: the template closes the turn and opens none) is given the second, as llama.cpp's
+server does: the model answers in a turn of its own."""
+GEMMA4_TOOL_ROLE = "{#- OpenAI Chat Completions:"
+"""What the Gemma 4 template that renders ``tool`` messages itself holds (llama.cpp tells the two
+apart by it); a Gemma 4 template without it is given :func:`gemma4_tool_responses`."""
+
+
 def _each(sections: list[str] | None, read: Callable, tools: dict) -> list[dict] | None:
     """Each section read into its call (``read``), or None where there are none or any is not a call."""
     calls = [read(inner, tools) for inner in sections or ()]
@@ -435,6 +580,7 @@ READERS = {
     KIMI: lambda block, tools: _each(_sections(block, KIMI_TAGS[2], KIMI_TAGS[3]), _kimi_call, tools),
     MISTRAL: _mistral_calls,
     LFM2: _pythonic_calls,
+    GEMMA4: _gemma4_calls,
 }
 """Per call format: a block's inner text and the tools (name -> parameters' schema) -> its calls, or None."""
 
