@@ -31,10 +31,11 @@ demo: $(DEMO_STAMP)
 # import (and never writes where PYTHONDONTWRITEBYTECODE is set: every command then compiles the
 # package again, 0.3-0.5 s a run); it writes only what changed.
 # two workers, a file each at a time (module fixtures shared), the README's chapters one by one, the
-# longest file first (tests/conftest.py)
+# longest file first (tests/conftest.py); --no-loadscope-reorder keeps that order (xdist would sort
+# the groups by their number of tests, which put the README's chapters, the longest tests, last)
 test: $(TEST_STAMP)
 	$(BIN)/python -m compileall -q src
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
 
 bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/bench_replay.py

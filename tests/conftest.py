@@ -23,7 +23,8 @@ SHARED_TRACES = Path(os.environ.get("EXPERTCACHE_SHARED_TRACES", REPO.parent / "
 
 
 FIRST = ("test_readme.py",)
-"""Files collected first: ``make test`` runs two workers (``pytest -n 2 --dist loadgroup``) that take
+"""Files collected first: ``make test`` runs two workers (``pytest -n 2 --dist loadgroup
+--no-loadscope-reorder``: xdist would otherwise sort the groups by their number of tests) that take
 groups in collection order, so the longest file (the README's examples, about a third of the suite)
 starts at once instead of finishing last."""
 SPLIT = ("test_readme.py",)
