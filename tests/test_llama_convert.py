@@ -577,6 +577,58 @@ def test_a_gguf_whose_chat_template_does_not_compile_is_one_line(tmp_path, monke
         assert len(err) == 1 and "its tokenizer.chat_template is not a template Jinja compiles" in err[0], err
 
 
+EXTENDED_TEMPLATE = """{%- for m in messages -%}{%- if m.role == 'stop' -%}{%- break -%}{%- endif -%}
+<|{{ m.role }}|>
+{% if m.role == 'assistant' -%}{%- generation -%}{{ m.content }}{%- endgeneration %}
+{% else %}{{ m.content }}
+{% endif %}{%- endfor -%}{%- if add_generation_prompt %}<|assistant|>
+{% endif -%}"""
+"""A chat template with transformers' two extensions: a ``{% generation %}`` block and ``{% break %}``."""
+
+
+def test_a_template_with_transformers_extensions_is_converted_and_used(tmp_path, capsys):
+    """transformers' ``{% generation %}`` blocks and loop controls compile where llama-cpp-python
+    and transformers compile templates (they had been refused: "not a template Jinja compiles");
+    llama-cpp-python's prompt is the text transformers renders, with or without llama-cpp-python
+    installed for the check."""
+    _needs_llama()
+    import builtins
+
+    import llama_cpp
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from expertcache.cli.main import main
+    from expertcache.formats.gguf import chat_template_problem
+
+    if not (SMALL / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(SMALL, ckpt)
+    (ckpt / "chat_template.jinja").write_text(EXTENDED_TEMPLATE)
+    convert(ckpt, tmp_path / "m.gguf", "f16")
+    assert main(["llama", "generate", str(tmp_path / "m.gguf"), "--chat", "hi", "--system", "be brief",
+                 "--max-new-tokens", "1", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    (text,), _ = render_jinja_template([msgs], chat_template=EXTENDED_TEMPLATE, add_generation_prompt=True)
+    vocab = llama_cpp.Llama(str(tmp_path / "m.gguf"), vocab_only=True, verbose=False)
+    assert got["prompt_tokens"] == len(vocab.tokenize(text.encode(), add_bos=True, special=True))
+    real = builtins.__import__
+
+    def without_llama_cpp(name, *args, **kw):
+        if name.startswith("llama_cpp"):
+            raise ImportError(name)
+        return real(name, *args, **kw)
+
+    for importer in (real, without_llama_cpp):
+        builtins.__import__ = importer
+        try:
+            assert chat_template_problem(EXTENDED_TEMPLATE) is None
+            assert "endgeneration" in chat_template_problem("{% generation %}unclosed")
+        finally:
+            builtins.__import__ = real
+
+
 @pytest.mark.parametrize("edit,match", [
     ("extra", "checkpoint tensor 'model.layers.1.self_attn.kv_b_proj.weight_scale_inv' has no place in a deepseek2"),
     ("missing", r"tensor model.layers.2.mlp.gate.weight is missing \(MoE layer 2\)"),

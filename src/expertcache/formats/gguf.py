@@ -369,21 +369,48 @@ def check_hparams(meta: dict, arch: str, label: str) -> None:
 
 def chat_template_problem(template) -> str | None:
     """Why a chat template (a string, or transformers' list of ``{name, template}``) does not compile
-    as llama-cpp-python compiles it when it loads a model (jinja2's sandbox), or None; None too
-    where jinja2 is not installed (then nothing here compiles it)."""
+    as llama-cpp-python compiles it when it loads a model, or None; None too where jinja2 is not
+    installed (then nothing here compiles it). Compiled by llama-cpp-python's own formatter where it
+    is installed (imported here, on demand: the core runs without it), else by the environment it
+    and transformers use: jinja2's sandbox with loop controls (``{% break %}``) and transformers'
+    ``{% generation %}`` blocks, which render their inside (:class:`_Generation`)."""
     try:
-        from jinja2 import TemplateError
+        import jinja2
+        import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         return None
     texts = [template] if isinstance(template, str) else [t.get("template") for t in template]
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    try:
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        def compile_(text):
+            Jinja2ChatFormatter(template=text, eos_token="", bos_token="")
+    except ImportError:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[_generation_extension(), jinja2.ext.loopcontrols])
+        compile_ = env.parse
     for text in texts:
         try:
-            env.parse(text)
-        except TemplateError as exc:
+            compile_(text)
+        except (jinja2.TemplateError, TypeError) as exc:
             return f"{type(exc).__name__}: {str(exc)[:200]}"
     return None
+
+
+def _generation_extension():
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks the assistant's tokens for
+    training): the inside rendered as it is."""
+    from jinja2.ext import Extension
+
+    class _Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            parser.stream.skip(1)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return _Generation
 
 
 COMPUTE_ORDER = ("gate_up", "gate", "up", "down")
