@@ -19,16 +19,28 @@ SPELLED = {"deepseek": ("<think>", "</think>"), "gemma4": ("<|channel>thought", 
 
 
 def reference(text: str, opened: bool, fmt: str = "deepseek") -> tuple[str | None, str]:
-    """The module docstring's rule, written as a regular expression over the whole text."""
-    open_, close = SPELLED[fmt]
+    """The module docstring's rule, written as regular expressions over the whole text; Gemma 4's
+    blocks anywhere after the first (a blank line between the texts of two), a lone close dropped."""
+    o, c = (re.escape(tag) for tag in SPELLED[fmt])
     if opened:
-        text = open_ + text
-    m = re.fullmatch(r"\s*" + re.escape(open_) + "(.*?)" + re.escape(close) + "(.*)", text, re.S)
+        text = SPELLED[fmt][0] + text
+    m = re.fullmatch(r"\s*" + o + "(.*?)" + c + "(.*)", text, re.S)
     if m:
-        return m.group(1).strip(), m.group(2).lstrip()
-    if re.match(r"\s*" + re.escape(open_), text):  # never closed: all of it reasoning
-        return text.lstrip()[len(open_):].strip(), ""
-    return None, text
+        parts, rest, reasoned = [m.group(1).strip()], m.group(2).lstrip(), True
+    elif re.match(r"\s*" + o, text):  # never closed: all of it reasoning
+        return text.lstrip()[len(SPELLED[fmt][0]):].strip(), ""
+    else:
+        parts, rest, reasoned = [], text, False
+    if fmt != "gemma4":
+        return (parts[0] if reasoned else None), rest
+    pieces = re.split("(" + o + ".*?" + c + "|" + o + ".*$|" + c + ")", rest, flags=re.S)
+    content = "".join(pieces[0::2])
+    for sep in pieces[1::2]:
+        inner = re.fullmatch(o + "(.*?)(?:" + c + ")?", sep, re.S)
+        if inner and inner.group(1).strip():
+            parts.append(inner.group(1).strip())
+            reasoned = True
+    return ("\n\n".join(p for p in parts if p) if reasoned else None), content
 
 
 def test_reference_cases():
@@ -47,6 +59,11 @@ def test_reference_cases():
     assert split_reasoning("<|channel>thought\nI'm\nthinking<channel|>Hello", fmt="gemma4") == ("I'm\nthinking", "Hello")
     assert split_reasoning("<|channel>thought<channel|>Hi", fmt="gemma4") == ("", "Hi")
     assert split_reasoning("<think>a</think>b", fmt="gemma4") == (None, "<think>a</think>b")
+    # Gemma 4 may end an answer with an empty block or a lone close tag (llama.cpp's tests): read out
+    assert split_reasoning("<|channel>thought\n<channel|>Hello, world!<|channel>thought\n<channel|><channel|>",
+                           fmt="gemma4") == ("", "Hello, world!")
+    assert split_reasoning("Hi<|channel>thought\nx<channel|> there<|channel>thought y", fmt="gemma4") == \
+        ("x\n\ny", "Hi there")
     assert think_format("{{- '<|channel>thought\\n' + t + '\\n<channel|>' -}}") == "gemma4"
     assert not opens_thinking("<|turn>model\n<|channel>thought\n<channel|>", "gemma4")
     assert opens_thinking("<|turn>model\n<|channel>thought\n", "gemma4")

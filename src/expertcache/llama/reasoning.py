@@ -11,10 +11,10 @@ Qwen3-MoE, Qwen3-Next, DeepSeek-R1 and GLM-4.5 write their thinking this way, an
 templates say so: a template holding both ``<think>`` and ``</think>`` is taken to teach it
 (:func:`think_format`). Gemma 4 writes the same block between other tags,
 ``<|channel>thought`` and ``<channel|>`` (:data:`TAGS`); its prompt opens and closes an empty one
-unless ``enable_thinking`` is set. Some templates open the block themselves (the prompt ends in ``<think>``:
-DeepSeek-R1-0528, Qwen3's 2507 thinking models); the text then begins inside it (``opened``).
-gpt-oss writes its thinking in harmony channels instead (:class:`HarmonyStream`), with the same
-two invariants below.
+unless ``enable_thinking`` is set, and its blocks may stand anywhere (:data:`REPEATS`). Some
+templates open the block themselves (the prompt ends in ``<think>``: DeepSeek-R1-0528, Qwen3's 2507
+thinking models); the text then begins inside it (``opened``). gpt-oss writes its thinking in
+harmony channels instead (:class:`HarmonyStream`), with the same two invariants below.
 
 Invariants (``tests/test_reasoning.py``):
 
@@ -22,7 +22,9 @@ Invariants (``tests/test_reasoning.py``):
   does not begin (after white space) with ``<think>``, and was not opened by the prompt, is content
   word for word. Otherwise the block's inner text, stripped of white space at both ends, is the reasoning,
   and what follows ``</think>``, less its leading white space, is the content; a block never closed
-  (the decode hit ``max_tokens``) is all reasoning.
+  (the decode hit ``max_tokens``) is all reasoning. In :data:`REPEATS` formats every later block's
+  inner text joins the reasoning (after a blank line) and a lone close tag is dropped; the content
+  around them is kept as written.
 * **Streamed and whole agree**: :class:`ThinkStream` fed the text in any pieces gives the
   reasoning and content :func:`split_reasoning` gives for the whole text (and an independent
   regular expression does, in the tests); a piece that could begin a tag, and white space the
@@ -38,6 +40,11 @@ OPEN, CLOSE = "<think>", "</think>"
 DEEPSEEK, GEMMA4, HARMONY = "deepseek", "gemma4", "harmony"
 TAGS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: ("<|channel>thought", "<channel|>")}
 """The tags around a thinking block, per format :class:`ThinkStream` reads."""
+REPEATS = frozenset({GEMMA4})
+"""Formats whose text may hold more thinking blocks after the first, anywhere: Gemma 4 may end its
+answer with an empty block or a lone close tag (llama.cpp's parser reads them out). Their text is
+read as content and blocks: each block's inside goes to the reasoning (a blank line before a later
+block's text where reasoning came before), a close tag with no block is dropped."""
 CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end|>"
 """gpt-oss's harmony markers that reach the text: the pinned llama.cpp renders these and
 ``<|constrain|>`` (``tests/test_serve.py`` checks it), and ends the decode at ``<|return|>`` and
@@ -74,10 +81,15 @@ class ThinkStream:
 
     def __init__(self, opened: bool = False, fmt: str = DEEPSEEK):
         self.open, self.close = TAGS[fmt]
-        self.state = "inside" if opened else "start"  # start -> inside -> after, or start -> plain
+        self.repeats = fmt in REPEATS
+        # start -> inside -> after, or start -> plain; :data:`REPEATS`: after or start -> content <-> inside
+        self.state = "inside" if opened else "start"
         self.pending = ""
         self.lead = True  # the part being written has not yet shown a character that is not white space
-        self.reasoned = False  # a <think> block was read (opened or written)
+        self.reasoned = False  # a first block was read (opened or written), or reasoning text given
+        self.later = False  # the block being read is not the text's first (REPEATS)
+        self.said = False  # reasoning text was given
+        self.blank = False  # a later block's text is due a blank line before it (reasoning text came before)
 
     def feed(self, piece: str) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
@@ -91,11 +103,31 @@ class ThinkStream:
                 if opens:
                     self.state, self.pending, self.lead = "inside", head[len(self.open):], True
                     continue
+                if self.repeats:
+                    self.state = "content"
+                    continue
                 return _plain(self, out)
+            if self.state == "content":  # REPEATS: content, blocks anywhere, a lone close tag dropped
+                at = [i for i in (self.pending.find(self.open), self.pending.find(self.close)) if i >= 0]
+                if not at:
+                    keep = held_back(self.pending, [self.open, self.close])
+                    if len(self.pending) > keep:
+                        out.append(("content", self.pending[:len(self.pending) - keep]))
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    return out
+                i = min(at)
+                if i:
+                    out.append(("content", self.pending[:i]))
+                if self.pending.startswith(self.close, i):
+                    self.pending = self.pending[i + len(self.close):]
+                else:
+                    self.state, self.pending, self.lead = "inside", self.pending[i + len(self.open):], True
+                    self.later, self.blank = True, self.said
+                continue
             if self.state == "plain":
                 return _plain(self, out)
             if self.state == "inside":
-                self.reasoned = True
+                self.reasoned = self.reasoned or not self.later
                 if self.lead:
                     self.pending = self.pending.lstrip()
                     if not self.pending:
@@ -103,39 +135,49 @@ class ThinkStream:
                     self.lead = False
                 end = self.pending.find(self.close)
                 if end >= 0:
-                    text = self.pending[:end].rstrip()
-                    if text:
-                        out.append(("reasoning", text))
-                    self.state, self.pending, self.lead = "after", self.pending[end + len(self.close):], True
+                    self._reason(out, self.pending[:end].rstrip())
+                    self.state = "content" if self.later else "after"
+                    self.pending, self.lead = self.pending[end + len(self.close):], True
                     continue
                 keep = held_back(self.pending, [self.close])
                 body = self.pending[:len(self.pending) - keep]
                 text = body.rstrip()  # white space at the end is held: the block may close after it
-                if text:
-                    out.append(("reasoning", text))
+                self._reason(out, text)
                 self.pending = body[len(text):] + self.pending[len(body):]
                 return out
-            # after the block: the content, its leading white space dropped
+            # after the first block: the content, its leading white space dropped
             if self.lead:
                 self.pending = self.pending.lstrip()
                 if not self.pending:
                     return out
                 self.lead = False
+            if self.repeats:
+                self.state = "content"
+                continue
             if self.pending:  # an empty piece gives no part
                 out.append(("content", self.pending))
             self.pending = ""
             return out
 
+    def _reason(self, out: list, text: str) -> None:
+        """``text`` given as reasoning (none where it is empty), after a blank line where it begins a
+        later block's and reasoning came before."""
+        if text:
+            out.append(("reasoning", "\n\n" + text if self.blank else text))
+            self.reasoned, self.said, self.blank = True, True, False
+
     def finish(self) -> list[tuple[str, str]]:
-        """What is held at the end: white space or a partial tag before anything else (content, as
-        written), a never-closed block's partial tag (reasoning), nothing after a block."""
+        """What is held at the end: white space or a partial tag before anything else, or in the
+        content (:data:`REPEATS`): content, as written; a never-closed block's partial tag
+        (reasoning); nothing after a block."""
         text, state = self.pending, self.state
         self.pending = ""
-        if state in ("start", "plain"):
+        if state in ("start", "plain", "content"):
             return [("content", text)] if text else []
         if state == "inside":  # held: white space after what was given, then a partial tag
-            text = text.rstrip()
-            return [("reasoning", text)] if text else []
+            out: list[tuple[str, str]] = []
+            self._reason(out, text.rstrip())
+            return out
         return []
 
 
