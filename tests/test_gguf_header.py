@@ -13,6 +13,7 @@ Needs the ``gguf`` package (the ggml type table); skips without it.
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -79,6 +80,30 @@ def _gguf(path, *, arch="olmoe", blocks=2, E=4, k=2, shape=(32, 8), extra_kv=(),
 def test_a_valid_header_reads(tmp_path):
     g = read_geometry(str(_gguf(tmp_path / "ok.gguf")))
     assert (g.num_experts, g.top_k, g.moe_layers) == (4, 2, [0, 1]) and g.expert_bytes_of(0) == 3 * 32 * 8 * 4
+
+
+def test_the_pinned_llama_cpps_newer_moe_architectures_read(tmp_path):
+    """NEWER: names the pinned llama.cpp's architecture table holds (its library's strings) and the
+    gguf package's tables do not yet (then they belong in READ, checked against those tables); a
+    header of each reads, its MTP block (``nextn_predict_layers``) skipped as GLM-4.5's is; a name
+    llama.cpp does not know stays refused."""
+    import gguf
+
+    from expertcache.formats.gguf import NEWER
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    lib = next(Path(llama_cpp.__file__).parent.glob("lib/libllama.*"), None)
+    if lib is None:
+        pytest.skip("llama-cpp-python's library is not beside it")
+    table = lib.read_bytes()
+    known = set(gguf.MODEL_ARCH_NAMES.values())
+    for arch in NEWER:
+        assert b"\0" + arch.encode() + b"\0" in table and arch not in known, arch
+        g = read_geometry(str(_gguf(tmp_path / f"{arch}.gguf", arch=arch, blocks=3,
+                                    extra_kv=[_kv(f"{arch}.nextn_predict_layers", U32, 1)])))
+        assert (g.architecture, g.moe_layers, g.tested) == (arch, [0, 1], False) and g.skipped_bytes > 0
+    with pytest.raises(ConfigError, match="architecture 'deepseek9' is not read by expertcache"):
+        read_geometry(str(_gguf(tmp_path / "x.gguf", arch="deepseek9")))
 
 
 def _nested(depth: int) -> bytes:

@@ -27,7 +27,8 @@ tensors; it may differ between layers.
 Architectures: :data:`TESTED` are run by the test suite (routes, every page-cache mode, quantized
 files); :data:`READ` are the other GGUF architectures whose tensor table (``gguf.MODEL_TENSORS``)
 holds routed-expert tensors, whose llama.cpp graph routes through ``build_moe_ffn`` (which names the
-``ffn_moe_topk-N`` tensor the observers read) in the pinned llama.cpp, and which decode text. A
+``ffn_moe_topk-N`` tensor the observers read) in the pinned llama.cpp, and which decode text;
+:data:`NEWER` the pinned llama.cpp's MoE architectures that package does not know yet. A
 file of any other architecture with expert tensors is refused in one line, as are: not a GGUF file,
 an unsupported GGUF version, a header or tensor data that runs past the end of the file
 (truncated), a count or string beyond :data:`LIMITS`, a ggml type the ``gguf`` package does not
@@ -64,6 +65,17 @@ Derived from gguf 0.19's ``MODEL_TENSORS`` (archs with ``FFN_{GATE,UP,DOWN,GATE_
 embedding-only models (``nomic-bert-moe``, ``llama-embed``) and ``grovemoe`` (chunked experts
 ``*_chexps`` whose count is not E), each checked to reach ``build_moe_ffn`` in the llama.cpp
 vendored by llama-cpp-python 0.3.36."""
+NEWER = ("deepseek32", "deepseek4", "kimi-k3", "minimax-m3", "glm5-next", "hy_v3", "hy_v4", "laguna", "dots3note",
+         "bailingmoe3", "cohere2moe", "qwen4exp", "mellum")
+"""Architectures of the pinned llama.cpp (names in its architecture table) that the ``gguf``
+package's tables do not know yet, read as :data:`READ`'s are (not run by the test suite): DeepSeek-V3.2
+with its sparse attention (``deepseek32``), DeepSeek-V4, Kimi K3, MiniMax-M3, GLM-5's next,
+Hunyuan V3 and V4, Laguna, dots3, Ling 3, Cohere's MoE, Qwen4-Exp, Mellum. Audited from llama.cpp's
+graph sources (``src/models/<arch>.cpp``): routed experts in ``*_exps`` tensors with E slowest
+(Kimi K3's first dimension is a latent width, not the embedding), every layer that holds them
+routed through ``build_moe_ffn``; DeepSeek-V4's hash-routed layers too: the experts its table gives
+a token are passed in as the selection, and ``ffn_moe_topk`` holds them. Their MTP blocks are the
+``nextn_predict_layers`` ones, skipped as GLM-4.5's are."""
 LIMITS = {"tensors": 1 << 20, "keys": 1 << 16, "string": 1 << 20, "array": 1 << 24, "dims": 4, "nesting": 4}
 """Most tensors, metadata keys, bytes in one string, items in one array, dimensions per tensor,
 arrays within arrays."""
@@ -470,9 +482,9 @@ def read_geometry(path: str, where: str = "--model") -> Geometry:
         raise ConfigError(f"{label}: {arch}.expert_count {E!r} is not an integer of at least 2")
     if not _positive_int(k):
         raise ConfigError(f"{label}: {arch}.expert_used_count {k!r} is not a positive integer")
-    if arch not in TESTED and arch not in READ:
+    if arch not in TESTED and arch not in READ and arch not in NEWER:
         raise ConfigError(f"{label}: architecture {arch!r} is not read by expertcache (tested: {', '.join(TESTED)}; "
-                          f"also read: {', '.join(READ)})")
+                          f"also read: {', '.join(READ + NEWER)})")
     if k > E:
         raise ConfigError(f"{label}: expert_used_count {k} exceeds expert_count {E}")
     for layer, parts in sorted(experts.items()):
