@@ -1737,6 +1737,9 @@ WRITTEN_CALLS = {
     "mistral": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, "[A-Za-z0-9]{9}"),
     "lfm2": ("<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|>", None, None),
     "gemma4": ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>', None, None),
+    "dsv4": ('Paris, then.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+             '</｜DSML｜tool_calls>', "Paris, then.", None),
     "dsml": ('Paris, then.</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
              '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
              '</｜DSML｜function_calls>', "Paris, then.", None),
@@ -2003,9 +2006,21 @@ variable (arguments iterated as an object, each marked a string or not), a promp
 
 @pytest.fixture(scope="module")
 def dsml(tmp_path_factory):
-    """small-moe with DSML_TEMPLATE, <think>, </think> and the DSML block's tags as control tokens, served."""
-    s = serving(tmp_path_factory, "dsml", DSML_TEMPLATE, ("<think>", "</think>", "<｜DSML｜function_calls>",
-                                                          "</｜DSML｜function_calls>"), [WRITTEN_CALLS["dsml"][0]])
+    """small-moe with DSML_TEMPLATE, <think>, </think> and the DSML mark as control tokens (DeepSeek's
+    vocabulary holds the mark, not the tags, as one special token), served."""
+    s = serving(tmp_path_factory, "dsml", DSML_TEMPLATE, ("<think>", "</think>", "｜DSML｜"), [WRITTEN_CALLS["dsml"][0]])
+    yield s
+    s.stop()
+
+
+DSV4_TEMPLATE = DSML_TEMPLATE.replace("function_calls", "tool_calls")
+"""DeepSeek-V4's, as llama.cpp tells it from V3.2's: the same DSML, its block named ``tool_calls``."""
+
+
+@pytest.fixture(scope="module")
+def dsv4(tmp_path_factory):
+    """small-moe with DSV4_TEMPLATE, <think>, </think> and the DSML mark as control tokens, served."""
+    s = serving(tmp_path_factory, "dsv4", DSV4_TEMPLATE, ("<think>", "</think>", "｜DSML｜"), [WRITTEN_CALLS["dsv4"][0]])
     yield s
     s.stop()
 
@@ -2125,12 +2140,13 @@ def test_gemma4s_round_trip_reaches_its_template(gemma4):
 
 @pytest.mark.parametrize("fixture, tag", [("glm", "<tool_call>"), ("deepseek", "<｜tool▁calls▁begin｜>"),
                                           ("lfm2", "<|tool_call_start|>"),
-                                          ("dsml", "<｜DSML｜function_calls>"),
+                                          ("dsml", "｜DSML｜"), ("dsv4", "｜DSML｜"),
                                           ("qwen_xml", "<tool_call>"), ("minimax", "<minimax:tool_call>"),
                                           ("kimi", "<|tool_calls_section_begin|>"), ("mistral", "[TOOL_CALLS]"),
                                           ("gemma4", "<|tool_call>")])
 def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
-    """GLM-4.5's, DeepSeek's (V3 and V3.2), Qwen3.5's, MiniMax-M2's, Kimi K2's, Mistral's, LFM2's and Gemma 4's formats:
+    """GLM-4.5's, DeepSeek's (V3, V3.2 and V4: the DSML mark a control token, which must reach the text),
+    Qwen3.5's, MiniMax-M2's, Kimi K2's, Mistral's, LFM2's and Gemma 4's formats:
     ``auto`` shows the tools (a model that answers in text gets its text); their tags, control tokens
     here, reach the text (a forced opening tag never closed stays content); a call the model writes
     in the format (a token of this vocabulary, forced) is read back into ``tool_calls``, after the

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.llama.toolcalls import (DSML, DSV3, GEMMA4, GLM, HERMES, KIMI, LFM2, MINIMAX, MISTRAL, QWEN_XML,
-                                         READERS, TAGS, TaggedCalls, call_format, gemma4_tool_responses, parse_tagged)
+from expertcache.llama.toolcalls import (ALTERNATIVES, DSML, DSV3, DSV4, GEMMA4, GLM, HERMES, KIMI, LFM2, MINIMAX,
+                                         MISTRAL, QWEN_XML, READERS, TAGS, TaggedCalls, call_format,
+                                         gemma4_tool_responses, parse_tagged, results_in_call_order)
 
 NAMES = ("get_weather", "f")
 def parse_hermes(text, names):
@@ -60,6 +61,8 @@ def test_the_format_is_told_by_the_template():
     assert call_format('{{- "<|tool_call_start|>[" + (tool_calls | join(", ")) + "]<|tool_call_end|>" -}}') == LFM2
     # DeepSeek-V3.2's spells its tags through a variable
     assert call_format('{%- set dsml_token = "｜DSML｜" -%}<{{ dsml_token }}function_calls>') == DSML
+    # DeepSeek-V4's renames the block (llama.cpp's test: no "function_calls" in the template)
+    assert call_format('{%- set dsml_token = "｜DSML｜" -%}<{{ dsml_token }}tool_calls>{{ m.tool_calls }}') == DSV4
     assert call_format("{{- '<|tool_call>call:' + function['name'] + '{' -}}") == GEMMA4
     assert call_format(None) is None and call_format("{{ messages }}") is None
     assert set(READERS) == set(TAGS)  # every tagged format has its reader
@@ -226,14 +229,36 @@ def minimax_block(calls):
 DM = "｜DSML｜"
 
 
-def dsml_block(calls):
+def dsml_block(calls, block="function_calls", space=""):
     """A DeepSeek-V3.2 block of ``calls`` (``(name, [(key, value), ...])``), each value marked a string
-    where it is one (typed as GLM's), as its template marks them."""
+    where it is one (typed as GLM's), as its template marks them; V4's block is ``tool_calls``, V4.1's
+    `` calls`` with a space before each keyword."""
     def mark(name, k, v):
         return "true" if isinstance(typed(name, k, v), str) else "false"
-    return f"<{DM}function_calls>\n" + "".join(f'<{DM}invoke name="{name}">\n' + "".join(
-        f'<{DM}parameter name="{k}" string="{mark(name, k, v)}">{v}</{DM}parameter>\n' for k, v in pairs)
-        + f"</{DM}invoke>\n" for name, pairs in calls) + f"</{DM}function_calls>"
+    return f"<{DM}{block}>\n" + "".join(f'<{DM}{space}invoke name="{name}">\n' + "".join(
+        f'<{DM}{space}parameter name="{k}" string="{mark(name, k, v)}">{v}</{DM}{space}parameter>\n' for k, v in pairs)
+        + f"</{DM}{space}invoke>\n" for name, pairs in calls) + f"</{DM}{block}>"
+
+
+def test_deepseek_v4_reference_cases():
+    """V4's blocks (``tool_calls``) and V4.1's (`` calls``, spaced keywords) are read for a V4 template,
+    in either spelling of the block and of the keywords, as llama.cpp accepts them; neither for V3.2's,
+    nor V3.2's block for V4's; a run of results goes in call order."""
+    calls = [("get_weather", [("city", "Paris"), ("days", "2")]), ("f", [])]
+    want = [("get_weather", {"city": "Paris", "days": 2}), ("f", {})]
+    for block, space in (("tool_calls", ""), (" calls", " "), ("tool_calls", " "), (" calls", "")):
+        text = dsml_block(calls, block, space)
+        content, got = parse_tagged("Sure. " + text, DSV4, GLM_TOOLS)
+        assert content == "Sure. " and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] \
+            == want, text
+        assert parse_tagged(text, DSML, GLM_TOOLS) == (text, [])
+    assert parse_tagged(dsml_block(calls), DSV4, GLM_TOOLS)[1] == []
+    ask = {"role": "assistant", "tool_calls": [{"id": "a"}, {"id": "b"}, {"id": "c"}]}
+    msgs = [{"role": "tool", "tool_call_id": "x"}, ask, {"role": "tool", "tool_call_id": "c"},
+            {"role": "tool", "tool_call_id": "x"}, {"role": "user", "content": "u"}, {"role": "tool", "tool_call_id": "a"},
+            {"role": "assistant", "content": "ok"}, {"role": "tool", "tool_call_id": "b"}, {"role": "tool", "tool_call_id": "a"}]
+    assert [m.get("tool_call_id", m.get("content")) for m in results_in_call_order(msgs)] == \
+        ["x", None, "x", "a", "u", "c", "ok", "a", "b"]
 
 
 def test_xml_reference_cases():
@@ -301,7 +326,7 @@ def xml_reference(fmt):
         call_re = (r'\s*<invoke name="((?:(?!">).)*)">((?:\s*<parameter name="(?:(?!">)[^<])*">(?:(?!</parameter>).)*'
                    r'</parameter>)*)\s*</invoke>')
         param_re = r'\s*<parameter name="((?:(?!">)[^<])*)">()((?:(?!</parameter>).)*)</parameter>'
-    else:
+    else:  # DSML, V3.2's and V4's
         param_re = (r'\s*<ⓜparameter name="((?:(?!" string=")[^<])*)" string="((?:(?!">).)*)">((?:(?!</ⓜparameter>).)*)'
                     r'</ⓜparameter>').replace("ⓜ", DM)
         call_re = (r'\s*<ⓜinvoke name="((?:(?!">).)*)">((?:' + param_re.replace("(", "(?:").replace("(?:?", "(?")
@@ -342,6 +367,12 @@ DSML_PARTS = st.sampled_from(["ok ", "<", f"<{DM}function_calls>", f"</{DM}funct
                               dsml_block([("get_weather", [("city", "Paris")])]),
                               dsml_block([("get_weather", [("days", "2"), ("city", "\né\n")]), ("f", [])]),
                               dsml_block([("nope", [("a", "1")])]), f'<{DM}invoke name="f"></{DM}invoke>'])
+DSV4_PARTS = st.sampled_from(["ok ", "<", f"<{DM}tool_calls>", f"</{DM}tool_calls>", "\n", f'<{DM}invoke name="',
+                              f"</{DM}invoke>", f'<{DM}parameter name="', '" string="', "true", "false", '">',
+                              f"</{DM}parameter>", "get_weather", "city", "2", f"<{DM}function_calls>",
+                              dsml_block([("get_weather", [("city", "Paris")])], "tool_calls"),
+                              dsml_block([("get_weather", [("days", "2"), ("city", "\né\n")]), ("f", [])], "tool_calls"),
+                              dsml_block([("nope", [("a", "1")])], "tool_calls")])
 KIMI_PARTS = st.sampled_from(["ok ", KB, KE, KCB, KCE, KARG, "functions.", "f", ":0", "\n", "{}", "<|tool", " ",
                               kimi_call("f", {"a": 1}), kimi_call("get_weather", {"city": "é"}, 7), kimi_call("nope", {}),
                               KB + kimi_call("f", {}) + KE])
@@ -610,7 +641,7 @@ CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS
          DSV3: (DS_PARTS, [(n, None) for n in NAMES], deepseek_reference),
          QWEN_XML: (QWEN_PARTS, GLM_TOOLS, xml_reference(QWEN_XML)), MINIMAX: (MINIMAX_PARTS, GLM_TOOLS,
                                                                                xml_reference(MINIMAX)),
-         DSML: (DSML_PARTS, GLM_TOOLS, xml_reference(DSML)),
+         DSML: (DSML_PARTS, GLM_TOOLS, xml_reference(DSML)), DSV4: (DSV4_PARTS, GLM_TOOLS, xml_reference(DSV4)),
          KIMI: (KIMI_PARTS, [(n, None) for n in NAMES], kimi_reference),
          MISTRAL: (MISTRAL_PARTS, [(n, None) for n in NAMES], mistral_reference),
          LFM2: (LFM2_PARTS, GLM_TOOLS, lfm2_reference), GEMMA4: (GEMMA4_PARTS, GLM_TOOLS, gemma4_reference)}
@@ -637,7 +668,8 @@ def test_any_split_of_the_text_gives_what_an_independent_reading_gives(fmt, data
     assert whole_content == (None if want_calls and not want_content.strip() else want_content)
 
 
-MARKS = sorted({m for fmt in TAGS for m in TAGS[fmt] if m} | {"<function=", "<parameter=", "[ARGS]", "<arg_key>",
+MARKS = sorted({m for fmt in TAGS for m in TAGS[fmt] if m} | {m for pairs in ALTERNATIVES.values() for p in pairs
+                                                             for m in p} | {"<function=", "<parameter=", "[ARGS]", "<arg_key>",
                                                               '" string="', '">', "functions.f:0", "\n", GQ, "call:f{"})
 
 

@@ -179,8 +179,8 @@ def stream_chat(llm: llama_cpp.Llama, messages: list[dict], preserved: frozenset
     :func:`_chat_handler` picks formats the prompt and converts the chunks; the tokens stream
     through :func:`stream_completion` (``preserved``: its). ``reopen``: ``(ended, more)``, a prompt
     whose text ends in ``ended`` is given ``more`` (Gemma 4's template ends a turn holding tool
-    results and content without opening the next: :data:`~.toolcalls.GEMMA4_REOPEN`). Nothing runs before the first chunk is
-    asked for; a template that refuses the messages (its ``raise_exception``: "System role not
+    results and content without opening the next: :data:`~.toolcalls.GEMMA4_REOPEN`). Nothing runs
+    before the first chunk is asked for; a template that refuses the messages (its ``raise_exception``: "System role not
     supported") is a :class:`PromptError` then, as a prompt too long for the context is."""
     try:
         chunks = _chat_handler(llm)(llama=_Completer(llm, preserved, reopen), messages=messages, stream=True, **kw)
@@ -280,6 +280,7 @@ def rendered_roles(llm: llama_cpp.Llama) -> dict[str, bool | None]:
         if role == "tool" and out[role] is False:
             text = _formatted(handler, llm, before + [
                 {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]},
-                {"role": role, "content": ROLE_PROBE, "tool_call_id": PROBE_CALL["id"]}, {"role": "user", "content": "y"}])
+                {"role": role, "content": ROLE_PROBE, "tool_call_id": PROBE_CALL["id"]},
+                {"role": "user", "content": "y"}])
             out[role] = False if text is None else ROLE_PROBE in text
     return out

@@ -92,8 +92,8 @@ from .constraints import ConstraintError, logit_bias, response_grammar, tool_cal
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
 from .toolcalls import MARKERS as CALL_MARKERS
-from .toolcalls import (GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, HERMES, TAGS, TaggedCalls, call_format,
-                        gemma4_tool_responses, new_call_id, parse_tagged)
+from .toolcalls import (DSV4, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, HERMES, TAGS, TaggedCalls,
+                        call_format, gemma4_tool_responses, new_call_id, parse_tagged, results_in_call_order)
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -1015,6 +1015,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                     messages = with_object_arguments(messages)
                 if responses_on_calls:
                     messages = gemma4_tool_responses(messages)
+                if call_fmt == DSV4:  # its results in the order of its calls, as its reference encoder renders them
+                    messages = results_in_call_order(messages)
                 args = {"messages": messages, "max_tokens": body.max_completion_tokens or body.max_tokens}
             plan, bias, variables = check_request(body)
             left = await acquire(request)

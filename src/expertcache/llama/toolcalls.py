@@ -38,6 +38,9 @@ each parameter saying whether it is a string (``string="true"``: the text as wri
     </｜DSML｜invoke>
     </｜DSML｜function_calls>
 
+DeepSeek-V4's is V3.2's with its block named ``<｜DSML｜tool_calls>`` (V4.1's: ``<｜DSML｜ calls>``,
+and a space before each keyword: :data:`ALTERNATIVES`, :data:`DSML_SPACED`).
+
 DeepSeek's (V3, R1; V3.1 without ``function`` and the fence) and Kimi K2's are sections of calls
 with JSON arguments; Kimi's call id, ``functions.NAME:INDEX``, is the id the call is reported with
 (its template writes it back into the next turn)::
@@ -72,10 +75,11 @@ Mistral's templates refuse a call id that is not 9 letters and digits (``Tool ca
 alphanumeric strings with length 9!``): the calls of this format get such ids (:func:`new_call_id`).
 
 The chat template tells the format (:func:`call_format`), as llama.cpp's server detects it: one
-that holds ``<minimax:tool_call>`` teaches MiniMax's, ``｜DSML｜`` DeepSeek-V3.2's,
-``<|tool_calls_section_begin|>`` Kimi's, ``[TOOL_CALLS]`` Mistral's, ``<|tool_call_start|>``
-LFM2's, ``<|tool_call>call:`` Gemma 4's; one that holds ``<tool_call>`` teaches Qwen3-Coder's where it holds ``<function=`` and
-``<parameter=`` too, GLM's where it holds ``<arg_key>``, else Hermes'; one that holds
+that holds ``<minimax:tool_call>`` teaches MiniMax's, ``｜DSML｜`` DeepSeek-V3.2's (V4's without
+``function_calls``), ``<|tool_calls_section_begin|>`` Kimi's, ``[TOOL_CALLS]`` Mistral's,
+``<|tool_call_start|>`` LFM2's, ``<|tool_call>call:`` Gemma 4's; one that holds ``<tool_call>``
+teaches Qwen3-Coder's where it holds ``<function=`` and ``<parameter=`` too, GLM's where it holds
+``<arg_key>``, else Hermes'; one that holds
 ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁sep｜>``, DeepSeek's. (gpt-oss's calls are messages on its
 channels: :class:`~.reasoning.HarmonyStream`.)
 
@@ -110,9 +114,9 @@ from typing import Callable
 from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV3, KIMI, MISTRAL, LFM2, GEMMA4, HARMONY = (
-    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3.2", "deepseek-v3", "kimi-k2", "mistral", "lfm2",
-    "gemma4", "harmony")
+HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, LFM2, GEMMA4, HARMONY = (
+    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3.2", "deepseek-v4", "deepseek-v3", "kimi-k2", "mistral",
+    "lfm2", "gemma4", "harmony")
 CALLS_OPEN, CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_OPEN, CALL_CLOSE, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KIMI_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
@@ -123,16 +127,25 @@ LFM2_OPEN, LFM2_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 DSML_MARK = "｜DSML｜"
 DSML_OPEN, DSML_CLOSE = f"<{DSML_MARK}function_calls>", f"</{DSML_MARK}function_calls>"
+DSV4_OPEN, DSV4_CLOSE = f"<{DSML_MARK}tool_calls>", f"</{DSML_MARK}tool_calls>"
+DSV41_OPEN, DSV41_CLOSE = f"<{DSML_MARK} calls>", f"</{DSML_MARK} calls>"
 TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
-        DSML: (DSML_OPEN, DSML_CLOSE), DSV3: (CALLS_OPEN, CALLS_CLOSE), KIMI: KIMI_TAGS[:2],
+        DSML: (DSML_OPEN, DSML_CLOSE), DSV4: (DSV4_OPEN, DSV4_CLOSE), DSV3: (CALLS_OPEN, CALLS_CLOSE),
+        KIMI: KIMI_TAGS[:2],
         MISTRAL: (MISTRAL_CALLS, None), LFM2: (LFM2_OPEN, LFM2_CLOSE), GEMMA4: (GEMMA4_OPEN, GEMMA4_CLOSE)}
 """The tags around a format's block of calls (None: the block runs to the end of the text)."""
+ALTERNATIVES = {DSV4: ((DSV41_OPEN, DSV41_CLOSE),)}
+"""Other tags a format's block may stand between: DeepSeek-V4.1 renamed V4's block to `` calls``
+(and spaced its keywords, :data:`DSML_SPACED`); llama.cpp accepts every spelling for a V4 template,
+since a wrong guess would hand well-formed calls back as text without a word."""
 MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-           QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE), DSML: (DSML_OPEN, DSML_CLOSE),
+           QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE), DSML: (DSML_OPEN, DSML_CLOSE, DSML_MARK),
+           DSV4: (DSV4_OPEN, DSV4_CLOSE, DSV41_OPEN, DSV41_CLOSE, DSML_MARK),
            DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP), KIMI: KIMI_TAGS,
            MISTRAL: (MISTRAL_CALLS, MISTRAL_ARGS), LFM2: (LFM2_OPEN, LFM2_CLOSE),
            GEMMA4: (GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE)}
-"""The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`)."""
+"""The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`); DeepSeek's DSML
+mark is one special token of its vocabulary, which the text must hold for its tags to be read."""
 
 
 def call_format(template: str | None) -> str | None:
@@ -144,8 +157,8 @@ def call_format(template: str | None) -> str | None:
         return None
     if MINIMAX_OPEN in template:
         return MINIMAX
-    if DSML_MARK in template:  # V3.2's template spells its tags through a variable: the mark is what shows
-        return DSML
+    if DSML_MARK in template:  # V3.2's and V4's templates spell their tags through a variable: the mark shows
+        return DSML if "function_calls" in template else DSV4  # llama.cpp's test: V4 renamed the block
     if KIMI_TAGS[0] in template:
         return KIMI
     if MISTRAL_CALLS in template:
@@ -257,6 +270,9 @@ XML_FORMS = {QWEN_XML: ("<function=", ">", "</function>", "<parameter=", ">", No
 """Per XML format: the call's opening and the end of its name, its closing; a parameter's opening
 and the end of its key, the end of its string mark (``true`` or ``false``; None: the format has
 none), its closing."""
+DSML_SPACED = (f'<{DSML_MARK} invoke name="', '">', f"</{DSML_MARK} invoke>", f'<{DSML_MARK} parameter name="',
+               '" string="', '">', f"</{DSML_MARK} parameter>")
+"""DeepSeek-V4.1's DSML: each keyword after a space (one token each, as its tokenizer writes them)."""
 
 
 def _unframed(value: str) -> str:
@@ -555,6 +571,31 @@ def gemma4_tool_responses(messages: list[dict]) -> list[dict]:
     return out
 
 
+def results_in_call_order(messages: list[dict]) -> list[dict]:
+    """``messages`` with the tool results of each run of user and tool messages put in the order of the
+    calls they answer (those of the last assistant message with calls, matched by ``tool_call_id``; a
+    result that answers none as the first call's; ties as they came), the other messages where they
+    were: DeepSeek-V4's reference encoder renders a run's results in call order, and llama.cpp's
+    server passes them so (``deepseek_v4_sort_tool_results``)."""
+    out, order, i = list(messages), {}, 0
+    while i < len(out):
+        role = out[i].get("role")
+        if role == "assistant" and out[i].get("tool_calls"):
+            order = {c.get("id"): n for n, c in enumerate(out[i]["tool_calls"]) if c.get("id")}
+        if role not in ("user", "tool"):
+            i += 1
+            continue
+        end = i
+        while end < len(out) and out[end].get("role") in ("user", "tool"):
+            end += 1
+        at = [j for j in range(i, end) if out[j].get("role") == "tool"]
+        if len(at) > 1 and order:
+            for j, m in zip(at, sorted((out[j] for j in at), key=lambda m: order.get(m.get("tool_call_id"), 0))):
+                out[j] = m
+        i = end
+    return out
+
+
 GEMMA4_REOPEN = ("<turn|>\n", "<|turn>model\n")
 """A Gemma 4 prompt ending in the first (an assistant message with content beside its calls and
 their results: the template closes the turn and opens none) is given the second, as llama.cpp's
@@ -576,6 +617,7 @@ READERS = {
     QWEN_XML: lambda block, tools: _xml_calls(block, XML_FORMS[QWEN_XML], tools),
     MINIMAX: lambda block, tools: _xml_calls(block, XML_FORMS[MINIMAX], tools),
     DSML: lambda block, tools: _xml_calls(block, XML_FORMS[DSML], tools),
+    DSV4: lambda block, tools: _xml_calls(block, XML_FORMS[DSML], tools) or _xml_calls(block, DSML_SPACED, tools),
     DSV3: lambda block, tools: _each(_sections(block, CALL_OPEN, CALL_CLOSE), _deepseek_call, tools),
     KIMI: lambda block, tools: _each(_sections(block, KIMI_TAGS[2], KIMI_TAGS[3]), _kimi_call, tools),
     MISTRAL: _mistral_calls,
@@ -595,7 +637,8 @@ def reader(fmt: str, tools) -> Callable[[str], list[dict] | None]:
 class TaggedCalls:
     """Text in, in pieces; out, content pieces and complete calls (:meth:`feed`, :meth:`finish`:
     lists of ``("content", text)`` and ``("call", call)``) of call format ``fmt`` for ``tools``
-    (:func:`reader`): each block between the format's tags (:data:`TAGS`) read once it closes (at the
+    (:func:`reader`): each block between the format's tags (:data:`TAGS`, or other spellings of them:
+    :data:`ALTERNATIVES`) read once it closes (at the
     end of the text where the format has no closing tag). Per
     piece the work is bounded by the piece and the tags, not by the text so far nor by the open
     block (a call that writes a file grows one block over thousands of pieces); a block is joined
@@ -603,7 +646,8 @@ class TaggedCalls:
 
     def __init__(self, fmt: str, tools):
         self.read = reader(fmt, tools)
-        self.open, self.close = TAGS[fmt]
+        self.pairs = (TAGS[fmt],) + ALTERNATIVES.get(fmt, ())  # the block's tags, and other spellings of them
+        self.open, self.close = TAGS[fmt]  # the open block's (the first pair's until a block opens)
         self.pending = ""  # content held back: it could begin the open tag
         self.inside = False
         self.parts: list[str] = []  # the open block's text, as it came
@@ -631,13 +675,14 @@ class TaggedCalls:
                 out += self._read(block, self.close)
                 continue
             text, self.pending = self.pending + text, ""
-            start = text.find(self.open)
-            if start >= 0:
+            found = [(at, pair) for pair in self.pairs if (at := text.find(pair[0])) >= 0]
+            if found:
+                start, (self.open, self.close) = min(found, key=lambda x: x[0])
                 if start:
                     out.append(("content", text[:start]))
                 text, self.inside = text[start + len(self.open):], True
                 continue
-            keep = held_back(text, [self.open])
+            keep = held_back(text, [pair[0] for pair in self.pairs])
             text, self.pending = text[:len(text) - keep], text[len(text) - keep:]
             if text:
                 out.append(("content", text))
