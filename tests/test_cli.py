@@ -81,6 +81,34 @@ def test_every_command_has_help():
         assert "usage:" in text and len(text) > 100, name
 
 
+def _helps(parser, path=()) -> dict:
+    """The help text of every parser below ``parser``, by its path of command names."""
+    out = {path: parser.format_help()}
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            for name, p in action.choices.items():
+                out.update(_helps(p, path + (name,)))
+    return out
+
+
+def test_one_commands_parser_is_the_whole_parsers_part(capsys):
+    """``main`` builds only the parser of the command it runs: for every command, every parser below
+    it (its subcommands too) has the help the whole parser gives it; a name no command has, or none,
+    is refused by the whole parser (the choices listed)."""
+    whole = _helps(build_parser())
+    names = {path[0] for path in whole if path}
+    assert len(names) > 20
+    for name in names:
+        own = {path: text for path, text in _helps(build_parser(name)).items() if path}
+        assert own == {path: text for path, text in whole.items() if path and path[0] == name}, name
+    for argv, said in ((["bogus"], "invalid choice: 'bogus' (choose from 'replay', "), ([], "required: COMMAND")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and said in err[0], err
+        assert "'serve')" in err[0] or not argv, err  # every command listed
+
+
 def test_import_export_round_trip(tmp_path, capsys):
     log = tmp_path / "routing.jsonl"
     recs = [{"problem_id": s, "layer": l, "token_idx": t, "experts": [(t + l + s) % 6, (t + l + s + 1) % 6], "gating_probs": [0.7, 0.3]}
