@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from expertcache.llama.toolcalls import (ALTERNATIVES, DSML, DSV3, DSV4, GEMMA4, GLM, HERMES, KIMI, LFM2, MINIMAX,
                                          MISTRAL, QWEN_XML, READERS, TAGS, TaggedCalls, call_format,
-                                         gemma4_tool_responses, parse_tagged, results_in_call_order)
+                                         gemma4_tool_responses, parse_tagged, results_in_call_order, unread_format)
 
 NAMES = ("get_weather", "f")
 def parse_hermes(text, names):
@@ -64,6 +64,10 @@ def test_the_format_is_told_by_the_template():
     # DeepSeek-V4's renames the block (llama.cpp's test: no "function_calls" in the template)
     assert call_format('{%- set dsml_token = "｜DSML｜" -%}<{{ dsml_token }}tool_calls>{{ m.tool_calls }}') == DSV4
     assert call_format("{{- '<|tool_call>call:' + function['name'] + '{' -}}") == GEMMA4
+    # formats not read here are not read as another's (MiniMax-M3's holds <tool_call>), and are named
+    m3, k3 = "{{- ']<]minimax[>[<tool_call>' -}}{{- ']<]minimax[>[<invoke name=\"' }}", '<|open|>call tool="{{ n }}"<|sep|>'
+    assert [(call_format(t), unread_format(t)) for t in (m3, k3)] == [(None, "MiniMax-M3's"), (None, "Kimi K3's")]
+    assert unread_format("<tool_call>") is None and unread_format(None) is None
     assert call_format(None) is None and call_format("{{ messages }}") is None
     assert set(READERS) == set(TAGS)  # every tagged format has its reader
 
@@ -534,6 +538,22 @@ def lfm2_reference(text: str) -> tuple[str, list]:
 
 
 GS, GE, GQ = "<|tool_call>", "<tool_call|>", '<|"|>'
+
+
+def test_auto_with_a_format_not_read_names_it():
+    """``auto`` on a template whose format is not read here is a 400 naming it, not a server that
+    reads its calls as another format's and hands them back as text."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("fastapi")
+    from expertcache.llama.server import ApiError, tool_plan
+
+    body = SimpleNamespace(tools=[SimpleNamespace(function=SimpleNamespace(name="f"))], tool_choice="auto")
+    for unread, said in (("MiniMax-M3's", "teaches MiniMax-M3's tool-call format, which this server does not read"),
+                         (None, "teaches no tool-call format this server reads")):
+        with pytest.raises(ApiError) as exc:
+            tool_plan(body, None, unread)
+        assert said in str(exc.value) and "Gemma 4's" in str(exc.value), str(exc.value)
 
 
 def test_gemma4_reference_cases():

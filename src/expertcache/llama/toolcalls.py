@@ -148,12 +148,24 @@ MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", 
 mark is one special token of its vocabulary, which the text must hold for its tags to be read."""
 
 
+UNREAD = ((("]<]minimax[>[",), "MiniMax-M3's"), (("<|open|>", "<|sep|>"), "Kimi K3's"))
+"""Templates that teach a call format this module does not read, by the marks that tell them, and
+whose: MiniMax-M3's (its tags after a namespace token, each argument an element named after its
+parameter, built from the schema) and Kimi K3's (its XTML sections). Their templates hold
+``<tool_call>`` or other formats' marks too; read as those, every call would come back as text."""
+
+
+def unread_format(template: str | None) -> str | None:
+    """Whose call format ``template`` teaches where it is one of :data:`UNREAD`; None otherwise."""
+    return next((who for marks, who in UNREAD if template and all(m in template for m in marks)), None)
+
+
 def call_format(template: str | None) -> str | None:
     """The call format the chat ``template`` teaches (module docstring): :data:`HERMES`,
     :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSML`, :data:`DSV3`, :data:`KIMI`,
-    :data:`MISTRAL`, :data:`LFM2` or :data:`GEMMA4`; :data:`HARMONY` where it teaches gpt-oss's calls (a message
+    :data:`MISTRAL`, :data:`LFM2` or :data:`GEMMA4`, or :data:`DSV4`; :data:`HARMONY` where it teaches gpt-oss's calls (a message
     ``to=functions.NAME`` on its channels: :class:`~.reasoning.HarmonyStream`); None."""
-    if not template:
+    if not template or unread_format(template):
         return None
     if MINIMAX_OPEN in template:
         return MINIMAX
