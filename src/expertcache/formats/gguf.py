@@ -385,7 +385,7 @@ def chat_template_problem(template) -> str | None:
     installed (then nothing here compiles it). Compiled by llama-cpp-python's own formatter where it
     is installed (imported here, on demand: the core runs without it), else by the environment it
     and transformers use: jinja2's sandbox with loop controls (``{% break %}``) and transformers'
-    ``{% generation %}`` blocks, which render their inside (:class:`_Generation`)."""
+    ``{% generation %}`` blocks, which render their inside (:func:`_generation_extension`)."""
     try:
         import jinja2
         import jinja2.ext
