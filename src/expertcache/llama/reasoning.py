@@ -38,7 +38,8 @@ from .toolcalls import function_call, read_whole
 
 OPEN, CLOSE = "<think>", "</think>"
 DEEPSEEK, GEMMA4, HARMONY = "deepseek", "gemma4", "harmony"
-TAGS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: ("<|channel>thought", "<channel|>")}
+GEMMA4_CHANNEL, GEMMA4_END = "<|channel>", "<channel|>"
+TAGS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: (GEMMA4_CHANNEL + "thought", GEMMA4_END)}
 """The tags around a thinking block, per format :class:`ThinkStream` reads."""
 REPEATS = frozenset({GEMMA4})
 """Formats whose text may hold more thinking blocks after the first, anywhere: Gemma 4 may end its
@@ -49,7 +50,7 @@ CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end
 """gpt-oss's harmony markers that reach the text: the pinned llama.cpp renders these and
 ``<|constrain|>`` (``tests/test_serve.py`` checks it), and ends the decode at ``<|return|>`` and
 ``<|call|>``."""
-MARKERS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: ("<|channel>", "<channel|>"),
+MARKERS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: (GEMMA4_CHANNEL, GEMMA4_END),
            HARMONY: (CHANNEL, MESSAGE, START, END, "<|constrain|>")}
 """The tags each format is read by (:func:`~.completion.preserved_tokens`)."""
 MAX_HEADER = 512

@@ -92,8 +92,8 @@ Invariants (``tests/test_toolcalls.py``):
   mark says ``string="true"``, else its JSON when it parses; the XML formats' values lose one
   newline at each end, the template's framing); every call of a block is valid (DeepSeek, Kimi,
   Mistral, LFM2, and the XML formats, which may hold several); Gemma 4's is ``call:NAME`` and an
-  object of :func:`gemma4_value`'s grammar, each key once, nothing after it. Otherwise the block's text stays
-  content, word for word (nothing the model wrote is dropped).
+  object of :func:`gemma4_value`'s grammar, each key once, nothing after it. Otherwise the block's
+  text stays content, word for word (nothing the model wrote is dropped).
 * **Streamed and whole agree**: :class:`TaggedCalls` fed the text in any pieces gives the content
   and calls :func:`parse_tagged` gives for the whole text; content that could begin the format's
   opening tag is held back until it cannot, a block until its closing tag (or the end of the text,
@@ -162,9 +162,10 @@ def unread_format(template: str | None) -> str | None:
 
 def call_format(template: str | None) -> str | None:
     """The call format the chat ``template`` teaches (module docstring): :data:`HERMES`,
-    :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSML`, :data:`DSV3`, :data:`KIMI`,
-    :data:`MISTRAL`, :data:`LFM2` or :data:`GEMMA4`, or :data:`DSV4`; :data:`HARMONY` where it teaches gpt-oss's calls (a message
-    ``to=functions.NAME`` on its channels: :class:`~.reasoning.HarmonyStream`); None."""
+    :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSML`, :data:`DSV4`, :data:`DSV3`,
+    :data:`KIMI`, :data:`MISTRAL`, :data:`LFM2` or :data:`GEMMA4`; :data:`HARMONY` where it teaches
+    gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
+    :class:`~.reasoning.HarmonyStream`); None, also for the formats of :data:`UNREAD`."""
     if not template or unread_format(template):
         return None
     if MINIMAX_OPEN in template:
@@ -559,7 +560,8 @@ def gemma4_tool_responses(messages: list[dict]) -> list[dict]:
         if m.get("role") != "assistant" or not m.get("tool_calls"):
             out.append(m)
             continue
-        turn = {"role": "assistant", "tool_calls": m["tool_calls"]}
+        calls = m["tool_calls"]
+        turn = {"role": "assistant", "tool_calls": calls}
         if isinstance(m.get("reasoning_content"), str):
             turn["reasoning_content"] = m["reasoning_content"]
         responses = []
@@ -569,7 +571,6 @@ def gemma4_tool_responses(messages: list[dict]) -> list[dict]:
                 response = json.loads(content) if isinstance(content, str) else content
             except (ValueError, RecursionError):
                 response = content
-            calls = m["tool_calls"]
             name = calls[len(responses)].get("function", {}).get("name") if len(responses) < len(calls) else None
             responses.append({"name": name or result.get("tool_call_id", ""), "response": response})
             i += 1
@@ -650,9 +651,8 @@ class TaggedCalls:
     """Text in, in pieces; out, content pieces and complete calls (:meth:`feed`, :meth:`finish`:
     lists of ``("content", text)`` and ``("call", call)``) of call format ``fmt`` for ``tools``
     (:func:`reader`): each block between the format's tags (:data:`TAGS`, or other spellings of them:
-    :data:`ALTERNATIVES`) read once it closes (at the
-    end of the text where the format has no closing tag). Per
-    piece the work is bounded by the piece and the tags, not by the text so far nor by the open
+    :data:`ALTERNATIVES`) read once it closes (at the end of the text where the format has no
+    closing tag). Per piece the work is bounded by the piece and the tags, not by the text so far nor by the open
     block (a call that writes a file grows one block over thousands of pieces); a block is joined
     and read once, when its close arrives."""
 
