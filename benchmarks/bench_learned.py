@@ -12,6 +12,12 @@ warm-up round, which also compiles), requests/s at the median, the ratio of its 
 ``decayed``'s on the same engine, and steady copies (every row of a scorer must print the same
 count). The python-engine rows are the live harness's cache step (``ExpertCache`` driving the
 policy): the scorer's compiled feature state, then FeatureState, the Python reference it replaced.
+
+Then learning, same run (``--learn-repeat`` rounds, interleaved, after a warm-up): event collection
+in lru states with the compiled feature state against FeatureState (the events must be the same
+bits), and the MLP step's two large products (``Z[rows] @ W1 + b1`` and ``Z[rows].T @ dh`` on one
+minibatch of the trace's events, 256 events, 32 hidden) compiled against ``numpy.einsum`` (how they
+were computed before; the same bits).
 Run: ``python benchmarks/bench_learned.py [--trace PATH] [--capacity C] [--pool P] [--repeat R] [--features GROUPS]``.
 """
 
@@ -22,8 +28,14 @@ import statistics
 import time
 from pathlib import Path
 
-from expertcache.learn.dataset import build_dataset
+import numpy as np
+
+from expertcache.learn.dataset import build_dataset, collect
+from expertcache.policies import make_policy
+from expertcache.scorer.features import TABLED
+from expertcache.scorer.kernels_train import pre_activation, rows_outer
 from expertcache.scorer.models import fit
+from expertcache.scorer.signals import halved
 from expertcache.policies.learned import Learned
 from expertcache.sim import build_layout, replay_layout
 from expertcache.trace import load_trace
@@ -53,6 +65,7 @@ def main() -> None:
     ap.add_argument("--pool", choices=("layer", "global"), default="layer")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--features", default=None, help="feature groups, e.g. reuse or reuse,prior (default: all the trace has)")
+    ap.add_argument("--learn-repeat", type=int, default=3, help="rounds of the learning table")
     args = ap.parse_args()
     trace = load_trace(args.trace) if args.trace else synthesize_preset("olmoe", tokens=args.tokens, sequences=4, seed=0)
     C = args.capacity * (trace.num_layers if args.pool == "global" else 1)
@@ -84,6 +97,48 @@ def main() -> None:
         spread = f"{med:.4f} [{min(secs):.4f}-{max(secs):.4f}]"
         print(f"{name:40s} {spread:>28s} {requests / med:11.0f} {med / base['compiled']:10.1f} "
               f"{med / base[engine]:23.2f} {res.copies_steady:14d}")
+    learning(trace, ev, C, args)
+
+
+def learning(trace, ev, C, args) -> None:
+    """The learning table: collection and the MLP step's products, each compiled against its reference."""
+    tabled = bool(set(ev.features) & set(TABLED))  # build_dataset fitted the tables on the halved trace
+    lay = build_layout(halved(trace) if tabled else trace, pool=args.pool)
+    rows_of = [lambda ref=ref: collect(lay, C, make_policy("lru"), ev.features, 0, ev.tables, reference=ref)
+               for ref in (False, True)]
+    secs, (fast, ref) = timed(rows_of, args.learn_repeat)
+    same = all(np.array_equal(getattr(fast, f), getattr(ref, f)) for f in ("X", "victim", "offsets", "item", "step"))
+    X = np.asarray(ev.X, dtype=np.float64)
+    Z = (X - X.mean(axis=0)) / np.where(X.std(axis=0) > 1e-9, X.std(axis=0), 1.0)
+    rows = np.arange(ev.offsets[min(256, ev.num_events)], dtype=np.int64)  # the first 256 events' rows
+    rng = np.random.default_rng(0)
+    W1, b1, dh = rng.normal(size=(Z.shape[1], 32)), rng.normal(size=32), rng.normal(size=(rows.size, 32))
+    steps = 50
+
+    def compiled():
+        for _ in range(steps):
+            out = pre_activation(Z, rows, W1, b1), rows_outer(Z, rows, dh)
+        return out
+
+    def einsum():
+        for _ in range(steps):
+            Zr = Z[rows]
+            out = np.einsum("nf,fh->nh", Zr, W1) + b1, np.einsum("nf,nh->fh", Zr, dh)
+        return out
+
+    psecs, (pc, pe) = timed([compiled, einsum], args.learn_repeat)
+    same_p = all(np.array_equal(a, b) for a, b in zip(pc, pe))
+    print(f"\nlearning: {len(ev.features)} features; {fast.num_events} events in lru states "
+          f"(same bits: {same}); products of one step on {rows.size} rows (same bits: {same_p}); "
+          f"{args.learn_repeat} repeats each")
+    print(f"{'part':52s} {'seconds median [min-max]':>28s} {'x reference':>12s}")
+    for part, ss, unit in (("collection, compiled feature state", secs[0], 1), ("collection, FeatureState (reference)",
+                           secs[1], 1), ("MLP step products, compiled (ms per step)", psecs[0], steps),
+                           ("MLP step products, einsum (ms per step)", psecs[1], steps)):
+        scale = 1e3 / unit if unit > 1 else 1.0
+        med = statistics.median(ss) * scale
+        refmed = statistics.median(secs[1] if unit == 1 else psecs[1]) * scale
+        print(f"{part:52s} {f'{med:.4f} [{min(ss) * scale:.4f}-{max(ss) * scale:.4f}]':>28s} {med / refmed:12.2f}")
 
 
 if __name__ == "__main__":

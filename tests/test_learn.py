@@ -113,6 +113,52 @@ def test_labels_are_the_farthest_next_use_set():
             assert sub.victim[a:b].tolist() == [x == max(nu) for x in nu]
 
 
+@pytest.mark.parametrize("pool", ["layer", "global"])
+def test_compiled_events_are_the_reference_bits(pool, monkeypatch):
+    # every feature the compiled state computes (reuse, gate, router, online, prior), in lru's,
+    # decayed's and a learned scorer's caches: the same events, bit for bit, as FeatureState's
+    import expertcache.learn.dataset as dataset
+    from expertcache.scorer.features import GATE, ONLINE, PRIOR, ROUTER
+
+    tr = rich_trace(T=160, seqs=2, seed=4)
+    tables = fit_tables(rich_trace(T=160, seqs=2, seed=8))
+    names = REUSE + GATE + ROUTER + ONLINE + PRIOR
+    lay = build_layout(tr, pool=pool)
+    C = 4 if pool == "layer" else 4 * tr.num_layers
+    ev = build_dataset(tr, C, states=("lru",), features="reuse", pool=pool)
+    learner = Learned(fit(ev.X, ev.victim, ev.offsets, ev.features, kind="mlp", seed=0), "<learner>")
+    inner = [lambda: make_policy("lru"), lambda: make_policy("decayed:0.9"), lambda: learner]
+    want = [collect(lay, C, make(), names, 0, tables, reference=True) for make in inner]
+
+    class Absent(FeatureState):  # the compiled path must not fall back to the reference
+        def features(self, *a, **k):
+            raise AssertionError("FeatureState used")
+
+    monkeypatch.setattr(dataset, "FeatureState", Absent)
+    for make, w in zip(inner, want):
+        got = collect(lay, C, make(), names, 0, tables)
+        assert got.num_events > 100
+        for f in ("X", "victim", "offsets", "item", "step", "seq"):
+            assert np.array_equal(getattr(got, f), getattr(w, f)), f
+
+
+def test_training_products_in_index_order():
+    # the MLP step's compiled products against their numpy twins (one term added at a time, the
+    # same order): the same bits, any shape; and the products they name
+    from expertcache.scorer import kernels_train as kt
+
+    rng = np.random.default_rng(0)
+    for N, F, H, n in [(50, 7, 32, 30), (9, 1, 1, 9), (40, 20, 2, 0), (300, 41, 5, 299), (6, 3, 64, 6)]:
+        Z = rng.normal(size=(N, F)) * 10.0 ** rng.integers(-3, 4, size=(N, F))  # mixed magnitudes: order shows
+        rows = np.sort(rng.choice(N, size=n, replace=False)).astype(np.int64)
+        W1, b1, dh = rng.normal(size=(F, H)), rng.normal(size=H), rng.normal(size=(n, H))
+        a, b = kt.pre_activation(Z, rows, W1, b1), kt.rows_outer(Z, rows, dh)
+        assert np.array_equal(a, kt.pre_activation_numpy(Z, rows, W1, b1))
+        assert np.array_equal(b, kt.rows_outer_numpy(Z, rows, dh))
+        assert a.shape == (n, H) and b.shape == (F, H)
+        assert np.allclose(a, Z[rows] @ W1 + b1) and np.allclose(b, Z[rows].T @ dh)
+
+
 def test_residency_inference_matches_the_cache():
     class Tracked(LRU):
         def reset(self, n_items, future=None, steps_per_token=1):

@@ -25,6 +25,7 @@ from ..cache import ExpertCache
 from ..errors import ConfigError, PolicyError
 from ..kernels import pool_slots
 from ..policies import Policy, StreamFuture, make_policy
+from ..policies.learned import Learned
 from ..trace.context import stream_context
 from ..sim.layout import StreamLayout, build_layout
 from ..sim.replay import check_capacity
@@ -78,14 +79,19 @@ def concat(parts: list[Events]) -> Events:
 
 
 class _Recorder(Policy):
-    """Drives the cache with ``inner``'s keys and records each eviction's features and labels."""
+    """Drives the cache with ``inner``'s keys and records each eviction's features and labels.
+
+    The features come from the compiled feature state (:meth:`Learned.describer`) wherever it
+    computes them all, else (model-side features, or ``reference``) from FeatureState; the two
+    give the same bits (``tests/test_learn.py`` checks whole event sets)."""
 
     name = "recorder"
     wants_context = True
 
-    def __init__(self, inner: Policy, names, future: StreamFuture, sink: list, tables=None):
+    def __init__(self, inner: Policy, names, future: StreamFuture, sink: list, tables=None, reference: bool = False):
         super().__init__()
         self.inner, self.names, self.fut, self.sink, self.tables = inner, tuple(names), future, sink, tables
+        self.describer = None if reference else Learned.describer(self.names, tables)
 
     def bind(self, capacity):
         super().bind(capacity)
@@ -96,14 +102,25 @@ class _Recorder(Policy):
         if self.inner.wants_context:
             self.inner.set_context(self.context)
         self.inner.reset(n_items, None, steps_per_token)
-        self.state = FeatureState(n_items, self.context, steps_per_token, self.tables)
+        self.live = None
+        if self.describer is not None:
+            self.describer.set_context(self.context)
+            try:
+                self.describer.reset(n_items, None, steps_per_token)
+                self.live = self.describer.compiled_state
+            except PolicyError:  # a feature the context lacks: FeatureState says which, at the first eviction
+                pass
+        self.state = self.live or FeatureState(n_items, self.context, steps_per_token, self.tables)
 
     def keys(self, candidates, t):
-        X = self.state.features(candidates, t, self.names)
+        k = np.asarray(self.inner.keys(candidates, t), dtype=np.float64)
+        if self.live is not None:
+            X = self.live.describe(candidates, k, t)
+        else:
+            X = self.state.features(candidates, t, self.names)
+            self.state.note_keys(candidates, k, t)
         nu = self.fut.next_use(candidates, t)
         self.sink.append((t, X, nu == nu.max(), np.array(candidates, dtype=np.int64)))
-        k = np.asarray(self.inner.keys(candidates, t), dtype=np.float64)
-        self.state.note_keys(candidates, k, t)
         return k
 
     def on_access(self, items, t):
@@ -120,8 +137,10 @@ def stream_sequences(layout: StreamLayout) -> np.ndarray:
     return np.searchsorted(trace.seq_bounds, rows, side="right") - 1
 
 
-def collect(layout: StreamLayout, capacity: int, policy: Policy, names, state_index: int = 0, tables=None) -> Events:
-    """Events met by ``policy``'s cache on every stream of ``layout`` (reset must be per sequence)."""
+def collect(layout: StreamLayout, capacity: int, policy: Policy, names, state_index: int = 0, tables=None,
+            reference: bool = False) -> Events:
+    """Events met by ``policy``'s cache on every stream of ``layout`` (reset must be per sequence);
+    ``reference``: features from FeatureState always (the compiled state otherwise, where it can)."""
     if layout.reset != "sequence":
         raise ConfigError("learn: events need pools that start empty at each sequence (--reset sequence)")
     if policy.needs_future:
@@ -134,7 +153,7 @@ def collect(layout: StreamLayout, capacity: int, policy: Policy, names, state_in
         a, b = int(layout.starts[s]), int(layout.starts[s + 1])
         groups = layout.groups[a:b]
         sink: list = []
-        rec = _Recorder(policy, names, StreamFuture(groups), sink, tables)
+        rec = _Recorder(policy, names, StreamFuture(groups), sink, tables, reference)
         rec.set_context(stream_context(layout, s))
         cache = ExpertCache(capacity, rec, layout.n_items, steps_per_token=layout.steps_per_token)
         for g in range(b - a):
@@ -202,8 +221,6 @@ def build_dataset(trace, capacity: int, *, states=("lru", "decayed"), rounds: in
     rules' events across seeds (they do not depend on the seed). ``tables``: the model-side routing
     tables (:mod:`.signals`); fitted here, two-fold, when the features need them and none are given
     (a single sequence is then :func:`~.signals.halved` first)."""
-    from ..policies.learned import Learned
-
     names = resolve_features(trace, features)
     if tables is None and set(names) & set(TABLED):
         trace = halved(trace)

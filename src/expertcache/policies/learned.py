@@ -41,6 +41,7 @@ from ..scorer.kernels_learned import LearnedPlan, feature_codes
 from ..scorer.features import DECAY_RATES, GATE, LOGRATE, ONLINE, PRIOR, REUSE, ROUTER, FeatureState, \
     available_features, feature_needs
 from ..scorer.file import load_scorer
+from ..scorer.models import Scorer
 from ..scorer.online import local_layers, online_fits
 from ..scorer.prior import PriorFeatures
 from ..scorer.signals import HORIZONS
@@ -91,6 +92,24 @@ class Learned(Policy):
         if self.state is None:
             self.state = FeatureState(self.n_items, self.context, self.steps_per_token,
                                       getattr(self.scorer, "tables", None))
+
+    @property
+    def compiled_state(self):
+        """After :meth:`reset`: the stream's compiled feature state (LiveFeatures), or None where
+        FeatureState serves (the reference path)."""
+        return self.state if self._live else None
+
+    @classmethod
+    def describer(cls, names, tables=None) -> "Learned":
+        """A learned policy that reads the features ``names`` and scores nothing (zero weights),
+        for its :attr:`compiled_state`: the candidates' feature rows of another rule's cache
+        (:meth:`~expertcache.scorer.kernels_live.LiveFeatures.describe`); ``tables``: the prior
+        group's fitted tables."""
+        F = len(names)
+        scorer = Scorer(kind="linear", features=tuple(names), mean=np.zeros(F), scale=np.ones(F),
+                        weights=[np.zeros(F)])
+        scorer.tables = tables
+        return cls(scorer, "<features>")
 
     def _live_state(self):
         """The compiled feature state of this stream, or None where the plan could not run (then FeatureState)."""

@@ -90,6 +90,22 @@ def live_keys(cand, t, row, observe, S):
 
 
 @njit(cache=True)
+def live_describe(cand, keys, t, row, observe, S):
+    """The feature rows of the candidates ``cand`` at step ``t`` (a copy), ``keys`` kept with them
+    in ``S.pcand``/``S.ckey`` for the step's residency inference (the keys the cache orders them
+    by); with ``observe``, step ``t``'s group ``row`` is observed first."""
+    if observe:
+        _observe(S, row)
+    nc = cand.size
+    S.pcand[:nc] = cand
+    S.ckey[:nc] = keys
+    describe(S.X, cand, nc, S.codes, t, S.spt, S.steps, S.count, S.decay, S.values, S.lograte, S.ex, S.lage, S.lcount,
+             S.item_li, S.item_e, S.pop, S.trans, S.succp, S.lat, S.latn, S.item_ll, S.M, S.N, S.ouse, S.osteps, S.olat,
+             S.olatn)
+    return S.X[:nc].copy()
+
+
+@njit(cache=True)
 def live_access(row, prow, t, nc, orow, observe, S):
     """With ``observe``, step ``t``'s group ``orow`` is observed first; then the step's residency
     inference from the keys of its eviction (``S.pcand[:nc]``, ``S.ckey``; ``nc`` = 0 when it evicted
@@ -170,6 +186,16 @@ class LiveFeatures:
         cand = np.ascontiguousarray(candidates, dtype=np.int64)
         self.nc, self.pending_t = cand.size, t
         return live_keys(cand, t, row, observe, self.S)
+
+    def describe(self, candidates: np.ndarray, keys: np.ndarray, t: int) -> np.ndarray:
+        """float64 ``[len(candidates), F]``: the plan's features of ``candidates`` at step ``t``
+        (FeatureState.features, the same bits), where the cache orders them by ``keys`` (another
+        rule's: the step's residency inference follows them, as FeatureState.note_keys)."""
+        observe = self.follows and self._begin(t)
+        row = np.asarray(self.context.groups[t], dtype=np.int64) if observe else self._norow
+        cand = np.ascontiguousarray(candidates, dtype=np.int64)
+        self.nc, self.pending_t = cand.size, t
+        return live_describe(cand, np.ascontiguousarray(keys, dtype=np.float64), t, row, observe, self.S)
 
     def on_access(self, items: np.ndarray, t: int) -> None:
         row = orow = np.ascontiguousarray(items, dtype=np.int64)

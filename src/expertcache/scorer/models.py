@@ -8,8 +8,9 @@ candidates puts on its victim set (every candidate tied at the farthest next use
 Invariants: training is a pure function of (events, kind, seed, options): initial weights and
 minibatch order come from ``numpy.random.default_rng(seed)``, arithmetic is float64. Features are
 standardised with the training rows' mean and standard deviation, stored in the scorer. Products
-use ``numpy.einsum`` (single-threaded, no BLAS): the same bits whatever the machine's thread count,
-and no thread contention on a busy machine.
+are single-threaded and take no BLAS (``numpy.einsum``, and the MLP's two large ones compiled in
+:mod:`.kernels_train`, every sum in index order): the same bits whatever the machine's thread
+count, and no thread contention on a busy machine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .kernels_train import pre_activation, rows_outer
 
 KINDS = ("linear", "mlp")
 
@@ -122,7 +125,7 @@ def fit(X: np.ndarray, victim: np.ndarray, offsets: np.ndarray, features, *, kin
         for i in range(0, order.size, opt.batch_events):
             ev = np.sort(order[i : i + opt.batch_events])
             rows, sub = _gather(offsets, ev)
-            grads = _grads(kind, weights, Z[rows], yf[rows], sub)
+            grads = _grads(kind, weights, Z, rows, yf[rows], sub)
             step += 1
             for j, (w, g) in enumerate(zip(weights, grads)):
                 g = g + opt.l2 * w
@@ -154,14 +157,16 @@ def _gather(offsets: np.ndarray, ev: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return rows, sub
 
 
-def _grads(kind, weights, Z, y, sub):
+def _grads(kind, weights, Z, rows, y, sub):
+    """Gradients of the listwise loss of the minibatch ``Z[rows]`` (labels ``y``, local offsets ``sub``)."""
     if kind == "linear":
         (w,) = weights
-        _, ds = listwise(np.einsum("nf,f->n", Z, w), y, sub)
-        return [np.einsum("nf,n->f", Z, ds)]
+        Zr = Z[rows]
+        _, ds = listwise(np.einsum("nf,f->n", Zr, w), y, sub)
+        return [np.einsum("nf,n->f", Zr, ds)]
     W1, b1, w2 = weights
-    h = np.einsum("nf,fh->nh", Z, W1) + b1
+    h = pre_activation(Z, rows, W1, b1)  # Z[rows] W1 + b1
     a = np.maximum(h, 0.0)
     _, ds = listwise(np.einsum("nh,h->n", a, w2), y, sub)
     dh = ds[:, None] * w2[None, :] * (h > 0)
-    return [np.einsum("nf,nh->fh", Z, dh), dh.sum(axis=0), np.einsum("nh,n->h", a, ds)]
+    return [rows_outer(Z, rows, dh), dh.sum(axis=0), np.einsum("nh,n->h", a, ds)]
