@@ -12,19 +12,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expertcache.llama.reasoning import ThinkStream, opens_thinking, split_reasoning, think_format
+from expertcache.llama.toolcalls import DSV4, ENDS_THINKING, KIMI, parse_tagged
 from test_toolcalls import streamed
 
 SPELLED = {"deepseek": ("<think>", "</think>"), "gemma4": ("<|channel>thought", "<channel|>")}
 """Each format's tags, as its models write them."""
 
 
-def reference(text: str, opened: bool, fmt: str = "deepseek") -> tuple[str | None, str]:
+def reference(text: str, opened: bool, fmt: str = "deepseek", ends=()) -> tuple[str | None, str]:
     """The module docstring's rule, written as regular expressions over the whole text; Gemma 4's
-    blocks anywhere after the first (a blank line between the texts of two), a lone close dropped."""
+    blocks anywhere after the first (a blank line between the texts of two), a lone close dropped;
+    ``ends``: tags that end the first block where they begin, kept in the content."""
     o, c = (re.escape(tag) for tag in SPELLED[fmt])
     if opened:
         text = SPELLED[fmt][0] + text
-    m = re.fullmatch(r"\s*" + o + "(.*?)" + c + "(.*)", text, re.S)
+    end = "".join("|(?=" + re.escape(e) + ")" for e in ends)
+    m = re.fullmatch(r"\s*" + o + "(.*?)(?:" + c + end + ")(.*)", text, re.S)
     if m:
         parts, rest, reasoned = [m.group(1).strip()], m.group(2).lstrip(), True
     elif re.match(r"\s*" + o, text):  # never closed: all of it reasoning
@@ -71,19 +74,35 @@ def test_reference_cases():
 
 PIECES = {"deepseek": ["<think>", "</think>", "<", "</", "<th", "ink>", "k>", "/think"],
           "gemma4": ["<|channel>thought", "<|channel>", "thought", "<channel|>", "<|chan", "nel|>", "<", "<|", "|>"]}
+DSV4_ENDS = ENDS_THINKING[DSV4]
+ENDS_PIECES = [*DSV4_ENDS, "<｜DSML｜", "tool_calls>", " calls>", "<｜", "</｜DSML｜tool_calls>"]
 
 
-@pytest.mark.parametrize("fmt", sorted(SPELLED))
+def test_a_call_block_ends_a_block_never_closed():
+    # llama.cpp's DeepSeek-V4 case: the model calls without closing its thinking
+    text = ("Let me check the time\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_time\">\n<｜DSML｜parameter "
+            "name=\"city\" string=\"true\">Tokyo</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+    reasoning, content = split_reasoning(text, True, "deepseek", DSV4_ENDS)
+    assert reasoning == "Let me check the time" and content == text[text.index("<｜DSML｜tool_calls>"):]
+    assert parse_tagged(content, DSV4, [("get_time", {"type": "object", "properties": {"city": {"type": "string"}}})]
+                        )[1][0]["function"] == {"name": "get_time", "arguments": '{"city": "Tokyo"}'}
+    assert split_reasoning(text, True) == (text, "")  # without tools offered: all reasoning, as before
+    assert split_reasoning("<think>a</think>b<｜DSML｜tool_calls>", ends=DSV4_ENDS) == ("a", "b<｜DSML｜tool_calls>")
+    assert split_reasoning("<think>a<|tool_call_begin|>x", ends=ENDS_THINKING[KIMI]) == ("a", "<|tool_call_begin|>x")
+
+
+@pytest.mark.parametrize("fmt,ends", [(f, ()) for f in sorted(SPELLED)] + [("deepseek", DSV4_ENDS)])
 @settings(max_examples=400, deadline=None)
 @given(data=st.data(), opened=st.booleans(), cuts=st.lists(st.integers(0, 200), max_size=8))
-def test_whole_agrees_with_the_reference_and_any_pieces_with_the_whole(fmt, data, opened, cuts):
+def test_whole_agrees_with_the_reference_and_any_pieces_with_the_whole(fmt, ends, data, opened, cuts):
     parts = data.draw(st.lists(st.sampled_from(PIECES[fmt] + [" ", "\n", "\t", "a", "b c", "é", "\u00a0", "</tool_call>",
-                                                              "x\n\n"]), max_size=14), label="parts")
+                                                              "x\n\n"] + (ENDS_PIECES if ends else [])),
+                               max_size=14), label="parts")
     text = "".join(parts)
-    whole = split_reasoning(text, opened, fmt)
-    assert whole == reference(text, opened, fmt), (text, opened)
+    whole = split_reasoning(text, opened, fmt, ends)
+    assert whole == reference(text, opened, fmt, ends), (text, opened)
     bounds = sorted({min(c, len(text)) for c in cuts})
-    out = streamed(ThinkStream(opened, fmt), text, bounds)
+    out = streamed(ThinkStream(opened, fmt, ends), text, bounds)
     assert all(x for _, x in out)  # no empty part is reported
     reasoning = "".join(x for k, x in out if k == "reasoning")
     content = "".join(x for k, x in out if k == "content")

@@ -2017,12 +2017,40 @@ DSV4_TEMPLATE = DSML_TEMPLATE.replace("function_calls", "tool_calls")
 """DeepSeek-V4's, as llama.cpp tells it from V3.2's: the same DSML, its block named ``tool_calls``."""
 
 
+DSV4_UNCLOSED = WRITTEN_CALLS["dsv4"][0].replace("</think>", "")
+"""DeepSeek-V4's call written straight after its thinking, the block never closed (llama.cpp reads it)."""
+
+
 @pytest.fixture(scope="module")
 def dsv4(tmp_path_factory):
     """small-moe with DSV4_TEMPLATE, <think>, </think> and the DSML mark as control tokens, served."""
-    s = serving(tmp_path_factory, "dsv4", DSV4_TEMPLATE, ("<think>", "</think>", "｜DSML｜"), [WRITTEN_CALLS["dsv4"][0]])
+    s = serving(tmp_path_factory, "dsv4", DSV4_TEMPLATE, ("<think>", "</think>", "｜DSML｜"),
+                [WRITTEN_CALLS["dsv4"][0], DSV4_UNCLOSED])
     yield s
     s.stop()
+
+
+def test_a_deepseek_v4_call_ends_thinking_never_closed(dsv4):
+    """V4 may begin its calls without closing its thinking: with tools offered the call block ends
+    the reasoning and is read as the call, streamed the same; without tools the text stays reasoning."""
+    import llama_cpp
+
+    client = dsv4.client()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    (word,) = llama_cpp.Llama(str(dsv4.gguf), vocab_only=True, verbose=False).tokenize(
+        DSV4_UNCLOSED.encode(), add_bos=False, special=True)
+    ask = dict(model="small-moe", messages=[{"role": "user", "content": "Weather?"}], max_tokens=1, temperature=0,
+               logit_bias={str(word): 100})
+    message = client.chat.completions.create(**ask, tools=tools).choices[0].message
+    (call,) = message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert (message.reasoning_content, message.content) == ("Paris, then.", None)
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**ask, tools=tools, stream=True) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Paris, then."
+    assert [tc.function.name for d in deltas for tc in d.tool_calls or []] == ["get_weather"]
+    plain = client.chat.completions.create(**ask).choices[0].message
+    assert (plain.reasoning_content, plain.content) == (DSV4_UNCLOSED, "")
 
 
 LFM2_TEMPLATE = """{{- bos_token -}}

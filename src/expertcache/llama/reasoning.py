@@ -22,7 +22,10 @@ Invariants (``tests/test_reasoning.py``):
   does not begin (after white space) with ``<think>``, and was not opened by the prompt, is content
   word for word. Otherwise the block's inner text, stripped of white space at both ends, is the reasoning,
   and what follows ``</think>``, less its leading white space, is the content; a block never closed
-  (the decode hit ``max_tokens``) is all reasoning. In :data:`REPEATS` formats every later block's
+  (the decode hit ``max_tokens``) is all reasoning, but where the request offers tools and the
+  format's block of calls begins inside it (``ends``: DeepSeek's DSML calls, Kimi K2's: those
+  models may start calling without closing the block, and llama.cpp reads it so), the block ends
+  there and the calls begin the content. In :data:`REPEATS` formats every later block's
   inner text joins the reasoning (after a blank line) and a lone close tag is dropped; the content
   around them is kept as written.
 * **Streamed and whole agree**: :class:`ThinkStream` fed the text in any pieces gives the
@@ -80,8 +83,9 @@ class ThinkStream:
     :meth:`finish`). Per piece the work is bounded by the piece and what is held back (a partial tag
     and white space), not by the text so far."""
 
-    def __init__(self, opened: bool = False, fmt: str = DEEPSEEK):
+    def __init__(self, opened: bool = False, fmt: str = DEEPSEEK, ends: tuple[str, ...] = ()):
         self.open, self.close = TAGS[fmt]
+        self.ends = tuple(ends)  # a block never closed ends where one of these begins (it stays in the text)
         self.repeats = fmt in REPEATS
         # start -> inside -> after, or start -> plain; :data:`REPEATS`: after or start -> content <-> inside
         self.state = "inside" if opened else "start"
@@ -134,13 +138,15 @@ class ThinkStream:
                     if not self.pending:
                         return out
                     self.lead = False
-                end = self.pending.find(self.close)
+                end, tag = min(((i, t) for t in (self.close, *self.ends) if (i := self.pending.find(t)) >= 0),
+                               default=(-1, ""))
                 if end >= 0:
                     self._reason(out, self.pending[:end].rstrip())
                     self.state = "content" if self.later else "after"
-                    self.pending, self.lead = self.pending[end + len(self.close):], True
+                    skip = len(self.close) if tag == self.close else 0  # an end begins the content
+                    self.pending, self.lead = self.pending[end + skip:], True
                     continue
-                keep = held_back(self.pending, [self.close])
+                keep = held_back(self.pending, [self.close, *self.ends])
                 body = self.pending[:len(self.pending) - keep]
                 text = body.rstrip()  # white space at the end is held: the block may close after it
                 self._reason(out, text)
@@ -198,10 +204,12 @@ def _plain(stream, out: list) -> list:
     return out
 
 
-def split_reasoning(text: str, opened: bool = False, fmt: str = DEEPSEEK) -> tuple[str | None, str]:
+def split_reasoning(text: str, opened: bool = False, fmt: str = DEEPSEEK, ends: tuple[str, ...] = ()
+                    ) -> tuple[str | None, str]:
     """``(reasoning, content)`` of a whole text (module docstring); reasoning None where the text
-    holds no thinking block (format ``fmt``'s: :data:`TAGS`) and the prompt opened none."""
-    stream = ThinkStream(opened, fmt)
+    holds no thinking block (format ``fmt``'s: :data:`TAGS`) and the prompt opened none; ``ends``:
+    :data:`~.toolcalls.ENDS_THINKING`'s, where the request offers tools."""
+    stream = ThinkStream(opened, fmt, ends)
     reasoning, content, _ = read_whole(stream, text)  # no calls: the content is text
     return (reasoning if stream.reasoned else None), content
 

@@ -92,7 +92,7 @@ from .constraints import ConstraintError, logit_bias, response_grammar, tool_cal
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
 from .toolcalls import MARKERS as CALL_MARKERS
-from .toolcalls import (DSV4, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, HERMES, TAGS, TaggedCalls,
+from .toolcalls import (DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, HERMES, TAGS, TaggedCalls,
                         call_format, gemma4_tool_responses, new_call_id, parse_tagged, results_in_call_order,
                         unread_format)
 from . import MAX_SEED
@@ -1080,7 +1080,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         thinking = kind == "chat" and think_fmt is not None and fmt != "none" and not gen.grammar
         harmony = thinking and think_fmt == HARMONY  # gpt-oss's channels (its calls too), else <think> blocks
         opened = thinking and not harmony and gen.opened_thinking(think_fmt)
-        think = (HarmonyStream(names) if harmony else ThinkStream(opened, think_fmt)) if thinking else None
+        ends = ENDS_THINKING.get(call_fmt, ()) if tagged is not None else ()  # calls may end the thinking
+        think = (HarmonyStream(names) if harmony else ThinkStream(opened, think_fmt, ends)) if thinking else None
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
         def finished() -> dict:
@@ -1135,7 +1136,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 if harmony:
                     reasoning, message["content"], calls = read_harmony(text, names)
                 elif thinking:
-                    reasoning, text = split_reasoning(text, opened, think_fmt)
+                    reasoning, text = split_reasoning(text, opened, think_fmt, ends)
                     message["content"] = text
                 if thinking and reasoning is not None:
                     message["reasoning_content"] = reasoning

@@ -148,6 +148,11 @@ MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", 
 mark is one special token of its vocabulary, which the text must hold for its tags to be read."""
 
 
+ENDS_THINKING = {DSML: (DSML_OPEN,), DSV4: (DSV4_OPEN, DSV41_OPEN), KIMI: (KIMI_TAGS[0], KIMI_TAGS[2])}
+"""Tags that end a thinking block never closed, per call format: the block of calls beginning
+(llama.cpp's DeepSeek DSML and Kimi K2 parsers end the reasoning there; the calls follow)."""
+
+
 UNREAD = ((("]<]minimax[>[",), "MiniMax-M3's"), (("<|open|>", "<|sep|>"), "Kimi K3's"))
 """Templates that teach a call format this module does not read, by the marks that tell them, and
 whose: MiniMax-M3's (its tags after a namespace token, each argument an element named after its
