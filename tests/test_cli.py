@@ -68,6 +68,20 @@ def test_user_errors_are_one_line_and_exit_2(trace_file, argv, message):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_python_m_runs_the_command(trace_file):
+    """``python -m expertcache`` is the ``expertcache`` command: its output, its one-line errors."""
+    command = subprocess.run([sys.executable, "-m", "expertcache", "replay", trace_file, "-c", "8", "--json"],
+                             capture_output=True, text=True)
+    untimed = lambda out: [{k: v for k, v in json.loads(line).items() if k != "seconds"}  # noqa: E731
+                           for line in out.splitlines()]
+    assert command.returncode == 0
+    assert untimed(command.stdout) == untimed(run("replay", trace_file, "-c", "8", "--json").stdout)
+    wrong = subprocess.run([sys.executable, "-m", "expertcache", "replay", "missing.npz", "-c", "8"],
+                           capture_output=True, text=True)
+    assert wrong.returncode == 2 and wrong.stderr.startswith("expertcache replay: error: missing.npz: no such file")
+    assert len(wrong.stderr.splitlines()) == 1
+
+
 def test_argparse_errors_exit_2(trace_file):
     proc = run("replay", trace_file, "--capacity", "zero")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
