@@ -15,8 +15,12 @@ from expertcache.llama.reasoning import ThinkStream, opens_thinking, split_reaso
 from expertcache.llama.toolcalls import DSV4, ENDS_THINKING, KIMI, parse_tagged
 from test_toolcalls import streamed
 
-SPELLED = {"deepseek": ("<think>", "</think>"), "gemma4": ("<|channel>thought", "<channel|>")}
+SPELLED = {"deepseek": ("<think>", "</think>"), "gemma4": ("<|channel>thought", "<channel|>"),
+           "kimi-k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>")}
 """Each format's tags, as its models write them."""
+K3_SECTIONS = ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>")
+"""Kimi K3's answer section and message end: the first ends a thinking block never closed, all are
+taken out of the content."""
 
 
 def reference(text: str, opened: bool, fmt: str = "deepseek", ends=()) -> tuple[str | None, str]:
@@ -26,6 +30,8 @@ def reference(text: str, opened: bool, fmt: str = "deepseek", ends=()) -> tuple[
     o, c = (re.escape(tag) for tag in SPELLED[fmt])
     if opened:
         text = SPELLED[fmt][0] + text
+    if fmt == "kimi-k3":
+        ends = (*ends, K3_SECTIONS[0])
     end = "".join("|(?=" + re.escape(e) + ")" for e in ends)
     m = re.fullmatch(r"\s*" + o + "(.*?)(?:" + c + end + ")(.*)", text, re.S)
     if m:
@@ -34,6 +40,9 @@ def reference(text: str, opened: bool, fmt: str = "deepseek", ends=()) -> tuple[
         return text.lstrip()[len(SPELLED[fmt][0]):].strip(), ""
     else:
         parts, rest, reasoned = [], text, False
+    if fmt == "kimi-k3":  # its sections out of the content, again where that joins one
+        while (cut := re.sub("|".join(map(re.escape, K3_SECTIONS)), "", rest)) != rest:
+            rest = cut
     if fmt != "gemma4":
         return (parts[0] if reasoned else None), rest
     pieces = re.split("(" + o + ".*?" + c + "|" + o + ".*$|" + c + ")", rest, flags=re.S)
@@ -73,6 +82,8 @@ def test_reference_cases():
 
 
 PIECES = {"deepseek": ["<think>", "</think>", "<", "</", "<th", "ink>", "k>", "/think"],
+          "kimi-k3": [*SPELLED["kimi-k3"], *K3_SECTIONS, "<|open|>", "<|close|>", "<|sep|>", "think", "response",
+                      "message", "<|open|>resp", "onse<|sep|>", "<|clo", "se|>message<|sep|>"],
           "gemma4": ["<|channel>thought", "<|channel>", "thought", "<channel|>", "<|chan", "nel|>", "<", "<|", "|>"]}
 DSV4_ENDS = ENDS_THINKING[DSV4]
 ENDS_PIECES = [*DSV4_ENDS, "<｜DSML｜", "tool_calls>", " calls>", "<｜", "</｜DSML｜tool_calls>"]
@@ -89,6 +100,23 @@ def test_a_call_block_ends_a_block_never_closed():
     assert split_reasoning(text, True) == (text, "")  # without tools offered: all reasoning, as before
     assert split_reasoning("<think>a</think>b<｜DSML｜tool_calls>", ends=DSV4_ENDS) == ("a", "b<｜DSML｜tool_calls>")
     assert split_reasoning("<think>a<|tool_call_begin|>x", ends=ENDS_THINKING[KIMI]) == ("a", "<|tool_call_begin|>x")
+
+
+def test_kimi_k3_reference_cases():
+    """llama.cpp's tests of Kimi K3's parser: the thinking the prompt opened, the answer in its
+    section, a turn cut off while thinking, prose that names the sections."""
+    k3 = "kimi-k3"
+    assert think_format("{{- '<|open|>' + t + '<|sep|>' -}}{{ '<|close|>' }}{{ '<|end_of_msg|>' }}<think></think>") == k3
+    assert split_reasoning("I'm thinking about this<|close|>think<|sep|><|open|>response<|sep|>Hello, world!\nWhat's "
+                           "up?<|close|>response<|sep|><|close|>message<|sep|>", True, k3) == \
+        ("I'm thinking about this", "Hello, world!\nWhat's up?")
+    assert split_reasoning("I was still thinking when the budget ran out", True, k3) == \
+        ("I was still thinking when the budget ran out", "")
+    assert split_reasoning("Use the response tag, then message the handler.", False, k3) == \
+        (None, "Use the response tag, then message the handler.")
+    assert split_reasoning("Hi<|close|>response<|sep|><|close|>message<|sep|>", False, k3) == (None, "Hi")
+    assert split_reasoning("no close<|open|>response<|sep|>Hi", True, k3) == ("no close", "Hi")  # llama.cpp's too
+    assert opens_thinking('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>', k3)
 
 
 @pytest.mark.parametrize("fmt,ends", [(f, ()) for f in sorted(SPELLED)] + [("deepseek", DSV4_ENDS)])

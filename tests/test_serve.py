@@ -1740,6 +1740,10 @@ WRITTEN_CALLS = {
     "dsv4": ('Paris, then.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
              '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
              '</｜DSML｜tool_calls>', "Paris, then.", None),
+    "kimi_k3": ('Paris, then.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
+                '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris'
+                '<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>',
+                "Paris, then.", None),
     "dsml": ('Paris, then.</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
              '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
              '</｜DSML｜function_calls>', "Paris, then.", None),
@@ -2053,6 +2057,64 @@ def test_a_deepseek_v4_call_ends_thinking_never_closed(dsv4):
     assert (plain.reasoning_content, plain.content) == (DSV4_UNCLOSED, "")
 
 
+K3_TEMPLATE = """{%- macro open_tag(t, attrs=[]) -%}<|open|>{{ t }}{%- for k, v in attrs %} {{ k }}="{{ v }}"{%- endfor -%}<|sep|>{%- endmacro -%}
+{%- macro close_tag(t) -%}<|close|>{{ t }}<|sep|>{%- endmacro -%}
+{%- set thinking = thinking if thinking is defined else true -%}
+{%- if tools -%}{{ open_tag('message', [('role', 'system'), ('type', 'tool-declare')]) }}# Tools
+{{ tools | tojson }}{{ close_tag('message') }}<|end_of_msg|>{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}{{ open_tag('message', [('role', 'assistant')]) }}
+{%- if thinking -%}{{ open_tag('think') }}{{ m.reasoning_content or '' }}{{ close_tag('think') }}{%- endif -%}
+{{ open_tag('response') }}{{ m.content or '' }}{{ close_tag('response') }}
+{%- if m.tool_calls -%}{{ open_tag('tools') }}{%- for tc in m.tool_calls -%}
+{{ open_tag('call', [('tool', tc.function.name), ('index', loop.index)]) }}
+{%- if tc.function.arguments is mapping -%}{%- for k, v in tc.function.arguments.items() -%}
+{{ open_tag('argument', [('key', k), ('type', 'string' if v is string else 'number')]) }}{{ v if v is string else v | tojson }}{{ close_tag('argument') }}
+{%- endfor -%}{%- else -%}{{ open_tag('json', [('type', 'object')]) }}{{ tc.function.arguments }}{{ close_tag('json') }}{%- endif -%}
+{{ close_tag('call') }}{%- endfor -%}{{ close_tag('tools') }}{%- endif -%}
+{{ close_tag('message') }}<|end_of_msg|>
+{%- elif m.role == 'tool' -%}{{ open_tag('message', [('role', 'tool'), ('index', loop.index)]) }}{{ m.content }}{{ close_tag('message') }}<|end_of_msg|>
+{%- else -%}{{ open_tag('message', [('role', m.role)]) }}{{ m.content }}{{ close_tag('message') }}<|end_of_msg|>
+{%- endif -%}{%- endfor -%}
+{%- if add_generation_prompt -%}{{ open_tag('message', [('role', 'assistant')]) }}{{ open_tag('think' if thinking else 'response') }}{%- endif -%}"""
+"""Kimi K3's chat template, simplified (its sections, as llama.cpp's copy writes them): tools declared
+in a system message, a past assistant turn's thinking, answer and calls (each argument a section of
+its own, arguments given as an object; given as a text, one ``json`` section), the prompt opening
+the thinking."""
+K3_TAGS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+
+
+@pytest.fixture(scope="module")
+def kimi_k3(tmp_path_factory):
+    """small-moe with K3_TEMPLATE and Kimi K3's markers as control tokens, served."""
+    s = serving(tmp_path_factory, "kimi_k3", K3_TEMPLATE, K3_TAGS, [WRITTEN_CALLS["kimi_k3"][0]])
+    yield s
+    s.stop()
+
+
+def test_kimi_k3_calls_go_back_as_argument_sections(kimi_k3):
+    """A past call's arguments reach Kimi K3's template as an object (its model learnt a section per
+    argument; given OpenAI's JSON text, the template writes one ``json`` section): the prompt grows
+    by the argument's section, token for token."""
+    import llama_cpp
+
+    client = kimi_k3.client()
+    count = lambda text: len(llama_cpp.Llama(str(kimi_k3.gguf), vocab_only=True, verbose=False).tokenize(  # noqa: E731
+        text.encode(), add_bos=False, special=True))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+    def prompt_tokens(arguments: str) -> int:
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        return client.chat.completions.create(model="small-moe", messages=messages, tools=tools, max_tokens=1,
+                                              temperature=0).usage.prompt_tokens
+
+    assert prompt_tokens('{"city": "Paris"}') - prompt_tokens("{}") == \
+        count('<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>')
+
+
 LFM2_TEMPLATE = """{{- bos_token -}}
 {%- if tools -%}<|im_start|>system
 List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|><|im_end|>
@@ -2170,11 +2232,12 @@ def test_gemma4s_round_trip_reaches_its_template(gemma4):
                                           ("lfm2", "<|tool_call_start|>"),
                                           ("dsml", "｜DSML｜"), ("dsv4", "｜DSML｜"),
                                           ("qwen_xml", "<tool_call>"), ("minimax", "<minimax:tool_call>"),
-                                          ("kimi", "<|tool_calls_section_begin|>"), ("mistral", "[TOOL_CALLS]"),
+                                          ("kimi", "<|tool_calls_section_begin|>"), ("kimi_k3", "<|open|>"),
+                                          ("mistral", "[TOOL_CALLS]"),
                                           ("gemma4", "<|tool_call>")])
 def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
     """GLM-4.5's, DeepSeek's (V3, V3.2 and V4: the DSML mark a control token, which must reach the text),
-    Qwen3.5's, MiniMax-M2's, Kimi K2's, Mistral's, LFM2's and Gemma 4's formats:
+    Qwen3.5's, MiniMax-M2's, Kimi K2's and K3's, Mistral's, LFM2's and Gemma 4's formats:
     ``auto`` shows the tools (a model that answers in text gets its text); their tags, control tokens
     here, reach the text (a forced opening tag never closed stays content); a call the model writes
     in the format (a token of this vocabulary, forced) is read back into ``tool_calls``, after the

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expertcache.llama.toolcalls import (ALTERNATIVES, DSML, DSV3, DSV4, GEMMA4, GLM, HERMES, KIMI, LFM2, MINIMAX,
+from expertcache.llama.toolcalls import (ALTERNATIVES, DSML, DSV3, DSV4, GEMMA4, GLM, HERMES, KIMI, KIMI_K3, LFM2, MINIMAX,
                                          MISTRAL, QWEN_XML, READERS, TAGS, TaggedCalls, call_format,
                                          gemma4_tool_responses, parse_tagged, results_in_call_order, unread_format)
 
@@ -65,8 +65,11 @@ def test_the_format_is_told_by_the_template():
     assert call_format('{%- set dsml_token = "｜DSML｜" -%}<{{ dsml_token }}tool_calls>{{ m.tool_calls }}') == DSV4
     assert call_format("{{- '<|tool_call>call:' + function['name'] + '{' -}}") == GEMMA4
     # formats not read here are not read as another's (MiniMax-M3's holds <tool_call>), and are named
-    m3, k3 = "{{- ']<]minimax[>[<tool_call>' -}}{{- ']<]minimax[>[<invoke name=\"' }}", '<|open|>call tool="{{ n }}"<|sep|>'
-    assert [(call_format(t), unread_format(t)) for t in (m3, k3)] == [(None, "MiniMax-M3's"), (None, "Kimi K3's")]
+    m3 = "{{- ']<]minimax[>[<tool_call>' -}}{{- ']<]minimax[>[<invoke name=\"' }}"
+    assert (call_format(m3), unread_format(m3)) == (None, "MiniMax-M3's")
+    # Kimi K3's: its three markers (llama.cpp's test), whatever else the template holds
+    k3 = "{{ '<|open|>' }}call tool=\"{{ n }}\"<|sep|>{{ '<|close|>' }}<|end_of_msg|><tool_call>"
+    assert call_format(k3) == KIMI_K3 and call_format(k3.replace("<|end_of_msg|>", "")) == HERMES
     assert unread_format("<tool_call>") is None and unread_format(None) is None
     assert call_format(None) is None and call_format("{{ messages }}") is None
     assert set(READERS) == set(TAGS)  # every tagged format has its reader
@@ -352,6 +355,66 @@ def xml_reference(fmt):
                  for k, mark, v in triples}, ensure_ascii=False)})
         return found
     return lambda text: blockwise(text, re.escape(opener) + "(.*?)" + re.escape(closer), calls_of)
+
+
+def k3_block(calls) -> str:
+    """Kimi K3's section of ``calls`` (``(name, [(key, type, value)])``), as its template writes it."""
+    return "<|open|>tools<|sep|>" + "".join(
+        f'<|open|>call tool="{name}" index="{i + 1}"<|sep|>' + "".join(
+            f'<|open|>argument key="{k}" type="{t}"<|sep|>{v}<|close|>argument<|sep|>' for k, t, v in args)
+        + "<|close|>call<|sep|>" for i, (name, args) in enumerate(calls)) + "<|close|>tools<|sep|>"
+
+
+def k3_reference(text):
+    """An independent reading of Kimi K3's sections by regular expression: whole calls only, white
+    space around them; each key once; a value typed as GLM's where the tool types the key, else by
+    its section's ``type`` (``string``: the text; else JSON where it parses)."""
+    import re
+
+    arg = (r'<\|open\|>argument key="([^"<]*)"(?: type="([^"<]*)")?[^<]*?<\|sep\|>((?:(?!<\|close\|>argument'
+           r'<\|sep\|>).)*)<\|close\|>argument<\|sep\|>')
+    call = (r'<\|open\|>call tool="([^"<]*)"[^<]*?<\|sep\|>((?:\s*' + re.sub(r"\((?!\?)", "(?:", arg) +
+            r')*)\s*<\|close\|>call<\|sep\|>')
+
+    def calls_of(inner):
+        if not re.fullmatch(r"(?:\s*" + call + r")+\s*", inner, re.S):
+            return None
+        found = []
+        for c in re.finditer(call, inner, re.S):
+            name = c.group(1).replace("&quot;", '"').replace("&amp;", "&")
+            args = [(k.replace("&quot;", '"').replace("&amp;", "&"), t, v) for k, t, v in re.findall(arg, c.group(2), re.S)]
+            if name not in dict(GLM_TOOLS) or len({k for k, _, _ in args}) != len(args):
+                return None
+            schema = WEATHER["properties"] if name == "get_weather" else {}
+            found.append({"name": name, "arguments": json.dumps(
+                {k: typed(name, k, v) if k in schema else v if t == "string" else typed("", k, v) for k, t, v in args},
+                ensure_ascii=False)})
+        return found
+    return blockwise(text, r"<\|open\|>tools<\|sep\|>(.*?)<\|close\|>tools<\|sep\|>", calls_of)
+
+
+K3_PARTS = st.sampled_from(["ok ", "<", "<|open|>", "<|close|>", "<|sep|>", "<|open|>tools<|sep|>",
+                            "<|close|>tools<|sep|>", '<|open|>call tool="', '" index="1"', "<|close|>call<|sep|>",
+                            '<|open|>argument key="', '" type="', "string", "number", "<|close|>argument<|sep|>",
+                            "get_weather", "f", "city", "days", "2", '"', "\n", "&quot;", " ",
+                            k3_block([("get_weather", [("city", "string", "Paris")])]),
+                            k3_block([("get_weather", [("days", "number", "2"), ("city", "string", "\né")]), ("f", [])]),
+                            k3_block([("f", [("n", "number", "[1, 2]"), ("s", "string", "12")])]),
+                            k3_block([("get_weather", [("city", "string", "a"), ("city", "string", "b")])])])
+
+
+def test_kimi_k3_reference_cases():
+    """llama.cpp's tests of Kimi K3's calls, and the typing of a value."""
+    tools = [("special_function", {"type": "object", "properties": {"arg1": {"type": "integer"}}}),
+             ("python", {"type": "object", "properties": {"code": {"type": "string"}}}), ("f", None)]
+    content, (call,) = parse_tagged("On it." + k3_block([("special_function", [("arg1", "number", "1")])]), KIMI_K3, tools)
+    assert content == "On it." and call["function"] == {"name": "special_function", "arguments": '{"arg1": 1}'}
+    _, (call,) = parse_tagged(k3_block([("python", [("code", "string", "print('hey')")])]), KIMI_K3, tools)
+    assert json.loads(call["function"]["arguments"]) == {"code": "print('hey')"}  # a string's text as written
+    _, calls = parse_tagged(k3_block([("f", [("a", "string", "12"), ("b", "number", "12")]), ("f", [])]), KIMI_K3, tools)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": "12", "b": 12}, {}]  # untyped: its type
+    bad = k3_block([("nope", [])])
+    assert parse_tagged(bad, KIMI_K3, tools) == (bad, [])
 
 
 QWEN_PARTS = st.sampled_from(["ok ", "<", "<tool_call>", "</tool_call>", "\n", "<function=", "</function>",
@@ -662,7 +725,7 @@ CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS
          QWEN_XML: (QWEN_PARTS, GLM_TOOLS, xml_reference(QWEN_XML)), MINIMAX: (MINIMAX_PARTS, GLM_TOOLS,
                                                                                xml_reference(MINIMAX)),
          DSML: (DSML_PARTS, GLM_TOOLS, xml_reference(DSML)), DSV4: (DSV4_PARTS, GLM_TOOLS, xml_reference(DSV4)),
-         KIMI: (KIMI_PARTS, [(n, None) for n in NAMES], kimi_reference),
+         KIMI: (KIMI_PARTS, [(n, None) for n in NAMES], kimi_reference), KIMI_K3: (K3_PARTS, GLM_TOOLS, k3_reference),
          MISTRAL: (MISTRAL_PARTS, [(n, None) for n in NAMES], mistral_reference),
          LFM2: (LFM2_PARTS, GLM_TOOLS, lfm2_reference), GEMMA4: (GEMMA4_PARTS, GLM_TOOLS, gemma4_reference)}
 """Per format: the pieces its texts are drawn from, the tools, an independent reading."""

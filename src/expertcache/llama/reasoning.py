@@ -37,13 +37,21 @@ Invariants (``tests/test_reasoning.py``):
 from __future__ import annotations
 
 from .._text import held_back
-from .toolcalls import function_call, read_whole
+from .toolcalls import K3_CLOSE, K3_END, K3_OPEN, K3_SEP, KIMI_K3, function_call, k3_close, k3_open, read_whole
 
 OPEN, CLOSE = "<think>", "</think>"
 DEEPSEEK, GEMMA4, HARMONY = "deepseek", "gemma4", "harmony"
 GEMMA4_CHANNEL, GEMMA4_END = "<|channel>", "<channel|>"
-TAGS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: (GEMMA4_CHANNEL + "thought", GEMMA4_END)}
+TAGS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: (GEMMA4_CHANNEL + "thought", GEMMA4_END),
+        KIMI_K3: (k3_open("think"), k3_close("think"))}
 """The tags around a thinking block, per format :class:`ThinkStream` reads."""
+BREAKS = {KIMI_K3: (k3_open("response"),)}
+"""Tags that end a block never closed in every request (they stay in the text): Kimi K3's answer
+section beginning (llama.cpp's parser ends the reasoning there)."""
+DROPPED = {KIMI_K3: (k3_open("response"), k3_close("response"), k3_close("message"))}
+"""Tags taken out of the content wherever they stand: the sections Kimi K3 writes its answer in
+(``<|open|>response<|sep|>`` ... ``<|close|>response<|sep|>``, then ``<|close|>message<|sep|>``; its
+calls' section is :mod:`.toolcalls`')."""
 REPEATS = frozenset({GEMMA4})
 """Formats whose text may hold more thinking blocks after the first, anywhere: Gemma 4 may end its
 answer with an empty block or a lone close tag (llama.cpp's parser reads them out). Their text is
@@ -53,7 +61,7 @@ CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end
 """gpt-oss's harmony markers that reach the text: the pinned llama.cpp renders these and
 ``<|constrain|>`` (``tests/test_serve.py`` checks it), and ends the decode at ``<|return|>`` and
 ``<|call|>``."""
-MARKERS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: (GEMMA4_CHANNEL, GEMMA4_END),
+MARKERS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: (GEMMA4_CHANNEL, GEMMA4_END), KIMI_K3: (K3_OPEN, K3_CLOSE, K3_SEP),
            HARMONY: (CHANNEL, MESSAGE, START, END, "<|constrain|>")}
 """The tags each format is read by (:func:`~.completion.preserved_tokens`)."""
 MAX_HEADER = 512
@@ -61,8 +69,10 @@ MAX_HEADER = 512
 
 
 def think_format(template: str | None) -> str | None:
-    """``"deepseek"`` where the chat ``template`` teaches ``<think>`` blocks, ``"gemma4"`` Gemma 4's
-    (:data:`TAGS`), ``"harmony"`` where it teaches gpt-oss's channels (:class:`HarmonyStream`); None."""
+    """``"deepseek"`` where the chat ``template`` teaches ``<think>`` blocks, ``"gemma4"`` Gemma 4's,
+    ``"kimi-k3"`` Kimi K3's (:data:`TAGS`), ``"harmony"`` where it teaches gpt-oss's channels (:class:`HarmonyStream`); None."""
+    if template and all(mark in template for mark in (K3_OPEN, K3_CLOSE, K3_END)):
+        return KIMI_K3
     if template and OPEN in template and CLOSE in template:
         return DEEPSEEK
     if template and CHANNEL in template and MESSAGE in template:
@@ -85,7 +95,8 @@ class ThinkStream:
 
     def __init__(self, opened: bool = False, fmt: str = DEEPSEEK, ends: tuple[str, ...] = ()):
         self.open, self.close = TAGS[fmt]
-        self.ends = tuple(ends)  # a block never closed ends where one of these begins (it stays in the text)
+        self.ends = tuple(ends) + BREAKS.get(fmt, ())  # a block never closed ends where one begins (kept)
+        self.dropped = Dropped(DROPPED.get(fmt, ()))
         self.repeats = fmt in REPEATS
         # start -> inside -> after, or start -> plain; :data:`REPEATS`: after or start -> content <-> inside
         self.state = "inside" if opened else "start"
@@ -97,6 +108,9 @@ class ThinkStream:
         self.blank = False  # a later block's text is due a blank line before it (reasoning text came before)
 
     def feed(self, piece: str) -> list[tuple[str, str]]:
+        return self.dropped.parts(self._feed(piece))
+
+    def _feed(self, piece: str) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         self.pending += piece
         while True:
@@ -179,13 +193,48 @@ class ThinkStream:
         (reasoning); nothing after a block."""
         text, state = self.pending, self.state
         self.pending = ""
-        if state in ("start", "plain", "content"):
-            return [("content", text)] if text else []
+        out: list[tuple[str, str]] = []
+        if state in ("start", "plain", "content") and text:
+            out.append(("content", text))
         if state == "inside":  # held: white space after what was given, then a partial tag
-            out: list[tuple[str, str]] = []
             self._reason(out, text.rstrip())
-            return out
-        return []
+        return self.dropped.parts(out, True)
+
+
+class Dropped:
+    """Content in pieces, out with every one of ``tags`` taken out (again where taking one out joins
+    another); a piece that could begin one is held back until it cannot."""
+
+    def __init__(self, tags=()):
+        self.tags, self.pending = tuple(tags), ""
+
+    def parts(self, parts: list[tuple[str, str]], last: bool = False) -> list[tuple[str, str]]:
+        """``parts`` with their content taken through (``last``: the end of the text, nothing held)."""
+        if not self.tags:
+            return parts
+        out = []
+        for kind, text in parts:
+            if kind != "content":
+                out.append((kind, text))
+                continue
+            text = self.pending + text
+            while (cut := _without(text, self.tags)) != text:
+                text = cut
+            keep = held_back(text, list(self.tags))
+            text, self.pending = text[:len(text) - keep], text[len(text) - keep:]
+            if text:
+                out.append(("content", text))
+        if last and self.pending:
+            out.append(("content", self.pending))
+            self.pending = ""
+        return out
+
+
+def _without(text: str, tags) -> str:
+    """``text`` with each of ``tags`` taken out once over."""
+    for tag in tags:
+        text = text.replace(tag, "")
+    return text
 
 
 def _opens(head: str, marker: str) -> bool | None:

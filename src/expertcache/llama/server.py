@@ -92,9 +92,9 @@ from .constraints import ConstraintError, logit_bias, response_grammar, tool_cal
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
 from .toolcalls import MARKERS as CALL_MARKERS
-from .toolcalls import (DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, HERMES, TAGS, TaggedCalls,
-                        call_format, gemma4_tool_responses, new_call_id, parse_tagged, results_in_call_order,
-                        unread_format)
+from .toolcalls import (DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, HERMES, KIMI_K3, TAGS,
+                        TaggedCalls, call_format, gemma4_tool_responses, new_call_id, parse_tagged,
+                        results_in_call_order, unread_format)
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -310,7 +310,7 @@ def tool_plan(body, call_fmt: str | None, unread: str | None = None) -> ToolPlan
                 "teaches no tool-call format this server reads")
         raise ApiError(400, f"tool_choice auto: this model's chat template {what} (it reads the Hermes <tool_call> "
                        "JSON of Qwen3 and others, Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's, MiniMax-M2's, DeepSeek's "
-                       "V3, V3.2 and V4, Kimi K2's, Mistral's, LFM2's, Gemma 4's, gpt-oss's); name the function "
+                       "V3, V3.2 and V4, Kimi K2's and K3's, Mistral's, LFM2's, Gemma 4's, gpt-oss's); name the function "
                        "({\"type\": \"function\", \"function\": {\"name\": ...}}), or give one tool with \"required\", "
                        "or \"none\"", param="tool_choice")
     if choice == "required" and len(tools) != 1:
@@ -881,8 +881,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     unread = unread_format(template)  # a format not read here: named in auto's 400, never read as another
     think_fmt = think_format(template)
     # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
-    # writes a text of arguments as it is, JSON inside its own syntax
-    objects = session.chat_ready and (call_fmt == GEMMA4 or arguments_as_objects(session.llama))
+    # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text
+    # as one JSON section where its model learnt an argument section per key
+    objects = session.chat_ready and (call_fmt in (GEMMA4, KIMI_K3) or arguments_as_objects(session.llama))
     # Gemma 4's first templates render no tool messages: their results go on the call's message, as llama.cpp does
     responses_on_calls = call_fmt == GEMMA4 and GEMMA4_TOOL_ROLE not in template
     reopen = GEMMA4_REOPEN if call_fmt == GEMMA4 else None

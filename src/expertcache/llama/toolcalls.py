@@ -71,11 +71,18 @@ objects and arrays as JSON writes them, with no white space; a block per call, b
 
     <|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2,opts:{units:[<|"|>C<|"|>]}}<tool_call|>
 
+Kimi K3's turn is sections (``<|open|>NAME ATTRIBUTES<|sep|>`` ... ``<|close|>NAME<|sep|>``): its
+thinking, its answer, then its calls, each argument a section, a string's text as written, any other
+value its JSON (:mod:`.reasoning` reads the first two)::
+
+    <|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>
+
 Mistral's templates refuse a call id that is not 9 letters and digits (``Tool call IDs should be
 alphanumeric strings with length 9!``): the calls of this format get such ids (:func:`new_call_id`).
 
 The chat template tells the format (:func:`call_format`), as llama.cpp's server detects it: one
-that holds ``<minimax:tool_call>`` teaches MiniMax's, ``｜DSML｜`` DeepSeek-V3.2's (V4's without
+that holds ``<|open|>``, ``<|close|>`` and ``<|end_of_msg|>`` teaches Kimi K3's,
+``<minimax:tool_call>`` MiniMax's, ``｜DSML｜`` DeepSeek-V3.2's (V4's without
 ``function_calls``), ``<|tool_calls_section_begin|>`` Kimi's, ``[TOOL_CALLS]`` Mistral's,
 ``<|tool_call_start|>`` LFM2's, ``<|tool_call>call:`` Gemma 4's; one that holds ``<tool_call>``
 teaches Qwen3-Coder's where it holds ``<function=`` and ``<parameter=`` too, GLM's where it holds
@@ -88,8 +95,9 @@ Invariants (``tests/test_toolcalls.py``):
 * **A call is reported only when its block is complete and valid**: the JSON parses to an object
   with a ``name`` among the request's tools and an object of ``arguments`` (Hermes); the name is
   among them and the rest is key-value pairs only, each key once (GLM, Qwen3-Coder, MiniMax,
-  DSML: a value is the text as written where the tool's parameters type the key a string, or DSML's
-  mark says ``string="true"``, else its JSON when it parses; the XML formats' values lose one
+  DSML, Kimi K3: a value is the text as written where the tool's parameters type the key a string, or
+  DSML's mark says ``string="true"`` (Kimi K3's ``type="string"``, where the parameters do not type
+  the key), else its JSON when it parses; the XML formats' values lose one
   newline at each end, the template's framing); every call of a block is valid (DeepSeek, Kimi,
   Mistral, LFM2, and the XML formats, which may hold several); Gemma 4's is ``call:NAME`` and an
   object of :func:`gemma4_value`'s grammar, each key once, nothing after it. Otherwise the block's
@@ -114,9 +122,9 @@ from typing import Callable
 from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, LFM2, GEMMA4, HARMONY = (
-    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3.2", "deepseek-v4", "deepseek-v3", "kimi-k2", "mistral",
-    "lfm2", "gemma4", "harmony")
+HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, KIMI_K3, MISTRAL, LFM2, GEMMA4, HARMONY = (
+    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3.2", "deepseek-v4", "deepseek-v3", "kimi-k2", "kimi-k3",
+    "mistral", "lfm2", "gemma4", "harmony")
 CALLS_OPEN, CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_OPEN, CALL_CLOSE, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KIMI_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
@@ -125,13 +133,28 @@ MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 LFM2_OPEN, LFM2_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+K3_OPEN, K3_CLOSE, K3_SEP, K3_END = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
+"""Kimi K3's markers (special tokens of its vocabulary): each section is ``<|open|>NAME ATTRS<|sep|>``
+... ``<|close|>NAME<|sep|>``; ``<|end_of_msg|>`` ends a turn (the decode stops there)."""
+
+
+def k3_open(name: str) -> str:
+    """Kimi K3's opening of a section ``name`` without attributes."""
+    return f"{K3_OPEN}{name}{K3_SEP}"
+
+
+def k3_close(name: str) -> str:
+    """Kimi K3's closing of a section ``name``."""
+    return f"{K3_CLOSE}{name}{K3_SEP}"
+
+
 DSML_MARK = "｜DSML｜"
 DSML_OPEN, DSML_CLOSE = f"<{DSML_MARK}function_calls>", f"</{DSML_MARK}function_calls>"
 DSV4_OPEN, DSV4_CLOSE = f"<{DSML_MARK}tool_calls>", f"</{DSML_MARK}tool_calls>"
 DSV41_OPEN, DSV41_CLOSE = f"<{DSML_MARK} calls>", f"</{DSML_MARK} calls>"
 TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
         DSML: (DSML_OPEN, DSML_CLOSE), DSV4: (DSV4_OPEN, DSV4_CLOSE), DSV3: (CALLS_OPEN, CALLS_CLOSE),
-        KIMI: KIMI_TAGS[:2],
+        KIMI: KIMI_TAGS[:2], KIMI_K3: (k3_open("tools"), k3_close("tools")),
         MISTRAL: (MISTRAL_CALLS, None), LFM2: (LFM2_OPEN, LFM2_CLOSE), GEMMA4: (GEMMA4_OPEN, GEMMA4_CLOSE)}
 """The tags around a format's block of calls (None: the block runs to the end of the text)."""
 ALTERNATIVES = {DSV4: ((DSV41_OPEN, DSV41_CLOSE),)}
@@ -142,22 +165,25 @@ MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", 
            QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE), DSML: (DSML_OPEN, DSML_CLOSE, DSML_MARK),
            DSV4: (DSV4_OPEN, DSV4_CLOSE, DSV41_OPEN, DSV41_CLOSE, DSML_MARK),
            DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP), KIMI: KIMI_TAGS,
+           KIMI_K3: (K3_OPEN, K3_CLOSE, K3_SEP),
            MISTRAL: (MISTRAL_CALLS, MISTRAL_ARGS), LFM2: (LFM2_OPEN, LFM2_CLOSE),
            GEMMA4: (GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE)}
 """The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`); DeepSeek's DSML
 mark is one special token of its vocabulary, which the text must hold for its tags to be read."""
 
 
-ENDS_THINKING = {DSML: (DSML_OPEN,), DSV4: (DSV4_OPEN, DSV41_OPEN), KIMI: (KIMI_TAGS[0], KIMI_TAGS[2])}
+ENDS_THINKING = {DSML: (DSML_OPEN,), DSV4: (DSV4_OPEN, DSV41_OPEN), KIMI: (KIMI_TAGS[0], KIMI_TAGS[2]),
+                 KIMI_K3: (k3_open("tools"),)}
 """Tags that end a thinking block never closed, per call format: the block of calls beginning
-(llama.cpp's DeepSeek DSML and Kimi K2 parsers end the reasoning there; the calls follow)."""
+(llama.cpp's DeepSeek DSML and Kimi K2 parsers end the reasoning there; the calls follow; Kimi K3's
+too here, where llama.cpp's parser would keep the calls in the reasoning)."""
 
 
-UNREAD = ((("]<]minimax[>[",), "MiniMax-M3's"), (("<|open|>", "<|sep|>"), "Kimi K3's"))
+UNREAD = ((("]<]minimax[>[",), "MiniMax-M3's"),)
 """Templates that teach a call format this module does not read, by the marks that tell them, and
 whose: MiniMax-M3's (its tags after a namespace token, each argument an element named after its
-parameter, built from the schema) and Kimi K3's (its XTML sections). Their templates hold
-``<tool_call>`` or other formats' marks too; read as those, every call would come back as text."""
+parameter, built from the schema). Its template holds ``<tool_call>`` too; read as Hermes', every
+call would come back as text."""
 
 
 def unread_format(template: str | None) -> str | None:
@@ -168,11 +194,13 @@ def unread_format(template: str | None) -> str | None:
 def call_format(template: str | None) -> str | None:
     """The call format the chat ``template`` teaches (module docstring): :data:`HERMES`,
     :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSML`, :data:`DSV4`, :data:`DSV3`,
-    :data:`KIMI`, :data:`MISTRAL`, :data:`LFM2` or :data:`GEMMA4`; :data:`HARMONY` where it teaches
+    :data:`KIMI`, :data:`KIMI_K3`, :data:`MISTRAL`, :data:`LFM2` or :data:`GEMMA4`; :data:`HARMONY` where it teaches
     gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
     :class:`~.reasoning.HarmonyStream`); None, also for the formats of :data:`UNREAD`."""
     if not template or unread_format(template):
         return None
+    if all(mark in template for mark in (K3_OPEN, K3_CLOSE, K3_END)):  # llama.cpp's test: unique to Kimi K3
+        return KIMI_K3
     if MINIMAX_OPEN in template:
         return MINIMAX
     if DSML_MARK in template:  # V3.2's and V4's templates spell their tags through a variable: the mark shows
@@ -327,6 +355,49 @@ def _xml_calls(block: str, form: tuple, tools: dict) -> list[dict] | None:
             return None
         calls.append(call)
         rest = rest[len(call_close):].lstrip()
+    return calls or None
+
+
+K3_CALL = re.compile(re.escape(K3_OPEN) + r'call tool="([^"<]*)"[^<]*?' + re.escape(K3_SEP))
+K3_ARGUMENT = re.compile(re.escape(K3_OPEN) + r'argument key="([^"<]*)"(?: type="([^"<]*)")?[^<]*?' + re.escape(K3_SEP))
+K3_CALL_END, K3_ARGUMENT_END = k3_close("call"), k3_close("argument")
+
+
+def _k3_attribute(value: str) -> str:
+    """An attribute's value as Kimi K3's template escapes it (``&quot;``, ``&amp;``), unescaped."""
+    return value.replace("&quot;", '"').replace("&amp;", "&")
+
+
+def _k3_calls(block: str, tools: dict) -> list[dict] | None:
+    """The calls of a Kimi K3 ``tools`` section: one or more ``call`` sections (``tool="NAME"``, any
+    other attributes) with only white space around them, each of ``argument`` sections only
+    (``key="KEY" type="TYPE"``, the value the text to its close). A value is the text as written
+    where the tool's parameters type the key a string, JSON where they type it otherwise, and where
+    they do not type it, as the section's ``type`` says (``string``: the text; llama.cpp reads any
+    untyped key as text); None where any is not a valid call (:func:`_keyed_call`)."""
+    calls, at = [], _space(block, 0)
+    while at < len(block):
+        head = K3_CALL.match(block, at)
+        if head is None:
+            return None
+        name, at = _k3_attribute(head.group(1)), _space(block, head.end())
+        schema = tools.get(name) if isinstance(tools.get(name), dict) else {}
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        pairs = []
+        while not block.startswith(K3_CALL_END, at):
+            arg = K3_ARGUMENT.match(block, at)
+            end = -1 if arg is None else block.find(K3_ARGUMENT_END, arg.end())
+            if end < 0:
+                return None
+            key = _k3_attribute(arg.group(1))
+            typed = isinstance(properties.get(key), dict) and "type" in properties[key]
+            pairs.append((key, block[arg.end():end], None if typed else arg.group(2) == "string"))
+            at = _space(block, end + len(K3_ARGUMENT_END))
+        call = _keyed_call(name, pairs, tools)
+        if call is None:
+            return None
+        calls.append(call)
+        at = _space(block, at + len(K3_CALL_END))
     return calls or None
 
 
@@ -638,6 +709,7 @@ READERS = {
     DSV4: lambda block, tools: _xml_calls(block, XML_FORMS[DSML], tools) or _xml_calls(block, DSML_SPACED, tools),
     DSV3: lambda block, tools: _each(_sections(block, CALL_OPEN, CALL_CLOSE), _deepseek_call, tools),
     KIMI: lambda block, tools: _each(_sections(block, KIMI_TAGS[2], KIMI_TAGS[3]), _kimi_call, tools),
+    KIMI_K3: _k3_calls,
     MISTRAL: _mistral_calls,
     LFM2: _pythonic_calls,
     GEMMA4: _gemma4_calls,
