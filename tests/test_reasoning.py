@@ -16,11 +16,14 @@ from expertcache.llama.toolcalls import DSV4, ENDS_THINKING, KIMI, parse_tagged
 from test_toolcalls import streamed
 
 SPELLED = {"deepseek": ("<think>", "</think>"), "gemma4": ("<|channel>thought", "<channel|>"),
-           "kimi-k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>")}
+           "kimi-k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"), "minimax-m3": ("<mm:think>", "</mm:think>")}
 """Each format's tags, as its models write them."""
 K3_SECTIONS = ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>")
 """Kimi K3's answer section and message end: the first ends a thinking block never closed, all are
 taken out of the content."""
+OUT = {"kimi-k3": K3_SECTIONS, "minimax-m3": ("</mm:think>",)}
+"""Per format, the tags taken out of the content (MiniMax-M3 begins a turn without thinking with a
+bare close)."""
 
 
 def reference(text: str, opened: bool, fmt: str = "deepseek", ends=()) -> tuple[str | None, str]:
@@ -40,8 +43,8 @@ def reference(text: str, opened: bool, fmt: str = "deepseek", ends=()) -> tuple[
         return text.lstrip()[len(SPELLED[fmt][0]):].strip(), ""
     else:
         parts, rest, reasoned = [], text, False
-    if fmt == "kimi-k3":  # its sections out of the content, again where that joins one
-        while (cut := re.sub("|".join(map(re.escape, K3_SECTIONS)), "", rest)) != rest:
+    if fmt in OUT:  # its sections out of the content, again where that joins one
+        while (cut := re.sub("|".join(map(re.escape, OUT[fmt])), "", rest)) != rest:
             rest = cut
     if fmt != "gemma4":
         return (parts[0] if reasoned else None), rest
@@ -84,6 +87,7 @@ def test_reference_cases():
 PIECES = {"deepseek": ["<think>", "</think>", "<", "</", "<th", "ink>", "k>", "/think"],
           "kimi-k3": [*SPELLED["kimi-k3"], *K3_SECTIONS, "<|open|>", "<|close|>", "<|sep|>", "think", "response",
                       "message", "<|open|>resp", "onse<|sep|>", "<|clo", "se|>message<|sep|>"],
+          "minimax-m3": ["<mm:think>", "</mm:think>", "</mm:", "think>", "<", "</", "<think>", "</think>"],
           "gemma4": ["<|channel>thought", "<|channel>", "thought", "<channel|>", "<|chan", "nel|>", "<", "<|", "|>"]}
 DSV4_ENDS = ENDS_THINKING[DSV4]
 ENDS_PIECES = [*DSV4_ENDS, "<｜DSML｜", "tool_calls>", " calls>", "<｜", "</｜DSML｜tool_calls>"]
@@ -117,6 +121,17 @@ def test_kimi_k3_reference_cases():
     assert split_reasoning("Hi<|close|>response<|sep|><|close|>message<|sep|>", False, k3) == (None, "Hi")
     assert split_reasoning("no close<|open|>response<|sep|>Hi", True, k3) == ("no close", "Hi")  # llama.cpp's too
     assert opens_thinking('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>', k3)
+
+
+def test_minimax_m3_reference_cases():
+    """llama.cpp's tests of MiniMax-M3's thinking: a turn without it begins with a bare close."""
+    m3 = "minimax-m3"
+    assert think_format("{{ '<mm:think>' }}{{ reasoning }}{{ '</mm:think>' }}") == m3
+    assert split_reasoning("</mm:think>Hello, world!\nWhat's up?", False, m3) == (None, "Hello, world!\nWhat's up?")
+    assert split_reasoning("<mm:think>Thinking about it</mm:think>Let me call the function.", False, m3) == \
+        ("Thinking about it", "Let me call the function.")
+    assert split_reasoning("<mm:think></mm:think>Hi", False, m3) == ("", "Hi")
+    assert split_reasoning("<think>a</think>b", False, m3) == (None, "<think>a</think>b")
 
 
 @pytest.mark.parametrize("fmt,ends", [(f, ()) for f in sorted(SPELLED)] + [("deepseek", DSV4_ENDS)])

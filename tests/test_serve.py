@@ -1740,6 +1740,9 @@ WRITTEN_CALLS = {
     "dsv4": ('Paris, then.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
              '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
              '</｜DSML｜tool_calls>', "Paris, then.", None),
+    "minimax_m3": ('<mm:think>Paris, then.</mm:think>]<]minimax[>[<tool_call>\n]<]minimax[>[<invoke name="get_weather">'
+                   ']<]minimax[>[<city>Paris]<]minimax[>[</city>]<]minimax[>[</invoke>\n]<]minimax[>[</tool_call>',
+                   "Paris, then.", None),
     "kimi_k3": ('Paris, then.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
                 '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris'
                 '<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>',
@@ -2082,6 +2085,51 @@ in a system message, a past assistant turn's thinking, answer and calls (each ar
 its own, arguments given as an object; given as a text, one ``json`` section), the prompt opening
 the thinking."""
 K3_TAGS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+M3_TEMPLATE = """{%- set ns_token = ']<]minimax[>[' -%}
+{%- macro to_xml(val, ns) -%}
+{%- if val is mapping -%}{%- for k, v in val.items() if v is not none -%}{{ ns }}<{{ k }}>{{ to_xml(v, ns) }}{{ ns }}</{{ k }}>{%- endfor -%}
+{%- elif val is iterable and val is not string -%}{%- for item in val -%}{{ ns }}<item>{{ to_xml(item, ns) }}{{ ns }}</item>{%- endfor -%}
+{%- elif val is none -%}
+{%- elif val is boolean -%}{{ val | tojson }}
+{%- else -%}{{ val }}{%- endif -%}
+{%- endmacro -%}
+{%- if tools -%}]~b]developer
+<tools>
+{% for tool in tools %}<tool>{{ tool.function | tojson }}</tool>
+{% endfor %}</tools>
+Call a tool as {{ ns_token }}<tool_call> holding {{ ns_token }}<invoke name="NAME"> and an element per parameter.[e~[
+{% endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}]~b]ai
+{% if m.reasoning_content %}<mm:think>{{ m.reasoning_content }}</mm:think>{% else %}</mm:think>{% endif %}{{ m.content or '' }}
+{%- if m.tool_calls -%}{{ ns_token }}<tool_call>
+{% for tc in m.tool_calls %}{{ ns_token }}<invoke name="{{ tc.function.name }}">
+{%- for k, v in tc.function.arguments.items() if v is not none -%}{{ ns_token }}<{{ k }}>{{ to_xml(v, ns_token) }}{{ ns_token }}</{{ k }}>{%- endfor -%}
+{{ ns_token }}</invoke>
+{% endfor %}{{ ns_token }}</tool_call>{%- endif -%}[e~[
+{% elif m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}]~b]tool{%- endif %}
+<response>{{ m.content }}</response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}[e~[
+{% endif -%}
+{%- else -%}]~b]{{ m.role }}
+{{ m.content }}[e~[
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}]~b]ai
+{% endif -%}"""
+"""MiniMax-M3's chat template, simplified (as the copy llama.cpp's tests read writes it): tools
+declared to the developer, a past turn's thinking (or a bare close) and calls (each argument an
+element, arrays of ``<item>``s: arguments iterated as an object), tool results by order."""
+M3_TAGS = ("]<]minimax[>[", "<tool_call>", "</tool_call>", "<mm:think>", "</mm:think>")
+
+
+@pytest.fixture(scope="module")
+def minimax_m3(tmp_path_factory):
+    """small-moe with M3_TEMPLATE and MiniMax-M3's namespace token and tags as control tokens, served."""
+    s = serving(tmp_path_factory, "minimax_m3", M3_TEMPLATE, M3_TAGS, [WRITTEN_CALLS["minimax_m3"][0]])
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -2233,11 +2281,12 @@ def test_gemma4s_round_trip_reaches_its_template(gemma4):
                                           ("dsml", "｜DSML｜"), ("dsv4", "｜DSML｜"),
                                           ("qwen_xml", "<tool_call>"), ("minimax", "<minimax:tool_call>"),
                                           ("kimi", "<|tool_calls_section_begin|>"), ("kimi_k3", "<|open|>"),
+                                          ("minimax_m3", "]<]minimax[>["),
                                           ("mistral", "[TOOL_CALLS]"),
                                           ("gemma4", "<|tool_call>")])
 def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
     """GLM-4.5's, DeepSeek's (V3, V3.2 and V4: the DSML mark a control token, which must reach the text),
-    Qwen3.5's, MiniMax-M2's, Kimi K2's and K3's, Mistral's, LFM2's and Gemma 4's formats:
+    Qwen3.5's, MiniMax-M2's and M3's, Kimi K2's and K3's, Mistral's, LFM2's and Gemma 4's formats:
     ``auto`` shows the tools (a model that answers in text gets its text); their tags, control tokens
     here, reach the text (a forced opening tag never closed stays content); a call the model writes
     in the format (a token of this vocabulary, forced) is read back into ``tool_calls``, after the

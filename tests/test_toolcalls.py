@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from expertcache.llama.toolcalls import (ALTERNATIVES, DSML, DSV3, DSV4, GEMMA4, GLM, HERMES, KIMI, KIMI_K3, LFM2, MINIMAX,
+                                         MINIMAX_M3,
                                          MISTRAL, QWEN_XML, READERS, TAGS, TaggedCalls, call_format,
-                                         gemma4_tool_responses, parse_tagged, results_in_call_order, unread_format)
+                                         gemma4_tool_responses, parse_tagged, results_in_call_order)
 
 NAMES = ("get_weather", "f")
 def parse_hermes(text, names):
@@ -66,11 +67,10 @@ def test_the_format_is_told_by_the_template():
     assert call_format("{{- '<|tool_call>call:' + function['name'] + '{' -}}") == GEMMA4
     # formats not read here are not read as another's (MiniMax-M3's holds <tool_call>), and are named
     m3 = "{{- ']<]minimax[>[<tool_call>' -}}{{- ']<]minimax[>[<invoke name=\"' }}"
-    assert (call_format(m3), unread_format(m3)) == (None, "MiniMax-M3's")
+    assert call_format(m3) == MINIMAX_M3 and call_format(m3.replace("<invoke name=", "")) == HERMES
     # Kimi K3's: its three markers (llama.cpp's test), whatever else the template holds
     k3 = "{{ '<|open|>' }}call tool=\"{{ n }}\"<|sep|>{{ '<|close|>' }}<|end_of_msg|><tool_call>"
     assert call_format(k3) == KIMI_K3 and call_format(k3.replace("<|end_of_msg|>", "")) == HERMES
-    assert unread_format("<tool_call>") is None and unread_format(None) is None
     assert call_format(None) is None and call_format("{{ messages }}") is None
     assert set(READERS) == set(TAGS)  # every tagged format has its reader
 
@@ -417,6 +417,103 @@ def test_kimi_k3_reference_cases():
     assert parse_tagged(bad, KIMI_K3, tools) == (bad, [])
 
 
+NS = "]<]minimax[>["
+
+
+def m3_block(calls) -> str:
+    """MiniMax-M3's block of ``calls`` (``(name, body)``), as its template writes it."""
+    return f"{NS}<tool_call>\n" + "".join(f'{NS}<invoke name="{n}">{body}{NS}</invoke>\n' for n, body in calls) + \
+        f"{NS}</tool_call>"
+
+
+def m3(key: str, value: str) -> str:
+    """A MiniMax-M3 element."""
+    return f"{NS}<{key}>{value}{NS}</{key}>"
+
+
+def test_minimax_m3_reference_cases():
+    """llama.cpp's tests of MiniMax-M3's calls (the schema decides: a text where it may be one, the
+    alternatives in order, objects and arrays as elements, other values JSON of their type), and
+    what is refused."""
+    tools = [("get_time", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+             ("special_function", {"type": "object", "properties": {"arg1": {"type": "integer"}}, "required": ["arg1"]}),
+             ("nested_args", {"type": "object", "properties": {
+                 "tags": {"type": "array", "items": {"type": "string"}},
+                 "entries": {"type": "array", "items": {"type": "object", "properties": {
+                     "id": {"type": "integer"}, "label": {"type": "string"}}}}}}),
+             ("union_args", {"type": "object", "properties": {"label": {"anyOf": [
+                 {"type": "string"}, {"type": "object", "properties": {"text": {"type": "string"}}}]}}}),
+             ("complex", {"type": "object", "properties": {"number": {"type": "object", "properties": {
+                 "real": {"type": "number"}, "imaginary": {"type": "number"}}}}}),
+             ("lim", {"type": "object", "properties": {"limit": {"oneOf": [
+                 {"type": "integer"}, {"type": "object", "properties": {"max": {"type": "integer"}}}]},
+                 "enabled": {"type": "boolean"}}}),
+             ("empty_args", {"type": "object", "properties": {}}), ("free", None)]
+
+    def read(text):
+        content, calls = parse_tagged(text, MINIMAX_M3, tools)
+        return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+    assert read(m3_block([("get_time", m3("city", "Tokyo"))])) == (None, [("get_time", {"city": "Tokyo"})])
+    assert read("Let me call the function." + m3_block([("special_function", m3("arg1", "1"))])) == \
+        ("Let me call the function.", [("special_function", {"arg1": 1})])
+    assert read(m3_block([("nested_args", m3("tags", m3("item", "alpha") + m3("item", "beta")) + m3(
+        "entries", m3("item", m3("id", "1") + m3("label", "one"))))]))[1] == \
+        [("nested_args", {"tags": ["alpha", "beta"], "entries": [{"id": 1, "label": "one"}]})]
+    # a union with a string alternative is a string, even when the value looks structured
+    assert read(m3_block([("union_args", m3("label", m3("text", "hi")))]))[1] == \
+        [("union_args", {"label": m3("text", "hi")})]
+    assert read(m3_block([("complex", m3("number", m3("real", "1.5") + m3("imaginary", "-2.5")))]))[1] == \
+        [("complex", {"number": {"real": 1.5, "imaginary": -2.5}})]
+    assert read(m3_block([("lim", m3("limit", "5") + m3("enabled", "true")), ("lim", m3("limit", m3("max", "10")))]))[1] \
+        == [("lim", {"limit": 5, "enabled": True}), ("lim", {"limit": {"max": 10}})]
+    assert read(m3_block([("empty_args", "")]))[1] == [("empty_args", {})]
+    assert read(m3_block([("free", m3("a", " 1 2 ") + m3("b", "x"))]))[1] == [("free", {"a": " 1 2 ", "b": "x"})]
+    for bad in ([("special_function", m3("arg1", "1.5"))], [("special_function", "")],  # not an integer; required
+                [("special_function", m3("arg1", "NaN"))], [("get_time", m3("city", "a") + m3("city", "b"))],
+                [("get_time", m3("town", "a"))], [("nope", "")], [("get_time", m3("city", "a") + "x")]):
+        assert read(m3_block(bad)) == (m3_block(bad), [])
+
+
+def m3_reference(text):
+    """An independent reading of MiniMax-M3's blocks for :data:`GLM_TOOLS`' get_weather (``city`` a
+    text, ``days`` an integer; each once) and ``f`` (any key, a text), by regular expression."""
+    import re
+
+    ns = re.escape(NS)
+    invoke = re.compile(r"\s*" + ns + r'<invoke name="(get_weather|f)">(.*?)' + ns + r"</invoke>", re.S)
+    member = re.compile(r"\s*" + ns + r"<([^<>/\s]+)>(.*?)" + ns + r"</\1>", re.S)
+
+    def calls_of(inner):
+        found, at = [], 0
+        while m := invoke.match(inner, at):
+            args, rest = {}, m.group(2)
+            while a := member.match(rest):
+                key, value, rest = a.group(1), a.group(2), rest[a.end():]
+                if key in args or (m.group(1) == "get_weather" and key not in ("city", "days")):
+                    return None
+                if m.group(1) == "get_weather" and key == "days":
+                    if not re.fullmatch(r"[ \t\n\r]*-?(?:0|[1-9][0-9]*)[ \t\n\r]*", value):
+                        return None
+                    value = int(value)
+                args[key] = value
+            if rest.strip():
+                return None
+            found.append({"name": m.group(1), "arguments": json.dumps(args, ensure_ascii=False)})
+            at = m.end()
+        return found if found and not inner[at:].strip() else None
+    return blockwise(text, ns + r"<tool_call>(.*?)" + ns + r"</tool_call>", calls_of)
+
+
+M3_PARTS = st.sampled_from(["ok ", "<", NS, f"{NS}<tool_call>", f"{NS}</tool_call>", f'{NS}<invoke name="', '">',
+                            f"{NS}</invoke>", f"{NS}<city>", f"{NS}</city>", f"{NS}<days>", f"{NS}</days>",
+                            "get_weather", "f", "2", "x", "\n", " ",
+                            m3_block([("get_weather", m3("city", "Paris"))]),
+                            m3_block([("get_weather", m3("days", "2") + m3("city", "\né")), ("f", "")]),
+                            m3_block([("f", m3("a", "1") + m3("b", "<b>"))]),
+                            m3_block([("get_weather", m3("days", "2.5"))])])
+
+
 QWEN_PARTS = st.sampled_from(["ok ", "<", "<tool_call>", "</tool_call>", "\n", "<function=", "</function>",
                               "<parameter=", "</parameter>", ">", "get_weather", "city", "2", "[1]", " ",
                               qwen_block([("get_weather", [("city", "Paris")])]),
@@ -603,20 +700,19 @@ def lfm2_reference(text: str) -> tuple[str, list]:
 GS, GE, GQ = "<|tool_call>", "<tool_call|>", '<|"|>'
 
 
-def test_auto_with_a_format_not_read_names_it():
-    """``auto`` on a template whose format is not read here is a 400 naming it, not a server that
-    reads its calls as another format's and hands them back as text."""
+def test_auto_without_a_format_read_lists_those_read():
+    """``auto`` on a template that teaches no format read here is a 400 that lists the formats read."""
     from types import SimpleNamespace
 
     pytest.importorskip("fastapi")
     from expertcache.llama.server import ApiError, tool_plan
 
     body = SimpleNamespace(tools=[SimpleNamespace(function=SimpleNamespace(name="f"))], tool_choice="auto")
-    for unread, said in (("MiniMax-M3's", "teaches MiniMax-M3's tool-call format, which this server does not read"),
-                         (None, "teaches no tool-call format this server reads")):
-        with pytest.raises(ApiError) as exc:
-            tool_plan(body, None, unread)
-        assert said in str(exc.value) and "Gemma 4's" in str(exc.value), str(exc.value)
+    with pytest.raises(ApiError) as exc:
+        tool_plan(body, None)
+    said = str(exc.value)
+    assert "teaches no tool-call format this server reads" in said, said
+    assert all(who in said for who in ("Gemma 4's", "M3's", "K3's", "DeepSeek's")), said
 
 
 def test_gemma4_reference_cases():
@@ -726,6 +822,7 @@ CASES = {HERMES: (PARTS, [(n, None) for n in NAMES], reference), GLM: (GLM_PARTS
                                                                                xml_reference(MINIMAX)),
          DSML: (DSML_PARTS, GLM_TOOLS, xml_reference(DSML)), DSV4: (DSV4_PARTS, GLM_TOOLS, xml_reference(DSV4)),
          KIMI: (KIMI_PARTS, [(n, None) for n in NAMES], kimi_reference), KIMI_K3: (K3_PARTS, GLM_TOOLS, k3_reference),
+         MINIMAX_M3: (M3_PARTS, GLM_TOOLS, m3_reference),
          MISTRAL: (MISTRAL_PARTS, [(n, None) for n in NAMES], mistral_reference),
          LFM2: (LFM2_PARTS, GLM_TOOLS, lfm2_reference), GEMMA4: (GEMMA4_PARTS, GLM_TOOLS, gemma4_reference)}
 """Per format: the pieces its texts are drawn from, the tools, an independent reading."""

@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--reasoning-format", choices=("auto", "deepseek", "none"), default=None,
                    help="a chat's thinking, where the model's template teaches it (a <think> block: Qwen3, "
                         "Qwen3.5, DeepSeek-R1, GLM-4.5, MiniMax-M2, Kimi K2-Thinking; Gemma 4's <|channel>thought "
-                        "block; Kimi K3's think section; gpt-oss's analysis channel): "
+                        "block; Kimi K3's think section; MiniMax-M3's <mm:think> block; gpt-oss's analysis channel): "
                         "auto or deepseek read it out into "
                         "message.reasoning_content, none leaves the text as written (default auto; a request's "
                         "reasoning_format overrides it)")

@@ -37,21 +37,24 @@ Invariants (``tests/test_reasoning.py``):
 from __future__ import annotations
 
 from .._text import held_back
-from .toolcalls import K3_CLOSE, K3_END, K3_OPEN, K3_SEP, KIMI_K3, function_call, k3_close, k3_open, read_whole
+from .toolcalls import (K3_CLOSE, K3_END, K3_OPEN, K3_SEP, KIMI_K3, MINIMAX_M3, function_call, k3_close, k3_open,
+                        read_whole)
 
 OPEN, CLOSE = "<think>", "</think>"
 DEEPSEEK, GEMMA4, HARMONY = "deepseek", "gemma4", "harmony"
 GEMMA4_CHANNEL, GEMMA4_END = "<|channel>", "<channel|>"
 TAGS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: (GEMMA4_CHANNEL + "thought", GEMMA4_END),
-        KIMI_K3: (k3_open("think"), k3_close("think"))}
+        KIMI_K3: (k3_open("think"), k3_close("think")), MINIMAX_M3: ("<mm:think>", "</mm:think>")}
 """The tags around a thinking block, per format :class:`ThinkStream` reads."""
 BREAKS = {KIMI_K3: (k3_open("response"),)}
 """Tags that end a block never closed in every request (they stay in the text): Kimi K3's answer
 section beginning (llama.cpp's parser ends the reasoning there)."""
-DROPPED = {KIMI_K3: (k3_open("response"), k3_close("response"), k3_close("message"))}
+DROPPED = {KIMI_K3: (k3_open("response"), k3_close("response"), k3_close("message")),
+           MINIMAX_M3: (TAGS[MINIMAX_M3][1],)}
 """Tags taken out of the content wherever they stand: the sections Kimi K3 writes its answer in
 (``<|open|>response<|sep|>`` ... ``<|close|>response<|sep|>``, then ``<|close|>message<|sep|>``; its
-calls' section is :mod:`.toolcalls`')."""
+calls' section is :mod:`.toolcalls`'); the bare ``</mm:think>`` MiniMax-M3 begins a turn without
+thinking with."""
 REPEATS = frozenset({GEMMA4})
 """Formats whose text may hold more thinking blocks after the first, anywhere: Gemma 4 may end its
 answer with an empty block or a lone close tag (llama.cpp's parser reads them out). Their text is
@@ -62,6 +65,7 @@ CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end
 ``<|constrain|>`` (``tests/test_serve.py`` checks it), and ends the decode at ``<|return|>`` and
 ``<|call|>``."""
 MARKERS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: (GEMMA4_CHANNEL, GEMMA4_END), KIMI_K3: (K3_OPEN, K3_CLOSE, K3_SEP),
+           MINIMAX_M3: TAGS[MINIMAX_M3],
            HARMONY: (CHANNEL, MESSAGE, START, END, "<|constrain|>")}
 """The tags each format is read by (:func:`~.completion.preserved_tokens`)."""
 MAX_HEADER = 512
@@ -70,9 +74,11 @@ MAX_HEADER = 512
 
 def think_format(template: str | None) -> str | None:
     """``"deepseek"`` where the chat ``template`` teaches ``<think>`` blocks, ``"gemma4"`` Gemma 4's,
-    ``"kimi-k3"`` Kimi K3's (:data:`TAGS`), ``"harmony"`` where it teaches gpt-oss's channels (:class:`HarmonyStream`); None."""
+    ``"kimi-k3"`` Kimi K3's, ``"minimax-m3"`` MiniMax-M3's (:data:`TAGS`), ``"harmony"`` where it teaches gpt-oss's channels (:class:`HarmonyStream`); None."""
     if template and all(mark in template for mark in (K3_OPEN, K3_CLOSE, K3_END)):
         return KIMI_K3
+    if template and all(tag in template for tag in TAGS[MINIMAX_M3]):
+        return MINIMAX_M3
     if template and OPEN in template and CLOSE in template:
         return DEEPSEEK
     if template and CHANNEL in template and MESSAGE in template:

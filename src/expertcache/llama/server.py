@@ -92,9 +92,9 @@ from .constraints import ConstraintError, logit_bias, response_grammar, tool_cal
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
 from .toolcalls import MARKERS as CALL_MARKERS
-from .toolcalls import (DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, HERMES, KIMI_K3, TAGS,
-                        TaggedCalls, call_format, gemma4_tool_responses, new_call_id, parse_tagged,
-                        results_in_call_order, unread_format)
+from .toolcalls import (DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, HERMES, KIMI_K3,
+                        TAGS, TaggedCalls, call_format, gemma4_tool_responses, new_call_id, parse_tagged,
+                        results_in_call_order)
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
 
@@ -275,7 +275,7 @@ class ToolPlan:
         return bool(self.forced) or self.arguments_of is not None
 
 
-def tool_plan(body, call_fmt: str | None, unread: str | None = None) -> ToolPlan | None:
+def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
     """The :class:`ToolPlan` of a chat, or None where no tool is offered or ``tool_choice`` is
     ``none``. With a template that teaches a call format this server reads (``call_fmt``:
     :func:`~.toolcalls.call_format`), ``auto`` lets the model answer or call, ``required`` and a
@@ -283,9 +283,7 @@ def tool_plan(body, call_fmt: str | None, unread: str | None = None) -> ToolPlan
     ``required`` with one tool) makes the text the call's arguments, and ``auto`` is a 400 (a call
     the model wrote in its own format would be read as text); so is ``required`` among several tools
     there, and a name no tool has. The formats other than Hermes' are read for ``auto`` only; a
-    forced call is its arguments under the grammar, as for other templates. ``unread``: whose call
-    format the template teaches where it is one not read here (:func:`~.toolcalls.unread_format`),
-    named in the 400."""
+    forced call is its arguments under the grammar, as for other templates."""
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
     if choice is None:
@@ -306,11 +304,10 @@ def tool_plan(body, call_fmt: str | None, unread: str | None = None) -> ToolPlan
     if call_fmt is not None and choice == "auto":  # their blocks; gpt-oss's channels (.reasoning)
         return ToolPlan(offered=tools, parsed=True)
     if choice == "auto":
-        what = (f"teaches {unread} tool-call format, which this server does not read yet" if unread else
-                "teaches no tool-call format this server reads")
-        raise ApiError(400, f"tool_choice auto: this model's chat template {what} (it reads the Hermes <tool_call> "
-                       "JSON of Qwen3 and others, Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's, MiniMax-M2's, DeepSeek's "
-                       "V3, V3.2 and V4, Kimi K2's and K3's, Mistral's, LFM2's, Gemma 4's, gpt-oss's); name the function "
+        raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
+                       "reads (it reads the Hermes <tool_call> JSON of Qwen3 and others, Qwen3-Coder's and Qwen3.5's "
+                       "XML, GLM-4.5's, MiniMax-M2's and M3's, DeepSeek's V3, V3.2 and V4, Kimi K2's and K3's, "
+                       "Mistral's, LFM2's, Gemma 4's, gpt-oss's); name the function "
                        "({\"type\": \"function\", \"function\": {\"name\": ...}}), or give one tool with \"required\", "
                        "or \"none\"", param="tool_choice")
     if choice == "required" and len(tools) != 1:
@@ -878,11 +875,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     template = session.llama.metadata.get("tokenizer.chat_template") \
         if session.llama.chat_format == "chat_template.default" else None  # the GGUF's own, not a named format
     call_fmt = call_format(template)
-    unread = unread_format(template)  # a format not read here: named in auto's 400, never read as another
     think_fmt = think_format(template)
     # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
-    # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text
-    # as one JSON section where its model learnt an argument section per key
+    # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text as
+    # one JSON section where its model learnt an argument section per key (MiniMax-M3's fails on a text: asked)
     objects = session.chat_ready and (call_fmt in (GEMMA4, KIMI_K3) or arguments_as_objects(session.llama))
     # Gemma 4's first templates render no tool messages: their results go on the call's message, as llama.cpp does
     responses_on_calls = call_fmt == GEMMA4 and GEMMA4_TOOL_ROLE not in template
@@ -930,7 +926,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         for field, used in unserved.items():
             if used:
                 raise ApiError(400, f"{field} is not served (it would change the result)", param=field)
-        plan = tool_plan(body, call_fmt, unread) if isinstance(body, ChatRequest) else None
+        plan = tool_plan(body, call_fmt) if isinstance(body, ChatRequest) else None
         if plan is not None and plan.parsed and call_fmt == HARMONY and (body.reasoning_format or reasoning_format) == "none":
             raise ApiError(400, "reasoning_format none: this model's tool calls are read from its channels, as its "
                            "thinking is; with tool_choice auto, ask reasoning_format auto", param="reasoning_format")

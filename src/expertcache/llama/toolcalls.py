@@ -71,6 +71,13 @@ objects and arrays as JSON writes them, with no white space; a block per call, b
 
     <|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2,opts:{units:[<|"|>C<|"|>]}}<tool_call|>
 
+MiniMax-M3's are elements after its namespace token, each argument an element named after its
+parameter, read by the tool's parameters (objects as elements, arrays as ``<item>`` elements)::
+
+    ]<]minimax[>[<tool_call>
+    ]<]minimax[>[<invoke name="get_weather">]<]minimax[>[<city>Paris]<]minimax[>[</city>]<]minimax[>[</invoke>
+    ]<]minimax[>[</tool_call>
+
 Kimi K3's turn is sections (``<|open|>NAME ATTRIBUTES<|sep|>`` ... ``<|close|>NAME<|sep|>``): its
 thinking, its answer, then its calls, each argument a section, a string's text as written, any other
 value its JSON (:mod:`.reasoning` reads the first two)::
@@ -81,8 +88,8 @@ Mistral's templates refuse a call id that is not 9 letters and digits (``Tool ca
 alphanumeric strings with length 9!``): the calls of this format get such ids (:func:`new_call_id`).
 
 The chat template tells the format (:func:`call_format`), as llama.cpp's server detects it: one
-that holds ``<|open|>``, ``<|close|>`` and ``<|end_of_msg|>`` teaches Kimi K3's,
-``<minimax:tool_call>`` MiniMax's, ``｜DSML｜`` DeepSeek-V3.2's (V4's without
+that holds ``<|open|>``, ``<|close|>`` and ``<|end_of_msg|>`` teaches Kimi K3's, ``]<]minimax[>[``,
+``<tool_call>`` and ``<invoke name=`` MiniMax-M3's, ``<minimax:tool_call>`` MiniMax-M2's, ``｜DSML｜`` DeepSeek-V3.2's (V4's without
 ``function_calls``), ``<|tool_calls_section_begin|>`` Kimi's, ``[TOOL_CALLS]`` Mistral's,
 ``<|tool_call_start|>`` LFM2's, ``<|tool_call>call:`` Gemma 4's; one that holds ``<tool_call>``
 teaches Qwen3-Coder's where it holds ``<function=`` and ``<parameter=`` too, GLM's where it holds
@@ -99,7 +106,8 @@ Invariants (``tests/test_toolcalls.py``):
   DSML's mark says ``string="true"`` (Kimi K3's ``type="string"``, where the parameters do not type
   the key), else its JSON when it parses; the XML formats' values lose one
   newline at each end, the template's framing); every call of a block is valid (DeepSeek, Kimi,
-  Mistral, LFM2, and the XML formats, which may hold several); Gemma 4's is ``call:NAME`` and an
+  Mistral, LFM2, and the XML formats, which may hold several); MiniMax-M3's are of the tool's
+  parameters (:func:`_m3_value`); Gemma 4's is ``call:NAME`` and an
   object of :func:`gemma4_value`'s grammar, each key once, nothing after it. Otherwise the block's
   text stays content, word for word (nothing the model wrote is dropped).
 * **Streamed and whole agree**: :class:`TaggedCalls` fed the text in any pieces gives the content
@@ -122,9 +130,9 @@ from typing import Callable
 from .._text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, KIMI_K3, MISTRAL, LFM2, GEMMA4, HARMONY = (
-    "hermes", "glm", "qwen3-coder", "minimax-m2", "deepseek-v3.2", "deepseek-v4", "deepseek-v3", "kimi-k2", "kimi-k3",
-    "mistral", "lfm2", "gemma4", "harmony")
+HERMES, GLM, QWEN_XML, MINIMAX, MINIMAX_M3, DSML, DSV4, DSV3, KIMI, KIMI_K3, MISTRAL, LFM2, GEMMA4, HARMONY = (
+    "hermes", "glm", "qwen3-coder", "minimax-m2", "minimax-m3", "deepseek-v3.2", "deepseek-v4", "deepseek-v3", "kimi-k2",
+    "kimi-k3", "mistral", "lfm2", "gemma4", "harmony")
 CALLS_OPEN, CALLS_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_OPEN, CALL_CLOSE, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KIMI_TAGS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
@@ -148,13 +156,17 @@ def k3_close(name: str) -> str:
     return f"{K3_CLOSE}{name}{K3_SEP}"
 
 
+M3_NS = "]<]minimax[>["
+"""MiniMax-M3's namespace token, before each of its call tags (a special token of its vocabulary)."""
+M3_OPEN, M3_CLOSE, M3_INVOKE_END, M3_ITEM, M3_ITEM_END = (M3_NS + tag for tag in (
+    "<tool_call>", "</tool_call>", "</invoke>", "<item>", "</item>"))
 DSML_MARK = "｜DSML｜"
 DSML_OPEN, DSML_CLOSE = f"<{DSML_MARK}function_calls>", f"</{DSML_MARK}function_calls>"
 DSV4_OPEN, DSV4_CLOSE = f"<{DSML_MARK}tool_calls>", f"</{DSML_MARK}tool_calls>"
 DSV41_OPEN, DSV41_CLOSE = f"<{DSML_MARK} calls>", f"</{DSML_MARK} calls>"
 TAGS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE), QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE),
         DSML: (DSML_OPEN, DSML_CLOSE), DSV4: (DSV4_OPEN, DSV4_CLOSE), DSV3: (CALLS_OPEN, CALLS_CLOSE),
-        KIMI: KIMI_TAGS[:2], KIMI_K3: (k3_open("tools"), k3_close("tools")),
+        KIMI: KIMI_TAGS[:2], KIMI_K3: (k3_open("tools"), k3_close("tools")), MINIMAX_M3: (M3_OPEN, M3_CLOSE),
         MISTRAL: (MISTRAL_CALLS, None), LFM2: (LFM2_OPEN, LFM2_CLOSE), GEMMA4: (GEMMA4_OPEN, GEMMA4_CLOSE)}
 """The tags around a format's block of calls (None: the block runs to the end of the text)."""
 ALTERNATIVES = {DSV4: ((DSV41_OPEN, DSV41_CLOSE),)}
@@ -165,7 +177,7 @@ MARKERS = {HERMES: (OPEN, CLOSE), GLM: (OPEN, CLOSE, "<arg_key>", "</arg_key>", 
            QWEN_XML: (OPEN, CLOSE), MINIMAX: (MINIMAX_OPEN, MINIMAX_CLOSE), DSML: (DSML_OPEN, DSML_CLOSE, DSML_MARK),
            DSV4: (DSV4_OPEN, DSV4_CLOSE, DSV41_OPEN, DSV41_CLOSE, DSML_MARK),
            DSV3: (CALLS_OPEN, CALLS_CLOSE, CALL_OPEN, CALL_CLOSE, CALL_SEP), KIMI: KIMI_TAGS,
-           KIMI_K3: (K3_OPEN, K3_CLOSE, K3_SEP),
+           KIMI_K3: (K3_OPEN, K3_CLOSE, K3_SEP), MINIMAX_M3: (M3_NS, OPEN, CLOSE),
            MISTRAL: (MISTRAL_CALLS, MISTRAL_ARGS), LFM2: (LFM2_OPEN, LFM2_CLOSE),
            GEMMA4: (GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE)}
 """The tags each call format is read by (gpt-oss's: :data:`~.reasoning.MARKERS`); DeepSeek's DSML
@@ -179,28 +191,19 @@ ENDS_THINKING = {DSML: (DSML_OPEN,), DSV4: (DSV4_OPEN, DSV41_OPEN), KIMI: (KIMI_
 too here, where llama.cpp's parser would keep the calls in the reasoning)."""
 
 
-UNREAD = ((("]<]minimax[>[",), "MiniMax-M3's"),)
-"""Templates that teach a call format this module does not read, by the marks that tell them, and
-whose: MiniMax-M3's (its tags after a namespace token, each argument an element named after its
-parameter, built from the schema). Its template holds ``<tool_call>`` too; read as Hermes', every
-call would come back as text."""
-
-
-def unread_format(template: str | None) -> str | None:
-    """Whose call format ``template`` teaches where it is one of :data:`UNREAD`; None otherwise."""
-    return next((who for marks, who in UNREAD if template and all(m in template for m in marks)), None)
-
-
 def call_format(template: str | None) -> str | None:
     """The call format the chat ``template`` teaches (module docstring): :data:`HERMES`,
     :data:`GLM`, :data:`QWEN_XML`, :data:`MINIMAX`, :data:`DSML`, :data:`DSV4`, :data:`DSV3`,
-    :data:`KIMI`, :data:`KIMI_K3`, :data:`MISTRAL`, :data:`LFM2` or :data:`GEMMA4`; :data:`HARMONY` where it teaches
-    gpt-oss's calls (a message ``to=functions.NAME`` on its channels:
-    :class:`~.reasoning.HarmonyStream`); None, also for the formats of :data:`UNREAD`."""
-    if not template or unread_format(template):
+    :data:`KIMI`, :data:`KIMI_K3`, :data:`MINIMAX_M3`, :data:`MISTRAL`, :data:`LFM2` or
+    :data:`GEMMA4`; :data:`HARMONY` where it teaches gpt-oss's calls (a message ``to=functions.NAME``
+    on its channels: :class:`~.reasoning.HarmonyStream`); None. Formats whose templates hold another's
+    marks too are told first (Kimi K3's and MiniMax-M3's hold ``<tool_call>``)."""
+    if not template:
         return None
     if all(mark in template for mark in (K3_OPEN, K3_CLOSE, K3_END)):  # llama.cpp's test: unique to Kimi K3
         return KIMI_K3
+    if all(mark in template for mark in (M3_NS, OPEN, '<invoke name=')):  # llama.cpp's: before <tool_call>'s
+        return MINIMAX_M3
     if MINIMAX_OPEN in template:
         return MINIMAX
     if DSML_MARK in template:  # V3.2's and V4's templates spell their tags through a variable: the mark shows
@@ -398,6 +401,117 @@ def _k3_calls(block: str, tools: dict) -> list[dict] | None:
             return None
         calls.append(call)
         at = _space(block, at + len(K3_CALL_END))
+    return calls or None
+
+
+M3_INVOKE = re.compile(re.escape(M3_NS) + r'<invoke name="([^"<]*)">')
+M3_KEY = re.compile(re.escape(M3_NS) + r"<([^<>/\s]+)>")
+M3_DEPTH = 64
+M3_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None), "object": dict,
+            "array": list}
+
+
+def _m3_may_be_text(schema) -> bool:
+    """Whether a value of ``schema`` may be a text (then MiniMax-M3's is the text as written):
+    ``string`` among its types, a string alternative (``anyOf``, ``oneOf``), or nothing that says."""
+    if not isinstance(schema, dict):
+        return True
+    kind = schema.get("type")
+    if kind is None:
+        alternatives = schema.get("anyOf", schema.get("oneOf"))
+        if isinstance(alternatives, list):
+            return any(_m3_may_be_text(a) for a in alternatives)
+        return not any(k in schema for k in ("properties", "items", "enum", "const"))
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+def _m3_value(text: str, at: int, schema, close: str, depth: int) -> tuple[object, int]:
+    """A MiniMax-M3 value of ``schema`` at ``text[at]`` and where its ``close`` ends; ``ValueError``
+    where none is. A text where the schema allows one (:func:`_m3_may_be_text`): as written, to its
+    close; alternatives tried in order; an object with properties: its members (:func:`_m3_members`);
+    an array: ``<item>`` elements; anything else: JSON of the schema's type (a finite number)."""
+    if depth > M3_DEPTH:
+        raise ValueError("nested too deep")
+    schema = schema if isinstance(schema, dict) else {}
+    if _m3_may_be_text(schema):
+        end = text.find(close, at)
+        if end < 0:
+            raise ValueError("not closed")
+        return text[at:end], end + len(close)
+    alternatives = schema.get("anyOf", schema.get("oneOf"))
+    if schema.get("type") is None and isinstance(alternatives, list):
+        for alternative in alternatives:
+            try:
+                return _m3_value(text, at, alternative, close, depth + 1)
+            except ValueError:
+                continue
+        raise ValueError("no alternative")
+    if schema.get("type") == "object" and isinstance(schema.get("properties"), dict):
+        return _m3_members(text, at, schema, close, depth + 1)
+    if schema.get("type") == "array":
+        items = []
+        while not text.startswith(close, at := _space(text, at)):
+            if not text.startswith(M3_ITEM, at):
+                raise ValueError("not an item")
+            item, at = _m3_value(text, at + len(M3_ITEM), schema.get("items"), M3_ITEM_END, depth + 1)
+            items.append(item)
+        return items, at + len(close)
+    end = text.find(close, at)
+    if end < 0:
+        raise ValueError("not closed")
+    value = json.loads(text[at:end], parse_constant=_no_constant)  # ValueError where it is not JSON
+    kinds = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    if not any(_m3_typed(value, kind) for kind in kinds):
+        raise ValueError("not of the schema's type")
+    return value, end + len(close)
+
+
+def _m3_typed(value, kind) -> bool:
+    """Whether JSON ``value`` is of JSON-schema type ``kind`` (None: any)."""
+    if kind in ("integer", "number") and isinstance(value, bool):
+        return False
+    return kind is None or (kind in M3_TYPES and isinstance(value, M3_TYPES[kind]))
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is no JSON number")
+
+
+def _m3_members(text: str, at: int, schema: dict, close: str, depth: int) -> tuple[dict, int]:
+    """The members of an object (``schema``'s properties; any key, each a text, where it has none) to
+    ``close``, each ``NS<KEY>VALUE NS</KEY>`` with white space around it, each key once, every
+    ``required`` key there (llama.cpp's grammar asks them first in the schema's order; any order here)."""
+    properties = schema.get("properties")
+    out: dict = {}
+    while not text.startswith(close, at := _space(text, at)):
+        m = M3_KEY.match(text, at)
+        if m is None or m.group(1) in out or (isinstance(properties, dict) and m.group(1) not in properties):
+            raise ValueError("not a member")
+        key = m.group(1)
+        sub = properties[key] if isinstance(properties, dict) else {}
+        out[key], at = _m3_value(text, m.end(), sub, f"{M3_NS}</{key}>", depth + 1)
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    if any(isinstance(key, str) and key not in out for key in required):
+        raise ValueError("a required member missing")
+    return out, at + len(close)
+
+
+def _m3_calls(block: str, tools: dict) -> list[dict] | None:
+    """The calls of a MiniMax-M3 block: one or more ``NS<invoke name="NAME">`` ... ``NS</invoke>``
+    with white space around them, each the members of the tool's parameters (:func:`_m3_members`);
+    None where any is not a valid call."""
+    calls, at = [], _space(block, 0)
+    try:
+        while at < len(block):
+            m = M3_INVOKE.match(block, at)
+            if m is None or m.group(1) not in tools:
+                return None
+            schema = tools[m.group(1)] if isinstance(tools[m.group(1)], dict) else {}
+            args, at = _m3_members(block, m.end(), schema, M3_INVOKE_END, 0)
+            calls.append(function_call(m.group(1), args, tools))
+            at = _space(block, at)
+    except (ValueError, RecursionError):
+        return None
     return calls or None
 
 
@@ -710,6 +824,7 @@ READERS = {
     DSV3: lambda block, tools: _each(_sections(block, CALL_OPEN, CALL_CLOSE), _deepseek_call, tools),
     KIMI: lambda block, tools: _each(_sections(block, KIMI_TAGS[2], KIMI_TAGS[3]), _kimi_call, tools),
     KIMI_K3: _k3_calls,
+    MINIMAX_M3: _m3_calls,
     MISTRAL: _mistral_calls,
     LFM2: _pythonic_calls,
     GEMMA4: _gemma4_calls,
