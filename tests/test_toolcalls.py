@@ -475,6 +475,27 @@ def test_minimax_m3_reference_cases():
         assert read(m3_block(bad)) == (m3_block(bad), [])
 
 
+def test_minimax_m3_alternatives_are_bounded():
+    """A schema of nested alternatives, each of which reads the whole inside before it fails, would
+    take 2^depth tries: the reading stops at its bound (not a call), and the same nesting whose first
+    alternative fits is read."""
+    def nested(depth, required):
+        if depth == 0:
+            return {"type": "integer"}
+        inner = nested(depth - 1, required)
+        return {"anyOf": [{"type": "object", "properties": {"a": inner}, "required": [r]} for r in required]}
+
+    body = m3("v", f"{NS}<a>" * 40 + "1" + f"{NS}</a>" * 40)
+    hostile = [("f", {"type": "object", "properties": {"v": nested(40, ["b", "c"])}})]
+    assert parse_tagged(m3_block([("f", body)]), MINIMAX_M3, hostile)[1] == []
+    fits = [("f", {"type": "object", "properties": {"v": nested(40, ["a", "b"])}})]
+    (call,) = parse_tagged(m3_block([("f", body)]), MINIMAX_M3, fits)[1]
+    assert call["function"]["arguments"].startswith('{"v": {"a": {"a": ')
+    deep = m3("v", f"{NS}<a>" * 70 + "1" + f"{NS}</a>" * 70)  # past M3_DEPTH elements: not a call
+    assert parse_tagged(m3_block([("f", deep)]), MINIMAX_M3, [("f", {"type": "object", "properties": {
+        "v": nested(70, ["a"])}})])[1] == []
+
+
 def m3_reference(text):
     """An independent reading of MiniMax-M3's blocks for :data:`GLM_TOOLS`' get_weather (``city`` a
     text, ``days`` an integer; each once) and ``f`` (any key, a text), by regular expression."""

@@ -11,7 +11,10 @@ Qwen3-MoE, Qwen3-Next, DeepSeek-R1 and GLM-4.5 write their thinking this way, an
 templates say so: a template holding both ``<think>`` and ``</think>`` is taken to teach it
 (:func:`think_format`). Gemma 4 writes the same block between other tags,
 ``<|channel>thought`` and ``<channel|>`` (:data:`TAGS`); its prompt opens and closes an empty one
-unless ``enable_thinking`` is set, and its blocks may stand anywhere (:data:`REPEATS`). Some
+unless ``enable_thinking`` is set, and its blocks may stand anywhere (:data:`REPEATS`). Kimi K3
+thinks in a ``think`` section, then answers in a ``response`` section whose marks (:data:`DROPPED`)
+are taken out of the content; MiniMax-M3 between ``<mm:think>`` and ``</mm:think>``, a turn without
+thinking beginning with the bare close (taken out too). Some
 templates open the block themselves (the prompt ends in ``<think>``: DeepSeek-R1-0528, Qwen3's 2507
 thinking models); the text then begins inside it (``opened``). gpt-oss writes its thinking in
 harmony channels instead (:class:`HarmonyStream`), with the same two invariants below.
@@ -74,7 +77,8 @@ MAX_HEADER = 512
 
 def think_format(template: str | None) -> str | None:
     """``"deepseek"`` where the chat ``template`` teaches ``<think>`` blocks, ``"gemma4"`` Gemma 4's,
-    ``"kimi-k3"`` Kimi K3's, ``"minimax-m3"`` MiniMax-M3's (:data:`TAGS`), ``"harmony"`` where it teaches gpt-oss's channels (:class:`HarmonyStream`); None."""
+    ``"kimi-k3"`` Kimi K3's, ``"minimax-m3"`` MiniMax-M3's (:data:`TAGS`), ``"harmony"`` where it
+    teaches gpt-oss's channels (:class:`HarmonyStream`); None."""
     if template and all(mark in template for mark in (K3_OPEN, K3_CLOSE, K3_END)):
         return KIMI_K3
     if template and all(tag in template for tag in TAGS[MINIMAX_M3]):

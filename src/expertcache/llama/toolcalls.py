@@ -375,9 +375,9 @@ def _k3_calls(block: str, tools: dict) -> list[dict] | None:
     """The calls of a Kimi K3 ``tools`` section: one or more ``call`` sections (``tool="NAME"``, any
     other attributes) with only white space around them, each of ``argument`` sections only
     (``key="KEY" type="TYPE"``, the value the text to its close). A value is the text as written
-    where the tool's parameters type the key a string, JSON where they type it otherwise, and where
-    they do not type it, as the section's ``type`` says (``string``: the text; llama.cpp reads any
-    untyped key as text); None where any is not a valid call (:func:`_keyed_call`)."""
+    where the tool's parameters type the key a string, JSON where they give it one other type, and
+    else as the section's ``type`` says (``string``: the text; llama.cpp reads such a value as text);
+    None where any is not a valid call (:func:`_keyed_call`)."""
     calls, at = [], _space(block, 0)
     while at < len(block):
         head = K3_CALL.match(block, at)
@@ -393,7 +393,7 @@ def _k3_calls(block: str, tools: dict) -> list[dict] | None:
             if end < 0:
                 return None
             key = _k3_attribute(arg.group(1))
-            typed = isinstance(properties.get(key), dict) and "type" in properties[key]
+            typed = isinstance(properties.get(key), dict) and isinstance(properties[key].get("type"), str)
             pairs.append((key, block[arg.end():end], None if typed else arg.group(2) == "string"))
             at = _space(block, end + len(K3_ARGUMENT_END))
         call = _keyed_call(name, pairs, tools)
@@ -407,6 +407,9 @@ def _k3_calls(block: str, tools: dict) -> list[dict] | None:
 M3_INVOKE = re.compile(re.escape(M3_NS) + r'<invoke name="([^"<]*)">')
 M3_KEY = re.compile(re.escape(M3_NS) + r"<([^<>/\s]+)>")
 M3_DEPTH = 64
+M3_STEPS = 100_000
+"""Values a block's reading may try (alternatives are tried in order, and a schema of nested
+alternatives could make that exponential): past it, the block is not a call."""
 M3_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None), "object": dict,
             "array": list}
 
@@ -425,13 +428,16 @@ def _m3_may_be_text(schema) -> bool:
     return kind == "string" or (isinstance(kind, list) and "string" in kind)
 
 
-def _m3_value(text: str, at: int, schema, close: str, depth: int) -> tuple[object, int]:
+def _m3_value(text: str, at: int, schema, close: str, depth: int, steps: list) -> tuple[object, int]:
     """A MiniMax-M3 value of ``schema`` at ``text[at]`` and where its ``close`` ends; ``ValueError``
     where none is. A text where the schema allows one (:func:`_m3_may_be_text`): as written, to its
     close; alternatives tried in order; an object with properties: its members (:func:`_m3_members`);
-    an array: ``<item>`` elements; anything else: JSON of the schema's type (a finite number)."""
-    if depth > M3_DEPTH:
-        raise ValueError("nested too deep")
+    an array: ``<item>`` elements; anything else: JSON of the schema's type (a finite number).
+    ``depth``: the elements around it (at most :data:`M3_DEPTH`); ``steps``: ``[values left to try]``
+    (:data:`M3_STEPS`), shared by the block."""
+    steps[0] -= 1
+    if depth > M3_DEPTH or steps[0] < 0:
+        raise ValueError("nested too deep, or too many alternatives")
     schema = schema if isinstance(schema, dict) else {}
     if _m3_may_be_text(schema):
         end = text.find(close, at)
@@ -442,18 +448,18 @@ def _m3_value(text: str, at: int, schema, close: str, depth: int) -> tuple[objec
     if schema.get("type") is None and isinstance(alternatives, list):
         for alternative in alternatives:
             try:
-                return _m3_value(text, at, alternative, close, depth + 1)
+                return _m3_value(text, at, alternative, close, depth, steps)
             except ValueError:
                 continue
         raise ValueError("no alternative")
     if schema.get("type") == "object" and isinstance(schema.get("properties"), dict):
-        return _m3_members(text, at, schema, close, depth + 1)
+        return _m3_members(text, at, schema, close, depth, steps)
     if schema.get("type") == "array":
         items = []
         while not text.startswith(close, at := _space(text, at)):
             if not text.startswith(M3_ITEM, at):
                 raise ValueError("not an item")
-            item, at = _m3_value(text, at + len(M3_ITEM), schema.get("items"), M3_ITEM_END, depth + 1)
+            item, at = _m3_value(text, at + len(M3_ITEM), schema.get("items"), M3_ITEM_END, depth + 1, steps)
             items.append(item)
         return items, at + len(close)
     end = text.find(close, at)
@@ -477,7 +483,7 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is no JSON number")
 
 
-def _m3_members(text: str, at: int, schema: dict, close: str, depth: int) -> tuple[dict, int]:
+def _m3_members(text: str, at: int, schema: dict, close: str, depth: int, steps: list) -> tuple[dict, int]:
     """The members of an object (``schema``'s properties; any key, each a text, where it has none) to
     ``close``, each ``NS<KEY>VALUE NS</KEY>`` with white space around it, each key once, every
     ``required`` key there (llama.cpp's grammar asks them first in the schema's order; any order here)."""
@@ -489,7 +495,7 @@ def _m3_members(text: str, at: int, schema: dict, close: str, depth: int) -> tup
             raise ValueError("not a member")
         key = m.group(1)
         sub = properties[key] if isinstance(properties, dict) else {}
-        out[key], at = _m3_value(text, m.end(), sub, f"{M3_NS}</{key}>", depth + 1)
+        out[key], at = _m3_value(text, m.end(), sub, f"{M3_NS}</{key}>", depth + 1, steps)
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
     if any(isinstance(key, str) and key not in out for key in required):
         raise ValueError("a required member missing")
@@ -500,14 +506,14 @@ def _m3_calls(block: str, tools: dict) -> list[dict] | None:
     """The calls of a MiniMax-M3 block: one or more ``NS<invoke name="NAME">`` ... ``NS</invoke>``
     with white space around them, each the members of the tool's parameters (:func:`_m3_members`);
     None where any is not a valid call."""
-    calls, at = [], _space(block, 0)
+    calls, at, steps = [], _space(block, 0), [M3_STEPS]
     try:
         while at < len(block):
             m = M3_INVOKE.match(block, at)
             if m is None or m.group(1) not in tools:
                 return None
             schema = tools[m.group(1)] if isinstance(tools[m.group(1)], dict) else {}
-            args, at = _m3_members(block, m.end(), schema, M3_INVOKE_END, 0)
+            args, at = _m3_members(block, m.end(), schema, M3_INVOKE_END, 0, steps)
             calls.append(function_call(m.group(1), args, tools))
             at = _space(block, at)
     except (ValueError, RecursionError):
