@@ -5,10 +5,12 @@
 Every ``import`` of an ``expertcache`` module in every file of the package, at module top or
 inside a function (``if TYPE_CHECKING:`` blocks are counted apart: they are not run). Prints:
 
-* ``loose``: modules at the package's top level that are not packages (``__init__`` excluded);
+* ``loose``: modules at the package's top level that are not packages (``__init__`` and
+  ``__main__``, the package's face and its command, excluded);
 * ``circles``: strongly connected groups of modules (two or more) over the run-time imports;
 * ``up``: run-time imports from a lower floor to a higher one (:data:`FLOORS`, bottom first;
-  a top-level module is on floor 0 with the shared helpers);
+  a top-level module is on floor 0 with the shared helpers, but ``__main__``, which runs the
+  command line, is on the command line's);
 * ``inner``: run-time imports inside a function body (some keep a heavy optional dependency lazy);
 * ``files`` and ``lines`` of the package.
 """
@@ -32,7 +34,7 @@ FLOORS = [
     {"bounds", "costmodel", "learn", "tier", "grid", "report"},
     {"hf", "llama"},
     {"routetune"},
-    {"cli"},
+    {"cli", "__main__"},
 ]
 """Floors, bottom first, by the first name below ``expertcache`` (docs/design.md)."""
 
@@ -139,7 +141,7 @@ def circles(nodes, arcs) -> list[list[str]]:
 def figures(src: Path) -> dict:
     mods, es = edges(src)
     top = src.name
-    loose = sorted(m for m, p in mods.items() if m.count(".") == 1 and p.name != "__init__.py")
+    loose = sorted(m for m, p in mods.items() if m.count(".") == 1 and p.name not in ("__init__.py", "__main__.py"))
     run = {(a, b) for a, b, _, tc in es if not tc and not b.endswith("__init__") and b != top}
     # an import of a package's __init__ is not an arrow into every module of it: drop package nodes
     pkgs = {m for m, p in mods.items() if p.name == "__init__.py"}
