@@ -15,9 +15,10 @@ policy): the scorer's compiled feature state, then FeatureState, the Python refe
 
 Then learning, same run (``--learn-repeat`` rounds, interleaved, after a warm-up): event collection
 in lru states with the compiled feature state against FeatureState (the events must be the same
-bits), and the MLP step's two large products (``Z[rows] @ W1 + b1`` and ``Z[rows].T @ dh`` on one
-minibatch of the trace's events, 256 events, 32 hidden) compiled against ``numpy.einsum`` (how they
-were computed before; the same bits).
+bits), and the MLP step's products (``h = Z[rows] @ W1 + b1``; ``Z[rows].T @ dh``, ``dh``'s sum
+and ``a.T @ ds`` with ``dh = ds w2 (h > 0)``, on one minibatch of the trace's events, 256 events,
+32 hidden) compiled against ``numpy.einsum`` and numpy's sum (how they were computed before; the
+same bits).
 Run: ``python benchmarks/bench_learned.py [--trace PATH] [--capacity C] [--pool P] [--repeat R] [--features GROUPS]``.
 """
 
@@ -33,7 +34,7 @@ import numpy as np
 from expertcache.learn.dataset import build_dataset, collect
 from expertcache.policies import make_policy
 from expertcache.scorer.features import TABLED
-from expertcache.scorer.kernels_train import pre_activation, rows_outer
+from expertcache.scorer.kernels_train import mlp_backward, pre_activation
 from expertcache.scorer.models import fit
 from expertcache.scorer.signals import halved
 from expertcache.policies.learned import Learned
@@ -112,18 +113,23 @@ def learning(trace, ev, C, args) -> None:
     Z = (X - X.mean(axis=0)) / np.where(X.std(axis=0) > 1e-9, X.std(axis=0), 1.0)
     rows = np.arange(ev.offsets[min(256, ev.num_events)], dtype=np.int64)  # the first 256 events' rows
     rng = np.random.default_rng(0)
-    W1, b1, dh = rng.normal(size=(Z.shape[1], 32)), rng.normal(size=32), rng.normal(size=(rows.size, 32))
+    W1, b1, w2 = rng.normal(size=(Z.shape[1], 32)), rng.normal(size=32), rng.normal(size=32)
+    ds = rng.normal(size=rows.size)
     steps = 50
 
     def compiled():
         for _ in range(steps):
-            out = pre_activation(Z, rows, W1, b1), rows_outer(Z, rows, dh)
+            h = pre_activation(Z, rows, W1, b1)
+            out = (h, *mlp_backward(Z, rows, h, np.maximum(h, 0.0), ds, w2))
         return out
 
     def einsum():
         for _ in range(steps):
             Zr = Z[rows]
-            out = np.einsum("nf,fh->nh", Zr, W1) + b1, np.einsum("nf,nh->fh", Zr, dh)
+            h = np.einsum("nf,fh->nh", Zr, W1) + b1
+            a = np.maximum(h, 0.0)
+            dh = ds[:, None] * w2[None, :] * (h > 0)
+            out = h, np.einsum("nf,nh->fh", Zr, dh), dh.sum(axis=0), np.einsum("nh,n->h", a, ds)
         return out
 
     psecs, (pc, pe) = timed([compiled, einsum], args.learn_repeat)

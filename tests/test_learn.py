@@ -151,12 +151,16 @@ def test_training_products_in_index_order():
     for N, F, H, n in [(50, 7, 32, 30), (9, 1, 1, 9), (40, 20, 2, 0), (300, 41, 5, 299), (6, 3, 64, 6)]:
         Z = rng.normal(size=(N, F)) * 10.0 ** rng.integers(-3, 4, size=(N, F))  # mixed magnitudes: order shows
         rows = np.sort(rng.choice(N, size=n, replace=False)).astype(np.int64)
-        W1, b1, dh = rng.normal(size=(F, H)), rng.normal(size=H), rng.normal(size=(n, H))
-        a, b = kt.pre_activation(Z, rows, W1, b1), kt.rows_outer(Z, rows, dh)
-        assert np.array_equal(a, kt.pre_activation_numpy(Z, rows, W1, b1))
-        assert np.array_equal(b, kt.rows_outer_numpy(Z, rows, dh))
-        assert a.shape == (n, H) and b.shape == (F, H)
-        assert np.allclose(a, Z[rows] @ W1 + b1) and np.allclose(b, Z[rows].T @ dh)
+        W1, b1, w2, ds = rng.normal(size=(F, H)), rng.normal(size=H), rng.normal(size=H), rng.normal(size=n)
+        h = kt.pre_activation(Z, rows, W1, b1)
+        assert np.array_equal(h, kt.pre_activation_numpy(Z, rows, W1, b1)) and h.shape == (n, H)
+        assert np.allclose(h, Z[rows] @ W1 + b1)
+        a = np.maximum(h, 0.0)
+        got, twin = kt.mlp_backward(Z, rows, h, a, ds, w2), kt.mlp_backward_numpy(Z, rows, h, a, ds, w2)
+        assert all(np.array_equal(x, y) for x, y in zip(got, twin))
+        dh = ds[:, None] * w2 * (h > 0)
+        for x, want in zip(got, (Z[rows].T @ dh, dh.sum(axis=0), a.T @ ds)):
+            assert x.shape == want.shape and np.allclose(x, want)
 
 
 def test_residency_inference_matches_the_cache():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .kernels_train import pre_activation, rows_outer
+from .kernels_train import mlp_backward, pre_activation
 
 KINDS = ("linear", "mlp")
 
@@ -168,5 +168,4 @@ def _grads(kind, weights, Z, rows, y, sub):
     h = pre_activation(Z, rows, W1, b1)  # Z[rows] W1 + b1
     a = np.maximum(h, 0.0)
     _, ds = listwise(np.einsum("nh,h->n", a, w2), y, sub)
-    dh = ds[:, None] * w2[None, :] * (h > 0)
-    return [rows_outer(Z, rows, dh), dh.sum(axis=0), np.einsum("nh,n->h", a, ds)]
+    return list(mlp_backward(Z, rows, h, a, ds, w2))
