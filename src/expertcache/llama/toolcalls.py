@@ -265,6 +265,18 @@ def _hermes_calls(block: str, tools: dict) -> list[dict] | None:
     return None if call is None else [call]
 
 
+def _parameters(tools: dict, name: str) -> dict:
+    """Tool ``name``'s parameters' JSON schema (``tools``: name -> it), ``{}`` where it gives none."""
+    schema = tools.get(name)
+    return schema if isinstance(schema, dict) else {}
+
+
+def _properties(tools: dict, name: str) -> dict:
+    """The ``properties`` of tool ``name``'s parameters, ``{}`` where they give none."""
+    properties = _parameters(tools, name).get("properties")
+    return properties if isinstance(properties, dict) else {}
+
+
 def _keyed_call(name: str, pairs: list[tuple[str, str, bool | None]], tools: dict) -> dict | None:
     """The call of ``name`` with its arguments written as ``(key, text, as_text)`` triples (GLM's and
     the XML formats'), each value the text as written where ``as_text`` is true, or, with ``as_text``
@@ -273,8 +285,7 @@ def _keyed_call(name: str, pairs: list[tuple[str, str, bool | None]], tools: dic
     repeats."""
     if name not in tools:
         return None
-    schema = tools[name] if isinstance(tools[name], dict) else {}
-    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    properties = _properties(tools, name)
     args = {}
     for key, value, as_text in pairs:
         if key in args:
@@ -384,8 +395,7 @@ def _k3_calls(block: str, tools: dict) -> list[dict] | None:
         if head is None:
             return None
         name, at = _k3_attribute(head.group(1)), _space(block, head.end())
-        schema = tools.get(name) if isinstance(tools.get(name), dict) else {}
-        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        properties = _properties(tools, name)
         pairs = []
         while not block.startswith(K3_CALL_END, at):
             arg = K3_ARGUMENT.match(block, at)
@@ -421,11 +431,16 @@ def _m3_may_be_text(schema) -> bool:
         return True
     kind = schema.get("type")
     if kind is None:
-        alternatives = schema.get("anyOf", schema.get("oneOf"))
-        if isinstance(alternatives, list):
+        if (alternatives := _alternatives(schema)) is not None:
             return any(_m3_may_be_text(a) for a in alternatives)
         return not any(k in schema for k in ("properties", "items", "enum", "const"))
     return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+def _alternatives(schema: dict) -> list | None:
+    """A schema's ``anyOf`` (else its ``oneOf``) list, or None."""
+    alternatives = schema.get("anyOf", schema.get("oneOf"))
+    return alternatives if isinstance(alternatives, list) else None
 
 
 def _m3_value(text: str, at: int, schema, close: str, depth: int, steps: list) -> tuple[object, int]:
@@ -444,8 +459,7 @@ def _m3_value(text: str, at: int, schema, close: str, depth: int, steps: list) -
         if end < 0:
             raise ValueError("not closed")
         return text[at:end], end + len(close)
-    alternatives = schema.get("anyOf", schema.get("oneOf"))
-    if schema.get("type") is None and isinstance(alternatives, list):
+    if schema.get("type") is None and (alternatives := _alternatives(schema)) is not None:
         for alternative in alternatives:
             try:
                 return _m3_value(text, at, alternative, close, depth, steps)
@@ -512,8 +526,7 @@ def _m3_calls(block: str, tools: dict) -> list[dict] | None:
             m = M3_INVOKE.match(block, at)
             if m is None or m.group(1) not in tools:
                 return None
-            schema = tools[m.group(1)] if isinstance(tools[m.group(1)], dict) else {}
-            args, at = _m3_members(block, m.end(), schema, M3_INVOKE_END, 0, steps)
+            args, at = _m3_members(block, m.end(), _parameters(tools, m.group(1)), M3_INVOKE_END, 0, steps)
             calls.append(function_call(m.group(1), args, tools))
             at = _space(block, at)
     except (ValueError, RecursionError):

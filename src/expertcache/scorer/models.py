@@ -8,8 +8,8 @@ candidates puts on its victim set (every candidate tied at the farthest next use
 Invariants: training is a pure function of (events, kind, seed, options): initial weights and
 minibatch order come from ``numpy.random.default_rng(seed)``, arithmetic is float64. Features are
 standardised with the training rows' mean and standard deviation, stored in the scorer. Products
-are single-threaded and take no BLAS (``numpy.einsum``, and the MLP's two large ones compiled in
-:mod:`.kernels_train`, every sum in index order): the same bits whatever the machine's thread
+are single-threaded and take no BLAS (``numpy.einsum``, and the MLP's forward and backward compiled
+in :mod:`.kernels_train`, every sum in index order): the same bits whatever the machine's thread
 count, and no thread contention on a busy machine.
 """
 
