@@ -469,6 +469,10 @@ def test_minimax_m3_reference_cases():
         == [("lim", {"limit": 5, "enabled": True}), ("lim", {"limit": {"max": 10}})]
     assert read(m3_block([("empty_args", "")]))[1] == [("empty_args", {})]
     assert read(m3_block([("free", m3("a", " 1 2 ") + m3("b", "x"))]))[1] == [("free", {"a": " 1 2 ", "b": "x"})]
+    for odd in ({"type": {"x": 1}}, {"type": [{"x": 1}]}, {"type": "float"}):  # a client's schema naming no type
+        content, calls = parse_tagged(m3_block([("odd", m3("a", "1"))]), MINIMAX_M3,
+                                      [("odd", {"type": "object", "properties": {"a": odd}})])
+        assert calls == [] and content == m3_block([("odd", m3("a", "1"))])
     for bad in ([("special_function", m3("arg1", "1.5"))], [("special_function", "")],  # not an integer; required
                 [("special_function", m3("arg1", "NaN"))], [("get_time", m3("city", "a") + m3("city", "b"))],
                 [("get_time", m3("town", "a"))], [("nope", "")], [("get_time", m3("city", "a") + "x")]):

@@ -487,10 +487,13 @@ def _m3_value(text: str, at: int, schema, close: str, depth: int, steps: list) -
 
 
 def _m3_typed(value, kind) -> bool:
-    """Whether JSON ``value`` is of JSON-schema type ``kind`` (None: any)."""
-    if kind in ("integer", "number") and isinstance(value, bool):
+    """Whether JSON ``value`` is of JSON-schema type ``kind`` (None: any; a kind that is no type's
+    name, of a client's schema, is none)."""
+    if kind is None:
+        return True
+    if not isinstance(kind, str) or kind not in M3_TYPES or (kind in ("integer", "number") and isinstance(value, bool)):
         return False
-    return kind is None or (kind in M3_TYPES and isinstance(value, M3_TYPES[kind]))
+    return isinstance(value, M3_TYPES[kind])
 
 
 def _no_constant(name: str):
