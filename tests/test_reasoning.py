@@ -43,9 +43,8 @@ def reference(text: str, opened: bool, fmt: str = "deepseek", ends=()) -> tuple[
         return text.lstrip()[len(SPELLED[fmt][0]):].strip(), ""
     else:
         parts, rest, reasoned = [], text, False
-    if fmt in OUT:  # its sections out of the content, again where that joins one
-        while (cut := re.sub("|".join(map(re.escape, OUT[fmt])), "", rest)) != rest:
-            rest = cut
+    if fmt in OUT:  # its sections out of the content, read once left to right (a special token each)
+        rest = re.sub("|".join(map(re.escape, OUT[fmt])), "", rest)
     if fmt != "gemma4":
         return (parts[0] if reasoned else None), rest
     pieces = re.split("(" + o + ".*?" + c + "|" + o + ".*$|" + c + ")", rest, flags=re.S)
@@ -121,6 +120,10 @@ def test_kimi_k3_reference_cases():
     assert split_reasoning("Hi<|close|>response<|sep|><|close|>message<|sep|>", False, k3) == (None, "Hi")
     assert split_reasoning("no close<|open|>response<|sep|>Hi", True, k3) == ("no close", "Hi")  # llama.cpp's too
     assert opens_thinking('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>', k3)
+    # a section's mark is one token: taking one out of the text makes no other (streamed, the same)
+    joined = "<|open|>resp<|open|>response<|sep|>onse<|sep|>"
+    assert split_reasoning(joined, False, k3) == (None, "<|open|>response<|sep|>")
+    assert "".join(x for _, x in streamed(ThinkStream(False, k3), joined, [13])) == "<|open|>response<|sep|>"
 
 
 def test_minimax_m3_reference_cases():

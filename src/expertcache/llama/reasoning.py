@@ -39,6 +39,8 @@ Invariants (``tests/test_reasoning.py``):
 
 from __future__ import annotations
 
+import re
+
 from .._text import held_back
 from .toolcalls import (K3_CLOSE, K3_END, K3_OPEN, K3_SEP, KIMI_K3, MINIMAX_M3, function_call, k3_close, k3_open,
                         read_whole)
@@ -212,11 +214,13 @@ class ThinkStream:
 
 
 class Dropped:
-    """Content in pieces, out with every one of ``tags`` taken out (again where taking one out joins
-    another); a piece that could begin one is held back until it cannot."""
+    """Content in pieces, out with every one of ``tags`` taken out, the text read once left to right
+    (a tag is a special token of the model's vocabulary: taking one out never makes another, as the
+    model's tokens cannot join); a piece that could begin one is held back until it cannot."""
 
     def __init__(self, tags=()):
         self.tags, self.pending = tuple(tags), ""
+        self.found = re.compile("|".join(map(re.escape, self.tags))) if self.tags else None
 
     def parts(self, parts: list[tuple[str, str]], last: bool = False) -> list[tuple[str, str]]:
         """``parts`` with their content taken through (``last``: the end of the text, nothing held)."""
@@ -227,24 +231,16 @@ class Dropped:
             if kind != "content":
                 out.append((kind, text))
                 continue
-            text = self.pending + text
-            while (cut := _without(text, self.tags)) != text:
-                text = cut
-            keep = held_back(text, list(self.tags))
-            text, self.pending = text[:len(text) - keep], text[len(text) - keep:]
+            pieces = self.found.split(self.pending + text)
+            tail = pieces[-1]
+            keep = held_back(tail, list(self.tags))
+            text, self.pending = "".join(pieces[:-1]) + tail[:len(tail) - keep], tail[len(tail) - keep:]
             if text:
                 out.append(("content", text))
         if last and self.pending:
             out.append(("content", self.pending))
             self.pending = ""
         return out
-
-
-def _without(text: str, tags) -> str:
-    """``text`` with each of ``tags`` taken out once over."""
-    for tag in tags:
-        text = text.replace(tag, "")
-    return text
 
 
 def _opens(head: str, marker: str) -> bool | None:
