@@ -22,6 +22,22 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("EXPERTCACHE_SHARED_TRACES", REPO.parent / "shared" / "traces"))
 
 
+SMALL_MOE = REPO / "models" / "small-moe"
+"""The smallest MoE checkpoint in the repository (a trained 8 MB model with its tokenizer)."""
+
+
+def small_moe_gguf(tmp_path_factory, name: str, dtype: str = "f16") -> Path:
+    """:data:`SMALL_MOE` converted to a GGUF of ``dtype`` in a new temporary folder ``name``; the
+    test skips where the checkout lacks the model."""
+    from expertcache.llama.convert import convert
+
+    if not (SMALL_MOE / "config.json").is_file():
+        pytest.skip("models/small-moe is not in this checkout")
+    out = tmp_path_factory.mktemp(name) / "small-moe.gguf"
+    convert(SMALL_MOE, out, dtype)
+    return out
+
+
 FIRST = ("test_readme.py",)
 """Files collected first: ``make test`` runs two workers (``pytest -n 2 --dist loadgroup
 --no-loadscope-reorder``: xdist would otherwise sort the groups by their number of tests) that take

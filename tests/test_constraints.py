@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import small_moe_gguf
+
 pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
 from llama_cpp.llama_grammar import json_schema_to_gbnf  # noqa: E402
 
@@ -113,14 +115,7 @@ def vocab(tmp_path_factory):
     """small-moe's vocabulary, for llama.cpp's own check of a grammar."""
     import llama_cpp
 
-    from expertcache.llama.convert import convert
-
-    small = __import__("pathlib").Path(__file__).resolve().parents[1] / "models" / "small-moe"
-    if not (small / "config.json").is_file():
-        pytest.skip("models/small-moe is not in this checkout")
-    out = tmp_path_factory.mktemp("vocab") / "small-moe.gguf"
-    convert(small, out, "f16")
-    llm = llama_cpp.Llama(str(out), vocab_only=True, verbose=False)
+    llm = llama_cpp.Llama(str(small_moe_gguf(tmp_path_factory, "vocab")), vocab_only=True, verbose=False)
     yield llm._model.vocab
     llm.close()
 

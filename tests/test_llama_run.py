@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import small_moe_gguf
+
 pytest.importorskip("gguf", reason="the llama extra (gguf) is not installed")
 pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
 
@@ -33,13 +35,7 @@ FIELDS = ("mode", "memory_wall", "prefill_tokens_per_s", "decode_tokens_per_s", 
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory):
     """models/small-moe as an f16 GGUF (real routing; 8 MB)."""
-    from expertcache.llama.convert import convert
-
-    if not (SMALL / "config.json").is_file():
-        pytest.skip("models/small-moe is not in this checkout")
-    out = tmp_path_factory.mktemp("run") / "small-moe-f16.gguf"
-    convert(SMALL, out, "f16")
-    return out
+    return small_moe_gguf(tmp_path_factory, "run")
 
 
 @pytest.fixture(scope="module")

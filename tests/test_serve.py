@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import small_moe_gguf
+
 pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 pytest.importorskip("uvicorn", reason="the serve extra (uvicorn) is not installed")
@@ -38,13 +40,7 @@ PROMPT = "The Python interpreter"
 
 @pytest.fixture(scope="module")
 def small_gguf(tmp_path_factory):
-    from expertcache.llama.convert import convert
-
-    if not (SMALL / "config.json").is_file():
-        pytest.skip("models/small-moe is not in this checkout")
-    out = tmp_path_factory.mktemp("serve") / "small-moe.gguf"
-    convert(SMALL, out, "f16")
-    return out
+    return small_moe_gguf(tmp_path_factory, "serve")
 
 
 class Server:
@@ -1711,10 +1707,19 @@ def test_harmony_markers_reach_the_text_and_a_harmony_chat_is_read(harmony):
     auto = client.chat.completions.create(**ask, tools=tools)  # read from its channels (this model calls nothing)
     assert auto.usage.prompt_tokens > client.chat.completions.create(**ask).usage.prompt_tokens + 20
     assert auto.choices[0].message.content is not None and not auto.choices[0].message.tool_calls
-    named = client.chat.completions.create(**{**ask, "max_tokens": 64}, tools=tools,
+    named = client.chat.completions.create(**{**ask, "max_tokens": 128}, tools=tools, logprobs=True,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and len(json.loads(call.function.arguments)["city"]) <= 8
+    wrote = bytes(b for t in named.choices[0].logprobs.content for b in t.bytes).decode()  # a message on its channel
+    assert wrote.startswith("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"), wrote
+    assert named.choices[0].message.content is None and named.choices[0].finish_reason == "stop"
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(
+        **{**ask, "max_tokens": 128}, tools=tools, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}) if c.choices]
+    assert [(tc.function.name, tc.function.arguments) for d in deltas for tc in d.tool_calls or []] == \
+        [("get_weather", call.function.arguments)]
+    assert not "".join(d.content or "" for d in deltas)
     turn2 = ask["messages"] + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     after = client.chat.completions.create(**{**ask, "messages": turn2}, tools=tools)
@@ -2276,6 +2281,15 @@ def test_gemma4s_round_trip_reaches_its_template(gemma4):
     assert (message.reasoning_content, message.content) == ("Paris, then.", "Sunny.")
 
 
+NATIVE_OPENINGS = {"glm": "<tool_call>get_weather\n", "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",
+                   "dsml": "<｜DSML｜function_calls>\n<｜DSML｜invoke", "dsv4": "<｜DSML｜", "qwen_xml": "<tool_call>\n<function=",
+                   "minimax": '<minimax:tool_call>\n<invoke name="get_weather">',
+                   "kimi": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:",
+                   "mistral": "[TOOL_CALLS]"}
+"""Per served format whose forced call is written in the format (:data:`expertcache.llama.callgrammar.FORMS`):
+how a named call to get_weather begins (the others' is its arguments, JSON)."""
+
+
 @pytest.mark.parametrize("fixture, tag", [("glm", "<tool_call>"), ("deepseek", "<｜tool▁calls▁begin｜>"),
                                           ("lfm2", "<|tool_call_start|>"),
                                           ("dsml", "｜DSML｜"), ("dsv4", "｜DSML｜"),
@@ -2326,10 +2340,23 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
         [(0, "get_weather", wrote.function.arguments)]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (reasoning or "")
     assert "".join(d.content or "" for d in deltas) == ""
-    named = client.chat.completions.create(**{**ask, "max_tokens": 64}, tools=tools,
+    named = client.chat.completions.create(**{**ask, "max_tokens": 200}, tools=tools, logprobs=True,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = named.choices[0].message.tool_calls
     city = json.loads(call.function.arguments)["city"]
+    written = bytes(b for t in named.choices[0].logprobs.content for b in t.bytes).decode()  # what the model wrote
+    assert written.startswith(NATIVE_OPENINGS.get(fixture, "{")), written
+    two = [tools[0], {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+    if fixture in NATIVE_OPENINGS:  # required among several: a call to one, in the format
+        required = client.chat.completions.create(**{**ask, "max_tokens": 160}, tools=two, tool_choice="required")
+        (one,) = required.choices[0].message.tool_calls
+        assert required.choices[0].finish_reason == "tool_calls" and one.function.name in ("get_weather", "get_time")
+        assert set(json.loads(one.function.arguments)) == ({"city"} if one.function.name == "get_weather" else {"zone"})
+    else:
+        status, body = glm.raw("POST", "/v1/chat/completions", json.dumps({**ask, "tools": two,
+                                                                         "tool_choice": "required"}))
+        assert status == 400 and "does not force a call" in json.loads(body)["error"]["message"], body
     turn2 = ask["messages"] + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     after = client.chat.completions.create(**{**ask, "messages": turn2, "max_tokens": 1}, tools=tools)

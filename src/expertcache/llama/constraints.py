@@ -72,22 +72,33 @@ def response_grammar(fmt: dict | None, vocab) -> LlamaGrammar | None:
     return checked_grammar(JSON_GBNF if schema is None else schema_text(schema), vocab)
 
 
-def tool_call_grammar(tools: list[tuple[str, dict | None]], vocab) -> LlamaGrammar:
-    """The grammar of one Hermes-format call (:mod:`.toolcalls`) to one of ``tools`` (``(name,
-    parameters schema)``; None: an object with no properties): ``<tool_call>``, a newline, ``{"name":
-    NAME, "arguments": ARGS}`` with ARGS held to that tool's schema, a newline, ``</tool_call>``."""
-    alternatives, defs = [], {}
-    for name, params in tools:
-        params = dict(params) if isinstance(params, dict) else {"type": "object", "properties": {}}
-        for key in ("$defs", "definitions"):  # "#/$defs/X" is read from the root: the definitions go there
-            if not isinstance(params.get(key), dict):
+def hoisted(schemas: list) -> tuple[list[dict | None], dict]:
+    """``schemas`` (tools' parameters; None: none) without their ``$defs`` and ``definitions``, and
+    those gathered for the root of one grammar: a ``"#/$defs/X"`` is read from the root, so every
+    tool's definitions go there. Two tools defining one name differently is a :class:`ConstraintError`."""
+    out, defs = [], {}
+    for params in schemas:
+        params = dict(params) if isinstance(params, dict) else None
+        for key in ("$defs", "definitions"):
+            if params is None or not isinstance(params.get(key), dict):
                 continue
             for def_name, definition in params.pop(key).items():
                 if defs.setdefault(key, {}).setdefault(def_name, definition) != definition:
                     raise ConstraintError(f"two tools define {key}.{clipped(str(def_name), 40)} differently",
                                           "response_format")
-        alternatives.append({"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                             "required": ["name", "arguments"], "additionalProperties": False})
+        out.append(params)
+    return out, defs
+
+
+def tool_call_grammar(tools: list[tuple[str, dict | None]], vocab) -> LlamaGrammar:
+    """The grammar of one Hermes-format call (:mod:`.toolcalls`) to one of ``tools`` (``(name,
+    parameters schema)``; None: an object with no properties): ``<tool_call>``, a newline, ``{"name":
+    NAME, "arguments": ARGS}`` with ARGS held to that tool's schema, a newline, ``</tool_call>``."""
+    params, defs = hoisted([p for _, p in tools])
+    alternatives = [{"type": "object", "properties": {"name": {"const": name}, "arguments": p if p is not None else
+                                                      {"type": "object", "properties": {}}},
+                     "required": ["name", "arguments"], "additionalProperties": False}
+                    for (name, _), p in zip(tools, params)]
     body = schema_text({**(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}), **defs})
     # the converter's root is the call's JSON; no other rule names it (a "$ref": "#" is refused)
     body = "\n".join("call ::= " + line[len("root ::= "):] if line.startswith("root ::= ") else line

@@ -88,11 +88,12 @@ from starlette.requests import ClientDisconnect
 from ..errors import ConfigError
 from .completion import (PromptError, arguments_as_objects, preserved_tokens, rendered_roles, stream_chat,
                          stream_completion, template_variables)
-from .constraints import ConstraintError, logit_bias, response_grammar, tool_call_grammar
+from .callgrammar import FORMS, call_grammar, writes
+from .constraints import ConstraintError, logit_bias, response_grammar
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
 from .toolcalls import MARKERS as CALL_MARKERS
-from .toolcalls import (DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, HERMES, KIMI_K3,
+from .toolcalls import (DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, KIMI_K3,
                         TAGS, TaggedCalls, call_format, gemma4_tool_responses, new_call_id, parse_tagged,
                         results_in_call_order)
 from . import MAX_SEED
@@ -268,6 +269,8 @@ class ToolPlan:
     """With ``parsed``: a call to one of these is forced by grammar (``required``, or a name)."""
     named: bool = False
     """``tool_choice`` named the function: a completed call finishes ``stop`` (OpenAI's answer), else ``tool_calls``."""
+    form: str | None = None
+    """With ``forced``: the call format its grammar writes (:mod:`.callgrammar`)."""
 
     @property
     def sets_grammar(self) -> bool:
@@ -275,15 +278,17 @@ class ToolPlan:
         return bool(self.forced) or self.arguments_of is not None
 
 
-def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
+def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS) -> ToolPlan | None:
     """The :class:`ToolPlan` of a chat, or None where no tool is offered or ``tool_choice`` is
     ``none``. With a template that teaches a call format this server reads (``call_fmt``:
     :func:`~.toolcalls.call_format`), ``auto`` lets the model answer or call, ``required`` and a
     named function force a call in that format by grammar. Without one, a named function (or
     ``required`` with one tool) makes the text the call's arguments, and ``auto`` is a 400 (a call
     the model wrote in its own format would be read as text); so is ``required`` among several tools
-    there, and a name no tool has. The formats other than Hermes' are read for ``auto`` only; a
-    forced call is its arguments under the grammar, as for other templates."""
+    there, and a name no tool has. A forced call is written in the model's own format by
+    :mod:`.callgrammar`'s grammar where it writes that format and can hold the tools' parameters
+    (:func:`~.callgrammar.writes`; ``forms``: those it may write here); elsewhere it is its arguments
+    under the grammar, as for other templates."""
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
     if choice is None:
@@ -298,11 +303,11 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
         if named is None:
             raise ApiError(400, f"tool_choice.function.name: no tool is named {choice.function.name[:64]!r}",
                            param="tool_choice")
-    if call_fmt == HERMES:
-        return ToolPlan(offered=tools, parsed=True, named=named is not None,
-                        forced=[named] if named is not None else tools if choice == "required" else None)
     if call_fmt is not None and choice == "auto":  # their blocks; gpt-oss's channels (.reasoning)
         return ToolPlan(offered=tools, parsed=True)
+    forced = [named] if named is not None else tools
+    if call_fmt in forms and writes(call_fmt, [(t.function.name, t.function.parameters) for t in forced]):
+        return ToolPlan(offered=tools, parsed=True, named=named is not None, forced=forced, form=call_fmt)
     if choice == "auto":
         raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
                        "reads (it reads the Hermes <tool_call> JSON of Qwen3 and others, Qwen3-Coder's and Qwen3.5's "
@@ -311,8 +316,13 @@ def tool_plan(body, call_fmt: str | None) -> ToolPlan | None:
                        "({\"type\": \"function\", \"function\": {\"name\": ...}}), or give one tool with \"required\", "
                        "or \"none\"", param="tool_choice")
     if choice == "required" and len(tools) != 1:
-        raise ApiError(400, f"tool_choice required: {len(tools)} tools given, and this model's chat template teaches "
-                       "no tool-call format this server reads; give one, or name the function", param="tool_choice")
+        why = "teaches no tool-call format this server reads" if call_fmt is None else \
+            f"teaches {call_fmt}'s format, in which " + (
+                "these tools' parameters cannot be held by a grammar (a text value with a pattern, a format or a "
+                "length over 10,000; a key or name holding <, >, \", & or white space at an end)"
+                if call_fmt in forms else "this server does not force a call")
+        raise ApiError(400, f"tool_choice required: {len(tools)} tools given, and this model's chat template {why}; "
+                       "give one, or name the function", param="tool_choice")
     return ToolPlan(offered=tools, arguments_of=named or tools[0], named=named is not None)
 
 
@@ -605,8 +615,8 @@ class Generation:
                     parameters = plan.arguments_of.function.parameters or {"type": "object", "properties": {}}
                     fmt = {"type": "json_schema", "json_schema": {"schema": parameters}}
             if plan is not None and plan.forced:
-                grammar = tool_call_grammar([(t.function.name, t.function.parameters) for t in plan.forced],
-                                            llm._model.vocab)
+                grammar = call_grammar(plan.form, [(t.function.name, t.function.parameters) for t in plan.forced],
+                                       llm._model.vocab)
             else:
                 grammar = response_grammar(fmt, llm._model.vocab)
         except ConstraintError as exc:
@@ -707,11 +717,14 @@ class Logprobs:
       prompt's characters (token ids: their text's) plus those the completion's bytes before it
       decode to (as llama-cpp-python counts them: a character still unfinished is not counted).
       With ``echo`` the prompt's tokens come first (a leading BOS left out), offsets from 0, the
-      first one's log-probability and alternatives null, as OpenAI's and llama-cpp-python's."""
+      first one's log-probability and alternatives null, as OpenAI's and llama-cpp-python's.
 
-    def __init__(self, llm, chat: bool, prompt_chars: int):
+    A chat's special tokens that its text holds (``preserved``: the tags its format is read by,
+    :func:`~.completion.preserved_tokens`) have their text here too, as in the content."""
+
+    def __init__(self, llm, chat: bool, prompt_chars: int, preserved: frozenset = frozenset()):
         """``prompt_chars``: where the completion's offsets begin, the prompt's characters."""
-        self.llm, self.chat, self.chars = llm, chat, prompt_chars
+        self.llm, self.chat, self.chars, self.preserved = llm, chat, prompt_chars, preserved
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     @staticmethod
@@ -724,8 +737,8 @@ class Logprobs:
         if self.chat:
             content = []
             for token, logprob, top in rows:
-                b = self.llm.detokenize([token])
-                alts = [(self.llm.detokenize([i]), x) for i, x in top]
+                b = self.llm.detokenize([token], special=token in self.preserved)
+                alts = [(self.llm.detokenize([i], special=i in self.preserved), x) for i, x in top]
                 content.append({"token": _text(b), "logprob": self._num(logprob), "bytes": list(b),
                                 "top_logprobs": [{"token": _text(a), "logprob": self._num(x), "bytes": list(a)}
                                                  for a, x in alts]})
@@ -876,6 +889,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         if session.llama.chat_format == "chat_template.default" else None  # the GGUF's own, not a named format
     call_fmt = call_format(template)
     think_fmt = think_format(template)
+    forms = FORMS if think_fmt == HARMONY else tuple(f for f in FORMS if f != HARMONY)  # its calls: its channels'
     # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
     # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text as
     # one JSON section where its model learnt an argument section per key (MiniMax-M3's fails on a text: asked)
@@ -926,7 +940,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         for field, used in unserved.items():
             if used:
                 raise ApiError(400, f"{field} is not served (it would change the result)", param=field)
-        plan = tool_plan(body, call_fmt) if isinstance(body, ChatRequest) else None
+        plan = tool_plan(body, call_fmt, forms) if isinstance(body, ChatRequest) else None
         if plan is not None and plan.parsed and call_fmt == HARMONY and (body.reasoning_format or reasoning_format) == "none":
             raise ApiError(400, "reasoning_format none: this model's tool calls are read from its channels, as its "
                            "thinking is; with tool_choice auto, ask reasoning_format auto", param="reasoning_format")
@@ -1056,7 +1070,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         if kind == "completion" and (gen.echo or gen.top is not None):
             given = args["prompt"]
             prompt_text = given if isinstance(given, str) else _text(session.llama.detokenize(given))
-        lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", len(prompt_text))
+        lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", len(prompt_text), preserved)
         echo = prompt_text if gen.echo else ""  # echo: the prompt's text before the completion's,
         echoed = (gen.prompt_ids(), gen.prompt_rows) if gen.echo and lp is not None else None  # its rows first
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
@@ -1074,7 +1088,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             return ("stop" if plan.named else "tool_calls") if calls and finish == "stop" else finish
         # a reasoning model's thinking read out of the text (.reasoning), unless a grammar writes the text
         fmt = (body.reasoning_format if kind == "chat" else None) or reasoning_format
-        thinking = kind == "chat" and think_fmt is not None and fmt != "none" and not gen.grammar
+        harmony_call = plan is not None and plan.form == HARMONY  # a forced call on gpt-oss's channels
+        thinking = kind == "chat" and think_fmt is not None and fmt != "none" and (not gen.grammar or harmony_call)
         harmony = thinking and think_fmt == HARMONY  # gpt-oss's channels (its calls too), else <think> blocks
         opened = thinking and not harmony and gen.opened_thinking(think_fmt)
         ends = ENDS_THINKING.get(call_fmt, ()) if tagged is not None else ()  # calls may end the thinking

@@ -1,0 +1,298 @@
+"""A forced tool call in the model's own call format (docs/serve.md, "Tool calls"): the grammar of
+one call to one of the request's tools, written as the format's template teaches it, so that a
+``"required"`` or named call is text the model learnt, read back by the same reader as ``"auto"``
+(:data:`~.toolcalls.READERS`).
+
+:func:`call_grammar_text` writes it for :data:`FORMS`:
+
+* **JSON arguments** (Hermes, DeepSeek-V3 and V3.1, Kimi K2, Mistral): the format's frame around
+  the tool's name and its arguments, JSON under the grammar of its ``parameters``
+  (llama-cpp-python's converter, as for ``response_format``: :func:`~.constraints.schema_text`).
+  Where a format has two spellings (DeepSeek's V3 and V3.1 sections, Mistral's JSON array and its
+  later ``NAME[ARGS]``), both are alternatives: the model writes the one it learnt.
+* **Keyed arguments** (GLM-4.5, Qwen3-Coder, MiniMax-M2, DeepSeek-V3.2 and V4): each of the tool's
+  properties in its ``parameters``' order, the ``required`` ones always, the others optional; a
+  value is written as the reader reads it: the text as written where the reader takes it as text
+  (the property typed ``string``; DeepSeek's DSML, by its ``string="true"`` mark), else JSON of
+  the property's schema. DeepSeek-V4's block has both spellings (V4's and V4.1's).
+
+Invariants (``tests/test_callgrammar.py``):
+
+* **What the grammar lets through, the reader reads back as a call to one of the tools, whose
+  arguments keep to its parameters** (sampled under llama.cpp's grammar sampler and read by
+  :func:`~.toolcalls.parse_tagged`). A text value cannot hold what ends it: the parameter's closing
+  tag or the block's (:func:`until`); where the reader takes a new line off each end of a value
+  (:func:`~.toolcalls._unframed`) and the format does not frame values with them, a text value
+  neither begins nor ends with one.
+* :func:`writes` says where a grammar can: a format of :data:`FORMS`, and for the keyed formats,
+  each tool's parameters an object of named properties (an object with no properties: no
+  arguments), a key or name with none of ``<>"&`` nor white space at its ends, a text value of a
+  length bounded by at most :data:`MAX_TEXT_REPEAT` and no ``pattern`` or ``format`` (which the
+  grammar of a text written raw would not hold), an ``enum`` or ``const`` of texts none of which
+  holds what ends it. Elsewhere the server forces the call as its arguments alone (JSON under the
+  grammar), as for a template whose format it does not read.
+"""
+
+from __future__ import annotations
+
+import re
+
+from llama_cpp.llama_grammar import LlamaGrammar
+
+from .constraints import ConstraintError, checked_grammar, held_schema, hoisted, schema_text, tool_call_grammar
+from .reasoning import CHANNEL, MESSAGE
+from .toolcalls import (CALL_CLOSE, CALL_OPEN, CALL_SEP, CALLS_CLOSE, CALLS_OPEN, CLOSE, DSML, DSML_CLOSE, DSML_OPEN,
+                        DSML_SPACED, DSV3, DSV4, DSV4_CLOSE, DSV4_OPEN, DSV41_CLOSE, DSV41_OPEN, GLM, HARMONY, HERMES, KIMI,
+                        KIMI_TAGS, MINIMAX, MINIMAX_CLOSE, MINIMAX_OPEN, MISTRAL, MISTRAL_ARGS, MISTRAL_CALLS, OPEN,
+                        QWEN_XML, XML_FORMS)
+
+SPELLINGS = {
+    GLM: [(OPEN, CLOSE, "", "\n", "", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_key>\n<arg_value>", "",
+           "</arg_value>", "\n", False)],
+    QWEN_XML: [(OPEN, CLOSE, "\n<function=", ">\n", "</function>\n", "<parameter=", ">\n", ">\n", "\n", "</parameter>",
+                "\n", False)],
+    MINIMAX: [(MINIMAX_OPEN, MINIMAX_CLOSE, '\n<invoke name="', '">\n', "</invoke>\n", '<parameter name="', '">', '">',
+               "", "</parameter>", "\n", True)],
+    **{fmt: [(b_open, b_close, "\n" + form[0], form[1] + "\n", form[2] + "\n", form[3], form[4] + "true" + form[5],
+              form[4] + "false" + form[5], "", form[6], "\n", True) for b_open, b_close, form in spellings]
+       for fmt, spellings in ((DSML, [(DSML_OPEN, DSML_CLOSE, XML_FORMS[DSML])]),
+                              (DSV4, [(DSV4_OPEN, DSV4_CLOSE, XML_FORMS[DSML]), (DSV41_OPEN, DSV41_CLOSE, DSML_SPACED)]))},
+}
+"""The keyed formats' spellings, as their templates write a call: the block's open and close; the
+call's open (before the name), the name's end, the call's close; a parameter's open (before its key),
+what follows the key before a text value and before a JSON one, what precedes the value's closing
+tag, the tag, what follows it; and ``edges``: the reader takes a new line off each end of a value
+(:func:`~.toolcalls._unframed`) that the format does not frame with them. GLM-4.5:
+``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>``; Qwen3-Coder:
+``<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>``;
+MiniMax-M2: ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V</parameter>\\n
+</invoke>\\n</minimax:tool_call>``; DeepSeek-V3.2's DSML the same with its mark in each tag and
+``string="true"`` (a text) or ``"false"`` (JSON) after the key; V4's block ``tool_calls``, or
+V4.1's `` calls`` with a space before each keyword."""
+FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY)
+"""The call formats whose forced call is written in the format (the others' as its arguments alone)."""
+MAX_TEXT_REPEAT = 10_000
+"""The longest ``minLength`` or ``maxLength`` of a text value written raw (a bounded repetition is
+written out by llama.cpp's grammar parser, a rule element per character)."""
+SAFE = re.compile(r'[^<>"&\s]([^<>"&\r\n]*[^<>"&\s])?')
+"""A key or tool name a keyed format's grammar writes: its reader takes it to the next ``>`` or
+``"``, and strips white space off its ends."""
+
+
+GBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def literal(text: str) -> str:
+    """``text`` as a GBNF string literal (another control character as ``\\xHH``: llama.cpp's
+    grammar parser reads no ``\\b`` nor ``\\f``)."""
+    return '"' + "".join(GBNF_ESCAPES.get(c) or (f"\\x{ord(c):02X}" if ord(c) < 32 or ord(c) == 127 else c)
+                         for c in text) + '"'
+
+
+def _class_char(c: str) -> str:
+    """``c`` inside a GBNF character class (anything but a letter or digit escaped)."""
+    return c if c.isalnum() and c.isascii() else f"\\x{ord(c):02X}" if ord(c) < 256 else f"\\u{ord(c):04X}"
+
+
+def until(name: str, closes: tuple[str, ...], edges: bool) -> list[str]:
+    """GBNF rules, the first named ``name``, for any text that holds none of ``closes`` (each
+    beginning with ``<``, which stands nowhere else in it; so a text's longest ending that begins a
+    close is found from the close's letters alone). With ``edges``, the text neither begins nor
+    ends with a new line. The states are the ends of the closes read so far (a trie), each a rule
+    that reads one character and goes on to the next state (a rule at the end of its alternative,
+    which llama.cpp's grammar stacks do not grow on)."""
+    assert all(c.startswith("<") and "<" not in c[1:] and "\n" not in c for c in closes), closes
+    prefixes = sorted({c[:i] for c in closes for i in range(len(c))}, key=lambda p: (len(p), p))
+    ids = {p: i for i, p in enumerate(prefixes)}  # "" is state 0
+    newline = len(prefixes)  # state "" after a new line (not an end, with edges)
+
+    def state(p: str | int) -> str:
+        return f"{name}-{p if isinstance(p, int) else ids[p]}"
+
+    rules = []
+    for p in prefixes + ([newline] if edges else []):
+        here = "" if p == newline else p
+        nexts = sorted({c[len(here)] for c in closes if c.startswith(here) and len(c) > len(here)})
+        alts = [] if p == newline else ['""']
+        special = set(nexts) | {"<"} | ({"\n"} if edges else set())
+        for c in nexts:
+            if here + c not in closes:
+                alts.append(f"{literal(c)} {state(here + c)}")
+        if "<" not in nexts:
+            alts.append(f'"<" {state("<")}')
+        if edges:
+            alts.append(f'"\\n" {state(newline)}')
+        alts.append(f"[^{''.join(_class_char(c) for c in sorted(special))}] {state('')}")
+        rules.append(f"{state(p)} ::= " + " | ".join(alts))
+    if edges:  # the start: "" or a first character that is not a new line
+        alts = ['""', f'"<" {state("<")}', f"[^<\\x0A] {state('')}"]
+        rules.append(f"{name} ::= " + " | ".join(alts))
+    else:
+        rules.append(f"{name} ::= {state('')}")
+    return rules
+
+
+def _string_typed(schema) -> bool:
+    """The reader takes this property's value as the text written (:func:`~.toolcalls._keyed_call`)."""
+    return isinstance(schema, dict) and schema.get("type") == "string"
+
+
+def _text_value(schema: dict, closes: tuple[str, ...], edges: bool, rule: str = "text") -> str | None:
+    """The grammar expression of a text written raw, held to ``schema`` (a string-typed property),
+    or None where it cannot be: a ``pattern`` or ``format``; a length bound over
+    :data:`MAX_TEXT_REPEAT` (or not a count); an ``enum``/``const`` text holding a close or (``edges``)
+    beginning or ending with a new line. ``rule`` names :func:`until`'s rules."""
+    if "pattern" in schema or "format" in schema:
+        return None
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if values is not None:
+        if not values or not all(isinstance(v, str) for v in values):
+            return None
+        if any(c in v for v in values for c in closes) or edges and any(v[:1] == "\n" or v[-1:] == "\n" for v in values):
+            return None
+        return "(" + " | ".join(literal(v) for v in values) + ")"
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if low == 0 and high is None:
+        return rule
+    counts = [low] + ([high] if high is not None else [])
+    if not all(type(n) is int and 0 <= n <= MAX_TEXT_REPEAT for n in counts) or high is not None and high < low:
+        return None
+    char = "[^<\\x0A]" if edges else "[^<]"  # no < (nothing closes it), and with edges no new line at all
+    return f"{char}{{{low},{'' if high is None else high}}}"
+
+
+def _keyed_ok(params) -> bool:
+    """The tool's parameters are an object of named properties (or none)."""
+    if params is None:
+        return True
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        return False
+    if set(params) & {"anyOf", "oneOf", "allOf", "$ref", "patternProperties", "enum", "const"}:
+        return False
+    props = params.get("properties", {})
+    required = params.get("required", [])
+    return isinstance(props, dict) and all(isinstance(k, str) and SAFE.fullmatch(k) for k in props) \
+        and isinstance(required, list) and all(r in props for r in required)
+
+
+def _closes(fmt: str, spelling: tuple) -> tuple[str, ...]:
+    """What ends a text value of ``fmt`` in ``spelling``: its closing tag, and its block's close."""
+    return tuple(dict.fromkeys([spelling[9], spelling[1]]))
+
+
+def writes(fmt: str | None, tools: list[tuple[str, dict | None]]) -> bool:
+    """Whether :func:`call_grammar_text` writes a forced call of ``fmt`` to one of ``tools``
+    (``(name, parameters)``): the module docstring's conditions."""
+    if fmt not in FORMS:
+        return False
+    if fmt not in SPELLINGS:
+        return True
+    for name, params in tools:
+        if not (SAFE.fullmatch(name) and _keyed_ok(params)):
+            return False
+        for schema in (params or {}).get("properties", {}).values():
+            for spelling in SPELLINGS[fmt]:
+                if _string_typed(schema) and _text_value(schema, _closes(fmt, spelling), spelling[11]) is None:
+                    return False
+    return True
+
+
+class _Values:
+    """JSON values under schemas, converted together (one converter run: its primitive rules once):
+    :meth:`add` a schema, get the rule its values are written by; :meth:`rules` the grammar text."""
+
+    def __init__(self, defs: dict):
+        self.defs, self.schemas = defs, []
+
+    def add(self, schema) -> str:
+        self.schemas.append({"type": "object", "properties": {}} if schema is None else schema)
+        return f"json-{len(self.schemas) - 1}"
+
+    def rules(self) -> str:
+        if not self.schemas:
+            return ""
+        keys = [f"v{i}" for i in range(len(self.schemas))]
+        wrapper = {"type": "object", "properties": dict(zip(keys, self.schemas)), "required": keys,
+                   "additionalProperties": False, **self.defs}
+        text = schema_text(wrapper)
+        out, found = [], {}
+        for line in text.split("\n"):
+            m = re.fullmatch(r'(v[0-9]+)-kv ::= "\\"\1\\"" space ":" space (.+)', line)
+            if m:
+                found[m.group(1)] = m.group(2)
+            if not line.startswith("root ::= "):  # the wrapper's object: not the call's
+                out.append(line)
+        if set(found) != set(keys):  # another llama-cpp-python's converter: its rules must be read again
+            raise RuntimeError("llama-cpp-python's JSON-schema converter names an object's members otherwise "
+                               "than expertcache reads them")
+        out += [f"json-{i} ::= {found[k]}" for i, k in enumerate(keys)]
+        return "\n".join(out)
+
+
+def _json_call(fmt: str, name: str, args: str) -> list[str]:
+    """The alternatives of one call of a JSON-arguments format to ``name`` (``args``: its arguments' rule)."""
+    n = literal(name)
+    if fmt == DSV3:
+        v3 = f'{literal(CALL_OPEN + "function" + CALL_SEP)} {n} "\\n```json\\n" {args} "\\n```" {literal(CALL_CLOSE)}'
+        v31 = f'{literal(CALL_OPEN)} {n} {literal(CALL_SEP)} {args} {literal(CALL_CLOSE)}'
+        return [v3] + ([v31] if name != "function" else [])  # V3.1's "function" would read as V3's kind
+    if fmt == KIMI:
+        return [f'{literal(KIMI_TAGS[2] + "functions.")} {n} ":" ("0" | [1-9] [0-9]{{0,2}}) {literal(KIMI_TAGS[4])} {args} '
+                f'{literal(KIMI_TAGS[3])}']
+    if fmt == HARMONY:
+        return [f'{n} {literal(" <|constrain|>json" + MESSAGE)} {args}']
+    return [f'"[{{\\"name\\": " {literal(literal(name))} ", \\"arguments\\": " {args} "}}]"',  # Mistral's JSON
+            f'{n} {literal(MISTRAL_ARGS)} {args}']  # its later tokenizers'
+
+
+def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
+    """The GBNF of one call of format ``fmt`` to one of ``tools`` (``(name, parameters)``; where
+    :func:`writes` says it can). Raises :class:`~.constraints.ConstraintError` for parameters the
+    grammar would not hold (as a ``response_format``'s)."""
+    params, defs = hoisted([p for _, p in tools])
+    values = _Values(defs)
+    rules: list[str] = []
+    if fmt in (DSV3, KIMI, MISTRAL, HARMONY):
+        calls = [alt for (name, _), p in zip(tools, params) for alt in _json_call(fmt, name, values.add(p))]
+        if fmt == DSV3:
+            root = f'{literal(CALLS_OPEN)} ({" | ".join(calls)}) {literal(CALLS_CLOSE)}'
+        elif fmt == HARMONY:
+            root = f'{literal(CHANNEL + "commentary to=functions.")} ({" | ".join(calls)})'
+        elif fmt == KIMI:
+            root = f'{literal(KIMI_TAGS[0])} ({" | ".join(calls)}) {literal(KIMI_TAGS[1])}'
+        else:
+            root = f'{literal(MISTRAL_CALLS)} " "? ({" | ".join(calls)})'
+        return "\n".join([f"root ::= {root}", values.rules()])
+    for p in params:  # a keyword the grammar would not hold is refused, as in a response_format
+        held_schema(p or {})
+    json_of = {(i, key): values.add(schema) for i, p in enumerate(params)
+               for key, schema in (p or {}).get("properties", {}).items() if not _string_typed(schema)}
+    blocks = []
+    for s, spelling in enumerate(SPELLINGS[fmt]):
+        b_open, b_close, c_open, name_end, c_close, k_open, text_open, json_open, before, tag, after, edges = spelling
+        closes = _closes(fmt, spelling)
+        rules += until(f"text-{s}", closes, edges)
+        calls = []
+        for i, ((name, _), p) in enumerate(zip(tools, params)):
+            parts = [literal(c_open + name + name_end)]
+            required = set((p or {}).get("required", []))
+            for key, schema in (p or {}).get("properties", {}).items():
+                if (i, key) in json_of:
+                    value = f"{literal(k_open + key + json_open)} {json_of[i, key]}"
+                else:
+                    value = f"{literal(k_open + key + text_open)} {_text_value(schema, closes, edges, f'text-{s}')}"
+                piece = f"{value} {literal(before + tag + after)}"
+                parts.append(piece if key in required else f"({piece})?")
+            calls.append(" ".join(parts + [literal(c_close)]))
+        blocks.append(f'{literal(b_open)} ({" | ".join(calls)}) {literal(b_close)}')
+    return "\n".join([f"root ::= {' | '.join(blocks)}"] + rules + [values.rules()])
+
+
+def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab) -> LlamaGrammar:
+    """:func:`call_grammar_text` as a grammar llama.cpp has taken (:func:`~.constraints.checked_grammar`);
+    Hermes' is :func:`~.constraints.tool_call_grammar`."""
+    if fmt == HERMES:
+        return tool_call_grammar(tools, vocab)
+    if not writes(fmt, tools):
+        raise ConstraintError(f"a forced call of the {fmt} format cannot hold these tools' parameters", "tools")
+    return checked_grammar(call_grammar_text(fmt, tools), vocab)

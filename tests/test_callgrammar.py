@@ -1,0 +1,392 @@
+"""``expertcache.llama.callgrammar`` (docs/serve.md, "Tool calls"): a forced call's grammar in the
+model's own format. Two independent sides must agree: what llama.cpp's grammar sampler lets the
+model write (small-moe sampled hot, many seeds) is read back by the format's reader
+(:mod:`expertcache.llama.toolcalls`, gpt-oss's :class:`~expertcache.llama.reasoning.HarmonyStream`)
+as one call to one of the tools, its arguments valid under the tool's parameters (checked here by
+a small validator of the keywords used). The text rule (:func:`~expertcache.llama.callgrammar.until`)
+is checked against the plain predicate by a small interpreter of the rules it writes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import small_moe_gguf
+
+pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
+from expertcache.llama.callgrammar import (  # noqa: E402
+    FORMS, MAX_TEXT_REPEAT, SPELLINGS, call_grammar, call_grammar_text, literal, until, writes)
+from expertcache.llama.reasoning import read_harmony  # noqa: E402
+from expertcache.llama.toolcalls import DSML, DSV4, GLM, HARMONY, MINIMAX, QWEN_XML, parse_tagged  # noqa: E402
+
+TOOLS = [
+    ("get_weather", {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer"},
+        "units": {"type": "string", "enum": ["C", "F"]},
+        "hourly": {"type": "boolean"},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+        "zone": {"type": ["string", "null"]}},
+        "required": ["city", "units"]}),
+    ("get_time", {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]},
+                                                   "code": {"type": "string", "minLength": 2, "maxLength": 4}},
+                  "required": ["zone", "code"]}),
+    ("write", {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}),
+    ("ping", None),
+]
+"""Tools whose parameters hold each kind of value a keyed format writes: texts raw (bounded, an
+enum, unbounded), JSON of other types (an integer, a boolean, an object, an array, a type list),
+optional members, and a tool with no parameters."""
+
+TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None), "object": dict,
+         "array": list}
+
+
+def valid(value, schema) -> bool:
+    """``value`` keeps to ``schema`` (the keywords :data:`TOOLS` uses)."""
+    if schema is None:
+        schema = {"type": "object", "properties": {}}
+    kinds = schema.get("type")
+    if kinds is not None:
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        if not any(isinstance(value, TYPES[k]) and not (k in ("integer", "number") and isinstance(value, bool))
+                   for k in kinds):
+            return False
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    if isinstance(value, str) and not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", 1 << 30):
+        return False
+    if isinstance(value, list):
+        if len(value) > schema.get("maxItems", 1 << 30) or not all(valid(v, schema.get("items", {})) for v in value):
+            return False
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        if not set(schema.get("required", [])) <= set(value) or not set(value) <= set(props):
+            return False
+        return all(valid(v, props[k]) for k, v in value.items())
+    return True
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """small-moe, converted: a model to sample under the grammars."""
+    import llama_cpp
+
+    return llama_cpp.Llama(str(small_moe_gguf(tmp_path_factory, "callgrammar")), n_ctx=1024, verbose=False)
+
+
+def read(fmt: str, text: str, tools) -> tuple[str | None, list[dict]]:
+    """The content and calls of ``text`` as the server reads a format's calls."""
+    if fmt == HARMONY:
+        _, content, calls = read_harmony(text, [name for name, _ in tools])
+        return content, calls
+    return parse_tagged(text, fmt, tools)
+
+
+SAMPLED = [t for t in TOOLS if t[0] != "write"]
+"""The tools sampled: a text written raw without a bound is seldom closed by a random model (it
+must write the close, letter by letter); :func:`test_llama_cpp_takes_exactly_the_calls_the_reader_reads`
+holds it to its grammar."""
+
+
+@pytest.mark.parametrize("fmt", FORMS)
+def test_what_the_grammar_lets_through_is_read_back_as_a_valid_call(small, fmt):
+    """Sampled hot under each format's grammar, every text the grammar completed is one call to one
+    of the tools, nothing else, its arguments valid under the tool's parameters; each tool forced
+    alone (a named call) is called, two of them forced among all (``required``), and every spelling
+    of the format written (seeds on until each has, at most 16)."""
+    import json
+
+    schemas, texts = dict(TOOLS), []
+    for tools in [SAMPLED] + [[t] for t in SAMPLED]:
+        assert writes(fmt, tools)
+        grammar = call_grammar(fmt, tools, small._model.vocab)
+        called = set()
+        for seed in range(16):
+            out = small.create_completion("Weather in Paris?", grammar=grammar, temperature=1.0, seed=seed,
+                                          max_tokens=400)["choices"][0]
+            if out["finish_reason"] != "stop":  # cut by max_tokens: no call yet
+                continue
+            content, calls = read(fmt, out["text"], tools)
+            assert content is None and len(calls) == 1, out["text"]
+            name, args = calls[0]["function"]["name"], json.loads(calls[0]["function"]["arguments"])
+            assert valid(args, schemas[name]), (out["text"], args)
+            called.add(name)
+            texts.append(out["text"])
+            if len(called) == min(len(tools), 2):
+                break
+        assert len(called) == min(len(tools), 2), (called, tools)
+    for spelling in SPELLINGS.get(fmt, ()):  # DeepSeek-V4's and V4.1's both
+        assert any(t.startswith(spelling[0]) for t in texts), (spelling[0], texts)
+
+
+def test_each_tool_is_forced_alone_and_the_reader_needs_the_tools_keys():
+    """A named call's grammar names that tool only; a text value's closes and framing per format."""
+    for fmt in FORMS[1:]:
+        text = call_grammar_text(fmt, TOOLS[1:2])
+        assert "get_time" in text and "get_weather" not in text and "ping" not in text
+    qwen = call_grammar_text(QWEN_XML, TOOLS[:1])
+    assert '"<parameter=city>\\n" [^<]{0,12} "\\n</parameter>\\n"' in qwen  # framed: new lines allowed inside
+    minimax = call_grammar_text(MINIMAX, TOOLS[:1])
+    assert '"<parameter name=\\"city\\">" [^<\\x0A]{0,12} "</parameter>\\n"' in minimax  # unframed: none
+    glm = call_grammar_text(GLM, TOOLS[:1])
+    assert '"<arg_key>units</arg_key>\\n<arg_value>" ("C" | "F") "</arg_value>\\n"' in glm
+    assert '("<arg_key>days</arg_key>\\n<arg_value>" json-' in glm  # optional, JSON
+    dsml = call_grammar_text(DSML, TOOLS[:1])
+    assert 'string=\\"false\\">" json-' in dsml and 'name=\\"city\\" string=\\"true\\">" [^<\\x0A]{0,12}' in dsml
+
+
+def test_writes_reference_cases():
+    """Where a grammar can hold the tools: JSON-argument formats always; keyed formats not for a text
+    with a pattern or a format, a length over the bound, an enum text holding its close or (unframed)
+    beginning with a new line, a key or name a reader cuts, parameters that are not an object of
+    named properties."""
+    def one(props, name="f"):
+        return [(name, {"type": "object", "properties": props})]
+
+    pattern = one({"a": {"type": "string", "pattern": "^x$"}})
+    assert not writes(GLM, pattern) and not writes(DSML, pattern)
+    assert all(writes(fmt, pattern) for fmt in FORMS if fmt not in SPELLINGS)
+    assert not writes(QWEN_XML, one({"a": {"type": "string", "format": "date"}}))
+    assert writes(QWEN_XML, one({"a": {"type": "string", "maxLength": MAX_TEXT_REPEAT}}))
+    assert not writes(QWEN_XML, one({"a": {"type": "string", "maxLength": MAX_TEXT_REPEAT + 1}}))
+    assert not writes(QWEN_XML, one({"a": {"type": "string", "enum": ["x</parameter>"]}}))
+    assert not writes(GLM, one({"a": {"type": "string", "enum": ["x</tool_call>"]}}))
+    assert writes(GLM, one({"a": {"type": "string", "enum": ["x</parameter>", "\ny"]}}))
+    assert not writes(MINIMAX, one({"a": {"type": "string", "enum": ["\ny"]}}))
+    assert writes(QWEN_XML, one({"a": {"type": "string", "enum": ["\ny"]}}))  # framed: its new line kept
+    assert not writes(QWEN_XML, one({"a<b": {"type": "integer"}}))
+    assert not writes(MINIMAX, one({'a"': {"type": "integer"}}))
+    assert not writes(DSML, one({" a": {"type": "integer"}}))
+    assert not writes(DSV4, [("f", {"anyOf": [{"type": "object"}]})])
+    assert not writes(DSV4, [("f", {"type": "object", "properties": {"a": {}}, "required": ["b"]})])
+    assert writes(DSV4, [("f", {"type": "object"})]) and writes(DSV4, [("f", None)])
+    assert not writes("lfm2", one({})) and not writes(None, one({}))
+    for bounds in ({"minLength": -1}, {"minLength": 3, "maxLength": 2}, {"maxLength": 2.5}, {"maxLength": True}):
+        assert not writes(GLM, one({"a": {"type": "string", **bounds}})), bounds
+
+
+def test_a_keyword_the_grammar_would_not_hold_is_refused_and_literals_are_written_as_they_are(small):
+    """A text value's schema goes through the same check as a ``response_format``'s (a keyword beside
+    an ``enum`` is refused, not ignored; so is a key with a control character); an enum text that
+    spells a rule's name is written as it is."""
+    from expertcache.llama.constraints import ConstraintError
+
+    with pytest.raises(ConstraintError, match="minLength"):
+        call_grammar(GLM, [("f", {"type": "object", "properties": {"a": {"type": "string", "enum": ["x"],
+                                                                          "minLength": 3}}})], small._model.vocab)
+    with pytest.raises(ConstraintError, match="control character"):
+        call_grammar(GLM, [("f", {"type": "object", "properties": {"b\x08c": {"type": "integer"}}})],
+                     small._model.vocab)
+    tools = [("f", {"type": "object", "properties": {"a": {"type": "string", "enum": ["text-0", "json-0"]}},
+                    "required": ["a"]})]
+    grammar = call_grammar_text(GLM, tools)
+    for value, want in (("text-0", True), ("json-0", True), ("x", False), ("", False)):
+        text = f"<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>{value}</arg_value>\n</tool_call>"
+        assert grammar_accepts(small, grammar, text) == want, value
+    assert literal('a"b\\c\nd\x08\x7f｜') == '"a\\"b\\\\c\\nd\\x08\\x7F｜"'
+
+
+def accepts(rules: list[str], start: str, text: str) -> bool:
+    """Whether ``until``'s rules (each alternative ``""``, another rule, or one literal or character
+    class then one rule) read ``text`` whole from rule ``start``: an interpreter of that subset of GBNF."""
+    table, moves = {}, {}
+    for line in rules:
+        name, body = line.split(" ::= ")
+        table[name], moves[name] = [], []
+        for alt in body.split(" | "):
+            if alt == '""':
+                table[name].append(None)
+                continue
+            if " " not in alt:
+                moves[name].append(alt)
+                continue
+            head, nxt = alt.rsplit(" ", 1)
+            if head.startswith('"'):
+                table[name].append((("lit", __import__("json").loads(head)), nxt))
+            else:
+                chars = re.sub(r"\\x([0-9A-F]{2})|\\u([0-9A-F]{4})", lambda m: chr(int(m.group(1) or m.group(2), 16)),
+                               head[2:-1])
+                table[name].append((("not", chars), nxt))
+    def closure(states: set) -> set:
+        todo, seen = list(states), set(states)
+        while todo:
+            for nxt in moves[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    states = closure({start})
+    for c in text:
+        after = set()
+        for s in states:
+            for alt in table[s]:
+                if alt is None:
+                    continue
+                (kind, chars), nxt = alt
+                if (kind == "lit" and chars == c) or (kind == "not" and c not in chars):
+                    after.add(nxt)
+        states = closure(after)
+    return any(None in table[s] for s in states)
+
+
+CLOSES = [("</parameter>", "</tool_call>"), ("</arg_value>", "</tool_call>"), ("</｜DSML｜parameter>",),
+          ("</｜DSML｜ parameter>", "</｜DSML｜ calls>"), ("<|end|>", "<|start|>")]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(CLOSES), st.booleans(), st.data())
+def test_the_text_rule_reads_exactly_the_texts_without_a_close(closes, edges, data):
+    """:func:`until`'s rules read a text exactly when it holds none of the closes (and, with
+    ``edges``, neither begins nor ends with a new line), over texts built of the closes' pieces."""
+    alphabet = sorted(set("".join(closes)) | {"\n", "x", "<"})
+    pieces = st.one_of(st.sampled_from(alphabet), st.sampled_from(list(closes)),
+                       st.sampled_from([c[:i] for c in closes for i in range(1, len(c))]))
+    text = "".join(data.draw(st.lists(pieces, max_size=12)))
+    rules = until("t", closes, edges)
+    want = not any(c in text for c in closes) and not (edges and (text[:1] == "\n" or text[-1:] == "\n"))
+    assert accepts(rules, "t", text) == want, (text, closes, edges)
+
+
+def test_the_text_rule_reference_cases():
+    rules = until("t", ("</parameter>", "</tool_call>"), False)
+    for text, want in [("", True), ("a < b", True), ("</param", True), ("</parameter>", False),
+                       ("x</tool_call>y", False), ("<</parameter>", False), ("</tool_</parameter>", False),
+                       ("</</", True), ("\n", True)]:
+        assert accepts(rules, "t", text) == want, text
+    rules = until("t", ("</parameter>",), True)
+    for text, want in [("", True), ("\n", False), ("a\n", False), ("\na", False), ("a\nb", True), ("<\n<", True)]:
+        assert accepts(rules, "t", text) == want, text
+
+
+def grammar_accepts(llm, grammar: str, text: str) -> bool:
+    """Whether llama.cpp's grammar sampler lets ``text`` through whole and then lets the decode end:
+    each of its tokens offered alone to the sampler (a token it refuses gets ``-inf``), then
+    accepted, and at the end the end-of-sequence token."""
+    import ctypes
+    import math
+
+    import llama_cpp
+
+    vocab = llm._model.vocab
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+    assert sampler
+    try:
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True) + [llama_cpp.llama_vocab_eos(vocab)]
+        for i, token in enumerate(ids):
+            data = (llama_cpp.llama_token_data * 1)(llama_cpp.llama_token_data(token, 0.0, 0.0))
+            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(llama_cpp.llama_token_data_array(data, 1, -1, False)))
+            if math.isinf(data[0].logit):
+                return False
+            if i < len(ids) - 1:
+                llama_cpp.llama_sampler_accept(sampler, token)
+        return True
+    finally:
+        llama_cpp.llama_sampler_free(sampler)
+
+
+WRITTEN = {
+    GLM: ["<tool_call>{name}\n{args}</tool_call>", "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"],
+    QWEN_XML: ["<tool_call>\n<function={name}>\n{args}</function>\n</tool_call>",
+               "<parameter={key}>\n{value}\n</parameter>\n"],
+    MINIMAX: ['<minimax:tool_call>\n<invoke name="{name}">\n{args}</invoke>\n</minimax:tool_call>',
+              '<parameter name="{key}">{value}</parameter>\n'],
+    DSML: ['<｜DSML｜function_calls>\n<｜DSML｜invoke name="{name}">\n{args}</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+           '<｜DSML｜parameter name="{key}" string="{text}">{value}</｜DSML｜parameter>\n'],
+    DSV4: ['<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{name}">\n{args}</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+           '<｜DSML｜parameter name="{key}" string="{text}">{value}</｜DSML｜parameter>\n'],
+    "deepseek-v4.1": ['<｜DSML｜ calls>\n<｜DSML｜ invoke name="{name}">\n{args}</｜DSML｜ invoke>\n</｜DSML｜ calls>',
+                      '<｜DSML｜ parameter name="{key}" string="{text}">{value}</｜DSML｜ parameter>\n'],
+}
+"""A keyed call as each format's template writes it (DeepSeek-V4.1's: V4's format, its other spelling)."""
+
+
+def written(fmt: str, name: str, args: list[tuple[str, str]]) -> str:
+    """The call of ``name`` with ``args`` (key, value as written: a text, or JSON) in ``fmt``."""
+    call, arg = WRITTEN[fmt]
+    texts = {key for key, schema in (dict(TOOLS).get(name) or {}).get("properties", {}).items()
+             if schema.get("type") == "string"}
+    body = "".join(arg.format(key=k, value=v, text="true" if k in texts else "false") for k, v in args)
+    return call.format(name=name, args=body)
+
+
+TEXTS = st.lists(st.one_of(st.sampled_from(list("ab<>/\n ｜")), st.sampled_from(
+    ["</parameter>", "</tool_call>", "</arg_value>", "</｜DSML｜parameter>", "</｜DSML｜ parameter>",
+     "</minimax:tool_call>", "</｜DSML｜function_calls>", "</｜DSML｜tool_calls>", "</｜DSML｜ calls>", "</param",
+     "</function>", "<parameter=", "</｜DSML｜"])), max_size=8).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(sorted(WRITTEN)), TEXTS)
+def test_llama_cpp_takes_exactly_the_calls_the_reader_reads(small, spelling, text):
+    """A text value written raw, any text at all: llama.cpp's grammar sampler takes the call exactly
+    when the format's reader reads it back as that call with that very text (neither holds a close,
+    nor, unframed, a new line at an end, which the reader would take off)."""
+    import json
+
+    fmt = DSV4 if spelling == "deepseek-v4.1" else spelling
+    tools = [t for t in TOOLS if t[0] == "write"]
+    call = written(spelling, "write", [("text", text)])
+    _, calls = parse_tagged(call, fmt, tools)
+    read_back = len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == {"text": text}
+    assert grammar_accepts(small, call_grammar_text(fmt, tools), call) == read_back, (spelling, text, calls)
+
+
+def test_llama_cpp_holds_a_keyed_call_to_the_parameters(small):
+    """Reference cases under llama.cpp's grammar sampler: a call with its required members and any
+    of the optional ones in the schema's order, each value of its type, is taken; a missing
+    required member, a value out of its enum or its length bounds, an unknown key, JSON for a text
+    (where the reader takes the text as written) or a text for an integer, are not."""
+    get_time = [TOOLS[1]]
+    weather = [TOOLS[0]]
+    for spelling in WRITTEN:
+        fmt = DSV4 if spelling == "deepseek-v4.1" else spelling
+        def ok(name, args, tools):
+            return grammar_accepts(small, call_grammar_text(fmt, tools), written(spelling, name, args))
+        assert ok("get_time", [("zone", "UTC"), ("code", "ab")], get_time), spelling
+        assert ok("get_time", [("zone", "CET"), ("code", "abcd")], get_time)
+        assert not ok("get_time", [("zone", "GMT"), ("code", "ab")], get_time)
+        assert not ok("get_time", [("zone", "UTC"), ("code", "a")], get_time)
+        assert not ok("get_time", [("zone", "UTC"), ("code", "abcde")], get_time)
+        assert not ok("get_time", [("zone", "UTC")], get_time)
+        assert not ok("get_time", [("code", "ab"), ("zone", "UTC")], get_time)  # the schema's order
+        assert not ok("get_time", [("zone", '"UTC"'), ("code", "ab")], get_time)
+        assert not ok("get_times", [("zone", "UTC"), ("code", "ab")], get_time)
+        assert ok("get_weather", [("city", "Paris"), ("days", "3"), ("units", "C"), ("hourly", "true"),
+                                  ("where", '{"lat": 1.5}'), ("tags", '["a"]'), ("zone", "null")], weather)
+        assert ok("get_weather", [("city", ""), ("units", "F")], weather)
+        assert not ok("get_weather", [("city", "Paris"), ("days", "three"), ("units", "C")], weather)
+        assert not ok("get_weather", [("city", "Paris"), ("units", "C"), ("extra", "1")], weather)
+        assert not ok("get_weather", [("city", "Paris"), ("units", "C"), ("tags", '["a", "b", "c"]')], weather)
+
+
+def test_llama_cpp_takes_each_spelling_of_the_json_formats(small):
+    """DeepSeek's V3 and V3.1 sections, Kimi K2's ids, Mistral's array and ``NAME[ARGS]``, gpt-oss's
+    commentary message: each as its model writes it is taken, and read back as the call."""
+    tools = [TOOLS[1]]
+    args = '{"zone": "UTC", "code": "ab"}'
+    cases = {
+        "deepseek-v3": [f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{args}\n```"
+                        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+                        f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"
+                        "<｜tool▁calls▁end｜>"],
+        "kimi-k2": [f"<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:{i}<|tool_call_argument_begin|>"
+                    f"{args}<|tool_call_end|><|tool_calls_section_end|>" for i in (0, 7, 12)],
+        "mistral": [f'[TOOL_CALLS] [{{"name": "get_time", "arguments": {args}}}]', f"[TOOL_CALLS]get_time[ARGS]{args}"],
+        "harmony": [f"<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{args}"],
+    }
+    for fmt, texts in cases.items():
+        grammar = call_grammar_text(fmt, tools)
+        for text in texts:
+            assert grammar_accepts(small, grammar, text), text
+            content, calls = read(fmt, text, tools)
+            assert content is None and [c["function"]["name"] for c in calls] == ["get_time"], text
+        assert not grammar_accepts(small, grammar, texts[0].replace('"UTC"', '"GMT"'))
+    kimi = call_grammar_text("kimi-k2", tools)
+    assert not grammar_accepts(small, kimi, cases["kimi-k2"][0].replace(":0<", ":01<"))  # an index as written
+    assert not grammar_accepts(small, kimi, cases["kimi-k2"][0].replace(":0<", ":<"))
