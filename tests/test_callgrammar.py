@@ -20,7 +20,7 @@ pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is n
 from expertcache.llama.callgrammar import (  # noqa: E402
     FORMS, MAX_TEXT_REPEAT, SPELLINGS, call_grammar, call_grammar_text, literal, until, writes)
 from expertcache.llama.reasoning import read_harmony  # noqa: E402
-from expertcache.llama.toolcalls import DSML, DSV4, GLM, HARMONY, MINIMAX, QWEN_XML, parse_tagged  # noqa: E402
+from expertcache.llama.toolcalls import DSML, DSV4, GEMMA4, GLM, HARMONY, MINIMAX, QWEN_XML, parse_tagged  # noqa: E402
 
 TOOLS = [
     ("get_weather", {"type": "object", "properties": {
@@ -141,7 +141,7 @@ def test_each_tool_is_forced_alone_and_the_reader_needs_the_tools_keys():
 
 
 def test_writes_reference_cases():
-    """Where a grammar can hold the tools: JSON-argument formats always; keyed formats not for a text
+    """Where a grammar can hold the tools: JSON-argument formats always; keyed formats (and Gemma 4's) not for a text
     with a pattern or a format, a length over the bound, an enum text holding its close or (unframed)
     beginning with a new line, a key or name a reader cuts, parameters that are not an object of
     named properties."""
@@ -150,7 +150,8 @@ def test_writes_reference_cases():
 
     pattern = one({"a": {"type": "string", "pattern": "^x$"}})
     assert not writes(GLM, pattern) and not writes(DSML, pattern)
-    assert all(writes(fmt, pattern) for fmt in FORMS if fmt not in SPELLINGS)
+    assert all(writes(fmt, pattern) for fmt in FORMS if fmt not in SPELLINGS and fmt != GEMMA4)
+    assert not writes(GEMMA4, pattern)
     assert not writes(QWEN_XML, one({"a": {"type": "string", "format": "date"}}))
     assert writes(QWEN_XML, one({"a": {"type": "string", "maxLength": MAX_TEXT_REPEAT}}))
     assert not writes(QWEN_XML, one({"a": {"type": "string", "maxLength": MAX_TEXT_REPEAT + 1}}))
@@ -337,6 +338,70 @@ def test_llama_cpp_takes_exactly_the_calls_the_reader_reads(small, spelling, tex
     assert grammar_accepts(small, call_grammar_text(fmt, tools), call) == read_back, (spelling, text, calls)
 
 
+GEMMA4_TEXTS = st.lists(st.one_of(st.sampled_from(list('ab<>|"/:{},\n ')), st.sampled_from(
+    ['<|"|>', "<tool_call|>", "<|tool_call>", '<|"', "<tool_call", "|>"])), max_size=8).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(GEMMA4_TEXTS)
+def test_llama_cpp_takes_exactly_the_gemma4_texts_the_reader_reads(small, text):
+    """Gemma 4's text written raw between its marks, any text at all: taken exactly when its reader
+    reads the call back with that very text (it holds neither the mark nor the block's close)."""
+    import json
+
+    tools = [t for t in TOOLS if t[0] == "write"]
+    call = '<|tool_call>call:write{text:<|"|>' + text + '<|"|>}<tool_call|>'
+    _, calls = parse_tagged(call, GEMMA4, tools)
+    read_back = len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == {"text": text}
+    assert grammar_accepts(small, call_grammar_text(GEMMA4, tools), call) == read_back, (text, calls)
+
+
+def test_llama_cpp_holds_a_gemma4_call_to_the_parameters(small):
+    """Gemma 4's syntax under llama.cpp's grammar sampler: members required first then the others
+    each maybe, nested objects and arrays, numbers as JSON writes them; what breaks the schema or the
+    syntax (a missing member, a bare text, a number too long, white space, too many items) is not taken."""
+    weather = call_grammar_text(GEMMA4, [TOOLS[0]])
+    q = '<|"|>'
+
+    def ok(args: str) -> bool:
+        return grammar_accepts(small, weather, "<|tool_call>call:get_weather{" + args + "}<tool_call|>")
+
+    assert ok(f"city:{q}Paris{q},units:{q}C{q}")
+    assert ok(f"city:{q}{q},units:{q}F{q},days:-3,hourly:false,where:{{lat:1.5e-3}},tags:[{q}ab{q},{q}c{q}],"
+              f"zone:null")
+    assert ok(f"city:{q}Paris{q},units:{q}C{q},tags:[],zone:{q}UTC{q}")
+    assert not ok(f"units:{q}C{q},city:{q}Paris{q}")  # required first, in the schema's order
+    assert not ok(f"city:{q}Paris{q}")
+    assert not ok(f"city:Paris,units:{q}C{q}")
+    assert not ok(f"city:{q}Paris{q}, units:{q}C{q}")
+    assert not ok(f"city:{q}Paris{q},units:{q}K{q}")
+    assert not ok(f"city:{q}Paris{q},units:{q}C{q},days:1.5")
+    assert not ok(f"city:{q}Paris{q},units:{q}C{q},days:01")
+    assert not ok(f"city:{q}Paris{q},units:{q}C{q},tags:[{q}a{q},{q}b{q},{q}c{q}]")
+    assert not ok(f"city:{q}Paris{q},units:{q}C{q},where:{{}}")
+    assert not ok(f"city:{q}Paris{q},units:{q}C{q},days:{'9' * 17}")
+    assert not ok(f"city:{q}Paris{q},units:{q}C{q},where:{{lat:1e999}}")  # infinite: the reader refuses it
+    assert ok(f"city:{q}Paris{q},units:{q}C{q},where:{{lat:1e99}}")
+    write = call_grammar_text(GEMMA4, [TOOLS[-2]])
+    for text, want in (("a < b", True), ('"|>', True), ("a<tool_call|>b", False), ('a<|"|>b', False)):
+        call = "<|tool_call>call:write{text:" + q + text + q + "}<tool_call|>"
+        assert grammar_accepts(small, write, call) == want == bool(parse_tagged(call, GEMMA4, [TOOLS[-2]])[1]), text
+    ping = call_grammar_text(GEMMA4, [TOOLS[-1]])
+    assert grammar_accepts(small, ping, "<|tool_call>call:ping{}<tool_call|>")
+    spaced = [("f", {"type": "object", "properties": {"a b": {"type": "integer"}}, "required": ["a b"]})]
+    text = '<|tool_call>call:f{<|"|>a b<|"|>:1}<tool_call|>'  # a key the reader does not take bare: marked
+    assert grammar_accepts(small, call_grammar_text(GEMMA4, spaced), text)
+    assert parse_tagged(text, GEMMA4, spaced)[1][0]["function"]["arguments"] == '{"a b": 1}'
+    assert not writes(GEMMA4, [("f", {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}})])
+    assert not writes(GEMMA4, [("f", {"type": "object", "properties": {"a": {}}})])
+    assert not writes(GEMMA4, [("f", {"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}})])
+    optional = call_grammar_text(GEMMA4, [("f", {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}}})])
+    for args, want in (("", True), ("a:1", True), ("b:2", True), ("a:1,b:2", True), ("b:2,a:1", False),
+                       (",b:2", False), ("a:1,", False)):
+        assert grammar_accepts(small, optional, "<|tool_call>call:f{" + args + "}<tool_call|>") == want, args
+
+
 def test_llama_cpp_holds_a_keyed_call_to_the_parameters(small):
     """Reference cases under llama.cpp's grammar sampler: a call with its required members and any
     of the optional ones in the schema's order, each value of its type, is taken; a missing
@@ -363,6 +428,9 @@ def test_llama_cpp_holds_a_keyed_call_to_the_parameters(small):
         assert not ok("get_weather", [("city", "Paris"), ("days", "three"), ("units", "C")], weather)
         assert not ok("get_weather", [("city", "Paris"), ("units", "C"), ("extra", "1")], weather)
         assert not ok("get_weather", [("city", "Paris"), ("units", "C"), ("tags", '["a", "b", "c"]')], weather)
+        write = [t for t in TOOLS if t[0] == "write"]
+        assert ok("write", [("text", "if a < b: </param")], write)
+        assert not ok("write", [("text", "a" + WRITTEN[spelling][1].split("{value}")[1].strip() + "b")], write)
 
 
 def test_llama_cpp_takes_each_spelling_of_the_json_formats(small):

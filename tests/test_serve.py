@@ -2285,7 +2285,7 @@ NATIVE_OPENINGS = {"glm": "<tool_call>get_weather\n", "deepseek": "<｜tool▁ca
                    "dsml": "<｜DSML｜function_calls>\n<｜DSML｜invoke", "dsv4": "<｜DSML｜", "qwen_xml": "<tool_call>\n<function=",
                    "minimax": '<minimax:tool_call>\n<invoke name="get_weather">',
                    "kimi": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:",
-                   "mistral": "[TOOL_CALLS]"}
+                   "mistral": "[TOOL_CALLS]", "gemma4": "<|tool_call>call:get_weather{city:<|\"|>"}
 """Per served format whose forced call is written in the format (:data:`expertcache.llama.callgrammar.FORMS`):
 how a named call to get_weather begins (the others' is its arguments, JSON)."""
 

@@ -740,6 +740,33 @@ def test_auto_without_a_format_read_lists_those_read():
     assert all(who in said for who in ("Gemma 4's", "M3's", "K3's", "DeepSeek's")), said
 
 
+def test_a_forced_call_is_written_in_the_format_where_its_grammar_holds_the_tools():
+    """``required`` and a named call: in the template's format where :mod:`~expertcache.llama.callgrammar`
+    writes it and its grammar holds the tools' parameters; else the arguments alone for one tool,
+    and a 400 saying why among several (gpt-oss's only where its channels are read)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("fastapi")
+    from expertcache.llama.callgrammar import FORMS
+    from expertcache.llama.server import ApiError, tool_plan
+
+    def tool(name, props):
+        return SimpleNamespace(function=SimpleNamespace(name=name, parameters={"type": "object", "properties": props}))
+
+    plain, patterned = tool("f", {"a": {"type": "string"}}), tool("g", {"a": {"type": "string", "pattern": "^x$"}})
+    plan = tool_plan(SimpleNamespace(tools=[plain, plain], tool_choice="required"), "glm")
+    assert plan.parsed and plan.form == "glm" and plan.forced == [plain, plain]
+    with pytest.raises(ApiError, match="cannot be held by a grammar"):
+        tool_plan(SimpleNamespace(tools=[plain, patterned], tool_choice="required"), "glm")
+    plan = tool_plan(SimpleNamespace(tools=[patterned], tool_choice="required"), "glm")
+    assert plan.arguments_of is patterned and plan.form is None and not plan.forced
+    assert tool_plan(SimpleNamespace(tools=[patterned], tool_choice="required"), "hermes").form == "hermes"
+    without = tuple(f for f in FORMS if f != "harmony")
+    assert tool_plan(SimpleNamespace(tools=[plain], tool_choice="required"), "harmony", without).arguments_of is plain
+    with pytest.raises(ApiError, match="does not force a call"):
+        tool_plan(SimpleNamespace(tools=[plain, plain], tool_choice="required"), "lfm2")
+
+
 def test_gemma4_reference_cases():
     """Gemma 4's calls, as llama.cpp's tests write them: each value type, nested, several calls."""
     def read(text, tools=GLM_TOOLS):

@@ -5,8 +5,8 @@ one call to one of the request's tools, written as the format's template teaches
 
 :func:`call_grammar_text` writes it for :data:`FORMS`:
 
-* **JSON arguments** (Hermes, DeepSeek-V3 and V3.1, Kimi K2, Mistral): the format's frame around
-  the tool's name and its arguments, JSON under the grammar of its ``parameters``
+* **JSON arguments** (Hermes, DeepSeek-V3 and V3.1, Kimi K2, Mistral, gpt-oss): the format's frame
+  around the tool's name and its arguments, JSON under the grammar of its ``parameters``
   (llama-cpp-python's converter, as for ``response_format``: :func:`~.constraints.schema_text`).
   Where a format has two spellings (DeepSeek's V3 and V3.1 sections, Mistral's JSON array and its
   later ``NAME[ARGS]``), both are alternatives: the model writes the one it learnt.
@@ -15,13 +15,16 @@ one call to one of the request's tools, written as the format's template teaches
   value is written as the reader reads it: the text as written where the reader takes it as text
   (the property typed ``string``; DeepSeek's DSML, by its ``string="true"`` mark), else JSON of
   the property's schema. DeepSeek-V4's block has both spellings (V4's and V4.1's).
+* **Gemma 4's syntax**: its arguments are not JSON, so :class:`_Gemma4` writes their grammar from
+  the schema (texts raw between ``<|"|>`` marks, keys bare, no white space), as its template writes
+  them.
 
 Invariants (``tests/test_callgrammar.py``):
 
 * **What the grammar lets through, the reader reads back as a call to one of the tools, whose
   arguments keep to its parameters** (sampled under llama.cpp's grammar sampler and read by
   :func:`~.toolcalls.parse_tagged`). A text value cannot hold what ends it: the parameter's closing
-  tag or the block's (:func:`until`); where the reader takes a new line off each end of a value
+  tag (Gemma 4's mark) or the block's (:func:`until`); where the reader takes a new line off each end of a value
   (:func:`~.toolcalls._unframed`) and the format does not frame values with them, a text value
   neither begins nor ends with one.
 * :func:`writes` says where a grammar can: a format of :data:`FORMS`, and for the keyed formats,
@@ -29,12 +32,14 @@ Invariants (``tests/test_callgrammar.py``):
   arguments), a key or name with none of ``<>"&`` nor white space at its ends, a text value of a
   length bounded by at most :data:`MAX_TEXT_REPEAT` and no ``pattern`` or ``format`` (which the
   grammar of a text written raw would not hold), an ``enum`` or ``const`` of texts none of which
-  holds what ends it. Elsewhere the server forces the call as its arguments alone (JSON under the
-  grammar), as for a template whose format it does not read.
+  holds what ends it (Gemma 4's: where :class:`_Gemma4` writes the schema). Elsewhere the server
+  forces the call as its arguments alone (JSON under the grammar), as for a template whose format
+  it does not read.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 from llama_cpp.llama_grammar import LlamaGrammar
@@ -42,9 +47,10 @@ from llama_cpp.llama_grammar import LlamaGrammar
 from .constraints import ConstraintError, checked_grammar, held_schema, hoisted, schema_text, tool_call_grammar
 from .reasoning import CHANNEL, MESSAGE
 from .toolcalls import (CALL_CLOSE, CALL_OPEN, CALL_SEP, CALLS_CLOSE, CALLS_OPEN, CLOSE, DSML, DSML_CLOSE, DSML_OPEN,
-                        DSML_SPACED, DSV3, DSV4, DSV4_CLOSE, DSV4_OPEN, DSV41_CLOSE, DSV41_OPEN, GLM, HARMONY, HERMES, KIMI,
-                        KIMI_TAGS, MINIMAX, MINIMAX_CLOSE, MINIMAX_OPEN, MISTRAL, MISTRAL_ARGS, MISTRAL_CALLS, OPEN,
-                        QWEN_XML, XML_FORMS)
+                        DSML_SPACED, DSV3, DSV4, DSV4_CLOSE, DSV4_OPEN, DSV41_CLOSE, DSV41_OPEN, GEMMA4,
+                        GEMMA4_CLOSE, GEMMA4_KEY, GEMMA4_OPEN, GEMMA4_QUOTE, GLM, HARMONY, HERMES, KIMI, KIMI_TAGS,
+                        MINIMAX, MINIMAX_CLOSE, MINIMAX_OPEN, MISTRAL, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, QWEN_XML,
+                        XML_FORMS)
 
 SPELLINGS = {
     GLM: [(OPEN, CLOSE, "", "\n", "", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_key>\n<arg_value>", "",
@@ -69,7 +75,7 @@ MiniMax-M2: ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V
 </invoke>\\n</minimax:tool_call>``; DeepSeek-V3.2's DSML the same with its mark in each tag and
 ``string="true"`` (a text) or ``"false"`` (JSON) after the key; V4's block ``tool_calls``, or
 V4.1's `` calls`` with a space before each keyword."""
-FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY)
+FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY, GEMMA4)
 """The call formats whose forced call is written in the format (the others' as its arguments alone)."""
 MAX_TEXT_REPEAT = 10_000
 """The longest ``minLength`` or ``maxLength`` of a text value written raw (a bounded repetition is
@@ -148,7 +154,9 @@ def _text_value(schema: dict, closes: tuple[str, ...], edges: bool, rule: str = 
     if values is not None:
         if not values or not all(isinstance(v, str) for v in values):
             return None
-        if any(c in v for v in values for c in closes) or edges and any(v[:1] == "\n" or v[-1:] == "\n" for v in values):
+        if any(c in v for v in values for c in closes):
+            return None
+        if edges and any(v[:1] == "\n" or v[-1:] == "\n" for v in values):
             return None
         return "(" + " | ".join(literal(v) for v in values) + ")"
     low, high = schema.get("minLength", 0), schema.get("maxLength")
@@ -185,6 +193,9 @@ def writes(fmt: str | None, tools: list[tuple[str, dict | None]]) -> bool:
     (``(name, parameters)``): the module docstring's conditions."""
     if fmt not in FORMS:
         return False
+    if fmt == GEMMA4:
+        return all(_keyed_ok(params) and _Gemma4().value(params or {"type": "object", "properties": {}}) is not None
+                   for _, params in tools)
     if fmt not in SPELLINGS:
         return True
     for name, params in tools:
@@ -237,12 +248,112 @@ def _json_call(fmt: str, name: str, args: str) -> list[str]:
         v31 = f'{literal(CALL_OPEN)} {n} {literal(CALL_SEP)} {args} {literal(CALL_CLOSE)}'
         return [v3] + ([v31] if name != "function" else [])  # V3.1's "function" would read as V3's kind
     if fmt == KIMI:
-        return [f'{literal(KIMI_TAGS[2] + "functions.")} {n} ":" ("0" | [1-9] [0-9]{{0,2}}) {literal(KIMI_TAGS[4])} {args} '
+        index = '("0" | [1-9] [0-9]{0,2})'  # the model's own: up to 999, no leading zero
+        return [f'{literal(KIMI_TAGS[2] + "functions.")} {n} ":" {index} {literal(KIMI_TAGS[4])} {args} '
                 f'{literal(KIMI_TAGS[3])}']
     if fmt == HARMONY:
         return [f'{n} {literal(" <|constrain|>json" + MESSAGE)} {args}']
     return [f'"[{{\\"name\\": " {literal(literal(name))} ", \\"arguments\\": " {args} "}}]"',  # Mistral's JSON
             f'{n} {literal(MISTRAL_ARGS)} {args}']  # its later tokenizers'
+
+
+GEMMA4_INTEGER = '"-"? ("0" | [1-9] [0-9]{0,15})'
+GEMMA4_NUMBER = GEMMA4_INTEGER + ' ("." [0-9]{1,16})? ([eE] [-+]? [0-9]{1,2})?'
+"""A number as Gemma 4 writes one (JSON's), of at most 16 digits each side and an exponent of two:
+always finite (the reader refuses one that is not)."""
+GEMMA4_SCALARS = {"integer": GEMMA4_INTEGER, "number": GEMMA4_NUMBER, "boolean": '("true" | "false")',
+                  "null": '"null"'}
+GEMMA4_NESTING = 32
+"""The deepest schema a Gemma 4 call's grammar is written for (its reader reads 64 levels)."""
+
+
+class _Gemma4:
+    """The grammar of a value in Gemma 4's syntax under a JSON schema (:func:`~.toolcalls.gemma4_value`
+    reads it back): a text between ``<|"|>`` marks written raw (none in it, nor the block's close), a
+    number, ``true``, ``false``, ``null``, an object's members ``key:value`` (keys bare where the
+    reader takes them bare, else between marks) and an array's items, separated by commas, no white
+    space; ``enum``, ``const``, a list of types and ``anyOf``/``oneOf`` as alternatives. :meth:`value`
+    gives None for what it does not write (``$ref``, a schema of any value, a ``pattern`` or ``format``,
+    a length or count over :data:`MAX_TEXT_REPEAT`, deeper than :data:`GEMMA4_NESTING`)."""
+
+    CLOSES = (GEMMA4_QUOTE, GEMMA4_CLOSE)
+
+    def __init__(self):
+        self.rules: list[str] = []
+
+    def _rule(self, body: str) -> str:
+        name = f"g-{len(self.rules)}"
+        self.rules.append(f"{name} ::= {body}")
+        return name
+
+    def _constant(self, v) -> str | None:
+        if isinstance(v, str):
+            return None if any(c in v for c in self.CLOSES) else literal(GEMMA4_QUOTE + v + GEMMA4_QUOTE)
+        finite = not isinstance(v, float) or v == v and abs(v) != float("inf")
+        if v is None or isinstance(v, (bool, int, float)) and finite:
+            return literal(json.dumps(v))
+        return None
+
+    def _key(self, key: str) -> str | None:
+        if GEMMA4_KEY.fullmatch(key):
+            return literal(key + ":")
+        return None if any(c in key for c in self.CLOSES) else literal(GEMMA4_QUOTE + key + GEMMA4_QUOTE + ":")
+
+    def value(self, schema, depth: int = 0) -> str | None:
+        if not isinstance(schema, dict) or depth > GEMMA4_NESTING or "$ref" in schema:
+            return None
+        alternatives = None
+        if "const" in schema or "enum" in schema:
+            alternatives = [self._constant(v) for v in ([schema["const"]] if "const" in schema else schema["enum"])]
+        elif isinstance(schema.get("anyOf", schema.get("oneOf")), list):
+            alternatives = [self.value(s, depth + 1) for s in schema.get("anyOf", schema.get("oneOf"))]
+        elif isinstance(schema.get("type"), list):
+            alternatives = [self.value({**schema, "type": t}, depth + 1) for t in schema["type"]]
+        if alternatives is not None:
+            return None if not alternatives or None in alternatives else "(" + " | ".join(alternatives) + ")"
+        kind = schema.get("type")
+        if kind in GEMMA4_SCALARS:
+            return GEMMA4_SCALARS[kind]
+        if kind == "string":
+            text = _text_value(schema, self.CLOSES, False, "g-text")
+            return None if text is None else f"{literal(GEMMA4_QUOTE)} {text} {literal(GEMMA4_QUOTE)}"
+        if kind == "array" or kind is None and "items" in schema:
+            item = self.value(schema.get("items", {}), depth + 1) if isinstance(schema.get("items"), dict) else None
+            low, high = schema.get("minItems", 0), schema.get("maxItems")
+            counts = [low] + ([high] if high is not None else [])
+            if item is None or not all(type(n) is int and 0 <= n <= MAX_TEXT_REPEAT for n in counts) \
+                    or high is not None and high < low:
+                return None
+            item = self._rule(item)
+            more = f'("," {item})' + ("*" if high is None else f"{{{max(low - 1, 0)},{high - 1}}}")
+            body = f"{item} {more}" if high != 0 else '""'
+            return f'"[" {body if low > 0 else f"({body})?"} "]"'
+        if kind == "object" or kind is None and "properties" in schema:
+            props = schema.get("properties", {})
+            if not isinstance(props, dict):
+                return None
+            members = []
+            for key, sub in props.items():
+                head, value = self._key(key), self.value(sub, depth + 1)
+                if head is None or value is None:
+                    return None
+                members.append((self._rule(f"{head} {value}"), key in schema.get("required", [])))
+            return f'"{{" {_members(members)} "}}"'
+        return None
+
+
+def _members(members: list[tuple[str, bool]]) -> str:
+    """Members (their rules, and whether each is required) separated by commas: the required ones
+    always, first, the others each maybe; where none is required, any of them first, then the later
+    ones each maybe."""
+    required = [m for m, r in members if r]
+    optional = [m for m, r in members if not r]
+    if required:
+        return " ".join([required[0]] + [f'"," {m}' for m in required[1:]] + [f'("," {m})?' for m in optional])
+    if not optional:
+        return '""'
+    return "(" + " | ".join(" ".join([m] + [f'("," {n})?' for n in optional[i + 1:]])
+                            for i, m in enumerate(optional)) + ")?"
 
 
 def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
@@ -252,6 +363,14 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
     params, defs = hoisted([p for _, p in tools])
     values = _Values(defs)
     rules: list[str] = []
+    if fmt == GEMMA4:
+        for p in params:  # a keyword the grammar would not hold is refused, as in a response_format
+            held_schema(p or {})
+        gemma = _Gemma4()
+        calls = [f'{literal("call:" + name)} {gemma.value(p or {"type": "object", "properties": {}})}'
+                 for (name, _), p in zip(tools, params)]
+        return "\n".join([f'root ::= {literal(GEMMA4_OPEN)} ({" | ".join(calls)}) {literal(GEMMA4_CLOSE)}']
+                         + until("g-text", _Gemma4.CLOSES, False) + gemma.rules)
     if fmt in (DSV3, KIMI, MISTRAL, HARMONY):
         calls = [alt for (name, _), p in zip(tools, params) for alt in _json_call(fmt, name, values.add(p))]
         if fmt == DSV3:

@@ -319,7 +319,8 @@ def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS) -> ToolPlan | No
         why = "teaches no tool-call format this server reads" if call_fmt is None else \
             f"teaches {call_fmt}'s format, in which " + (
                 "these tools' parameters cannot be held by a grammar (a text value with a pattern, a format or a "
-                "length over 10,000; a key or name holding <, >, \", & or white space at an end)"
+                "length over 10,000; a key or name holding <, >, \", & or white space at an end; in Gemma 4's, "
+                "a $ref or a schema of any value)"
                 if call_fmt in forms else "this server does not force a call")
         raise ApiError(400, f"tool_choice required: {len(tools)} tools given, and this model's chat template {why}; "
                        "give one, or name the function", param="tool_choice")
