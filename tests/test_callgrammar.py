@@ -141,10 +141,10 @@ def test_each_tool_is_forced_alone_and_the_reader_needs_the_tools_keys():
 
 
 def test_writes_reference_cases():
-    """Where a grammar can hold the tools: JSON-argument formats always; keyed formats (and Gemma 4's) not for a text
-    with a pattern or a format, a length over the bound, an enum text holding its close or (unframed)
-    beginning with a new line, a key or name a reader cuts, parameters that are not an object of
-    named properties."""
+    """Where a grammar can hold the tools: JSON-argument formats wherever the schema is one a
+    ``response_format`` may give; keyed formats (and Gemma 4's) not for a text with a pattern or a
+    format, a length over the bound, an enum text holding its close, a key or name a reader cuts,
+    parameters that are not an object of named properties."""
     def one(props, name="f"):
         return [(name, {"type": "object", "properties": props})]
 
@@ -157,9 +157,9 @@ def test_writes_reference_cases():
     assert not writes(QWEN_XML, one({"a": {"type": "string", "maxLength": MAX_TEXT_REPEAT + 1}}))
     assert not writes(QWEN_XML, one({"a": {"type": "string", "enum": ["x</parameter>"]}}))
     assert not writes(GLM, one({"a": {"type": "string", "enum": ["x</tool_call>"]}}))
-    assert writes(GLM, one({"a": {"type": "string", "enum": ["x</parameter>", "\ny"]}}))
-    assert not writes(MINIMAX, one({"a": {"type": "string", "enum": ["\ny"]}}))
-    assert writes(QWEN_XML, one({"a": {"type": "string", "enum": ["\ny"]}}))  # framed: its new line kept
+    assert writes(GLM, one({"a": {"type": "string", "enum": ["x</parameter>", "y"]}}))
+    assert not writes(QWEN_XML, one({"a": {"type": "string", "enum": ["\ny"]}}))  # as a response_format's: refused
+    assert not writes(GLM, one({"a": {"type": "string", "enum": ["x"], "minLength": 3}}))  # a keyword not held
     assert not writes(QWEN_XML, one({"a<b": {"type": "integer"}}))
     assert not writes(MINIMAX, one({'a"': {"type": "integer"}}))
     assert not writes(DSML, one({" a": {"type": "integer"}}))
@@ -431,6 +431,17 @@ def test_llama_cpp_holds_a_keyed_call_to_the_parameters(small):
         write = [t for t in TOOLS if t[0] == "write"]
         assert ok("write", [("text", "if a < b: </param")], write)
         assert not ok("write", [("text", "a" + WRITTEN[spelling][1].split("{value}")[1].strip() + "b")], write)
+
+
+def test_a_forced_call_may_follow_the_close_of_a_thinking_block(small):
+    """With ``think_close``, the call may come after that tag and a little white space, or at once;
+    nothing else before it."""
+    call = "<tool_call>\n<function=ping>\n</function>\n</tool_call>"
+    grammar = call_grammar(QWEN_XML, [TOOLS[-1]], small._model.vocab, think_close="</think>")._grammar
+    for text, want in ((call, True), ("</think>" + call, True), ("</think>\n\n" + call, True),
+                       ("</think></think>" + call, False), ("</think>x" + call, False), ("x" + call, False)):
+        assert grammar_accepts(small, grammar, text) == want, text
+    assert not grammar_accepts(small, call_grammar_text(QWEN_XML, [TOOLS[-1]]), "</think>" + call)
 
 
 def test_llama_cpp_takes_each_spelling_of_the_json_formats(small):

@@ -218,16 +218,18 @@ def test_a_tool_call_grammar_reads_each_tools_definitions_from_the_root(vocab):
     """A tool's parameters with ``$defs`` (pydantic's nested models) are nested in the call's
     grammar, where ``#/$defs/X`` is read from the root: the definitions are moved there; two tools
     defining one name differently are refused."""
-    from expertcache.llama.constraints import tool_call_grammar
+    from expertcache.llama.callgrammar import call_grammar
 
     nested = {"$defs": {"City": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
               "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]}
-    grammar = tool_call_grammar([("f", nested), ("g", None), ("h", nested)], vocab)
+    grammar = call_grammar("hermes", [("f", nested), ("g", None), ("h", nested)], vocab)
     assert grammar._grammar.startswith('root ::= "<tool_call>\\n" call "\\n</tool_call>"')
     assert nested["$defs"]  # the caller's schema untouched
     other = {"$defs": {"City": {"type": "string"}}, "type": "object", "properties": {"c": {"$ref": "#/$defs/City"}}}
-    with pytest.raises(ConstraintError, match=r"two tools define \$defs.City differently"):
-        tool_call_grammar([("f", nested), ("h", other)], vocab)
+    for fmt in ("hermes", "glm", "kimi-k2"):
+        with pytest.raises(ConstraintError, match=r"two tools define \$defs.City differently"):
+            call_grammar(fmt, [("f", nested), ("h", other)], vocab)
+    assert "City" in call_grammar("qwen3-coder", [("f", nested)], vocab)._grammar  # a member's $ref: from the root
 
 
 KEYWORDS = ["type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
@@ -241,16 +243,22 @@ JSON_VALUES = st.recursive(
 
 
 @settings(max_examples=600, deadline=None)
-@given(JSON_VALUES, st.sampled_from(["response_format", "tool"]))
+@given(JSON_VALUES, st.sampled_from(["response_format", "hermes", "glm", "qwen3-coder", "minimax-m2",
+                                     "deepseek-v3.2", "deepseek-v4", "deepseek-v3", "kimi-k2", "mistral", "harmony",
+                                     "gemma4"]))
 def test_any_json_value_as_a_schema_is_a_grammar_or_a_constraint_error(vocab, value, where):
-    """Whatever JSON a client sends as a schema (or a tool's parameters), the answer is a grammar or
-    a ConstraintError (a 400), never another exception (a 500): ``"required": [{}]`` had raised a
-    TypeError, a list of ``$defs`` an AttributeError."""
-    from expertcache.llama.constraints import tool_call_grammar
+    """Whatever JSON a client sends as a schema (or a tool's parameters, forced in a call format), the
+    answer is a grammar or a ConstraintError (a 400), never another exception (a 500): ``"required":
+    [{}]`` had raised a TypeError, a list of ``$defs`` an AttributeError. Where a format's grammar
+    cannot be written (:func:`~expertcache.llama.callgrammar.writes`), the call is forced as its
+    arguments: a ``response_format``'s grammar."""
+    from expertcache.llama.callgrammar import FORMS, call_grammar, writes
 
+    assert where == "response_format" or where in FORMS
+    tools = [("f", value if isinstance(value, dict) else None), ("g", {"$defs": value})]
     try:
-        if where == "tool":
-            tool_call_grammar([("f", value if isinstance(value, dict) else None), ("g", {"$defs": value})], vocab)
+        if where != "response_format" and writes(where, tools):
+            call_grammar(where, tools, vocab)
         else:
             response_grammar({"type": "json_schema", "json_schema": {"schema": value}}, vocab)
     except ConstraintError:
@@ -261,10 +269,11 @@ def test_an_empty_type_list_is_refused_and_a_failed_parse_leaves_stderr_clean(vo
     """``{"type": []}`` made an empty rule, which llama.cpp cannot parse; its report quotes the
     grammar from where the parse failed (lines the guard drops too), found by the JSON-value
     property test above."""
-    from expertcache.llama.constraints import grammar_dump_dropped, tool_call_grammar
+    from expertcache.llama.callgrammar import call_grammar
+    from expertcache.llama.constraints import grammar_dump_dropped
 
     with pytest.raises(ConstraintError, match="an empty list of types"):
-        tool_call_grammar([("f", {"type": []})], vocab)
+        call_grammar("hermes", [("f", {"type": []})], vocab)
     import llama_cpp
 
     bad = b'root ::= a\na ::= \nb ::= "x"\nc ::= "y"'

@@ -1933,6 +1933,33 @@ INDENT = "\n" + " " * 40
 hold such runs; OLMoE's tokenizer in models/ has this one)."""
 
 
+def test_a_forced_call_may_close_the_thinking_its_prompt_opened(qwen_xml):
+    """Qwen3.5's prompt opens a <think> block: a forced call may first close it, as the model writes a
+    turn without thinking (``</think>`` forced here by ``logit_bias``), or begin at once (``</think>``
+    barred); either way the call is read back, with no content and no reasoning; ``auto`` still reads
+    the same text's thinking."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(qwen_xml.gguf), vocab_only=True, verbose=False)
+    (close,) = llm.tokenize(b"</think>", add_bos=False, special=True)
+    client = qwen_xml.client()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    ask = dict(model="small-moe", messages=[{"role": "user", "content": "Weather?"}], max_tokens=160, temperature=0,
+               seed=1, tools=tools, tool_choice="required", logprobs=True)
+    for bias, opening in ((100, "</think>"), (-100, "<tool_call>\n<function=get_weather>")):
+        answer = client.chat.completions.create(**ask, logit_bias={str(close): bias}).choices[0]
+        written = bytes(b for t in answer.logprobs.content for b in t.bytes).decode()
+        assert written.startswith(opening), written
+        (call,) = answer.message.tool_calls
+        assert call.function.name == "get_weather" and answer.finish_reason == "tool_calls"
+        assert answer.message.content is None and getattr(answer.message, "reasoning_content", None) is None, answer
+    streamed = [c.choices[0].delta for c in client.chat.completions.create(
+        **{**ask, "logprobs": None}, logit_bias={str(close): 100}, stream=True) if c.choices]
+    assert [tc.function.name for d in streamed for tc in d.tool_calls or []] == ["get_weather"]
+    assert not "".join((d.content or "") + (getattr(d, "reasoning_content", None) or "") for d in streamed)
+
+
 def test_a_token_longer_than_32_bytes_is_written_whole(qwen_xml):
     """llama-cpp-python's ``detokenize`` writes nothing for a token longer than 32 bytes (the premise,
     abetlen/llama-cpp-python#2362: should it pass, the workaround can go); the server writes it
@@ -2345,7 +2372,9 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
     (call,) = named.choices[0].message.tool_calls
     city = json.loads(call.function.arguments)["city"]
     written = bytes(b for t in named.choices[0].logprobs.content for b in t.bytes).decode()  # what the model wrote
-    assert written.startswith(NATIVE_OPENINGS.get(fixture, "{")), written
+    closed = re.match(r"</think>\s*", written) if fixture in NATIVE_OPENINGS else None  # a <think> it may close first
+    assert written[closed.end() if closed else 0:].startswith(NATIVE_OPENINGS.get(fixture, "{")), written
+    assert named.choices[0].message.content is None and not getattr(named.choices[0].message, "reasoning_content", None)
     two = [tools[0], {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
     if fixture in NATIVE_OPENINGS:  # required among several: a call to one, in the format

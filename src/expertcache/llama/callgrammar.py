@@ -44,7 +44,7 @@ import re
 
 from llama_cpp.llama_grammar import LlamaGrammar
 
-from .constraints import ConstraintError, checked_grammar, held_schema, hoisted, schema_text, tool_call_grammar
+from .constraints import ConstraintError, checked_grammar, held_schema, hoisted, schema_text, tool_call_text
 from .reasoning import CHANNEL, MESSAGE
 from .toolcalls import (CALL_CLOSE, CALL_OPEN, CALL_SEP, CALLS_CLOSE, CALLS_OPEN, CLOSE, DSML, DSML_CLOSE, DSML_OPEN,
                         DSML_SPACED, DSV3, DSV4, DSV4_CLOSE, DSV4_OPEN, DSV41_CLOSE, DSV41_OPEN, GEMMA4,
@@ -192,6 +192,11 @@ def writes(fmt: str | None, tools: list[tuple[str, dict | None]]) -> bool:
     """Whether :func:`call_grammar_text` writes a forced call of ``fmt`` to one of ``tools``
     (``(name, parameters)``): the module docstring's conditions."""
     if fmt not in FORMS:
+        return False
+    try:  # a malformed schema is the JSON path's to refuse, naming the keyword
+        for _, params in tools:
+            held_schema(params if isinstance(params, dict) else {})
+    except ConstraintError:
         return False
     if fmt == GEMMA4:
         return all(_keyed_ok(params) and _Gemma4().value(params or {"type": "object", "properties": {}}) is not None
@@ -360,6 +365,8 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
     """The GBNF of one call of format ``fmt`` to one of ``tools`` (``(name, parameters)``; where
     :func:`writes` says it can). Raises :class:`~.constraints.ConstraintError` for parameters the
     grammar would not hold (as a ``response_format``'s)."""
+    if fmt == HERMES:
+        return tool_call_text(tools)
     params, defs = hoisted([p for _, p in tools])
     values = _Values(defs)
     rules: list[str] = []
@@ -407,11 +414,18 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
     return "\n".join([f"root ::= {' | '.join(blocks)}"] + rules + [values.rules()])
 
 
-def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab) -> LlamaGrammar:
-    """:func:`call_grammar_text` as a grammar llama.cpp has taken (:func:`~.constraints.checked_grammar`);
-    Hermes' is :func:`~.constraints.tool_call_grammar`."""
-    if fmt == HERMES:
-        return tool_call_grammar(tools, vocab)
+def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab, think_close: str | None = None
+                 ) -> LlamaGrammar:
+    """:func:`call_grammar_text` as a grammar llama.cpp has taken (:func:`~.constraints.checked_grammar`).
+    ``think_close``: a thinking block's closing tag the call may follow, with white space (a prompt
+    that opened the block: the model closes it, then calls, as it learnt to without thinking; as
+    llama.cpp's grammars allow for a template that opens it)."""
+    for _, params in tools:  # a keyword the grammar would not hold, named
+        held_schema(params if isinstance(params, dict) else {})
     if not writes(fmt, tools):
         raise ConstraintError(f"a forced call of the {fmt} format cannot hold these tools' parameters", "tools")
-    return checked_grammar(call_grammar_text(fmt, tools), vocab)
+    text = call_grammar_text(fmt, tools)
+    if think_close:
+        assert text.startswith("root ::= ")
+        text = f'root ::= ({literal(think_close)} [ \\n]{{0,4}})? call-root\ncall-root ::= ' + text[len("root ::= "):]
+    return checked_grammar(text, vocab)

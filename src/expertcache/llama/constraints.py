@@ -90,8 +90,8 @@ def hoisted(schemas: list) -> tuple[list[dict | None], dict]:
     return out, defs
 
 
-def tool_call_grammar(tools: list[tuple[str, dict | None]], vocab) -> LlamaGrammar:
-    """The grammar of one Hermes-format call (:mod:`.toolcalls`) to one of ``tools`` (``(name,
+def tool_call_text(tools: list[tuple[str, dict | None]]) -> str:
+    """The grammar text of one Hermes-format call (:mod:`.toolcalls`) to one of ``tools`` (``(name,
     parameters schema)``; None: an object with no properties): ``<tool_call>``, a newline, ``{"name":
     NAME, "arguments": ARGS}`` with ARGS held to that tool's schema, a newline, ``</tool_call>``."""
     params, defs = hoisted([p for _, p in tools])
@@ -103,7 +103,7 @@ def tool_call_grammar(tools: list[tuple[str, dict | None]], vocab) -> LlamaGramm
     # the converter's root is the call's JSON; no other rule names it (a "$ref": "#" is refused)
     body = "\n".join("call ::= " + line[len("root ::= "):] if line.startswith("root ::= ") else line
                      for line in body.split("\n"))
-    return checked_grammar('root ::= "<tool_call>\\n" call "\\n</tool_call>"\n' + body, vocab)
+    return 'root ::= "<tool_call>\\n" call "\\n</tool_call>"\n' + body
 
 
 def schema_text(schema) -> str:
