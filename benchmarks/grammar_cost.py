@@ -7,6 +7,10 @@ prompt, same tokens (checked). Also how many of the tokens drawn the grammar ref
 
     .venv/bin/python benchmarks/grammar_cost.py MODEL.gguf [MODEL.gguf ...] [--repeats 5] [--tokens 48] [--json]
 
+With ``--forced``: a forced tool call's grammar in each call format (``expertcache.llama.callgrammar``,
+three tools) against the call's arguments alone (the grammar of one tool's parameters), checked
+first as the server does: milliseconds to make the grammar and a token to decode under it.
+
 Each cell: ``--repeats`` decodes of up to ``--tokens`` tokens, median [min-max] ms a token (1 thread).
 A model that does not write JSON (random weights) has most of its tokens refused: its "checked
 first" column is then near the chain's; a model that follows the prompt has few refused.
@@ -22,6 +26,7 @@ import time
 
 import llama_cpp
 
+from expertcache.llama.callgrammar import call_grammar
 from expertcache.llama.constraints import GrammarFirst, response_grammar
 from expertcache.llama.textgen import ObservedLlama
 
@@ -85,13 +90,60 @@ def measure(path: str, tokens: int, repeats: int) -> dict:
     return rec
 
 
+FORCED_TOOLS = [
+    ("get_weather", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                      "days": {"type": "integer"},
+                                                      "units": {"type": "string", "enum": ["C", "F"]}},
+                     "required": ["city"]}),
+    ("get_time", {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                  "required": ["zone"]}),
+    ("ping", None)]
+FORCED = ("arguments", "hermes", "qwen3-coder", "glm", "minimax-m2", "deepseek-v3.2", "deepseek-v4", "deepseek-v3",
+          "kimi-k2", "mistral", "harmony", "gemma4")
+
+
+def forced(path: str, tokens: int, repeats: int) -> dict:
+    """Per call format: the grammar's making and a token's decode, ms (``repeats`` each)."""
+    llm = ObservedLlama(path, verbose=False, n_ctx=512, n_threads=1)
+    vocab = llm._model.vocab
+    rec = {"model": path, "n_vocab": llm.n_vocab(), "plain_ms": timed(llm, tokens, repeats)[1]}
+    for fmt in FORCED:
+        builds = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            grammar = response_grammar({"type": "json_schema", "json_schema": {"schema": FORCED_TOOLS[0][1]}}, vocab) \
+                if fmt == "arguments" else call_grammar(fmt, FORCED_TOOLS, vocab)
+            builds.append((time.perf_counter() - t0) * 1000)
+        rec[f"{fmt}_build_ms"] = builds
+        out, rec[f"{fmt}_ms"] = timed(llm, tokens, repeats, grammar)
+        rec[f"{fmt}_tokens"] = len(out)
+    llm.close()
+    return rec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="+", metavar="MODEL.gguf")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--json", action="store_true", help="one JSON object per model instead of the table")
+    ap.add_argument("--forced", action="store_true", help="a forced tool call's grammar per call format instead")
     args = ap.parse_args(argv)
+    if args.forced:
+        recs = [forced(m, args.tokens, args.repeats) for m in args.models]
+        if args.json:
+            for rec in recs:
+                print(json.dumps(rec))
+            return 0
+        print("| model | format | grammar made, ms | ms a token | tokens | x no grammar |")
+        print("|---|---|---|---|---|---|")
+        for r in recs:
+            plain = statistics.median(r["plain_ms"])
+            print(f"| {r['model'].rsplit('/', 1)[-1]} | no grammar | - | {spread(r['plain_ms'])} | - | 1.00 |")
+            for fmt in FORCED:
+                print(f"| | {fmt} | {spread(r[f'{fmt}_build_ms'])} | {spread(r[f'{fmt}_ms'])} | {r[f'{fmt}_tokens']} "
+                      f"| {statistics.median(r[f'{fmt}_ms']) / plain:.2f} |")
+        return 0
     recs = [measure(m, args.tokens, args.repeats) for m in args.models]
     if args.json:
         for rec in recs:
