@@ -20,7 +20,8 @@ pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is n
 from expertcache.llama.callgrammar import (  # noqa: E402
     FORMS, MAX_TEXT_REPEAT, SPELLINGS, call_grammar, call_grammar_text, literal, until, writes)
 from expertcache.llama.reasoning import read_harmony  # noqa: E402
-from expertcache.llama.toolcalls import DSML, DSV4, GEMMA4, GLM, HARMONY, MINIMAX, QWEN_XML, parse_tagged  # noqa: E402
+from expertcache.llama.toolcalls import (  # noqa: E402
+    DSML, DSV4, GEMMA4, GLM, HARMONY, MINIMAX, MINIMAX_M3, QWEN_XML, parse_tagged)
 
 TOOLS = [
     ("get_weather", {"type": "object", "properties": {
@@ -130,19 +131,19 @@ def test_each_tool_is_forced_alone_and_the_reader_needs_the_tools_keys():
         text = call_grammar_text(fmt, TOOLS[1:2])
         assert "get_time" in text and "get_weather" not in text and "ping" not in text
     qwen = call_grammar_text(QWEN_XML, TOOLS[:1])
-    assert '"<parameter=city>\\n" [^<]{0,12} "\\n</parameter>\\n"' in qwen  # framed: new lines allowed inside
+    assert '"<parameter=city>\\n" [^\\x3C]{0,12} "\\n</parameter>\\n"' in qwen  # framed: new lines allowed inside
     minimax = call_grammar_text(MINIMAX, TOOLS[:1])
-    assert '"<parameter name=\\"city\\">" [^<\\x0A]{0,12} "</parameter>\\n"' in minimax  # unframed: none
+    assert '"<parameter name=\\"city\\">" [^\\x3C\\x0A]{0,12} "</parameter>\\n"' in minimax  # unframed: none
     glm = call_grammar_text(GLM, TOOLS[:1])
     assert '"<arg_key>units</arg_key>\\n<arg_value>" ("C" | "F") "</arg_value>\\n"' in glm
     assert '("<arg_key>days</arg_key>\\n<arg_value>" json-' in glm  # optional, JSON
     dsml = call_grammar_text(DSML, TOOLS[:1])
-    assert 'string=\\"false\\">" json-' in dsml and 'name=\\"city\\" string=\\"true\\">" [^<\\x0A]{0,12}' in dsml
+    assert 'string=\\"false\\">" json-' in dsml and 'name=\\"city\\" string=\\"true\\">" [^\\x3C\\x0A]{0,12}' in dsml
 
 
 def test_writes_reference_cases():
     """Where a grammar can hold the tools: JSON-argument formats wherever the schema is one a
-    ``response_format`` may give; keyed formats (and Gemma 4's) not for a text with a pattern or a
+    ``response_format`` may give; keyed formats (and Gemma 4's, MiniMax-M3's) not for a text with a pattern or a
     format, a length over the bound, an enum text holding its close, a key or name a reader cuts,
     parameters that are not an object of named properties."""
     def one(props, name="f"):
@@ -150,8 +151,8 @@ def test_writes_reference_cases():
 
     pattern = one({"a": {"type": "string", "pattern": "^x$"}})
     assert not writes(GLM, pattern) and not writes(DSML, pattern)
-    assert all(writes(fmt, pattern) for fmt in FORMS if fmt not in SPELLINGS and fmt != GEMMA4)
-    assert not writes(GEMMA4, pattern)
+    assert all(writes(fmt, pattern) for fmt in FORMS if fmt not in SPELLINGS and fmt not in (GEMMA4, MINIMAX_M3))
+    assert not writes(GEMMA4, pattern) and not writes(MINIMAX_M3, pattern)
     assert not writes(QWEN_XML, one({"a": {"type": "string", "format": "date"}}))
     assert writes(QWEN_XML, one({"a": {"type": "string", "maxLength": MAX_TEXT_REPEAT}}))
     assert not writes(QWEN_XML, one({"a": {"type": "string", "maxLength": MAX_TEXT_REPEAT + 1}}))
@@ -237,7 +238,10 @@ def accepts(rules: list[str], start: str, text: str) -> bool:
 
 
 CLOSES = [("</parameter>", "</tool_call>"), ("</arg_value>", "</tool_call>"), ("</｜DSML｜parameter>",),
-          ("</｜DSML｜ parameter>", "</｜DSML｜ calls>"), ("<|end|>", "<|start|>")]
+          ("</｜DSML｜ parameter>", "</｜DSML｜ calls>"), ("<|end|>", "<|start|>"),
+          ("]<]minimax[>[</text>", "]<]minimax[>[</tool_call>"), ("abab", "aab", "b<")]
+"""Closes of every kind the formats have, and ones that overlap themselves and each other (an
+ending of one begins it again, or begins another), as MiniMax-M3's namespace token does."""
 
 
 @settings(max_examples=400, deadline=None)
@@ -354,6 +358,51 @@ def test_llama_cpp_takes_exactly_the_gemma4_texts_the_reader_reads(small, text):
     _, calls = parse_tagged(call, GEMMA4, tools)
     read_back = len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == {"text": text}
     assert grammar_accepts(small, call_grammar_text(GEMMA4, tools), call) == read_back, (text, calls)
+
+
+M3_TEXTS = st.lists(st.one_of(st.sampled_from(list("ab<>[]/\n ")), st.sampled_from(
+    ["]<]minimax[>[", "]<]minimax[>[</text>", "]<]minimax[>[</tool_call>", "]<]mini", "</text>", "]<]"])),
+    max_size=8).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(M3_TEXTS)
+def test_llama_cpp_takes_exactly_the_minimax_m3_texts_the_reader_reads(small, text):
+    """MiniMax-M3's text written raw in its element, any text at all: taken exactly when its reader
+    reads the call back with that very text (it holds neither its element's close nor the block's)."""
+    import json
+
+    tools = [t for t in TOOLS if t[0] == "write"]
+    ns = "]<]minimax[>["
+    call = f'{ns}<tool_call>\n{ns}<invoke name="write">{ns}<text>{text}{ns}</text>{ns}</invoke>\n{ns}</tool_call>'
+    _, calls = parse_tagged(call, MINIMAX_M3, tools)
+    read_back = len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == {"text": text}
+    assert grammar_accepts(small, call_grammar_text(MINIMAX_M3, tools), call) == read_back, (text, calls)
+
+
+def test_llama_cpp_holds_a_minimax_m3_call_to_the_parameters(small):
+    """MiniMax-M3's elements under llama.cpp's grammar sampler: required members first, nested
+    elements, ``<item>`` elements within the count, JSON for the other types, texts raw."""
+    ns = "]<]minimax[>["
+    weather = call_grammar_text(MINIMAX_M3, [TOOLS[0]])
+
+    def ok(members: str) -> bool:
+        return grammar_accepts(small, weather, f'{ns}<tool_call>\n{ns}<invoke name="get_weather">{members}'
+                                               f'{ns}</invoke>\n{ns}</tool_call>')
+
+    def el(key: str, value: str) -> str:
+        return f"{ns}<{key}>{value}{ns}</{key}>"
+
+    assert ok(el("city", "Paris") + el("units", "C"))
+    assert ok(el("city", "") + el("units", "F") + el("days", "3") + el("hourly", "true") + el("where", el("lat", "1.5"))
+              + el("tags", el("item", "ab") + el("item", "c")) + el("zone", "UTC"))
+    assert not ok(el("units", "C") + el("city", "Paris"))  # required first, in the schema's order
+    assert not ok(el("city", "Paris"))
+    assert not ok(el("city", "Paris") + el("units", '"C"'))
+    assert not ok(el("city", "Paris") + el("units", "C") + el("days", "three"))
+    assert not ok(el("city", "Paris") + el("units", "C") + el("tags", el("item", "a") * 3))
+    assert not ok(el("city", "x" * 13) + el("units", "C"))
+    assert not ok(el("city", "Paris") + el("units", "C") + el("extra", "1"))
 
 
 def test_llama_cpp_holds_a_gemma4_call_to_the_parameters(small):

@@ -18,23 +18,25 @@ one call to one of the request's tools, written as the format's template teaches
 * **Gemma 4's syntax**: its arguments are not JSON, so :class:`_Gemma4` writes their grammar from
   the schema (texts raw between ``<|"|>`` marks, keys bare, no white space), as its template writes
   them.
+* **MiniMax-M3's elements**: :class:`_M3` writes an element per argument from the schema, as its
+  reader (:func:`~.toolcalls._m3_value`) takes them.
 
 Invariants (``tests/test_callgrammar.py``):
 
 * **What the grammar lets through, the reader reads back as a call to one of the tools, whose
   arguments keep to its parameters** (sampled under llama.cpp's grammar sampler and read by
   :func:`~.toolcalls.parse_tagged`). A text value cannot hold what ends it: the parameter's closing
-  tag (Gemma 4's mark) or the block's (:func:`until`); where the reader takes a new line off each end of a value
-  (:func:`~.toolcalls._unframed`) and the format does not frame values with them, a text value
-  neither begins nor ends with one.
+  tag (Gemma 4's mark, MiniMax-M3's element close) or the block's (:func:`until`); where the reader
+  takes a new line off each end of a value (:func:`~.toolcalls._unframed`) and the format does not
+  frame values with them, a text value neither begins nor ends with one.
 * :func:`writes` says where a grammar can: a format of :data:`FORMS`, and for the keyed formats,
   each tool's parameters an object of named properties (an object with no properties: no
   arguments), a key or name with none of ``<>"&`` nor white space at its ends, a text value of a
   length bounded by at most :data:`MAX_TEXT_REPEAT` and no ``pattern`` or ``format`` (which the
   grammar of a text written raw would not hold), an ``enum`` or ``const`` of texts none of which
-  holds what ends it (Gemma 4's: where :class:`_Gemma4` writes the schema). Elsewhere the server
-  forces the call as its arguments alone (JSON under the grammar), as for a template whose format
-  it does not read.
+  holds what ends it (Gemma 4's and MiniMax-M3's: where :class:`_Gemma4`, :class:`_M3` write the
+  schema). Elsewhere the server forces the call as its arguments alone (JSON under the grammar), as
+  for a template whose format it does not read.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ from .reasoning import CHANNEL, MESSAGE
 from .toolcalls import (CALL_CLOSE, CALL_OPEN, CALL_SEP, CALLS_CLOSE, CALLS_OPEN, CLOSE, DSML, DSML_CLOSE, DSML_OPEN,
                         DSML_SPACED, DSV3, DSV4, DSV4_CLOSE, DSV4_OPEN, DSV41_CLOSE, DSV41_OPEN, GEMMA4,
                         GEMMA4_CLOSE, GEMMA4_KEY, GEMMA4_OPEN, GEMMA4_QUOTE, GLM, HARMONY, HERMES, KIMI, KIMI_TAGS,
-                        MINIMAX, MINIMAX_CLOSE, MINIMAX_OPEN, MISTRAL, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, QWEN_XML,
-                        XML_FORMS)
+                        M3_CLOSE, M3_INVOKE_END, M3_ITEM, M3_ITEM_END, M3_NS, M3_OPEN, MINIMAX, MINIMAX_CLOSE,
+                        MINIMAX_M3, MINIMAX_OPEN, MISTRAL, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, QWEN_XML, XML_FORMS,
+                        m3_may_be_text)
 
 SPELLINGS = {
     GLM: [(OPEN, CLOSE, "", "\n", "", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_key>\n<arg_value>", "",
@@ -75,7 +78,7 @@ MiniMax-M2: ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V
 </invoke>\\n</minimax:tool_call>``; DeepSeek-V3.2's DSML the same with its mark in each tag and
 ``string="true"`` (a text) or ``"false"`` (JSON) after the key; V4's block ``tool_calls``, or
 V4.1's `` calls`` with a space before each keyword."""
-FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY, GEMMA4)
+FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY, GEMMA4, MINIMAX_M3)
 """The call formats whose forced call is written in the format (the others' as its arguments alone)."""
 MAX_TEXT_REPEAT = 10_000
 """The longest ``minLength`` or ``maxLength`` of a text value written raw (a bounded repetition is
@@ -101,38 +104,43 @@ def _class_char(c: str) -> str:
 
 
 def until(name: str, closes: tuple[str, ...], edges: bool) -> list[str]:
-    """GBNF rules, the first named ``name``, for any text that holds none of ``closes`` (each
-    beginning with ``<``, which stands nowhere else in it; so a text's longest ending that begins a
-    close is found from the close's letters alone). With ``edges``, the text neither begins nor
-    ends with a new line. The states are the ends of the closes read so far (a trie), each a rule
-    that reads one character and goes on to the next state (a rule at the end of its alternative,
-    which llama.cpp's grammar stacks do not grow on)."""
-    assert all(c.startswith("<") and "<" not in c[1:] and "\n" not in c for c in closes), closes
+    """GBNF rules, the first named ``name``, for any text that holds none of ``closes`` (none of
+    which holds a new line). With ``edges``, the text neither begins nor ends with a new line. The
+    states are the longest ending of the text so far that begins a close (an Aho-Corasick automaton
+    over the closes, its moves found by trying each ending), each a rule that reads one character and
+    goes on to the next state (a rule at the end of its alternative, which llama.cpp's grammar stacks
+    do not grow on); a character no close holds goes back to the start."""
+    assert closes and all(c and "\n" not in c for c in closes), closes
     prefixes = sorted({c[:i] for c in closes for i in range(len(c))}, key=lambda p: (len(p), p))
     ids = {p: i for i, p in enumerate(prefixes)}  # "" is state 0
+    letters = sorted(set("".join(closes)))
     newline = len(prefixes)  # state "" after a new line (not an end, with edges)
 
     def state(p: str | int) -> str:
         return f"{name}-{p if isinstance(p, int) else ids[p]}"
 
+    def move(here: str, c: str) -> str | None:
+        """The state after ``c``, or None where a close ends there."""
+        text = here + c
+        if any(text.endswith(close) for close in closes):
+            return None
+        return next(text[i:] for i in range(len(text) + 1) if text[i:] in ids)
+
+    def moves(here: str, first: bool = False) -> list[str]:
+        """The alternatives of one character from ``here``: the letters that go elsewhere than the
+        start, each to its state (none where a close would end), the rest to the start."""
+        special = [c for c in letters if move(here, c) != ""] + (["\n"] if edges else [])
+        alts = [f"{literal(c)} {state(nxt)}" for c in special if c != "\n" and (nxt := move(here, c)) is not None]
+        if edges and not first:
+            alts.append(f'"\\n" {state(newline)}')
+        return alts + [f"[^{''.join(_class_char(c) for c in special)}] {state('')}"]
+
     rules = []
     for p in prefixes + ([newline] if edges else []):
         here = "" if p == newline else p
-        nexts = sorted({c[len(here)] for c in closes if c.startswith(here) and len(c) > len(here)})
-        alts = [] if p == newline else ['""']
-        special = set(nexts) | {"<"} | ({"\n"} if edges else set())
-        for c in nexts:
-            if here + c not in closes:
-                alts.append(f"{literal(c)} {state(here + c)}")
-        if "<" not in nexts:
-            alts.append(f'"<" {state("<")}')
-        if edges:
-            alts.append(f'"\\n" {state(newline)}')
-        alts.append(f"[^{''.join(_class_char(c) for c in sorted(special))}] {state('')}")
-        rules.append(f"{state(p)} ::= " + " | ".join(alts))
+        rules.append(f"{state(p)} ::= " + " | ".join(([] if p == newline else ['""']) + moves(here)))
     if edges:  # the start: "" or a first character that is not a new line
-        alts = ['""', f'"<" {state("<")}', f"[^<\\x0A] {state('')}"]
-        rules.append(f"{name} ::= " + " | ".join(alts))
+        rules.append(f"{name} ::= " + " | ".join(['""'] + moves("", first=True)))
     else:
         rules.append(f"{name} ::= {state('')}")
     return rules
@@ -143,7 +151,8 @@ def _string_typed(schema) -> bool:
     return isinstance(schema, dict) and schema.get("type") == "string"
 
 
-def _text_value(schema: dict, closes: tuple[str, ...], edges: bool, rule: str = "text") -> str | None:
+def _text_value(schema: dict, closes: tuple[str, ...], edges: bool, rule: str = "text", barred: str = "<"
+                ) -> str | None:
     """The grammar expression of a text written raw, held to ``schema`` (a string-typed property),
     or None where it cannot be: a ``pattern`` or ``format``; a length bound over
     :data:`MAX_TEXT_REPEAT` (or not a count); an ``enum``/``const`` text holding a close or (``edges``)
@@ -165,7 +174,8 @@ def _text_value(schema: dict, closes: tuple[str, ...], edges: bool, rule: str = 
     counts = [low] + ([high] if high is not None else [])
     if not all(type(n) is int and 0 <= n <= MAX_TEXT_REPEAT for n in counts) or high is not None and high < low:
         return None
-    char = "[^<\\x0A]" if edges else "[^<]"  # no < (nothing closes it), and with edges no new line at all
+    char = f"[^{_class_char(barred)}\\x0A]" if edges else f"[^{_class_char(barred)}]"  # nothing closes it without
+    # ``barred`` (every close begins with it), and with edges no new line at all
     return f"{char}{{{low},{'' if high is None else high}}}"
 
 
@@ -201,6 +211,9 @@ def writes(fmt: str | None, tools: list[tuple[str, dict | None]]) -> bool:
     if fmt == GEMMA4:
         return all(_keyed_ok(params) and _Gemma4().value(params or {"type": "object", "properties": {}}) is not None
                    for _, params in tools)
+    if fmt == MINIMAX_M3:
+        return all(_keyed_ok(params) and _M3(_Values({})).members(params or {"type": "object"}, M3_INVOKE_END)
+                   is not None for _, params in tools)
     if fmt not in SPELLINGS:
         return True
     for name, params in tools:
@@ -347,6 +360,87 @@ class _Gemma4:
         return None
 
 
+M3_KEY_NAME = re.compile(r"[^<>/\s]+")
+"""A member's name MiniMax-M3's reader takes (its element's name)."""
+
+
+class _M3:
+    """The grammar of MiniMax-M3's arguments under a JSON schema, as its reader
+    (:func:`~.toolcalls._m3_value`) reads them: each member an element named after it
+    (``NS<KEY>VALUE NS</KEY>``, ``NS`` its namespace token), the required ones first, in the schema's
+    order, then the others each maybe; a value that may be a text (:func:`~.toolcalls.m3_may_be_text`)
+    written raw, to its close (nor the block's close in it); alternatives (``anyOf``/``oneOf`` without
+    a type) as alternatives; an object with properties as its members; an array as ``NS<item>``
+    elements; anything else JSON of its schema (``values``: :class:`_Values`). :meth:`value` gives
+    None for what it does not write (a text's ``pattern`` or ``format``, a length or count over
+    :data:`MAX_TEXT_REPEAT`, a member name the reader would not take, deeper than
+    :data:`GEMMA4_NESTING`)."""
+
+    def __init__(self, values: _Values):
+        self.values, self.rules, self.texts = values, [], {}
+
+    def _rule(self, body: str) -> str:
+        name = f"m-{len(self.rules)}"
+        self.rules.append(f"{name} ::= {body}")
+        return name
+
+    def _text(self, close: str) -> str:
+        """The rule of a text holding neither ``close`` nor the block's close (one per close)."""
+        if close not in self.texts:
+            self.texts[close] = f"m-text-{len(self.texts)}"
+            self.rules += until(self.texts[close], tuple(dict.fromkeys([close, M3_CLOSE])), False)
+        return self.texts[close]
+
+    def members(self, schema: dict, close: str, depth: int = 0) -> str | None:
+        props = schema.get("properties", {})
+        if not isinstance(props, dict):
+            return None
+        members = []
+        for key, sub in props.items():
+            end = f"{M3_NS}</{key}>"
+            value = self.value(sub, end, depth + 1) if M3_KEY_NAME.fullmatch(key) else None
+            if value is None:
+                return None
+            members.append((self._rule(f"{literal(f'{M3_NS}<{key}>')} {value} {literal(end)}"),
+                            key in schema.get("required", [])))
+        order = [m for m, r in members if r] + [f"({m})?" for m, r in members if not r]
+        return " ".join(order) if order else '""'
+
+    def value(self, schema, close: str, depth: int = 0) -> str | None:
+        if depth > GEMMA4_NESTING:
+            return None
+        schema = schema if isinstance(schema, dict) else {}
+        if m3_may_be_text(schema):
+            if schema.get("type") == "string" and ("enum" in schema or "const" in schema):
+                values = [schema["const"]] if "const" in schema else schema["enum"]
+                if not all(isinstance(v, str) and close not in v and M3_CLOSE not in v for v in values):
+                    return None
+                return "(" + " | ".join(literal(v) for v in values) + ")"
+            if "pattern" in schema or "format" in schema:
+                return None
+            low, high = schema.get("minLength", 0), schema.get("maxLength")
+            if low == 0 and high is None:
+                return self._text(close)
+            bounds = {"minLength": low, "maxLength": high} if high is not None else {"minLength": low}
+            return _text_value(bounds, (close, M3_CLOSE), False, barred=M3_NS[0])
+        kind = schema.get("type")
+        if kind is None and isinstance(schema.get("anyOf", schema.get("oneOf")), list):
+            alternatives = [self.value(a, close, depth + 1) for a in schema.get("anyOf", schema.get("oneOf"))]
+            return None if not alternatives or None in alternatives else "(" + " | ".join(alternatives) + ")"
+        if kind == "object" and isinstance(schema.get("properties"), dict):
+            return self.members(schema, close, depth)
+        if kind == "array":
+            item = self.value(schema.get("items"), M3_ITEM_END, depth + 1)
+            low, high = schema.get("minItems", 0), schema.get("maxItems")
+            counts = [low] + ([high] if high is not None else [])
+            if item is None or not all(type(n) is int and 0 <= n <= MAX_TEXT_REPEAT for n in counts) \
+                    or high is not None and high < low:
+                return None
+            item = self._rule(f"{literal(M3_ITEM)} {item} {literal(M3_ITEM_END)}")
+            return f"{item}{{{low},{'' if high is None else high}}}"
+        return self.values.add(schema)
+
+
 def _members(members: list[tuple[str, bool]]) -> str:
     """Members (their rules, and whether each is required) separated by commas: the required ones
     always, first, the others each maybe; where none is required, any of them first, then the later
@@ -370,6 +464,15 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
     params, defs = hoisted([p for _, p in tools])
     values = _Values(defs)
     rules: list[str] = []
+    if fmt == MINIMAX_M3:
+        for p in params:  # a keyword the grammar would not hold is refused, as in a response_format
+            held_schema(p or {})
+        m3 = _M3(values)
+        calls = [f'{literal(f"{M3_NS}<invoke name=" + chr(34) + name + chr(34) + ">")} '
+                 f'{m3.members(p or {"type": "object"}, M3_INVOKE_END)} {literal(M3_INVOKE_END)}'
+                 for (name, _), p in zip(tools, params)]
+        return "\n".join([f'root ::= {literal(M3_OPEN + chr(10))} ({" | ".join(calls)}) {literal(chr(10) + M3_CLOSE)}']
+                         + m3.rules + [values.rules()])
     if fmt == GEMMA4:
         for p in params:  # a keyword the grammar would not hold is refused, as in a response_format
             held_schema(p or {})

@@ -95,7 +95,7 @@ from .reasoning import DEEPSEEK, HarmonyStream, ThinkStream, opens_thinking, rea
 from .reasoning import TAGS as THINK_TAGS
 from .toolcalls import MARKERS as CALL_MARKERS
 from .toolcalls import (ALTERNATIVES, DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, KIMI_K3,
-                        TAGS, TaggedCalls, call_format, gemma4_tool_responses, new_call_id, parse_tagged,
+                        MINIMAX_M3, TAGS, TaggedCalls, call_format, gemma4_tool_responses, new_call_id, parse_tagged,
                         results_in_call_order)
 from . import MAX_SEED
 from .textgen import Session, completion_kwargs, request_figures
@@ -896,7 +896,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     call_fmt = call_format(template)
     think_fmt = think_format(template)
     forms = FORMS if think_fmt == HARMONY else tuple(f for f in FORMS if f != HARMONY)  # its calls: its channels'
-    think_close = THINK_TAGS[DEEPSEEK][1] if think_fmt == DEEPSEEK else None  # a forced call may close <think> first
+    think_close = THINK_TAGS[think_fmt][1] if think_fmt in (DEEPSEEK, MINIMAX_M3) else None  # a forced call may
+    # close the <think> (<mm:think>) block first
     # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
     # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text as
     # one JSON section where its model learnt an argument section per key (MiniMax-M3's fails on a text: asked)
@@ -1096,13 +1097,13 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         # a reasoning model's thinking read out of the text (.reasoning), unless a grammar writes the text
         fmt = (body.reasoning_format if kind == "chat" else None) or reasoning_format
         harmony_call = plan is not None and plan.form == HARMONY  # a forced call on gpt-oss's channels
-        closes = plan is not None and plan.think_close is not None  # a forced call, after </think> or not
+        may_close = plan is not None and plan.think_close is not None  # a forced call, after </think> or not
         thinking = kind == "chat" and think_fmt is not None and fmt != "none" and \
-            (not gen.grammar or harmony_call or closes)
+            (not gen.grammar or harmony_call or may_close)
         harmony = thinking and think_fmt == HARMONY  # gpt-oss's channels (its calls too), else <think> blocks
-        opened = thinking and not harmony and (closes or gen.opened_thinking(think_fmt))  # forced: an empty block
+        opened = thinking and not harmony and (may_close or gen.opened_thinking(think_fmt))  # forced: an empty block
         ends = ENDS_THINKING.get(call_fmt, ()) if tagged is not None else ()  # calls may end the thinking
-        if closes:  # the call itself ends the block its grammar did not close
+        if may_close:  # the call itself ends the block its grammar did not close
             ends += tuple(pair[0] for pair in (TAGS[call_fmt],) + ALTERNATIVES.get(call_fmt, ()))
         think = (HarmonyStream(names) if harmony else ThinkStream(opened, think_fmt, ends)) if thinking else None
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
@@ -1161,7 +1162,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 elif thinking:
                     reasoning, text = split_reasoning(text, opened, think_fmt, ends)
                     message["content"] = text
-                if thinking and reasoning is not None and (reasoning or not closes):  # none for a forced call
+                if thinking and reasoning is not None and (reasoning or not may_close):  # none for a forced call
                     message["reasoning_content"] = reasoning
                 if arguments_of is not None:
                     calls = [{"id": call_id, "type": "function", "function": {"name": arguments_of.function.name,

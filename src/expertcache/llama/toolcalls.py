@@ -424,7 +424,7 @@ M3_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bo
             "array": list}
 
 
-def _m3_may_be_text(schema) -> bool:
+def m3_may_be_text(schema) -> bool:
     """Whether a value of ``schema`` may be a text (then MiniMax-M3's is the text as written):
     ``string`` among its types, a string alternative (``anyOf``, ``oneOf``), or nothing that says."""
     if not isinstance(schema, dict):
@@ -432,7 +432,7 @@ def _m3_may_be_text(schema) -> bool:
     kind = schema.get("type")
     if kind is None:
         if (alternatives := _alternatives(schema)) is not None:
-            return any(_m3_may_be_text(a) for a in alternatives)
+            return any(m3_may_be_text(a) for a in alternatives)
         return not any(k in schema for k in ("properties", "items", "enum", "const"))
     return kind == "string" or (isinstance(kind, list) and "string" in kind)
 
@@ -445,7 +445,7 @@ def _alternatives(schema: dict) -> list | None:
 
 def _m3_value(text: str, at: int, schema, close: str, depth: int, steps: list) -> tuple[object, int]:
     """A MiniMax-M3 value of ``schema`` at ``text[at]`` and where its ``close`` ends; ``ValueError``
-    where none is. A text where the schema allows one (:func:`_m3_may_be_text`): as written, to its
+    where none is. A text where the schema allows one (:func:`m3_may_be_text`): as written, to its
     close; alternatives tried in order; an object with properties: its members (:func:`_m3_members`);
     an array: ``<item>`` elements; anything else: JSON of the schema's type (a finite number).
     ``depth``: the elements around it (at most :data:`M3_DEPTH`); ``steps``: ``[values left to try]``
@@ -454,7 +454,7 @@ def _m3_value(text: str, at: int, schema, close: str, depth: int, steps: list) -
     if depth > M3_DEPTH or steps[0] < 0:
         raise ValueError("nested too deep, or too many alternatives")
     schema = schema if isinstance(schema, dict) else {}
-    if _m3_may_be_text(schema):
+    if m3_may_be_text(schema):
         end = text.find(close, at)
         if end < 0:
             raise ValueError("not closed")
