@@ -99,7 +99,7 @@ FORCED_TOOLS = [
                   "required": ["zone"]}),
     ("ping", None)]
 FORCED = ("arguments", "hermes", "qwen3-coder", "glm", "minimax-m2", "deepseek-v3.2", "deepseek-v4", "deepseek-v3",
-          "kimi-k2", "mistral", "harmony", "gemma4")
+          "kimi-k2", "mistral", "harmony", "gemma4", "minimax-m3")
 
 
 def forced(path: str, tokens: int, repeats: int) -> dict:
