@@ -1711,7 +1711,7 @@ def test_harmony_markers_reach_the_text_and_a_harmony_chat_is_read(harmony):
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and len(json.loads(call.function.arguments)["city"]) <= 8
-    wrote = bytes(b for t in named.choices[0].logprobs.content for b in t.bytes).decode()  # a message on its channel
+    wrote = written_text(named.choices[0])  # a message on its channel
     assert wrote.startswith("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"), wrote
     assert named.choices[0].message.content is None and named.choices[0].finish_reason == "stop"
     deltas = [c.choices[0].delta for c in client.chat.completions.create(
@@ -1949,7 +1949,7 @@ def test_a_forced_call_may_close_the_thinking_its_prompt_opened(qwen_xml):
                seed=1, tools=tools, tool_choice="required", logprobs=True)
     for bias, opening in ((100, "</think>"), (-100, "<tool_call>\n<function=get_weather>")):
         answer = client.chat.completions.create(**ask, logit_bias={str(close): bias}).choices[0]
-        written = bytes(b for t in answer.logprobs.content for b in t.bytes).decode()
+        written = written_text(answer)
         assert written.startswith(opening), written
         (call,) = answer.message.tool_calls
         assert call.function.name == "get_weather" and answer.finish_reason == "tool_calls"
@@ -2308,6 +2308,11 @@ def test_gemma4s_round_trip_reaches_its_template(gemma4):
     assert (message.reasoning_content, message.content) == ("Paris, then.", "Sunny.")
 
 
+def written_text(choice) -> str:
+    """What the model wrote, special tokens and all: a chat choice's log-probabilities' bytes."""
+    return bytes(b for t in choice.logprobs.content for b in t.bytes).decode()
+
+
 NATIVE_OPENINGS = {"glm": "<tool_call>get_weather\n", "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",
                    "dsml": "<｜DSML｜function_calls>\n<｜DSML｜invoke", "dsv4": "<｜DSML｜", "qwen_xml": "<tool_call>\n<function=",
                    "minimax": '<minimax:tool_call>\n<invoke name="get_weather">',
@@ -2372,7 +2377,7 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = named.choices[0].message.tool_calls
     city = json.loads(call.function.arguments)["city"]
-    written = bytes(b for t in named.choices[0].logprobs.content for b in t.bytes).decode()  # what the model wrote
+    written = written_text(named.choices[0])
     closed = re.match(r"</(mm:)?think>\s*", written) if fixture in NATIVE_OPENINGS else None  # a block it may close
     assert written[closed.end() if closed else 0:].startswith(NATIVE_OPENINGS.get(fixture, "{")), written
     assert named.choices[0].message.content is None and not getattr(named.choices[0].message, "reasoning_content", None)

@@ -54,7 +54,7 @@ from .toolcalls import (CALL_CLOSE, CALL_OPEN, CALL_SEP, CALLS_CLOSE, CALLS_OPEN
                         GEMMA4_CLOSE, GEMMA4_KEY, GEMMA4_OPEN, GEMMA4_QUOTE, GLM, HARMONY, HERMES, KIMI, KIMI_TAGS,
                         M3_CLOSE, M3_INVOKE_END, M3_ITEM, M3_ITEM_END, M3_NS, M3_OPEN, MINIMAX, MINIMAX_CLOSE,
                         MINIMAX_M3, MINIMAX_OPEN, MISTRAL, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, QWEN_XML, XML_FORMS,
-                        m3_may_be_text)
+                        m3_may_be_text, schema_alternatives)
 
 SPELLINGS = {
     GLM: [(OPEN, CLOSE, "", "\n", "", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_key>\n<arg_value>", "",
@@ -149,6 +149,13 @@ def until(name: str, closes: tuple[str, ...], edges: bool) -> tuple[str, ...]:
     return tuple(rules)
 
 
+def _bounded(low, high) -> bool:
+    """A length or count bound the grammar writes out: each a non-negative integer up to
+    :data:`MAX_TEXT_REPEAT` (``high`` None: none), ``low`` not above ``high``."""
+    counts = [low] + ([high] if high is not None else [])
+    return all(type(n) is int and 0 <= n <= MAX_TEXT_REPEAT for n in counts) and (high is None or low <= high)
+
+
 def _string_typed(schema) -> bool:
     """The reader takes this property's value as the text written (:func:`~.toolcalls._keyed_call`)."""
     return isinstance(schema, dict) and schema.get("type") == "string"
@@ -174,8 +181,7 @@ def _text_value(schema: dict, closes: tuple[str, ...], edges: bool, rule: str = 
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     if low == 0 and high is None:
         return rule
-    counts = [low] + ([high] if high is not None else [])
-    if not all(type(n) is int and 0 <= n <= MAX_TEXT_REPEAT for n in counts) or high is not None and high < low:
+    if not _bounded(low, high):
         return None
     char = f"[^{_class_char(barred)}\\x0A]" if edges else f"[^{_class_char(barred)}]"  # nothing closes it without
     # ``barred`` (every close begins with it), and with edges no new line at all
@@ -326,8 +332,8 @@ class _Gemma4:
         alternatives = None
         if "const" in schema or "enum" in schema:
             alternatives = [self._constant(v) for v in ([schema["const"]] if "const" in schema else schema["enum"])]
-        elif isinstance(schema.get("anyOf", schema.get("oneOf")), list):
-            alternatives = [self.value(s, depth + 1) for s in schema.get("anyOf", schema.get("oneOf"))]
+        elif (listed := schema_alternatives(schema)) is not None:
+            alternatives = [self.value(s, depth + 1) for s in listed]
         elif isinstance(schema.get("type"), list):
             alternatives = [self.value({**schema, "type": t}, depth + 1) for t in schema["type"]]
         if alternatives is not None:
@@ -341,9 +347,7 @@ class _Gemma4:
         if kind == "array" or kind is None and "items" in schema:
             item = self.value(schema.get("items", {}), depth + 1) if isinstance(schema.get("items"), dict) else None
             low, high = schema.get("minItems", 0), schema.get("maxItems")
-            counts = [low] + ([high] if high is not None else [])
-            if item is None or not all(type(n) is int and 0 <= n <= MAX_TEXT_REPEAT for n in counts) \
-                    or high is not None and high < low:
+            if item is None or not _bounded(low, high):
                 return None
             item = self._rule(item)
             more = f'("," {item})' + ("*" if high is None else f"{{{max(low - 1, 0)},{high - 1}}}")
@@ -427,17 +431,15 @@ class _M3:
             bounds = {"minLength": low, "maxLength": high} if high is not None else {"minLength": low}
             return _text_value(bounds, (close, M3_CLOSE), False, barred=M3_NS[0])
         kind = schema.get("type")
-        if kind is None and isinstance(schema.get("anyOf", schema.get("oneOf")), list):
-            alternatives = [self.value(a, close, depth + 1) for a in schema.get("anyOf", schema.get("oneOf"))]
+        if kind is None and (listed := schema_alternatives(schema)) is not None:
+            alternatives = [self.value(a, close, depth + 1) for a in listed]
             return None if not alternatives or None in alternatives else "(" + " | ".join(alternatives) + ")"
         if kind == "object" and isinstance(schema.get("properties"), dict):
             return self.members(schema, close, depth)
         if kind == "array":
             item = self.value(schema.get("items"), M3_ITEM_END, depth + 1)
             low, high = schema.get("minItems", 0), schema.get("maxItems")
-            counts = [low] + ([high] if high is not None else [])
-            if item is None or not all(type(n) is int and 0 <= n <= MAX_TEXT_REPEAT for n in counts) \
-                    or high is not None and high < low:
+            if item is None or not _bounded(low, high):
                 return None
             item = self._rule(f"{literal(M3_ITEM)} {item} {literal(M3_ITEM_END)}")
             return f"{item}{{{low},{'' if high is None else high}}}"
@@ -465,11 +467,11 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
     if fmt == HERMES:
         return tool_call_text(tools)
     params, defs = hoisted([p for _, p in tools])
+    for p in params:  # a keyword the grammar would not hold is refused, as in a response_format
+        held_schema(p or {})
     values = _Values(defs)
     rules: list[str] = []
     if fmt == MINIMAX_M3:
-        for p in params:  # a keyword the grammar would not hold is refused, as in a response_format
-            held_schema(p or {})
         m3 = _M3(values)
         calls = [f'{literal(f"{M3_NS}<invoke name=" + chr(34) + name + chr(34) + ">")} '
                  f'{m3.members(p or {"type": "object"}, M3_INVOKE_END)} {literal(M3_INVOKE_END)}'
@@ -477,8 +479,6 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
         return "\n".join([f'root ::= {literal(M3_OPEN + chr(10))} ({" | ".join(calls)}) {literal(chr(10) + M3_CLOSE)}']
                          + m3.rules + [values.rules()])
     if fmt == GEMMA4:
-        for p in params:  # a keyword the grammar would not hold is refused, as in a response_format
-            held_schema(p or {})
         gemma = _Gemma4()
         calls = [f'{literal("call:" + name)} {gemma.value(p or {"type": "object", "properties": {}})}'
                  for (name, _), p in zip(tools, params)]
@@ -495,8 +495,6 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
         else:
             root = f'{literal(MISTRAL_CALLS)} " "? ({" | ".join(calls)})'
         return "\n".join([f"root ::= {root}", values.rules()])
-    for p in params:  # a keyword the grammar would not hold is refused, as in a response_format
-        held_schema(p or {})
     json_of = {(i, key): values.add(schema) for i, p in enumerate(params)
                for key, schema in (p or {}).get("properties", {}).items() if not _string_typed(schema)}
     blocks = []

@@ -431,13 +431,13 @@ def m3_may_be_text(schema) -> bool:
         return True
     kind = schema.get("type")
     if kind is None:
-        if (alternatives := _alternatives(schema)) is not None:
+        if (alternatives := schema_alternatives(schema)) is not None:
             return any(m3_may_be_text(a) for a in alternatives)
         return not any(k in schema for k in ("properties", "items", "enum", "const"))
     return kind == "string" or (isinstance(kind, list) and "string" in kind)
 
 
-def _alternatives(schema: dict) -> list | None:
+def schema_alternatives(schema: dict) -> list | None:
     """A schema's ``anyOf`` (else its ``oneOf``) list, or None."""
     alternatives = schema.get("anyOf", schema.get("oneOf"))
     return alternatives if isinstance(alternatives, list) else None
@@ -459,7 +459,7 @@ def _m3_value(text: str, at: int, schema, close: str, depth: int, steps: list) -
         if end < 0:
             raise ValueError("not closed")
         return text[at:end], end + len(close)
-    if schema.get("type") is None and (alternatives := _alternatives(schema)) is not None:
+    if schema.get("type") is None and (alternatives := schema_alternatives(schema)) is not None:
         for alternative in alternatives:
             try:
                 return _m3_value(text, at, alternative, close, depth, steps)
