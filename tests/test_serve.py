@@ -1647,6 +1647,201 @@ def test_thinking_is_read_out_into_reasoning_content_and_template_variables_reac
     assert client.chat.completions.create(**forced).choices[0].message.content == "</think>" * 3
 
 
+def _anthropic(server):
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic client is not installed")
+    return anthropic, anthropic.Anthropic(base_url=server.url, api_key="unused", timeout=120, max_retries=0)
+
+
+def _blocks(message) -> list[tuple]:
+    """An Anthropic message's blocks as ``(type, text or (name, input))``."""
+    return [(b.type, b.thinking if b.type == "thinking" else b.text if b.type == "text" else (b.name, b.input))
+            for b in message.content]
+
+
+def _streamed(client, **ask):
+    """What ``client.messages.stream`` accumulates (the SDK's own reading of the events), and the
+    events' types in order."""
+    with client.messages.stream(**ask) as stream:
+        kinds = [e.type for e in stream]
+        return stream.get_final_message(), kinds
+
+
+def test_anthropic_messages_answer_as_the_chat_endpoint_does(hermes):
+    """``/v1/messages`` through Anthropic's own client: the same decode as the equivalent chat
+    request (text, thinking, stop reasons, token counts), streamed as the same message in
+    Anthropic's event order; ``count_tokens`` counts the prompt the request evaluates; the thinking
+    switch reaches the template's variable; a stop sequence is reported; a schema in
+    ``output_config`` holds the text; ``top_k`` 1 samples the greedy text."""
+    _, client = _anthropic(hermes)
+    chat = hermes.client()
+    system, msgs = "You answer briefly.", [{"role": "user", "content": "Capital of France?"}]
+    ask = dict(model="small-moe", max_tokens=24, extra_body={"temperature": 0})  # the client's own field no longer
+    chatting = dict(model="small-moe", max_tokens=24, temperature=0)
+    want = chat.chat.completions.create(messages=[{"role": "system", "content": system}] + msgs, **chatting)
+    got = client.messages.create(system=system, messages=msgs, **ask)
+    assert got.id.startswith("msg_") and got.role == "assistant" and got.model == "small-moe"
+    assert _blocks(got) == [("text", want.choices[0].message.content)]
+    assert got.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[want.choices[0].finish_reason]
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
+    assert client.messages.count_tokens(model="small-moe", system=system, messages=msgs).input_tokens == \
+        got.usage.input_tokens
+    streamed, kinds = _streamed(client, system=system, messages=msgs, **ask)
+    assert _blocks(streamed) == _blocks(got) and streamed.stop_reason == got.stop_reason
+    assert streamed.usage.output_tokens == got.usage.output_tokens
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and kinds[-2] == "message_delta"
+    # the system prompt as text blocks: one paragraph each
+    blocks = client.messages.create(system=[{"type": "text", "text": "You answer"}, {"type": "text", "text": "briefly."}],
+                                    messages=msgs, **ask)
+    joined = chat.chat.completions.create(messages=[{"role": "system", "content": "You answer\n\nbriefly."}] + msgs,
+                                          **chatting)
+    assert blocks.usage.input_tokens == joined.usage.prompt_tokens
+
+    # thinking: a prompt that opens <think> (the template's own variable, through chat_template_kwargs)
+    opened = dict(ask, messages=msgs, extra_body={"temperature": 0, "chat_template_kwargs": {"think_open": True}})
+    want = chat.chat.completions.create(**chatting, messages=msgs, extra_body={
+        "chat_template_kwargs": {"think_open": True}}).choices[0].message
+    got = client.messages.create(**opened)
+    assert want.reasoning_content and _blocks(got) == [("thinking", want.reasoning_content)] + (
+        [("text", want.content)] if want.content else [])
+    assert got.content[0].signature == ""
+    streamed, kinds = _streamed(client, **opened)
+    assert _blocks(streamed) == _blocks(got), kinds
+    starts = [k for k in kinds if k in ("content_block_start", "content_block_stop")]
+    assert starts == ["content_block_start", "content_block_stop"] * len(got.content)  # one block at a time
+    omitted = dict(opened, thinking={"type": "adaptive", "display": "omitted"})
+    assert _blocks(client.messages.create(**omitted)) == [("thinking", "")] + _blocks(got)[1:]
+    assert _blocks(_streamed(client, **omitted)[0]) == [("thinking", "")] + _blocks(got)[1:]
+    # the thinking switch sets the variable the template reads (enable_thinking: Qwen3's empty block)
+    off = client.messages.create(messages=msgs, thinking={"type": "disabled"}, **ask)
+    off_chat = chat.chat.completions.create(messages=msgs, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                                            **chatting)
+    on = client.messages.create(messages=msgs, thinking={"type": "enabled", "budget_tokens": 1024}, **ask)
+    assert off.usage.input_tokens == off_chat.usage.prompt_tokens > on.usage.input_tokens == \
+        client.messages.count_tokens(model="small-moe", messages=msgs).input_tokens
+
+    # a stop sequence: the text cut before it, and reported (a seeded sample: greedy text repeats itself here)
+    seeded = dict(ask, extra_body={"temperature": 1.0, "seed": 3})
+    sample = client.messages.create(messages=msgs, **seeded).content[0].text
+    at = next(i for i in range(2, len(sample) - 3) if sample.find(sample[i:i + 3]) == i and sample[i:i + 3].strip())
+    stop = sample[at:at + 3]
+    for got in (client.messages.create(messages=msgs, stop_sequences=[stop], **seeded),
+                _streamed(client, messages=msgs, stop_sequences=[stop], **seeded)[0]):
+        assert (got.stop_reason, got.stop_sequence, _blocks(got)) == ("stop_sequence", stop, [("text", sample[:at])])
+    text = client.messages.create(messages=msgs, **ask).content[0].text
+    # output_config's schema holds the text; top_k 1 at temperature 1 samples the greedy text
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    shaped = client.messages.create(messages=msgs, output_config={"format": {"type": "json_schema", "schema": schema}},
+                                    **dict(ask, max_tokens=64))
+    assert set(json.loads(shaped.content[0].text)) == {"city"}
+    sampled = client.messages.create(messages=msgs, **dict(ask, extra_body={"temperature": 1.0, "top_k": 1}))
+    assert sampled.content[0].text == text
+    top1 = chat.chat.completions.create(messages=msgs, **dict(chatting, temperature=1.0), extra_body={"top_k": 1})
+    assert top1.choices[0].message.content == text
+
+
+def test_anthropic_tools_round_trip_as_chat_tools(hermes):
+    """Anthropic's tools are the chat endpoint's: ``any`` forces a call (the same call as
+    ``required``), a named tool that one, ``none`` none; a ``tool_use`` and its ``tool_result`` go
+    back to the template as the chat's call and tool message (the same prompt, token for token);
+    streamed, the same blocks."""
+    _, client = _anthropic(hermes)
+    chat = hermes.client()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+    tools = [{"name": "get_weather", "description": "Weather of a city", "input_schema": schema},
+             {"name": "get_time", "input_schema": {"type": "object", "properties": {
+                 "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}]
+    chat_tools = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"],
+                                                    **({"description": t["description"]} if "description" in t else {})}}
+                  for t in tools]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    ask = dict(model="small-moe", max_tokens=96, messages=msgs, extra_body={"temperature": 0})
+    chatting = dict(model="small-moe", max_tokens=96, messages=msgs, temperature=0)
+    want = chat.chat.completions.create(tools=chat_tools, tool_choice="required", **chatting).choices[0].message
+    got = client.messages.create(tools=tools, tool_choice={"type": "any"}, **ask)
+    (call,) = want.tool_calls
+    assert _blocks(got) == [("tool_use", (call.function.name, json.loads(call.function.arguments)))]
+    assert got.stop_reason == "tool_use" and got.stop_sequence is None
+    assert got.content[0].id == call.id or got.content[0].id.startswith("call_")
+    streamed, _ = _streamed(client, tools=tools, tool_choice={"type": "any"}, **ask)
+    assert _blocks(streamed) == _blocks(got) and streamed.stop_reason == "tool_use"
+    named = client.messages.create(tools=tools, tool_choice={"type": "tool", "name": "get_time"}, **ask)
+    assert [b.name for b in named.content] == ["get_time"] and named.stop_reason == "tool_use"
+    assert named.content[0].input["zone"] in ("UTC", "CET")
+    none = client.messages.create(tools=tools, tool_choice={"type": "none"}, **dict(ask, max_tokens=8))
+    assert none.usage.input_tokens == client.messages.count_tokens(model="small-moe", messages=msgs).input_tokens
+    auto = client.messages.create(tools=tools, **dict(ask, max_tokens=8))
+    assert auto.usage.input_tokens == chat.chat.completions.create(
+        tools=chat_tools, **dict(chatting, max_tokens=8)).usage.prompt_tokens == \
+        client.messages.count_tokens(model="small-moe", messages=msgs, tools=tools).input_tokens
+    # the call and its result back to the template: the chat's prompt, token for token
+    use = got.content[0]
+    turn2 = msgs + [{"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                                      {"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                  "content": [{"type": "text", "text": "sunny"}]},
+                                                 {"type": "text", "text": "And tomorrow?"}]}]
+    chat2 = msgs + [{"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "sunny"}, {"role": "user", "content": "And tomorrow?"}]
+    after = client.messages.create(**dict(ask, messages=turn2, max_tokens=8), tools=tools)
+    assert after.usage.input_tokens == chat.chat.completions.create(
+        **dict(chatting, messages=chat2, max_tokens=8), tools=chat_tools).usage.prompt_tokens
+    assert after.usage.input_tokens > auto.usage.input_tokens
+
+
+def test_anthropic_mistakes_are_anthropic_errors_and_the_server_keeps_serving(hermes, managed):
+    """A request the server cannot serve as asked is a 4xx in Anthropic's error shape naming the
+    field, raised by Anthropic's client as its own error; what would change the answer (an image, a
+    server tool, a thinking block in a user's message) is refused, never dropped."""
+    anthropic, client = _anthropic(hermes)
+    ok = {"model": "small-moe", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    cases = [
+        ({k: v for k, v in ok.items() if k != "max_tokens"}, 400, "max_tokens"),
+        (dict(ok, model="claude-sonnet"), 404, "small-moe"),
+        (dict(ok, temperature=1.5), 400, "temperature"),
+        (dict(ok, messages=[{"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]), 400, "image"),
+        (dict(ok, messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]),
+         400, "messages.0.content.0"),
+        (dict(ok, messages=[{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]), 400, "thinking"),
+        (dict(ok, messages=[{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]), 400,
+         "redacted_thinking"),
+        (dict(ok, tools=[{"type": "web_search_20250305", "name": "web_search"}]), 400, "tools.0"),
+        (dict(ok, tool_choice={"type": "tool"}), 400, "tool_choice.name"),
+        (dict(ok, tools=[{"name": "f", "input_schema": {"type": "object"}}], tool_choice={"type": "tool", "name": "g"}),
+         400, "tool_choice"),
+        (dict(ok, container="c1"), 400, "container"),
+        (dict(ok, output_config={"effort": "low", "task_budget": 1}), 400, "output_config"),
+        (dict(ok, stop_sequences=[""]), 400, "stop"),
+        ("{", 400, "not JSON"),
+    ]
+    for body, status, says in cases:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            if path.endswith("count_tokens") and says == "max_tokens":
+                continue  # counting takes no max_tokens
+            got, raw = hermes.raw("POST", path, body if isinstance(body, str) else json.dumps(body))
+            err = json.loads(raw)
+            assert got == status and err["type"] == "error" and says in err["error"]["message"], (path, body, raw)
+            assert err["error"]["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(**ok, extra_body={"temperature": 2.0})
+    assert caught.value.status_code == 400 and "temperature" in caught.value.message
+    got, raw = hermes.raw("POST", "/v1/messages", json.dumps({**ok, "model": "small-moe", "metadata": {"user_id": "u"},
+                                                              "service_tier": "auto"}))
+    assert got == 200 and json.loads(raw)["type"] == "message"  # fields that change nothing here: taken
+    assert hermes.metrics()['expertcache_requests_total{endpoint="/v1/messages",code="400"}'] >= 10
+    got, raw = hermes.raw("GET", "/v1/messages")
+    assert got == 405 and json.loads(raw)["error"]["type"] == "invalid_request_error", raw
+    # a chat format that drops tool messages (chatml): the tool_result block named, not the chat's message
+    result = dict(ok, messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+            {"type": "text", "text": "Here:"}, {"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}])
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        got, raw = managed.raw("POST", path, json.dumps(result))
+        assert got == 400 and json.loads(raw)["error"]["message"].startswith(
+            "messages.2.content.1.role: this model's chat format leaves tool messages out"), raw
+
+
 HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 HARMONY_TEMPLATE = """{%- if tools %}<|start|>developer<|message|># Tools
 namespace functions {
@@ -2400,3 +2595,107 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
                                {"role": "tool", "tool_call_id": wrote.id, "content": "sunny"}]
     again = client.chat.completions.create(**{**ask, "messages": turn2, "max_tokens": 1}, tools=tools)
     assert again.usage.prompt_tokens > auto.usage.prompt_tokens  # the written call goes back to the template
+
+
+def test_parallel_tool_calls_false_answers_the_first_call_only(glm):
+    """A model that writes two calls (a whole call, one token of this vocabulary, forced twice) is
+    answered both with ``auto``; with ``parallel_tool_calls: false`` (Anthropic's
+    ``disable_parallel_tool_use``) the first only, streamed the same."""
+    import llama_cpp
+
+    (word,) = llama_cpp.Llama(str(glm.gguf), vocab_only=True, verbose=False).tokenize(
+        WRITTEN_CALLS["glm"][0].encode(), add_bos=False, special=True)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    ask = dict(model="small-moe", messages=[{"role": "user", "content": "Weather?"}], max_tokens=2, temperature=0,
+               tools=tools, logit_bias={str(word): 100})
+    client = glm.client()
+    assert len(client.chat.completions.create(**ask).choices[0].message.tool_calls) == 2
+    (one,) = client.chat.completions.create(**ask, parallel_tool_calls=False).choices[0].message.tool_calls
+    assert (one.function.name, json.loads(one.function.arguments)) == ("get_weather", {"city": "Paris"})
+    streamed = [tc for c in client.chat.completions.create(**ask, parallel_tool_calls=False, stream=True) if c.choices
+                for tc in c.choices[0].delta.tool_calls or []]
+    assert [(tc.index, tc.function.name, tc.function.arguments) for tc in streamed] == \
+        [(0, "get_weather", one.function.arguments)]
+    _, anthropic_client = _anthropic(glm)
+    anthropic_tools = [{"name": "get_weather", "input_schema": tools[0]["function"]["parameters"]}]
+    for disable, calls in ((False, 2), (True, 1)):
+        got = anthropic_client.messages.create(
+            model="small-moe", max_tokens=2, messages=ask["messages"], tools=anthropic_tools,
+            tool_choice={"type": "auto", "disable_parallel_tool_use": disable},
+            extra_body={"temperature": 0, "logit_bias": {str(word): 100}})
+        assert [(b.type, b.name, b.input) for b in got.content] == [("tool_use", "get_weather", {"city": "Paris"})] * calls
+        assert got.stop_reason == "max_tokens"  # the limit ended it (as the chat's finish_reason says: length)
+
+
+def _fuzzed_block(rng, role: str):
+    kind = rng.choice(["text", "text", "tool_use", "tool_result", "thinking", "image", "redacted_thinking", None])
+    block = {"type": kind} if kind else {}
+    hostile = [None, 1, -1.5, True, "", "x" * 50, "\ud800", [], {}, {"a": [1]}]
+    if kind == "text":
+        block["text"] = rng.choice(["Hi", "", "<tool_call>{}</tool_call>", "</think>", rng.choice(hostile)])
+    elif kind == "tool_use":
+        block.update(id=rng.choice(["t1", "", "call_0"]), name=rng.choice(["f", "bad name", ""]),
+                     input=rng.choice([{}, {"city": "Paris"}, "x", None]))
+    elif kind == "tool_result":
+        block.update(tool_use_id=rng.choice(["t1", "t9", ""]),
+                     content=rng.choice(["sunny", [{"type": "text", "text": "cold"}], [{"type": "image"}], 3, None]))
+    elif kind == "thinking":
+        block["thinking"] = rng.choice(["hm", "", 5])
+    return block
+
+
+@pytest.mark.parametrize("server", ["managed", "hermes"])
+def test_generated_anthropic_requests_are_a_200_or_a_4xx_in_anthropics_shape(server, request):
+    """Seeded generated message requests (blocks of every type in either role, hostile values, tools
+    and tool choices, thinking, stop sequences; streamed or not; counted or answered): each a 200 or
+    a 4xx in Anthropic's error shape, never a 5xx; a 200 is a message (or a count, or an event
+    stream ending in ``message_stop``); the server answers after all of it."""
+    import random
+
+    served = request.getfixturevalue(server)
+    rng = random.Random(61)
+    seen = collections.Counter()
+    for i in range(100):
+        body = {"model": "small-moe", "max_tokens": rng.choice([2, 6]), "stream": rng.random() < 0.3, "extra": 1,
+                "messages": [{"role": "user", "content": "Weather?"}]}
+        if rng.random() < 0.5:  # a conversation of blocks, each role's or not
+            messages = []
+            for j in range(rng.randint(1, 3)):
+                role = rng.choice(["user", "assistant"] * 4 + ["system"])
+                messages.append({"role": role, "content": [_fuzzed_block(rng, role) for _ in range(rng.randint(1, 2))]})
+            body["messages"] = messages + [{"role": "user", "content": "Weather?"}]
+        for key, values in (("model", ["claude", None, 3]), ("max_tokens", [0, "3", None, 10 ** 6]),
+                            ("messages", [[], None, "Hi", [{"role": "user"}]]),
+                            ("system", ["Be brief.", [{"type": "text", "text": "Be"}], [{"type": "image"}], 3]),
+                            ("tools", [[{"name": "f", "input_schema": {"type": "object", "properties": {
+                                "city": {"type": "string"}}}}]] * 3 + [[{"name": "f"}],
+                                [{"type": "bash_20250124", "name": "bash"}], [{"name": "bad name", "input_schema": {}}]]),
+                            ("tool_choice", [{"type": "any"}, {"type": "tool", "name": "f"}, {"type": "none"},
+                                             {"type": "auto", "disable_parallel_tool_use": True}, {"type": "x"}]),
+                            ("thinking", [{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"},
+                                          {"type": "adaptive", "display": "omitted"}, {"type": "on"}]),
+                            ("stop_sequences", [["\n"], [], [""], ["a"] * 5, "x"]),
+                            ("temperature", [0, 1, 1.5, "0"]), ("top_k", [1, -1, 0]),
+                            ("output_config", [{"format": {"type": "json_schema", "schema": {"type": "object"}}},
+                                               {"effort": "high"}, {"effort": "x"}, {"format": {"type": "x"}}])):
+            if rng.random() < 0.12:
+                body[key] = rng.choice(values)
+        path = "/v1/messages/count_tokens" if rng.random() < 0.25 else "/v1/messages"
+        status, raw = served.raw("POST", path, json.dumps({k: v for k, v in body.items() if v is not None}))
+        seen[status] += 1
+        assert status in (200, 400, 404), (status, body, raw[:300])
+        if status != 200:
+            err = json.loads(raw)
+            assert err["type"] == "error" and err["error"]["message"], raw
+        elif path.endswith("count_tokens"):
+            assert json.loads(raw)["input_tokens"] > 0
+        elif body["stream"]:
+            assert raw.decode().startswith("event: message_start\n") and raw.decode().endswith(
+                'event: message_stop\ndata: {"type": "message_stop"}\n\n'), raw[-300:]
+        else:
+            assert json.loads(raw)["type"] == "message"
+    assert seen[200] >= 10 and seen[400] >= 20, seen
+    _, client = _anthropic(served)
+    assert client.messages.create(model="small-moe", max_tokens=2, messages=[
+        {"role": "user", "content": "Hi"}]).usage.output_tokens <= 2

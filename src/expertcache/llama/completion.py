@@ -23,6 +23,9 @@ Invariants (``tests/test_serve.py``):
   handler a ``llama`` whose ``create_completion`` is this loop (:class:`_Completer`).
 * A prompt that is empty or leaves no room in the context raises :class:`PromptError` at the first
   ``next``, before anything is evaluated.
+* The stop sequence that ended a decode is ``llm.stop_sequence`` once it has ended (None: none
+  did), as Anthropic's ``stop_sequence`` reports it; :func:`count_prompt` counts a chat's prompt
+  without decoding it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import time
 import uuid
 
 import jinja2
+import jinja2.meta
+import jinja2.sandbox
 import llama_cpp
 
 from .._text import held_back
@@ -88,6 +93,7 @@ def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 
                 "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
 
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    llm.stop_sequence = None  # the stop sequence that ends this decode, once one does
     completion: list[int] = []
     pending = ""  # decoded, not yet yielded (it could begin a stop sequence)
     finish, cut = "length", -1
@@ -116,6 +122,7 @@ def stream_completion(llm: llama_cpp.Llama, prompt, *, max_tokens: int | None = 
         pending += decoder.decode(b"", final=True)
         cut = _first_stop(pending, stops)
     if cut >= 0:
+        llm.stop_sequence = next(s for s in stops if pending.find(s) == cut)
         pending, finish = pending[:cut], "stop"
     elif stopping_criteria is not None and stopping_criteria(llm._input_ids, llm._scores[-1, :]):
         finish = "stop"  # as llama-cpp-python ends: the template's stop token was the last
@@ -154,12 +161,17 @@ class _Completer:
     def __getattr__(self, name):
         return getattr(self._llm, name)
 
-    def create_completion(self, prompt, **kw):
+    def reopened(self, prompt):
+        """``prompt`` (token ids) given ``reopen``'s text where it ends in its ``ended`` text."""
         if self._reopen is not None and isinstance(prompt, list) and prompt:
             ended, more = self._reopen  # a prompt ending in `ended` (the template left no turn open) gets `more`
             tail = self._llm.detokenize(prompt[-8:], special=True).decode("utf-8", errors="replace")
             if tail.endswith(ended):
                 prompt = prompt + self._llm.tokenize(more.encode("utf-8"), add_bos=False, special=True)
+        return prompt
+
+    def create_completion(self, prompt, **kw):
+        prompt = self.reopened(prompt)
         if not kw.get("stream") or any(kw.get(k) not in (None, False) for k in UNSERVED):
             return self._llm.create_completion(prompt, **kw)
         return stream_completion(self._llm, prompt, preserved=self._preserved,
@@ -187,6 +199,43 @@ def stream_chat(llm: llama_cpp.Llama, messages: list[dict], preserved: frozenset
     except (ValueError, TypeError, jinja2.TemplateError) as exc:  # the formatting: the messages' fault
         raise PromptError(f"the chat template refused the messages: {str(exc)[:300]}") from None
     yield from chunks
+
+
+class _Counted(Exception):
+    """Raised with the number of tokens of the prompt a chat handler formatted."""
+
+
+class _Counter(_Completer):
+    def create_completion(self, prompt, **kw):
+        prompt = self.reopened(prompt)
+        if isinstance(prompt, str):  # as stream_completion tokenizes it
+            prompt = self._llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else []
+        raise _Counted(len(prompt))
+
+
+def count_prompt(llm: llama_cpp.Llama, messages: list[dict], reopen: tuple[str, str] | None = None, **kw) -> int:
+    """The number of tokens :func:`stream_chat` would evaluate as the prompt of ``messages`` with
+    the same arguments (``tools``, template variables), nothing decoded; a :class:`PromptError` where
+    the template refuses them."""
+    try:
+        _chat_handler(llm)(llama=_Counter(llm, reopen=reopen), messages=messages, stream=True, **kw)
+    except _Counted as done:
+        return done.args[0]
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise PromptError(f"the chat template refused the messages: {str(exc)[:300]}") from None
+    raise PromptError("the chat handler asked for no completion")  # pragma: no cover - every handler asks
+
+
+def template_reads(template: str | None) -> frozenset[str]:
+    """The variables a chat template's source reads from its context (``enable_thinking``,
+    ``messages``, ...: Jinja's undeclared variables); none for no template or one that does not parse."""
+    if not template:
+        return frozenset()
+    try:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except (jinja2.TemplateError, RecursionError):
+        return frozenset()
 
 
 def _reserved_variables() -> frozenset[str]:

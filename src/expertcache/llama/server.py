@@ -8,8 +8,9 @@ unknown model with the default one and a malformed body with FastAPI's 422 shape
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST
 /v1/chat/completions`` (streamed as server-sent events with ``"stream": true``, ending in ``data:
-[DONE]``; ``stream_options.include_usage`` adds a usage chunk), ``GET /metrics`` (Prometheus text
-format, :class:`Metrics`).
+[DONE]``; ``stream_options.include_usage`` adds a usage chunk), Anthropic's ``POST /v1/messages``
+and ``POST /v1/messages/count_tokens`` (the chat path in Anthropic's shapes: :mod:`.anthropic`),
+``GET /metrics`` (Prometheus text format, :class:`Metrics`).
 
 Invariants:
 
@@ -21,7 +22,8 @@ Invariants:
   request's headers and body read within ``--request-timeout`` of its first byte, else closed
   (:func:`guarded_protocol`); bodies over :data:`MAX_BODY_BYTES` refused. So a flood holds at most
   ``max_connections`` bodies and descriptors.
-* **Errors are OpenAI's shape**, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
+* **Errors are OpenAI's shape** (Anthropic's on its paths: :data:`ANTHROPIC_PATHS`),
+  ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
   for every mistake in a request: malformed JSON or a body over :data:`MAX_BODY_BYTES` (400, 413),
   a field out of range (400, ``param`` names it), an unknown model (404 ``model_not_found``), a
   prompt that with ``max_tokens`` exceeds the context (400 ``context_length_exceeded``), a chat to
@@ -86,8 +88,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
-from .completion import (PromptError, arguments_as_objects, preserved_tokens, rendered_roles, stream_chat,
-                         stream_completion, template_variables)
+from .completion import (PromptError, arguments_as_objects, count_prompt, preserved_tokens, rendered_roles,
+                         stream_chat, stream_completion, template_reads, template_variables)
 from .callgrammar import FORMS, call_grammar, writes
 from .constraints import ConstraintError, logit_bias, response_grammar
 from .reasoning import MARKERS as THINK_MARKERS
@@ -97,7 +99,7 @@ from .toolcalls import MARKERS as CALL_MARKERS
 from .toolcalls import (ALTERNATIVES, DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, KIMI_K3,
                         MINIMAX_M3, TAGS, TaggedCalls, call_format, gemma4_tool_responses, new_call_id, parse_tagged,
                         results_in_call_order)
-from . import MAX_SEED
+from . import MAX_SEED, anthropic
 from .textgen import Session, completion_kwargs, request_figures
 
 MAX_BODY_BYTES = 1 << 20
@@ -118,7 +120,10 @@ MAX_LOGPROBS = 20
 of a chat: OpenAI's chat limit)."""
 POLL_SECONDS = 0.25
 """How often a waiting or non-streamed request looks whether its client is still there."""
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages",
+             "/v1/messages/count_tokens")
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+"""Anthropic's Messages API (:mod:`.anthropic`): its errors in Anthropic's shape."""
 
 
 class ApiError(Exception):
@@ -129,12 +134,15 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
-    def response(self) -> JSONResponse:
-        return error_json(self.status, self.message, self.type, self.param, self.code)
+    def response(self, dialect: str = "openai") -> JSONResponse:
+        return error_json(self.status, self.message, self.type, self.param, self.code, dialect)
 
 
 def error_json(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> JSONResponse:
+               code: str | None = None, dialect: str = "openai") -> JSONResponse:
+    """An error answer: OpenAI's shape, or Anthropic's (``dialect="anthropic"``: :func:`.anthropic.error_body`)."""
+    if dialect == "anthropic":
+        return JSONResponse(anthropic.error_body(status, message), status_code=status)
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
@@ -171,6 +179,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    top_k: int | None = Field(None, ge=0)  # llama.cpp's and vLLM's extension (Anthropic's field); 0: off
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream_options: dict | None = None
@@ -345,14 +354,23 @@ def parse_body(raw: bytes, model_cls):
     if where is not None:
         raise ApiError(400, f"{where}: not Unicode text (a lone surrogate escape such as \\ud800)",
                        param=where.split("[", 1)[0].split(".", 1)[0])
+    return validated(obj, model_cls)
+
+
+def validated(obj: dict, model_cls):
+    """``obj`` read as ``model_cls``; a 400 naming the first field at fault otherwise (where a
+    union's members all fail, the deepest member's error: ``messages.0.content`` a list whose block
+    is of no type served says so, not that the list is no string)."""
     try:
         return model_cls.model_validate(obj)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = err.get("loc", ())
+        errors = exc.errors()
+        first = errors[0].get("loc", ())[:1]
+        err = max((e for e in errors if e.get("loc", ())[:1] == first), key=lambda e: len(e.get("loc", ())))
+        loc = tuple(x for x in err.get("loc", ()) if "[" not in str(x))  # a member's label: list[...], tagged-union[...]
         where = ".".join(str(x) for x in loc) or None
-        # param: the request's field (a union's member, "prompt.str", or an item, "messages.0.role",
-        # is in the message)
+        # param: the request's field (a scalar member of a union, "prompt.str", or an item,
+        # "messages.0.role", is in the message)
         raise ApiError(400, f"{where or 'body'}: {err.get('msg', 'invalid')}",
                        param=str(loc[0]) if loc else None) from None
 
@@ -564,6 +582,8 @@ class Generation:
         temperature = body.temperature
         kw = completion_kwargs(max_tokens or n_ctx, temperature, body.top_p, body.seed)
         kw.update(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, stop=body.stop)
+        if body.top_k is not None and temperature > 0:  # greedy is top-1 either way
+            kw["top_k"] = body.top_k
         self.max_tokens = max_tokens
         self.top = (body.logprobs if not self.chat else (body.top_logprobs or 0) if body.logprobs else None)
         """Alternatives per token of the request's ``logprobs`` (None: none asked)."""
@@ -630,6 +650,7 @@ class Generation:
             field = "tools" if plan is not None and plan.sets_grammar and exc.param == "response_format" else exc.param
             raise ApiError(400, f"{field}: {exc}", param=field) from None
         self.grammar = grammar is not None
+        llm.stop_sequence = None  # set by the decode that meets one (:func:`~.completion.stream_completion`)
         if self.chat:
             more.update(self.variables)
         self._it = self._make(grammar=grammar, logits_processor=self.bias, **more)
@@ -698,6 +719,11 @@ class Generation:
         llm = self.session.llama
         rows, llm.logprob_rows = llm.logprob_rows, []
         return rows
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The request's stop sequence that ended the decode (None: none did), once it has ended."""
+        return getattr(self.session.llama, "stop_sequence", None) if self.done else None
 
     def usage(self) -> dict:
         llm = self.session.llama
@@ -849,10 +875,11 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         label = path if path in ENDPOINTS else "other"
+        dialect = "anthropic" if path in ANTHROPIC_PATHS else "openai"
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             self.metrics.count(label, 413)
-            too_large = error_json(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            too_large = error_json(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", dialect=dialect)
             return await too_large(scope, receive, send)
         started = False
 
@@ -869,7 +896,8 @@ class Guard:
             print(f"expertcache serve: error in {path[:100]}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
             if not started:
                 self.metrics.count(label, 500)
-                await error_json(500, f"internal error ({type(exc).__name__})", "server_error")(scope, receive, send)
+                await error_json(500, f"internal error ({type(exc).__name__})", "server_error",
+                                 dialect=dialect)(scope, receive, send)
 
 
 def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, version: str = "",
@@ -905,6 +933,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     # Gemma 4's first templates render no tool messages: their results go on the call's message, as llama.cpp does
     responses_on_calls = call_fmt == GEMMA4 and GEMMA4_TOOL_ROLE not in template
     reopen = GEMMA4_REOPEN if call_fmt == GEMMA4 else None
+    reads = template_reads(template)  # the template's variables (Anthropic's thinking switch sets some)
     # the tags the chat's text is read by, written into it even where the vocabulary makes them control tokens
     preserved = preserved_tokens(session.llama, THINK_MARKERS.get(think_fmt, ()) + CALL_MARKERS.get(call_fmt, ()))
     if template_kwargs and template is None:
@@ -919,7 +948,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     async def http_error(request: Request, exc: StarletteHTTPException):
         metrics.count(label(request), exc.status_code)
         return error_json(exc.status_code, f"{request.method} {request.url.path[:100]}: {exc.detail}",
-                          code="not_found" if exc.status_code == 404 else None)
+                          code="not_found" if exc.status_code == 404 else None,
+                          dialect="anthropic" if request.url.path in ANTHROPIC_PATHS else "openai")
 
     async def read_body(request: Request) -> bytes:
         raw = bytearray()
@@ -999,12 +1029,81 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         finally:
             metrics.waiting -= 1
 
-    def shutting_down() -> JSONResponse:
-        return error_json(503, "the server is shutting down", "server_error", code="shutting_down")
+    def shutting_down(dialect: str = "openai") -> JSONResponse:
+        return error_json(503, "the server is shutting down", "server_error", code="shutting_down", dialect=dialect)
+
+    def anthropic_chat(raw: bytes, model_cls) -> tuple[anthropic.MessagesRequest, ChatRequest, list[str]]:
+        """An Anthropic request's body, the chat request that asks the same and where its messages
+        come from (:func:`.anthropic.to_chat`)."""
+        asked = parse_body(raw, model_cls)
+        try:
+            chat, origins = anthropic.to_chat(asked, reads)
+        except ValueError as exc:
+            where = str(exc).split(":", 1)[0]
+            raise ApiError(400, str(exc), param=where.split(".", 1)[0]) from None
+        try:
+            return asked, validated(chat, ChatRequest), origins
+        except ApiError as exc:
+            raise anthropic_error(exc, origins) from None
+
+    def anthropic_error(exc: ApiError, origins: list[str]) -> ApiError:
+        """``exc`` (about the chat request made of an Anthropic one) naming the Anthropic request's field."""
+        exc.message = anthropic.anthropic_fields(exc.message, origins)
+        return exc
+
+    def chat_messages(body: ChatRequest) -> list[dict]:
+        """A chat's messages as its template takes them (the roles it renders checked, a call's
+        arguments as objects where it needs them, results placed as it renders them)."""
+        if not session.chat_ready:
+            raise ApiError(400, f"{model_id} has no chat template; use /v1/completions, or restart the server "
+                           "with --chat-format", param="messages", code="chat_template_missing")
+        messages = kept_roles([{"role": m.role, "content": m.content if isinstance(m.content, str)
+                                or m.content is None else "".join(p.text for p in m.content),
+                                **m.model_dump(include={"tool_calls", "tool_call_id", "name", "reasoning_content"},
+                                               exclude_none=True)}
+                               for m in body.messages], roles)
+        if objects:
+            messages = with_object_arguments(messages)
+        if responses_on_calls:
+            messages = gemma4_tool_responses(messages)
+        if call_fmt == DSV4:  # its results in the order of its calls, as its reference encoder renders them
+            messages = results_in_call_order(messages)
+        return messages
+
+    async def count_tokens(request: Request):
+        """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens, as the message request
+        would evaluate them (:func:`~.completion.count_prompt`), nothing decoded and no slot held."""
+        endpoint = "/v1/messages/count_tokens"
+        try:
+            _, body, origins = anthropic_chat(await read_body(request), anthropic.CountTokensRequest)
+            try:
+                messages = chat_messages(body)
+                plan, _, variables = check_request(body)
+                more = dict(variables)
+                if plan is not None:
+                    more["tools"] = [t.model_dump(exclude_none=True) for t in plan.offered]
+                try:
+                    n = await workers.decode.call(lambda: count_prompt(session.llama, messages, reopen, **more))
+                except PromptError as exc:
+                    raise ApiError(400, str(exc), param="messages") from None
+            except ApiError as exc:
+                raise anthropic_error(exc, origins) from None
+        except ApiError as exc:
+            metrics.count(endpoint, exc.status)
+            return exc.response("anthropic")
+        except ClientDisconnect:
+            metrics.count(endpoint, 499)
+            return Response(status_code=499)
+        metrics.count(endpoint, 200)
+        return {"input_tokens": n}
 
     async def generate(request: Request, kind: str):
         t0 = time.perf_counter()
-        endpoint = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        endpoint = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "messages": "/v1/messages"}[kind]
+        dialect = "anthropic" if kind == "messages" else "openai"
+        if kind == "messages":  # Anthropic's request, decoded as the chat it asks for
+            kind = "chat"
+        omit_thinking, origins = False, []
         try:
             raw = await read_body(request)
             if kind == "completion":
@@ -1024,34 +1123,23 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                        f"[0, {vocab})", param="prompt")
                 args = {"prompt": prompt, "max_tokens": 16 if body.max_tokens is None else body.max_tokens}
             else:
-                body = parse_body(raw, ChatRequest)
-                if not session.chat_ready:
-                    raise ApiError(400, f"{model_id} has no chat template; use /v1/completions, or restart the server "
-                                   "with --chat-format", param="messages", code="chat_template_missing")
-                messages = kept_roles([{"role": m.role, "content": m.content if isinstance(m.content, str)
-                                        or m.content is None else "".join(p.text for p in m.content),
-                                        **m.model_dump(include={"tool_calls", "tool_call_id", "name",
-                                                                "reasoning_content"},
-                                                       exclude_none=True)}
-                                       for m in body.messages], roles)
-                if objects:
-                    messages = with_object_arguments(messages)
-                if responses_on_calls:
-                    messages = gemma4_tool_responses(messages)
-                if call_fmt == DSV4:  # its results in the order of its calls, as its reference encoder renders them
-                    messages = results_in_call_order(messages)
-                args = {"messages": messages, "max_tokens": body.max_completion_tokens or body.max_tokens}
+                if dialect == "anthropic":
+                    asked, body, origins = anthropic_chat(raw, anthropic.MessagesRequest)
+                    omit_thinking = anthropic.omits_thinking(asked)
+                else:
+                    body = parse_body(raw, ChatRequest)
+                args = {"messages": chat_messages(body), "max_tokens": body.max_completion_tokens or body.max_tokens}
             plan, bias, variables = check_request(body)
             left = await acquire(request)
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
-            return exc.response()
+            return (anthropic_error(exc, origins) if dialect == "anthropic" else exc).response(dialect)
         except ClientDisconnect:  # gone while its body was read: nobody to answer
             metrics.count(endpoint, 499)
             return Response(status_code=499)
         if left is not None:
             metrics.count(endpoint, 503 if left == "stopping" else 499)
-            return shutting_down() if left == "stopping" else Response(status_code=499)
+            return shutting_down(dialect) if left == "stopping" else Response(status_code=499)
         gen = None
         try:
             if await request.is_disconnected():  # gone while it waited
@@ -1066,7 +1154,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         except ApiError as exc:
             slot.release()
             metrics.count(endpoint, exc.status)
-            return exc.response()
+            return (anthropic_error(exc, origins) if dialect == "anthropic" else exc).response(dialect)
         except BaseException:
             if gen is not None:
                 await workers.decode.call(gen.close)
@@ -1081,7 +1169,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", len(prompt_text), preserved)
         echo = prompt_text if gen.echo else ""  # echo: the prompt's text before the completion's,
         echoed = (gen.prompt_ids(), gen.prompt_rows) if gen.echo and lp is not None else None  # its rows first
-        rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        rid = anthropic.new_message_id() if dialect == "anthropic" else \
+            ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        one_call = getattr(body, "parallel_tool_calls", None) is False  # the first call only
         call_id = new_call_id(call_fmt)  # a forced call's: 9 letters and digits for Mistral's templates
         plan = gen.tools
         arguments_of = plan.arguments_of if plan is not None else None
@@ -1148,7 +1238,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 slot.release()
             if gone or gen.aborted:
                 metrics.count(endpoint, 499 if gone else 503)
-                return Response(status_code=499) if gone else shutting_down()
+                return Response(status_code=499) if gone else shutting_down(dialect)
             metrics.count(endpoint, 200)
             text = "".join(pieces)
             if kind == "completion":
@@ -1171,7 +1261,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 elif tagged is not None:
                     message["content"], calls = parse_tagged(text, call_fmt, offered)
                 if calls:
-                    message["tool_calls"] = calls
+                    message["tool_calls"] = calls[:1] if one_call else calls
+                if dialect == "anthropic":
+                    return JSONResponse(anthropic.message(rid, model_id, message, gen.finish, gen.stop_sequence, usage,
+                                                          omit_thinking))
                 choice = {"index": 0, "message": message, "logprobs": lp and lp.of(rows),
                           "finish_reason": finish_reason(len(calls))}
                 obj = "chat.completion"
@@ -1185,7 +1278,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
 
         def chunk(piece: str | None, finish: str | None, rows: list, first_chunk: bool = False,
-                  flush: bool = False) -> str:
+                  flush: bool = False) -> dict:
             if kind == "completion":
                 choice = {"index": 0, "text": (echo if first_chunk else "") + (piece or ""),
                           "logprobs": lp and lp.of(rows, echoed if first_chunk else None), "finish_reason": finish}
@@ -1210,6 +1303,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                     out = tagged.feed(content) + (tagged.finish() if flush else [])
                     content = "".join(x for k, x in out if k == "content")
                     calls = [{"index": done + i, **x} for i, x in enumerate(x for k, x in out if k == "call")]
+                if one_call:
+                    calls = [c for c in calls if c["index"] == 0]
                 delta = {"role": "assistant", "content": content} if first_chunk else \
                     ({"content": content} if content else {})
                 if reasoning:
@@ -1217,30 +1312,52 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 if calls:
                     delta["tool_calls"] = calls
                 choice = {"index": 0, "delta": delta, "logprobs": lp and lp.of(rows), "finish_reason": finish}
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
-                                          "choices": [choice]}) + "\n\n"
+            return {"id": rid, "object": obj, "created": int(time.time()), "model": model_id, "choices": [choice]}
 
         outcome = []
 
-        async def events():
+        async def chunks():
+            """The stream's chunks; None last where the server's shutdown ended it."""
             yield chunk(first, None, first_rows, first_chunk=True)
             while True:
                 piece, rows = await producer.get()
                 if piece is None:
                     break
                 yield chunk(piece, None, rows)
-            if gen.aborted:  # the server is stopping: an error event (OpenAI's shape) instead of a finish
-                outcome.append(503)
-                yield "data: " + json.dumps({"error": {"message": "the server is shutting down",
-                                                       "type": "server_error", "param": None,
-                                                       "code": "shutting_down"}}) + "\n\n"
-                yield "data: [DONE]\n\n"
+            if gen.aborted:
+                yield None
                 return
             if tagged is not None or think is not None:  # what they held back, before the finish is known
                 yield chunk(None, None, rows, flush=True)
                 rows = []
             yield chunk(None, finish_reason(1 if arguments_of is not None else tagged.calls if tagged else
                                             think.calls if harmony else 0), rows)
+
+        async def anthropic_events():
+            stream = anthropic.EventStream(rid, model_id, gen.prompt_tokens or 0, omit_thinking)
+            yield stream.start()
+            async for c in chunks():
+                if c is None:  # the server is stopping: an error event (Anthropic's shape) instead of a finish
+                    outcome.append(503)
+                    yield anthropic.sse("error", anthropic.error_body(503, "the server is shutting down"))
+                    return
+                events = stream.feed(c["choices"][0]["delta"])
+                if events:
+                    yield events
+            usage = finished()
+            yield stream.finish(gen.finish, gen.stop_sequence, usage["completion_tokens"])
+            outcome.append(200)
+
+        async def events():
+            async for c in chunks():
+                if c is None:  # the server is stopping: an error event (OpenAI's shape) instead of a finish
+                    outcome.append(503)
+                    yield "data: " + json.dumps({"error": {"message": "the server is shutting down",
+                                                           "type": "server_error", "param": None,
+                                                           "code": "shutting_down"}}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                yield "data: " + json.dumps(c) + "\n\n"
             usage = finished()
             if body.return_routed_experts:  # SGLang's tail: one chunk without choices carrying them
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
@@ -1256,7 +1373,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             slot.release()
             metrics.count(endpoint, outcome[0] if outcome else 499)  # 499: the client closed the stream first
 
-        return SlotStream(events(), release)
+        return SlotStream(anthropic_events() if dialect == "anthropic" else events(), release)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -1265,6 +1382,14 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generate(request, "chat")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await generate(request, "messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request):
+        return await count_tokens(request)
 
     @app.get("/v1/models")
     async def models():
