@@ -14,7 +14,9 @@ through the same API (docs/serve.md, "Measured").
    the server is stopped with SIGTERM and its final proof line read. Walls: 25%, 50%, 100% of the
    expert bytes beside the dense part. Modes: ``mmap`` (llama.cpp as it is) and ``managed``.
 3. The server's overhead: with no wall, ``llama generate --mode mmap`` and ``serve --mode mmap``
-   alternate --runs times; the same decode rate (first to last piece of text) on both sides.
+   alternate --runs times; the same decode rate (first to last piece of text) on both sides. Then
+   the two chat APIs on one server (``--chat-format chatml``): the same chat streamed through
+   ``/v1/chat/completions`` and Anthropic's ``/v1/messages``, in a seeded order, --runs times each.
 4. Tables (median [min-max] over runs; a lead inside the spread is a tie) between the markers of
    docs/serve.md; the records to --json-out.
 
@@ -104,6 +106,48 @@ def stream_completion(url: str, max_tokens: int) -> dict:
     conn.close()
     n = usage["completion_tokens"] if usage else None
     return {"ttft_seconds": first - t0 if first else None, "completion_tokens": n, "text": "".join(pieces),
+            "decode_tokens_per_s": (n - 1) / (last - first) if n and last and last > first else None}
+
+
+def stream_chat(url: str, api: str, max_tokens: int) -> dict:
+    """One streamed greedy chat of PROMPT through ``api`` (``chat``: /v1/chat/completions;
+    ``messages``: Anthropic's /v1/messages), timed at the client as :func:`stream_completion`."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=3600)
+    ask = {"model": "bench", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+           "temperature": 0, "stream": True}
+    path = "/v1/chat/completions" if api == "chat" else "/v1/messages"
+    if api == "chat":
+        ask["stream_options"] = {"include_usage": True}
+    t0 = time.perf_counter()
+    conn.request("POST", path, body=json.dumps(ask), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    pieces, n, first, last, buf = [], None, None, None, b""
+    while True:
+        chunk = resp.read1(65536)
+        if not chunk:
+            break
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            data = event.decode().rsplit("data: ", 1)[-1]
+            if data == "[DONE]":
+                continue
+            obj = json.loads(data)
+            if api == "chat":
+                n = obj["usage"]["completion_tokens"] if obj.get("usage") else n
+                text = "".join(c["delta"].get("content") or "" for c in obj.get("choices", []))
+            else:
+                n = obj["usage"]["output_tokens"] if obj.get("type") == "message_delta" else n
+                text = obj["delta"].get("text", "") if obj.get("type") == "content_block_delta" else ""
+            if text:
+                now = time.perf_counter()
+                first = now if first is None else first
+                last = now
+                pieces.append(text)
+    conn.close()
+    return {"api": api, "ttft_seconds": first - t0 if first else None, "completion_tokens": n,
+            "text": "".join(pieces),
             "decode_tokens_per_s": (n - 1) / (last - first) if n and last and last > first else None}
 
 
@@ -198,7 +242,16 @@ def main() -> int:
             overhead.append({"side": "generate", **generate_rate(gguf, args.tokens)})
             srv = cell_run(gguf, "mmap", None, args.tokens)
             overhead.append({"side": "serve", **srv})
-        out["models"][name] = {"geometry": g.summary(), "walls": walls, "records": records, "overhead": overhead}
+        apis = []  # the two chat APIs on one server, in a seeded order
+        proc, info = start(gguf, "--mode", "mmap", "--chat-format", "chatml", "--model-alias", "bench")
+        try:
+            order = [api for _ in range(args.runs) for api in ("chat", "messages")]
+            random.Random(args.seed + 1).shuffle(order)
+            apis = [stream_chat(info["url"], api, args.tokens) for api in order]
+        finally:
+            stop(proc)
+        out["models"][name] = {"geometry": g.summary(), "walls": walls, "records": records, "overhead": overhead,
+                               "apis": apis}
     out.update(seconds=round(time.time() - t_start), load_start=load0, load_end=os.getloadavg()[0],
                when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     if args.json_out:
@@ -244,6 +297,15 @@ def report(out: dict) -> list[str]:
         lines += ["", f"No wall, `mmap`: `llama generate` {spread(gen)} tok/s, `serve` through the API {spread(srv)} "
                   f"tok/s: serve / generate {ratio:.3f} of the medians (overhead {100 * (1 - ratio):.1f}%); "
                   f"every run's text identical: {same}.", ""]
+        by = {api: [r for r in m.get("apis", []) if r["api"] == api] for api in ("chat", "messages")}
+        if by["chat"] and by["messages"]:
+            rate = {api: [r["decode_tokens_per_s"] for r in rs] for api, rs in by.items()}
+            api_ratio = statistics.median(rate["messages"]) / statistics.median(rate["chat"])
+            lines += [f"The same chat streamed (chatml, no wall): `/v1/chat/completions` {spread(rate['chat'])} "
+                      f"tok/s, time to first token {spread(r['ttft_seconds'] for r in by['chat'])} s; Anthropic's "
+                      f"`/v1/messages` {spread(rate['messages'])} tok/s, "
+                      f"{spread(r['ttft_seconds'] for r in by['messages'])} s: messages / chat {api_ratio:.3f} of the "
+                      f"medians; every run's text identical: {len({r['text'] for r in m['apis']}) == 1}.", ""]
     return lines
 
 

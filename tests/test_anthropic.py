@@ -155,7 +155,7 @@ def pieces(text: str, cuts: list[int]) -> list[str]:
 @settings(max_examples=150, deadline=None)
 @given(thinking=st.text(max_size=12), text=st.text(max_size=12),
        calls=st.lists(st.dictionaries(st.sampled_from("abc"), st.integers(-5, 5), max_size=3), max_size=3),
-       cuts=st.lists(st.integers(0, 40), max_size=6), finish=st.sampled_from(["stop", "length"]),
+       cuts=st.lists(st.integers(0, 40), max_size=6), finish=st.sampled_from(["stop", "length", "context"]),
        stop=st.sampled_from([None, "END"]), omit=st.booleans(), whole_calls=st.booleans())
 def test_a_stream_accumulates_to_the_whole_message(thinking, text, calls, cuts, finish, stop, omit, whole_calls):
     """Whatever pieces a decode's thinking, text and calls come in (a call whole, as a tagged
@@ -184,5 +184,6 @@ def test_a_stream_accumulates_to_the_whole_message(thinking, text, calls, cuts, 
     if chat_calls:
         whole["tool_calls"] = chat_calls
     assert streamed == message("msg_1", "m", whole, finish, stop, usage, omit_thinking=omit)
-    assert streamed["stop_reason"] == ("max_tokens" if finish == "length" else "tool_use" if calls else
+    assert streamed["stop_reason"] == ("model_context_window_exceeded" if finish == "context" else "max_tokens"
+                                       if finish == "length" else "tool_use" if calls else
                                        "stop_sequence" if stop else "end_turn")

@@ -1733,6 +1733,14 @@ def test_anthropic_messages_answer_as_the_chat_endpoint_does(hermes):
     shaped = client.messages.create(messages=msgs, output_config={"format": {"type": "json_schema", "schema": schema}},
                                     **dict(ask, max_tokens=64))
     assert set(json.loads(shaped.content[0].text)) == {"city"}
+    # max_tokens beyond the context's room: the room, ending where the context is full (the chat endpoint: a 400)
+    full = client.messages.create(messages=msgs, **dict(ask, max_tokens=100_000))
+    assert full.stop_reason == "model_context_window_exceeded", full.stop_reason
+    assert full.usage.input_tokens + full.usage.output_tokens == 512  # --ctx 512, every place taken
+    status, _ = hermes.raw("POST", "/v1/chat/completions", json.dumps(dict(chatting, messages=msgs, max_tokens=100_000)))
+    assert status == 400
+    assert _streamed(client, messages=msgs, **dict(ask, max_tokens=100_000))[0].stop_reason == \
+        "model_context_window_exceeded"
     sampled = client.messages.create(messages=msgs, **dict(ask, extra_body={"temperature": 1.0, "top_k": 1}))
     assert sampled.content[0].text == text
     top1 = chat.chat.completions.create(messages=msgs, **dict(chatting, temperature=1.0), extra_body={"top_k": 1})

@@ -277,7 +277,10 @@ def anthropic_fields(text: str, origins: list[str]) -> str:
 
 def stop_reason(finish: str | None, calls: int, stop_sequence: str | None) -> str:
     """Anthropic's ``stop_reason`` of a decode that ended with the chat endpoint's ``finish`` having
-    completed ``calls`` tool calls, ``stop_sequence`` the request's stop sequence it met (if any)."""
+    completed ``calls`` tool calls, ``stop_sequence`` the request's stop sequence it met (if any);
+    ``finish`` ``"context"``: the context was full before ``max_tokens``."""
+    if finish == "context":
+        return "model_context_window_exceeded"
     if finish == "length":
         return "max_tokens"
     if calls:

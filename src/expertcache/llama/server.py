@@ -574,8 +574,12 @@ class Generation:
     def __init__(self, session: Session, *, prompt=None, messages=None, max_tokens: int | None, body: _Sampling,
                  shutdown: threading.Event | None = None, tools: ToolPlan | None = None, bias=None,
                  variables: dict | None = None, preserved: frozenset = frozenset(),
-                 reopen: tuple[str, str] | None = None):
+                 reopen: tuple[str, str] | None = None, fit_context: bool = False):
         self.session, self.body = session, body
+        self.fit_context = fit_context
+        """A ``max_tokens`` beyond the context's room is the room (Anthropic's answer), not a 400."""
+        self.fitted = False
+        """With ``fit_context``: ``max_tokens`` was more than the room, so the decode may fill the context."""
         self.chat = messages is not None
         llm = session.llama
         n_ctx = session.n_ctx
@@ -668,6 +672,9 @@ class Generation:
         self.prompt_rows, llm.prompt_rows = llm.prompt_rows, []
         self.prompt_tokens = llm.prompt_length
         if self.max_tokens is not None and self.prompt_tokens + self.max_tokens > self.session.n_ctx:
+            if self.fit_context:  # the decode stops where the context is full (stream_completion's room)
+                self.fitted = True
+                return first
             self.close()
             raise ApiError(400, f"this model's context is {self.session.n_ctx} tokens; the prompt has "
                            f"{self.prompt_tokens} and max_tokens asks {self.max_tokens} more",
@@ -719,6 +726,11 @@ class Generation:
         llm = self.session.llama
         rows, llm.logprob_rows = llm.logprob_rows, []
         return rows
+
+    @property
+    def filled_context(self) -> bool:
+        """Whether the decode ended because the context was full (``fit_context``), not at ``max_tokens``."""
+        return self.fitted and self.done and self.finish == "length"
 
     @property
     def stop_sequence(self) -> str | None:
@@ -1147,7 +1159,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 metrics.count(endpoint, 499)
                 return Response(status_code=499)
             gen = Generation(session, body=body, shutdown=stopping, tools=plan, bias=bias, variables=variables,
-                             preserved=preserved, reopen=reopen, **args)
+                             preserved=preserved, reopen=reopen, fit_context=dialect == "anthropic", **args)
             first = await workers.decode.call(gen.start)
             if body.return_routed_experts:
                 gen.check_routed_start()
@@ -1263,7 +1275,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 if calls:
                     message["tool_calls"] = calls[:1] if one_call else calls
                 if dialect == "anthropic":
-                    return JSONResponse(anthropic.message(rid, model_id, message, gen.finish, gen.stop_sequence, usage,
+                    finish = "context" if gen.filled_context else gen.finish
+                    return JSONResponse(anthropic.message(rid, model_id, message, finish, gen.stop_sequence, usage,
                                                           omit_thinking))
                 choice = {"index": 0, "message": message, "logprobs": lp and lp.of(rows),
                           "finish_reason": finish_reason(len(calls))}
@@ -1345,7 +1358,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 if events:
                     yield events
             usage = finished()
-            yield stream.finish(gen.finish, gen.stop_sequence, usage["completion_tokens"])
+            yield stream.finish("context" if gen.filled_context else gen.finish, gen.stop_sequence,
+                                usage["completion_tokens"])
             outcome.append(200)
 
         async def events():
