@@ -73,54 +73,14 @@ def stop(proc: subprocess.Popen) -> str:
     return proc.stderr.read()
 
 
-def stream_completion(url: str, max_tokens: int) -> dict:
-    """One streamed greedy completion, timed at the client: ``ttft``, ``decode_tokens_per_s``, the text."""
+def timed_stream(url: str, path: str, body: dict, read) -> dict:
+    """POST ``body`` to ``path`` as a stream, timed at the client: each server-sent event's JSON goes
+    to ``read``, which gives ``(text, completion tokens or None)``; ``ttft_seconds`` (request to
+    first text), ``decode_tokens_per_s`` ((tokens - 1) / first-to-last text seconds), the text."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=3600)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    pieces, usage, first, last = [], None, None, None
-    buf = b""
-    while True:
-        chunk = resp.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            data = event.decode().removeprefix("data: ")
-            if data == "[DONE]":
-                continue
-            obj = json.loads(data)
-            if obj.get("usage"):
-                usage = obj["usage"]
-            for c in obj.get("choices", []):
-                if c.get("text"):
-                    now = time.perf_counter()
-                    first = now if first is None else first
-                    last = now
-                    pieces.append(c["text"])
-    conn.close()
-    n = usage["completion_tokens"] if usage else None
-    return {"ttft_seconds": first - t0 if first else None, "completion_tokens": n, "text": "".join(pieces),
-            "decode_tokens_per_s": (n - 1) / (last - first) if n and last and last > first else None}
-
-
-def stream_chat(url: str, api: str, max_tokens: int) -> dict:
-    """One streamed greedy chat of PROMPT through ``api`` (``chat``: /v1/chat/completions;
-    ``messages``: Anthropic's /v1/messages), timed at the client as :func:`stream_completion`."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=3600)
-    ask = {"model": "bench", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
-           "temperature": 0, "stream": True}
-    path = "/v1/chat/completions" if api == "chat" else "/v1/messages"
-    if api == "chat":
-        ask["stream_options"] = {"include_usage": True}
-    t0 = time.perf_counter()
-    conn.request("POST", path, body=json.dumps(ask), headers={"Content-Type": "application/json"})
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     pieces, n, first, last, buf = [], None, None, None, b""
     while True:
@@ -130,25 +90,44 @@ def stream_chat(url: str, api: str, max_tokens: int) -> dict:
         buf += chunk
         while b"\n\n" in buf:
             event, buf = buf.split(b"\n\n", 1)
-            data = event.decode().rsplit("data: ", 1)[-1]
+            data = event.decode().rsplit("data: ", 1)[-1]  # after Anthropic's "event: NAME" line
             if data == "[DONE]":
                 continue
-            obj = json.loads(data)
-            if api == "chat":
-                n = obj["usage"]["completion_tokens"] if obj.get("usage") else n
-                text = "".join(c["delta"].get("content") or "" for c in obj.get("choices", []))
-            else:
-                n = obj["usage"]["output_tokens"] if obj.get("type") == "message_delta" else n
-                text = obj["delta"].get("text", "") if obj.get("type") == "content_block_delta" else ""
+            text, tokens = read(json.loads(data))
+            n = tokens if tokens is not None else n
             if text:
                 now = time.perf_counter()
                 first = now if first is None else first
                 last = now
                 pieces.append(text)
     conn.close()
-    return {"api": api, "ttft_seconds": first - t0 if first else None, "completion_tokens": n,
-            "text": "".join(pieces),
+    return {"ttft_seconds": first - t0 if first else None, "completion_tokens": n, "text": "".join(pieces),
             "decode_tokens_per_s": (n - 1) / (last - first) if n and last and last > first else None}
+
+
+def stream_completion(url: str, max_tokens: int) -> dict:
+    """One streamed greedy completion of PROMPT (:func:`timed_stream`)."""
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    return timed_stream(url, "/v1/completions", body, lambda obj: (
+        "".join(c.get("text") or "" for c in obj.get("choices", [])),
+        obj["usage"]["completion_tokens"] if obj.get("usage") else None))
+
+
+def stream_chat(url: str, api: str, max_tokens: int) -> dict:
+    """One streamed greedy chat of PROMPT through ``api`` (``chat``: /v1/chat/completions;
+    ``messages``: Anthropic's /v1/messages) (:func:`timed_stream`)."""
+    ask = {"model": "bench", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+           "temperature": 0, "stream": True}
+    if api == "chat":
+        rec = timed_stream(url, "/v1/chat/completions", {**ask, "stream_options": {"include_usage": True}},
+                           lambda obj: ("".join(c["delta"].get("content") or "" for c in obj.get("choices", [])),
+                                        obj["usage"]["completion_tokens"] if obj.get("usage") else None))
+    else:
+        rec = timed_stream(url, "/v1/messages", ask, lambda obj: (
+            obj["delta"].get("text", "") if obj.get("type") == "content_block_delta" else "",
+            obj["usage"]["output_tokens"] if obj.get("type") == "message_delta" else None))
+    return {"api": api, **rec}
 
 
 def metrics(url: str) -> dict:
