@@ -15,7 +15,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from expertcache.llama import anthropic  # noqa: E402
-from expertcache.llama.anthropic import EventStream, MessagesRequest, anthropic_fields, message, to_chat  # noqa: E402
+from expertcache.llama.anthropic import EventStream, MessagesRequest, answer, asked_fields, to_chat  # noqa: E402
 
 
 def request(**fields) -> MessagesRequest:
@@ -55,10 +55,10 @@ def test_blocks_become_the_chat_messages_a_template_takes():
     assert to_chat(request(messages=[{"role": "user", "content": "x"}], tools=req.model_dump()["tools"],
                            tool_choice={"type": "tool", "name": "w"}))[0]["tool_choice"] == \
         {"type": "function", "function": {"name": "w"}}
-    assert anthropic_fields("messages[4].role: dropped", origins) == "messages.2.content.2.role: dropped"
-    assert anthropic_fields("stop: at most 4", origins) == "stop_sequences: at most 4"
-    assert anthropic_fields("tool_choice.function.name: none", origins) == "tool_choice.name: none"
-    assert anthropic_fields("the context is 512 tokens", origins) == "the context is 512 tokens"
+    assert asked_fields("messages[4].role: dropped", origins) == "messages.2.content.2.role: dropped"
+    assert asked_fields("stop: at most 4", origins) == "stop_sequences: at most 4"
+    assert asked_fields("tool_choice.function.name: none", origins) == "tool_choice.name: none"
+    assert asked_fields("the context is 512 tokens", origins) == "the context is 512 tokens"
 
 
 def test_the_thinking_switch_sets_only_what_the_template_reads():
@@ -160,7 +160,7 @@ def pieces(text: str, cuts: list[int]) -> list[str]:
 def test_a_stream_accumulates_to_the_whole_message(thinking, text, calls, cuts, finish, stop, omit, whole_calls):
     """Whatever pieces a decode's thinking, text and calls come in (a call whole, as a tagged
     format's reader gives it, or its arguments piece by piece, as a forced call's grammar writes
-    them), the events are in Anthropic's order and read back to :func:`~.anthropic.message`'s
+    them), the events are in Anthropic's order and read back to :func:`~.anthropic.answer`'s
     answer for the same whole, stop reason and usage included."""
     usage = {"prompt_tokens": 7, "completion_tokens": 5}
     deltas = [{"reasoning_content": p} for p in pieces(thinking, cuts)] + [{"content": p} for p in pieces(text, cuts)]
@@ -176,14 +176,15 @@ def test_a_stream_accumulates_to_the_whole_message(thinking, text, calls, cuts, 
             deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
                                            "function": {"name": call["function"]["name"], "arguments": first}}]})
             deltas += [{"tool_calls": [{"index": i, "function": {"arguments": p}}]} for p in more]
-    stream = EventStream("msg_1", "m", usage["prompt_tokens"], omit_thinking=omit)
-    sent = stream.start() + "".join(stream.feed(d) for d in deltas) + \
-        stream.finish(finish, stop, usage["completion_tokens"])
+    asked = request(messages=[{"role": "user", "content": "x"}],
+                    thinking={"type": "adaptive", "display": "omitted" if omit else "summarized"})
+    stream = EventStream("msg_1", "m", usage["prompt_tokens"], asked)
+    sent = stream.start() + "".join(stream.feed(d) for d in deltas) + stream.finish(finish, stop, usage)
     streamed = accumulate(read_events(sent))
     whole = {"role": "assistant", "content": text or None, "reasoning_content": thinking or None}
     if chat_calls:
         whole["tool_calls"] = chat_calls
-    assert streamed == message("msg_1", "m", whole, finish, stop, usage, omit_thinking=omit)
+    assert streamed == answer("msg_1", "m", whole, finish, stop, usage, asked)
     assert streamed["stop_reason"] == ("model_context_window_exceeded" if finish == "context" else "max_tokens"
                                        if finish == "length" else "tool_use" if calls else
                                        "stop_sequence" if stop else "end_turn")

@@ -3,6 +3,11 @@
 request the OpenAI endpoint takes (:func:`to_chat`), decoded by the same code, and answered in
 Anthropic's shape (:func:`message`, :class:`EventStream`), as llama.cpp's server does.
 
+A dialect of the server (:data:`~.server.DIALECTS`; :mod:`.responses` is another): ``Request``
+and ``CountRequest`` (the bodies), :func:`to_chat`, :func:`asked_fields`, :func:`error_body`,
+:func:`new_id`, :func:`answer`, :func:`counted` and :class:`EventStream` (``start``, ``feed``,
+``finish``, ``error``).
+
 Invariants:
 
 * **One decode, two dialects.** What a ``/v1/messages`` request generates is what the equivalent
@@ -156,6 +161,9 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int = Field(1, ge=1)
 
 
+Request, CountRequest = MessagesRequest, CountTokensRequest
+
+
 def _texts(blocks) -> str:
     """Text blocks' texts, one paragraph each (a client's system prompt and reminders come as several)."""
     return "\n\n".join(b.text for b in blocks)
@@ -164,9 +172,9 @@ def _texts(blocks) -> str:
 def to_chat(req: MessagesRequest, template_variables: frozenset = frozenset()) -> tuple[dict, list[str]]:
     """The chat-completions request (a JSON object, for the chat endpoint's own model) that asks
     what ``req`` asks, and where each of its messages comes from in ``req`` (``system``,
-    ``messages.I``, ``messages.I.content.J`` for a tool's result: :func:`anthropic_fields`).
+    ``messages.I``, ``messages.I.content.J`` for a tool's result).
     ``template_variables``: the variables the chat template reads (where ``thinking`` sets the
-    :data:`THINKING_VARIABLES` among them). A ``ValueError`` whose first argument is the Anthropic
+    :data:`THINKING_VARIABLES` among them; :func:`asked_fields` reads ``origins``). A ``ValueError`` whose first argument is the Anthropic
     field at fault (``"field: why"``) for what is not served."""
     for name in UNSERVED:
         if getattr(req, name) is not None:
@@ -253,11 +261,11 @@ def to_chat(req: MessagesRequest, template_variables: frozenset = frozenset()) -
 
 RENAMED = (("stop", "stop_sequences"), ("tool_choice.function.name", "tool_choice.name"),
            ("tools.function.parameters", "tools.input_schema"), ("response_format", "output_config.format"))
-"""Chat request fields and the Anthropic fields they come from (:func:`anthropic_fields`)."""
+"""Chat request fields and the Anthropic fields they come from (:func:`asked_fields`)."""
 _FIELD = re.compile(r"^(messages)(?:\.|\[)(\d+)\]?|^([a-z_]+(?:\.[a-z_]+)*)")
 
 
-def anthropic_fields(text: str, origins: list[str]) -> str:
+def asked_fields(text: str, origins: list[str]) -> str:
     """An error message about the chat request :func:`to_chat` made, its leading field named as
     the Anthropic request has it (``messages[2].role`` → ``messages.1.content.0.role`` where the
     third chat message is the first block of the second; ``stop`` → ``stop_sequences``)."""
@@ -288,7 +296,8 @@ def stop_reason(finish: str | None, calls: int, stop_sequence: str | None) -> st
     return "stop_sequence" if stop_sequence is not None else "end_turn"
 
 
-def new_message_id() -> str:
+def new_id() -> str:
+    """A message's id."""
     return "msg_" + uuid.uuid4().hex[:24]
 
 
@@ -302,17 +311,18 @@ def _input(arguments: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def omits_thinking(req: MessagesRequest) -> bool:
+def omits_thinking(req: MessagesRequest | None) -> bool:
     """Whether ``req`` asks its thinking blocks given without their text (``display: omitted``)."""
-    return req.thinking is not None and req.thinking.display == "omitted"
+    return req is not None and req.thinking is not None and req.thinking.display == "omitted"
 
 
-def message(mid: str, model: str, chat_message: dict, finish: str | None, stop_sequence: str | None,
-            usage: dict, omit_thinking: bool = False) -> dict:
+def answer(mid: str, model: str, chat_message: dict, finish: str | None, stop_sequence: str | None,
+           usage: dict, asked: MessagesRequest | None = None) -> dict:
     """The Anthropic ``Message`` of a chat completion's ``chat_message`` (its ``reasoning_content``,
-    ``content``, ``tool_calls``), ``finish`` reason and ``usage``; ``omit_thinking``: a thinking
-    block without its text. A call whose arguments are not a JSON object (the token limit cut them)
-    is given as text, as it was written."""
+    ``content``, ``tool_calls``), ``finish`` reason and ``usage``, for the request ``asked``
+    (``display: omitted``: a thinking block without its text). A call whose arguments are not a
+    JSON object (the token limit cut them) is given as text, as it was written."""
+    omit_thinking = omits_thinking(asked)
     blocks = []
     if chat_message.get("reasoning_content"):
         blocks.append({"type": "thinking", "thinking": "" if omit_thinking else chat_message["reasoning_content"],
@@ -340,11 +350,11 @@ def sse(event: str, data: dict) -> str:
 class EventStream:
     """A streamed chat completion's chunks (their ``delta``s) as Anthropic's server-sent events:
     ``message_start``, each block's start, deltas and stop, then ``message_delta`` and
-    ``message_stop``. A block stops before the next starts; the indices count the blocks.
-    ``omit_thinking``: a thinking block's text is not sent."""
+    ``message_stop``. A block stops before the next starts; the indices count the blocks. For
+    ``asked`` with ``display: omitted``, a thinking block's text is not sent."""
 
-    def __init__(self, mid: str, model: str, input_tokens: int, omit_thinking: bool = False):
-        self.mid, self.model, self.input_tokens, self.omit_thinking = mid, model, input_tokens, omit_thinking
+    def __init__(self, mid: str, model: str, input_tokens: int, asked: MessagesRequest | None = None):
+        self.mid, self.model, self.input_tokens, self.omit_thinking = mid, model, input_tokens, omits_thinking(asked)
         self.index = -1
         self.open: str | None = None  # the open block's type
         self.calls = 0
@@ -397,14 +407,24 @@ class EventStream:
                 out += self._delta({"type": "input_json_delta", "partial_json": function["arguments"]})
         return out
 
-    def finish(self, finish: str | None, stop_sequence: str | None, output_tokens: int) -> str:
-        """The last events: the open block's stop, the stop reason and the output's tokens."""
+    def finish(self, finish: str | None, stop_sequence: str | None, usage: dict) -> str:
+        """The last events: the open block's stop, the stop reason and the output's tokens (the
+        chat's ``usage``)."""
         reason = stop_reason(finish, self.calls, stop_sequence)
         return self._close() + sse("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason,
                                                "stop_sequence": stop_sequence if reason == "stop_sequence" else None},
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens}}) + \
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": usage["completion_tokens"]}}) + \
             sse("message_stop", {"type": "message_stop"})
+
+    def error(self, status: int, message_: str) -> str:
+        """The event that ends a stream which failed after it began (the server stopping)."""
+        return sse("error", error_body(status, message_))
+
+
+def counted(input_tokens: int) -> dict:
+    """``count_tokens``' answer."""
+    return {"input_tokens": input_tokens}
 
 
 def error_body(status: int, message_: str) -> dict:

@@ -22,7 +22,7 @@ Invariants:
   request's headers and body read within ``--request-timeout`` of its first byte, else closed
   (:func:`guarded_protocol`); bodies over :data:`MAX_BODY_BYTES` refused. So a flood holds at most
   ``max_connections`` bodies and descriptors.
-* **Errors are OpenAI's shape** (Anthropic's on its paths: :data:`ANTHROPIC_PATHS`),
+* **Errors are OpenAI's shape** (a dialect's own on its paths: :data:`DIALECT_PATHS`),
   ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
   for every mistake in a request: malformed JSON or a body over :data:`MAX_BODY_BYTES` (400, 413),
   a field out of range (400, ``param`` names it), an unknown model (404 ``model_not_found``), a
@@ -120,10 +120,13 @@ MAX_LOGPROBS = 20
 of a chat: OpenAI's chat limit)."""
 POLL_SECONDS = 0.25
 """How often a waiting or non-streamed request looks whether its client is still there."""
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages",
-             "/v1/messages/count_tokens")
-ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
-"""Anthropic's Messages API (:mod:`.anthropic`): its errors in Anthropic's shape."""
+DIALECTS = {"anthropic": anthropic}
+"""APIs answered by the chat path in their own shapes: each a module with ``Request``,
+``CountRequest``, ``to_chat``, ``asked_fields``, ``error_body``, ``new_id``, ``answer``,
+``counted`` and ``EventStream`` (:mod:`.anthropic`)."""
+DIALECT_PATHS = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "anthropic"}
+"""Each dialect's paths: its requests, and its errors in its shape (every other path: OpenAI's)."""
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions") + tuple(DIALECT_PATHS)
 
 
 class ApiError(Exception):
@@ -140,9 +143,9 @@ class ApiError(Exception):
 
 def error_json(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None, dialect: str = "openai") -> JSONResponse:
-    """An error answer: OpenAI's shape, or Anthropic's (``dialect="anthropic"``: :func:`.anthropic.error_body`)."""
-    if dialect == "anthropic":
-        return JSONResponse(anthropic.error_body(status, message), status_code=status)
+    """An error answer: OpenAI's shape, or a dialect's (:data:`DIALECTS`: its ``error_body``)."""
+    if dialect in DIALECTS:
+        return JSONResponse(DIALECTS[dialect].error_body(status, message), status_code=status)
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
@@ -887,7 +890,7 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         label = path if path in ENDPOINTS else "other"
-        dialect = "anthropic" if path in ANTHROPIC_PATHS else "openai"
+        dialect = DIALECT_PATHS.get(path, "openai")
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             self.metrics.count(label, 413)
@@ -961,7 +964,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         metrics.count(label(request), exc.status_code)
         return error_json(exc.status_code, f"{request.method} {request.url.path[:100]}: {exc.detail}",
                           code="not_found" if exc.status_code == 404 else None,
-                          dialect="anthropic" if request.url.path in ANTHROPIC_PATHS else "openai")
+                          dialect=DIALECT_PATHS.get(request.url.path, "openai"))
 
     async def read_body(request: Request) -> bytes:
         raw = bytearray()
@@ -1044,23 +1047,25 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     def shutting_down(dialect: str = "openai") -> JSONResponse:
         return error_json(503, "the server is shutting down", "server_error", code="shutting_down", dialect=dialect)
 
-    def anthropic_chat(raw: bytes, model_cls) -> tuple[anthropic.MessagesRequest, ChatRequest, list[str]]:
-        """An Anthropic request's body, the chat request that asks the same and where its messages
-        come from (:func:`.anthropic.to_chat`)."""
-        asked = parse_body(raw, model_cls)
+    def dialect_chat(dialect: str, raw: bytes, count: bool = False) -> tuple[object, ChatRequest, list[str]]:
+        """A dialect's request body (its ``CountRequest`` where ``count``), the chat request that
+        asks the same and where its messages come from (the dialect's ``to_chat``)."""
+        api = DIALECTS[dialect]
+        asked = parse_body(raw, api.CountRequest if count else api.Request)
         try:
-            chat, origins = anthropic.to_chat(asked, reads)
+            chat, origins = api.to_chat(asked, reads)
         except ValueError as exc:
             where = str(exc).split(":", 1)[0]
             raise ApiError(400, str(exc), param=where.split(".", 1)[0]) from None
         try:
             return asked, validated(chat, ChatRequest), origins
         except ApiError as exc:
-            raise anthropic_error(exc, origins) from None
+            raise asked_error(dialect, exc, origins) from None
 
-    def anthropic_error(exc: ApiError, origins: list[str]) -> ApiError:
-        """``exc`` (about the chat request made of an Anthropic one) naming the Anthropic request's field."""
-        exc.message = anthropic.anthropic_fields(exc.message, origins)
+    def asked_error(dialect: str, exc: ApiError, origins: list[str]) -> ApiError:
+        """``exc`` (about the chat request made of a dialect's) naming the field of the request as asked."""
+        if dialect in DIALECTS:
+            exc.message = DIALECTS[dialect].asked_fields(exc.message, origins)
         return exc
 
     def chat_messages(body: ChatRequest) -> list[dict]:
@@ -1082,12 +1087,13 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             messages = results_in_call_order(messages)
         return messages
 
-    async def count_tokens(request: Request):
-        """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens, as the message request
-        would evaluate them (:func:`~.completion.count_prompt`), nothing decoded and no slot held."""
-        endpoint = "/v1/messages/count_tokens"
+    async def count_tokens(request: Request, dialect: str):
+        """A dialect's count of a request's input tokens (Anthropic's ``/v1/messages/count_tokens``):
+        the prompt's tokens as the request would evaluate them (:func:`~.completion.count_prompt`),
+        nothing decoded and no slot held."""
+        endpoint = request.url.path
         try:
-            _, body, origins = anthropic_chat(await read_body(request), anthropic.CountTokensRequest)
+            _, body, origins = dialect_chat(dialect, await read_body(request), count=True)
             try:
                 messages = chat_messages(body)
                 plan, _, variables = check_request(body)
@@ -1099,23 +1105,26 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 except PromptError as exc:
                     raise ApiError(400, str(exc), param="messages") from None
             except ApiError as exc:
-                raise anthropic_error(exc, origins) from None
+                raise asked_error(dialect, exc, origins) from None
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
-            return exc.response("anthropic")
+            return exc.response(dialect)
         except ClientDisconnect:
             metrics.count(endpoint, 499)
             return Response(status_code=499)
         metrics.count(endpoint, 200)
-        return {"input_tokens": n}
+        return DIALECTS[dialect].counted(n)
 
     async def generate(request: Request, kind: str):
+        """``kind``: ``completion``, ``chat`` or a dialect's name (:data:`DIALECTS`: its request is
+        decoded as the chat it asks for, and answered in its shapes)."""
         t0 = time.perf_counter()
-        endpoint = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "messages": "/v1/messages"}[kind]
-        dialect = "anthropic" if kind == "messages" else "openai"
-        if kind == "messages":  # Anthropic's request, decoded as the chat it asks for
+        endpoint = request.url.path
+        dialect = kind if kind in DIALECTS else "openai"
+        api = DIALECTS.get(dialect)
+        if api is not None:
             kind = "chat"
-        omit_thinking, origins = False, []
+        asked, origins = None, []
         try:
             raw = await read_body(request)
             if kind == "completion":
@@ -1135,9 +1144,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                        f"[0, {vocab})", param="prompt")
                 args = {"prompt": prompt, "max_tokens": 16 if body.max_tokens is None else body.max_tokens}
             else:
-                if dialect == "anthropic":
-                    asked, body, origins = anthropic_chat(raw, anthropic.MessagesRequest)
-                    omit_thinking = anthropic.omits_thinking(asked)
+                if api is not None:
+                    asked, body, origins = dialect_chat(dialect, raw)
                 else:
                     body = parse_body(raw, ChatRequest)
                 args = {"messages": chat_messages(body), "max_tokens": body.max_completion_tokens or body.max_tokens}
@@ -1145,7 +1153,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             left = await acquire(request)
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
-            return (anthropic_error(exc, origins) if dialect == "anthropic" else exc).response(dialect)
+            return asked_error(dialect, exc, origins).response(dialect)
         except ClientDisconnect:  # gone while its body was read: nobody to answer
             metrics.count(endpoint, 499)
             return Response(status_code=499)
@@ -1159,14 +1167,14 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 metrics.count(endpoint, 499)
                 return Response(status_code=499)
             gen = Generation(session, body=body, shutdown=stopping, tools=plan, bias=bias, variables=variables,
-                             preserved=preserved, reopen=reopen, fit_context=dialect == "anthropic", **args)
+                             preserved=preserved, reopen=reopen, fit_context=api is not None, **args)
             first = await workers.decode.call(gen.start)
             if body.return_routed_experts:
                 gen.check_routed_start()
         except ApiError as exc:
             slot.release()
             metrics.count(endpoint, exc.status)
-            return (anthropic_error(exc, origins) if dialect == "anthropic" else exc).response(dialect)
+            return asked_error(dialect, exc, origins).response(dialect)
         except BaseException:
             if gen is not None:
                 await workers.decode.call(gen.close)
@@ -1181,7 +1189,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", len(prompt_text), preserved)
         echo = prompt_text if gen.echo else ""  # echo: the prompt's text before the completion's,
         echoed = (gen.prompt_ids(), gen.prompt_rows) if gen.echo and lp is not None else None  # its rows first
-        rid = anthropic.new_message_id() if dialect == "anthropic" else \
+        rid = api.new_id() if api is not None else \
             ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         one_call = getattr(body, "parallel_tool_calls", None) is False  # the first call only
         call_id = new_call_id(call_fmt)  # a forced call's: 9 letters and digits for Mistral's templates
@@ -1274,10 +1282,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                     message["content"], calls = parse_tagged(text, call_fmt, offered)
                 if calls:
                     message["tool_calls"] = calls[:1] if one_call else calls
-                if dialect == "anthropic":
+                if api is not None:
                     finish = "context" if gen.filled_context else gen.finish
-                    return JSONResponse(anthropic.message(rid, model_id, message, finish, gen.stop_sequence, usage,
-                                                          omit_thinking))
+                    return JSONResponse(api.answer(rid, model_id, message, finish, gen.stop_sequence, usage, asked))
                 choice = {"index": 0, "message": message, "logprobs": lp and lp.of(rows),
                           "finish_reason": finish_reason(len(calls))}
                 obj = "chat.completion"
@@ -1346,20 +1353,19 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             yield chunk(None, finish_reason(1 if arguments_of is not None else tagged.calls if tagged else
                                             think.calls if harmony else 0), rows)
 
-        async def anthropic_events():
-            stream = anthropic.EventStream(rid, model_id, gen.prompt_tokens or 0, omit_thinking)
+        async def dialect_events():
+            stream = api.EventStream(rid, model_id, gen.prompt_tokens or 0, asked)
             yield stream.start()
             async for c in chunks():
-                if c is None:  # the server is stopping: an error event (Anthropic's shape) instead of a finish
+                if c is None:  # the server is stopping: an error event (the dialect's shape) instead of a finish
                     outcome.append(503)
-                    yield anthropic.sse("error", anthropic.error_body(503, "the server is shutting down"))
+                    yield stream.error(503, "the server is shutting down")
                     return
                 events = stream.feed(c["choices"][0]["delta"])
                 if events:
                     yield events
             usage = finished()
-            yield stream.finish("context" if gen.filled_context else gen.finish, gen.stop_sequence,
-                                usage["completion_tokens"])
+            yield stream.finish("context" if gen.filled_context else gen.finish, gen.stop_sequence, usage)
             outcome.append(200)
 
         async def events():
@@ -1387,7 +1393,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             slot.release()
             metrics.count(endpoint, outcome[0] if outcome else 499)  # 499: the client closed the stream first
 
-        return SlotStream(anthropic_events() if dialect == "anthropic" else events(), release)
+        return SlotStream(dialect_events() if api is not None else events(), release)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -1399,11 +1405,11 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        return await generate(request, "messages")
+        return await generate(request, "anthropic")
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request):
-        return await count_tokens(request)
+        return await count_tokens(request, "anthropic")
 
     @app.get("/v1/models")
     async def models():
