@@ -2636,6 +2636,16 @@ def test_parallel_tool_calls_false_answers_the_first_call_only(glm):
         assert got.stop_reason == "max_tokens"  # the limit ended it (as the chat's finish_reason says: length)
 
 
+def _post_generated(served, rng, body: dict, create: str, count: str, seen) -> tuple[str, int, bytes]:
+    """A generated request (its None fields left out) to a dialect's ``create`` path, or one in four
+    to its ``count`` path: a 200, a 400 or a 404 (an unknown model), never a 5xx."""
+    path = count if rng.random() < 0.25 else create
+    status, raw = served.raw("POST", path, json.dumps({k: v for k, v in body.items() if v is not None}))
+    seen[status] += 1
+    assert status in (200, 400, 404), (status, body, raw[:300])
+    return path, status, raw
+
+
 def _fuzzed_block(rng, role: str):
     kind = rng.choice(["text", "text", "tool_use", "tool_result", "thinking", "image", "redacted_thinking", None])
     block = {"type": kind} if kind else {}
@@ -2689,10 +2699,7 @@ def test_generated_anthropic_requests_are_a_200_or_a_4xx_in_anthropics_shape(ser
                                                {"effort": "high"}, {"effort": "x"}, {"format": {"type": "x"}}])):
             if rng.random() < 0.12:
                 body[key] = rng.choice(values)
-        path = "/v1/messages/count_tokens" if rng.random() < 0.25 else "/v1/messages"
-        status, raw = served.raw("POST", path, json.dumps({k: v for k, v in body.items() if v is not None}))
-        seen[status] += 1
-        assert status in (200, 400, 404), (status, body, raw[:300])
+        path, status, raw = _post_generated(served, rng, body, "/v1/messages", "/v1/messages/count_tokens", seen)
         if status != 200:
             err = json.loads(raw)
             assert err["type"] == "error" and err["error"]["message"], raw
@@ -2707,3 +2714,182 @@ def test_generated_anthropic_requests_are_a_200_or_a_4xx_in_anthropics_shape(ser
     _, client = _anthropic(served)
     assert client.messages.create(model="small-moe", max_tokens=2, messages=[
         {"role": "user", "content": "Hi"}]).usage.output_tokens <= 2
+
+
+def _output(response) -> list[tuple]:
+    """A response's output items as ``(type, text or (name, arguments JSON))``."""
+    out = []
+    for item in response.output:
+        if item.type == "reasoning":
+            out.append(("reasoning", "".join(c.text for c in item.content or [])))
+        elif item.type == "message":
+            out.append(("message", "".join(c.text for c in item.content)))
+        else:
+            out.append(("function_call", (item.name, json.loads(item.arguments))))
+    return out
+
+
+def _responded(client, **ask):
+    """A streamed response (``stream=True``, read by the openai client): its final response (the
+    ``response.completed`` or ``response.incomplete`` event's: the client's stream helper knows only
+    the first), checked against what the deltas between each item's ``added`` and ``done`` built, and
+    the events' types in order."""
+    built, kinds, final, numbers = {}, [], None, []
+    for e in client.responses.create(stream=True, **ask):
+        kinds.append(e.type)
+        numbers.append(e.sequence_number)
+        if e.type == "response.output_item.added":
+            built[e.output_index] = [e.item.id, ""]
+        elif e.type in ("response.output_text.delta", "response.reasoning_text.delta",
+                        "response.function_call_arguments.delta"):
+            assert built[e.output_index][0] == e.item_id and max(built) == e.output_index  # the open item's
+            built[e.output_index][1] += e.delta
+        elif e.type in ("response.completed", "response.incomplete"):
+            final = e.response
+    assert numbers == list(range(len(numbers))) and final is not None, kinds
+    assert [(i.id, "".join(c.text for c in i.content or []) if i.type != "function_call" else i.arguments)
+            for i in final.output] == [tuple(built[k]) for k in sorted(built)]
+    return final, kinds
+
+
+def test_responses_answer_as_the_chat_endpoint_does(hermes):
+    """``/v1/responses`` through the openai client: the same decode as the equivalent chat request
+    (text, reasoning, calls, token counts), streamed as the same response with its items' events in
+    order; ``input_tokens`` counts the prompt; a call and its output sent back as items give the
+    chat's prompt, token for token; what is not served is a 400 naming the field."""
+    client = hermes.client()
+    msgs = [{"role": "user", "content": "Capital of France?"}]
+    ask = dict(model="small-moe", max_output_tokens=24, temperature=0)
+    chatting = dict(model="small-moe", max_tokens=24, temperature=0)
+    want = client.chat.completions.create(messages=[{"role": "system", "content": "Be brief."}] + msgs, **chatting)
+    got = client.responses.create(instructions="Be brief.", input="Capital of France?", **ask)
+    assert got.id.startswith("resp_") and got.output_text == want.choices[0].message.content
+    assert _output(got) == [("message", want.choices[0].message.content)]
+    assert got.status == {"length": "incomplete", "stop": "completed"}[want.choices[0].finish_reason]
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
+    assert 0 < got.usage.input_tokens_details.cached_tokens < got.usage.input_tokens  # the prompt's prefix was kept
+    assert client.responses.input_tokens.count(model="small-moe", instructions="Be brief.",
+                                               input="Capital of France?").input_tokens == got.usage.input_tokens
+    streamed, kinds = _responded(client, instructions="Be brief.", input="Capital of France?", **ask)
+    assert _output(streamed) == _output(got) and streamed.status == got.status
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{got.status}"
+    # reasoning, as the chat endpoint reads it (the template's think_open variable through chat_template_kwargs)
+    opened = dict(ask, input=msgs, extra_body={"chat_template_kwargs": {"think_open": True}})
+    want = client.chat.completions.create(messages=msgs, extra_body={"chat_template_kwargs": {"think_open": True}},
+                                          **chatting).choices[0].message
+    got = client.responses.create(**opened)
+    assert want.reasoning_content and _output(got) == [("reasoning", want.reasoning_content)] + (
+        [("message", want.content)] if want.content else [])
+    assert got.usage.output_tokens_details.reasoning_tokens > 0
+    streamed, kinds = _responded(client, **opened)
+    assert _output(streamed) == _output(got), kinds
+    # tools: required, a named one; a call and its output back to the template as the chat's messages
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+    tools = [{"type": "function", "name": "get_weather", "parameters": schema},
+             {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {
+                 "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
+    ask = dict(model="small-moe", max_output_tokens=96, temperature=0, input=[{"role": "user", "content": "Weather?"}])
+    (call,) = client.chat.completions.create(model="small-moe", max_tokens=96, temperature=0, tools=chat_tools,
+                                             tool_choice="required", messages=ask["input"]).choices[0].message.tool_calls
+    got = client.responses.create(tools=tools, tool_choice="required", **ask)
+    assert _output(got) == [("function_call", (call.function.name, json.loads(call.function.arguments)))]
+    assert _output(_responded(client, tools=tools, tool_choice="required", **ask)[0]) == _output(got)
+    named = client.responses.create(tools=tools, tool_choice={"type": "function", "name": "get_time"}, **ask)
+    assert [i.name for i in named.output] == ["get_time"]
+    item = got.output[0]
+    turn2 = ask["input"] + [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Look."}]},
+                            {"type": "function_call", "call_id": item.call_id, "name": item.name,
+                             "arguments": item.arguments},
+                            {"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}]
+    chat2 = ask["input"] + [{"role": "assistant", "content": "", "reasoning_content": "Look.", "tool_calls": [
+        {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}]},
+        {"role": "tool", "tool_call_id": item.call_id, "content": "sunny"}]
+    after = client.responses.create(**dict(ask, input=turn2, max_output_tokens=4), tools=tools)
+    assert after.usage.input_tokens == client.chat.completions.create(
+        model="small-moe", max_tokens=4, temperature=0, messages=chat2, tools=chat_tools).usage.prompt_tokens
+    # structured output; mistakes are OpenAI errors naming the response request's field
+    shaped = client.responses.create(model="small-moe", input="Weather?", max_output_tokens=64, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "w", "schema": schema}})
+    assert set(json.loads(shaped.output_text)) == {"city"}
+    ok = {"model": "small-moe", "input": "Hi", "max_output_tokens": 2}
+    for body, says in ((dict(ok, previous_response_id="resp_1"), "previous_response_id"),
+                       (dict(ok, tools=[{"type": "web_search"}]), "tools.0.type"),
+                       (dict(ok, input=[{"type": "input_image", "image_url": "x"}]), "input.0.type"),
+                       (dict(ok, input=[{"role": "user", "content": [{"type": "input_image"}]}]), "input.0.content"),
+                       (dict(ok, max_output_tokens=0), "max_output_tokens"),
+                       (dict(ok, tool_choice={"type": "function", "name": "nope"}, tools=tools), "tool_choice.name"),
+                       (dict(ok, include=["message.output_text.logprobs"]), "include.0"),
+                       (dict(ok, model="gpt-5"), "gpt-5")):
+        for path in ("/v1/responses", "/v1/responses/input_tokens"):
+            status, raw = hermes.raw("POST", path, json.dumps(body))
+            err = json.loads(raw)["error"]
+            assert status in (400, 404) and says in err["message"], (path, body, raw)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**dict(ok, temperature=3))
+
+
+def _fuzzed_item(rng):
+    kind = rng.choice(["message", "message", "function_call", "function_call_output", "reasoning", "input_image",
+                       None, 3])
+    hostile = [None, 1, -1.5, True, "", "x" * 50, [], {}, {"a": [1]}]
+    if kind == "message" or kind is None:
+        item = {"role": rng.choice(["user", "assistant", "developer", "system", "tool"]),
+                "content": rng.choice(["Hi", [{"type": "input_text", "text": "Hi"}], [{"type": "output_text", "text": "x"}],
+                                       [{"type": "input_image"}], rng.choice(hostile)])}
+        return {**item, "type": "message"} if kind else item
+    if kind == "function_call":
+        return {"type": kind, "call_id": rng.choice(["c1", ""]), "name": rng.choice(["f", "bad name"]),
+                "arguments": rng.choice(['{"city": "Paris"}', "{", 3])}
+    if kind == "function_call_output":
+        return {"type": kind, "call_id": "c1", "output": rng.choice(["sunny", [{"type": "input_text", "text": "x"}], 3])}
+    if kind == "reasoning":
+        return {"type": kind, "summary": rng.choice([[], [{"type": "summary_text", "text": "s"}], "x"]),
+                "content": rng.choice([None, [{"type": "reasoning_text", "text": "r"}]]), "encrypted_content": None}
+    return {"type": kind}
+
+
+@pytest.mark.parametrize("server", ["managed", "hermes"])
+def test_generated_response_requests_are_a_200_or_a_4xx_and_json(server, request):
+    """Seeded generated ``/v1/responses`` requests (items of every type, hostile values, tools and
+    tool choices, formats, include, reasoning; streamed or not; counted or answered): each a 200 or
+    a 4xx in OpenAI's error shape, never a 5xx; a 200 is a response (or a count, or an event stream
+    ending in its completion); the server answers after all of it."""
+    import random
+
+    served = request.getfixturevalue(server)
+    rng = random.Random(67)
+    seen = collections.Counter()
+    for i in range(100):
+        body = {"model": "small-moe", "max_output_tokens": rng.choice([2, 6]), "stream": rng.random() < 0.3,
+                "input": "Weather?", "temperature": 0}
+        if rng.random() < 0.5:
+            body["input"] = [_fuzzed_item(rng) for _ in range(rng.randint(1, 3))] + [{"role": "user", "content": "Hi"}]
+        for key, values in (("model", ["gpt-5", None, 3]), ("max_output_tokens", [0, "3", None, 10 ** 6]),
+                            ("input", [[], None, 3, [{"type": "message"}]]), ("instructions", ["Be brief.", 3]),
+                            ("tools", [[{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
+                                "city": {"type": "string"}}}}]] * 3 + [[{"type": "web_search"}], [{"name": "f"}]]),
+                            ("tool_choice", ["required", {"type": "function", "name": "f"}, "none", "any",
+                                             {"type": "allowed_tools"}]),
+                            ("text", [{"format": {"type": "json_object"}}, {"format": {"type": "json_schema",
+                                      "name": "s", "schema": {"type": "object"}}}, {"format": {"type": "json_schema"}},
+                                      {"verbosity": "low"}, {"format": {"type": "xml"}}]),
+                            ("reasoning", [{"effort": "high"}, {"effort": "none"}, {"effort": "max"}]),
+                            ("include", [["reasoning.encrypted_content"], ["x"], "x"]),
+                            ("previous_response_id", ["resp_1"]), ("store", [False, True, "no"]),
+                            ("truncation", ["auto", "disabled"]), ("top_k", [1, -1])):
+            if rng.random() < 0.1:
+                body[key] = rng.choice(values)
+        path, status, raw = _post_generated(served, rng, body, "/v1/responses", "/v1/responses/input_tokens", seen)
+        if status != 200:
+            assert json.loads(raw)["error"]["message"], raw
+        elif path.endswith("input_tokens"):
+            assert json.loads(raw)["input_tokens"] > 0
+        elif body["stream"]:
+            assert raw.decode().startswith("event: response.created\n"), raw[:300]
+            assert json.loads(raw.decode().rstrip().rsplit("data: ", 1)[1])["type"] in (
+                "response.completed", "response.incomplete"), raw[-300:]
+        else:
+            assert json.loads(raw)["object"] == "response"
+    assert seen[200] >= 10 and seen[400] >= 20, seen
+    assert served.client().responses.create(model="small-moe", input="Hi", max_output_tokens=2).usage.output_tokens <= 2

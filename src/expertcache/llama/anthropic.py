@@ -30,22 +30,14 @@ Invariants:
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-THINKING_VARIABLES = ("enable_thinking", "thinking")
-"""Template variables that switch a model's thinking on or off (Qwen3's, GLM's and Gemma's
-``enable_thinking``; DeepSeek-V3.1's and Kimi's ``thinking``): ``thinking.type`` ``enabled`` or
-``disabled`` sets those the chat template reads."""
-EFFORT_VARIABLE = "reasoning_effort"
-"""The template variable of a model's reasoning effort (gpt-oss's ``low``, ``medium``, ``high``):
-``output_config.effort`` sets it where the chat template reads it (``xhigh`` and ``max`` as ``high``)."""
-EXTENSIONS = ("seed", "presence_penalty", "frequency_penalty", "logit_bias", "reasoning_format", "chat_template_kwargs")
-"""The chat endpoint's own fields a message request may carry too (llama.cpp's server takes
-``chat_template_kwargs`` so): passed on as they are and checked there."""
+from . import dialect
+from .dialect import EFFORT_VARIABLE, THINKING_VARIABLES
+
 UNSERVED = ("container", "mcp_servers", "context_management")
 """Top-level request fields that would change the answer and are not served: refused when set."""
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -54,11 +46,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 ``api_error`` for a 5xx)."""
 
 
-class _Part(BaseModel):
-    """A request's part: unknown fields ignored (``cache_control``, ``citations``), known ones typed
-    strictly, as the chat endpoint's are."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
+_Part = dialect.Part
 
 
 class TextBlock(_Part):
@@ -125,7 +113,7 @@ class OutputConfig(BaseModel):
     format: _OutputFormat | None = None
 
 
-class MessagesRequest(_Part):
+class MessagesRequest(dialect.Passed):
     """``POST /v1/messages``'s body (Anthropic's ``MessageCreateParams``, as far as it is served)."""
 
     model: str
@@ -142,17 +130,6 @@ class MessagesRequest(_Part):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     metadata: dict | None = None
-    # the chat endpoint's fields (EXTENSIONS): passed on, checked there
-    seed: object = None
-    presence_penalty: object = None
-    frequency_penalty: object = None
-    logit_bias: object = None
-    reasoning_format: object = None
-    chat_template_kwargs: object = None
-    # fields that would change the answer and are not served (UNSERVED): refused when set
-    container: object = None
-    mcp_servers: object = None
-    context_management: object = None
 
 
 class CountTokensRequest(MessagesRequest):
@@ -177,7 +154,7 @@ def to_chat(req: MessagesRequest, template_variables: frozenset = frozenset()) -
     :data:`THINKING_VARIABLES` among them; :func:`asked_fields` reads ``origins``). A ``ValueError`` whose first argument is the Anthropic
     field at fault (``"field: why"``) for what is not served."""
     for name in UNSERVED:
-        if getattr(req, name) is not None:
+        if req.asked(name) is not None:
             raise ValueError(f"{name}: not served by this server")
     messages: list[dict] = []
     origins: list[str] = []
@@ -250,37 +227,20 @@ def to_chat(req: MessagesRequest, template_variables: frozenset = frozenset()) -
     effort = req.output_config.effort if req.output_config is not None else None
     if effort is not None and EFFORT_VARIABLE in template_variables:
         variables[EFFORT_VARIABLE] = effort if effort in ("low", "medium", "high") else "high"
-    for name in EXTENSIONS:
-        if getattr(req, name) is not None:
-            body[name] = getattr(req, name)
-    if variables:  # the switches' variables, under the request's own
-        body["chat_template_kwargs"] = {**variables, **req.chat_template_kwargs} \
-            if isinstance(req.chat_template_kwargs, dict) else req.chat_template_kwargs or variables
-    return body, origins
+    return dialect.pass_on(req, body, variables), origins
 
 
-RENAMED = (("stop", "stop_sequences"), ("tool_choice.function.name", "tool_choice.name"),
-           ("tools.function.parameters", "tools.input_schema"), ("response_format", "output_config.format"))
+RENAMED = ((r"^stop\b", "stop_sequences"), (r"^tool_choice\.function\.name", "tool_choice.name"),
+           (r"^tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema"), (r"^tools\.(\d+)\.function\.", r"tools.\1."),
+           (r"^response_format", "output_config.format"))
 """Chat request fields and the Anthropic fields they come from (:func:`asked_fields`)."""
-_FIELD = re.compile(r"^(messages)(?:\.|\[)(\d+)\]?|^([a-z_]+(?:\.[a-z_]+)*)")
 
 
 def asked_fields(text: str, origins: list[str]) -> str:
     """An error message about the chat request :func:`to_chat` made, its leading field named as
     the Anthropic request has it (``messages[2].role`` → ``messages.1.content.0.role`` where the
     third chat message is the first block of the second; ``stop`` → ``stop_sequences``)."""
-    m = _FIELD.match(text)
-    if m is None:
-        return text
-    if m.group(1):
-        i = int(m.group(2))
-        where = origins[i] if i < len(origins) else f"messages.{i}"
-        return where + text[m.end():]
-    field = m.group(3)
-    for chat, theirs in RENAMED:
-        if field == chat or field.startswith(chat + "."):
-            return theirs + text[len(chat):]
-    return text
+    return dialect.asked_fields(text, origins, RENAMED)
 
 
 def stop_reason(finish: str | None, calls: int, stop_sequence: str | None) -> str:
@@ -351,13 +311,15 @@ class EventStream:
     """A streamed chat completion's chunks (their ``delta``s) as Anthropic's server-sent events:
     ``message_start``, each block's start, deltas and stop, then ``message_delta`` and
     ``message_stop``. A block stops before the next starts; the indices count the blocks. For
-    ``asked`` with ``display: omitted``, a thinking block's text is not sent."""
+    ``asked`` with ``display: omitted``, a thinking block's text is not sent. ``reasoning``: the
+    thinking so far."""
 
     def __init__(self, mid: str, model: str, input_tokens: int, asked: MessagesRequest | None = None):
         self.mid, self.model, self.input_tokens, self.omit_thinking = mid, model, input_tokens, omits_thinking(asked)
         self.index = -1
         self.open: str | None = None  # the open block's type
         self.calls = 0
+        self.reasoning = ""
 
     def start(self) -> str:
         return sse("message_start", {"type": "message_start", "message": {
@@ -389,6 +351,7 @@ class EventStream:
         """The events of one chunk's ``delta`` (its thinking, then its text, then its calls)."""
         out = ""
         if delta.get("reasoning_content"):
+            self.reasoning += delta["reasoning_content"]
             if self.open != "thinking":
                 out += self._begin({"type": "thinking", "thinking": "", "signature": ""})
             if not self.omit_thinking:

@@ -8,8 +8,9 @@ unknown model with the default one and a malformed body with FastAPI's 422 shape
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST
 /v1/chat/completions`` (streamed as server-sent events with ``"stream": true``, ending in ``data:
-[DONE]``; ``stream_options.include_usage`` adds a usage chunk), Anthropic's ``POST /v1/messages``
-and ``POST /v1/messages/count_tokens`` (the chat path in Anthropic's shapes: :mod:`.anthropic`),
+[DONE]``; ``stream_options.include_usage`` adds a usage chunk), OpenAI's ``POST /v1/responses`` and
+``POST /v1/responses/input_tokens`` (:mod:`.responses`), Anthropic's ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (:mod:`.anthropic`): the chat path in their shapes,
 ``GET /metrics`` (Prometheus text format, :class:`Metrics`).
 
 Invariants:
@@ -99,7 +100,7 @@ from .toolcalls import MARKERS as CALL_MARKERS
 from .toolcalls import (ALTERNATIVES, DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, KIMI_K3,
                         MINIMAX_M3, TAGS, TaggedCalls, call_format, gemma4_tool_responses, new_call_id, parse_tagged,
                         results_in_call_order)
-from . import MAX_SEED, anthropic
+from . import MAX_SEED, anthropic, responses
 from .textgen import Session, completion_kwargs, request_figures
 
 MAX_BODY_BYTES = 1 << 20
@@ -120,12 +121,15 @@ MAX_LOGPROBS = 20
 of a chat: OpenAI's chat limit)."""
 POLL_SECONDS = 0.25
 """How often a waiting or non-streamed request looks whether its client is still there."""
-DIALECTS = {"anthropic": anthropic}
+DIALECTS = {"anthropic": anthropic, "responses": responses}
 """APIs answered by the chat path in their own shapes: each a module with ``Request``,
 ``CountRequest``, ``to_chat``, ``asked_fields``, ``error_body``, ``new_id``, ``answer``,
-``counted`` and ``EventStream`` (:mod:`.anthropic`)."""
-DIALECT_PATHS = {"/v1/messages": "anthropic", "/v1/messages/count_tokens": "anthropic"}
-"""Each dialect's paths: its requests, and its errors in its shape (every other path: OpenAI's)."""
+``counted`` and ``EventStream`` (:mod:`.anthropic`, :mod:`.responses`)."""
+DIALECT_ROUTES = {"anthropic": ("/v1/messages", "/v1/messages/count_tokens"),
+                  "responses": ("/v1/responses", "/v1/responses/input_tokens")}
+"""Each dialect's paths: a request answered, and one counted."""
+DIALECT_PATHS = {path: name for name, paths in DIALECT_ROUTES.items() for path in paths}
+"""The dialect of each of its paths (its errors in its shape; every other path: OpenAI's)."""
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions") + tuple(DIALECT_PATHS)
 
 
@@ -731,6 +735,11 @@ class Generation:
         return rows
 
     @property
+    def cached_tokens(self) -> int:
+        """The prompt's tokens the KV cache kept from the request before (not evaluated again)."""
+        return max(0, (self.prompt_tokens or 0) - (self.figures()["prefill_tokens"] or 0))
+
+    @property
     def filled_context(self) -> bool:
         """Whether the decode ended because the context was full (``fit_context``), not at ``max_tokens``."""
         return self.fitted and self.done and self.finish == "length"
@@ -1044,6 +1053,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         finally:
             metrics.waiting -= 1
 
+    def tokens_of(text: str | None) -> int:
+        """The tokens of ``text`` as the tokenizer reads it (a reasoning text's, for a dialect's usage)."""
+        return len(session.llama.tokenize(text.encode("utf-8"), add_bos=False, special=True)) if text else 0
+
     def shutting_down(dialect: str = "openai") -> JSONResponse:
         return error_json(503, "the server is shutting down", "server_error", code="shutting_down", dialect=dialect)
 
@@ -1284,6 +1297,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                     message["tool_calls"] = calls[:1] if one_call else calls
                 if api is not None:
                     finish = "context" if gen.filled_context else gen.finish
+                    usage = dict(usage, cached_tokens=gen.cached_tokens,
+                                 reasoning_tokens=tokens_of(message.get("reasoning_content")))
                     return JSONResponse(api.answer(rid, model_id, message, finish, gen.stop_sequence, usage, asked))
                 choice = {"index": 0, "message": message, "logprobs": lp and lp.of(rows),
                           "finish_reason": finish_reason(len(calls))}
@@ -1364,7 +1379,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 events = stream.feed(c["choices"][0]["delta"])
                 if events:
                     yield events
-            usage = finished()
+            usage = dict(finished(), cached_tokens=gen.cached_tokens, reasoning_tokens=tokens_of(stream.reasoning))
             yield stream.finish("context" if gen.filled_context else gen.finish, gen.stop_sequence, usage)
             outcome.append(200)
 
@@ -1403,13 +1418,18 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     async def chat_completions(request: Request):
         return await generate(request, "chat")
 
-    @app.post("/v1/messages")
-    async def messages(request: Request):
-        return await generate(request, "anthropic")
+    def dialect_routes(dialect: str, create: str, count: str) -> None:
+        async def answered(request: Request):
+            return await generate(request, dialect)
 
-    @app.post("/v1/messages/count_tokens")
-    async def messages_count_tokens(request: Request):
-        return await count_tokens(request, "anthropic")
+        async def counted(request: Request):
+            return await count_tokens(request, dialect)
+
+        app.add_api_route(create, answered, methods=["POST"])
+        app.add_api_route(count, counted, methods=["POST"])
+
+    for name, (create, count) in DIALECT_ROUTES.items():
+        dialect_routes(name, create, count)
 
     @app.get("/v1/models")
     async def models():
