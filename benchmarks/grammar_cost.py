@@ -26,7 +26,7 @@ import time
 
 import llama_cpp
 
-from expertcache.llama.callgrammar import call_grammar
+from expertcache.llama.callgrammar import FORMS, call_grammar
 from expertcache.llama.constraints import GrammarFirst, response_grammar
 from expertcache.llama.textgen import ObservedLlama
 
@@ -98,8 +98,7 @@ FORCED_TOOLS = [
     ("get_time", {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
                   "required": ["zone"]}),
     ("ping", None)]
-FORCED = ("arguments", "hermes", "qwen3-coder", "glm", "minimax-m2", "deepseek-v3.2", "deepseek-v4", "deepseek-v3",
-          "kimi-k2", "mistral", "harmony", "gemma4", "minimax-m3")
+FORCED = ("arguments",) + FORMS  # every format a forced call is written in, against the arguments alone
 
 
 def forced(path: str, tokens: int, repeats: int) -> dict:

@@ -15,8 +15,9 @@ through the same API (docs/serve.md, "Measured").
    expert bytes beside the dense part. Modes: ``mmap`` (llama.cpp as it is) and ``managed``.
 3. The server's overhead: with no wall, ``llama generate --mode mmap`` and ``serve --mode mmap``
    alternate --runs times; the same decode rate (first to last piece of text) on both sides. Then
-   the two chat APIs on one server (``--chat-format chatml``): the same chat streamed through
-   ``/v1/chat/completions`` and Anthropic's ``/v1/messages``, in a seeded order, --runs times each.
+   the chat APIs on one server (``--chat-format chatml``): the same chat streamed through
+   ``/v1/chat/completions``, OpenAI's ``/v1/responses`` and Anthropic's ``/v1/messages``, in a
+   seeded order, --runs times each.
 4. Tables (median [min-max] over runs; a lead inside the spread is a tie) between the markers of
    docs/serve.md; the records to --json-out.
 
@@ -116,13 +117,19 @@ def stream_completion(url: str, max_tokens: int) -> dict:
 
 def stream_chat(url: str, api: str, max_tokens: int) -> dict:
     """One streamed greedy chat of PROMPT through ``api`` (``chat``: /v1/chat/completions;
-    ``messages``: Anthropic's /v1/messages) (:func:`timed_stream`)."""
+    ``responses``: /v1/responses; ``messages``: Anthropic's /v1/messages) (:func:`timed_stream`)."""
     ask = {"model": "bench", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
            "temperature": 0, "stream": True}
     if api == "chat":
         rec = timed_stream(url, "/v1/chat/completions", {**ask, "stream_options": {"include_usage": True}},
                            lambda obj: ("".join(c["delta"].get("content") or "" for c in obj.get("choices", [])),
                                         obj["usage"]["completion_tokens"] if obj.get("usage") else None))
+    elif api == "responses":
+        done = ("response.completed", "response.incomplete")
+        rec = timed_stream(url, "/v1/responses", {"model": "bench", "input": PROMPT, "max_output_tokens": max_tokens,
+                                                  "temperature": 0, "stream": True}, lambda obj: (
+            obj["delta"] if obj["type"] == "response.output_text.delta" else "",
+            obj["response"]["usage"]["output_tokens"] if obj["type"] in done else None))
     else:
         rec = timed_stream(url, "/v1/messages", ask, lambda obj: (
             obj["delta"].get("text", "") if obj.get("type") == "content_block_delta" else "",
@@ -224,7 +231,7 @@ def main() -> int:
         apis = []  # the two chat APIs on one server, in a seeded order
         proc, info = start(gguf, "--mode", "mmap", "--chat-format", "chatml", "--model-alias", "bench")
         try:
-            order = [api for _ in range(args.runs) for api in ("chat", "messages")]
+            order = [api for _ in range(args.runs) for api in ("chat", "responses", "messages")]
             random.Random(args.seed + 1).shuffle(order)
             apis = [stream_chat(info["url"], api, args.tokens) for api in order]
         finally:
@@ -276,15 +283,17 @@ def report(out: dict) -> list[str]:
         lines += ["", f"No wall, `mmap`: `llama generate` {spread(gen)} tok/s, `serve` through the API {spread(srv)} "
                   f"tok/s: serve / generate {ratio:.3f} of the medians (overhead {100 * (1 - ratio):.1f}%); "
                   f"every run's text identical: {same}.", ""]
-        by = {api: [r for r in m.get("apis", []) if r["api"] == api] for api in ("chat", "messages")}
-        if by["chat"] and by["messages"]:
+        by = {api: [r for r in m.get("apis", []) if r["api"] == api] for api in ("chat", "responses", "messages")}
+        if all(by.values()):
             rate = {api: [r["decode_tokens_per_s"] for r in rs] for api, rs in by.items()}
-            api_ratio = statistics.median(rate["messages"]) / statistics.median(rate["chat"])
-            lines += [f"The same chat streamed (chatml, no wall): `/v1/chat/completions` {spread(rate['chat'])} "
-                      f"tok/s, time to first token {spread(r['ttft_seconds'] for r in by['chat'])} s; Anthropic's "
-                      f"`/v1/messages` {spread(rate['messages'])} tok/s, "
-                      f"{spread(r['ttft_seconds'] for r in by['messages'])} s: messages / chat {api_ratio:.3f} of the "
-                      f"medians; every run's text identical: {len({r['text'] for r in m['apis']}) == 1}.", ""]
+            ratio_of = {api: statistics.median(rate[api]) / statistics.median(rate["chat"]) for api in by}
+            lines += ["The same chat streamed (chatml, no wall): " + "; ".join(
+                f"`{path}` {spread(rate[api])} tok/s, time to first token "
+                f"{spread(r['ttft_seconds'] for r in by[api])} s" + (f" ({ratio_of[api]:.3f} of chat's median)"
+                                                                     if api != "chat" else "")
+                for api, path in (("chat", "/v1/chat/completions"), ("responses", "/v1/responses"),
+                                  ("messages", "/v1/messages"))) +
+                f"; every run's text identical: {len({r['text'] for r in m['apis']}) == 1}.", ""]
     return lines
 
 

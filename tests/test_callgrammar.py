@@ -21,7 +21,7 @@ from expertcache.llama.callgrammar import (  # noqa: E402
     FORMS, MAX_TEXT_REPEAT, SPELLINGS, call_grammar, call_grammar_text, literal, until, writes)
 from expertcache.llama.reasoning import read_harmony  # noqa: E402
 from expertcache.llama.toolcalls import (  # noqa: E402
-    DSML, DSV4, GEMMA4, GLM, HARMONY, MINIMAX, MINIMAX_M3, QWEN_XML, parse_tagged)
+    DSML, DSV4, GEMMA4, GLM, HARMONY, LFM2, MINIMAX, MINIMAX_M3, QWEN_XML, parse_tagged)
 
 TOOLS = [
     ("get_weather", {"type": "object", "properties": {
@@ -167,7 +167,10 @@ def test_writes_reference_cases():
     assert not writes(DSV4, [("f", {"anyOf": [{"type": "object"}]})])
     assert not writes(DSV4, [("f", {"type": "object", "properties": {"a": {}}, "required": ["b"]})])
     assert writes(DSV4, [("f", {"type": "object"})]) and writes(DSV4, [("f", None)])
-    assert not writes("lfm2", one({})) and not writes(None, one({}))
+    assert writes(LFM2, one({})) and not writes(None, one({}))
+    assert writes(LFM2, one({"city": {"type": "string", "pattern": "^x$"}, "days": {"type": "integer"}}))
+    for props, name in (({"a-b": {}}, "f"), ({"class": {}}, "f"), ({"a": {}}, "get-time"), ({"a": {}}, "None")):
+        assert not writes(LFM2, one(props, name)), (props, name)  # not Python names
     for bounds in ({"minLength": -1}, {"minLength": 3, "maxLength": 2}, {"maxLength": 2.5}, {"maxLength": True}):
         assert not writes(GLM, one({"a": {"type": "string", **bounds}})), bounds
 
@@ -518,3 +521,26 @@ def test_llama_cpp_takes_each_spelling_of_the_json_formats(small):
     kimi = call_grammar_text("kimi-k2", tools)
     assert not grammar_accepts(small, kimi, cases["kimi-k2"][0].replace(":0<", ":01<"))  # an index as written
     assert not grammar_accepts(small, kimi, cases["kimi-k2"][0].replace(":0<", ":<"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(st.sampled_from('ab/\\"\'\n\té€😀'), max_size=6),
+       escapes=st.lists(st.sampled_from(['\\n', '\\"', '\\\\', '\\t', '\\u00e9', '\\ud83d\\ude00', '\\/', '\\b']),
+                        max_size=3))
+def test_llama_cpp_takes_an_lfm2_call_whose_values_python_reads_as_json_does(small, text, escapes):
+    """LFM2's Python call: a text value is JSON's, which Python's parser reads as the same text,
+    except ``\\/`` (JSON's ``/``, Python's backslash and ``/``), which the grammar does not write; a
+    value taken is read back as the JSON it was written as; ``true`` and ``null`` (JSON's) too."""
+    import json
+
+    tools = [("write", {"type": "object", "properties": {"text": {"type": "string"}, "flag": {"type": "boolean"},
+                                                          "none": {"type": "null"}}, "required": ["text"]})]
+    grammar = call_grammar_text(LFM2, tools)
+    value = json.dumps(text, ensure_ascii=False)[:-1] + "".join(escapes) + '"'
+    call = f'<|tool_call_start|>[write(text={value}, flag=true, none=null)]<|tool_call_end|>'
+    taken = grammar_accepts(small, grammar, call)
+    assert taken == ("\\/" not in escapes), call
+    if taken:
+        content, calls = read(LFM2, call, tools)
+        assert content is None and json.loads(calls[0]["function"]["arguments"]) == {
+            "text": json.loads(value), "flag": True, "none": None}, call

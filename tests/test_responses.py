@@ -65,6 +65,9 @@ def test_items_become_the_chat_messages_a_template_takes():
     assert asked_fields("max_tokens: too many", origins) == "max_output_tokens: too many"
     assert asked_fields("tools.0.function.name: bad", origins) == "tools.0.name: bad"
     assert to_chat(request(input="Hi"))[0]["messages"] == [{"role": "user", "content": "Hi"}]
+    cut = to_chat(request(input=[{"type": "reasoning", "summary": [{"type": "summary_text", "text": "Hm."}]},
+                                 {"role": "user", "content": "Go on."}, {"role": "assistant", "content": "Done."}]))
+    assert cut[0]["messages"] == [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": "Done."}]
 
 
 @pytest.mark.parametrize("fields, says", [

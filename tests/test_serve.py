@@ -2521,7 +2521,8 @@ NATIVE_OPENINGS = {"glm": "<tool_call>get_weather\n", "deepseek": "<｜tool▁ca
                    "minimax": '<minimax:tool_call>\n<invoke name="get_weather">',
                    "kimi": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:",
                    "mistral": "[TOOL_CALLS]", "gemma4": "<|tool_call>call:get_weather{city:<|\"|>",
-                   "minimax_m3": ']<]minimax[>[<tool_call>\n]<]minimax[>[<invoke name="get_weather">]<]minimax[>[<city>'}
+                   "minimax_m3": ']<]minimax[>[<tool_call>\n]<]minimax[>[<invoke name="get_weather">]<]minimax[>[<city>',
+                   "lfm2": "<|tool_call_start|>[get_weather(city="}
 """Per served format whose forced call is written in the format (:data:`expertcache.llama.callgrammar.FORMS`):
 how a named call to get_weather begins (the others' is its arguments, JSON)."""
 
@@ -2893,3 +2894,17 @@ def test_generated_response_requests_are_a_200_or_a_4xx_and_json(server, request
             assert json.loads(raw)["object"] == "response"
     assert seen[200] >= 10 and seen[400] >= 20, seen
     assert served.client().responses.create(model="small-moe", input="Hi", max_output_tokens=2).usage.output_tokens <= 2
+
+
+def test_a_lone_surrogate_in_an_answer_is_written_as_its_escape():
+    """A call's arguments may hold a lone surrogate (a model's ``\\ud800`` escape, which JSON and
+    Python read as such): the answer writes it as that escape, where UTF-8 could not hold it (a
+    500 before); a pair is one character."""
+    from expertcache.llama.server import JSONResponse
+    from expertcache.llama.toolcalls import parse_tagged
+
+    assert JSONResponse({"a": "x\ud800", "b": "é"}).body == '{"a":"x\\ud800","b":"é"}'.encode()
+    call = '<|tool_call_start|>[f(a="\\ud83d\\ude00\\ud800")]<|tool_call_end|>'
+    (read,) = parse_tagged(call, "lfm2", [("f", {"type": "object", "properties": {"a": {"type": "string"}}})])[1]
+    assert json.loads(read["function"]["arguments"]) == {"a": "😀\ud800"}
+    assert json.loads(JSONResponse(read).body)["function"]["arguments"] == read["function"]["arguments"]

@@ -1,7 +1,7 @@
 """Anthropic's Messages API over the server's chat path (``POST /v1/messages``,
 ``POST /v1/messages/count_tokens``): a request is read in Anthropic's shape, turned into the chat
 request the OpenAI endpoint takes (:func:`to_chat`), decoded by the same code, and answered in
-Anthropic's shape (:func:`message`, :class:`EventStream`), as llama.cpp's server does.
+Anthropic's shape (:func:`answer`, :class:`EventStream`), as llama.cpp's server does.
 
 A dialect of the server (:data:`~.server.DIALECTS`; :mod:`.responses` is another): ``Request``
 and ``CountRequest`` (the bodies), :func:`to_chat`, :func:`asked_fields`, :func:`error_body`,
@@ -10,7 +10,7 @@ and ``CountRequest`` (the bodies), :func:`to_chat`, :func:`asked_fields`, :func:
 
 Invariants:
 
-* **One decode, two dialects.** What a ``/v1/messages`` request generates is what the equivalent
+* **The chat endpoint's decode.** What a ``/v1/messages`` request generates is what the equivalent
   ``/v1/chat/completions`` request generates, token for token: the same template, tools, forced
   calls, thinking and sampling; only the envelope differs (``tests/test_serve.py`` checks text,
   thinking, calls and token counts against the chat endpoint's).
@@ -151,8 +151,9 @@ def to_chat(req: MessagesRequest, template_variables: frozenset = frozenset()) -
     what ``req`` asks, and where each of its messages comes from in ``req`` (``system``,
     ``messages.I``, ``messages.I.content.J`` for a tool's result).
     ``template_variables``: the variables the chat template reads (where ``thinking`` sets the
-    :data:`THINKING_VARIABLES` among them; :func:`asked_fields` reads ``origins``). A ``ValueError`` whose first argument is the Anthropic
-    field at fault (``"field: why"``) for what is not served."""
+    :data:`~.dialect.THINKING_VARIABLES` among them; :func:`asked_fields` reads ``origins``). A
+    ``ValueError`` whose first argument is the Anthropic field at fault (``"field: why"``) for what
+    is not served."""
     for name in UNSERVED:
         if req.asked(name) is not None:
             raise ValueError(f"{name}: not served by this server")
@@ -304,7 +305,7 @@ def answer(mid: str, model: str, chat_message: dict, finish: str | None, stop_se
 
 
 def sse(event: str, data: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"  # ASCII: a lone surrogate stays an escape
 
 
 class EventStream:

@@ -20,6 +20,10 @@ one call to one of the request's tools, written as the format's template teaches
   them.
 * **MiniMax-M3's elements**: :class:`_M3` writes an element per argument from the schema, as its
   reader (:func:`~.toolcalls._m3_value`) takes them.
+* **LFM2's Python calls**: ``[NAME(KEY=VALUE, ...)]`` between its tags, a keyword argument per
+  property (the required ones first, the others each maybe), each value JSON of the property's
+  schema, which Python's parser reads as a literal (a text in double quotes, a number, a list) or
+  the reader as JSON (``true``, ``null``, an object holding them: :func:`~.toolcalls._python_value`).
 
 Invariants (``tests/test_callgrammar.py``):
 
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import json
+import keyword
 import re
 
 from llama_cpp.llama_grammar import LlamaGrammar
@@ -52,6 +57,7 @@ from .reasoning import CHANNEL, MESSAGE
 from .toolcalls import (CALL_CLOSE, CALL_OPEN, CALL_SEP, CALLS_CLOSE, CALLS_OPEN, CLOSE, DSML, DSML_CLOSE, DSML_OPEN,
                         DSML_SPACED, DSV3, DSV4, DSV4_CLOSE, DSV4_OPEN, DSV41_CLOSE, DSV41_OPEN, GEMMA4,
                         GEMMA4_CLOSE, GEMMA4_KEY, GEMMA4_OPEN, GEMMA4_QUOTE, GLM, HARMONY, HERMES, KIMI, KIMI_TAGS,
+                        LFM2, LFM2_CLOSE, LFM2_OPEN,
                         M3_CLOSE, M3_INVOKE_END, M3_ITEM, M3_ITEM_END, M3_NS, M3_OPEN, MINIMAX, MINIMAX_CLOSE,
                         MINIMAX_M3, MINIMAX_OPEN, MISTRAL, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, QWEN_XML, XML_FORMS,
                         m3_may_be_text, schema_alternatives)
@@ -79,7 +85,7 @@ MiniMax-M2: ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V
 </invoke>\\n</minimax:tool_call>``; DeepSeek-V3.2's DSML the same with its mark in each tag and
 ``string="true"`` (a text) or ``"false"`` (JSON) after the key; V4's block ``tool_calls``, or
 V4.1's `` calls`` with a space before each keyword."""
-FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY, GEMMA4, MINIMAX_M3)
+FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY, GEMMA4, MINIMAX_M3, LFM2)
 """The call formats whose forced call is written in the format (the others' as its arguments alone)."""
 MAX_TEXT_REPEAT = 10_000
 """The longest ``minLength`` or ``maxLength`` of a text value written raw (a bounded repetition is
@@ -202,6 +208,11 @@ def _keyed_ok(params) -> bool:
         and isinstance(required, list) and all(r in props for r in required)
 
 
+def _python_name(name) -> bool:
+    """A name Python's parser reads as a function's or a keyword argument's (LFM2's calls)."""
+    return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
+
+
 def _closes(fmt: str, spelling: tuple) -> tuple[str, ...]:
     """What ends a text value of ``fmt`` in ``spelling``: its closing tag, and its block's close."""
     return tuple(dict.fromkeys([spelling[9], spelling[1]]))
@@ -223,6 +234,9 @@ def writes(fmt: str | None, tools: list[tuple[str, dict | None]]) -> bool:
     if fmt == MINIMAX_M3:
         return all(_keyed_ok(params) and _M3(_Values({})).members(params or {"type": "object"}, M3_INVOKE_END)
                    is not None for _, params in tools)
+    if fmt == LFM2:
+        return all(_python_name(name) and _keyed_ok(params) and all(map(_python_name, (params or {}).get(
+            "properties", {}))) for name, params in tools)
     if fmt not in SPELLINGS:
         return True
     for name, params in tools:
@@ -446,17 +460,34 @@ class _M3:
         return self.values.add(schema)
 
 
-def _members(members: list[tuple[str, bool]]) -> str:
-    """Members (their rules, and whether each is required) separated by commas: the required ones
+JSON_ESCAPES = '["\\\\/bfnrt]'
+"""The characters llama-cpp-python's converter lets a JSON text escape with a backslash (its ``char``
+rule), ``/`` among them."""
+
+
+def _python_strings(rules: str) -> str:
+    """The converter's ``rules`` with JSON texts Python reads as JSON does: without ``\\/`` (JSON's
+    ``/``, Python's backslash and ``/``); every other escape the rule lets through is read alike."""
+    if "char ::=" not in rules:
+        return rules
+    if rules.count(JSON_ESCAPES) != 1:  # another llama-cpp-python's converter: its rule must be read again
+        raise RuntimeError("llama-cpp-python's JSON-schema converter writes a text's escapes otherwise than "
+                           "expertcache reads them")
+    return rules.replace(JSON_ESCAPES, JSON_ESCAPES.replace("/", ""))
+
+
+def _members(members: list[tuple[str, bool]], sep: str = ",") -> str:
+    """Members (their rules, and whether each is required) separated by ``sep``: the required ones
     always, first, the others each maybe; where none is required, any of them first, then the later
     ones each maybe."""
     required = [m for m, r in members if r]
     optional = [m for m, r in members if not r]
+    s = literal(sep)
     if required:
-        return " ".join([required[0]] + [f'"," {m}' for m in required[1:]] + [f'("," {m})?' for m in optional])
+        return " ".join([required[0]] + [f'{s} {m}' for m in required[1:]] + [f'({s} {m})?' for m in optional])
     if not optional:
         return '""'
-    return "(" + " | ".join(" ".join([m] + [f'("," {n})?' for n in optional[i + 1:]])
+    return "(" + " | ".join(" ".join([m] + [f'({s} {n})?' for n in optional[i + 1:]])
                             for i, m in enumerate(optional)) + ")?"
 
 
@@ -484,6 +515,15 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
                  for (name, _), p in zip(tools, params)]
         return "\n".join([f'root ::= {literal(GEMMA4_OPEN)} ({" | ".join(calls)}) {literal(GEMMA4_CLOSE)}']
                          + list(until("g-text", _Gemma4.CLOSES, False)) + gemma.rules)
+    if fmt == LFM2:
+        calls = []
+        for (name, _), p in zip(tools, params):
+            required = set((p or {}).get("required", []))
+            members = [(f'{literal(key + "=")} {values.add(schema)}', key in required)
+                       for key, schema in (p or {}).get("properties", {}).items()]
+            calls.append(f'{literal(name + "(")} {_members(members, ", ")} ")"')
+        return "\n".join([f'root ::= {literal(LFM2_OPEN + "[")} ({" | ".join(calls)}) {literal("]" + LFM2_CLOSE)}',
+                          _python_strings(values.rules())])
     if fmt in (DSV3, KIMI, MISTRAL, HARMONY):
         calls = [alt for (name, _), p in zip(tools, params) for alt in _json_call(fmt, name, values.add(p))]
         if fmt == DSV3:

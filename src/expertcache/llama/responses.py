@@ -182,8 +182,8 @@ def _item(i: int, obj: dict):
 def to_chat(req: ResponsesRequest, template_variables: frozenset = frozenset()) -> tuple[dict, list[str]]:
     """The chat-completions request that asks what ``req`` asks, and where each of its messages
     comes from (``instructions``, ``input.I``). A reasoning item's text goes to the assistant turn
-    that follows it (its ``reasoning_content``); function calls join the assistant message before
-    them. ``template_variables``: what the chat template reads (``reasoning.effort`` sets gpt-oss's
+    that follows it (its ``reasoning_content``; where another item follows it, it is left out: it
+    has no turn in the template); function calls join the assistant message before them. ``template_variables``: what the chat template reads (``reasoning.effort`` sets gpt-oss's
     ``reasoning_effort``, ``none`` the thinking switches off). A ``ValueError`` naming the field."""
     for name in UNSERVED:
         value = req.asked(name)
@@ -222,7 +222,7 @@ def to_chat(req: ResponsesRequest, template_variables: frozenset = frozenset()) 
             messages.append({"role": item.role, "content": _texts(item.content)})
         if messages[-1]["role"] == "assistant" and thought:
             messages[-1]["reasoning_content"] = "\n\n".join(t for t in thought if t)
-            thought = []
+        thought = []  # reasoning no assistant output followed (a turn the limit cut) has no turn to go to
         open_turn = messages[-1]["role"] == "assistant"
         origins.append(f"input.{i}" if not isinstance(req.input, str) else "input")
     body: dict = {"model": req.model, "messages": messages, "stream": req.stream}
@@ -379,7 +379,7 @@ class EventStream:
     def _event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"  # ASCII: a lone surrogate stays an escape
 
     def start(self) -> str:
         head = _envelope(self.rid, self.model, self.created, self.asked, "in_progress", [], None, None)

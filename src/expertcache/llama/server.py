@@ -83,7 +83,8 @@ from typing import Literal
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse as _JSONResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -131,6 +132,16 @@ DIALECT_ROUTES = {"anthropic": ("/v1/messages", "/v1/messages/count_tokens"),
 DIALECT_PATHS = {path: name for name, paths in DIALECT_ROUTES.items() for path in paths}
 """The dialect of each of its paths (its errors in its shape; every other path: OpenAI's)."""
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions") + tuple(DIALECT_PATHS)
+
+
+class JSONResponse(_JSONResponse):
+    """Starlette's JSON answer, a lone surrogate in a text (a model's ``\\ud800`` escape in a call's
+    arguments, which JSON reads as such) written as the same escape: UTF-8 cannot hold it, and the
+    answer was a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None,
+                          separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
 class ApiError(Exception):
@@ -341,7 +352,7 @@ def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS, think_close: str
             f"teaches {call_fmt}'s format, in which " + (
                 "these tools' parameters cannot be held by a grammar (a text value with a pattern, a format or a "
                 "length over 10,000; a key or name holding <, >, \", & or white space at an end; in Gemma 4's, "
-                "a $ref or a schema of any value)"
+                "a $ref or a schema of any value; in LFM2's, a name or key that is not a Python name)"
                 if call_fmt in forms else "this server does not force a call")
         raise ApiError(400, f"tool_choice required: {len(tools)} tools given, and this model's chat template {why}; "
                        "give one, or name the function", param="tool_choice")

@@ -632,15 +632,29 @@ def _python_value(node: ast.expr, source: str):
 
 
 def _lists(value):
-    """``value`` with its tuples as lists (JSON's arrays); a ``ValueError`` for a mapping with a key
-    that is not text (JSON would make it text without a word)."""
+    """``value`` with its tuples as lists (JSON's arrays) and each text's surrogate pairs joined (a
+    Python literal's ``\\ud83d\\ude00`` is two code points where JSON reads one character); a
+    ``ValueError`` for a mapping with a key that is not text (JSON would make it text without a word)."""
+    if isinstance(value, str):
+        return _joined(value)
     if isinstance(value, (list, tuple)):
         return [_lists(v) for v in value]
     if isinstance(value, dict):
         if not all(isinstance(k, str) for k in value):
             raise ValueError("a key that is not text")
-        return {k: _lists(v) for k, v in value.items()}
+        return {_joined(k): _lists(v) for k, v in value.items()}
     return value
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _joined(text: str) -> str:
+    """``text`` with each surrogate pair one character, as JSON reads the pair's escapes (a lone
+    surrogate stays: the server's answer writes it as its escape)."""
+    if not SURROGATE.search(text):
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
 
 
 def _pythonic_calls(block: str, tools: dict) -> list[dict] | None:
