@@ -162,7 +162,7 @@ def test_a_stream_accumulates_to_the_whole_message(thinking, text, calls, cuts, 
     format's reader gives it, or its arguments piece by piece, as a forced call's grammar writes
     them), the events are in Anthropic's order and read back to :func:`~.anthropic.answer`'s
     answer for the same whole, stop reason and usage included."""
-    usage = {"prompt_tokens": 7, "completion_tokens": 5}
+    usage = {"prompt_tokens": 7, "completion_tokens": 5, "cached_tokens": 3}
     deltas = [{"reasoning_content": p} for p in pieces(thinking, cuts)] + [{"content": p} for p in pieces(text, cuts)]
     chat_calls = []
     for i, args in enumerate(calls):
@@ -178,7 +178,7 @@ def test_a_stream_accumulates_to_the_whole_message(thinking, text, calls, cuts, 
             deltas += [{"tool_calls": [{"index": i, "function": {"arguments": p}}]} for p in more]
     asked = request(messages=[{"role": "user", "content": "x"}],
                     thinking={"type": "adaptive", "display": "omitted" if omit else "summarized"})
-    stream = EventStream("msg_1", "m", usage["prompt_tokens"], asked)
+    stream = EventStream("msg_1", "m", usage, asked)
     sent = stream.start() + "".join(stream.feed(d) for d in deltas) + stream.finish(finish, stop, usage)
     streamed = accumulate(read_events(sent))
     whole = {"role": "assistant", "content": text or None, "reasoning_content": thinking or None}

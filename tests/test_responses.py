@@ -128,7 +128,7 @@ def test_a_stream_ends_with_the_whole_response(thinking, text, calls, cuts, fini
                                            "function": {"name": call["function"]["name"], "arguments": first}}]})
             deltas += [{"tool_calls": [{"index": i, "function": {"arguments": p}}]} for p in more]
     asked = request(input="x", max_output_tokens=5)
-    stream = EventStream("resp_1", "m", 7, asked)
+    stream = EventStream("resp_1", "m", usage, asked)
     events = read_events(stream.start() + "".join(stream.feed(d) for d in deltas) + stream.finish(finish, None, usage))
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]

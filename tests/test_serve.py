@@ -1652,6 +1652,11 @@ def _anthropic(server):
     return anthropic, anthropic.Anthropic(base_url=server.url, api_key="unused", timeout=120, max_retries=0)
 
 
+def _prompt(message) -> int:
+    """An Anthropic answer's prompt tokens: those read again from the KV cache and the others."""
+    return message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+
 def _blocks(message) -> list[tuple]:
     """An Anthropic message's blocks as ``(type, text or (name, input))``."""
     return [(b.type, b.thinking if b.type == "thinking" else b.text if b.type == "text" else (b.name, b.input))
@@ -1682,9 +1687,9 @@ def test_anthropic_messages_answer_as_the_chat_endpoint_does(hermes):
     assert got.id.startswith("msg_") and got.role == "assistant" and got.model == "small-moe"
     assert _blocks(got) == [("text", want.choices[0].message.content)]
     assert got.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[want.choices[0].finish_reason]
-    assert (got.usage.input_tokens, got.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
-    assert client.messages.count_tokens(model="small-moe", system=system, messages=msgs).input_tokens == \
-        got.usage.input_tokens
+    assert (_prompt(got), got.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
+    assert 0 < got.usage.cache_read_input_tokens < _prompt(got)  # the chat's prompt, kept: its prefix read again
+    assert client.messages.count_tokens(model="small-moe", system=system, messages=msgs).input_tokens == _prompt(got)
     streamed, kinds = _streamed(client, system=system, messages=msgs, **ask)
     assert _blocks(streamed) == _blocks(got) and streamed.stop_reason == got.stop_reason
     assert streamed.usage.output_tokens == got.usage.output_tokens
@@ -1694,7 +1699,7 @@ def test_anthropic_messages_answer_as_the_chat_endpoint_does(hermes):
                                     messages=msgs, **ask)
     joined = chat.chat.completions.create(messages=[{"role": "system", "content": "You answer\n\nbriefly."}] + msgs,
                                           **chatting)
-    assert blocks.usage.input_tokens == joined.usage.prompt_tokens
+    assert _prompt(blocks) == joined.usage.prompt_tokens
 
     # thinking: a prompt that opens <think> (the template's own variable, through chat_template_kwargs)
     opened = dict(ask, messages=msgs, extra_body={"temperature": 0, "chat_template_kwargs": {"think_open": True}})
@@ -1716,7 +1721,7 @@ def test_anthropic_messages_answer_as_the_chat_endpoint_does(hermes):
     off_chat = chat.chat.completions.create(messages=msgs, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
                                             **chatting)
     on = client.messages.create(messages=msgs, thinking={"type": "enabled", "budget_tokens": 1024}, **ask)
-    assert off.usage.input_tokens == off_chat.usage.prompt_tokens > on.usage.input_tokens == \
+    assert _prompt(off) == off_chat.usage.prompt_tokens > _prompt(on) == \
         client.messages.count_tokens(model="small-moe", messages=msgs).input_tokens
 
     # a stop sequence: the text cut before it, and reported (a seeded sample: greedy text repeats itself here)
@@ -1736,7 +1741,7 @@ def test_anthropic_messages_answer_as_the_chat_endpoint_does(hermes):
     # max_tokens beyond the context's room: the room, ending where the context is full (the chat endpoint: a 400)
     full = client.messages.create(messages=msgs, **dict(ask, max_tokens=100_000))
     assert full.stop_reason == "model_context_window_exceeded", full.stop_reason
-    assert full.usage.input_tokens + full.usage.output_tokens == 512  # --ctx 512, every place taken
+    assert _prompt(full) + full.usage.output_tokens == 512  # --ctx 512, every place taken
     status, _ = hermes.raw("POST", "/v1/chat/completions", json.dumps(dict(chatting, messages=msgs, max_tokens=100_000)))
     assert status == 400
     assert _streamed(client, messages=msgs, **dict(ask, max_tokens=100_000))[0].stop_reason == \
@@ -1776,9 +1781,9 @@ def test_anthropic_tools_round_trip_as_chat_tools(hermes):
     assert [b.name for b in named.content] == ["get_time"] and named.stop_reason == "tool_use"
     assert named.content[0].input["zone"] in ("UTC", "CET")
     none = client.messages.create(tools=tools, tool_choice={"type": "none"}, **dict(ask, max_tokens=8))
-    assert none.usage.input_tokens == client.messages.count_tokens(model="small-moe", messages=msgs).input_tokens
+    assert _prompt(none) == client.messages.count_tokens(model="small-moe", messages=msgs).input_tokens
     auto = client.messages.create(tools=tools, **dict(ask, max_tokens=8))
-    assert auto.usage.input_tokens == chat.chat.completions.create(
+    assert _prompt(auto) == chat.chat.completions.create(
         tools=chat_tools, **dict(chatting, max_tokens=8)).usage.prompt_tokens == \
         client.messages.count_tokens(model="small-moe", messages=msgs, tools=tools).input_tokens
     # the call and its result back to the template: the chat's prompt, token for token
@@ -1792,9 +1797,9 @@ def test_anthropic_tools_round_trip_as_chat_tools(hermes):
         {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": json.dumps(use.input)}}]},
         {"role": "tool", "tool_call_id": use.id, "content": "sunny"}, {"role": "user", "content": "And tomorrow?"}]
     after = client.messages.create(**dict(ask, messages=turn2, max_tokens=8), tools=tools)
-    assert after.usage.input_tokens == chat.chat.completions.create(
+    assert _prompt(after) == chat.chat.completions.create(
         **dict(chatting, messages=chat2, max_tokens=8), tools=chat_tools).usage.prompt_tokens
-    assert after.usage.input_tokens > auto.usage.input_tokens
+    assert _prompt(after) > _prompt(auto)
 
 
 def test_anthropic_mistakes_are_anthropic_errors_and_the_server_keeps_serving(hermes, managed):

@@ -277,6 +277,15 @@ def omits_thinking(req: MessagesRequest | None) -> bool:
     return req is not None and req.thinking is not None and req.thinking.display == "omitted"
 
 
+def _usage(usage: dict, output_tokens: int) -> dict:
+    """Anthropic's usage of the chat's ``usage`` (``prompt_tokens``, ``cached_tokens``): the prompt's
+    tokens the KV cache kept from the request before as ``cache_read_input_tokens``, the others as
+    ``input_tokens`` (their sum the prompt), as llama.cpp's server reports them."""
+    cached = usage.get("cached_tokens", 0)
+    return {"input_tokens": usage["prompt_tokens"] - cached, "cache_read_input_tokens": cached,
+            "output_tokens": output_tokens}
+
+
 def answer(mid: str, model: str, chat_message: dict, finish: str | None, stop_sequence: str | None,
            usage: dict, asked: MessagesRequest | None = None) -> dict:
     """The Anthropic ``Message`` of a chat completion's ``chat_message`` (its ``reasoning_content``,
@@ -301,7 +310,7 @@ def answer(mid: str, model: str, chat_message: dict, finish: str | None, stop_se
     reason = stop_reason(finish, len(calls), stop_sequence)
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks + calls,
             "stop_reason": reason, "stop_sequence": stop_sequence if reason == "stop_sequence" else None,
-            "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
+            "usage": _usage(usage, usage["completion_tokens"])}
 
 
 def sse(event: str, data: dict) -> str:
@@ -315,8 +324,9 @@ class EventStream:
     ``asked`` with ``display: omitted``, a thinking block's text is not sent. ``reasoning``: the
     thinking so far."""
 
-    def __init__(self, mid: str, model: str, input_tokens: int, asked: MessagesRequest | None = None):
-        self.mid, self.model, self.input_tokens, self.omit_thinking = mid, model, input_tokens, omits_thinking(asked)
+    def __init__(self, mid: str, model: str, prompt: dict, asked: MessagesRequest | None = None):
+        """``prompt``: the chat's usage of the prompt (``prompt_tokens``, ``cached_tokens``)."""
+        self.mid, self.model, self.prompt, self.omit_thinking = mid, model, prompt, omits_thinking(asked)
         self.index = -1
         self.open: str | None = None  # the open block's type
         self.calls = 0
@@ -326,7 +336,7 @@ class EventStream:
         return sse("message_start", {"type": "message_start", "message": {
             "id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}})
+            "usage": _usage(self.prompt, 0)}})
 
     def _close(self) -> str:
         out = ""
@@ -378,7 +388,7 @@ class EventStream:
         return self._close() + sse("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason,
                                                "stop_sequence": stop_sequence if reason == "stop_sequence" else None},
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": usage["completion_tokens"]}}) + \
+            "usage": _usage(usage, usage["completion_tokens"])}) + \
             sse("message_stop", {"type": "message_stop"})
 
     def error(self, status: int, message_: str) -> str:

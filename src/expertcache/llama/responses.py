@@ -368,7 +368,7 @@ class EventStream:
     ``response.completed`` (or ``response.incomplete``) with the whole response. ``reasoning``: the
     reasoning text so far."""
 
-    def __init__(self, rid: str, model: str, input_tokens: int, asked: ResponsesRequest | None = None):
+    def __init__(self, rid: str, model: str, prompt: dict, asked: ResponsesRequest | None = None):
         self.rid, self.model, self.asked = rid, model, asked
         self.created = time.time()
         self.sequence = 0

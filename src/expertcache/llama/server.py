@@ -1380,7 +1380,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                                             think.calls if harmony else 0), rows)
 
         async def dialect_events():
-            stream = api.EventStream(rid, model_id, gen.prompt_tokens or 0, asked)
+            stream = api.EventStream(rid, model_id, {"prompt_tokens": gen.prompt_tokens or 0,
+                                                     "cached_tokens": gen.cached_tokens}, asked)
             yield stream.start()
             async for c in chunks():
                 if c is None:  # the server is stopping: an error event (the dialect's shape) instead of a finish
