@@ -56,14 +56,14 @@ class TextBlock(_Part):
 
 class ToolUseBlock(_Part):
     type: Literal["tool_use"]
-    id: str = Field(min_length=1, max_length=256)
-    name: str = Field(min_length=1, max_length=64)
+    id: dialect.CallId
+    name: dialect.FunctionName
     input: dict
 
 
 class ToolResultBlock(_Part):
     type: Literal["tool_result"]
-    tool_use_id: str = Field(min_length=1, max_length=256)
+    tool_use_id: dialect.CallId
     content: str | list[TextBlock] | None = None
     is_error: bool = False  # the result's text goes to the template, which has no place for the flag
 
@@ -84,7 +84,7 @@ class MessageParam(_Part):
 
 class AnthropicTool(_Part):
     type: Literal["custom"] | None = None  # a server tool (web search, code execution) is not served
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: dialect.ToolName
     description: str | None = None
     input_schema: dict
 

@@ -201,16 +201,13 @@ def stream_chat(llm: llama_cpp.Llama, messages: list[dict], preserved: frozenset
     yield from chunks
 
 
-class _Counted(Exception):
-    """Raised with the number of tokens of the prompt a chat handler formatted."""
+class _Formatted(Exception):
+    """Raised with the prompt a chat handler formatted, before anything is decoded."""
 
 
-class _Counter(_Completer):
+class _Formatter(_Completer):
     def create_completion(self, prompt, **kw):
-        prompt = self.reopened(prompt)
-        if isinstance(prompt, str):  # as stream_completion tokenizes it
-            prompt = self._llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else []
-        raise _Counted(len(prompt))
+        raise _Formatted(self.reopened(prompt))
 
 
 def count_prompt(llm: llama_cpp.Llama, messages: list[dict], reopen: tuple[str, str] | None = None, **kw) -> int:
@@ -218,9 +215,12 @@ def count_prompt(llm: llama_cpp.Llama, messages: list[dict], reopen: tuple[str, 
     the same arguments (``tools``, template variables), nothing decoded; a :class:`PromptError` where
     the template refuses them."""
     try:
-        _chat_handler(llm)(llama=_Counter(llm, reopen=reopen), messages=messages, stream=True, **kw)
-    except _Counted as done:
-        return done.args[0]
+        _chat_handler(llm)(llama=_Formatter(llm, reopen=reopen), messages=messages, stream=True, **kw)
+    except _Formatted as done:
+        prompt = done.args[0]
+        if isinstance(prompt, str):  # as stream_completion tokenizes it
+            return len(llm.tokenize(prompt.encode("utf-8"), special=True)) if prompt else 0
+        return len(prompt)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise PromptError(f"the chat template refused the messages: {str(exc)[:300]}") from None
     raise PromptError("the chat handler asked for no completion")  # pragma: no cover - every handler asks
@@ -272,15 +272,6 @@ PROBED_ROLES = {"system": [], "developer": [], "tool": [{"role": "user", "conten
 PROBE_CALL = {"id": "call00000", "type": "function", "function": {"name": "probe", "arguments": "{}"}}
 """The call a ``tool`` probe answers where a template renders tool results only after their call
 (Gemma 4's); its id 9 letters and digits, as Mistral's templates insist."""
-
-
-class _Formatted(Exception):
-    """Raised with the prompt a chat handler formatted, before anything is decoded."""
-
-
-class _Formatter(_Completer):
-    def create_completion(self, prompt, **kw):
-        raise _Formatted(prompt)
 
 
 def _formatted(handler, llm: llama_cpp.Llama, messages: list[dict]) -> str | None:

@@ -5,8 +5,9 @@ the naming of a chat request's error in the terms of the request as it was asked
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 THINKING_VARIABLES = ("enable_thinking", "thinking")
 """Template variables that switch a model's thinking on or off (Qwen3's, GLM's and Gemma's
@@ -17,6 +18,12 @@ EFFORT_VARIABLE = "reasoning_effort"
 EXTENSIONS = ("seed", "presence_penalty", "frequency_penalty", "logit_bias", "reasoning_format", "chat_template_kwargs")
 """The chat endpoint's own fields a dialect's request may carry too (llama.cpp's server takes
 ``chat_template_kwargs`` so): passed on as they are and checked there."""
+CallId = Annotated[str, Field(min_length=1, max_length=256)]
+"""A tool call's id, as a request sends it back."""
+FunctionName = Annotated[str, Field(min_length=1, max_length=64)]
+"""A called function's name, as a request sends it back (a name no tool has is the template's to show)."""
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+"""A tool's name, as every API declares one (OpenAI's rule: letters, digits, ``_`` and ``-``, up to 64)."""
 _MESSAGE = re.compile(r"^messages(?:\.|\[)(\d+)\]?")
 
 

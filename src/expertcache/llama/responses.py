@@ -64,14 +64,14 @@ class MessageItem(_Part):
 
 class FunctionCallItem(_Part):
     type: Literal["function_call"]
-    call_id: str = Field(min_length=1, max_length=256)
-    name: str = Field(min_length=1, max_length=64)
+    call_id: dialect.CallId
+    name: dialect.FunctionName
     arguments: str
 
 
 class FunctionCallOutputItem(_Part):
     type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1, max_length=256)
+    call_id: dialect.CallId
     output: str | list[_Text]
 
 
@@ -99,7 +99,7 @@ ITEMS = {None: MessageItem, "message": MessageItem, "function_call": FunctionCal
 
 class FunctionTool(_Part):
     type: Literal["function"]  # hosted tools (web search, file search, code interpreter, ...) are not served
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: dialect.ToolName
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None  # the grammar holds a forced call to its parameters either way

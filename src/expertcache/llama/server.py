@@ -102,6 +102,7 @@ from .toolcalls import (ALTERNATIVES, DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN
                         MINIMAX_M3, TAGS, TaggedCalls, call_format, gemma4_tool_responses, new_call_id, parse_tagged,
                         results_in_call_order)
 from . import MAX_SEED, anthropic, responses
+from .dialect import ToolName
 from .textgen import Session, completion_kwargs, request_figures
 
 MAX_BODY_BYTES = 1 << 20
@@ -247,7 +248,7 @@ class Message(_Strict):
 
 
 class _Function(_Strict):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: ToolName
     description: str | None = None
     parameters: dict | None = None  # a JSON schema; none: an object with no properties
     strict: bool | None = None  # the grammar holds the arguments to the schema either way
@@ -301,6 +302,11 @@ class ToolPlan:
     """With ``forced``: the call format its grammar writes (:mod:`.callgrammar`)."""
     think_close: str | None = None
     """With ``forced``: the thinking block's closing tag the call may follow (a ``<think>`` model's)."""
+
+    @property
+    def template_tools(self) -> list[dict]:
+        """The offered tools as the chat template is given them (the decode's, and a count's)."""
+        return [t.model_dump(exclude_none=True) for t in self.offered]
 
     @property
     def sets_grammar(self) -> bool:
@@ -658,7 +664,7 @@ class Generation:
         try:
             fmt = self.body.response_format and self.body.response_format.model_dump(by_alias=True)
             if plan is not None:  # the tools to the template; a forced call's grammar
-                more["tools"] = [t.model_dump(exclude_none=True) for t in plan.offered]
+                more["tools"] = plan.template_tools
                 if plan.arguments_of is not None:
                     parameters = plan.arguments_of.function.parameters or {"type": "object", "properties": {}}
                     fmt = {"type": "json_schema", "json_schema": {"schema": parameters}}
@@ -751,9 +757,10 @@ class Generation:
         return max(0, (self.prompt_tokens or 0) - (self.figures()["prefill_tokens"] or 0))
 
     @property
-    def filled_context(self) -> bool:
-        """Whether the decode ended because the context was full (``fit_context``), not at ``max_tokens``."""
-        return self.fitted and self.done and self.finish == "length"
+    def ended(self) -> str | None:
+        """How the decode ended: its ``finish`` (``stop``, ``length``), or ``context`` where the
+        context was full before ``max_tokens`` (``fit_context``)."""
+        return "context" if self.fitted and self.done and self.finish == "length" else self.finish
 
     @property
     def stop_sequence(self) -> str | None:
@@ -1115,24 +1122,19 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         """A dialect's count of a request's input tokens (Anthropic's ``/v1/messages/count_tokens``):
         the prompt's tokens as the request would evaluate them (:func:`~.completion.count_prompt`),
         nothing decoded and no slot held."""
-        endpoint = request.url.path
+        endpoint, origins = request.url.path, []
         try:
             _, body, origins = dialect_chat(dialect, await read_body(request), count=True)
+            messages = chat_messages(body)
+            plan, _, variables = check_request(body)
+            more = dict(variables, **({"tools": plan.template_tools} if plan is not None else {}))
             try:
-                messages = chat_messages(body)
-                plan, _, variables = check_request(body)
-                more = dict(variables)
-                if plan is not None:
-                    more["tools"] = [t.model_dump(exclude_none=True) for t in plan.offered]
-                try:
-                    n = await workers.decode.call(lambda: count_prompt(session.llama, messages, reopen, **more))
-                except PromptError as exc:
-                    raise ApiError(400, str(exc), param="messages") from None
-            except ApiError as exc:
-                raise asked_error(dialect, exc, origins) from None
+                n = await workers.decode.call(lambda: count_prompt(session.llama, messages, reopen, **more))
+            except PromptError as exc:
+                raise ApiError(400, str(exc), param="messages") from None
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
-            return exc.response(dialect)
+            return asked_error(dialect, exc, origins).response(dialect)
         except ClientDisconnect:
             metrics.count(endpoint, 499)
             return Response(status_code=499)
@@ -1242,6 +1244,11 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         think = (HarmonyStream(names) if harmony else ThinkStream(opened, think_fmt, ends)) if thinking else None
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
+        def dialect_usage(usage: dict, reasoning: str | None) -> dict:
+            """The chat's ``usage`` with what a dialect's answer reports besides: the prompt's tokens the
+            KV cache kept, and the reasoning text's tokens."""
+            return dict(usage, cached_tokens=gen.cached_tokens, reasoning_tokens=tokens_of(reasoning))
+
         def finished() -> dict:
             usage = gen.usage()
             figures = gen.figures()
@@ -1307,10 +1314,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 if calls:
                     message["tool_calls"] = calls[:1] if one_call else calls
                 if api is not None:
-                    finish = "context" if gen.filled_context else gen.finish
-                    usage = dict(usage, cached_tokens=gen.cached_tokens,
-                                 reasoning_tokens=tokens_of(message.get("reasoning_content")))
-                    return JSONResponse(api.answer(rid, model_id, message, finish, gen.stop_sequence, usage, asked))
+                    return JSONResponse(api.answer(rid, model_id, message, gen.ended, gen.stop_sequence,
+                                                   dialect_usage(usage, message.get("reasoning_content")), asked))
                 choice = {"index": 0, "message": message, "logprobs": lp and lp.of(rows),
                           "finish_reason": finish_reason(len(calls))}
                 obj = "chat.completion"
@@ -1391,8 +1396,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 events = stream.feed(c["choices"][0]["delta"])
                 if events:
                     yield events
-            usage = dict(finished(), cached_tokens=gen.cached_tokens, reasoning_tokens=tokens_of(stream.reasoning))
-            yield stream.finish("context" if gen.filled_context else gen.finish, gen.stop_sequence, usage)
+            yield stream.finish(gen.ended, gen.stop_sequence, dialect_usage(finished(), stream.reasoning))
             outcome.append(200)
 
         async def events():
