@@ -19,9 +19,9 @@ from conftest import small_moe_gguf
 pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
 from expertcache.llama.callgrammar import (  # noqa: E402
     FORMS, MAX_TEXT_REPEAT, SPELLINGS, call_grammar, call_grammar_text, literal, until, writes)
-from expertcache.llama.reasoning import read_harmony  # noqa: E402
+from expertcache.llama.reasoning import read_harmony, split_reasoning  # noqa: E402
 from expertcache.llama.toolcalls import (  # noqa: E402
-    DSML, DSV4, GEMMA4, GLM, HARMONY, LFM2, MINIMAX, MINIMAX_M3, QWEN_XML, parse_tagged)
+    DSML, DSV4, ENDS_THINKING, GEMMA4, GLM, HARMONY, KIMI_K3, LFM2, MINIMAX, MINIMAX_M3, QWEN_XML, parse_tagged)
 
 TOOLS = [
     ("get_weather", {"type": "object", "properties": {
@@ -81,10 +81,14 @@ def small(tmp_path_factory):
 
 
 def read(fmt: str, text: str, tools) -> tuple[str | None, list[dict]]:
-    """The content and calls of ``text`` as the server reads a format's calls."""
+    """The content and calls of ``text`` as the server reads a format's calls (Kimi K3's: its answer
+    section's tags taken out of the content first, by its reasoning reader)."""
     if fmt == HARMONY:
         _, content, calls = read_harmony(text, [name for name, _ in tools])
         return content, calls
+    if fmt == KIMI_K3:
+        reasoning, text = split_reasoning(text, False, fmt, ENDS_THINKING[fmt])
+        assert reasoning is None, text
     return parse_tagged(text, fmt, tools)
 
 
@@ -117,7 +121,7 @@ def test_what_the_grammar_lets_through_is_read_back_as_a_valid_call(small, fmt):
             name, args = calls[0]["function"]["name"], json.loads(calls[0]["function"]["arguments"])
             assert valid(args, schemas[name]), (out["text"], args)
             called.add(name)
-            texts.append(out["text"])
+            texts.append(split_reasoning(out["text"], False, KIMI_K3)[1] if fmt == KIMI_K3 else out["text"])
             if len(called) == min(len(tools), 2):
                 break
         assert len(called) == min(len(tools), 2), (called, tools)
@@ -310,23 +314,40 @@ WRITTEN = {
            '<｜DSML｜parameter name="{key}" string="{text}">{value}</｜DSML｜parameter>\n'],
     "deepseek-v4.1": ['<｜DSML｜ calls>\n<｜DSML｜ invoke name="{name}">\n{args}</｜DSML｜ invoke>\n</｜DSML｜ calls>',
                       '<｜DSML｜ parameter name="{key}" string="{text}">{value}</｜DSML｜ parameter>\n'],
+    KIMI_K3: ['<|open|>tools<|sep|><|open|>call tool="{name}" index="1"<|sep|>{args}<|close|>call<|sep|><|close|>tools<|sep|>',
+              '<|open|>argument key="{key}" type="{kind}"<|sep|>{value}<|close|>argument<|sep|>'],
 }
 """A keyed call as each format's template writes it (DeepSeek-V4.1's: V4's format, its other spelling)."""
 
 
 def written(fmt: str, name: str, args: list[tuple[str, str]]) -> str:
-    """The call of ``name`` with ``args`` (key, value as written: a text, or JSON) in ``fmt``."""
+    """The call of ``name`` with ``args`` (key, value as written: a text, or JSON) in ``fmt`` (Kimi
+    K3's ``type``: ``string`` for a key the tool types a text, else the value's kind)."""
     call, arg = WRITTEN[fmt]
     texts = {key for key, schema in (dict(TOOLS).get(name) or {}).get("properties", {}).items()
              if schema.get("type") == "string"}
-    body = "".join(arg.format(key=k, value=v, text="true" if k in texts else "false") for k, v in args)
+    body = "".join(arg.format(key=k, value=v, text="true" if k in texts else "false",
+                              kind="string" if k in texts else kind_of(v)) for k, v in args)
     return call.format(name=name, args=body)
+
+
+def kind_of(value: str) -> str:
+    """Kimi K3's ``type`` of a value written as JSON: its JSON kind (``number`` where it is no JSON)."""
+    import json
+
+    try:
+        v = json.loads(value)
+    except ValueError:
+        return "number"
+    kinds = ((bool, "boolean"), (type(None), "null"), (list, "array"), (dict, "object"), (str, "string"))
+    return next((kind for t, kind in kinds if isinstance(v, t)), "number")
 
 
 TEXTS = st.lists(st.one_of(st.sampled_from(list("ab<>/\n ｜")), st.sampled_from(
     ["</parameter>", "</tool_call>", "</arg_value>", "</｜DSML｜parameter>", "</｜DSML｜ parameter>",
      "</minimax:tool_call>", "</｜DSML｜function_calls>", "</｜DSML｜tool_calls>", "</｜DSML｜ calls>", "</param",
-     "</function>", "<parameter=", "</｜DSML｜"])), max_size=8).map("".join)
+     "</function>", "<parameter=", "</｜DSML｜", "<|close|>argument<|sep|>", "<|close|>tools<|sep|>", "<|close|>",
+     "<|sep|>"])), max_size=8).map("".join)
 
 
 @settings(max_examples=150, deadline=None)
@@ -483,6 +504,30 @@ def test_llama_cpp_holds_a_keyed_call_to_the_parameters(small):
         write = [t for t in TOOLS if t[0] == "write"]
         assert ok("write", [("text", "if a < b: </param")], write)
         assert not ok("write", [("text", "a" + WRITTEN[spelling][1].split("{value}")[1].strip() + "b")], write)
+
+
+def test_kimi_k3_reference_cases(small):
+    """Kimi K3's forced call: its block after its answer section (both tags, the close alone, or
+    neither), each read back as the call with the section's tags out of the content; a JSON value's
+    ``type`` its kind (``number`` for an integer, not ``boolean``; a type list's kinds), a text's
+    ``string``."""
+    import json
+
+    tools = [t for t in TOOLS if t[0] == "get_weather"]
+    grammar = call_grammar_text(KIMI_K3, tools)
+    call = written(KIMI_K3, "get_weather", [("city", "Paris"), ("days", "3"), ("units", "C")])
+    for lead in ("", "<|close|>response<|sep|>", "<|open|>response<|sep|><|close|>response<|sep|>"):
+        assert grammar_accepts(small, grammar, lead + call), lead
+        content, (read_back,) = read(KIMI_K3, lead + call, tools)
+        assert content is None and json.loads(read_back["function"]["arguments"]) == {"city": "Paris", "days": 3,
+                                                                                      "units": "C"}
+    assert not grammar_accepts(small, grammar, "<|close|>response<|sep|><|open|>response<|sep|>" + call)
+    assert not grammar_accepts(small, grammar, call.replace('"days" type="number"', '"days" type="boolean"'))
+    assert not grammar_accepts(small, grammar, call.replace('"city" type="string"', '"city" type="number"'))
+    union = call_grammar_text(KIMI_K3, [("f", {"type": "object", "properties": {"a": {"type": ["array", "null"]}}})])
+    for value, kind, taken in (("[1]", "array", True), ("null", "null", True), ("[1]", "number", False)):
+        assert grammar_accepts(small, union, written(KIMI_K3, "f", [("a", value)]).replace(
+            f'type="{kind_of(value)}"', f'type="{kind}"')) == taken, (value, kind)
 
 
 def test_a_forced_call_may_follow_the_close_of_a_thinking_block(small):

@@ -19,8 +19,9 @@ SPELLED = {"deepseek": ("<think>", "</think>"), "gemma4": ("<|channel>thought", 
            "kimi-k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"), "minimax-m3": ("<mm:think>", "</mm:think>")}
 """Each format's tags, as its models write them."""
 K3_SECTIONS = ("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>")
-"""Kimi K3's answer section and message end: the first ends a thinking block never closed, all are
-taken out of the content."""
+"""Kimi K3's answer section and message end: the first two end a thinking block never closed (the
+second where a forced call closes the answer section its prompt opened), all are taken out of the
+content."""
 OUT = {"kimi-k3": K3_SECTIONS, "minimax-m3": ("</mm:think>",)}
 """Per format, the tags taken out of the content (MiniMax-M3 begins a turn without thinking with a
 bare close)."""
@@ -34,7 +35,7 @@ def reference(text: str, opened: bool, fmt: str = "deepseek", ends=()) -> tuple[
     if opened:
         text = SPELLED[fmt][0] + text
     if fmt == "kimi-k3":
-        ends = (*ends, K3_SECTIONS[0])
+        ends = (*ends, *K3_SECTIONS[:2])
     end = "".join("|(?=" + re.escape(e) + ")" for e in ends)
     m = re.fullmatch(r"\s*" + o + "(.*?)(?:" + c + end + ")(.*)", text, re.S)
     if m:

@@ -764,7 +764,10 @@ def test_a_forced_call_is_written_in_the_format_where_its_grammar_holds_the_tool
     without = tuple(f for f in FORMS if f != "harmony")
     assert tool_plan(SimpleNamespace(tools=[plain], tool_choice="required"), "harmony", without).arguments_of is plain
     with pytest.raises(ApiError, match="does not force a call"):
-        tool_plan(SimpleNamespace(tools=[plain, plain], tool_choice="required"), "kimi-k3")
+        tool_plan(SimpleNamespace(tools=[plain, plain], tool_choice="required"), "harmony", without)
+    assert tool_plan(SimpleNamespace(tools=[plain, plain], tool_choice="required"), "kimi-k3").form == "kimi-k3"
+    with pytest.raises(ApiError, match="cannot be held by a grammar"):
+        tool_plan(SimpleNamespace(tools=[plain, patterned], tool_choice="required"), "kimi-k3")
     assert tool_plan(SimpleNamespace(tools=[plain, patterned], tool_choice="required"), "lfm2").form == "lfm2"
     with pytest.raises(ApiError, match="not a Python name"):  # LFM2's calls are Python's
         tool_plan(SimpleNamespace(tools=[plain, tool("get-time", {})], tool_choice="required"), "lfm2")

@@ -10,11 +10,13 @@ one call to one of the request's tools, written as the format's template teaches
   (llama-cpp-python's converter, as for ``response_format``: :func:`~.constraints.schema_text`).
   Where a format has two spellings (DeepSeek's V3 and V3.1 sections, Mistral's JSON array and its
   later ``NAME[ARGS]``), both are alternatives: the model writes the one it learnt.
-* **Keyed arguments** (GLM-4.5, Qwen3-Coder, MiniMax-M2, DeepSeek-V3.2 and V4): each of the tool's
-  properties in its ``parameters``' order, the ``required`` ones always, the others optional; a
-  value is written as the reader reads it: the text as written where the reader takes it as text
-  (the property typed ``string``; DeepSeek's DSML, by its ``string="true"`` mark), else JSON of
-  the property's schema. DeepSeek-V4's block has both spellings (V4's and V4.1's).
+* **Keyed arguments** (GLM-4.5, Qwen3-Coder, MiniMax-M2, DeepSeek-V3.2 and V4, Kimi K3): each of
+  the tool's properties in its ``parameters``' order, the ``required`` ones always, the others
+  optional; a value is written as the reader reads it: the text as written where the reader takes it
+  as text (the property typed ``string``; DeepSeek's DSML, by its ``string="true"`` mark; Kimi K3's
+  by ``type="string"``), else JSON of the property's schema (Kimi K3's ``type`` its kind).
+  DeepSeek-V4's block has both spellings (V4's and V4.1's). Kimi K3's block may follow its empty
+  answer section (:data:`LEADS`).
 * **Gemma 4's syntax**: its arguments are not JSON, so :class:`_Gemma4` writes their grammar from
   the schema (texts raw between ``<|"|>`` marks, keys bare, no white space), as its template writes
   them.
@@ -56,12 +58,15 @@ from .constraints import ConstraintError, checked_grammar, held_schema, hoisted,
 from .reasoning import CHANNEL, MESSAGE
 from .toolcalls import (CALL_CLOSE, CALL_OPEN, CALL_SEP, CALLS_CLOSE, CALLS_OPEN, CLOSE, DSML, DSML_CLOSE, DSML_OPEN,
                         DSML_SPACED, DSV3, DSV4, DSV4_CLOSE, DSV4_OPEN, DSV41_CLOSE, DSV41_OPEN, GEMMA4,
-                        GEMMA4_CLOSE, GEMMA4_KEY, GEMMA4_OPEN, GEMMA4_QUOTE, GLM, HARMONY, HERMES, KIMI, KIMI_TAGS,
-                        LFM2, LFM2_CLOSE, LFM2_OPEN,
+                        GEMMA4_CLOSE, GEMMA4_KEY, GEMMA4_OPEN, GEMMA4_QUOTE, GLM, HARMONY, HERMES, K3_SEP, KIMI,
+                        KIMI_K3, KIMI_TAGS, LFM2, LFM2_CLOSE, LFM2_OPEN,
                         M3_CLOSE, M3_INVOKE_END, M3_ITEM, M3_ITEM_END, M3_NS, M3_OPEN, MINIMAX, MINIMAX_CLOSE,
                         MINIMAX_M3, MINIMAX_OPEN, MISTRAL, MISTRAL_ARGS, MISTRAL_CALLS, OPEN, QWEN_XML, XML_FORMS,
-                        m3_may_be_text, schema_alternatives)
+                        k3_close, k3_open, m3_may_be_text, schema_alternatives)
 
+KIND = "{kind}"
+"""In a spelling's opening of a JSON value, where the value's kind is written (Kimi K3's ``type``
+attribute: :func:`_kinds`)."""
 SPELLINGS = {
     GLM: [(OPEN, CLOSE, "", "\n", "", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_key>\n<arg_value>", "",
            "</arg_value>", "\n", False)],
@@ -73,6 +78,9 @@ SPELLINGS = {
               form[4] + "false" + form[5], "", form[6], "\n", True) for b_open, b_close, form in spellings]
        for fmt, spellings in ((DSML, [(DSML_OPEN, DSML_CLOSE, XML_FORMS[DSML])]),
                               (DSV4, [(DSV4_OPEN, DSV4_CLOSE, XML_FORMS[DSML]), (DSV41_OPEN, DSV41_CLOSE, DSML_SPACED)]))},
+    KIMI_K3: [(k3_open("tools"), k3_close("tools"), '<|open|>call tool="', '" index="1"' + K3_SEP, k3_close("call"),
+               '<|open|>argument key="', '" type="string"' + K3_SEP, f'" type="{KIND}"' + K3_SEP, "",
+               k3_close("argument"), "", False)],
 }
 """The keyed formats' spellings, as their templates write a call: the block's open and close; the
 call's open (before the name), the name's end, the call's close; a parameter's open (before its key),
@@ -84,8 +92,18 @@ tag, the tag, what follows it; and ``edges``: the reader takes a new line off ea
 MiniMax-M2: ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V</parameter>\\n
 </invoke>\\n</minimax:tool_call>``; DeepSeek-V3.2's DSML the same with its mark in each tag and
 ``string="true"`` (a text) or ``"false"`` (JSON) after the key; V4's block ``tool_calls``, or
-V4.1's `` calls`` with a space before each keyword."""
-FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY, GEMMA4, MINIMAX_M3, LFM2)
+V4.1's `` calls`` with a space before each keyword; Kimi K3: ``<|open|>tools<|sep|><|open|>call
+tool="NAME" index="1"<|sep|><|open|>argument key="K" type="KIND"<|sep|>V<|close|>argument<|sep|>
+<|close|>call<|sep|><|close|>tools<|sep|>`` (no new lines), ``KIND`` ``string`` for a text, else
+the JSON value's kind (:data:`KIND`)."""
+LEADS = {KIMI_K3: (k3_open("response"), k3_close("response"))}
+"""Tags a format's turn may hold before its block of calls, each maybe, in order: Kimi K3's answer
+section (the prompt opened it where it opened no thinking; after the thinking, an empty one). The
+readers take them out of the content (:data:`~.reasoning.DROPPED`)."""
+JSON_KINDS = {"integer": "number", "number": "number", "boolean": "boolean", "object": "object", "array": "array",
+              "null": "null"}
+"""Kimi K3's ``type`` of a JSON value, by its schema's type (a text is ``string``, written raw)."""
+FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY, GEMMA4, MINIMAX_M3, LFM2, KIMI_K3)
 """The call formats whose forced call is written in the format (the others' as its arguments alone)."""
 MAX_TEXT_REPEAT = 10_000
 """The longest ``minLength`` or ``maxLength`` of a text value written raw (a bounded repetition is
@@ -192,6 +210,16 @@ def _text_value(schema: dict, closes: tuple[str, ...], edges: bool, rule: str = 
     char = f"[^{_class_char(barred)}\\x0A]" if edges else f"[^{_class_char(barred)}]"  # nothing closes it without
     # ``barred`` (every close begins with it), and with edges no new line at all
     return f"{char}{{{low},{'' if high is None else high}}}"
+
+
+def _kinds(schema) -> str:
+    """The grammar of a JSON value's kind as Kimi K3 writes it (:data:`JSON_KINDS`): the kinds its
+    schema's ``type`` names, every one where it names none (the reader reads the value as JSON
+    whatever the kind, except ``string``: never written before JSON)."""
+    types = schema.get("type") if isinstance(schema, dict) else None
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    kinds = sorted({JSON_KINDS[t] for t in types if t in JSON_KINDS}) or sorted(set(JSON_KINDS.values()))
+    return "(" + " | ".join(literal(k) for k in kinds) + ")"
 
 
 def _keyed_ok(params) -> bool:
@@ -548,14 +576,18 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
             required = set((p or {}).get("required", []))
             for key, schema in (p or {}).get("properties", {}).items():
                 if (i, key) in json_of:
-                    value = f"{literal(k_open + key + json_open)} {json_of[i, key]}"
+                    head, kind, tail = json_open.partition(KIND)
+                    opening = f"{literal(k_open + key + head)} {_kinds(schema)} {literal(tail)}" if kind else \
+                        literal(k_open + key + json_open)
+                    value = f"{opening} {json_of[i, key]}"
                 else:
                     value = f"{literal(k_open + key + text_open)} {_text_value(schema, closes, edges, f'text-{s}')}"
                 piece = f"{value} {literal(before + tag + after)}"
                 parts.append(piece if key in required else f"({piece})?")
             calls.append(" ".join(parts + [literal(c_close)]))
         blocks.append(f'{literal(b_open)} ({" | ".join(calls)}) {literal(b_close)}')
-    return "\n".join([f"root ::= {' | '.join(blocks)}"] + rules + [values.rules()])
+    lead = "".join(f"{literal(tag)}? " for tag in LEADS.get(fmt, ()))
+    return "\n".join([f"root ::= {lead}({' | '.join(blocks)})"] + rules + [values.rules()])
 
 
 def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab, think_close: str | None = None

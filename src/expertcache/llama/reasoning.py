@@ -51,9 +51,10 @@ GEMMA4_CHANNEL, GEMMA4_END = "<|channel>", "<channel|>"
 TAGS = {DEEPSEEK: (OPEN, CLOSE), GEMMA4: (GEMMA4_CHANNEL + "thought", GEMMA4_END),
         KIMI_K3: (k3_open("think"), k3_close("think")), MINIMAX_M3: ("<mm:think>", "</mm:think>")}
 """The tags around a thinking block, per format :class:`ThinkStream` reads."""
-BREAKS = {KIMI_K3: (k3_open("response"),)}
+BREAKS = {KIMI_K3: (k3_open("response"), k3_close("response"))}
 """Tags that end a block never closed in every request (they stay in the text): Kimi K3's answer
-section beginning (llama.cpp's parser ends the reasoning there)."""
+section beginning (llama.cpp's parser ends the reasoning there), and its end (a forced call's
+grammar may close the answer section the prompt opened: :data:`~.callgrammar.LEADS`)."""
 DROPPED = {KIMI_K3: (k3_open("response"), k3_close("response"), k3_close("message")),
            MINIMAX_M3: (TAGS[MINIMAX_M3][1],)}
 """Tags taken out of the content wherever they stand: the sections Kimi K3 writes its answer in

@@ -966,8 +966,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     call_fmt = call_format(template)
     think_fmt = think_format(template)
     forms = FORMS if think_fmt == HARMONY else tuple(f for f in FORMS if f != HARMONY)  # its calls: its channels'
-    think_close = THINK_TAGS[think_fmt][1] if think_fmt in (DEEPSEEK, MINIMAX_M3) else None  # a forced call may
-    # close the <think> (<mm:think>) block first
+    think_close = THINK_TAGS[think_fmt][1] if think_fmt in (DEEPSEEK, MINIMAX_M3, KIMI_K3) else None  # a forced
+    # call may close the <think> (<mm:think>, Kimi K3's think section) block first
     # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
     # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text as
     # one JSON section where its model learnt an argument section per key (MiniMax-M3's fails on a text: asked)
