@@ -2822,18 +2822,24 @@ def test_responses_answer_as_the_chat_endpoint_does(hermes):
                                      text={"format": {"type": "json_schema", "name": "w", "schema": schema}})
     assert set(json.loads(shaped.output_text)) == {"city"}
     ok = {"model": "small-moe", "input": "Hi", "max_output_tokens": 2}
-    for body, says in ((dict(ok, previous_response_id="resp_1"), "previous_response_id"),
-                       (dict(ok, tools=[{"type": "web_search"}]), "tools.0.type"),
-                       (dict(ok, input=[{"type": "input_image", "image_url": "x"}]), "input.0.type"),
-                       (dict(ok, input=[{"role": "user", "content": [{"type": "input_image"}]}]), "input.0.content"),
-                       (dict(ok, max_output_tokens=0), "max_output_tokens"),
-                       (dict(ok, tool_choice={"type": "function", "name": "nope"}, tools=tools), "tool_choice.name"),
-                       (dict(ok, include=["message.output_text.logprobs"]), "include.0"),
-                       (dict(ok, model="gpt-5"), "gpt-5")):
-        for path in ("/v1/responses", "/v1/responses/input_tokens"):
+    both = ("/v1/responses", "/v1/responses/input_tokens")
+    for body, says, param, code, paths in (
+            (dict(ok, previous_response_id="resp_1"), "previous_response_id", "previous_response_id", None, both),
+            (dict(ok, tools=[{"type": "web_search"}]), "tools.0.type", "tools", None, both),
+            (dict(ok, input=[{"type": "input_image", "image_url": "x"}]), "input.0.type", "input", None, both),
+            (dict(ok, input=[{"role": "user", "content": [{"type": "input_image"}]}]), "input.0.content", "input", None,
+             both),
+            (dict(ok, max_output_tokens=0), "max_output_tokens", "max_output_tokens", None, both),
+            (dict(ok, tool_choice={"type": "function", "name": "nope"}, tools=tools), "tool_choice.name", "tool_choice",
+             None, both),
+            (dict(ok, include=["message.output_text.logprobs"]), "include.0", "include", None, both),
+            (dict(ok, model="gpt-5"), "gpt-5", "model", "model_not_found", both),
+            (dict(ok, input="Hi " * 600), "context window", "input", "context_length_exceeded", both[:1])):
+        for path in paths:  # the chat endpoint's error fields, its param named as the response request has it
             status, raw = hermes.raw("POST", path, json.dumps(body))
             err = json.loads(raw)["error"]
             assert status in (400, 404) and says in err["message"], (path, body, raw)
+            assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code), (path, body, raw)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(**dict(ok, temperature=3))
 

@@ -401,7 +401,9 @@ def counted(input_tokens: int) -> dict:
     return {"input_tokens": input_tokens}
 
 
-def error_body(status: int, message_: str) -> dict:
-    """Anthropic's error object for an HTTP ``status``."""
+def error_body(status: int, message_: str, type_: str | None = None, param: str | None = None,
+               code: str | None = None) -> dict:
+    """Anthropic's error object for an HTTP ``status`` (its type by the status; it has no field for
+    the chat error's ``type_``, ``param`` or ``code``)."""
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message_}}

@@ -254,14 +254,15 @@ def to_chat(req: ResponsesRequest, template_variables: frozenset = frozenset()) 
 
 
 RENAMED = ((r"^max_tokens\b", "max_output_tokens"), (r"^response_format", "text.format"),
-           (r"^tool_choice\.function\.name", "tool_choice.name"), (r"^tools\.(\d+)\.function\.", r"tools.\1."))
+           (r"^tool_choice\.function\.name", "tool_choice.name"), (r"^tools\.(\d+)\.function\.", r"tools.\1."),
+           (r"^messages$", "input"))
 """Chat request fields and the fields of a response request they come from (:func:`asked_fields`)."""
 
 
 def asked_fields(text: str, origins: list[str]) -> str:
-    """An error message about the chat request :func:`to_chat` made, its leading field named as
-    the response request has it (``messages[2].role`` → ``input.1.role``; ``max_tokens`` →
-    ``max_output_tokens``)."""
+    """An error message (or its ``param``) about the chat request :func:`to_chat` made, its leading
+    field named as the response request has it (``messages[2].role`` → ``input.1.role``;
+    ``max_tokens`` → ``max_output_tokens``; the param ``messages`` → ``input``)."""
     return dialect.asked_fields(text, origins, RENAMED)
 
 
@@ -279,12 +280,11 @@ def counted(input_tokens: int) -> dict:
     return {"object": "response.input_tokens", "input_tokens": input_tokens}
 
 
-def error_body(status: int, message: str) -> dict:
-    """OpenAI's error object (the chat endpoint's shape; the code and param of the chat's error are
-    not carried)."""
-    kind = {404: "not_found_error", 429: "rate_limit_error"}.get(status, "invalid_request_error" if status < 500
-                                                                  else "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+def error_body(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error object, the chat endpoint's shape and fields (``param`` named as the response
+    request has it: :func:`asked_fields`)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _usage(usage: dict) -> dict:

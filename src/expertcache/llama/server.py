@@ -161,7 +161,7 @@ def error_json(status: int, message: str, type_: str = "invalid_request_error", 
                code: str | None = None, dialect: str = "openai") -> JSONResponse:
     """An error answer: OpenAI's shape, or a dialect's (:data:`DIALECTS`: its ``error_body``)."""
     if dialect in DIALECTS:
-        return JSONResponse(DIALECTS[dialect].error_body(status, message), status_code=status)
+        return JSONResponse(DIALECTS[dialect].error_body(status, message, type_, param, code), status_code=status)
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
 
 
@@ -1094,9 +1094,11 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise asked_error(dialect, exc, origins) from None
 
     def asked_error(dialect: str, exc: ApiError, origins: list[str]) -> ApiError:
-        """``exc`` (about the chat request made of a dialect's) naming the field of the request as asked."""
+        """``exc`` (about the chat request made of a dialect's) naming the field of the request as asked,
+        in its message and its ``param``."""
         if dialect in DIALECTS:
             exc.message = DIALECTS[dialect].asked_fields(exc.message, origins)
+            exc.param = exc.param and DIALECTS[dialect].asked_fields(exc.param, origins)
         return exc
 
     def chat_messages(body: ChatRequest) -> list[dict]:
