@@ -530,13 +530,17 @@ def test_kimi_k3_reference_cases(small):
             f'type="{kind_of(value)}"', f'type="{kind}"')) == taken, (value, kind)
 
 
-def test_a_forced_call_may_follow_the_close_of_a_thinking_block(small):
-    """With ``think_close``, the call may come after that tag and a little white space, or at once;
-    nothing else before it."""
+def test_a_forced_call_may_follow_a_thinking_block(small):
+    """With ``thinking``, the call may come after a block (its open tag maybe, any text without the
+    close or an end tag, the close) and a little white space, or at once; nothing else before it."""
     call = "<tool_call>\n<function=ping>\n</function>\n</tool_call>"
-    grammar = call_grammar(QWEN_XML, [TOOLS[-1]], small._model.vocab, think_close="</think>")._grammar
+    grammar = call_grammar(QWEN_XML, [TOOLS[-1]], small._model.vocab, ("<think>", "</think>", ("<tool_call>",)))._grammar
     for text, want in ((call, True), ("</think>" + call, True), ("</think>\n\n" + call, True),
-                       ("</think></think>" + call, False), ("</think>x" + call, False), ("x" + call, False)):
+                       ("I will ping.</think>\n" + call, True), ("<think>I will ping.\n</think>" + call, True),
+                       ("<think></think>" + call, True), ("a < b </thin</think>" + call, True),
+                       ("</think></think>" + call, False), ("</think>x" + call, False), ("x" + call, False),
+                       ("I will <tool_call></think>" + call, False), ("<think><think></think>" + call, True),
+                       ("<think>x" + call, False)):
         assert grammar_accepts(small, grammar, text) == want, text
     assert not grammar_accepts(small, call_grammar_text(QWEN_XML, [TOOLS[-1]]), "</think>" + call)
 

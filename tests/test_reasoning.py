@@ -32,7 +32,7 @@ def reference(text: str, opened: bool, fmt: str = "deepseek", ends=()) -> tuple[
     blocks anywhere after the first (a blank line between the texts of two), a lone close dropped;
     ``ends``: tags that end the first block where they begin, kept in the content."""
     o, c = (re.escape(tag) for tag in SPELLED[fmt])
-    if opened:
+    if opened and not text.lstrip().startswith(SPELLED[fmt][0]):  # an open tag written again is dropped
         text = SPELLED[fmt][0] + text
     if fmt == "kimi-k3":
         ends = (*ends, *K3_SECTIONS[:2])
@@ -62,6 +62,8 @@ def test_reference_cases():
     assert split_reasoning("<think>\nThe user asks.\n</think>\n\nParis.") == ("The user asks.", "Paris.")
     assert split_reasoning("  Paris, <think>no</think>") == (None, "  Paris, <think>no</think>")  # word for word
     assert split_reasoning("I think.\n</think>\n\nParis.", opened=True) == ("I think.", "Paris.")
+    assert split_reasoning("\n<think>I think.</think>Paris.", opened=True) == ("I think.", "Paris.")  # opened again
+    assert split_reasoning("I <think>.</think>Paris.", opened=True) == ("I <think>.", "Paris.")  # not at the start
     assert split_reasoning("<think>cut off by max_toke") == ("cut off by max_toke", "")
     assert split_reasoning("<think></think>Paris") == ("", "Paris")
     assert split_reasoning("<thi") == (None, "<thi")

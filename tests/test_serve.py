@@ -1445,7 +1445,7 @@ test's, opens the <think> block in the prompt, as DeepSeek-R1-0528's and Qwen3's
 models' templates always do."""
 
 
-def small_moe_with(tmp_path_factory, name: str, template: str, specials=(), words=()) -> Path:
+def small_moe_with(tmp_path_factory, name: str, template: str | None, specials=(), words=()) -> Path:
     """small-moe converted with ``template`` as its own chat template and ``specials`` as special
     tokens of its vocabulary (its last ids, one each), as a release's tokenizer holds its tags;
     ``words`` as tokens written as text (user-defined), the ids before them: a test biases one to
@@ -1466,7 +1466,8 @@ def small_moe_with(tmp_path_factory, name: str, template: str, specials=(), word
     tok["added_tokens"] += [{"id": vocab - 1 - len(specials) - i, "content": w, "single_word": False, "lstrip": False,
                              "rstrip": False, "normalized": False, "special": False} for i, w in enumerate(words)]
     (folder / "tokenizer.json").write_text(json.dumps(tok), encoding="utf-8")
-    (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    if template is not None:  # None: a GGUF with no chat template
+        (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
     out = folder.parent / f"{name}.gguf"
     convert(folder, out, "f16")
     return out
@@ -1478,6 +1479,26 @@ def serving(tmp_path_factory, name: str, template: str, specials=(), words=()) -
     s = Server(out, "--ctx", "512", "--model-alias", "small-moe")
     s.gguf = out
     return s
+
+
+def closing(gguf, template: str | None = None) -> dict:
+    """A ``logit_bias`` that makes the model of a reasoning template (``template``, else the GGUF's)
+    close its thinking block at once (the vocabulary's token that is the whole close tag), as a model
+    that answers without thinking does: a forced call
+    may follow a thinking block (:func:`expertcache.llama.callgrammar.call_grammar`), and a random
+    model under that grammar thinks until ``max_tokens``. Empty for a template that thinks in no
+    such block."""
+    import llama_cpp
+
+    from expertcache.llama.reasoning import DEEPSEEK, KIMI_K3, MINIMAX_M3, TAGS, think_format
+
+    llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    fmt = think_format(template or llm.metadata.get("tokenizer.chat_template"))
+    if fmt not in (DEEPSEEK, KIMI_K3, MINIMAX_M3):
+        return {}
+    close = TAGS[fmt][1].encode()
+    (token,) = [t for t in range(llm.n_vocab()) if llm.detokenize([t], special=True) == close]  # one token: the tag
+    return {str(token): 100}
 
 
 @pytest.fixture(scope="module")
@@ -1507,8 +1528,10 @@ def test_auto_tool_calls_of_a_hermes_template(hermes):
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools are in the prompt
     assert auto.choices[0].message.content and not auto.choices[0].message.tool_calls
     assert auto.choices[0].finish_reason in ("stop", "length")
+    bias = closing(hermes.gguf)  # the model closes its thinking at once
+    assert bias
     required = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=96, temperature=0, seed=1,
-                                              tools=tools, tool_choice="required")
+                                              tools=tools, tool_choice="required", logit_bias=bias)
     (call,) = required.choices[0].message.tool_calls
     assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.content is None
     args = json.loads(call.function.arguments)
@@ -1517,11 +1540,12 @@ def test_auto_tool_calls_of_a_hermes_template(hermes):
     else:
         assert call.function.name == "get_time" and args["zone"] in ("UTC", "CET")
     named = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=96, temperature=0, seed=1,
-                                           tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}})
+                                           tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           logit_bias=bias)
     assert named.choices[0].finish_reason == "stop" and named.choices[0].message.tool_calls[0].function.name == "get_time"
     streamed, finish, content = [], None, ""
     for c in client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=96, temperature=0, seed=1,
-                                            tools=tools, tool_choice="required", stream=True):
+                                            tools=tools, tool_choice="required", stream=True, logit_bias=bias):
         d = c.choices[0].delta
         streamed += [(tc.index, tc.function.name, tc.function.arguments) for tc in d.tool_calls or []]
         content += d.content or ""
@@ -1535,7 +1559,7 @@ def test_auto_tool_calls_of_a_hermes_template(hermes):
     assert after.usage.prompt_tokens > auto.usage.prompt_tokens and after.choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_chat_template_file_stands_for_the_ggufs_own(small_gguf, hermes, tmp_path):
+def test_a_chat_template_file_stands_for_the_ggufs_own(hermes, tmp_path, tmp_path_factory):
     """``--chat-template-file`` (llama.cpp's): its template formats the chats of a GGUF that has none,
     and tells the server the call and thinking formats (``required`` among two tools is a Hermes
     call under its grammar, where with ``--chat-format chatml`` it is a 400:
@@ -1549,11 +1573,13 @@ def test_a_chat_template_file_stands_for_the_ggufs_own(small_gguf, hermes, tmp_p
         for name in ("get_weather", "get_time")]
     ask = dict(model="small-moe", messages=[{"role": "user", "content": "hi"}], temperature=0, seed=1)
     (tmp_path / "hermes.jinja").write_text(HERMES_TEMPLATE, encoding="utf-8")
-    served = Server(small_gguf, "--ctx", "512", "--model-alias", "small-moe", "--chat-template-file",
+    bare = small_moe_with(tmp_path_factory, "no-template", None, ("<think>", "</think>"))  # its tags, no template
+    served = Server(bare, "--ctx", "512", "--model-alias", "small-moe", "--chat-template-file",
                     str(tmp_path / "hermes.jinja"))
     try:
         client = served.client()
-        answer = client.chat.completions.create(**ask, max_tokens=96, tools=tools, tool_choice="required")
+        answer = client.chat.completions.create(**ask, max_tokens=96, tools=tools, tool_choice="required",
+                                                logit_bias=closing(bare, HERMES_TEMPLATE))
         (call,) = answer.choices[0].message.tool_calls
         assert call.function.name in ("get_weather", "get_time") and answer.choices[0].finish_reason == "tool_calls"
         assert set(json.loads(call.function.arguments)) == {"x"}
@@ -1767,8 +1793,9 @@ def test_anthropic_tools_round_trip_as_chat_tools(hermes):
                                                     **({"description": t["description"]} if "description" in t else {})}}
                   for t in tools]
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
-    ask = dict(model="small-moe", max_tokens=96, messages=msgs, extra_body={"temperature": 0})
-    chatting = dict(model="small-moe", max_tokens=96, messages=msgs, temperature=0)
+    bias = closing(hermes.gguf)  # the model closes its thinking at once, before a forced call
+    ask = dict(model="small-moe", max_tokens=96, messages=msgs, extra_body={"temperature": 0, "logit_bias": bias})
+    chatting = dict(model="small-moe", max_tokens=96, messages=msgs, temperature=0, logit_bias=bias)
     want = chat.chat.completions.create(tools=chat_tools, tool_choice="required", **chatting).choices[0].message
     got = client.messages.create(tools=tools, tool_choice={"type": "any"}, **ask)
     (call,) = want.tool_calls
@@ -2131,41 +2158,46 @@ id written back), its empty thinking on past turns."""
 def qwen_xml(tmp_path_factory):
     """small-moe with QWEN_XML_TEMPLATE and <tool_call>, <think> as control tokens, served."""
     s = serving(tmp_path_factory, "qwen-xml", QWEN_XML_TEMPLATE, ("<tool_call>", "</tool_call>", "<think>", "</think>"),
-                [WRITTEN_CALLS["qwen_xml"][0], INDENT])
+                [WRITTEN_CALLS["qwen_xml"][0], INDENT, QWEN_XML_THOUGHT])
     yield s
     s.stop()
 
 
+QWEN_XML_THOUGHT = "Weather: ask it.</think>\n\n"
+"""A thought and the close of its block, one token of the qwen_xml fixture's vocabulary."""
 INDENT = "\n" + " " * 40
 """A token of 41 bytes: a new line and the spaces that indent code (GPT-NeoX's and Qwen's vocabularies
 hold such runs; OLMoE's tokenizer in models/ has this one)."""
 
 
-def test_a_forced_call_may_close_the_thinking_its_prompt_opened(qwen_xml):
-    """Qwen3.5's prompt opens a <think> block: a forced call may first close it, as the model writes a
-    turn without thinking (``</think>`` forced here by ``logit_bias``), or begin at once (``</think>``
-    barred); either way the call is read back, with no content and no reasoning; ``auto`` still reads
-    the same text's thinking."""
+def test_a_forced_call_may_follow_the_thinking_its_prompt_opened(qwen_xml):
+    """Qwen3.5's prompt opens a <think> block: a forced call may follow the model's thinking (a token
+    of this vocabulary that is a thought and the close, forced here by ``logit_bias``), given as
+    ``reasoning_content``, or an empty block (``</think>`` forced), with none; either way the call is
+    read back with no content, streamed the same."""
     import llama_cpp
 
     llm = llama_cpp.Llama(str(qwen_xml.gguf), vocab_only=True, verbose=False)
     (close,) = llm.tokenize(b"</think>", add_bos=False, special=True)
+    (thought,) = llm.tokenize(QWEN_XML_THOUGHT.encode(), add_bos=False, special=True)
     client = qwen_xml.client()
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
     ask = dict(model="small-moe", messages=[{"role": "user", "content": "Weather?"}], max_tokens=160, temperature=0,
                seed=1, tools=tools, tool_choice="required", logprobs=True)
-    for bias, opening in ((100, "</think>"), (-100, "<tool_call>\n<function=get_weather>")):
-        answer = client.chat.completions.create(**ask, logit_bias={str(close): bias}).choices[0]
+    for token, opening, reasoning in ((close, "</think>", None), (thought, QWEN_XML_THOUGHT, "Weather: ask it.")):
+        answer = client.chat.completions.create(**ask, logit_bias={str(token): 100}).choices[0]
         written = written_text(answer)
         assert written.startswith(opening), written
+        assert written[len(opening):].lstrip().startswith("<tool_call>\n<function=get_weather>"), written
         (call,) = answer.message.tool_calls
         assert call.function.name == "get_weather" and answer.finish_reason == "tool_calls"
-        assert answer.message.content is None and getattr(answer.message, "reasoning_content", None) is None, answer
-    streamed = [c.choices[0].delta for c in client.chat.completions.create(
-        **{**ask, "logprobs": None}, logit_bias={str(close): 100}, stream=True) if c.choices]
-    assert [tc.function.name for d in streamed for tc in d.tool_calls or []] == ["get_weather"]
-    assert not "".join((d.content or "") + (getattr(d, "reasoning_content", None) or "") for d in streamed)
+        assert answer.message.content is None and getattr(answer.message, "reasoning_content", None) == reasoning
+        streamed = [c.choices[0].delta for c in client.chat.completions.create(
+            **{**ask, "logprobs": None}, logit_bias={str(token): 100}, stream=True) if c.choices]
+        assert [tc.function.name for d in streamed for tc in d.tool_calls or []] == ["get_weather"]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in streamed) == (reasoning or "")
+        assert not "".join(d.content or "" for d in streamed)
 
 
 def test_a_token_longer_than_32_bytes_is_written_whole(qwen_xml):
@@ -2325,6 +2357,8 @@ in a system message, a past assistant turn's thinking, answer and calls (each ar
 its own, arguments given as an object; given as a text, one ``json`` section), the prompt opening
 the thinking."""
 K3_TAGS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+K3_THINK_CLOSE = "<|close|>think<|sep|>"
+"""Kimi K3's thinking section's close as one token of the test's vocabulary (:func:`closing` biases it)."""
 M3_TEMPLATE = """{%- set ns_token = ']<]minimax[>[' -%}
 {%- macro to_xml(val, ns) -%}
 {%- if val is mapping -%}{%- for k, v in val.items() if v is not none -%}{{ ns }}<{{ k }}>{{ to_xml(v, ns) }}{{ ns }}</{{ k }}>{%- endfor -%}
@@ -2375,7 +2409,7 @@ def minimax_m3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def kimi_k3(tmp_path_factory):
     """small-moe with K3_TEMPLATE and Kimi K3's markers as control tokens, served."""
-    s = serving(tmp_path_factory, "kimi_k3", K3_TEMPLATE, K3_TAGS, [WRITTEN_CALLS["kimi_k3"][0]])
+    s = serving(tmp_path_factory, "kimi_k3", K3_TEMPLATE, K3_TAGS, [WRITTEN_CALLS["kimi_k3"][0], K3_THINK_CLOSE])
     yield s
     s.stop()
 
@@ -2588,7 +2622,8 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
         [(0, "get_weather", wrote.function.arguments)]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (reasoning or "")
     assert "".join(d.content or "" for d in deltas) == ""
-    named = client.chat.completions.create(**{**ask, "max_tokens": 200}, tools=tools, logprobs=True,
+    bias = closing(glm.gguf)  # a reasoning template's model closes its thinking at once, before a forced call
+    named = client.chat.completions.create(**{**ask, "max_tokens": 200}, tools=tools, logprobs=True, logit_bias=bias,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = named.choices[0].message.tool_calls
     city = json.loads(call.function.arguments)["city"]
@@ -2600,7 +2635,8 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
         "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
     # required among several: a call to one, in the format (each format here forces one in its own)
     room = 250 if fixture == "kimi_k3" else 160  # Kimi K3's call is the longest text here
-    required = client.chat.completions.create(**{**ask, "max_tokens": room}, tools=two, tool_choice="required")
+    required = client.chat.completions.create(**{**ask, "max_tokens": room}, tools=two, tool_choice="required",
+                                              logit_bias=bias)
     (one,) = required.choices[0].message.tool_calls
     assert required.choices[0].finish_reason == "tool_calls" and one.function.name in ("get_weather", "get_time")
     assert set(json.loads(one.function.arguments)) == ({"city"} if one.function.name == "get_weather" else {"zone"})
@@ -2798,9 +2834,12 @@ def test_responses_answer_as_the_chat_endpoint_does(hermes):
              {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {
                  "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}]
     chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
-    ask = dict(model="small-moe", max_output_tokens=96, temperature=0, input=[{"role": "user", "content": "Weather?"}])
+    bias = closing(hermes.gguf)  # the model closes its thinking at once, before a forced call
+    ask = dict(model="small-moe", max_output_tokens=96, temperature=0, input=[{"role": "user", "content": "Weather?"}],
+               extra_body={"logit_bias": bias})
     (call,) = client.chat.completions.create(model="small-moe", max_tokens=96, temperature=0, tools=chat_tools,
-                                             tool_choice="required", messages=ask["input"]).choices[0].message.tool_calls
+                                             tool_choice="required", messages=ask["input"],
+                                             logit_bias=bias).choices[0].message.tool_calls
     got = client.responses.create(tools=tools, tool_choice="required", **ask)
     assert _output(got) == [("function_call", (call.function.name, json.loads(call.function.arguments)))]
     assert _output(_responded(client, tools=tools, tool_choice="required", **ask)[0]) == _output(got)

@@ -590,18 +590,24 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
     return "\n".join([f"root ::= {lead}({' | '.join(blocks)})"] + rules + [values.rules()])
 
 
-def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab, think_close: str | None = None
-                 ) -> LlamaGrammar:
+def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab,
+                 thinking: tuple[str, str, tuple[str, ...]] | None = None) -> LlamaGrammar:
     """:func:`call_grammar_text` as a grammar llama.cpp has taken (:func:`~.constraints.checked_grammar`).
-    ``think_close``: a thinking block's closing tag the call may follow, with white space (a prompt
-    that opened the block: the model closes it, then calls, as it learnt to without thinking; as
-    llama.cpp's grammars allow for a template that opens it)."""
+    ``thinking``: a thinking block's ``(open, close, ends)`` tags; the call may follow such a block
+    and a little white space: its open tag (where the prompt did not open it), any text holding
+    neither its close nor one of ``ends`` (the tags the reader ends a block never closed at: a call's
+    opening among them), its close. As llama.cpp's grammars allow a reasoning model (its 2026
+    parsers: ``<think>`` and text until ``</think>``); an empty block is how a model writes a turn
+    without thinking after a prompt that opened one."""
     for _, params in tools:  # a keyword the grammar would not hold, named
         held_schema(params if isinstance(params, dict) else {})
     if not writes(fmt, tools):
         raise ConstraintError(f"a forced call of the {fmt} format cannot hold these tools' parameters", "tools")
     text = call_grammar_text(fmt, tools)
-    if think_close:
+    if thinking:
         assert text.startswith("root ::= ")
-        text = f'root ::= ({literal(think_close)} [ \\n]{{0,4}})? call-root\ncall-root ::= ' + text[len("root ::= "):]
+        opening, close, ends = thinking
+        text = "\n".join([f'root ::= ({literal(opening)}? think-text {literal(close)} [ \\n]{{0,4}})? call-root',
+                          *until("think-text", tuple(dict.fromkeys((close, *ends))), False),
+                          "call-root ::= " + text[len("root ::= "):]])
     return checked_grammar(text, vocab)

@@ -16,7 +16,9 @@ thinks in a ``think`` section, then answers in a ``response`` section whose mark
 are taken out of the content; MiniMax-M3 between ``<mm:think>`` and ``</mm:think>``, a turn without
 thinking beginning with the bare close (taken out too). Some
 templates open the block themselves (the prompt ends in ``<think>``: DeepSeek-R1-0528, Qwen3's 2507
-thinking models); the text then begins inside it (``opened``). gpt-oss writes its thinking in
+thinking models); the text then begins inside it (``opened``), and an open tag the model writes
+again at its start is dropped (a forced call's grammar lets a model open its block, where its prompt
+may have: :func:`~.callgrammar.call_grammar`). gpt-oss writes its thinking in
 harmony channels instead (:class:`HarmonyStream`), with the same two invariants below.
 
 Invariants (``tests/test_reasoning.py``):
@@ -113,6 +115,7 @@ class ThinkStream:
         self.repeats = fmt in REPEATS
         # start -> inside -> after, or start -> plain; :data:`REPEATS`: after or start -> content <-> inside
         self.state = "inside" if opened else "start"
+        self.reopen = opened  # a block the prompt opened may begin with its open tag, written again: dropped
         self.pending = ""
         self.lead = True  # the part being written has not yet shown a character that is not white space
         self.reasoned = False  # a first block was read (opened or written), or reasoning text given
@@ -164,6 +167,14 @@ class ThinkStream:
                     self.pending = self.pending.lstrip()
                     if not self.pending:
                         return out
+                    if self.reopen:
+                        opens = _opens(self.pending, self.open)
+                        if opens is None:  # the start of the open tag: not known yet
+                            return out
+                        self.reopen = False
+                        if opens:
+                            self.pending = self.pending[len(self.open):]
+                            continue
                     self.lead = False
                 end, tag = min(((i, t) for t in (self.close, *self.ends) if (i := self.pending.find(t)) >= 0),
                                default=(-1, ""))

@@ -96,6 +96,7 @@ from .callgrammar import FORMS, call_grammar, writes
 from .constraints import ConstraintError, logit_bias, response_grammar
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import DEEPSEEK, HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
+from .reasoning import BREAKS as THINK_BREAKS
 from .reasoning import TAGS as THINK_TAGS
 from .toolcalls import MARKERS as CALL_MARKERS
 from .toolcalls import (ALTERNATIVES, DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, KIMI_K3,
@@ -300,8 +301,9 @@ class ToolPlan:
     """``tool_choice`` named the function: a completed call finishes ``stop`` (OpenAI's answer), else ``tool_calls``."""
     form: str | None = None
     """With ``forced``: the call format its grammar writes (:mod:`.callgrammar`)."""
-    think_close: str | None = None
-    """With ``forced``: the thinking block's closing tag the call may follow (a ``<think>`` model's)."""
+    thinking: tuple[str, str, tuple[str, ...]] | None = None
+    """With ``forced``: the thinking block the call may follow (a ``<think>`` model's): its open and
+    close tags, and those its text cannot hold (:func:`~.callgrammar.call_grammar`)."""
 
     @property
     def template_tools(self) -> list[dict]:
@@ -314,7 +316,7 @@ class ToolPlan:
         return bool(self.forced) or self.arguments_of is not None
 
 
-def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS, think_close: str | None = None) -> ToolPlan | None:
+def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS, thinking: tuple | None = None) -> ToolPlan | None:
     """The :class:`ToolPlan` of a chat, or None where no tool is offered or ``tool_choice`` is
     ``none``. With a template that teaches a call format this server reads (``call_fmt``:
     :func:`~.toolcalls.call_format`), ``auto`` lets the model answer or call, ``required`` and a
@@ -323,9 +325,9 @@ def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS, think_close: str
     the model wrote in its own format would be read as text); so is ``required`` among several tools
     there, and a name no tool has. A forced call is written in the model's own format by
     :mod:`.callgrammar`'s grammar where it writes that format and can hold the tools' parameters
-    (:func:`~.callgrammar.writes`; ``forms``: those it may write here), after the close of a thinking
-    block the prompt may have opened (``think_close``); elsewhere it is its arguments under the
-    grammar, as for other templates."""
+    (:func:`~.callgrammar.writes`; ``forms``: those it may write here), after a thinking block, maybe
+    (``thinking``: :attr:`ToolPlan.thinking`); elsewhere it is its arguments under the grammar, as
+    for other templates."""
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
     if choice is None:
@@ -345,7 +347,7 @@ def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS, think_close: str
     forced = [named] if named is not None else tools
     if call_fmt in forms and writes(call_fmt, [(t.function.name, t.function.parameters) for t in forced]):
         return ToolPlan(offered=tools, parsed=True, named=named is not None, forced=forced, form=call_fmt,
-                        think_close=think_close)
+                        thinking=thinking)
     if choice == "auto":
         raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
                        "reads (it reads the Hermes <tool_call> JSON of Qwen3 and others, Qwen3-Coder's and Qwen3.5's "
@@ -670,7 +672,7 @@ class Generation:
                     fmt = {"type": "json_schema", "json_schema": {"schema": parameters}}
             if plan is not None and plan.forced:
                 grammar = call_grammar(plan.form, [(t.function.name, t.function.parameters) for t in plan.forced],
-                                       llm._model.vocab, plan.think_close)
+                                       llm._model.vocab, plan.thinking)
             else:
                 grammar = response_grammar(fmt, llm._model.vocab)
         except ConstraintError as exc:
@@ -966,8 +968,14 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     call_fmt = call_format(template)
     think_fmt = think_format(template)
     forms = FORMS if think_fmt == HARMONY else tuple(f for f in FORMS if f != HARMONY)  # its calls: its channels'
-    think_close = THINK_TAGS[think_fmt][1] if think_fmt in (DEEPSEEK, MINIMAX_M3, KIMI_K3) else None  # a forced
-    # call may close the <think> (<mm:think>, Kimi K3's think section) block first
+    # a call's opening tags (they end a thinking block never closed, where a call is forced)
+    call_opens = tuple(pair[0] for pair in (TAGS[call_fmt],) + ALTERNATIVES.get(call_fmt, ())) if call_fmt in TAGS \
+        else ()
+    # a forced call may follow a <think> (<mm:think>, Kimi K3's think section) block: the tags, and those that
+    # end one never closed (the reader's: a call's opening, the format's others), which its text cannot hold
+    forced_thinking = (*THINK_TAGS[think_fmt], ENDS_THINKING.get(call_fmt, ()) + call_opens
+                       + THINK_BREAKS.get(think_fmt, ())) if think_fmt in (DEEPSEEK, MINIMAX_M3, KIMI_K3) and call_opens \
+        else None
     # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
     # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text as
     # one JSON section where its model learnt an argument section per key (MiniMax-M3's fails on a text: asked)
@@ -1020,7 +1028,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         for field, used in unserved.items():
             if used:
                 raise ApiError(400, f"{field} is not served (it would change the result)", param=field)
-        plan = tool_plan(body, call_fmt, forms, think_close) if isinstance(body, ChatRequest) else None
+        plan = tool_plan(body, call_fmt, forms, forced_thinking) if isinstance(body, ChatRequest) else None
         if plan is not None and plan.parsed and call_fmt == HARMONY and (body.reasoning_format or reasoning_format) == "none":
             raise ApiError(400, "reasoning_format none: this model's tool calls are read from its channels, as its "
                            "thinking is; with tool_choice auto, ask reasoning_format auto", param="reasoning_format")
@@ -1235,14 +1243,15 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         # a reasoning model's thinking read out of the text (.reasoning), unless a grammar writes the text
         fmt = (body.reasoning_format if kind == "chat" else None) or reasoning_format
         harmony_call = plan is not None and plan.form == HARMONY  # a forced call on gpt-oss's channels
-        may_close = plan is not None and plan.think_close is not None  # a forced call, after </think> or not
+        may_close = plan is not None and plan.thinking is not None  # a forced call, after a thinking block or not
         thinking = kind == "chat" and think_fmt is not None and fmt != "none" and \
             (not gen.grammar or harmony_call or may_close)
         harmony = thinking and think_fmt == HARMONY  # gpt-oss's channels (its calls too), else <think> blocks
-        opened = thinking and not harmony and (may_close or gen.opened_thinking(think_fmt))  # forced: an empty block
+        # forced: a block, opened by the prompt, or by the model (its open tag dropped), or an empty one
+        opened = thinking and not harmony and (may_close or gen.opened_thinking(think_fmt))
         ends = ENDS_THINKING.get(call_fmt, ()) if tagged is not None else ()  # calls may end the thinking
         if may_close:  # the call itself ends the block its grammar did not close
-            ends += tuple(pair[0] for pair in (TAGS[call_fmt],) + ALTERNATIVES.get(call_fmt, ()))
+            ends += call_opens
         think = (HarmonyStream(names) if harmony else ThinkStream(opened, think_fmt, ends)) if thinking else None
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
 
@@ -1305,7 +1314,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 elif thinking:
                     reasoning, text = split_reasoning(text, opened, think_fmt, ends)
                     message["content"] = text
-                if thinking and reasoning is not None and (reasoning or not may_close):  # none for a forced call
+                if thinking and reasoning is not None and (reasoning or not may_close):  # a forced call: none empty
                     message["reasoning_content"] = reasoning
                 if arguments_of is not None:
                     calls = [{"id": call_id, "type": "function", "function": {"name": arguments_of.function.name,
