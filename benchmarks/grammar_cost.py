@@ -9,7 +9,8 @@ prompt, same tokens (checked). Also how many of the tokens drawn the grammar ref
 
 With ``--forced``: a forced tool call's grammar in each call format (``expertcache.llama.callgrammar``,
 three tools) against the call's arguments alone (the grammar of one tool's parameters), checked
-first as the server does: milliseconds to make the grammar and a token to decode under it.
+first as the server does: milliseconds to make the grammar and a token to decode under it; and
+Hermes' call after a thinking block (:data:`THINKING`).
 
 Each cell: ``--repeats`` decodes of up to ``--tokens`` tokens, median [min-max] ms a token (1 thread).
 A model that does not write JSON (random weights) has most of its tokens refused: its "checked
@@ -99,6 +100,9 @@ FORCED_TOOLS = [
                   "required": ["zone"]}),
     ("ping", None)]
 FORCED = ("arguments",) + FORMS  # every format a forced call is written in, against the arguments alone
+THINKING = {"hermes, after thinking": ("hermes", ("<think>", "</think>", ("<tool_call>",)))}
+"""Forced calls a thinking block may come before (the server's, for a reasoning template): a random
+model thinks through every token, so the row is the thinking text's rule."""
 
 
 def forced(path: str, tokens: int, repeats: int) -> dict:
@@ -106,12 +110,13 @@ def forced(path: str, tokens: int, repeats: int) -> dict:
     llm = ObservedLlama(path, verbose=False, n_ctx=512, n_threads=1)
     vocab = llm._model.vocab
     rec = {"model": path, "n_vocab": llm.n_vocab(), "plain_ms": timed(llm, tokens, repeats)[1]}
-    for fmt in FORCED:
+    for fmt in FORCED + tuple(THINKING):
         builds = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             grammar = response_grammar({"type": "json_schema", "json_schema": {"schema": FORCED_TOOLS[0][1]}}, vocab) \
-                if fmt == "arguments" else call_grammar(fmt, FORCED_TOOLS, vocab)
+                if fmt == "arguments" else call_grammar(*THINKING[fmt][:1], FORCED_TOOLS, vocab, THINKING[fmt][1]) \
+                if fmt in THINKING else call_grammar(fmt, FORCED_TOOLS, vocab)
             builds.append((time.perf_counter() - t0) * 1000)
         rec[f"{fmt}_build_ms"] = builds
         out, rec[f"{fmt}_ms"] = timed(llm, tokens, repeats, grammar)
@@ -139,7 +144,7 @@ def main(argv=None) -> int:
         for r in recs:
             plain = statistics.median(r["plain_ms"])
             print(f"| {r['model'].rsplit('/', 1)[-1]} | no grammar | - | {spread(r['plain_ms'])} | - | 1.00 |")
-            for fmt in FORCED:
+            for fmt in FORCED + tuple(THINKING):
                 print(f"| | {fmt} | {spread(r[f'{fmt}_build_ms'])} | {spread(r[f'{fmt}_ms'])} | {r[f'{fmt}_tokens']} "
                       f"| {statistics.median(r[f'{fmt}_ms']) / plain:.2f} |")
         return 0
