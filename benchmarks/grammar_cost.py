@@ -10,7 +10,7 @@ prompt, same tokens (checked). Also how many of the tokens drawn the grammar ref
 With ``--forced``: a forced tool call's grammar in each call format (``expertcache.llama.callgrammar``,
 three tools) against the call's arguments alone (the grammar of one tool's parameters), checked
 first as the server does: milliseconds to make the grammar and a token to decode under it; and
-Hermes' call after a thinking block (:data:`THINKING`).
+Hermes' call after a thinking block, gpt-oss's after an analysis message (:data:`THINKING`).
 
 Each cell: ``--repeats`` decodes of up to ``--tokens`` tokens, median [min-max] ms a token (1 thread).
 A model that does not write JSON (random weights) has most of its tokens refused: its "checked
@@ -27,7 +27,7 @@ import time
 
 import llama_cpp
 
-from expertcache.llama.callgrammar import FORMS, call_grammar
+from expertcache.llama.callgrammar import FORMS, HARMONY_ANALYSIS, call_grammar
 from expertcache.llama.constraints import GrammarFirst, response_grammar
 from expertcache.llama.textgen import ObservedLlama
 
@@ -100,7 +100,8 @@ FORCED_TOOLS = [
                   "required": ["zone"]}),
     ("ping", None)]
 FORCED = ("arguments",) + FORMS  # every format a forced call is written in, against the arguments alone
-THINKING = {"hermes, after thinking": ("hermes", ("<think>", "</think>", ("<tool_call>",)))}
+THINKING = {"hermes, after thinking": ("hermes", ("<think>", "</think>", ("<tool_call>",))),
+            "harmony, after analysis": ("harmony", HARMONY_ANALYSIS)}
 """Forced calls a thinking block may come before (the server's, for a reasoning template): a random
 model thinks through every token, so the row is the thinking text's rule."""
 

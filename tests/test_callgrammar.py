@@ -545,6 +545,28 @@ def test_a_forced_call_may_follow_a_thinking_block(small):
     assert not grammar_accepts(small, call_grammar_text(QWEN_XML, [TOOLS[-1]]), "</think>" + call)
 
 
+def test_a_forced_harmony_call_may_follow_an_analysis_message(small):
+    """gpt-oss's: an ``analysis`` message, its frame whole, then the call's message, read back as the
+    reasoning and the call; no analysis without its channel, none holding ``<|end|>``."""
+    import json
+
+    from expertcache.llama.callgrammar import HARMONY_ANALYSIS
+
+    tools = [TOOLS[-1]]
+    grammar = call_grammar(HARMONY, tools, small._model.vocab, HARMONY_ANALYSIS)._grammar
+    call = "<|channel|>commentary to=functions.ping <|constrain|>json<|message|>{}"
+    thought = "<|channel|>analysis<|message|>Ping it.<|end|><|start|>assistant"
+    for text, want in ((call, True), (thought + call, True), ("<|channel|>analysis<|message|><|end|><|start|>assistant"
+                                                               + call, True),
+                       ("Ping it.<|end|><|start|>assistant" + call, False), (thought + "\n" + call, False),
+                       ("<|channel|>analysis<|message|>a<|end|>b<|end|><|start|>assistant" + call, False),
+                       (thought + thought + call, False)):
+        assert grammar_accepts(small, grammar, text) == want, text
+    reasoning, content, (read_back,) = read_harmony(thought + call, ["ping"])
+    assert (reasoning, content, read_back["function"]["name"], json.loads(read_back["function"]["arguments"])) == \
+        ("Ping it.", None, "ping", {})
+
+
 def test_llama_cpp_takes_each_spelling_of_the_json_formats(small):
     """DeepSeek's V3 and V3.1 sections, Kimi K2's ids, Mistral's array and ``NAME[ARGS]``, gpt-oss's
     commentary message: each as its model writes it is taken, and read back as the call."""

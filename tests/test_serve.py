@@ -1883,6 +1883,11 @@ def test_anthropic_mistakes_are_anthropic_errors_and_the_server_keeps_serving(he
 
 
 HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+HARMONY_CALL = "<|channel|>commentary"
+HARMONY_THOUGHT = "<|channel|>analysis<|message|>Weather: ask it.<|end|><|start|>assistant<|channel|>commentary"
+"""Tokens of the harmony fixture's vocabulary (a test biases one): a forced call's channel begun at
+once, or after an analysis message (a random model under the grammar, free to analyse first, would
+analyse until ``max_tokens``)."""
 HARMONY_TEMPLATE = """{%- if tools %}<|start|>developer<|message|># Tools
 namespace functions {
 {% for tool in tools %}type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => any;
@@ -1900,7 +1905,7 @@ message)."""
 def harmony(tmp_path_factory):
     """small-moe with gpt-oss's harmony markers as special tokens of its vocabulary (llama.cpp knows
     them by their text) and HARMONY_TEMPLATE, served."""
-    s = serving(tmp_path_factory, "harmony", HARMONY_TEMPLATE, HARMONY_MARKERS)
+    s = serving(tmp_path_factory, "harmony", HARMONY_TEMPLATE, HARMONY_MARKERS, [HARMONY_CALL, HARMONY_THOUGHT])
     yield s
     s.stop()
 
@@ -1913,8 +1918,9 @@ def test_harmony_markers_reach_the_text_and_a_harmony_chat_is_read(harmony):
     harmony reader (a text that does not begin with a channel is content as written, equal to
     ``reasoning_format: none``'s), and a forced ``<|channel|>`` reaches the client's text; ``tools``
     with ``auto`` are shown to the template and the text read for calls (``reasoning_format: none``
-    with them, a 400), a named call is its arguments under the grammar, and a second turn with
-    the call and its result goes to the template."""
+    with them, a 400), a named call is a message to it under the grammar, at once or after an
+    ``analysis`` message (its reasoning), streamed the same, and a second turn with the call and its
+    result goes to the template."""
     import llama_cpp
 
     from expertcache.llama.reasoning import split_harmony
@@ -1942,19 +1948,22 @@ def test_harmony_markers_reach_the_text_and_a_harmony_chat_is_read(harmony):
     auto = client.chat.completions.create(**ask, tools=tools)  # read from its channels (this model calls nothing)
     assert auto.usage.prompt_tokens > client.chat.completions.create(**ask).usage.prompt_tokens + 20
     assert auto.choices[0].message.content is not None and not auto.choices[0].message.tool_calls
-    named = client.chat.completions.create(**{**ask, "max_tokens": 128}, tools=tools, logprobs=True,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    (call,) = named.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and len(json.loads(call.function.arguments)["city"]) <= 8
-    wrote = written_text(named.choices[0])  # a message on its channel
-    assert wrote.startswith("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"), wrote
-    assert named.choices[0].message.content is None and named.choices[0].finish_reason == "stop"
-    deltas = [c.choices[0].delta for c in client.chat.completions.create(
-        **{**ask, "max_tokens": 128}, tools=tools, stream=True,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}) if c.choices]
-    assert [(tc.function.name, tc.function.arguments) for d in deltas for tc in d.tool_calls or []] == \
-        [("get_weather", call.function.arguments)]
-    assert not "".join(d.content or "" for d in deltas)
+    forced = dict(ask, max_tokens=128, tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for word, thought in ((HARMONY_CALL, None), (HARMONY_THOUGHT, "Weather: ask it.")):  # analysis first, or not
+        (token,) = llm.tokenize(word.encode(), add_bos=False, special=True)
+        named = client.chat.completions.create(**forced, logprobs=True, logit_bias={str(token): 100})
+        (call,) = named.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and len(json.loads(call.function.arguments)["city"]) <= 8
+        wrote = written_text(named.choices[0])  # a message on its channel
+        assert wrote.startswith(word + " to=functions.get_weather <|constrain|>json<|message|>{"), wrote
+        assert named.choices[0].message.content is None and named.choices[0].finish_reason == "stop"
+        assert getattr(named.choices[0].message, "reasoning_content", None) == thought
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(
+            **forced, stream=True, logit_bias={str(token): 100}) if c.choices]
+        assert [(tc.function.name, tc.function.arguments) for d in deltas for tc in d.tool_calls or []] == \
+            [("get_weather", call.function.arguments)]
+        assert not "".join(d.content or "" for d in deltas)
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (thought or "")
     turn2 = ask["messages"] + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     after = client.chat.completions.create(**{**ask, "messages": turn2}, tools=tools)

@@ -55,7 +55,7 @@ import re
 from llama_cpp.llama_grammar import LlamaGrammar
 
 from .constraints import ConstraintError, checked_grammar, held_schema, hoisted, schema_text, tool_call_text
-from .reasoning import CHANNEL, MESSAGE
+from .reasoning import CHANNEL, END, MESSAGE, START
 from .toolcalls import (CALL_CLOSE, CALL_OPEN, CALL_SEP, CALLS_CLOSE, CALLS_OPEN, CLOSE, DSML, DSML_CLOSE, DSML_OPEN,
                         DSML_SPACED, DSV3, DSV4, DSV4_CLOSE, DSV4_OPEN, DSV41_CLOSE, DSV41_OPEN, GEMMA4,
                         GEMMA4_CLOSE, GEMMA4_KEY, GEMMA4_OPEN, GEMMA4_QUOTE, GLM, HARMONY, HERMES, K3_SEP, KIMI,
@@ -105,6 +105,11 @@ JSON_KINDS = {"integer": "number", "number": "number", "boolean": "boolean", "ob
 """Kimi K3's ``type`` of a JSON value, by its schema's type (a text is ``string``, written raw)."""
 FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY, GEMMA4, MINIMAX_M3, LFM2, KIMI_K3)
 """The call formats whose forced call is written in the format (the others' as its arguments alone)."""
+HARMONY_ANALYSIS = (CHANNEL + "analysis" + MESSAGE, END + START + "assistant", (END, START))
+"""gpt-oss's thinking before a forced call (:func:`call_grammar`'s ``thinking``): a message on its
+``analysis`` channel (its open and close required: the prompt ends ``<|start|>assistant``, and a text
+that begins with no channel is not read as harmony), its text to ``<|end|>`` or ``<|start|>``,
+where :class:`~.reasoning.HarmonyStream` ends a body."""
 MAX_TEXT_REPEAT = 10_000
 """The longest ``minLength`` or ``maxLength`` of a text value written raw (a bounded repetition is
 written out by llama.cpp's grammar parser, a rule element per character)."""
@@ -598,7 +603,9 @@ def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab,
     neither its close nor one of ``ends`` (the tags the reader ends a block never closed at: a call's
     opening among them), its close. As llama.cpp's grammars allow a reasoning model (its 2026
     parsers: ``<think>`` and text until ``</think>``); an empty block is how a model writes a turn
-    without thinking after a prompt that opened one."""
+    without thinking after a prompt that opened one. gpt-oss's (:data:`HARMONY_ANALYSIS`): an
+    ``analysis`` message, its frame whole, then the call's message, as llama.cpp's gpt-oss grammar
+    lets a ``required`` call follow analysis."""
     for _, params in tools:  # a keyword the grammar would not hold, named
         held_schema(params if isinstance(params, dict) else {})
     if not writes(fmt, tools):
@@ -607,7 +614,8 @@ def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab,
     if thinking:
         assert text.startswith("root ::= ")
         opening, close, ends = thinking
-        text = "\n".join([f'root ::= ({literal(opening)}? think-text {literal(close)} [ \\n]{{0,4}})? call-root',
+        maybe, space = ("", "") if fmt == HARMONY else ("?", " [ \\n]{0,4}")  # a harmony message: all of its frame
+        text = "\n".join([f'root ::= ({literal(opening)}{maybe} think-text {literal(close)}{space})? call-root',
                           *until("think-text", tuple(dict.fromkeys((close, *ends))), False),
                           "call-root ::= " + text[len("root ::= "):]])
     return checked_grammar(text, vocab)

@@ -92,7 +92,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import ConfigError
 from .completion import (PromptError, arguments_as_objects, count_prompt, preserved_tokens, rendered_roles,
                          stream_chat, stream_completion, template_reads, template_variables)
-from .callgrammar import FORMS, call_grammar, writes
+from .callgrammar import FORMS, HARMONY_ANALYSIS, call_grammar, writes
 from .constraints import ConstraintError, logit_bias, response_grammar
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import DEEPSEEK, HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
@@ -975,7 +975,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     # end one never closed (the reader's: a call's opening, the format's others), which its text cannot hold
     forced_thinking = (*THINK_TAGS[think_fmt], ENDS_THINKING.get(call_fmt, ()) + call_opens
                        + THINK_BREAKS.get(think_fmt, ())) if think_fmt in (DEEPSEEK, MINIMAX_M3, KIMI_K3) and call_opens \
-        else None
+        else HARMONY_ANALYSIS if think_fmt == call_fmt == HARMONY else None  # gpt-oss's: an analysis message
     # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
     # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text as
     # one JSON section where its model learnt an argument section per key (MiniMax-M3's fails on a text: asked)
