@@ -1484,10 +1484,9 @@ def serving(tmp_path_factory, name: str, template: str, specials=(), words=()) -
 def closing(gguf, template: str | None = None) -> dict:
     """A ``logit_bias`` that makes the model of a reasoning template (``template``, else the GGUF's)
     close its thinking block at once (the vocabulary's token that is the whole close tag), as a model
-    that answers without thinking does: a forced call
-    may follow a thinking block (:func:`expertcache.llama.callgrammar.call_grammar`), and a random
-    model under that grammar thinks until ``max_tokens``. Empty for a template that thinks in no
-    such block."""
+    that answers without thinking does: a forced call may follow a thinking block
+    (:func:`expertcache.llama.callgrammar.call_grammar`), and a random model under that grammar
+    thinks until ``max_tokens``. Empty for a template that thinks in no such block."""
     import llama_cpp
 
     from expertcache.llama.reasoning import DEEPSEEK, KIMI_K3, MINIMAX_M3, TAGS, think_format
