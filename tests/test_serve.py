@@ -1489,13 +1489,14 @@ def closing(gguf, template: str | None = None) -> dict:
     thinks until ``max_tokens``. Empty for a template that thinks in no such block."""
     import llama_cpp
 
-    from expertcache.llama.reasoning import DEEPSEEK, KIMI_K3, MINIMAX_M3, TAGS, think_format
+    from expertcache.llama.reasoning import DEEPSEEK, GEMMA4, KIMI_K3, MINIMAX_M3, TAGS, think_format
+    from expertcache.llama.toolcalls import GEMMA4_OPEN
 
     llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
     fmt = think_format(template or llm.metadata.get("tokenizer.chat_template"))
-    if fmt not in (DEEPSEEK, KIMI_K3, MINIMAX_M3):
+    if fmt not in (DEEPSEEK, GEMMA4, KIMI_K3, MINIMAX_M3):
         return {}
-    close = TAGS[fmt][1].encode()
+    close = (GEMMA4_OPEN if fmt == GEMMA4 else TAGS[fmt][1]).encode()  # Gemma's prompt opens none: the call at once
     (token,) = [t for t in range(llm.n_vocab()) if llm.detokenize([t], special=True) == close]  # one token: the tag
     return {str(token): 100}
 
@@ -2475,6 +2476,8 @@ def lfm2(tmp_path_factory):
 
 GEMMA4_THOUGHT = "<|channel>thought\nParis, then.<channel|>Sunny."
 """A thought and an answer as Gemma 4 writes them when asked to think: one token of the fixture's vocabulary."""
+GEMMA4_FORCED_THOUGHT = "<|channel>thought\nWeather: ask it.<channel|>"
+"""A thought before a forced call: one token of the fixture's vocabulary."""
 GEMMA4_TAGS = ("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>", "<|turn>", "<turn|>", "<|tool>",
                "<tool|>", "<|tool_response>", "<tool_response|>")
 GEMMA4_TEMPLATE = """{%- macro arg(v) -%}
@@ -2515,9 +2518,34 @@ call's results; a generation prompt that opens and closes an empty thought."""
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
     """small-moe with GEMMA4_TEMPLATE and Gemma 4's tags as control tokens, served."""
-    s = serving(tmp_path_factory, "gemma4", GEMMA4_TEMPLATE, GEMMA4_TAGS, [WRITTEN_CALLS["gemma4"][0], GEMMA4_THOUGHT])
+    s = serving(tmp_path_factory, "gemma4", GEMMA4_TEMPLATE, GEMMA4_TAGS, [WRITTEN_CALLS["gemma4"][0], GEMMA4_THOUGHT,
+                                                                         GEMMA4_FORCED_THOUGHT])
     yield s
     s.stop()
+
+
+def test_a_forced_gemma4_call_may_follow_its_thought(gemma4):
+    """Gemma 4's forced call after a thought (a token of this vocabulary that is the whole block,
+    forced by ``logit_bias``): the thought is the ``reasoning_content``, the call read back, no
+    content; streamed the same."""
+    import llama_cpp
+
+    (thought,) = llama_cpp.Llama(str(gemma4.gguf), vocab_only=True, verbose=False).tokenize(
+        GEMMA4_FORCED_THOUGHT.encode(), add_bos=False, special=True)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    ask = dict(model="small-moe", messages=[{"role": "user", "content": "Weather?"}], max_tokens=96, temperature=0,
+               seed=1, tools=tools, tool_choice="required", logit_bias={str(thought): 100})
+    client = gemma4.client()
+    message = client.chat.completions.create(**ask).choices[0].message
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and message.content is None
+    assert getattr(message, "reasoning_content", None) == "Weather: ask it."
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    assert [(tc.function.name, tc.function.arguments) for d in deltas for tc in d.tool_calls or []] == \
+        [("get_weather", call.function.arguments)]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Weather: ask it."
+    assert not "".join(d.content or "" for d in deltas)
 
 
 def test_gemma4s_round_trip_reaches_its_template(gemma4):

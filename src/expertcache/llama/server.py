@@ -971,10 +971,12 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     # a call's opening tags (they end a thinking block never closed, where a call is forced)
     call_opens = tuple(pair[0] for pair in (TAGS[call_fmt],) + ALTERNATIVES.get(call_fmt, ())) if call_fmt in TAGS \
         else ()
-    # a forced call may follow a <think> (<mm:think>, Kimi K3's think section) block: the tags, and those that
-    # end one never closed (the reader's: a call's opening, the format's others), which its text cannot hold
+    # a forced call may follow a <think> (<mm:think>, Gemma 4's thought channel, Kimi K3's think section) block:
+    # the tags, and those that end one never closed (the reader's: a call's opening, the format's others), which
+    # its text cannot hold
     forced_thinking = (*THINK_TAGS[think_fmt], ENDS_THINKING.get(call_fmt, ()) + call_opens
-                       + THINK_BREAKS.get(think_fmt, ())) if think_fmt in (DEEPSEEK, MINIMAX_M3, KIMI_K3) and call_opens \
+                       + THINK_BREAKS.get(think_fmt, ())) if think_fmt in (DEEPSEEK, GEMMA4, MINIMAX_M3, KIMI_K3) \
+        and call_opens \
         else HARMONY_ANALYSIS if think_fmt == call_fmt == HARMONY else None  # gpt-oss's: an analysis message
     # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
     # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text as
