@@ -18,7 +18,7 @@ from conftest import small_moe_gguf
 
 pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is not installed")
 from expertcache.llama.callgrammar import (  # noqa: E402
-    FORMS, MAX_TEXT_REPEAT, SPELLINGS, call_grammar, call_grammar_text, literal, until, writes)
+    FORMS, MAX_TEXT_REPEAT, SPELLINGS, Thinking, call_grammar, call_grammar_text, literal, until, writes)
 from expertcache.llama.reasoning import read_harmony, split_reasoning  # noqa: E402
 from expertcache.llama.toolcalls import (  # noqa: E402
     DSML, DSV4, ENDS_THINKING, GEMMA4, GLM, HARMONY, KIMI_K3, LFM2, MINIMAX, MINIMAX_M3, QWEN_XML, parse_tagged)
@@ -534,7 +534,8 @@ def test_a_forced_call_may_follow_a_thinking_block(small):
     """With ``thinking``, the call may come after a block (its open tag maybe, any text without the
     close or an end tag, the close) and a little white space, or at once; nothing else before it."""
     call = "<tool_call>\n<function=ping>\n</function>\n</tool_call>"
-    grammar = call_grammar(QWEN_XML, [TOOLS[-1]], small._model.vocab, ("<think>", "</think>", ("<tool_call>",)))._grammar
+    grammar = call_grammar(QWEN_XML, [TOOLS[-1]], small._model.vocab, Thinking("<think>", "</think>", ("<tool_call>",))
+                           )._grammar
     for text, want in ((call, True), ("</think>" + call, True), ("</think>\n\n" + call, True),
                        ("I will ping.</think>\n" + call, True), ("<think>I will ping.\n</think>" + call, True),
                        ("<think></think>" + call, True), ("a < b </thin</think>" + call, True),

@@ -51,6 +51,7 @@ import functools
 import json
 import keyword
 import re
+from typing import NamedTuple
 
 from llama_cpp.llama_grammar import LlamaGrammar
 
@@ -105,11 +106,23 @@ JSON_KINDS = {"integer": "number", "number": "number", "boolean": "boolean", "ob
 """Kimi K3's ``type`` of a JSON value, by its schema's type (a text is ``string``, written raw)."""
 FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY, GEMMA4, MINIMAX_M3, LFM2, KIMI_K3)
 """The call formats whose forced call is written in the format (the others' as its arguments alone)."""
-HARMONY_ANALYSIS = (CHANNEL + "analysis" + MESSAGE, END + START + "assistant", (END, START))
-"""gpt-oss's thinking before a forced call (:func:`call_grammar`'s ``thinking``): a message on its
-``analysis`` channel (its open and close required: the prompt ends ``<|start|>assistant``, and a text
-that begins with no channel is not read as harmony), its text to ``<|end|>`` or ``<|start|>``,
-where :class:`~.reasoning.HarmonyStream` ends a body."""
+class Thinking(NamedTuple):
+    """A thinking block a forced call may follow (:func:`call_grammar`): its ``opening`` and
+    ``close`` tags; ``ends``, the tags its text cannot hold (where the reader ends a block never
+    closed: a call's opening among them); ``framed``: the opening required and the call right after
+    the close (gpt-oss's message), else the opening maybe (the prompt may have opened the block) and
+    a little white space before the call."""
+
+    opening: str
+    close: str
+    ends: tuple[str, ...]
+    framed: bool = False
+
+
+HARMONY_ANALYSIS = Thinking(CHANNEL + "analysis" + MESSAGE, END + START + "assistant", (END, START), framed=True)
+"""gpt-oss's thinking before a forced call: a message on its ``analysis`` channel, framed (the
+prompt ends ``<|start|>assistant``, and a text that begins with no channel is not read as harmony),
+its text to ``<|end|>`` or ``<|start|>``, where :class:`~.reasoning.HarmonyStream` ends a body."""
 MAX_TEXT_REPEAT = 10_000
 """The longest ``minLength`` or ``maxLength`` of a text value written raw (a bounded repetition is
 written out by llama.cpp's grammar parser, a rule element per character)."""
@@ -596,16 +609,13 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
 
 
 def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab,
-                 thinking: tuple[str, str, tuple[str, ...]] | None = None) -> LlamaGrammar:
+                 thinking: Thinking | None = None) -> LlamaGrammar:
     """:func:`call_grammar_text` as a grammar llama.cpp has taken (:func:`~.constraints.checked_grammar`).
-    ``thinking``: a thinking block's ``(open, close, ends)`` tags; the call may follow such a block
-    and a little white space: its open tag (where the prompt did not open it), any text holding
-    neither its close nor one of ``ends`` (the tags the reader ends a block never closed at: a call's
-    opening among them), its close. As llama.cpp's grammars allow a reasoning model (its 2026
-    parsers: ``<think>`` and text until ``</think>``); an empty block is how a model writes a turn
-    without thinking after a prompt that opened one. gpt-oss's (:data:`HARMONY_ANALYSIS`): an
-    ``analysis`` message, its frame whole, then the call's message, as llama.cpp's gpt-oss grammar
-    lets a ``required`` call follow analysis."""
+    ``thinking``: the call may follow such a block (:class:`Thinking`): its opening, any text holding
+    neither its close nor one of its ``ends``, its close. As llama.cpp's grammars allow a reasoning
+    model (its 2026 parsers: ``<think>`` and text until ``</think>``; gpt-oss's: an ``analysis``
+    message before a ``required`` call, :data:`HARMONY_ANALYSIS`); an empty block is how a model
+    writes a turn without thinking after a prompt that opened one."""
     for _, params in tools:  # a keyword the grammar would not hold, named
         held_schema(params if isinstance(params, dict) else {})
     if not writes(fmt, tools):
@@ -613,9 +623,8 @@ def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab,
     text = call_grammar_text(fmt, tools)
     if thinking:
         assert text.startswith("root ::= ")
-        opening, close, ends = thinking
-        maybe, space = ("", "") if fmt == HARMONY else ("?", " [ \\n]{0,4}")  # a harmony message: all of its frame
-        text = "\n".join([f'root ::= ({literal(opening)}{maybe} think-text {literal(close)}{space})? call-root',
-                          *until("think-text", tuple(dict.fromkeys((close, *ends))), False),
-                          "call-root ::= " + text[len("root ::= "):]])
+        maybe, space = ("", "") if thinking.framed else ("?", " [ \\n]{0,4}")
+        head = f'root ::= ({literal(thinking.opening)}{maybe} think-text {literal(thinking.close)}{space})? call-root'
+        closes = tuple(dict.fromkeys((thinking.close, *thinking.ends)))
+        text = "\n".join([head, *until("think-text", closes, False), "call-root ::= " + text[len("root ::= "):]])
     return checked_grammar(text, vocab)

@@ -92,7 +92,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import ConfigError
 from .completion import (PromptError, arguments_as_objects, count_prompt, preserved_tokens, rendered_roles,
                          stream_chat, stream_completion, template_reads, template_variables)
-from .callgrammar import FORMS, HARMONY_ANALYSIS, call_grammar, writes
+from .callgrammar import FORMS, HARMONY_ANALYSIS, Thinking, call_grammar, writes
 from .constraints import ConstraintError, logit_bias, response_grammar
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import DEEPSEEK, HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
@@ -301,9 +301,8 @@ class ToolPlan:
     """``tool_choice`` named the function: a completed call finishes ``stop`` (OpenAI's answer), else ``tool_calls``."""
     form: str | None = None
     """With ``forced``: the call format its grammar writes (:mod:`.callgrammar`)."""
-    thinking: tuple[str, str, tuple[str, ...]] | None = None
-    """With ``forced``: the thinking block the call may follow (a ``<think>`` model's): its open and
-    close tags, and those its text cannot hold (:func:`~.callgrammar.call_grammar`)."""
+    thinking: Thinking | None = None
+    """With ``forced``: the thinking block the call may follow (a reasoning model's)."""
 
     @property
     def template_tools(self) -> list[dict]:
@@ -316,7 +315,7 @@ class ToolPlan:
         return bool(self.forced) or self.arguments_of is not None
 
 
-def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS, thinking: tuple | None = None) -> ToolPlan | None:
+def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS, thinking: Thinking | None = None) -> ToolPlan | None:
     """The :class:`ToolPlan` of a chat, or None where no tool is offered or ``tool_choice`` is
     ``none``. With a template that teaches a call format this server reads (``call_fmt``:
     :func:`~.toolcalls.call_format`), ``auto`` lets the model answer or call, ``required`` and a
@@ -971,13 +970,15 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     # a call's opening tags (they end a thinking block never closed, where a call is forced)
     call_opens = tuple(pair[0] for pair in (TAGS[call_fmt],) + ALTERNATIVES.get(call_fmt, ())) if call_fmt in TAGS \
         else ()
-    # a forced call may follow a <think> (<mm:think>, Gemma 4's thought channel, Kimi K3's think section) block:
-    # the tags, and those that end one never closed (the reader's: a call's opening, the format's others), which
-    # its text cannot hold
-    forced_thinking = (*THINK_TAGS[think_fmt], ENDS_THINKING.get(call_fmt, ()) + call_opens
-                       + THINK_BREAKS.get(think_fmt, ())) if think_fmt in (DEEPSEEK, GEMMA4, MINIMAX_M3, KIMI_K3) \
-        and call_opens \
-        else HARMONY_ANALYSIS if think_fmt == call_fmt == HARMONY else None  # gpt-oss's: an analysis message
+    # the thinking a forced call may follow: a <think> (<mm:think>, Gemma 4's thought channel, Kimi K3's think
+    # section) block, its text without the tags that end one never closed (the reader's: a call's opening, the
+    # format's others); gpt-oss's analysis message
+    forced_thinking = None
+    if think_fmt in (DEEPSEEK, GEMMA4, MINIMAX_M3, KIMI_K3) and call_opens:
+        forced_thinking = Thinking(*THINK_TAGS[think_fmt], ENDS_THINKING.get(call_fmt, ()) + call_opens
+                                   + THINK_BREAKS.get(think_fmt, ()))
+    elif think_fmt == call_fmt == HARMONY:
+        forced_thinking = HARMONY_ANALYSIS
     # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
     # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text as
     # one JSON section where its model learnt an argument section per key (MiniMax-M3's fails on a text: asked)
@@ -1245,14 +1246,14 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         # a reasoning model's thinking read out of the text (.reasoning), unless a grammar writes the text
         fmt = (body.reasoning_format if kind == "chat" else None) or reasoning_format
         harmony_call = plan is not None and plan.form == HARMONY  # a forced call on gpt-oss's channels
-        may_close = plan is not None and plan.thinking is not None  # a forced call, after a thinking block or not
+        may_think = plan is not None and plan.thinking is not None  # a forced call, after a thinking block or not
         thinking = kind == "chat" and think_fmt is not None and fmt != "none" and \
-            (not gen.grammar or harmony_call or may_close)
+            (not gen.grammar or harmony_call or may_think)
         harmony = thinking and think_fmt == HARMONY  # gpt-oss's channels (its calls too), else <think> blocks
         # forced: a block, opened by the prompt, or by the model (its open tag dropped), or an empty one
-        opened = thinking and not harmony and (may_close or gen.opened_thinking(think_fmt))
+        opened = thinking and not harmony and (may_think or gen.opened_thinking(think_fmt))
         ends = ENDS_THINKING.get(call_fmt, ()) if tagged is not None else ()  # calls may end the thinking
-        if may_close:  # the call itself ends the block its grammar did not close
+        if may_think:  # the call itself ends the block its grammar did not close
             ends += call_opens
         think = (HarmonyStream(names) if harmony else ThinkStream(opened, think_fmt, ends)) if thinking else None
         producer = Producer(gen, workers.decode, asyncio.get_running_loop())
@@ -1316,7 +1317,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 elif thinking:
                     reasoning, text = split_reasoning(text, opened, think_fmt, ends)
                     message["content"] = text
-                if thinking and reasoning is not None and (reasoning or not may_close):  # a forced call: none empty
+                if thinking and reasoning is not None and (reasoning or not may_think):  # a forced call: none empty
                     message["reasoning_content"] = reasoning
                 if arguments_of is not None:
                     calls = [{"id": call_id, "type": "function", "function": {"name": arguments_of.function.name,
