@@ -10,7 +10,8 @@ prompt, same tokens (checked). Also how many of the tokens drawn the grammar ref
 With ``--forced``: a forced tool call's grammar in each call format (``expertcache.llama.callgrammar``,
 three tools) against the call's arguments alone (the grammar of one tool's parameters), checked
 first as the server does: milliseconds to make the grammar and a token to decode under it; and
-Hermes' call after a thinking block, gpt-oss's after an analysis message (:data:`THINKING`).
+Hermes' call after a thinking block, gpt-oss's after an analysis message (:data:`THINKING`); and
+calls of one or more (:data:`PARALLEL`).
 
 Each cell: ``--repeats`` decodes of up to ``--tokens`` tokens, median [min-max] ms a token (1 thread).
 A model that does not write JSON (random weights) has most of its tokens refused: its "checked
@@ -104,6 +105,22 @@ THINKING = {"hermes, after thinking": ("hermes", Thinking("<think>", "</think>",
             "harmony, after analysis": ("harmony", HARMONY_ANALYSIS)}
 """Forced calls a thinking block may come before (the server's, for a reasoning template): a random
 model thinks through every token, so the row is the thinking text's rule."""
+PARALLEL = {"hermes, one or more": "hermes", "minimax-m2, one or more": "minimax-m2",
+            "kimi-k3, one or more": "kimi-k3"}
+"""Forced calls of one or more (the server's default: ``parallel_tool_calls`` not false), one format
+of each kind: a block per call, calls in one block, calls numbered."""
+ROWS = FORCED + tuple(THINKING) + tuple(PARALLEL)
+
+
+def grammar_of(row: str, vocab):
+    """The grammar a row decodes under."""
+    if row == "arguments":
+        return response_grammar({"type": "json_schema", "json_schema": {"schema": FORCED_TOOLS[0][1]}}, vocab)
+    if row in THINKING:
+        return call_grammar(THINKING[row][0], FORCED_TOOLS, vocab, THINKING[row][1])
+    if row in PARALLEL:
+        return call_grammar(PARALLEL[row], FORCED_TOOLS, vocab, parallel=True)
+    return call_grammar(row, FORCED_TOOLS, vocab)
 
 
 def forced(path: str, tokens: int, repeats: int) -> dict:
@@ -111,13 +128,11 @@ def forced(path: str, tokens: int, repeats: int) -> dict:
     llm = ObservedLlama(path, verbose=False, n_ctx=512, n_threads=1)
     vocab = llm._model.vocab
     rec = {"model": path, "n_vocab": llm.n_vocab(), "plain_ms": timed(llm, tokens, repeats)[1]}
-    for fmt in FORCED + tuple(THINKING):
+    for fmt in ROWS:
         builds = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            grammar = response_grammar({"type": "json_schema", "json_schema": {"schema": FORCED_TOOLS[0][1]}}, vocab) \
-                if fmt == "arguments" else call_grammar(*THINKING[fmt][:1], FORCED_TOOLS, vocab, THINKING[fmt][1]) \
-                if fmt in THINKING else call_grammar(fmt, FORCED_TOOLS, vocab)
+            grammar = grammar_of(fmt, vocab)
             builds.append((time.perf_counter() - t0) * 1000)
         rec[f"{fmt}_build_ms"] = builds
         out, rec[f"{fmt}_ms"] = timed(llm, tokens, repeats, grammar)
@@ -145,7 +160,7 @@ def main(argv=None) -> int:
         for r in recs:
             plain = statistics.median(r["plain_ms"])
             print(f"| {r['model'].rsplit('/', 1)[-1]} | no grammar | - | {spread(r['plain_ms'])} | - | 1.00 |")
-            for fmt in FORCED + tuple(THINKING):
+            for fmt in ROWS:
                 print(f"| | {fmt} | {spread(r[f'{fmt}_build_ms'])} | {spread(r[f'{fmt}_ms'])} | {r[f'{fmt}_tokens']} "
                       f"| {statistics.median(r[f'{fmt}_ms']) / plain:.2f} |")
         return 0

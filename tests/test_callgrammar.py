@@ -21,7 +21,8 @@ from expertcache.llama.callgrammar import (  # noqa: E402
     FORMS, MAX_TEXT_REPEAT, SPELLINGS, Thinking, call_grammar, call_grammar_text, literal, until, writes)
 from expertcache.llama.reasoning import read_harmony, split_reasoning  # noqa: E402
 from expertcache.llama.toolcalls import (  # noqa: E402
-    DSML, DSV4, ENDS_THINKING, GEMMA4, GLM, HARMONY, KIMI_K3, LFM2, MINIMAX, MINIMAX_M3, QWEN_XML, parse_tagged)
+    DSML, DSV3, DSV4, ENDS_THINKING, GEMMA4, GLM, HARMONY, HERMES, KIMI, KIMI_K3, LFM2, MINIMAX, MINIMAX_M3, MISTRAL,
+    QWEN_XML, parse_tagged)
 
 TOOLS = [
     ("get_weather", {"type": "object", "properties": {
@@ -127,6 +128,96 @@ def test_what_the_grammar_lets_through_is_read_back_as_a_valid_call(small, fmt):
         assert len(called) == min(len(tools), 2), (called, tools)
     for spelling in SPELLINGS.get(fmt, ()):  # DeepSeek-V4's and V4.1's both
         assert any(t.startswith(spelling[0]) for t in texts), (spelling[0], texts)
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMS if f != HARMONY])
+def test_what_a_parallel_grammar_lets_through_is_read_back_as_valid_calls(small, fmt):
+    """With ``parallel``, sampled hot (the end of the turn favoured, so that a random model ends
+    some), every text the grammar completed is one call or more, each to one of the tools, its
+    arguments valid under the tool's parameters, nothing else. (Whether a second call is reached here
+    depends on the random model: :func:`test_a_parallel_grammar_takes_the_calls_of_a_turn_as_its_template_writes_them`
+    holds every format's to the text its template writes.)"""
+    import json
+
+    schemas = dict(TOOLS)
+    grammar = call_grammar(fmt, SAMPLED, small._model.vocab, parallel=True)
+    completed = 0
+    for seed in range(8):
+        out = small.create_completion("Weather in Paris?", grammar=grammar, temperature=1.0, seed=seed, max_tokens=300,
+                                      logit_bias={small.token_eos(): 6.0})["choices"][0]
+        if out["finish_reason"] != "stop":  # cut by max_tokens
+            continue
+        content, calls = read(fmt, out["text"], SAMPLED)
+        assert content is None and calls, out["text"]
+        for call in calls:
+            assert valid(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]]), out["text"]
+        completed += 1
+    assert completed
+
+
+TURN = [("get_time", '"zone": "UTC", "code": "ab"'), ("ping", "")]
+"""The two calls of :data:`PARALLEL`'s turns, the first's arguments as JSON's members."""
+PARALLEL = {
+    HERMES: '<tool_call>\n{"name": "get_time", "arguments": {%s}}\n</tool_call>\n<tool_call>\n{"name": "ping", '
+            '"arguments": {%s}}\n</tool_call>',
+    GLM: "<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n<arg_key>code</arg_key>\n"
+         "<arg_value>ab</arg_value>\n</tool_call>\n<tool_call>ping\n</tool_call>",
+    QWEN_XML: "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n<parameter=code>\nab\n"
+              "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=ping>\n</function>\n</tool_call>",
+    MINIMAX: '<minimax:tool_call>\n<invoke name="get_time">\n<parameter name="zone">UTC</parameter>\n<parameter '
+             'name="code">ab</parameter>\n</invoke>\n<invoke name="ping">\n</invoke>\n</minimax:tool_call>',
+    DSML: '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_time">\n<｜DSML｜parameter name="zone" string="true">UTC'
+          '</｜DSML｜parameter>\n<｜DSML｜parameter name="code" string="true">ab</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+          '<｜DSML｜invoke name="ping">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+    DSV3: '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{%s}\n```'
+          '<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>ping\n```json\n{%s}\n```<｜tool▁call▁end｜>'
+          '<｜tool▁calls▁end｜>',
+    KIMI: "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{%s}"
+          "<|tool_call_end|><|tool_call_begin|>functions.ping:1<|tool_call_argument_begin|>{%s}<|tool_call_end|>"
+          "<|tool_calls_section_end|>",
+    MISTRAL: '[TOOL_CALLS] [{"name": "get_time", "arguments": {%s}}, {"name": "ping", "arguments": {%s}}]',
+    "mistral-later": "[TOOL_CALLS]get_time[ARGS]{%s}[TOOL_CALLS]ping[ARGS]{%s}",
+    GEMMA4: '<|tool_call>call:get_time{zone:<|"|>UTC<|"|>,code:<|"|>ab<|"|>}<tool_call|><|tool_call>call:ping{}'
+            '<tool_call|>',
+    MINIMAX_M3: ']<]minimax[>[<tool_call>\n]<]minimax[>[<invoke name="get_time">]<]minimax[>[<zone>UTC]<]minimax[>['
+                '</zone>]<]minimax[>[<code>ab]<]minimax[>[</code>]<]minimax[>[</invoke>\n]<]minimax[>[<invoke name="ping">'
+                ']<]minimax[>[</invoke>\n]<]minimax[>[</tool_call>',
+    LFM2: '<|tool_call_start|>[get_time(zone="UTC", code="ab"), ping()]<|tool_call_end|>',
+    KIMI_K3: '<|open|>tools<|sep|><|open|>call tool="get_time" index="1"<|sep|><|open|>argument key="zone" '
+             'type="string"<|sep|>UTC<|close|>argument<|sep|><|open|>argument key="code" type="string"<|sep|>ab'
+             '<|close|>argument<|sep|><|close|>call<|sep|><|open|>call tool="ping" index="2"<|sep|><|close|>call<|sep|>'
+             '<|close|>tools<|sep|>',
+}
+"""A turn of two calls (get_time, then ping) as each format's template writes it (the fixtures of
+``tests/test_serve.py`` rendered with them; Mistral's later spelling as its tokenizers write it)."""
+PARALLEL[DSV4] = PARALLEL[DSML].replace("function_calls", "tool_calls")
+
+
+@pytest.mark.parametrize("spelling", sorted(PARALLEL))
+def test_a_parallel_grammar_takes_the_calls_of_a_turn_as_its_template_writes_them(small, spelling):
+    """A turn of two calls, as the format's template writes it: taken by the grammar of one call or
+    more (``parallel``), refused by the grammar of one, read back as the two calls. Kimi K3's calls
+    are numbered from 1 (a second call numbered 1 is refused)."""
+    import json
+
+    fmt = MISTRAL if spelling == "mistral-later" else spelling
+    tools = [t for t in TOOLS if t[0] in ("get_time", "ping")]
+    text = PARALLEL[spelling] % tuple(args for _, args in TURN) if "%s" in PARALLEL[spelling] else PARALLEL[spelling]
+    assert grammar_accepts(small, call_grammar_text(fmt, tools, parallel=True), text), text
+    assert not grammar_accepts(small, call_grammar_text(fmt, tools), text)
+    content, calls = read(fmt, text, tools)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [(name, json.loads("{%s}" % args)) for name, args in TURN]
+    if fmt == KIMI_K3:
+        third = '<|open|>call tool="ping" index="3"<|sep|><|close|>call<|sep|>'
+        assert grammar_accepts(small, call_grammar_text(fmt, tools, True), text.replace(
+            "<|close|>tools", third + "<|close|>tools"))
+        assert not grammar_accepts(small, call_grammar_text(fmt, tools, True), text.replace('index="2"', 'index="1"'))
+
+
+def test_gpt_oss_writes_one_call_either_way():
+    """gpt-oss's call ends the decode (``<|call|>``): its grammar is of one call with ``parallel`` too."""
+    assert call_grammar_text(HARMONY, TOOLS[1:], parallel=True) == call_grammar_text(HARMONY, TOOLS[1:])
 
 
 def test_each_tool_is_forced_alone_and_the_reader_needs_the_tools_keys():

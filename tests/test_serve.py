@@ -1501,6 +1501,15 @@ def closing(gguf, template: str | None = None) -> dict:
     return {str(token): 100}
 
 
+def unending(gguf) -> dict:
+    """A ``logit_bias`` that keeps the model from ending its turn (each end-of-generation token of its
+    vocabulary at -100): under a grammar of one call or more, it writes calls until ``max_tokens``."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    return {str(t): -100 for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(llm._model.vocab, t)}
+
+
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
     """small-moe with HERMES_TEMPLATE as its own chat template and <think> / </think> as control
@@ -1515,7 +1524,8 @@ def test_auto_tool_calls_of_a_hermes_template(hermes):
     reads its ``<tool_call>`` blocks back (a model that answers in text gets its text); ``required``
     among several tools and a named one force a call in that format by grammar, read back by the
     same parser: the call's name one of the tools, its arguments JSON of its schema; streamed, the
-    same call; a second turn with the call and its result goes to the template."""
+    same call; one call with ``parallel_tool_calls: false``, else one or more; a second turn with the
+    call and its result goes to the template."""
     client = hermes.client()
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}},
@@ -1530,8 +1540,9 @@ def test_auto_tool_calls_of_a_hermes_template(hermes):
     assert auto.choices[0].finish_reason in ("stop", "length")
     bias = closing(hermes.gguf)  # the model closes its thinking at once
     assert bias
+    one = dict(logit_bias=bias, parallel_tool_calls=False)  # one call (by default one or more: below)
     required = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=96, temperature=0, seed=1,
-                                              tools=tools, tool_choice="required", logit_bias=bias)
+                                              tools=tools, tool_choice="required", **one)
     (call,) = required.choices[0].message.tool_calls
     assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.content is None
     args = json.loads(call.function.arguments)
@@ -1541,17 +1552,27 @@ def test_auto_tool_calls_of_a_hermes_template(hermes):
         assert call.function.name == "get_time" and args["zone"] in ("UTC", "CET")
     named = client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=96, temperature=0, seed=1,
                                            tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           logit_bias=bias)
+                                           **one)
     assert named.choices[0].finish_reason == "stop" and named.choices[0].message.tool_calls[0].function.name == "get_time"
     streamed, finish, content = [], None, ""
     for c in client.chat.completions.create(model="small-moe", messages=msgs, max_tokens=96, temperature=0, seed=1,
-                                            tools=tools, tool_choice="required", stream=True, logit_bias=bias):
+                                            tools=tools, tool_choice="required", stream=True, **one):
         d = c.choices[0].delta
         streamed += [(tc.index, tc.function.name, tc.function.arguments) for tc in d.tool_calls or []]
         content += d.content or ""
         finish = c.choices[0].finish_reason or finish
     assert streamed == [(0, call.function.name, call.function.arguments)] and finish == "tool_calls", streamed
     assert content == ""
+    # by default one call or more (the model kept from ending: it calls on until max_tokens), streamed the same
+    on = dict(model="small-moe", messages=msgs, max_tokens=150, temperature=0, seed=1, tools=tools,
+              tool_choice="required", logit_bias={**bias, **unending(hermes.gguf)})
+    several = client.chat.completions.create(**on).choices[0]
+    assert len(several.message.tool_calls) >= 2 and several.finish_reason == "length"
+    for c in several.message.tool_calls:
+        assert (c.function.name, set(json.loads(c.function.arguments))) in (("get_weather", {"city"}), ("get_time", {"zone"}))
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**on, stream=True) if c.choices]
+    assert [(tc.index, tc.function.name, tc.function.arguments) for d in deltas for tc in d.tool_calls or []] == \
+        [(i, c.function.name, c.function.arguments) for i, c in enumerate(several.message.tool_calls)]
     turn2 = msgs + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
@@ -1579,7 +1600,7 @@ def test_a_chat_template_file_stands_for_the_ggufs_own(hermes, tmp_path, tmp_pat
     try:
         client = served.client()
         answer = client.chat.completions.create(**ask, max_tokens=96, tools=tools, tool_choice="required",
-                                                logit_bias=closing(bare, HERMES_TEMPLATE))
+                                                parallel_tool_calls=False, logit_bias=closing(bare, HERMES_TEMPLATE))
         (call,) = answer.choices[0].message.tool_calls
         assert call.function.name in ("get_weather", "get_time") and answer.choices[0].finish_reason == "tool_calls"
         assert set(json.loads(call.function.arguments)) == {"x"}
@@ -1796,16 +1817,25 @@ def test_anthropic_tools_round_trip_as_chat_tools(hermes):
     bias = closing(hermes.gguf)  # the model closes its thinking at once, before a forced call
     ask = dict(model="small-moe", max_tokens=96, messages=msgs, extra_body={"temperature": 0, "logit_bias": bias})
     chatting = dict(model="small-moe", max_tokens=96, messages=msgs, temperature=0, logit_bias=bias)
-    want = chat.chat.completions.create(tools=chat_tools, tool_choice="required", **chatting).choices[0].message
-    got = client.messages.create(tools=tools, tool_choice={"type": "any"}, **ask)
+    one = {"disable_parallel_tool_use": True}  # one call (by default one or more: below)
+    want = chat.chat.completions.create(tools=chat_tools, tool_choice="required", parallel_tool_calls=False,
+                                        **chatting).choices[0].message
+    got = client.messages.create(tools=tools, tool_choice={"type": "any", **one}, **ask)
     (call,) = want.tool_calls
     assert _blocks(got) == [("tool_use", (call.function.name, json.loads(call.function.arguments)))]
     assert got.stop_reason == "tool_use" and got.stop_sequence is None
     assert got.content[0].id == call.id or got.content[0].id.startswith("call_")
-    streamed, _ = _streamed(client, tools=tools, tool_choice={"type": "any"}, **ask)
+    streamed, _ = _streamed(client, tools=tools, tool_choice={"type": "any", **one}, **ask)
     assert _blocks(streamed) == _blocks(got) and streamed.stop_reason == "tool_use"
-    named = client.messages.create(tools=tools, tool_choice={"type": "tool", "name": "get_time"}, **ask)
+    named = client.messages.create(tools=tools, tool_choice={"type": "tool", "name": "get_time", **one}, **ask)
     assert [b.name for b in named.content] == ["get_time"] and named.stop_reason == "tool_use"
+    on = {**bias, **unending(hermes.gguf)}  # the model calls on until max_tokens, where it may
+    several = chat.chat.completions.create(tools=chat_tools, tool_choice="required",
+                                           **dict(chatting, logit_bias=on, max_tokens=136)).choices[0].message
+    uses = [b for b in _blocks(client.messages.create(tools=tools, tool_choice={"type": "any"}, **dict(
+        ask, max_tokens=136, extra_body={"temperature": 0, "logit_bias": on}))) if b[0] == "tool_use"]
+    assert uses == [("tool_use", (c.function.name, json.loads(c.function.arguments))) for c in several.tool_calls]
+    assert len(uses) >= 2
     assert named.content[0].input["zone"] in ("UTC", "CET")
     none = client.messages.create(tools=tools, tool_choice={"type": "none"}, **dict(ask, max_tokens=8))
     assert _prompt(none) == client.messages.count_tokens(model="small-moe", messages=msgs).input_tokens
@@ -2193,7 +2223,7 @@ def test_a_forced_call_may_follow_the_thinking_its_prompt_opened(qwen_xml):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
     ask = dict(model="small-moe", messages=[{"role": "user", "content": "Weather?"}], max_tokens=160, temperature=0,
-               seed=1, tools=tools, tool_choice="required", logprobs=True)
+               seed=1, tools=tools, tool_choice="required", parallel_tool_calls=False, logprobs=True)
     for token, opening, reasoning in ((close, "</think>", None), (thought, QWEN_XML_THOUGHT, "Weather: ask it.")):
         answer = client.chat.completions.create(**ask, logit_bias={str(token): 100}).choices[0]
         written = written_text(answer)
@@ -2535,7 +2565,7 @@ def test_a_forced_gemma4_call_may_follow_its_thought(gemma4):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
     ask = dict(model="small-moe", messages=[{"role": "user", "content": "Weather?"}], max_tokens=96, temperature=0,
-               seed=1, tools=tools, tool_choice="required", logit_bias={str(thought): 100})
+               seed=1, tools=tools, tool_choice="required", parallel_tool_calls=False, logit_bias={str(thought): 100})
     client = gemma4.client()
     message = client.chat.completions.create(**ask).choices[0].message
     (call,) = message.tool_calls
@@ -2660,7 +2690,8 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
     assert "".join(d.content or "" for d in deltas) == ""
     bias = closing(glm.gguf)  # a reasoning template's model closes its thinking at once, before a forced call
     named = client.chat.completions.create(**{**ask, "max_tokens": 200}, tools=tools, logprobs=True, logit_bias=bias,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           parallel_tool_calls=False)  # one call
     (call,) = named.choices[0].message.tool_calls
     city = json.loads(call.function.arguments)["city"]
     written = written_text(named.choices[0])
@@ -2672,7 +2703,7 @@ def test_a_template_is_answered_in_its_call_format(request, fixture, tag):
     # required among several: a call to one, in the format (each format here forces one in its own)
     room = 250 if fixture == "kimi_k3" else 160  # Kimi K3's call is the longest text here
     required = client.chat.completions.create(**{**ask, "max_tokens": room}, tools=two, tool_choice="required",
-                                              logit_bias=bias)
+                                              logit_bias=bias, parallel_tool_calls=False)
     (one,) = required.choices[0].message.tool_calls
     assert required.choices[0].finish_reason == "tool_calls" and one.function.name in ("get_weather", "get_time")
     assert set(json.loads(one.function.arguments)) == ({"city"} if one.function.name == "get_weather" else {"zone"})
@@ -2872,13 +2903,20 @@ def test_responses_answer_as_the_chat_endpoint_does(hermes):
     chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
     bias = closing(hermes.gguf)  # the model closes its thinking at once, before a forced call
     ask = dict(model="small-moe", max_output_tokens=96, temperature=0, input=[{"role": "user", "content": "Weather?"}],
-               extra_body={"logit_bias": bias})
-    (call,) = client.chat.completions.create(model="small-moe", max_tokens=96, temperature=0, tools=chat_tools,
-                                             tool_choice="required", messages=ask["input"],
-                                             logit_bias=bias).choices[0].message.tool_calls
+               extra_body={"logit_bias": bias}, parallel_tool_calls=False)  # one call (by default one or more: below)
+    chatting = dict(model="small-moe", max_tokens=96, temperature=0, tools=chat_tools, tool_choice="required",
+                    messages=ask["input"], logit_bias=bias)
+    (call,) = client.chat.completions.create(**chatting, parallel_tool_calls=False).choices[0].message.tool_calls
     got = client.responses.create(tools=tools, tool_choice="required", **ask)
     assert _output(got) == [("function_call", (call.function.name, json.loads(call.function.arguments)))]
     assert _output(_responded(client, tools=tools, tool_choice="required", **ask)[0]) == _output(got)
+    on = {**bias, **unending(hermes.gguf)}  # the model calls on until max_tokens, where it may
+    several = client.chat.completions.create(**dict(chatting, logit_bias=on, max_tokens=136)).choices[0].message
+    calls = [i for i in _output(client.responses.create(tools=tools, tool_choice="required", **dict(
+        ask, parallel_tool_calls=None, max_output_tokens=136, extra_body={"logit_bias": on}))) if i[0] == "function_call"]
+    assert calls == [("function_call", (c.function.name, json.loads(c.function.arguments)))
+                     for c in several.tool_calls]
+    assert len(calls) >= 2
     named = client.responses.create(tools=tools, tool_choice={"type": "function", "name": "get_time"}, **ask)
     assert [i.name for i in named.output] == ["get_time"]
     item = got.output[0]

@@ -1,7 +1,8 @@
 """A forced tool call in the model's own call format (docs/serve.md, "Tool calls"): the grammar of
-one call to one of the request's tools, written as the format's template teaches it, so that a
-``"required"`` or named call is text the model learnt, read back by the same reader as ``"auto"``
-(:data:`~.toolcalls.READERS`).
+one call to one of the request's tools, or of one or more (``parallel``: as the format's template
+writes a turn's calls, :data:`APART`, :data:`BETWEEN`), written as the format's template teaches it,
+so that a ``"required"`` or named call is text the model learnt, read back by the same reader as
+``"auto"`` (:data:`~.toolcalls.READERS`).
 
 :func:`call_grammar_text` writes it for :data:`FORMS`:
 
@@ -30,7 +31,8 @@ one call to one of the request's tools, written as the format's template teaches
 Invariants (``tests/test_callgrammar.py``):
 
 * **What the grammar lets through, the reader reads back as a call to one of the tools, whose
-  arguments keep to its parameters** (sampled under llama.cpp's grammar sampler and read by
+  arguments keep to its parameters** (with ``parallel``, as such calls, one or more; and a turn of
+  two calls as the template writes it is let through) (sampled under llama.cpp's grammar sampler and read by
   :func:`~.toolcalls.parse_tagged`). A text value cannot hold what ends it: the parameter's closing
   tag (Gemma 4's mark, MiniMax-M3's element close) or the block's (:func:`until`); where the reader
   takes a new line off each end of a value (:func:`~.toolcalls._unframed`) and the format does not
@@ -68,6 +70,11 @@ from .toolcalls import (CALL_CLOSE, CALL_OPEN, CALL_SEP, CALLS_CLOSE, CALLS_OPEN
 KIND = "{kind}"
 """In a spelling's opening of a JSON value, where the value's kind is written (Kimi K3's ``type``
 attribute: :func:`_kinds`)."""
+INDEX = "{index}"
+"""In a spelling's name end, where the call's place among the turn's calls is written (Kimi K3's
+``index`` attribute: ``1`` for the first call, the model's own number for each call after it)."""
+MORE_INDEX = '([2-9] | [1-9] [0-9]{1,2})'
+"""The index of a call after the first (2 to 999, no leading zero): the model's own, as Kimi K2's."""
 SPELLINGS = {
     GLM: [(OPEN, CLOSE, "", "\n", "", "<arg_key>", "</arg_key>\n<arg_value>", "</arg_key>\n<arg_value>", "",
            "</arg_value>", "\n", False)],
@@ -79,7 +86,7 @@ SPELLINGS = {
               form[4] + "false" + form[5], "", form[6], "\n", True) for b_open, b_close, form in spellings]
        for fmt, spellings in ((DSML, [(DSML_OPEN, DSML_CLOSE, XML_FORMS[DSML])]),
                               (DSV4, [(DSV4_OPEN, DSV4_CLOSE, XML_FORMS[DSML]), (DSV41_OPEN, DSV41_CLOSE, DSML_SPACED)]))},
-    KIMI_K3: [(k3_open("tools"), k3_close("tools"), '<|open|>call tool="', '" index="1"' + K3_SEP, k3_close("call"),
+    KIMI_K3: [(k3_open("tools"), k3_close("tools"), '<|open|>call tool="', f'" index="{INDEX}"' + K3_SEP, k3_close("call"),
                '<|open|>argument key="', '" type="string"' + K3_SEP, f'" type="{KIND}"' + K3_SEP, "",
                k3_close("argument"), "", False)],
 }
@@ -96,7 +103,7 @@ MiniMax-M2: ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V
 V4.1's `` calls`` with a space before each keyword; Kimi K3: ``<|open|>tools<|sep|><|open|>call
 tool="NAME" index="1"<|sep|><|open|>argument key="K" type="KIND"<|sep|>V<|close|>argument<|sep|>
 <|close|>call<|sep|><|close|>tools<|sep|>`` (no new lines), ``KIND`` ``string`` for a text, else
-the JSON value's kind (:data:`KIND`)."""
+the JSON value's kind (:data:`KIND`); the index the call's place (:data:`INDEX`)."""
 LEADS = {KIMI_K3: (k3_open("response"), k3_close("response"))}
 """Tags a format's turn may hold before its block of calls, each maybe, in order: Kimi K3's answer
 section (the prompt opened it where it opened no thinking; after the thinking, an empty one). The
@@ -106,6 +113,14 @@ JSON_KINDS = {"integer": "number", "number": "number", "boolean": "boolean", "ob
 """Kimi K3's ``type`` of a JSON value, by its schema's type (a text is ``string``, written raw)."""
 FORMS = (HERMES, GLM, QWEN_XML, MINIMAX, DSML, DSV4, DSV3, KIMI, MISTRAL, HARMONY, GEMMA4, MINIMAX_M3, LFM2, KIMI_K3)
 """The call formats whose forced call is written in the format (the others' as its arguments alone)."""
+APART = {HERMES: "\n", GLM: "\n", QWEN_XML: "\n", GEMMA4: ""}
+"""The formats whose template writes each of a turn's calls in a block of its own, and what it
+writes between two blocks; the others' write a turn's calls in one block (:func:`call_grammar_text`,
+``parallel``)."""
+BETWEEN = {MINIMAX_M3: "\n", LFM2: ", ", MISTRAL: ", "}
+"""What a format's template writes between two calls of one block, where it writes anything (the
+keyed formats' calls share a new line: :func:`_following`; Mistral's: between two items of its JSON
+array, and its later spelling's calls each after their own ``[TOOL_CALLS]``)."""
 class Thinking(NamedTuple):
     """A thinking block a forced call may follow (:func:`call_grammar`): its ``opening`` and
     ``close`` tags; ``ends``, the tags its text cannot hold (where the reader ends a block never
@@ -123,6 +138,8 @@ HARMONY_ANALYSIS = Thinking(CHANNEL + "analysis" + MESSAGE, END + START + "assis
 """gpt-oss's thinking before a forced call: a message on its ``analysis`` channel, framed (the
 prompt ends ``<|start|>assistant``, and a text that begins with no channel is not read as harmony),
 its text to ``<|end|>`` or ``<|start|>``, where :class:`~.reasoning.HarmonyStream` ends a body."""
+ROOT = "root ::= "
+"""How a grammar's first rule begins."""
 MAX_TEXT_REPEAT = 10_000
 """The longest ``minLength`` or ``maxLength`` of a text value written raw (a bounded repetition is
 written out by llama.cpp's grammar parser, a rule element per character)."""
@@ -328,7 +345,8 @@ class _Values:
 
 
 def _json_call(fmt: str, name: str, args: str) -> list[str]:
-    """The alternatives of one call of a JSON-arguments format to ``name`` (``args``: its arguments' rule)."""
+    """The alternatives of one call of a JSON-arguments format to ``name`` (``args``: its arguments' rule;
+    Mistral's: an item of its JSON array, and its later spelling's call)."""
     n = literal(name)
     if fmt == DSV3:
         v3 = f'{literal(CALL_OPEN + "function" + CALL_SEP)} {n} "\\n```json\\n" {args} "\\n```" {literal(CALL_CLOSE)}'
@@ -340,7 +358,7 @@ def _json_call(fmt: str, name: str, args: str) -> list[str]:
                 f'{literal(KIMI_TAGS[3])}']
     if fmt == HARMONY:
         return [f'{n} {literal(" <|constrain|>json" + MESSAGE)} {args}']
-    return [f'"[{{\\"name\\": " {literal(literal(name))} ", \\"arguments\\": " {args} "}}]"',  # Mistral's JSON
+    return [f'"{{\\"name\\": " {literal(literal(name))} ", \\"arguments\\": " {args} "}}"',  # an item of Mistral's array
             f'{n} {literal(MISTRAL_ARGS)} {args}']  # its later tokenizers'
 
 
@@ -537,12 +555,32 @@ def _members(members: list[tuple[str, bool]], sep: str = ",") -> str:
                             for i, m in enumerate(optional)) + ")?"
 
 
-def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
+def _many(one: str, parallel: bool, between: str = "", more: str | None = None) -> str:
+    """The grammar of ``one``, and with ``parallel`` any number more after it, each after the text
+    ``between``: ``more`` where a call after the first is written otherwise."""
+    if not parallel:
+        return one
+    after = f"{literal(between)} ({more or one})" if between else f"({more or one})"
+    return f"({one}) ({after})*"
+
+
+def _following(c_open: str, c_close: str) -> str:
+    """A keyed call's opening after another call of its block: ``c_open`` without what ``c_close``
+    already wrote (MiniMax-M2's and DSML's calls share the new line between them)."""
+    shared = next((n for n in range(min(len(c_open), len(c_close)), 0, -1) if c_close.endswith(c_open[:n])), 0)
+    return c_open[shared:]
+
+
+def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]], parallel: bool = False) -> str:
     """The GBNF of one call of format ``fmt`` to one of ``tools`` (``(name, parameters)``; where
-    :func:`writes` says it can). Raises :class:`~.constraints.ConstraintError` for parameters the
-    grammar would not hold (as a ``response_format``'s)."""
+    :func:`writes` says it can); with ``parallel``, of one or more, each to one of them, as the
+    format's template writes a turn's calls: a block each (:data:`APART`), else one block of them
+    (:data:`BETWEEN`); gpt-oss's one (its call ends the decode). Raises
+    :class:`~.constraints.ConstraintError` for parameters the grammar would not hold (as a
+    ``response_format``'s)."""
     if fmt == HERMES:
-        return tool_call_text(tools)
+        head, _, rules = tool_call_text(tools).partition("\n")
+        return f"root ::= {_many(head[len(ROOT):], parallel, APART[fmt])}\n{rules}"
     params, defs = hoisted([p for _, p in tools])
     for p in params:  # a keyword the grammar would not hold is refused, as in a response_format
         held_schema(p or {})
@@ -553,14 +591,16 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
         calls = [f'{literal(f"{M3_NS}<invoke name=" + chr(34) + name + chr(34) + ">")} '
                  f'{m3.members(p or {"type": "object"}, M3_INVOKE_END)} {literal(M3_INVOKE_END)}'
                  for (name, _), p in zip(tools, params)]
-        return "\n".join([f'root ::= {literal(M3_OPEN + chr(10))} ({" | ".join(calls)}) {literal(chr(10) + M3_CLOSE)}']
-                         + m3.rules + [values.rules()])
+        many = _many(f'({" | ".join(calls)})', parallel, BETWEEN[fmt])
+        return "\n".join([f'root ::= {literal(M3_OPEN + chr(10))} {many} {literal(chr(10) + M3_CLOSE)}']
+                          + m3.rules + [values.rules()])
     if fmt == GEMMA4:
         gemma = _Gemma4()
         calls = [f'{literal("call:" + name)} {gemma.value(p or {"type": "object", "properties": {}})}'
                  for (name, _), p in zip(tools, params)]
-        return "\n".join([f'root ::= {literal(GEMMA4_OPEN)} ({" | ".join(calls)}) {literal(GEMMA4_CLOSE)}']
-                         + list(until("g-text", _Gemma4.CLOSES, False)) + gemma.rules)
+        block = f'{literal(GEMMA4_OPEN)} ({" | ".join(calls)}) {literal(GEMMA4_CLOSE)}'
+        return "\n".join([f"root ::= {_many(block, parallel, APART[fmt])}"]
+                          + list(until("g-text", _Gemma4.CLOSES, False)) + gemma.rules)
     if fmt == LFM2:
         calls = []
         for (name, _), p in zip(tools, params):
@@ -568,18 +608,23 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
             members = [(f'{literal(key + "=")} {values.add(schema)}', key in required)
                        for key, schema in (p or {}).get("properties", {}).items()]
             calls.append(f'{literal(name + "(")} {_members(members, ", ")} ")"')
-        return "\n".join([f'root ::= {literal(LFM2_OPEN + "[")} ({" | ".join(calls)}) {literal("]" + LFM2_CLOSE)}',
+        many = _many(f'({" | ".join(calls)})', parallel, BETWEEN[fmt])
+        return "\n".join([f'root ::= {literal(LFM2_OPEN + "[")} {many} {literal("]" + LFM2_CLOSE)}',
                           _python_strings(values.rules())])
-    if fmt in (DSV3, KIMI, MISTRAL, HARMONY):
+    if fmt == MISTRAL:  # its JSON array's items, or its later spelling's calls
+        items, later = zip(*(_json_call(fmt, name, values.add(p)) for (name, _), p in zip(tools, params)))
+        item, later = f'({" | ".join(items)})', f'({" | ".join(later)})'
+        array = f'"[" {_many(item, parallel, BETWEEN[fmt])} "]"'
+        calls = _many(later, parallel, MISTRAL_CALLS)
+        return "\n".join([f'root ::= {literal(MISTRAL_CALLS)} " "? ({array} | {calls})', values.rules()])
+    if fmt in (DSV3, KIMI, HARMONY):
         calls = [alt for (name, _), p in zip(tools, params) for alt in _json_call(fmt, name, values.add(p))]
-        if fmt == DSV3:
-            root = f'{literal(CALLS_OPEN)} ({" | ".join(calls)}) {literal(CALLS_CLOSE)}'
-        elif fmt == HARMONY:
-            root = f'{literal(CHANNEL + "commentary to=functions.")} ({" | ".join(calls)})'
-        elif fmt == KIMI:
-            root = f'{literal(KIMI_TAGS[0])} ({" | ".join(calls)}) {literal(KIMI_TAGS[1])}'
+        alternatives = " | ".join(calls)
+        if fmt == HARMONY:  # one: its call ends the decode (<|call|>)
+            root = f'{literal(CHANNEL + "commentary to=functions.")} ({alternatives})'
         else:
-            root = f'{literal(MISTRAL_CALLS)} " "? ({" | ".join(calls)})'
+            tags = (CALLS_OPEN, CALLS_CLOSE) if fmt == DSV3 else KIMI_TAGS[:2]
+            root = f'{literal(tags[0])} {_many(f"({alternatives})", parallel)} {literal(tags[1])}'
         return "\n".join([f"root ::= {root}", values.rules()])
     json_of = {(i, key): values.add(schema) for i, p in enumerate(params)
                for key, schema in (p or {}).get("properties", {}).items() if not _string_typed(schema)}
@@ -588,9 +633,9 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
         b_open, b_close, c_open, name_end, c_close, k_open, text_open, json_open, before, tag, after, edges = spelling
         closes = _closes(fmt, spelling)
         rules += until(f"text-{s}", tuple(closes), edges)
-        calls = []
+        firsts, mores, following = [], [], _following(c_open, c_close)
         for i, ((name, _), p) in enumerate(zip(tools, params)):
-            parts = [literal(c_open + name + name_end)]
+            parts = []
             required = set((p or {}).get("required", []))
             for key, schema in (p or {}).get("properties", {}).items():
                 if (i, key) in json_of:
@@ -602,15 +647,28 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]]) -> str:
                     value = f"{literal(k_open + key + text_open)} {_text_value(schema, closes, edges, f'text-{s}')}"
                 piece = f"{value} {literal(before + tag + after)}"
                 parts.append(piece if key in required else f"({piece})?")
-            calls.append(" ".join(parts + [literal(c_close)]))
-        blocks.append(f'{literal(b_open)} ({" | ".join(calls)}) {literal(b_close)}')
+            body = " ".join(parts + [literal(c_close)])
+            if parallel:  # a call's members once, whatever its place
+                rules.append(f"call-{s}-{i} ::= {body}")
+                body = f"call-{s}-{i}"
+            firsts.append(f"{literal(c_open + name + name_end.replace(INDEX, '1'))} {body}")
+            head, indexed, tail = name_end.partition(INDEX)
+            more = f"{literal(following + name + head)} {MORE_INDEX} {literal(tail)}" if indexed else \
+                literal(following + name + name_end)
+            mores.append(f"{more} {body}")
+        first, more = f'({" | ".join(firsts)})', f'({" | ".join(mores)})'
+        if fmt in APART:
+            blocks.append(_many(f"{literal(b_open)} {first} {literal(b_close)}", parallel, APART[fmt]))
+        else:
+            blocks.append(f"{literal(b_open)} {_many(first, parallel, more=more)} {literal(b_close)}")
     lead = "".join(f"{literal(tag)}? " for tag in LEADS.get(fmt, ()))
     return "\n".join([f"root ::= {lead}({' | '.join(blocks)})"] + rules + [values.rules()])
 
 
 def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab,
-                 thinking: Thinking | None = None) -> LlamaGrammar:
-    """:func:`call_grammar_text` as a grammar llama.cpp has taken (:func:`~.constraints.checked_grammar`).
+                 thinking: Thinking | None = None, parallel: bool = False) -> LlamaGrammar:
+    """:func:`call_grammar_text` as a grammar llama.cpp has taken (:func:`~.constraints.checked_grammar`);
+    ``parallel``: one call or more.
     ``thinking``: the call may follow such a block (:class:`Thinking`): its opening, any text holding
     neither its close nor one of its ``ends``, its close. As llama.cpp's grammars allow a reasoning
     model (its 2026 parsers: ``<think>`` and text until ``</think>``; gpt-oss's: an ``analysis``
@@ -620,11 +678,11 @@ def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab,
         held_schema(params if isinstance(params, dict) else {})
     if not writes(fmt, tools):
         raise ConstraintError(f"a forced call of the {fmt} format cannot hold these tools' parameters", "tools")
-    text = call_grammar_text(fmt, tools)
+    text = call_grammar_text(fmt, tools, parallel)
     if thinking:
-        assert text.startswith("root ::= ")
+        assert text.startswith(ROOT)
         maybe, space = ("", "") if thinking.framed else ("?", " [ \\n]{0,4}")
         head = f'root ::= ({literal(thinking.opening)}{maybe} think-text {literal(thinking.close)}{space})? call-root'
         closes = tuple(dict.fromkeys((thinking.close, *thinking.ends)))
-        text = "\n".join([head, *until("think-text", closes, False), "call-root ::= " + text[len("root ::= "):]])
+        text = "\n".join([head, *until("think-text", closes, False), "call-root ::= " + text[len(ROOT):]])
     return checked_grammar(text, vocab)

@@ -277,7 +277,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # a forced call is one call either way
+    parallel_tool_calls: bool | None = None  # None: true (OpenAI's and llama.cpp's default for such templates)
     functions: list | None = None
     function_call: str | dict | None = None
     reasoning_format: Literal["auto", "deepseek", "none"] | None = None  # None: the server's (--reasoning-format)
@@ -303,6 +303,8 @@ class ToolPlan:
     """With ``forced``: the call format its grammar writes (:mod:`.callgrammar`)."""
     thinking: Thinking | None = None
     """With ``forced``: the thinking block the call may follow (a reasoning model's)."""
+    parallel: bool = False
+    """With ``forced``: one call or more (``parallel_tool_calls`` not false), else one."""
 
     @property
     def template_tools(self) -> list[dict]:
@@ -325,8 +327,8 @@ def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS, thinking: Thinki
     there, and a name no tool has. A forced call is written in the model's own format by
     :mod:`.callgrammar`'s grammar where it writes that format and can hold the tools' parameters
     (:func:`~.callgrammar.writes`; ``forms``: those it may write here), after a thinking block, maybe
-    (``thinking``: :attr:`ToolPlan.thinking`); elsewhere it is its arguments under the grammar, as
-    for other templates."""
+    (``thinking``: :attr:`ToolPlan.thinking`), one call or more unless ``parallel_tool_calls`` is
+    false; elsewhere it is its arguments under the grammar (one call), as for other templates."""
     tools = getattr(body, "tools", None) or []
     choice = getattr(body, "tool_choice", None)
     if choice is None:
@@ -346,7 +348,7 @@ def tool_plan(body, call_fmt: str | None, forms: tuple = FORMS, thinking: Thinki
     forced = [named] if named is not None else tools
     if call_fmt in forms and writes(call_fmt, [(t.function.name, t.function.parameters) for t in forced]):
         return ToolPlan(offered=tools, parsed=True, named=named is not None, forced=forced, form=call_fmt,
-                        thinking=thinking)
+                        thinking=thinking, parallel=getattr(body, "parallel_tool_calls", None) is not False)
     if choice == "auto":
         raise ApiError(400, "tool_choice auto: this model's chat template teaches no tool-call format this server "
                        "reads (it reads the Hermes <tool_call> JSON of Qwen3 and others, Qwen3-Coder's and Qwen3.5's "
@@ -671,7 +673,7 @@ class Generation:
                     fmt = {"type": "json_schema", "json_schema": {"schema": parameters}}
             if plan is not None and plan.forced:
                 grammar = call_grammar(plan.form, [(t.function.name, t.function.parameters) for t in plan.forced],
-                                       llm._model.vocab, plan.thinking)
+                                       llm._model.vocab, plan.thinking, plan.parallel)
             else:
                 grammar = response_grammar(fmt, llm._model.vocab)
         except ConstraintError as exc:
