@@ -1580,6 +1580,65 @@ def test_auto_tool_calls_of_a_hermes_template(hermes):
     assert after.usage.prompt_tokens > auto.usage.prompt_tokens and after.choices[0].finish_reason in ("stop", "length")
 
 
+def test_llama_cpps_own_endpoints_tokenize_and_render_as_the_chat_endpoint_does(hermes):
+    """llama.cpp's ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/v1/chat/completions/input_tokens``
+    and ``GET /props``, through HTTP: the ids are the model's tokenizer's (llama-cpp-python's, asked
+    directly), special tokens read as one unless ``parse_special`` is false, BOS with ``add_special``;
+    each piece its text, or its bytes where they are not UTF-8, the pieces the content's bytes;
+    ``/detokenize`` gives the text back, an id outside the vocabulary or a mistyped field a 400; the
+    template's prompt is what a chat evaluates (its tokens ``input_tokens`` and the chat's
+    ``prompt_tokens``, its tools rendered); ``/props`` tells the context, the template and the file;
+    ``/metrics`` counts each by its path."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(hermes.gguf), vocab_only=True, verbose=False)
+
+    def post(path: str, body) -> tuple[int, dict]:
+        status, raw = hermes.raw("POST", path, json.dumps(body))
+        return status, json.loads(raw)
+
+    text = "Hi <think> 😀 déjà"
+    status, out = post("/tokenize", {"content": text})
+    assert status == 200 and out == {"tokens": llm.tokenize(text.encode(), add_bos=False, special=True)}
+    assert post("/tokenize", {"content": text, "parse_special": False})[1]["tokens"] == \
+        llm.tokenize(text.encode(), add_bos=False, special=False) != out["tokens"]
+    assert post("/tokenize", {"content": text, "add_special": True})[1]["tokens"] == \
+        llm.tokenize(text.encode(), add_bos=True, special=True)
+    pieces = post("/tokenize", {"content": text, "with_pieces": True})[1]["tokens"]
+    assert [p["id"] for p in pieces] == out["tokens"]
+    assert b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces) == \
+        text.encode()
+    assert any(isinstance(p["piece"], list) for p in pieces)  # the emoji's bytes split across tokens
+    for p in pieces:
+        if isinstance(p["piece"], list):
+            with pytest.raises(UnicodeDecodeError):
+                bytes(p["piece"]).decode()
+    assert post("/detokenize", {"tokens": out["tokens"]}) == (200, {"content": text})
+    for bad, param in (({"tokens": [0, llm.n_vocab()]}, "tokens"), ({"tokens": [-1]}, "tokens"),
+                       ({"tokens": "1 2"}, "tokens"), ({"content": 5}, "content"), ({}, "content")):
+        status, err = post("/detokenize" if "tokens" in bad else "/tokenize", bad)
+        assert status == 400 and err["error"]["param"] == param, (bad, err)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    chat = {"model": "small-moe", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools}
+    status, rendered = post("/apply-template", chat)
+    assert status == 200 and "Weather in Paris?" in rendered["prompt"] and "get_weather" in rendered["prompt"]
+    status, counted = post("/v1/chat/completions/input_tokens", chat)
+    ids = post("/tokenize", {"content": rendered["prompt"], "add_special": True})[1]["tokens"]
+    asked = hermes.client().chat.completions.create(**chat, max_tokens=1, temperature=0)
+    assert status == 200 and counted == {"object": "response.input_tokens", "input_tokens": len(ids)}
+    assert asked.usage.prompt_tokens == len(ids)
+    assert post("/apply-template", {"messages": []})[0] == 400
+    status, raw = hermes.raw("GET", "/props")
+    props = json.loads(raw)
+    assert status == 200 and props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] == 1
+    assert props["chat_template"] == HERMES_TEMPLATE and props["model_path"] == str(hermes.gguf)
+    counts = hermes.metrics()
+    for path in ("/tokenize", "/detokenize", "/apply-template", "/v1/chat/completions/input_tokens", "/props"):
+        assert counts[f'expertcache_requests_total{{endpoint="{path}",code="200"}}'] >= 1, path
+    assert counts['expertcache_requests_total{endpoint="/detokenize",code="400"}'] >= 3
+
+
 def test_a_chat_template_file_stands_for_the_ggufs_own(hermes, tmp_path, tmp_path_factory):
     """``--chat-template-file`` (llama.cpp's): its template formats the chats of a GGUF that has none,
     and tells the server the call and thinking formats (``required`` among two tools is a Hermes

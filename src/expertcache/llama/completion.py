@@ -210,20 +210,31 @@ class _Formatter(_Completer):
         raise _Formatted(self.reopened(prompt))
 
 
-def count_prompt(llm: llama_cpp.Llama, messages: list[dict], reopen: tuple[str, str] | None = None, **kw) -> int:
-    """The number of tokens :func:`stream_chat` would evaluate as the prompt of ``messages`` with
-    the same arguments (``tools``, template variables), nothing decoded; a :class:`PromptError` where
-    the template refuses them."""
+def chat_prompt(llm: llama_cpp.Llama, messages: list[dict], reopen: tuple[str, str] | None = None,
+                **kw) -> str | list[int]:
+    """The prompt :func:`stream_chat` would evaluate for ``messages`` with the same arguments
+    (``tools``, template variables): the text the chat handler formatted (or its token ids), nothing
+    decoded; a :class:`PromptError` where the template refuses them."""
     try:
         _chat_handler(llm)(llama=_Formatter(llm, reopen=reopen), messages=messages, stream=True, **kw)
     except _Formatted as done:
-        prompt = done.args[0]
-        if isinstance(prompt, str):  # as stream_completion tokenizes it
-            return len(llm.tokenize(prompt.encode("utf-8"), special=True)) if prompt else 0
-        return len(prompt)
+        return done.args[0]
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise PromptError(f"the chat template refused the messages: {str(exc)[:300]}") from None
     raise PromptError("the chat handler asked for no completion")  # pragma: no cover - every handler asks
+
+
+def prompt_tokens(llm: llama_cpp.Llama, prompt: str | list[int]) -> int:
+    """The tokens of a prompt :func:`chat_prompt` gave, as :func:`stream_chat` evaluates it."""
+    if isinstance(prompt, str):  # as stream_completion tokenizes it
+        return len(llm.tokenize(prompt.encode("utf-8"), special=True)) if prompt else 0
+    return len(prompt)
+
+
+def count_prompt(llm: llama_cpp.Llama, messages: list[dict], reopen: tuple[str, str] | None = None, **kw) -> int:
+    """The number of tokens :func:`stream_chat` would evaluate as the prompt of ``messages``
+    (:func:`chat_prompt`)."""
+    return prompt_tokens(llm, chat_prompt(llm, messages, reopen, **kw))
 
 
 def template_reads(template: str | None) -> frozenset[str]:

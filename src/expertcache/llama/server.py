@@ -11,7 +11,9 @@ Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST
 [DONE]``; ``stream_options.include_usage`` adds a usage chunk), OpenAI's ``POST /v1/responses`` and
 ``POST /v1/responses/input_tokens`` (:mod:`.responses`), Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (:mod:`.anthropic`): the chat path in their shapes,
-``GET /metrics`` (Prometheus text format, :class:`Metrics`).
+``GET /metrics`` (Prometheus text format, :class:`Metrics`); llama.cpp's server's ``POST
+/tokenize``, ``/detokenize``, ``/apply-template``, ``/v1/chat/completions/input_tokens`` and
+``GET /props`` (:data:`LLAMA_PATHS`).
 
 Invariants:
 
@@ -79,7 +81,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import anyio
 from fastapi import FastAPI, Request
@@ -90,8 +92,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
-from .completion import (PromptError, arguments_as_objects, count_prompt, preserved_tokens, rendered_roles,
-                         stream_chat, stream_completion, template_reads, template_variables)
+from .completion import (PromptError, arguments_as_objects, chat_prompt, preserved_tokens, prompt_tokens,
+                         rendered_roles, stream_chat, stream_completion, template_reads, template_variables)
 from .callgrammar import FORMS, HARMONY_ANALYSIS, Thinking, call_grammar, writes
 from .constraints import ConstraintError, logit_bias, response_grammar
 from .reasoning import MARKERS as THINK_MARKERS
@@ -104,7 +106,7 @@ from .toolcalls import (ALTERNATIVES, DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN
                         results_in_call_order)
 from . import MAX_SEED, anthropic, responses
 from .dialect import ToolName
-from .textgen import Session, completion_kwargs, request_figures
+from .textgen import Session, completion_kwargs, request_figures, token_bytes
 
 MAX_BODY_BYTES = 1 << 20
 """A request body larger than this is refused (413) before it is read whole."""
@@ -133,7 +135,11 @@ DIALECT_ROUTES = {"anthropic": ("/v1/messages", "/v1/messages/count_tokens"),
 """Each dialect's paths: a request answered, and one counted."""
 DIALECT_PATHS = {path: name for name, paths in DIALECT_ROUTES.items() for path in paths}
 """The dialect of each of its paths (its errors in its shape; every other path: OpenAI's)."""
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions") + tuple(DIALECT_PATHS)
+LLAMA_PATHS = ("/tokenize", "/detokenize", "/apply-template", "/props", "/v1/chat/completions/input_tokens")
+"""llama.cpp's server's paths served here besides OpenAI's (its ``/tokenize``, ``/detokenize``,
+``/apply-template``, ``GET /props``, and its count of a chat's prompt)."""
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions") + \
+    tuple(DIALECT_PATHS) + LLAMA_PATHS
 
 
 class JSONResponse(_JSONResponse):
@@ -267,6 +273,21 @@ class _Named(_Strict):
 class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: _Named
+
+
+class TokenizeRequest(_Strict):
+    """llama.cpp's ``/tokenize``: ``content`` to token ids."""
+
+    content: str
+    add_special: bool = False  # BOS where the vocabulary adds one
+    parse_special: bool = True  # a special token's text read as that token
+    with_pieces: bool = False  # each id with its text: a string, or its bytes where they are not UTF-8
+
+
+class DetokenizeRequest(_Strict):
+    """llama.cpp's ``/detokenize``: token ids to their text."""
+
+    tokens: list[int]
 
 
 class ChatRequest(_Sampling):
@@ -1133,18 +1154,25 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             messages = results_in_call_order(messages)
         return messages
 
-    async def count_tokens(request: Request, dialect: str):
-        """A dialect's count of a request's input tokens (Anthropic's ``/v1/messages/count_tokens``):
-        the prompt's tokens as the request would evaluate them (:func:`~.completion.count_prompt`),
-        nothing decoded and no slot held."""
+    async def prompt_of(request: Request, dialect: str, answer: Callable):
+        """A chat request's prompt as the request would evaluate it (:func:`~.completion.chat_prompt`:
+        its template, tools and variables), nothing decoded and no slot held, answered by ``answer``
+        (the prompt -> the answer, on the decode thread): a count of its tokens (Anthropic's
+        ``/v1/messages/count_tokens``, the Responses API's ``/v1/responses/input_tokens``, llama.cpp's
+        ``/v1/chat/completions/input_tokens`` for a chat request: ``dialect`` ``openai``), or its text
+        (llama.cpp's ``/apply-template``)."""
         endpoint, origins = request.url.path, []
         try:
-            _, body, origins = dialect_chat(dialect, await read_body(request), count=True)
+            raw = await read_body(request)
+            if dialect in DIALECTS:
+                _, body, origins = dialect_chat(dialect, raw, count=True)
+            else:
+                body = parse_body(raw, ChatRequest)
             messages = chat_messages(body)
             plan, _, variables = check_request(body)
             more = dict(variables, **({"tools": plan.template_tools} if plan is not None else {}))
             try:
-                n = await workers.decode.call(lambda: count_prompt(session.llama, messages, reopen, **more))
+                out = await workers.decode.call(lambda: answer(chat_prompt(session.llama, messages, reopen, **more)))
             except PromptError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
         except ApiError as exc:
@@ -1154,7 +1182,58 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             metrics.count(endpoint, 499)
             return Response(status_code=499)
         metrics.count(endpoint, 200)
-        return DIALECTS[dialect].counted(n)
+        return out
+
+    async def count_tokens(request: Request, dialect: str):
+        """A request's input tokens, in its dialect's answer (:func:`prompt_of`)."""
+        counted = DIALECTS.get(dialect, responses).counted  # a chat's: the Responses API's shape, as llama.cpp's
+        return await prompt_of(request, dialect, lambda prompt: counted(prompt_tokens(session.llama, prompt)))
+
+    async def tokens_answer(request: Request, model_cls, answer: Callable):
+        """A request that holds no slot: its body read as ``model_cls``, answered by ``answer`` (the
+        body -> the answer, on the decode thread, where the model's tokenizer is used)."""
+        endpoint = request.url.path
+        try:
+            body = parse_body(await read_body(request), model_cls)
+            out = await workers.decode.call(lambda: answer(body))
+        except ApiError as exc:
+            metrics.count(endpoint, exc.status)
+            return exc.response()
+        except ClientDisconnect:
+            metrics.count(endpoint, 499)
+            return Response(status_code=499)
+        metrics.count(endpoint, 200)
+        return out
+
+    def tokenized(body: TokenizeRequest) -> dict:
+        """llama.cpp's ``/tokenize`` answer: ``{"tokens": [id, ...]}``, or with ``with_pieces`` each
+        ``{"id", "piece"}``, the piece its text where its bytes are UTF-8, else the bytes."""
+        ids = session.llama.tokenize(body.content.encode("utf-8"), add_bos=body.add_special, special=body.parse_special)
+        if not body.with_pieces:
+            return {"tokens": ids}
+        pieces = []
+        for token in ids:
+            piece = token_bytes(session.llama._model.vocab, [token], special=True)
+            try:
+                pieces.append({"id": token, "piece": piece.decode("utf-8")})
+            except UnicodeDecodeError:
+                pieces.append({"id": token, "piece": list(piece)})
+        return {"tokens": pieces}
+
+    def detokenized(body: DetokenizeRequest) -> dict:
+        """llama.cpp's ``/detokenize`` answer: ``{"content": TEXT}``, special tokens' texts in it (bytes
+        that are not UTF-8 as U+FFFD); an id outside the vocabulary is a 400 naming it."""
+        vocab = session.llama.n_vocab()
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: token id {str(bad)[:40]} is outside the model's vocabulary [0, {vocab})",
+                           param="tokens")
+        return {"content": _text(token_bytes(session.llama._model.vocab, body.tokens, special=True))}
+
+    def prompt_text(prompt: str | list[int]) -> dict:
+        """llama.cpp's ``/apply-template`` answer: ``{"prompt": TEXT}`` (a prompt of token ids: their text)."""
+        text = prompt if isinstance(prompt, str) else _text(token_bytes(session.llama._model.vocab, prompt, special=True))
+        return {"prompt": text}
 
     async def generate(request: Request, kind: str):
         """``kind``: ``completion``, ``chat`` or a dialect's name (:data:`DIALECTS`: its request is
@@ -1462,6 +1541,30 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
 
     for name, (create, count) in DIALECT_ROUTES.items():
         dialect_routes(name, create, count)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokens_answer(request, TokenizeRequest, tokenized)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokens_answer(request, DetokenizeRequest, detokenized)
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request):
+        return await prompt_of(request, "openai", prompt_text)
+
+    @app.post("/v1/chat/completions/input_tokens")
+    async def chat_input_tokens(request: Request):
+        return await count_tokens(request, "openai")
+
+    @app.get("/props")
+    async def props():
+        metrics.count("/props", 200)
+        return {"default_generation_settings": {"n_ctx": session.llama.n_ctx()}, "total_slots": 1,
+                "model_path": session.llama.model_path, "model_alias": model_id, "chat_template": template or "",
+                "modalities": {"vision": False, "audio": False}, "build_info": f"expertcache {version}",
+                "is_sleeping": False, "mode": session.mode}
 
     @app.get("/v1/models")
     async def models():
