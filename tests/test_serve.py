@@ -1355,12 +1355,13 @@ def test_generated_schemas_tools_and_biases_are_a_200_or_a_400_and_json(server, 
     """Seeded generated requests (schemas with keywords held and not, hostile values; tools and
     tool choices; logit biases; streamed or not): each a 200 or a 400, never a 5xx; a non-streamed
     text under a grammar that finished with ``stop`` is JSON, and so is a completed call's
-    arguments; the server answers after all of it. Against chatml (no call format read) and a
-    Hermes template (calls read back)."""
+    arguments; the server answers after all of it. Some chat bodies also to ``/apply-template`` and
+    ``/v1/chat/completions/input_tokens``: a 200 (a prompt, a count) or a 400. Against chatml (no
+    call format read) and a Hermes template (calls read back)."""
     import random
 
     managed = request.getfixturevalue(server)
-    rng = random.Random(59)
+    rng, prompts = random.Random(59), random.Random(61)
     seen = collections.Counter()
     for i in range(120):
         chat = rng.random() < 0.5
@@ -1382,6 +1383,15 @@ def test_generated_schemas_tools_and_biases_are_a_200_or_a_400_and_json(server, 
         status, raw = managed.raw("POST", "/v1/chat/completions" if chat else "/v1/completions", json.dumps(body))
         seen[status] += 1
         assert status in (200, 400), (status, body, raw[:300])
+        if chat and prompts.random() < 0.3:  # the same body's prompt: rendered, or counted (llama.cpp's paths)
+            path = prompts.choice(["/apply-template", "/v1/chat/completions/input_tokens"])
+            got, rendered = managed.raw("POST", path, json.dumps(body))
+            assert got in (200, 400), (got, path, body, rendered[:300])
+            if got == 200:
+                answer = json.loads(rendered)
+                assert answer["prompt"] if path == "/apply-template" else answer["input_tokens"] > 0, answer
+            else:
+                assert json.loads(rendered)["error"]["message"]
         if status != 200 or body["stream"]:
             continue
         out = json.loads(raw)["choices"][0]
@@ -1615,7 +1625,9 @@ def test_llama_cpps_own_endpoints_tokenize_and_render_as_the_chat_endpoint_does(
                 bytes(p["piece"]).decode()
     assert post("/detokenize", {"tokens": out["tokens"]}) == (200, {"content": text})
     for bad, param in (({"tokens": [0, llm.n_vocab()]}, "tokens"), ({"tokens": [-1]}, "tokens"),
-                       ({"tokens": "1 2"}, "tokens"), ({"content": 5}, "content"), ({}, "content")):
+                       ({"tokens": [10 ** 30]}, "tokens"), ({"tokens": [1.0]}, "tokens"), ({"tokens": "1 2"}, "tokens"),
+                       ({"content": 5}, "content"), ({"content": "\ud800"}, "content"), ({}, "content"),
+                       ({"content": "x", "with_pieces": "yes"}, "with_pieces")):
         status, err = post("/detokenize" if "tokens" in bad else "/tokenize", bad)
         assert status == 400 and err["error"]["param"] == param, (bad, err)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
