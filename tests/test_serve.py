@@ -404,6 +404,50 @@ def test_a_file_llama_cpp_stops_on_is_one_line(small_gguf, tmp_path):
     assert done.returncode == 0 and done.stdout.strip(), done.stderr
 
 
+def test_the_context_settings_reach_llama_cpp(small_gguf):
+    """``--flash-attn``, ``--cache-type-k/-v``, ``--batch-size``, ``--ubatch-size``: the context llama.cpp
+    made has them (read back from its parameters), a q8_0 cache holds the same tokens in about half
+    the bytes of f16's (llama.cpp's own state size), ``generate --json`` and ``serve --json`` say
+    them; what llama.cpp would refuse or clamp is one line, exit 2."""
+    import llama_cpp
+
+    from expertcache.llama.textgen import Session
+
+    sizes = {}
+    for kv, kw in (("f16", {}), ("q8_0", dict(flash_attn=True, type_k="q8_0", type_v="q8_0", n_batch=64, n_ubatch=32))):
+        with Session.open(str(small_gguf), n_ctx=256, **kw) as s:
+            p = s.llama.context_params
+            assert (p.type_k, p.type_v) == ((8, 8) if kv == "q8_0" else (1, 1))
+            assert p.flash_attn_type == (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if kw else
+                                         llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+            assert (p.n_batch, p.n_ubatch) == ((64, 32) if kw else (256, 256))
+            s.llama.eval(s.llama.tokenize(PROMPT.encode() * 8))
+            sizes[kv] = llama_cpp.llama_state_get_size(s.llama.ctx)
+    assert sizes["q8_0"] < 0.6 * sizes["f16"], sizes
+
+    def gen(*args):
+        return subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(small_gguf),
+                               "--prompt", PROMPT, "--max-new-tokens", "4", *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=300)
+
+    done = gen("--json", "-fa", "on", "-ctk", "q8_0", "--cache-type-v", "q4_0", "-b", "128", "-ub", "64")
+    rec = json.loads(done.stdout)
+    assert done.returncode == 0 and (rec["flash_attn"], rec["cache_type_k"], rec["cache_type_v"], rec["n_batch"],
+                                     rec["n_ubatch"]) == ("on", "q8_0", "q4_0", 128, 64), done.stderr
+    for args, match in ((("-ctv", "q8_0"), "needs --flash-attn on"), (("-b", "4096"), "above the context"),
+                        (("-b", "64", "-ub", "128"), "above --batch-size 64"), (("-ctk", "q9"), "invalid choice")):
+        done = gen(*args)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and match in lines[0], (args, done.stderr)
+    served = Server(small_gguf, "--ctx", "256", "-fa", "on", "-ctv", "q8_0", "-ub", "128")
+    try:
+        assert (served.info["flash_attn"], served.info["cache_type_v"], served.info["n_batch"],
+                served.info["n_ubatch"]) == ("on", "q8_0", 256, 128)
+        assert served.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+    finally:
+        served.stop()
+
+
 def test_generate_streams_text_and_refuses_in_one_line(small_gguf, greedy_text, tmp_path):
     def gen(*args):
         return subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(small_gguf), *args],

@@ -2,7 +2,8 @@
 ``openai`` client for a Q4_K_M random DeepSeek-V3-class GGUF and an MXFP4 random gpt-oss GGUF, with
 the expert page cache bounded at half the expert bytes (``--cache-memory 50%``) inside a memory wall
 of the same size (``--memory-wall 50%``) whose proof holds by default (no headroom given), and its
-greedy text is unmanaged llama.cpp's (``llama generate --mode mmap``).
+greedy text is unmanaged llama.cpp's (``llama generate --mode mmap``). The same files serve a
+context setting llama.cpp refuses for DeepSeek's attention (a q8_0 cache): one line.
 
 Needs the llama and serve extras, the openai client, torch/transformers (the random checkpoints)
 and a cgroup wall; skips with the reason otherwise.
@@ -67,13 +68,15 @@ def test_served_behind_a_half_wall_with_its_proof_by_default(models, family):
     gguf = models[family]
     want = unmanaged_text(gguf)
     proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", str(gguf), "--cache-memory", "50%",
-                             "--memory-wall", "50%", "--port", "0", "--json"], stdout=subprocess.PIPE,
+                             "--memory-wall", "50%", "--port", "0", "--json", "--ubatch-size", "64"],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
         info = json.loads(line)
         assert info["mode"] == "managed" and info["cache_memory"] > 0
+        assert info["n_ubatch"] == 64  # the server's options reach the child in the wall
         import urllib.request
 
         def metrics():
@@ -113,3 +116,14 @@ def test_served_behind_a_half_wall_with_its_proof_by_default(models, family):
     # of it); only reads still in flight after the last request could raise the final one
     final = int(re.search(r"tier peak (\d+) bytes", last).group(1))
     assert live_peak >= 0.95 * final, (live_peak, final)
+
+
+def test_a_context_llama_cpp_cannot_make_is_one_line(models):
+    """DeepSeek's attention (MLA) takes no q8_0 cache here: llama.cpp loads the model and refuses the
+    context; ``generate`` says so in one line naming the settings, exit 2."""
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(models["deepseek_v3"]),
+                           "--prompt", PROMPT, "--max-new-tokens", "2", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "could not make its context" in lines[0] and "--cache-type-k q8_0" in lines[0], lines[0]

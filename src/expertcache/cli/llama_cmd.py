@@ -130,7 +130,8 @@ def run_generate(args) -> int:
         except PromptError as exc:  # a chat's templated prompt: too long for --ctx, or refused by the template
             raise ConfigError(f"--chat: {exc}") from None
         rec = {"model": session.geometry.path, "mode": session.mode, "policy": session.policy if session.mode ==
-               "managed" else None, "cache_memory": session.cache_bytes, "text": "".join(pieces), **figures}
+               "managed" else None, "cache_memory": session.cache_bytes, "text": "".join(pieces), **figures,
+               **session.context_settings()}
     if args.json:
         emit_json([rec])
         return 0

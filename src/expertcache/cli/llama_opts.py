@@ -9,7 +9,7 @@ from __future__ import annotations
 from .._io import read_text
 from ..errors import ConfigError
 from ..formats.gguf import chat_template_problem
-from ..llama import MAX_SEED
+from ..llama import KV_CACHE_TYPES, MAX_SEED
 from .common import _int_in, add_json, float_in, nonnegative_float, positive_int, threads_int
 
 
@@ -49,6 +49,7 @@ def add_generation_options(p) -> None:
     p.add_argument("--ctx", type=positive_int, default=None, metavar="N",
                    help="context tokens, at most the model's trained context (default 2048, or that context where "
                         "it is smaller)")
+    add_context_options(p)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat-format", default=None, metavar="NAME",
                       help="a llama-cpp-python chat format (chatml, ...) for a GGUF without its own chat template")
@@ -56,6 +57,29 @@ def add_generation_options(p) -> None:
                       help="a Jinja chat template (UTF-8, at most 1 MiB) in place of the GGUF's own, as llama.cpp's "
                            "--chat-template-file: the tool-call and thinking formats are then read from it")
     add_json(p)
+
+
+def add_context_options(p) -> None:
+    """llama.cpp's context settings (its options of the same names): the KV cache's types, flash
+    attention, the logical and physical batch sizes."""
+    p.add_argument("--flash-attn", "-fa", choices=("on", "off"), default="off",
+                   help="llama.cpp's flash attention (default off, as llama-cpp-python's; llama-server's is auto); "
+                        "a quantized V cache needs it")
+    for which in ("k", "v"):
+        p.add_argument(f"--cache-type-{which}", f"-ct{which}", choices=tuple(KV_CACHE_TYPES), default="f16",
+                       metavar="TYPE", help=f"the KV cache's {which.upper()} type: {', '.join(KV_CACHE_TYPES)} "
+                                            "(default f16; q8_0 halves its memory)")
+    p.add_argument("--batch-size", "-b", type=positive_int, default=None, metavar="N",
+                   help="logical batch: prompt tokens per forward, at most --ctx (default 512, or --ctx where smaller)")
+    p.add_argument("--ubatch-size", "-ub", type=positive_int, default=None, metavar="N",
+                   help="physical batch: tokens per graph, at most --batch-size (default --batch-size); it sizes "
+                        "llama.cpp's compute buffer")
+
+
+def context_settings(args) -> dict:
+    """:func:`add_context_options`' values as :meth:`~expertcache.llama.textgen.Session.open` takes them."""
+    return {"flash_attn": args.flash_attn == "on", "type_k": args.cache_type_k, "type_v": args.cache_type_v,
+            "n_batch": args.batch_size, "n_ubatch": args.ubatch_size}
 
 
 def add_readers(p) -> None:
@@ -114,4 +138,4 @@ def open_session(args, before_load=None, loading=None, settled=None):
                         threads=args.threads, seed=getattr(args, "seed", 0), chat_format=args.chat_format,
                         chat_template=chat_template(args),
                         readers=args.readers, routed_experts=getattr(args, "enable_return_routed_experts", False),
-                        before_load=before_load, loading=loading, settled=settled)
+                        before_load=before_load, loading=loading, settled=settled, **context_settings(args))

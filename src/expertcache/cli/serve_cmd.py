@@ -135,7 +135,7 @@ def run(args) -> int:
             rec = {"url": url, "model": model_id, "gguf": session.geometry.path, "mode": session.mode,
                    "cache_memory": session.cache_bytes, "policy": session.policy if session.mode == "managed" else None,
                    "n_ctx": session.n_ctx, "pid": os.getpid(), "warm_up_tokens": session.warm_up_tokens,
-                   "routed_experts": session.llama.routing is not None}
+                   "routed_experts": session.llama.routing is not None, **session.context_settings()}
             if args.json:
                 emit_json([rec])
                 sys.stdout.flush()
@@ -203,7 +203,7 @@ def run_walled(args) -> int:
     argv = [sys.executable, "-m", "expertcache.cli.main", "serve", g.path]
     for opt in ("mode", "cache_memory", "policy", "threads", "readers", "ctx", "chat_format", "chat_template_file",
                 "host", "port", "model_alias", "max_connections", "request_timeout", "reasoning_format",
-                "chat_template_kwargs"):
+                "chat_template_kwargs", "flash_attn", "cache_type_k", "cache_type_v", "batch_size", "ubatch_size"):
         value = getattr(args, opt)
         if opt == "chat_template_file" and value is not None:
             value = os.path.abspath(value)  # as the model's path: the child reads the same file

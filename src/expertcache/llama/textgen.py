@@ -38,6 +38,7 @@ import llama_cpp
 import numpy as np
 
 from ..errors import ConfigError
+from . import KV_CACHE_TYPES
 from .advice import MODES, PageAdvisor, readers_for
 from .capture import ContextRouting
 from .completion import stream_chat, stream_completion
@@ -275,6 +276,32 @@ class ObservedLlama(llama_cpp.Llama):
             self._requires_eval = False
 
 
+QUANTIZED_KV = frozenset(KV_CACHE_TYPES) - {"f32", "f16", "bf16"}
+"""Cache types llama.cpp stores in blocks: a V cache of them needs flash attention."""
+
+
+def check_context(n_ctx: int, flash_attn: bool, type_k: str, type_v: str, n_batch: int | None,
+                  n_ubatch: int | None) -> tuple[int, int]:
+    """``(n_batch, n_ubatch)`` for a context of ``n_ctx`` tokens (defaults: 512 or ``n_ctx`` where
+    smaller; ``n_batch``), each refused in one line where llama.cpp would not take it as given: a
+    batch above the context or a physical batch above the logical one (llama.cpp would clamp them), a
+    type not in :data:`~expertcache.llama.KV_CACHE_TYPES`, a quantized V cache without flash attention
+    (llama.cpp refuses the context)."""
+    for opt, name in (("--cache-type-k", type_k), ("--cache-type-v", type_v)):
+        if name not in KV_CACHE_TYPES:
+            raise ConfigError(f"{opt} {name}: not one of llama.cpp's cache types ({', '.join(KV_CACHE_TYPES)})")
+    if type_v in QUANTIZED_KV and not flash_attn:
+        raise ConfigError(f"--cache-type-v {type_v}: a quantized V cache needs --flash-attn on (llama.cpp refuses it "
+                          "without)")
+    n_batch = min(512, n_ctx) if n_batch is None else n_batch
+    if n_batch > n_ctx:
+        raise ConfigError(f"--batch-size {n_batch}: above the context of {n_ctx} tokens (--ctx)")
+    n_ubatch = n_batch if n_ubatch is None else n_ubatch
+    if n_ubatch > n_batch:
+        raise ConfigError(f"--ubatch-size {n_ubatch}: above --batch-size {n_batch}")
+    return n_batch, n_ubatch
+
+
 @dataclass
 class Session:
     """One GGUF in one page-cache mode, ready to complete text (see the module docstring)."""
@@ -295,7 +322,9 @@ class Session:
     def open(cls, path: str, *, mode: str = "mmap", cache_bytes: int | None = None, policy: str = "lru",
              n_ctx: int | None = None, threads: int = 1, seed: int = 0, chat_format: str | None = None,
              chat_template: str | None = None, where: str = "MODEL", readers: int | None = None,
-             routed_experts: bool = False, before_load=None, loading=None, settled=None) -> "Session":
+             routed_experts: bool = False, before_load=None, loading=None, settled=None, flash_attn: bool = False,
+             type_k: str = "f16", type_v: str = "f16", n_batch: int | None = None,
+             n_ubatch: int | None = None) -> "Session":
         """``before_load``: called once the options are checked and the managed rule compiled, before
         more than its header is read (a following memory wall begins there:
         :func:`~expertcache.wall.capacity.begin_following`, so that the start-up's compiling and
@@ -304,7 +333,10 @@ class Session:
         :func:`~expertcache.wall.capacity.model_load`); ``settled``: with the managed mode, called
         after a warm-up (:meth:`warm_up`) once the load is over (a following wall restarts its
         window of own-memory samples there: :func:`~expertcache.wall.capacity.settled`). ``chat_template``:
-        a Jinja chat template in place of the GGUF's own (:attr:`ObservedLlama.chat_template`)."""
+        a Jinja chat template in place of the GGUF's own (:attr:`ObservedLlama.chat_template`).
+        ``flash_attn``, ``type_k``, ``type_v`` (names of :data:`~expertcache.llama.KV_CACHE_TYPES`),
+        ``n_batch`` (default 512, or ``n_ctx`` where smaller; at most ``n_ctx``) and ``n_ubatch`` (default
+        ``n_batch``; at most it): llama.cpp's context settings (:func:`check_context`)."""
         if mode not in MODES:
             raise ConfigError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
         g = read_geometry(path, where)
@@ -315,6 +347,7 @@ class Session:
         elif trained is not None and n_ctx > trained:  # as vLLM refuses a max_model_len above the model's
             raise ConfigError(f"--ctx {n_ctx}: above the {trained} tokens of context {path} was trained for "
                               f"({g.architecture}.context_length); llama.cpp would allocate its KV cache first")
+        n_batch, n_ubatch = check_context(n_ctx, flash_attn, type_k, type_v, n_batch, n_ubatch)
         budget = None
         if cache_bytes is not None and mode != "managed":
             raise ConfigError(f"--cache-memory bounds the managed mode's pool; --mode {mode} leaves residency to "
@@ -349,13 +382,19 @@ class Session:
         with loading if loading is not None else contextlib.nullcontext():
             t0 = time.perf_counter()
             try:
-                llm = ObservedLlama(g.path, hook=hook, routing=routing, io=selfio, n_ctx=n_ctx,
-                                    n_batch=min(512, n_ctx), n_threads=threads, n_threads_batch=threads,
+                llm = ObservedLlama(g.path, hook=hook, routing=routing, io=selfio, n_ctx=n_ctx, n_batch=n_batch,
+                                    n_ubatch=n_ubatch, flash_attn=flash_attn, type_k=KV_CACHE_TYPES[type_k],
+                                    type_v=KV_CACHE_TYPES[type_v], n_threads=threads, n_threads_batch=threads,
                                     use_mmap=mode != "nommap", seed=seed, verbose=False, chat_format=chat_format,
                                     chat_template=chat_template)
             except ValueError as exc:  # llama-cpp-python's "Failed to load model from file" and the like
                 advisor.close()
                 selfio.close()
+                if "context" in str(exc):  # the model loaded; its context could not be made with these settings
+                    raise ConfigError(f"{where} {path}: llama.cpp could not make its context with --ctx {n_ctx}, "
+                                      f"--cache-type-k {type_k}, --cache-type-v {type_v}, --flash-attn "
+                                      f"{'on' if flash_attn else 'off'} ({exc}; its model may not take a quantized "
+                                      "cache)") from None
                 raise ConfigError(f"{where} {path}: llama.cpp could not load it ({exc})") from None
             load_s = time.perf_counter() - t0
             try:
@@ -373,6 +412,14 @@ class Session:
                 session.close()
                 raise
         return session
+
+    def context_settings(self) -> dict:
+        """llama.cpp's context settings this session runs with (:meth:`open`'s)."""
+        p = self.llama.context_params
+        types = {v: k for k, v in KV_CACHE_TYPES.items()}
+        flash = "on" if p.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED else "off"
+        return {"flash_attn": flash, "cache_type_k": types.get(p.type_k), "cache_type_v": types.get(p.type_v),
+                "n_batch": p.n_batch, "n_ubatch": p.n_ubatch}
 
     def warm_up(self) -> int:
         """One forward of a full batch through the managed pool, then forgotten: the context emptied,
