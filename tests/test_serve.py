@@ -1695,6 +1695,57 @@ def test_llama_cpps_own_endpoints_tokenize_and_render_as_the_chat_endpoint_does(
     assert counts['expertcache_requests_total{endpoint="/detokenize",code="400"}'] >= 3
 
 
+def test_api_keys_are_asked_of_every_request_but_health_and_models(small_gguf, tmp_path):
+    """``--api-key`` and ``--api-key-file`` (llama.cpp's): OpenAI's client with a key (``Authorization:
+    Bearer``) and Anthropic's (``x-api-key``) are answered; no key, a wrong one, or a right one with
+    another scheme is a 401 in the path's error shape, counted, and the server keeps serving;
+    ``/health`` and ``/v1/models`` answer without one; a bad key or an empty file is one line
+    before anything loads."""
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic client is not installed")
+    (tmp_path / "keys").write_text("\n  key-from-file  \n\n", encoding="utf-8")
+    served = Server(small_gguf, "--ctx", "256", "--chat-format", "chatml", "--model-alias", "small-moe",
+                    "--api-key", "k1,k2", "--api-key-file", str(tmp_path / "keys"))
+    try:
+        assert served.info["api_keys"] == 3
+        ask = dict(model="small-moe", prompt=PROMPT, max_tokens=2)
+        for key in ("k1", "k2", "key-from-file"):
+            client = openai.OpenAI(base_url=served.url + "/v1", api_key=key, timeout=120, max_retries=0)
+            assert client.completions.create(**ask).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            served.client().completions.create(**ask)  # its key is "unused"
+        claude = anthropic.Anthropic(base_url=served.url, api_key="k2", max_retries=0)
+        assert claude.messages.create(model="small-moe", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+                                      ).usage.output_tokens >= 1
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=served.url, api_key="k3", max_retries=0).messages.create(
+                model="small-moe", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 2})
+        for headers in ({}, {"Authorization": "Bearer k3"}, {"Authorization": "Basic k1"}, {"Authorization": "Bearer"},
+                        {"x-api-key": "Bearer  k1"}):
+            status, raw = served.raw("POST", "/v1/completions", body, {"Content-Type": "application/json", **headers})
+            err = json.loads(raw)["error"]
+            assert status == 401 and (err["type"], err["code"]) == ("authentication_error", "invalid_api_key"), headers
+        status, raw = served.raw("POST", "/v1/messages", "{}", {})
+        assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error"  # Anthropic's shape
+        assert json.loads(raw)["type"] == "error"
+        for path in ("/health", "/v1/models"):
+            assert served.raw("GET", path)[0] == 200, path
+        assert served.raw("GET", "/metrics")[0] == 401
+        status, text = served.raw("GET", "/metrics", None, {"Authorization": "Bearer k1"})
+        assert status == 200 and b'expertcache_requests_total{endpoint="/v1/completions",code="401"} 6' in text, text
+        assert b'expertcache_requests_total{endpoint="/v1/completions",code="200"} 3' in text
+    finally:
+        served.stop()
+    (tmp_path / "blank").write_text("\n \n", encoding="utf-8")
+    for args, match in ((("--api-key", "a,,b"), "--api-key: a key is empty"), (("--api-key", "é"), "printable ASCII"),
+                        (("--api-key-file", str(tmp_path / "blank")), "holds no key"),
+                        (("--api-key-file", str(tmp_path / "none")), "--api-key-file")):
+        done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "serve", str(small_gguf), *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and match in lines[0], (args, done.stderr)
+
+
 def test_a_chat_template_file_stands_for_the_ggufs_own(hermes, tmp_path, tmp_path_factory):
     """``--chat-template-file`` (llama.cpp's): its template formats the chats of a GGUF that has none,
     and tells the server the call and thinking formats (``required`` among two tools is a Hermes

@@ -68,7 +68,8 @@ def test_served_behind_a_half_wall_with_its_proof_by_default(models, family):
     gguf = models[family]
     want = unmanaged_text(gguf)
     proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", str(gguf), "--cache-memory", "50%",
-                             "--memory-wall", "50%", "--port", "0", "--json", "--ubatch-size", "64"],
+                             "--memory-wall", "50%", "--port", "0", "--json", "--ubatch-size", "64", "--api-key",
+                             "unused"],
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
@@ -76,11 +77,16 @@ def test_served_behind_a_half_wall_with_its_proof_by_default(models, family):
         assert line, proc.stderr.read()
         info = json.loads(line)
         assert info["mode"] == "managed" and info["cache_memory"] > 0
-        assert info["n_ubatch"] == 64  # the server's options reach the child in the wall
+        assert info["n_ubatch"] == 64 and info["api_keys"] == 1  # the server's options reach the child in the wall
+        import urllib.error
         import urllib.request
 
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(info["url"] + "/metrics", timeout=60)
+
         def metrics():
-            text = urllib.request.urlopen(info["url"] + "/metrics", timeout=60).read().decode()
+            asked = urllib.request.Request(info["url"] + "/metrics", headers={"Authorization": "Bearer unused"})
+            text = urllib.request.urlopen(asked, timeout=60).read().decode()
             return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and ln[0] != "#"}
 
         # the start's warm-up batch ran through the pool, then was forgotten before the first request

@@ -10,17 +10,20 @@ import signal
 import sys
 
 from .. import __version__
+from .._io import read_text
 from ..errors import ConfigError, is_int, is_real
 from .common import _int_in, byte_size, emit_json, seconds_in
 from .llama_opts import add_generation_options, chat_template, open_session
 
 HELP = """Serve a GGUF MoE over HTTP with the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions,
 /v1/responses, streamed or not) and Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens),
-/health and /metrics (Prometheus), with llama-cpp-python's Llama (tokenizer, chat
-template, sampling) and an expertcache page-cache mode deciding which experts stay in memory:
+/health and /metrics (Prometheus), llama.cpp's /tokenize, /detokenize, /apply-template and /props, with
+llama-cpp-python's Llama (tokenizer, chat template, sampling) and an expertcache page-cache mode deciding
+which experts stay in memory:
 --cache-memory SIZE bounds the managed mode's page cache (bytes, or P% = the dense part plus P% of the
 expert tensors), for a model bigger than the memory it may use. One slot: requests queue and are
-answered one at a time. Binds 127.0.0.1 unless --host says otherwise; SIGTERM or Ctrl-C stops it.
+answered one at a time. Binds 127.0.0.1 unless --host says otherwise (with --api-key, only requests that
+present a key are answered); SIGTERM or Ctrl-C stops it.
 Needs the serve and llama extras. See docs/serve.md."""
 
 
@@ -56,6 +59,12 @@ def add_parser(sub) -> None:
                         "auto or deepseek read it out into "
                         "message.reasoning_content, none leaves the text as written (default auto; a request's "
                         "reasoning_format overrides it)")
+    p.add_argument("--api-key", default=None, metavar="KEY[,KEY...]",
+                   help="answer only requests presenting one of these keys (Authorization: Bearer KEY, or "
+                        "x-api-key: KEY), as llama.cpp's --api-key; /health and /v1/models stay open")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="API keys from this file, one a line (beside --api-key's); keeps them out of the process "
+                        "list")
     p.add_argument("--chat-template-kwargs", type=template_kwargs, default=None, metavar="JSON",
                    help="variables the chat template is rendered with, as a JSON object (e.g. "
                         "'{\"enable_thinking\": false}' for Qwen3); a request's chat_template_kwargs add to them")
@@ -91,7 +100,34 @@ def listen_host(text: str) -> str:
     return text
 
 
+MAX_KEY_FILE_BYTES = 1 << 16
+"""The largest ``--api-key-file`` (a list of keys)."""
+
+
+def api_keys(args) -> tuple[str, ...]:
+    """The keys of ``--api-key`` (comma-separated) and ``--api-key-file`` (one a line, blank lines
+    skipped); one line where one is empty or not printable ASCII without white space (a header
+    could not carry it), or the file holds none."""
+    keys = []
+    if args.api_key is not None:
+        keys += [("--api-key", k) for k in args.api_key.split(",")]
+    if args.api_key_file is not None:
+        where = f"--api-key-file {args.api_key_file}"
+        lines = [("--api-key-file", k.strip()) for k in read_text(args.api_key_file, where,
+                                                                  max_bytes=MAX_KEY_FILE_BYTES).splitlines()]
+        lines = [(opt, k) for opt, k in lines if k]
+        if not lines:
+            raise ConfigError(f"{where}: the file holds no key")
+        keys += lines
+    for opt, key in keys:
+        if not key or not all("!" <= c <= "~" for c in key):
+            raise ConfigError(f"{opt}: a key is empty or not printable ASCII without white space (an HTTP header "
+                              "carries it)")
+    return tuple(dict.fromkeys(k for _, k in keys))
+
+
 def run(args) -> int:
+    keys = api_keys(args)  # one line before anything loads
     try:
         import fastapi  # noqa: F401  (the extra's presence, before the model loads)
         import uvicorn  # noqa: F401
@@ -135,7 +171,8 @@ def run(args) -> int:
             rec = {"url": url, "model": model_id, "gguf": session.geometry.path, "mode": session.mode,
                    "cache_memory": session.cache_bytes, "policy": session.policy if session.mode == "managed" else None,
                    "n_ctx": session.n_ctx, "pid": os.getpid(), "warm_up_tokens": session.warm_up_tokens,
-                   "routed_experts": session.llama.routing is not None, **session.context_settings()}
+                   "routed_experts": session.llama.routing is not None, **session.context_settings(),
+                   "api_keys": len(keys)}
             if args.json:
                 emit_json([rec])
                 sys.stdout.flush()
@@ -147,7 +184,7 @@ def run(args) -> int:
         serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce, wall_state=wall_state,
               version=__version__, max_connections=args.max_connections, request_seconds=args.request_timeout,
               bandwidth=bandwidth, workers=workers, reasoning_format=args.reasoning_format or "auto",
-              template_kwargs=args.chat_template_kwargs)
+              template_kwargs=args.chat_template_kwargs, api_keys=keys)
     return 0
 
 
@@ -203,9 +240,10 @@ def run_walled(args) -> int:
     argv = [sys.executable, "-m", "expertcache.cli.main", "serve", g.path]
     for opt in ("mode", "cache_memory", "policy", "threads", "readers", "ctx", "chat_format", "chat_template_file",
                 "host", "port", "model_alias", "max_connections", "request_timeout", "reasoning_format",
-                "chat_template_kwargs", "flash_attn", "cache_type_k", "cache_type_v", "batch_size", "ubatch_size"):
+                "chat_template_kwargs", "flash_attn", "cache_type_k", "cache_type_v", "batch_size", "ubatch_size",
+                "api_key", "api_key_file"):
         value = getattr(args, opt)
-        if opt == "chat_template_file" and value is not None:
+        if opt in ("chat_template_file", "api_key_file") and value is not None:
             value = os.path.abspath(value)  # as the model's path: the child reads the same file
         if value is not None:
             argv += ["--" + opt.replace("_", "-"), json.dumps(value) if isinstance(value, dict) else str(value)]

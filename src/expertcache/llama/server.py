@@ -71,6 +71,7 @@ import base64
 import codecs
 import collections
 import concurrent.futures
+import hmac
 import math
 import json
 import logging
@@ -926,15 +927,33 @@ class Slot:
         self.busy = False
 
 
+PUBLIC_PATHS = ("/health", "/v1/models")
+"""What a server with API keys answers without one (llama.cpp's public endpoints that are served here)."""
+
+
+def presented_key(headers: dict) -> bytes:
+    """The API key a request presents: ``Authorization: Bearer KEY`` (OpenAI's clients), else
+    ``x-api-key: KEY`` (Anthropic's), as llama.cpp's server reads them; empty for none."""
+    key = headers.get(b"authorization") or headers.get(b"x-api-key") or b""
+    return key[len(b"Bearer "):] if key.startswith(b"Bearer ") else key
+
+
 class Guard:
     """The app's outermost layer of its own (pure ASGI, so that a request's disconnect reaches the
-    endpoint): a declared body over :data:`MAX_BODY_BYTES` is a 413 before it is read; a client that
-    leaves while its body is read is counted 499 and not answered; anything else raised is one line
-    on stderr and, if nothing was sent yet, a 500 of OpenAI's shape (Starlette's own handler of last
-    resort would log a traceback)."""
+    endpoint): with ``api_keys``, a request to any path but :data:`PUBLIC_PATHS` that presents none
+    of them (:func:`presented_key`, compared in constant time) is a 401 before anything else; a
+    declared body over :data:`MAX_BODY_BYTES` is a 413 before it is read; a client that leaves while
+    its body is read is counted 499 and not answered; anything else raised is one line on stderr
+    and, if nothing was sent yet, a 500 of OpenAI's shape (Starlette's own handler of last resort
+    would log a traceback)."""
 
-    def __init__(self, app, metrics: "Metrics"):
+    def __init__(self, app, metrics: "Metrics", api_keys: tuple[str, ...] = ()):
         self.app, self.metrics = app, metrics
+        self.api_keys = tuple(k.encode() for k in api_keys)
+
+    def authorized(self, headers: dict) -> bool:
+        key = presented_key(headers)
+        return any([hmac.compare_digest(key, k) for k in self.api_keys])  # each compared: no early exit
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -942,7 +961,14 @@ class Guard:
         path = scope.get("path", "")
         label = path if path in ENDPOINTS else "other"
         dialect = DIALECT_PATHS.get(path, "openai")
-        length = dict(scope.get("headers") or ()).get(b"content-length")
+        headers = dict(scope.get("headers") or ())
+        if self.api_keys and path not in PUBLIC_PATHS and not self.authorized(headers):
+            self.metrics.count(label, 401)
+            refused = error_json(401, "invalid API key: give one of the server's --api-key as Authorization: Bearer "
+                                      "KEY (or x-api-key: KEY)", "authentication_error", code="invalid_api_key",
+                                 dialect=dialect)
+            return await refused(scope, receive, send)
+        length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             self.metrics.count(label, 413)
             too_large = error_json(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", dialect=dialect)
@@ -968,8 +994,9 @@ class Guard:
 
 def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, version: str = "",
                bandwidth: dict | None = None, workers: "Workers | None" = None, reasoning_format: str = "auto",
-               template_kwargs: dict | None = None) -> FastAPI:
+               template_kwargs: dict | None = None, api_keys: tuple[str, ...] = ()) -> FastAPI:
     """The FastAPI app serving ``session`` as model ``model_id`` (see the module docstring);
+    ``api_keys``: the keys a request must present (:class:`Guard`; none: no key asked);
     ``bandwidth``: :class:`Metrics`'s; ``workers``: the threads requests run on (made here if None);
     ``reasoning_format`` and ``template_kwargs``: a chat's defaults (``--reasoning-format``,
     ``--chat-template-kwargs``), which its ``reasoning_format`` and ``chat_template_kwargs`` override.
@@ -981,7 +1008,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     workers = workers or Workers()
     stopping = threading.Event()
     app.state.metrics, app.state.session, app.state.stopping = metrics, session, stopping
-    app.add_middleware(Guard, metrics=metrics)
+    app.add_middleware(Guard, metrics=metrics, api_keys=api_keys)
     slot = Slot()
     created = int(time.time())
     roles = rendered_roles(session.llama) if session.chat_ready else {}  # the template is fixed: asked once
@@ -1814,7 +1841,8 @@ class SlotStream(StreamingResponse):
 def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_id: str,
           announce=None, wall_state=None, version: str = "", max_connections: int | None = None,
           request_seconds: float | None = None, bandwidth: dict | None = None,
-          workers: Workers | None = None, reasoning_format: str = "auto", template_kwargs: dict | None = None) -> None:
+          workers: Workers | None = None, reasoning_format: str = "auto", template_kwargs: dict | None = None,
+          api_keys: tuple[str, ...] = ()) -> None:
     """Serve until SIGTERM / SIGINT. The socket is bound first (``port`` 0: any free port), then
     ``announce(url)`` is called (the CLI prints it), then requests are answered. ``max_connections``
     and ``request_seconds`` (default :data:`MAX_CONNECTIONS`, :data:`REQUEST_SECONDS`):
@@ -1824,7 +1852,7 @@ def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_
     import uvicorn
 
     app = create_app(session, model_id=model_id, version=version, bandwidth=bandwidth, workers=workers,
-                     reasoning_format=reasoning_format, template_kwargs=template_kwargs)
+                     reasoning_format=reasoning_format, template_kwargs=template_kwargs, api_keys=api_keys)
     if wall_state is not None:
         app.state.metrics.wall = wall_state
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
