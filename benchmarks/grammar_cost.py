@@ -28,7 +28,7 @@ import time
 
 import llama_cpp
 
-from expertcache.llama.callgrammar import FORMS, HARMONY_ANALYSIS, Thinking, call_grammar
+from expertcache.llama.callgrammar import FORMS, HARMONY_MESSAGES, Thinking, call_grammar
 from expertcache.llama.constraints import GrammarFirst, response_grammar
 from expertcache.llama.textgen import ObservedLlama
 
@@ -102,7 +102,7 @@ FORCED_TOOLS = [
     ("ping", None)]
 FORCED = ("arguments",) + FORMS  # every format a forced call is written in, against the arguments alone
 THINKING = {"hermes, after thinking": ("hermes", Thinking("<think>", "</think>", ("<tool_call>",))),
-            "harmony, after analysis": ("harmony", HARMONY_ANALYSIS)}
+            "harmony, after analysis": ("harmony", HARMONY_MESSAGES)}
 """Forced calls a thinking block may come before (the server's, for a reasoning template): a random
 model thinks through every token, so the row is the thinking text's rule."""
 PARALLEL = {"hermes, one or more": "hermes", "minimax-m2, one or more": "minimax-m2",

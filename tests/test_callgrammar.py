@@ -637,26 +637,38 @@ def test_a_forced_call_may_follow_a_thinking_block(small):
     assert not grammar_accepts(small, call_grammar_text(QWEN_XML, [TOOLS[-1]]), "</think>" + call)
 
 
-def test_a_forced_harmony_call_may_follow_an_analysis_message(small):
-    """gpt-oss's: an ``analysis`` message, its frame whole, then the call's message, read back as the
-    reasoning and the call; no analysis without its channel, none holding ``<|end|>``."""
+def test_a_forced_harmony_call_may_follow_analysis_and_preamble_messages(small):
+    """gpt-oss's, as llama.cpp's grammar for ``required`` allows: any number of ``analysis`` and
+    preamble (``commentary``, no recipient) messages, each framed whole, then the call, its recipient
+    in the channel's header or the role's (as its template writes it), its content type
+    ``<|constrain|>json``, ``json`` or none; read back as the reasoning, the preamble as content, and
+    the call. Not: a message without its channel, one holding ``<|end|>``, a final message, a
+    message to a recipient, text between messages."""
     import json
 
-    from expertcache.llama.callgrammar import HARMONY_ANALYSIS
+    from expertcache.llama.callgrammar import HARMONY_MESSAGES
 
     tools = [TOOLS[-1]]
-    grammar = call_grammar(HARMONY, tools, small._model.vocab, HARMONY_ANALYSIS)._grammar
+    grammar = call_grammar(HARMONY, tools, small._model.vocab, HARMONY_MESSAGES)._grammar
     call = "<|channel|>commentary to=functions.ping <|constrain|>json<|message|>{}"
+    calls = [call, " to=functions.ping<|channel|>commentary json<|message|>{}",
+             "<|channel|>commentary to=functions.ping<|message|>{}", " to=functions.ping<|channel|>commentary<|message|>{}"]
     thought = "<|channel|>analysis<|message|>Ping it.<|end|><|start|>assistant"
-    for text, want in ((call, True), (thought + call, True), ("<|channel|>analysis<|message|><|end|><|start|>assistant"
-                                                               + call, True),
-                       ("Ping it.<|end|><|start|>assistant" + call, False), (thought + "\n" + call, False),
-                       ("<|channel|>analysis<|message|>a<|end|>b<|end|><|start|>assistant" + call, False),
-                       (thought + thought + call, False)):
+    preamble = "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant"
+    for text, want in [(c, True) for c in calls] + [
+            (thought + call, True), ("<|channel|>analysis<|message|><|end|><|start|>assistant" + call, True),
+            (preamble + call, True), (thought + preamble + calls[1], True), (thought + thought + call, True),
+            ("Ping it.<|end|><|start|>assistant" + call, False), (thought + "\n" + call, False),
+            ("<|channel|>analysis<|message|>a<|end|>b<|end|><|start|>assistant" + call, False),
+            ("<|channel|>final<|message|>Done.<|end|><|start|>assistant" + call, False),
+            ("<|channel|>commentary to=functions.ping<|message|>{}<|end|><|start|>assistant" + call, False),
+            (" to=functions.ping <|channel|>commentary json<|message|>{}", False)]:
         assert grammar_accepts(small, grammar, text) == want, text
-    reasoning, content, (read_back,) = read_harmony(thought + call, ["ping"])
-    assert (reasoning, content, read_back["function"]["name"], json.loads(read_back["function"]["arguments"])) == \
-        ("Ping it.", None, "ping", {})
+    for text, reasoning, content in [(c, None, None) for c in calls] + [
+            (thought + preamble + calls[1], "Ping it.", "Checking.")]:
+        got, said, (read_back,) = read_harmony(text, ["ping"])
+        assert (got, said, read_back["function"]["name"], json.loads(read_back["function"]["arguments"])) == \
+            (reasoning, content, "ping", {}), text
 
 
 def test_llama_cpp_takes_each_spelling_of_the_json_formats(small):

@@ -121,23 +121,33 @@ BETWEEN = {MINIMAX_M3: "\n", LFM2: ", ", MISTRAL: ", "}
 """What a format's template writes between two calls of one block, where it writes anything (the
 keyed formats' calls share a new line: :func:`_following`; Mistral's: between two items of its JSON
 array, and its later spelling's calls each after their own ``[TOOL_CALLS]``)."""
+
+
 class Thinking(NamedTuple):
     """A thinking block a forced call may follow (:func:`call_grammar`): its ``opening`` and
     ``close`` tags; ``ends``, the tags its text cannot hold (where the reader ends a block never
-    closed: a call's opening among them); ``framed``: the opening required and the call right after
-    the close (gpt-oss's message), else the opening maybe (the prompt may have opened the block) and
-    a little white space before the call."""
+    closed: a call's opening among them); ``framed``: messages, each opened by ``opening`` or one of
+    ``also``, any number of them, the call right after the last close (gpt-oss's), else one block,
+    maybe, its opening maybe (the prompt may have opened it), and a little white space before the
+    call."""
 
     opening: str
     close: str
     ends: tuple[str, ...]
     framed: bool = False
+    also: tuple[str, ...] = ()
 
 
-HARMONY_ANALYSIS = Thinking(CHANNEL + "analysis" + MESSAGE, END + START + "assistant", (END, START), framed=True)
-"""gpt-oss's thinking before a forced call: a message on its ``analysis`` channel, framed (the
-prompt ends ``<|start|>assistant``, and a text that begins with no channel is not read as harmony),
-its text to ``<|end|>`` or ``<|start|>``, where :class:`~.reasoning.HarmonyStream` ends a body."""
+HARMONY_MESSAGES = Thinking(CHANNEL + "analysis" + MESSAGE, END + START + "assistant", (END, START), framed=True,
+                            also=(CHANNEL + "commentary" + MESSAGE,))
+"""gpt-oss's messages before a forced call, as llama.cpp's gpt-oss grammar for ``required`` allows
+them (``zero_or_more(start + (preamble | analysis)) + start + tool_call``): each framed (the prompt
+ends ``<|start|>assistant``, and a text that begins with no channel is not read as harmony), on its
+``analysis`` channel (reasoning) or ``commentary`` with no recipient (a preamble: content), its text
+to ``<|end|>`` or ``<|start|>``, where :class:`~.reasoning.HarmonyStream` ends a body."""
+HARMONY_CONSTRAINT = '(" " "<|constrain|>"? "json")?'
+"""What may stand between a gpt-oss call's header and ``<|message|>`` (its content type: the model's
+``<|constrain|>json``, its template's ``json``, or none), as llama.cpp's grammar allows."""
 ROOT = "root ::= "
 """How a grammar's first rule begins."""
 MAX_TEXT_REPEAT = 10_000
@@ -356,8 +366,10 @@ def _json_call(fmt: str, name: str, args: str) -> list[str]:
         index = '("0" | [1-9] [0-9]{0,2})'  # the model's own: up to 999, no leading zero
         return [f'{literal(KIMI_TAGS[2] + "functions.")} {n} ":" {index} {literal(KIMI_TAGS[4])} {args} '
                 f'{literal(KIMI_TAGS[3])}']
-    if fmt == HARMONY:
-        return [f'{n} {literal(" <|constrain|>json" + MESSAGE)} {args}']
+    if fmt == HARMONY:  # the recipient in the channel's header (as the model writes it), or the role's (its template)
+        return [f'{literal(CHANNEL + "commentary to=functions.")} {n} {HARMONY_CONSTRAINT} {literal(MESSAGE)} {args}',
+                f'{literal(" to=functions.")} {n} {literal(CHANNEL + "commentary")} {HARMONY_CONSTRAINT} '
+                f'{literal(MESSAGE)} {args}']
     return [f'"{{\\"name\\": " {literal(literal(name))} ", \\"arguments\\": " {args} "}}"',  # an item of Mistral's array
             f'{n} {literal(MISTRAL_ARGS)} {args}']  # its later tokenizers'
 
@@ -621,7 +633,7 @@ def call_grammar_text(fmt: str, tools: list[tuple[str, dict | None]], parallel: 
         calls = [alt for (name, _), p in zip(tools, params) for alt in _json_call(fmt, name, values.add(p))]
         alternatives = " | ".join(calls)
         if fmt == HARMONY:  # one: its call ends the decode (<|call|>)
-            root = f'{literal(CHANNEL + "commentary to=functions.")} ({alternatives})'
+            root = f"({alternatives})"
         else:
             tags = (CALLS_OPEN, CALLS_CLOSE) if fmt == DSV3 else KIMI_TAGS[:2]
             root = f'{literal(tags[0])} {_many(f"({alternatives})", parallel)} {literal(tags[1])}'
@@ -671,9 +683,9 @@ def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab,
     ``parallel``: one call or more.
     ``thinking``: the call may follow such a block (:class:`Thinking`): its opening, any text holding
     neither its close nor one of its ``ends``, its close. As llama.cpp's grammars allow a reasoning
-    model (its 2026 parsers: ``<think>`` and text until ``</think>``; gpt-oss's: an ``analysis``
-    message before a ``required`` call, :data:`HARMONY_ANALYSIS`); an empty block is how a model
-    writes a turn without thinking after a prompt that opened one."""
+    model (its 2026 parsers: ``<think>`` and text until ``</think>``; gpt-oss's: ``analysis`` and
+    preamble messages before a ``required`` call, :data:`HARMONY_MESSAGES`); an empty block is how a
+    model writes a turn without thinking after a prompt that opened one."""
     for _, params in tools:  # a keyword the grammar would not hold, named
         held_schema(params if isinstance(params, dict) else {})
     if not writes(fmt, tools):
@@ -681,8 +693,12 @@ def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], vocab,
     text = call_grammar_text(fmt, tools, parallel)
     if thinking:
         assert text.startswith(ROOT)
-        maybe, space = ("", "") if thinking.framed else ("?", " [ \\n]{0,4}")
-        head = f'root ::= ({literal(thinking.opening)}{maybe} think-text {literal(thinking.close)}{space})? call-root'
+        if thinking.framed:  # messages, each opened by one of its openings, any number of them
+            opening = "(" + " | ".join(literal(o) for o in (thinking.opening, *thinking.also)) + ")"
+            head = f"root ::= ({opening} think-text {literal(thinking.close)})* call-root"
+        else:  # one block, maybe; its opening maybe; a little white space after it
+            block = f"{literal(thinking.opening)}? think-text {literal(thinking.close)} " + "[ \\n]{0,4}"
+            head = f"root ::= ({block})? call-root"
         closes = tuple(dict.fromkeys((thinking.close, *thinking.ends)))
         text = "\n".join([head, *until("think-text", closes, False), "call-root ::= " + text[len(ROOT):]])
     return checked_grammar(text, vocab)

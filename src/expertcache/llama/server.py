@@ -95,7 +95,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import ConfigError
 from .completion import (PromptError, arguments_as_objects, chat_prompt, preserved_tokens, prompt_tokens,
                          rendered_roles, stream_chat, stream_completion, template_reads, template_variables)
-from .callgrammar import FORMS, HARMONY_ANALYSIS, Thinking, call_grammar, writes
+from .callgrammar import FORMS, HARMONY_MESSAGES, Thinking, call_grammar, writes
 from .constraints import ConstraintError, logit_bias, response_grammar
 from .reasoning import MARKERS as THINK_MARKERS
 from .reasoning import DEEPSEEK, HarmonyStream, ThinkStream, opens_thinking, read_harmony, split_reasoning, think_format
@@ -1028,7 +1028,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         forced_thinking = Thinking(*THINK_TAGS[think_fmt], ENDS_THINKING.get(call_fmt, ()) + call_opens
                                    + THINK_BREAKS.get(think_fmt, ()))
     elif think_fmt == call_fmt == HARMONY:
-        forced_thinking = HARMONY_ANALYSIS
+        forced_thinking = HARMONY_MESSAGES
     # tool calls' arguments as objects: where the template needs them so, and always for Gemma 4's, which
     # writes a text of arguments as it is, JSON inside its own syntax, and Kimi K3's, which writes a text as
     # one JSON section where its model learnt an argument section per key (MiniMax-M3's fails on a text: asked)
