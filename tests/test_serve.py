@@ -863,6 +863,44 @@ def test_a_seeded_completion_does_not_depend_on_the_request_before(small_gguf):
     assert after_itself == after_other
 
 
+def test_llama_cpps_sampling_fields_are_served_or_refused(managed, small_gguf):
+    """llama.cpp's sampling extensions: ``repeat_penalty``, ``min_p``, ``typical_p`` and ``mirostat``
+    sample as llama-cpp-python's own ``create_completion`` does with them (a fresh ``Llama``, the same
+    seed); ``min_p`` near 1 leaves only the likeliest token, so hot sampling is greedy; the fields
+    llama.cpp has and this server does not are a 400 naming the field when set to change the
+    answer, and accepted at their defaults (a client that sends them all)."""
+    import llama_cpp
+
+    client = managed.client()
+    llm = llama_cpp.Llama(str(small_gguf), n_ctx=512, verbose=False, seed=0)
+    ask = dict(model="small-moe", prompt=PROMPT, max_tokens=24)
+
+    def served(**extra) -> str:
+        return client.completions.create(**ask, extra_body=extra).choices[0].text
+
+    def direct(**kw) -> str:
+        llm.reset()
+        return llm.create_completion(PROMPT, max_tokens=24, **kw)["choices"][0]["text"]
+
+    greedy = served(temperature=0)
+    penalised = served(temperature=0, repeat_penalty=1.5)
+    assert penalised != greedy and penalised == direct(temperature=0, repeat_penalty=1.5, top_k=1)
+    assert served(temperature=1.5, seed=5, min_p=0.999) == greedy
+    for kw in (dict(min_p=0.2), dict(typical_p=0.5, min_p=0.0), dict(mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2)):
+        mode = {"mirostat_mode": kw.pop("mirostat")} if "mirostat" in kw else {}
+        got = served(temperature=1.0, seed=11, top_k=0, **kw, **({"mirostat": mode["mirostat_mode"]} if mode else {}))
+        assert got == direct(temperature=1.0, seed=11, top_k=0, top_p=1.0, **kw, **mode), kw
+    defaults = dict(repeat_last_n=64, dynatemp_range=0, xtc_probability=0, dry_multiplier=0.0, top_n_sigma=-1,
+                    grammar="", n_probs=0, ignore_eos=False, min_p=0.05, typical_p=1, repeat_penalty=1, mirostat=0)
+    assert served(temperature=0, **defaults) == greedy
+    for field, value in (("repeat_last_n", 128), ("dynatemp_range", 0.5), ("xtc_probability", 0.1),
+                         ("dry_multiplier", 0.8), ("top_n_sigma", 1.0), ("grammar", "root ::= \"a\""),
+                         ("n_probs", 3), ("ignore_eos", True), ("samplers", ["top_k"]), ("mirostat", 3),
+                         ("min_p", 1.5), ("repeat_penalty", 0)):
+        status, raw = managed.raw("POST", "/v1/completions", json.dumps({"prompt": PROMPT, field: value}))
+        assert status == 400 and json.loads(raw)["error"]["param"] == field, (field, raw)
+
+
 class _ByteVocab:
     """A stand-in for a ``Llama`` whose tokens are single bytes (a byte-level vocabulary's fallback
     tokens): token t is byte t, 0 the end of generation; ``generate`` yields a script."""

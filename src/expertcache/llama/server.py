@@ -139,6 +139,11 @@ DIALECT_PATHS = {path: name for name, paths in DIALECT_ROUTES.items() for path i
 LLAMA_PATHS = ("/tokenize", "/detokenize", "/apply-template", "/props", "/v1/chat/completions/input_tokens")
 """llama.cpp's server's paths served here besides OpenAI's (its ``/tokenize``, ``/detokenize``,
 ``/apply-template``, ``GET /props``, and its count of a chat's prompt)."""
+LLAMA_UNSERVED = {"repeat_last_n": (64,), "dynatemp_range": (0,), "xtc_probability": (0,), "dry_multiplier": (0,),
+                  "top_n_sigma": (-1,), "grammar": ("",), "n_probs": (0,), "ignore_eos": (False,), "samplers": ()}
+"""llama.cpp's sampling fields this server does not implement, and the values of each that change
+nothing (its defaults; ``repeat_last_n`` 64 is llama-cpp-python's fixed window): any other is a 400
+naming the field, never ignored."""
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions") + \
     tuple(DIALECT_PATHS) + LLAMA_PATHS
 
@@ -214,8 +219,25 @@ class _Sampling(_Strict):
     routed_experts_start_len: int | None = Field(None, ge=0)
     logit_bias: dict[str, float] | None = None  # token id -> [-100, 100] (constraints.logit_bias)
     response_format: ResponseFormat | None = None
+    # llama.cpp's sampling extensions (its server's names and defaults), served
+    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)
+    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)  # over the last 64 tokens
+    mirostat: Literal[0, 1, 2] = 0
+    mirostat_tau: float = Field(5.0, ge=0.0, le=100.0)
+    mirostat_eta: float = Field(0.1, ge=0.0, le=10.0)
     # OpenAI's options this server does not implement: refused when set (check_request), never ignored
     best_of: int | None = None
+    # llama.cpp's that it does not: refused where their value would change the answer (LLAMA_UNSERVED)
+    repeat_last_n: int | None = None
+    dynatemp_range: float | None = None
+    xtc_probability: float | None = None
+    dry_multiplier: float | None = None
+    top_n_sigma: float | None = None
+    grammar: str | None = None
+    n_probs: int | None = None
+    ignore_eos: bool | None = None
+    samplers: list | str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -634,7 +656,9 @@ class Generation:
         n_ctx = session.n_ctx
         temperature = body.temperature
         kw = completion_kwargs(max_tokens or n_ctx, temperature, body.top_p, body.seed)
-        kw.update(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, stop=body.stop)
+        kw.update(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, stop=body.stop,
+                  min_p=body.min_p, typical_p=body.typical_p, repeat_penalty=body.repeat_penalty,
+                  mirostat_mode=body.mirostat, mirostat_tau=body.mirostat_tau, mirostat_eta=body.mirostat_eta)
         if body.top_k is not None and temperature > 0:  # greedy is top-1 either way
             kw["top_k"] = body.top_k
         self.max_tokens = max_tokens
@@ -1073,6 +1097,12 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             raise ApiError(400, "n: one choice per request is served", param="n")
         if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        for field, inert in LLAMA_UNSERVED.items():
+            value = getattr(body, field)
+            if value is not None and value not in inert:
+                why = {"n_probs": " (ask logprobs)", "grammar": " (ask response_format with a JSON schema)"}
+                raise ApiError(400, f"{field}: llama.cpp's option is not served here{why.get(field, '')}; leave it "
+                               "out, or at its default", param=field)
         unserved = {"best_of": body.best_of not in (None, 1),
                     "top_logprobs": isinstance(body, CompletionRequest) and body.top_logprobs is not None,
                     "suffix": bool(getattr(body, "suffix", None)),
