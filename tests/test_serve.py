@@ -901,6 +901,60 @@ def test_llama_cpps_sampling_fields_are_served_or_refused(managed, small_gguf):
         assert status == 400 and json.loads(raw)["error"]["param"] == field, (field, raw)
 
 
+def test_llama_cpps_completion_endpoint_answers_in_its_shape(managed, small_gguf, greedy_text):
+    """``POST /completion`` (llama.cpp's own API): greedy text the same as ``llama generate``'s; its
+    defaults llama.cpp's (a seeded sample the same as llama-cpp-python's ``create_completion`` with
+    temperature 0.8, top-k 40, top-p 0.95, min-p 0.05); ``stop_type`` ``limit``, ``word`` (with its
+    ``stopping_word``) or ``eos``; token counts as ``/v1/completions`` counts them; streamed, the same
+    text a piece an event, then the answer, no ``[DONE]``; ``n_predict`` -1 stops within the context;
+    ``json_schema`` and ``logit_bias`` pairs held; what is refused is a 400 naming the field as the
+    request names it; ``/metrics`` counts the path."""
+    import llama_cpp
+
+    def post(body) -> tuple[int, dict]:
+        status, raw = managed.raw("POST", "/completion", json.dumps(body))
+        return status, json.loads(raw)
+
+    status, out = post({"prompt": PROMPT, "n_predict": 16, "temperature": 0})
+    openai_usage = managed.client().completions.create(model="small-moe", prompt=PROMPT, max_tokens=16,
+                                                       temperature=0).usage
+    assert status == 200 and out["content"] == greedy_text and out["stop"] is True and out["stop_type"] == "limit"
+    assert (out["tokens_evaluated"], out["tokens_predicted"]) == (openai_usage.prompt_tokens, 16)
+    assert out["prompt"] == PROMPT and out["timings"]["predicted_n"] == 16 and out["truncated"] is False
+    llm = llama_cpp.Llama(str(small_gguf), n_ctx=512, verbose=False, seed=0)
+    want = llm.create_completion(PROMPT, max_tokens=16, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                                 seed=7)["choices"][0]["text"]
+    assert post({"prompt": PROMPT, "n_predict": 16, "seed": 7})[1]["content"] == want  # llama.cpp's defaults
+    word = greedy_text[6:10]
+    status, cut = post({"prompt": PROMPT, "n_predict": 16, "temperature": 0, "stop": [word]})
+    assert (cut["content"], cut["stop_type"], cut["stopping_word"]) == (greedy_text[:greedy_text.index(word)], "word",
+                                                                        word)
+    status, raw = managed.raw("POST", "/completion", json.dumps({"prompt": PROMPT, "n_predict": 16, "temperature": 0,
+                                                                  "stream": True}))
+    events = [json.loads(e[len("data: "):]) for e in raw.decode().strip().split("\n\n")]
+    assert status == 200 and b"[DONE]" not in raw and all(e["stop"] is False for e in events[:-1])
+    assert "".join(e["content"] for e in events) == greedy_text and events[-1]["stop"] is True
+    assert events[-1]["tokens_predicted"] == 16 and events[-1]["has_new_line"] == ("\n" in greedy_text)
+    status, rest = post({"prompt": PROMPT, "temperature": 0})  # n_predict -1: to the end of generation or context
+    assert status == 200 and rest["stop_type"] in ("eos", "limit") and rest["content"].startswith(greedy_text)
+    assert rest["tokens_evaluated"] + rest["tokens_predicted"] <= 512
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    status, shaped = post({"prompt": PROMPT, "n_predict": 32, "json_schema": schema, "temperature": 0})
+    assert shaped["stop_type"] == "eos" and set(json.loads(shaped["content"])) == {"n"}
+    (bias_id,) = llm.tokenize(b" the", add_bos=False)
+    assert post({"prompt": PROMPT, "n_predict": 3, "temperature": 0, "logit_bias": [[bias_id, 100]]})[1][
+        "content"] == " the" * 3
+    for body, param in (({"n_predict": 0}, "n_predict"), ({"n_predict": -2}, "n_predict"),
+                        ({"return_tokens": True}, "return_tokens"), ({"logit_bias": [["hi", 1.0]]}, "logit_bias"),
+                        ({"logit_bias": [[1, False]]}, "logit_bias"), ({"prompt": ["a", "b"]}, "prompt"),
+                        ({"dry_multiplier": 0.5}, "dry_multiplier"), ({"json_schema": {"minimum": 1, "type": "integer"}},
+                                                                      "json_schema"),
+                        ({"temperature": "0.8"}, "temperature"), ({"prompt": [0, 10 ** 9]}, "prompt")):
+        status, err = post({"prompt": PROMPT, **body})
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+    assert managed.metrics()['expertcache_requests_total{endpoint="/completion",code="200"}'] >= 7
+
+
 class _ByteVocab:
     """A stand-in for a ``Llama`` whose tokens are single bytes (a byte-level vocabulary's fallback
     tokens): token t is byte t, 0 the end of generation; ``generate`` yields a script."""
@@ -1438,7 +1492,8 @@ def test_generated_schemas_tools_and_biases_are_a_200_or_a_400_and_json(server, 
     tool choices; logit biases; streamed or not): each a 200 or a 400, never a 5xx; a non-streamed
     text under a grammar that finished with ``stop`` is JSON, and so is a completed call's
     arguments; the server answers after all of it. Some chat bodies also to ``/apply-template`` and
-    ``/v1/chat/completions/input_tokens``: a 200 (a prompt, a count) or a 400. Against chatml (no
+    ``/v1/chat/completions/input_tokens``: a 200 (a prompt, a count) or a 400; some completions to
+    llama.cpp's ``/completion``: a 200 or a 400. Against chatml (no
     call format read) and a Hermes template (calls read back)."""
     import random
 
@@ -1465,6 +1520,15 @@ def test_generated_schemas_tools_and_biases_are_a_200_or_a_400_and_json(server, 
         status, raw = managed.raw("POST", "/v1/chat/completions" if chat else "/v1/completions", json.dumps(body))
         seen[status] += 1
         assert status in (200, 400), (status, body, raw[:300])
+        if not chat and prompts.random() < 0.3:  # the same completion, asked of llama.cpp's /completion
+            native = {k: v for k, v in body.items() if k != "max_tokens"}
+            got, answered = managed.raw("POST", "/completion", json.dumps({**native, "n_predict": body["max_tokens"]}))
+            assert got in (200, 400), (got, body, answered[:300])
+            if got == 200:  # the answer, or the stream's last event
+                last = json.loads(answered.decode().rstrip().rsplit("data: ", 1)[-1] if body["stream"] else answered)
+                assert last["stop"] is True and isinstance(last["content"], str), last
+            else:
+                assert json.loads(answered)["error"]["message"]
         if chat and prompts.random() < 0.3:  # the same body's prompt: rendered, or counted (llama.cpp's paths)
             path = prompts.choice(["/apply-template", "/v1/chat/completions/input_tokens"])
             got, rendered = managed.raw("POST", path, json.dumps(body))

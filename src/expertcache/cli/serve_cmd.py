@@ -17,7 +17,7 @@ from .llama_opts import add_generation_options, chat_template, open_session
 
 HELP = """Serve a GGUF MoE over HTTP with the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions,
 /v1/responses, streamed or not) and Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens),
-/health and /metrics (Prometheus), llama.cpp's /tokenize, /detokenize, /apply-template and /props, with
+/health and /metrics (Prometheus), llama.cpp's /completion, /tokenize, /detokenize, /apply-template and /props, with
 llama-cpp-python's Llama (tokenizer, chat template, sampling) and an expertcache page-cache mode deciding
 which experts stay in memory:
 --cache-memory SIZE bounds the managed mode's page cache (bytes, or P% = the dense part plus P% of the

@@ -12,8 +12,8 @@ Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST
 ``POST /v1/responses/input_tokens`` (:mod:`.responses`), Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (:mod:`.anthropic`): the chat path in their shapes,
 ``GET /metrics`` (Prometheus text format, :class:`Metrics`); llama.cpp's server's ``POST
-/tokenize``, ``/detokenize``, ``/apply-template``, ``/v1/chat/completions/input_tokens`` and
-``GET /props`` (:data:`LLAMA_PATHS`).
+/completion`` (its native API: :mod:`.native`), ``/tokenize``, ``/detokenize``, ``/apply-template``,
+``/v1/chat/completions/input_tokens`` and ``GET /props`` (:data:`LLAMA_PATHS`).
 
 Invariants:
 
@@ -105,7 +105,8 @@ from .toolcalls import MARKERS as CALL_MARKERS
 from .toolcalls import (ALTERNATIVES, DSV4, ENDS_THINKING, GEMMA4, GEMMA4_REOPEN, GEMMA4_TOOL_ROLE, HARMONY, KIMI_K3,
                         MINIMAX_M3, TAGS, TaggedCalls, call_format, gemma4_tool_responses, new_call_id, parse_tagged,
                         results_in_call_order)
-from . import MAX_SEED, anthropic, responses
+from . import MAX_SEED, anthropic, native, responses
+from .native import LLAMA_UNSERVED
 from .dialect import ToolName
 from .textgen import Session, completion_kwargs, request_figures, token_bytes
 
@@ -136,14 +137,10 @@ DIALECT_ROUTES = {"anthropic": ("/v1/messages", "/v1/messages/count_tokens"),
 """Each dialect's paths: a request answered, and one counted."""
 DIALECT_PATHS = {path: name for name, paths in DIALECT_ROUTES.items() for path in paths}
 """The dialect of each of its paths (its errors in its shape; every other path: OpenAI's)."""
-LLAMA_PATHS = ("/tokenize", "/detokenize", "/apply-template", "/props", "/v1/chat/completions/input_tokens")
-"""llama.cpp's server's paths served here besides OpenAI's (its ``/tokenize``, ``/detokenize``,
-``/apply-template``, ``GET /props``, and its count of a chat's prompt)."""
-LLAMA_UNSERVED = {"repeat_last_n": (64,), "dynatemp_range": (0,), "xtc_probability": (0,), "dry_multiplier": (0,),
-                  "top_n_sigma": (-1,), "grammar": ("",), "n_probs": (0,), "ignore_eos": (False,), "samplers": ()}
-"""llama.cpp's sampling fields this server does not implement, and the values of each that change
-nothing (its defaults; ``repeat_last_n`` 64 is llama-cpp-python's fixed window): any other is a 400
-naming the field, never ignored."""
+LLAMA_PATHS = ("/completion", "/tokenize", "/detokenize", "/apply-template", "/props",
+               "/v1/chat/completions/input_tokens")
+"""llama.cpp's server's paths served here besides OpenAI's (its native ``/completion``: :mod:`.native`;
+``/tokenize``, ``/detokenize``, ``/apply-template``, ``GET /props``, and its count of a chat's prompt)."""
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions") + \
     tuple(DIALECT_PATHS) + LLAMA_PATHS
 
@@ -1293,19 +1290,33 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         return {"prompt": text}
 
     async def generate(request: Request, kind: str):
-        """``kind``: ``completion``, ``chat`` or a dialect's name (:data:`DIALECTS`: its request is
-        decoded as the chat it asks for, and answered in its shapes)."""
+        """``kind``: ``completion``, ``chat``, a dialect's name (:data:`DIALECTS`: its request is
+        decoded as the chat it asks for, and answered in its shapes) or ``native`` (llama.cpp's
+        ``/completion``: decoded as the completion it asks for, answered in its shape: :mod:`.native`)."""
         t0 = time.perf_counter()
         endpoint = request.url.path
         dialect = kind if kind in DIALECTS else "openai"
         api = DIALECTS.get(dialect)
         if api is not None:
             kind = "chat"
+        native_of = None  # a /completion request (.native), as asked
+        if kind == "native":
+            kind = "completion"
+            native_of = True
         asked, origins = None, []
         try:
             raw = await read_body(request)
+            if native_of is not None:
+                native_of = parse_body(raw, native.Request)
+                try:
+                    made = native.to_completion(native_of, session.n_ctx)
+                except ValueError as exc:  # its refusals
+                    raise ApiError(400, str(exc), param=str(exc).split(":", 1)[0]) from None
+                body = validated(made, CompletionRequest)
+            else:
+                body = None
             if kind == "completion":
-                body = parse_body(raw, CompletionRequest)
+                body = body or parse_body(raw, CompletionRequest)
                 prompt = body.prompt
                 if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a list of prompts
                     if len(prompt) != 1:
@@ -1330,6 +1341,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             left = await acquire(request)
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
+            if native_of is not None:  # the completion request's fields, named as the request has them
+                exc.message, exc.param = native.asked_message(exc.message), native.asked_field(exc.param)
             return asked_error(dialect, exc, origins).response(dialect)
         except ClientDisconnect:  # gone while its body was read: nobody to answer
             metrics.count(endpoint, 499)
@@ -1344,13 +1357,16 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 metrics.count(endpoint, 499)
                 return Response(status_code=499)
             gen = Generation(session, body=body, shutdown=stopping, tools=plan, bias=bias, variables=variables,
-                             preserved=preserved, reopen=reopen, fit_context=api is not None, **args)
+                             preserved=preserved, reopen=reopen, fit_context=api is not None or native_of is not None,
+                             **args)
             first = await workers.decode.call(gen.start)
             if body.return_routed_experts:
                 gen.check_routed_start()
         except ApiError as exc:
             slot.release()
             metrics.count(endpoint, exc.status)
+            if native_of is not None:
+                exc.message, exc.param = native.asked_message(exc.message), native.asked_field(exc.param)
             return asked_error(dialect, exc, origins).response(dialect)
         except BaseException:
             if gen is not None:
@@ -1360,7 +1376,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         ttft = time.perf_counter() - t0
         first_rows = gen.take_rows()
         prompt_text = ""  # a completion's prompt as text (token ids: theirs), for echo and the offsets
-        if kind == "completion" and (gen.echo or gen.top is not None):
+        if kind == "completion" and (gen.echo or gen.top is not None or native_of is not None):
             given = args["prompt"]
             prompt_text = given if isinstance(given, str) else _text(session.llama.detokenize(given))
         lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", len(prompt_text), preserved)
@@ -1412,6 +1428,11 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 metrics.decode_rate = figures["decode_tokens_per_s"]
             return usage
 
+        def native_answer(text: str, usage: dict, streamed: bool = False) -> dict:
+            """The ``/completion`` answer (:func:`.native.answer`)."""
+            return native.answer(model_id, text, gen.ended, gen.stop_sequence, usage, gen.figures(), gen.cached_tokens,
+                                 prompt_text, native.settings(native_of, body), streamed)
+
         if not body.stream:
             pieces, rows, gone = [echo, first or ""], first_rows, False
             task, looked = None, time.monotonic()
@@ -1444,6 +1465,8 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 return Response(status_code=499) if gone else shutting_down(dialect)
             metrics.count(endpoint, 200)
             text = "".join(pieces)
+            if native_of is not None:
+                return JSONResponse(native_answer(text, usage))
             if kind == "completion":
                 choice = {"index": 0, "text": text, "logprobs": lp and lp.of(rows, echoed),
                           "finish_reason": gen.finish or "stop"}
@@ -1571,12 +1594,29 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             yield "data: [DONE]\n\n"
             outcome.append(200)
 
+        async def native_events():
+            """llama-server's stream of ``/completion``: a piece an event, then the answer; no ``[DONE]``."""
+            pieces = []
+            async for c in chunks():
+                if c is None:  # the server is stopping: an error event instead of the answer
+                    outcome.append(503)
+                    yield "data: " + json.dumps({"error": {"message": "the server is shutting down",
+                                                           "type": "server_error", "code": "shutting_down"}}) + "\n\n"
+                    return
+                piece = c["choices"][0]["text"]
+                if piece:
+                    pieces.append(piece)
+                    yield "data: " + json.dumps(native.chunk(piece)) + "\n\n"
+            yield "data: " + json.dumps(native_answer("".join(pieces), finished(), streamed=True)) + "\n\n"
+            outcome.append(200)
+
         async def release() -> None:
             await producer.stop()
             slot.release()
             metrics.count(endpoint, outcome[0] if outcome else 499)  # 499: the client closed the stream first
 
-        return SlotStream(dialect_events() if api is not None else events(), release)
+        return SlotStream(dialect_events() if api is not None else native_events() if native_of is not None else
+                          events(), release)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -1585,6 +1625,10 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generate(request, "chat")
+
+    @app.post("/completion")
+    async def native_completion(request: Request):
+        return await generate(request, "native")
 
     def dialect_routes(dialect: str, create: str, count: str) -> None:
         async def answered(request: Request):
