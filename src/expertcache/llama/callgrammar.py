@@ -31,9 +31,9 @@ so that a ``"required"`` or named call is text the model learnt, read back by th
 Invariants (``tests/test_callgrammar.py``):
 
 * **What the grammar lets through, the reader reads back as a call to one of the tools, whose
-  arguments keep to its parameters** (with ``parallel``, as such calls, one or more; and a turn of
-  two calls as the template writes it is let through) (sampled under llama.cpp's grammar sampler and read by
-  :func:`~.toolcalls.parse_tagged`). A text value cannot hold what ends it: the parameter's closing
+  arguments keep to its parameters** (with ``parallel``: as such calls, one or more), sampled under
+  llama.cpp's grammar sampler and read by :func:`~.toolcalls.parse_tagged`; with ``parallel``, a
+  turn of two calls as the format's template writes it is let through. A text value cannot hold what ends it: the parameter's closing
   tag (Gemma 4's mark, MiniMax-M3's element close) or the block's (:func:`until`); where the reader
   takes a new line off each end of a value (:func:`~.toolcalls._unframed`) and the format does not
   frame values with them, a text value neither begins nor ends with one.

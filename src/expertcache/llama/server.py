@@ -1284,7 +1284,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                            param="tokens")
         return {"content": _text(token_bytes(session.llama._model.vocab, body.tokens, special=True))}
 
-    def prompt_text(prompt: str | list[int]) -> dict:
+    def rendered(prompt: str | list[int]) -> dict:
         """llama.cpp's ``/apply-template`` answer: ``{"prompt": TEXT}`` (a prompt of token ids: their text)."""
         text = prompt if isinstance(prompt, str) else _text(token_bytes(session.llama._model.vocab, prompt, special=True))
         return {"prompt": text}
@@ -1299,22 +1299,19 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         api = DIALECTS.get(dialect)
         if api is not None:
             kind = "chat"
-        native_of = None  # a /completion request (.native), as asked
-        if kind == "native":
+        is_native = kind == "native"  # llama.cpp's /completion (.native): its request as asked, native_asked
+        if is_native:
             kind = "completion"
-            native_of = True
-        asked, origins = None, []
+        asked, origins, native_asked, body = None, [], None, None
         try:
             raw = await read_body(request)
-            if native_of is not None:
-                native_of = parse_body(raw, native.Request)
+            if is_native:
+                native_asked = parse_body(raw, native.Request)
                 try:
-                    made = native.to_completion(native_of, session.n_ctx)
+                    made = native.to_completion(native_asked, session.n_ctx)
                 except ValueError as exc:  # its refusals
                     raise ApiError(400, str(exc), param=str(exc).split(":", 1)[0]) from None
                 body = validated(made, CompletionRequest)
-            else:
-                body = None
             if kind == "completion":
                 body = body or parse_body(raw, CompletionRequest)
                 prompt = body.prompt
@@ -1341,7 +1338,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             left = await acquire(request)
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
-            if native_of is not None:  # the completion request's fields, named as the request has them
+            if is_native:  # the completion request's fields, named as the request has them
                 exc.message, exc.param = native.asked_message(exc.message), native.asked_field(exc.param)
             return asked_error(dialect, exc, origins).response(dialect)
         except ClientDisconnect:  # gone while its body was read: nobody to answer
@@ -1357,7 +1354,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 metrics.count(endpoint, 499)
                 return Response(status_code=499)
             gen = Generation(session, body=body, shutdown=stopping, tools=plan, bias=bias, variables=variables,
-                             preserved=preserved, reopen=reopen, fit_context=api is not None or native_of is not None,
+                             preserved=preserved, reopen=reopen, fit_context=api is not None or is_native,
                              **args)
             first = await workers.decode.call(gen.start)
             if body.return_routed_experts:
@@ -1365,7 +1362,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         except ApiError as exc:
             slot.release()
             metrics.count(endpoint, exc.status)
-            if native_of is not None:
+            if is_native:
                 exc.message, exc.param = native.asked_message(exc.message), native.asked_field(exc.param)
             return asked_error(dialect, exc, origins).response(dialect)
         except BaseException:
@@ -1376,7 +1373,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         ttft = time.perf_counter() - t0
         first_rows = gen.take_rows()
         prompt_text = ""  # a completion's prompt as text (token ids: theirs), for echo and the offsets
-        if kind == "completion" and (gen.echo or gen.top is not None or native_of is not None):
+        if kind == "completion" and (gen.echo or gen.top is not None or is_native):
             given = args["prompt"]
             prompt_text = given if isinstance(given, str) else _text(session.llama.detokenize(given))
         lp = None if gen.top is None else Logprobs(session.llama, kind == "chat", len(prompt_text), preserved)
@@ -1431,7 +1428,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         def native_answer(text: str, usage: dict, streamed: bool = False) -> dict:
             """The ``/completion`` answer (:func:`.native.answer`)."""
             return native.answer(model_id, text, gen.ended, gen.stop_sequence, usage, gen.figures(), gen.cached_tokens,
-                                 prompt_text, native.settings(native_of, body), streamed)
+                                 prompt_text, native.settings(native_asked, body), streamed)
 
         if not body.stream:
             pieces, rows, gone = [echo, first or ""], first_rows, False
@@ -1465,7 +1462,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 return Response(status_code=499) if gone else shutting_down(dialect)
             metrics.count(endpoint, 200)
             text = "".join(pieces)
-            if native_of is not None:
+            if is_native:
                 return JSONResponse(native_answer(text, usage))
             if kind == "completion":
                 choice = {"index": 0, "text": text, "logprobs": lp and lp.of(rows, echoed),
@@ -1615,7 +1612,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             slot.release()
             metrics.count(endpoint, outcome[0] if outcome else 499)  # 499: the client closed the stream first
 
-        return SlotStream(dialect_events() if api is not None else native_events() if native_of is not None else
+        return SlotStream(dialect_events() if api is not None else native_events() if is_native else
                           events(), release)
 
     @app.post("/v1/completions")
@@ -1653,7 +1650,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
 
     @app.post("/apply-template")
     async def apply_template(request: Request):
-        return await prompt_of(request, "openai", prompt_text)
+        return await prompt_of(request, "openai", rendered)
 
     @app.post("/v1/chat/completions/input_tokens")
     async def chat_input_tokens(request: Request):
