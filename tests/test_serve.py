@@ -448,6 +448,28 @@ def test_the_context_settings_reach_llama_cpp(small_gguf):
         served.stop()
 
 
+def test_generate_takes_llama_cpps_sampling_options(small_gguf, greedy_text):
+    """``llama generate --top-k``, ``--min-p`` and ``--repeat-penalty`` (llama-cli's): hot sampling
+    with ``--top-k 1`` or ``--min-p`` near 1 is greedy; a repetition penalty at temperature 0 writes
+    what llama-cpp-python's own ``create_completion`` writes with it, not the greedy text; a value
+    out of range is one line."""
+    import llama_cpp
+
+    def gen(*args):
+        done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(small_gguf),
+                               "--prompt", PROMPT, "--max-new-tokens", "16", "--json", *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=300)
+        return done.returncode, done.stdout and json.loads(done.stdout)["text"], done.stderr
+
+    assert gen("--temperature", "1.5", "--seed", "5", "--min-p", "0.999")[1] == greedy_text
+    assert gen("--temperature", "1.5", "--seed", "5", "--top-k", "1", "--min-p", "0")[1] == greedy_text
+    llm = llama_cpp.Llama(str(small_gguf), n_ctx=512, verbose=False)
+    want = llm.create_completion(PROMPT, max_tokens=16, temperature=0, top_k=1, repeat_penalty=1.5)["choices"][0]["text"]
+    assert gen("--repeat-penalty", "1.5")[1] == want != greedy_text
+    code, _, err = gen("--min-p", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--min-p" in err, err
+
+
 def test_generate_streams_text_and_refuses_in_one_line(small_gguf, greedy_text, tmp_path):
     def gen(*args):
         return subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "generate", str(small_gguf), *args],

@@ -119,7 +119,8 @@ def run_generate(args) -> int:
         try:
             for piece in stream_text(session, prompt=text, messages=messages, max_tokens=args.max_new_tokens,
                                      temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                     grammar=grammar):
+                                     grammar=grammar, top_k=args.top_k, min_p=args.min_p,
+                                     repeat_penalty=args.repeat_penalty):
                 if isinstance(piece, dict):
                     figures = piece
                     break

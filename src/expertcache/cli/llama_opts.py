@@ -30,6 +30,13 @@ def add_generation_options(p) -> None:
                        help="nucleus sampling (default 1)")
         p.add_argument("--seed", type=sampling_seed, default=0,
                        help=f"sampling seed, 0 to {MAX_SEED} (llama.cpp's is 32-bit; default 0)")
+        p.add_argument("--top-k", type=_top_k, default=0, metavar="K",
+                       help="sample among the K likeliest tokens; 0 is off (default 0)")
+        p.add_argument("--min-p", type=float_in(0, 1), default=0.05, metavar="P",
+                       help="drop tokens less likely than P times the likeliest (default 0.05, llama.cpp's)")
+        p.add_argument("--repeat-penalty", type=float_in(0, 10, lo_open=True), default=1.0, metavar="X",
+                       help="llama.cpp's repetition penalty over the last 64 tokens, applied before a greedy pick "
+                            "too (default 1: off)")
         shape = p.add_mutually_exclusive_group()
         shape.add_argument("--json-schema", metavar="SCHEMA", default=None,
                            help="hold the text to this JSON schema (JSON text; {} is any JSON object), as llama.cpp's "
@@ -91,6 +98,10 @@ def add_readers(p) -> None:
 def sampling_seed(text: str) -> int:
     """A sampling seed: an integer in [0, :data:`~expertcache.llama.MAX_SEED`]."""
     return _int_in(text, 0, MAX_SEED, "a sampling seed", f"in 0..{MAX_SEED} (llama.cpp's seed is 32-bit)")
+
+
+def _top_k(text: str) -> int:
+    return _int_in(text, 0, 1 << 30, "a number of tokens", "0 or more")
 
 
 def _nonnegative_int(text: str) -> int:

@@ -487,14 +487,19 @@ def completion_kwargs(max_tokens: int, temperature: float, top_p: float, seed: i
 
 
 def stream_text(session: Session, *, prompt: str | None = None, messages: list | None = None, max_tokens: int = 64,
-                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, grammar=None):
+                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, grammar=None, top_k: int = 0,
+                min_p: float = 0.05, repeat_penalty: float = 1.0):
     """Yield the generated text piece by piece (``prompt``: a completion; ``messages``: a chat with
     the model's template; ``grammar``: a ``LlamaGrammar`` the tokens keep to,
-    :func:`~.constraints.response_grammar`), then a final ``dict``: :func:`request_figures`, ``finish_reason``,
+    :func:`~.constraints.response_grammar`; ``top_k`` (0: off), ``min_p``, ``repeat_penalty``:
+    llama.cpp's, as the server takes them), then a final ``dict``: :func:`request_figures`, ``finish_reason``,
     ``prompt_tokens``, ``completion_tokens`` (sampled; an end-of-generation token not counted),
     ``ttft_seconds`` (call to first piece) and ``stream_seconds`` (first piece to last)."""
     llm = session.llama
     kw = completion_kwargs(max_tokens, temperature, top_p, seed)
+    kw.update(min_p=min_p, repeat_penalty=repeat_penalty)
+    if top_k and temperature > 0:  # greedy is top-1 either way
+        kw["top_k"] = top_k
     if grammar is not None:
         kw["grammar"] = grammar
     before = session.snapshot()
