@@ -1759,8 +1759,8 @@ def test_auto_tool_calls_of_a_hermes_template(hermes):
 
 
 def test_llama_cpps_own_endpoints_tokenize_and_render_as_the_chat_endpoint_does(hermes):
-    """llama.cpp's ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/v1/chat/completions/input_tokens``
-    and ``GET /props``, through HTTP: the ids are the model's tokenizer's (llama-cpp-python's, asked
+    """llama.cpp's ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/v1/chat/completions/input_tokens``,
+    ``GET /props`` and ``/v1/models``' ``meta``, through HTTP: the ids are the model's tokenizer's (llama-cpp-python's, asked
     directly), special tokens read as one unless ``parse_special`` is false, BOS with ``add_special``;
     each piece its text, or its bytes where they are not UTF-8, the pieces the content's bytes;
     ``/detokenize`` gives the text back, an id outside the vocabulary or a mistyped field a 400; the
@@ -1809,6 +1809,17 @@ def test_llama_cpps_own_endpoints_tokenize_and_render_as_the_chat_endpoint_does(
     assert status == 200 and counted == {"object": "response.input_tokens", "input_tokens": len(ids)}
     assert asked.usage.prompt_tokens == len(ids)
     assert post("/apply-template", {"messages": []})[0] == 400
+    from expertcache.formats.gguf import read_geometry
+
+    meta = read_geometry(str(hermes.gguf)).metadata  # the header as expertcache reads it, against llama.cpp's
+    arch = meta["general.architecture"]
+    (listed,) = hermes.client().models.list().data
+    assert listed.id == "small-moe" and listed.meta == {
+        "vocab_type": llama_cpp.llama_vocab_type(llm._model.vocab), "n_vocab": llm.n_vocab(),
+        "n_ctx_train": meta[f"{arch}.context_length"], "n_embd": meta[f"{arch}.embedding_length"],
+        "n_params": llama_cpp.llama_model_n_params(llm.model),
+        "size": llama_cpp.llama_model_size(llm.model)}  # llama-server's meta, as llama.cpp reports the model
+    assert listed.meta["size"] > 0.9 * hermes.gguf.stat().st_size
     status, raw = hermes.raw("GET", "/props")
     props = json.loads(raw)
     assert status == 200 and props["default_generation_settings"]["n_ctx"] == 512 and props["total_slots"] == 1

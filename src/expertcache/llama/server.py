@@ -85,6 +85,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 import anyio
+import llama_cpp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse as _JSONResponse
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
@@ -1664,11 +1665,20 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
                 "modalities": {"vision": False, "audio": False}, "build_info": f"expertcache {version}",
                 "is_sleeping": False, "mode": session.mode}
 
+    llm_model = session.llama.model  # llama.cpp's model: its sizes, read once
+    meta = {"vocab_type": int(llama_cpp.llama_vocab_type(session.llama._model.vocab)),
+            "n_vocab": session.llama.n_vocab(), "n_ctx_train": int(llama_cpp.llama_model_n_ctx_train(llm_model)),
+            "n_embd": int(llama_cpp.llama_model_n_embd(llm_model)),
+            "n_params": int(llama_cpp.llama_model_n_params(llm_model)),
+            "size": int(llama_cpp.llama_model_size(llm_model))}
+    """``/v1/models``' ``meta``, as llama-server gives it (the trained context, the width, the
+    parameters and the tensors' bytes, from llama.cpp's model)."""
+
     @app.get("/v1/models")
     async def models():
         metrics.count("/v1/models", 200)
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "expertcache"}]}
+                                            "owned_by": "expertcache", "meta": meta}]}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
