@@ -1881,6 +1881,52 @@ def test_api_keys_are_asked_of_every_request_but_health_and_models(small_gguf, t
         assert done.returncode == 2 and len(lines) == 1 and match in lines[0], (args, done.stderr)
 
 
+def test_allowed_origins_let_a_page_of_that_origin_read_the_answers(small_gguf):
+    """``--allowed-origins`` (CORS, vLLM's option): a browser's preflight from an allowed origin is
+    answered without a key, a disallowed one is not allowed; answers (a 401 too, with a key asked)
+    carry ``Access-Control-Allow-Origin`` for the allowed origin only; without the option no answer
+    carries it; a malformed origin is one line."""
+    served = Server(small_gguf, "--ctx", "256", "--api-key", "k1", "--allowed-origins",
+                    "http://app.example.test, https://b.example.test:8443")
+    plain = Server(small_gguf, "--ctx", "256")
+    try:
+        page = "http://app.example.test"
+        preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        conn = http.client.HTTPConnection(served.host, served.port, timeout=60)
+        conn.request("OPTIONS", "/v1/completions", headers=preflight)
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200 and resp.getheader("access-control-allow-origin") == page
+        assert "POST" in resp.getheader("access-control-allow-methods")
+        conn.request("OPTIONS", "/v1/completions", headers={**preflight, "Origin": "http://evil.example.test"})
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 400 and resp.getheader("access-control-allow-origin") is None
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 2})
+        for key, status in (("k1", 200), ("k2", 401)):
+            for origin, allowed in ((page, page), ("https://b.example.test:8443", "https://b.example.test:8443"),
+                                    ("http://evil.example.test", None)):
+                conn.request("POST", "/v1/completions", body=body, headers={
+                    "Origin": origin, "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+                assert (resp.status, resp.getheader("access-control-allow-origin")) == (status, allowed), (key, origin)
+        conn.close()
+        conn = http.client.HTTPConnection(plain.host, plain.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=body, headers={"Origin": page, "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200 and resp.getheader("access-control-allow-origin") is None
+        conn.close()
+    finally:
+        served.stop()
+        plain.stop()
+    done = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "serve", str(small_gguf), "--allowed-origins",
+                           "app.example.test/path"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--allowed-origins" in done.stderr
+
+
 def test_a_chat_template_file_stands_for_the_ggufs_own(hermes, tmp_path, tmp_path_factory):
     """``--chat-template-file`` (llama.cpp's): its template formats the chats of a GGUF that has none,
     and tells the server the call and thinking formats (``required`` among two tools is a Hermes

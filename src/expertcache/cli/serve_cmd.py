@@ -6,6 +6,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import signal
 import sys
 
@@ -65,6 +66,10 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="API keys from this file, one a line (beside --api-key's); keeps them out of the process "
                         "list")
+    p.add_argument("--allowed-origins", type=origins, default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="web origins whose pages may call the server from a browser (CORS), as vLLM's option: "
+                        "https://app.example.com, or * for any (default none: no page of another origin can "
+                        "read an answer)")
     p.add_argument("--chat-template-kwargs", type=template_kwargs, default=None, metavar="JSON",
                    help="variables the chat template is rendered with, as a JSON object (e.g. "
                         "'{\"enable_thinking\": false}' for Qwen3); a request's chat_template_kwargs add to them")
@@ -89,6 +94,16 @@ def template_kwargs(text: str) -> dict:
     if not isinstance(obj, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object of template variables, got {type(obj).__name__}")
     return obj
+
+
+def origins(text: str) -> tuple[str, ...]:
+    """``--allowed-origins``: ``*``, or origins ``scheme://host[:port]`` separated by commas."""
+    found = tuple(o.strip() for o in text.split(","))
+    for o in found:
+        if o != "*" and not re.fullmatch(r"https?://[^/\s,*]+", o):
+            raise argparse.ArgumentTypeError(f"expected * or origins such as https://app.example.com (a scheme and a "
+                                             f"host, no path), got {o[:60]!r}")
+    return found
 
 
 def listen_host(text: str) -> str:
@@ -184,7 +199,7 @@ def run(args) -> int:
         serve(session, host=args.host, port=args.port, model_id=model_id, announce=announce, wall_state=wall_state,
               version=__version__, max_connections=args.max_connections, request_seconds=args.request_timeout,
               bandwidth=bandwidth, workers=workers, reasoning_format=args.reasoning_format or "auto",
-              template_kwargs=args.chat_template_kwargs, api_keys=keys)
+              template_kwargs=args.chat_template_kwargs, api_keys=keys, allowed_origins=args.allowed_origins or ())
     return 0
 
 
@@ -241,10 +256,12 @@ def run_walled(args) -> int:
     for opt in ("mode", "cache_memory", "policy", "threads", "readers", "ctx", "chat_format", "chat_template_file",
                 "host", "port", "model_alias", "max_connections", "request_timeout", "reasoning_format",
                 "chat_template_kwargs", "flash_attn", "cache_type_k", "cache_type_v", "batch_size", "ubatch_size",
-                "api_key", "api_key_file"):
+                "api_key", "api_key_file", "allowed_origins"):
         value = getattr(args, opt)
         if opt in ("chat_template_file", "api_key_file") and value is not None:
             value = os.path.abspath(value)  # as the model's path: the child reads the same file
+        if isinstance(value, tuple):  # --allowed-origins, as given
+            value = ",".join(value)
         if value is not None:
             argv += ["--" + opt.replace("_", "-"), json.dumps(value) if isinstance(value, dict) else str(value)]
     if args.cache_memory is None and (args.mode in (None, "managed")):

@@ -91,6 +91,7 @@ from fastapi.responses import JSONResponse as _JSONResponse
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError
@@ -1016,9 +1017,12 @@ class Guard:
 
 def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, version: str = "",
                bandwidth: dict | None = None, workers: "Workers | None" = None, reasoning_format: str = "auto",
-               template_kwargs: dict | None = None, api_keys: tuple[str, ...] = ()) -> FastAPI:
+               template_kwargs: dict | None = None, api_keys: tuple[str, ...] = (),
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The FastAPI app serving ``session`` as model ``model_id`` (see the module docstring);
     ``api_keys``: the keys a request must present (:class:`Guard`; none: no key asked);
+    ``allowed_origins``: the web origins whose pages may read the answers (CORS; ``*``: any; none:
+    no page of another origin);
     ``bandwidth``: :class:`Metrics`'s; ``workers``: the threads requests run on (made here if None);
     ``reasoning_format`` and ``template_kwargs``: a chat's defaults (``--reasoning-format``,
     ``--chat-template-kwargs``), which its ``reasoning_format`` and ``chat_template_kwargs`` override.
@@ -1031,6 +1035,9 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
     stopping = threading.Event()
     app.state.metrics, app.state.session, app.state.stopping = metrics, session, stopping
     app.add_middleware(Guard, metrics=metrics, api_keys=api_keys)
+    if allowed_origins:  # outside the Guard: a preflight carries no key, and a 401 is readable by the page
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "HEAD"],
+                           allow_headers=["*"], max_age=600)
     slot = Slot()
     created = int(time.time())
     roles = rendered_roles(session.llama) if session.chat_ready else {}  # the template is fixed: asked once
@@ -1923,7 +1930,7 @@ def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_
           announce=None, wall_state=None, version: str = "", max_connections: int | None = None,
           request_seconds: float | None = None, bandwidth: dict | None = None,
           workers: Workers | None = None, reasoning_format: str = "auto", template_kwargs: dict | None = None,
-          api_keys: tuple[str, ...] = ()) -> None:
+          api_keys: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ()) -> None:
     """Serve until SIGTERM / SIGINT. The socket is bound first (``port`` 0: any free port), then
     ``announce(url)`` is called (the CLI prints it), then requests are answered. ``max_connections``
     and ``request_seconds`` (default :data:`MAX_CONNECTIONS`, :data:`REQUEST_SECONDS`):
@@ -1933,7 +1940,8 @@ def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_
     import uvicorn
 
     app = create_app(session, model_id=model_id, version=version, bandwidth=bandwidth, workers=workers,
-                     reasoning_format=reasoning_format, template_kwargs=template_kwargs, api_keys=api_keys)
+                     reasoning_format=reasoning_format, template_kwargs=template_kwargs, api_keys=api_keys,
+                     allowed_origins=allowed_origins)
     if wall_state is not None:
         app.state.metrics.wall = wall_state
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
