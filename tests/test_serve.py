@@ -1881,6 +1881,16 @@ def test_api_keys_are_asked_of_every_request_but_health_and_models(small_gguf, t
         assert done.returncode == 2 and len(lines) == 1 and match in lines[0], (args, done.stderr)
 
 
+def test_a_server_stopped_as_soon_as_it_announces_itself_exits(small_gguf):
+    """SIGTERM right after the URL is announced (a supervisor that starts and stops it, a test that
+    fails at once): the server exits 0 within seconds, each of three times. It had run on for ever:
+    the signal came after the server's own handler (which only notes it, for uvicorn to act on) and
+    before uvicorn listened for signals."""
+    for _ in range(3):
+        code, err = Server(small_gguf, "--ctx", "256").stop()  # stop: SIGTERM, then at most 30 s
+        assert code == 0, err
+
+
 def test_allowed_origins_let_a_page_of_that_origin_read_the_answers(small_gguf):
     """``--allowed-origins`` (CORS, vLLM's option): a browser's preflight from an allowed origin is
     answered without a key, a disallowed one is not allowed; answers (a 401 too, with a key asked)

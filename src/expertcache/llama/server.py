@@ -71,6 +71,7 @@ import base64
 import codecs
 import collections
 import concurrent.futures
+import contextlib
 import hmac
 import math
 import json
@@ -1960,20 +1961,29 @@ def serve(session: Session, *, host: str = "127.0.0.1", port: int = 8000, model_
                                                   request_seconds or REQUEST_SECONDS, app.state.metrics.count))
     for name in ("uvicorn.error", "asyncio"):
         logging.getLogger(name).addFilter(one_line)
+    # uvicorn catches SIGTERM/SIGINT to shut down, then re-raises them to the handlers it found: make
+    # those note the signal only, so that the model is closed and the process exits 0. They are set
+    # before the URL is announced: a signal from then on is noted, and acted on once uvicorn listens.
+    stops: list[int] = []
+
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
             app.state.stopping.set()  # waiting requests get a 503, the decode in progress ends
             await super().shutdown(sockets)
 
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                if stops:  # it came before uvicorn listened (it had been noted only: the server ran on)
+                    self.handle_exit(stops[0], None)
+                yield
+
     server = Server(config)
-    if announce is not None:
-        announce(f"http://{f'[{host}]' if ':' in host else host}:{bound}")
-    # uvicorn catches SIGTERM/SIGINT to shut down, then re-raises them to the handlers it found: make
-    # those note the signal only, so that the model is closed and the process exits 0
-    stops: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        if announce is not None:
+            announce(f"http://{f'[{host}]' if ':' in host else host}:{bound}")
         server.run(sockets=[sock])
     finally:
         sock.close()
