@@ -11,7 +11,9 @@ and a cgroup wall; skips with the reason otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -63,6 +65,18 @@ def unmanaged_text(gguf: Path) -> str:
     return json.loads(done.stdout)["text"]
 
 
+def left_behind(pid: int | None) -> None:
+    """Kill the walled server ``pid`` if it still runs (its parent gone: a failed test's)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            serving = b"expertcache.cli.main\0serve" in fh.read()
+    except (OSError, TypeError):
+        return
+    if serving:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_served_behind_a_half_wall_with_its_proof_by_default(models, family):
     gguf = models[family]
@@ -72,6 +86,7 @@ def test_served_behind_a_half_wall_with_its_proof_by_default(models, family):
                              "unused"],
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
+    info = {}
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
@@ -113,6 +128,8 @@ def test_served_behind_a_half_wall_with_its_proof_by_default(models, family):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+        finally:  # the server in the wall runs in a session of its own: never left behind by a failure
+            left_behind(info.get("pid"))
     err = proc.stderr.read()
     assert code == 0, err  # stopped cleanly and the wall's proof held
     last = err.strip().splitlines()[-1]
