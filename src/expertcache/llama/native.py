@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import MAX_SEED
+from . import MAX_SEED, dialect
 
 LLAMA_UNSERVED = {"repeat_last_n": (64,), "dynatemp_range": (0,), "xtc_probability": (0,), "dry_multiplier": (0,),
                   "top_n_sigma": (-1,), "grammar": ("",), "n_probs": (0,), "ignore_eos": (False,), "samplers": ()}
@@ -37,8 +37,8 @@ naming the field, never ignored (on every completion and chat endpoint)."""
 PASSED = ("model", "presence_penalty", "frequency_penalty", "stop", "min_p", "typical_p", "repeat_penalty", "mirostat",
           "mirostat_tau", "mirostat_eta", *LLAMA_UNSERVED)
 """Fields of a ``/completion`` request passed on to the ``/v1/completions`` request as they are."""
-RENAMED = {"max_tokens": "n_predict", "response_format": "json_schema"}
-"""The ``/v1/completions`` request's fields a ``/completion`` request names otherwise."""
+RENAMED = ((r"^max_tokens\b", "n_predict"), (r"^response_format", "json_schema"))
+"""The ``/v1/completions`` request's fields a ``/completion`` request names otherwise (:func:`asked_fields`)."""
 
 
 class Request(BaseModel):
@@ -87,17 +87,10 @@ def to_completion(req: Request, n_ctx: int) -> dict:
     return body
 
 
-def asked_field(name: str | None) -> str | None:
-    """A ``/v1/completions`` field as the ``/completion`` request names it."""
-    return RENAMED.get(name, name) if name is not None else None
-
-
-def asked_message(message: str) -> str:
-    """An error message about the ``/v1/completions`` request, its fields named as the ``/completion``
-    request names them."""
-    for name, asked in RENAMED.items():
-        message = message.replace(name, asked)
-    return message
+def asked_fields(text: str) -> str:
+    """An error message (or its ``param``) about the ``/v1/completions`` request, its leading field
+    named as the ``/completion`` request names it (the dialects' rule: :func:`~.dialect.asked_fields`)."""
+    return dialect.asked_fields(text, [], RENAMED)
 
 
 def settings(req: Request, body) -> dict:

@@ -655,12 +655,10 @@ class Generation:
         llm = session.llama
         n_ctx = session.n_ctx
         temperature = body.temperature
-        kw = completion_kwargs(max_tokens or n_ctx, temperature, body.top_p, body.seed)
+        kw = completion_kwargs(max_tokens or n_ctx, temperature, body.top_p, body.seed, body.top_k)
         kw.update(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, stop=body.stop,
                   min_p=body.min_p, typical_p=body.typical_p, repeat_penalty=body.repeat_penalty,
                   mirostat_mode=body.mirostat, mirostat_tau=body.mirostat_tau, mirostat_eta=body.mirostat_eta)
-        if body.top_k is not None and temperature > 0:  # greedy is top-1 either way
-            kw["top_k"] = body.top_k
         self.max_tokens = max_tokens
         self.top = (body.logprobs if not self.chat else (body.top_logprobs or 0) if body.logprobs else None)
         """Alternatives per token of the request's ``logprobs`` (None: none asked)."""
@@ -1190,12 +1188,15 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         except ApiError as exc:
             raise asked_error(dialect, exc, origins) from None
 
-    def asked_error(dialect: str, exc: ApiError, origins: list[str]) -> ApiError:
+    def asked_error(dialect: str, exc: ApiError, origins: list[str], named=None) -> ApiError:
         """``exc`` (about the chat request made of a dialect's) naming the field of the request as asked,
-        in its message and its ``param``."""
-        if dialect in DIALECTS:
-            exc.message = DIALECTS[dialect].asked_fields(exc.message, origins)
-            exc.param = exc.param and DIALECTS[dialect].asked_fields(exc.param, origins)
+        in its message and its ``param`` (``named``: another request's naming, text -> text:
+        :func:`.native.asked_fields` for llama.cpp's ``/completion``)."""
+        if named is None and dialect in DIALECTS:
+            named = lambda text: DIALECTS[dialect].asked_fields(text, origins)  # noqa: E731
+        if named is not None:
+            exc.message = named(exc.message)
+            exc.param = exc.param and named(exc.param)
         return exc
 
     def chat_messages(body: ChatRequest) -> list[dict]:
@@ -1309,6 +1310,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         if api is not None:
             kind = "chat"
         is_native = kind == "native"  # llama.cpp's /completion (.native): its request as asked, native_asked
+        named = native.asked_fields if is_native else None  # its errors name its own fields
         if is_native:
             kind = "completion"
         asked, origins, native_asked, body = None, [], None, None
@@ -1347,9 +1349,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
             left = await acquire(request)
         except ApiError as exc:
             metrics.count(endpoint, exc.status)
-            if is_native:  # the completion request's fields, named as the request has them
-                exc.message, exc.param = native.asked_message(exc.message), native.asked_field(exc.param)
-            return asked_error(dialect, exc, origins).response(dialect)
+            return asked_error(dialect, exc, origins, named).response(dialect)
         except ClientDisconnect:  # gone while its body was read: nobody to answer
             metrics.count(endpoint, 499)
             return Response(status_code=499)
@@ -1371,9 +1371,7 @@ def create_app(session: Session, *, model_id: str, max_queue: int = MAX_QUEUE, v
         except ApiError as exc:
             slot.release()
             metrics.count(endpoint, exc.status)
-            if is_native:
-                exc.message, exc.param = native.asked_message(exc.message), native.asked_field(exc.param)
-            return asked_error(dialect, exc, origins).response(dialect)
+            return asked_error(dialect, exc, origins, named).response(dialect)
         except BaseException:
             if gen is not None:
                 await workers.decode.call(gen.close)

@@ -480,10 +480,12 @@ NEEDS_HF_TOKENIZER = ("functionary-v1", "functionary-v2")
 chat was a 500 in serve, exit 70 in generate)."""
 
 
-def completion_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | None) -> dict:
-    """Sampling arguments of ``Llama.create_completion``: temperature 0 is greedy."""
+def completion_kwargs(max_tokens: int, temperature: float, top_p: float, seed: int | None,
+                      top_k: int | None = None) -> dict:
+    """Sampling arguments of ``Llama.create_completion``: temperature 0 is greedy (top-1 whatever
+    ``top_k`` says); else ``top_k`` (None or 0: off)."""
     return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-            "top_k": 0 if temperature > 0 else 1, "repeat_penalty": 1.0}
+            "top_k": (top_k or 0) if temperature > 0 else 1, "repeat_penalty": 1.0}
 
 
 def stream_text(session: Session, *, prompt: str | None = None, messages: list | None = None, max_tokens: int = 64,
@@ -496,10 +498,8 @@ def stream_text(session: Session, *, prompt: str | None = None, messages: list |
     ``prompt_tokens``, ``completion_tokens`` (sampled; an end-of-generation token not counted),
     ``ttft_seconds`` (call to first piece) and ``stream_seconds`` (first piece to last)."""
     llm = session.llama
-    kw = completion_kwargs(max_tokens, temperature, top_p, seed)
+    kw = completion_kwargs(max_tokens, temperature, top_p, seed, top_k)
     kw.update(min_p=min_p, repeat_penalty=repeat_penalty)
-    if top_k and temperature > 0:  # greedy is top-1 either way
-        kw["top_k"] = top_k
     if grammar is not None:
         kw["grammar"] = grammar
     before = session.snapshot()
