@@ -8,13 +8,14 @@
    width 512, 128 experts, top-8, 12 layers, grouped-query attention, per-head q/k norms).
 2. Per model and thread count (--threads, default 1 and 2):
    * the compute rates (``size``'s and this prompt's, in both page states of
-     ``roofline.PAGE_STATES``; ``size``'s also as the managed step runs, ``forecast.COMPUTE_TIMINGS``),
-     the device's bandwidths and the managed mode's hinted reads (``roofline.hinted_bandwidth``) measured afresh,
+     ``roofline.PAGE_STATES``; ``size``'s also as the managed and advise steps run, ``forecast.COMPUTE_TIMINGS``),
+     the device's bandwidths and the modes' own reads (``roofline.hinted_bandwidth``,
+     ``roofline.faulted_bandwidth``) measured afresh,
      into the cache the forecasts and the runs' roofline read (a cached figure lives a day, and this
      shared host's speed drifts by more than the targets' 15% within one);
    * the forecast first: ``expertcache size MODEL --memory WALL --threads T --trace CAPTURED --json``
      at every wall (the trace: this prompt's own decode captured by ``expertcache capture --keep-prompt``,
-     whose prompt rows warm the managed pool's replay as the run's prefill warms its pool), and
+     whose prompt rows are replayed first, uncounted, as the run's prefill reads before its decode), and
      once more without ``--trace`` (the matched synthetic trace a user without a capture gets);
    * then the measurement: the unwalled ``mmap`` reference (no observer, no graph split: plain
      llama.cpp) and every (wall, mode) cell, --runs runs each (``managed-python``: the ``managed`` mode
@@ -58,7 +59,7 @@ from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.llama.convert import convert_random  # noqa: E402
 from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.quantize import quantize  # noqa: E402
-from expertcache.llama.forecast import measure_compute, measure_hinted  # noqa: E402
+from expertcache.llama.forecast import measure_compute, measure_faulted, measure_hinted  # noqa: E402
 from expertcache.llama.roofline import (PAGE_STATES, STEPS, compute_rate, device_bandwidths, limits,  # noqa: E402
                                         pages_of, prefill_compute_rate, roofline)
 from expertcache.llama.runner import request_bytes, run_one  # noqa: E402
@@ -358,8 +359,8 @@ def main() -> int:
             for step in STEPS:
                 print(f"{name} T{threads}: compute rate as the {step} step runs "
                       f"{measure_compute(g, threads, True, step)[0]:.3g} tok/s (size's prompt)", flush=True)
-            print(f"{name} T{threads}: the managed mode's hinted reads {measure_hinted(g, fresh=True)[0] / 1e9:.3g} GB/s",
-                  flush=True)
+            print(f"{name} T{threads}: hinted reads (advise, managed) {measure_hinted(g, fresh=True)[0] / 1e9:.3g} GB/s, "
+                  f"faulted reads (mmap) {measure_faulted(g, fresh=True)[0] / 1e9:.3g} GB/s", flush=True)
             fc = {w: forecast(files[name], w, threads, trace) for w in walls}  # predicted before anything is measured
             fc_syn = {w: forecast(files[name], w, threads, None) for w in walls}
             print(f"{name} T{threads}: forecast " + ", ".join(
@@ -384,7 +385,7 @@ def main() -> int:
             "each mode's limit takes its own, `mmap` faulted, the others hinted); `managed-python` is `managed` with its "
             "Python step instead of the compiled one (the A/B). Forecasts by `expertcache size MODEL --memory WALL --threads T` made before the runs: with "
             "`--trace` (this prompt's forward and decode captured: `capture --generate N --keep-prompt`, the prompt "
-            "warming the managed pool's replay) and without (a matched synthetic trace); error = forecast / "
+            "replayed first, uncounted, in every mode's replay) and without (a matched synthetic trace); error = forecast / "
             "measured median - 1.", ""]
     tgt = targets(results, pre)
     block = "\n".join(head + blocks + pre_lines + ["", "**Targets (issue 33)**", "", *tgt, END])

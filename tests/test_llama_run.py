@@ -277,7 +277,8 @@ def test_compute_rate_is_timed_and_kept_per_page_state(gguf_path, prompt, tmp_pa
 def test_compute_rate_as_the_managed_step_runs(gguf_path, prompt, tmp_path, monkeypatch):
     """``step="managed"``: the compute rate timed with the managed mode's own advisor observing every
     forward (its pool every expert: the first pass loads, nothing is ever dropped), kept apart from
-    the plain hinted rate; a step of another mode, or in another page state, is a one-line error."""
+    the plain hinted rate; ``step="advise"`` likewise with advise's; a step of another mode, or in
+    another page state, is a one-line error."""
     import expertcache.llama.roofline as rl
     from expertcache.errors import ConfigError
 
@@ -298,8 +299,12 @@ def test_compute_rate_as_the_managed_step_runs(gguf_path, prompt, tmp_path, monk
     assert adv.mode == "managed" and adv.managed_loads > 0 and adv.managed_drops == 0 and adv.n_tokens > 0
     again = rl.compute_rate(str(gguf_path), prompt, 4, pages="hinted", step="managed")
     assert again["cached"] and again["tokens_per_s"] == stepped["tokens_per_s"] and len(made) == 1
-    for step, pages in (("advise", "hinted"), ("managed", "faulted")):
-        with pytest.raises(ConfigError, match=f"step '{step}': one of managed, in its own page state"):
+    # advise's callback observes too, hinting every routed expert, in the hinted pages it runs in
+    advised = rl.compute_rate(str(gguf_path), prompt, 4, pages="hinted", step="advise")
+    assert not advised["cached"] and advised["step"] == "advise" and advised["tokens_per_s"] > 0
+    assert made[-1].mode == "advise" and made[-1].hints > 0 and made[-1].n_tokens > 0 and len(made) == 2
+    for step, pages in (("pin", "hinted"), ("managed", "faulted"), ("advise", "faulted")):
+        with pytest.raises(ConfigError, match=f"step '{step}': one of managed, advise, in its own page state"):
             rl.compute_rate(str(gguf_path), prompt, 4, pages=pages, step=step)
 
 
@@ -336,6 +341,36 @@ def test_hinted_bandwidth_reads_as_the_managed_step_does(gguf_path, tmp_path, mo
     drops = [(off // 4096 * 4096, -(-(off + n) // 4096) * 4096 - off // 4096 * 4096) for off, n in joined]
     assert [d for d in dropped if d[1]] == drops
     assert rl.hinted_bandwidth(g)["cached"]
+
+
+def test_faulted_bandwidth_reads_as_llama_cpp_maps(gguf_path, tmp_path, monkeypatch):
+    """mmap's miss path timed on the file: opened POSIX_FADV_SEQUENTIAL as llama.cpp opens it, no
+    hint, the bytes those of the process's own read counter over each pass (what the faults' windows
+    read); kept in the cache; a kernel without the counter is a one-line error for the forecast."""
+    import expertcache.llama.forecast as dk
+    import expertcache.llama.roofline as rl
+    from expertcache.errors import ConfigError
+    from expertcache.formats.gguf import read_geometry
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    g = read_geometry(str(gguf_path))
+    calls = []
+    real = rl.os.posix_fadvise
+    monkeypatch.setattr(rl.os, "posix_fadvise", lambda fd, off, n, advice: (calls.append((off, n, advice)),
+                                                                            real(fd, off, n, advice))[1])
+    reads = iter(range(0, 10 ** 12, 1000))  # the counter: 1000 bytes more at every reading
+    monkeypatch.setattr(rl, "read_self_io", lambda: ({"read_bytes": next(reads)}, None))
+    r = rl.faulted_bandwidth(g, seconds=0.3)
+    assert not r["cached"] and r["passes"] == rl.BANDWIDTH_PASSES and r["bytes"] == 1000 * rl.BANDWIDTH_PASSES
+    assert r["bytes_per_s_min"] <= r["bytes_per_s"] <= r["bytes_per_s_max"]
+    assert calls[0] == (0, 0, rl.os.POSIX_FADV_SEQUENTIAL)
+    assert not any(advice == rl.os.POSIX_FADV_WILLNEED for _, _, advice in calls)
+    assert rl.faulted_bandwidth(g)["cached"]
+    monkeypatch.setattr(rl, "read_self_io", lambda: (None, "/proc/self/io: no read_bytes field"))
+    assert rl.faulted_bandwidth(g, fresh=True) == {"bytes_per_s": None, "cached": False,
+                                                   "note": "/proc/self/io: no read_bytes field"}
+    with pytest.raises(ConfigError, match="cannot measure faulted reads .* give --disk-bandwidth"):
+        dk.measure_faulted(g, fresh=True)
 
 
 def test_prefill_compute_rate_is_timed_once_per_prompt(gguf_path, prompt, tmp_path, monkeypatch):

@@ -50,8 +50,9 @@ in the host's page cache beside the GGUF's dense part.
 CPU and disk (docs/sizing.md, "Forecast for CPU and disk"): expertcache size MODEL.gguf --memory SIZE
 forecasts decode with the experts read from disk through the page cache, for the modes mmap, advise
 and managed of 'expertcache llama run': the dense bytes, the expert bytes that fit beside them in
-SIZE, the bytes a decode token reads from disk (a trace replayed from an empty page cache, first
-reads counted; per-mode models of what the kernel reads) and the decode rate
+SIZE, the bytes a decode token reads from disk (a trace replayed from where a run starts: the file
+just loaded for mmap and advise, an empty pool for managed; first reads counted; per-mode models of
+what the kernel reads) and the decode rate
 1 / (1/c + read bytes per token / B1), with the disk bandwidth B1 and the compute rate c measured
 on the file (--disk-bandwidth auto, --compute auto) or given.
 """
@@ -102,9 +103,9 @@ def add_parser(sub) -> None:
                         "the dense part + P%% of the expert tensors): forecast "
                         "decode with the experts read from disk, for the modes mmap, advise and managed")
     f.add_argument("--disk-bandwidth", type=auto_or_rate("GB/s"), default=None, metavar="auto|GB/s",
-                   help="bandwidth of the disk holding the GGUF: auto (default) measures O_DIRECT reads of one "
-                        "expert slice from the file itself, by 1 and by 4 readers (kept a day); a number in GB/s "
-                        "is taken as given for both")
+                   help="bandwidth of the disk holding the GGUF: auto (default) measures on the file itself "
+                        "O_DIRECT reads of one expert slice by 1 and by 4 readers, and the modes' own reads "
+                        "(hints, faults) of its experts (kept a day); a number in GB/s is taken as given for all")
     f.add_argument("--compute", type=auto_or_rate("tok/s"), default=None, metavar="auto|tok/s",
                    help="decode rate with every expert resident: auto (default) times llama.cpp on the file "
                         "(needs the llama extra; kept a day); or give it in tok/s")
@@ -453,18 +454,21 @@ def forecast_cmd(args) -> int:
     experts = dk.routing(trace, g)
     prompt = dk.prompt_rows(trace) if args.trace else None
     if isinstance(bandwidth, float):
-        bw1 = bw4 = hinted = bandwidth * 1e9
-        req, bw_source, hinted_source = dk.request_bytes(g), "--disk-bandwidth", "--disk-bandwidth"
+        bw1 = bw4 = hinted = faulted = bandwidth * 1e9
+        req, bw_source = dk.request_bytes(g), "--disk-bandwidth"
+        hinted_source = faulted_source = "--disk-bandwidth"
     else:
         bw1, bw4, req, bw_source = dk.measure_bandwidth(g)
         hinted, hinted_source = dk.measure_hinted(g)
+        faulted, faulted_source = dk.measure_faulted(g)
     if isinstance(compute, float):
         rates, c_sources = dk.Disk.given_compute(compute, "--compute")
     else:  # in each page state the modes' reads leave, and as the managed mode runs (forecast.COMPUTE_TIMINGS)
         measured = {t: dk.measure_compute(g, threads, timing=t) for t in dk.COMPUTE_TIMINGS}
         rates, c_sources = {t: m[0] for t, m in measured.items()}, {t: m[1] for t, m in measured.items()}
     window, window_source = dk.readahead_bytes(g.path)
-    disk = dk.Disk(bw1, bw4, req, bw_source, rates, c_sources, threads, hinted, hinted_source)
+    disk = dk.Disk(bw1, bw4, req, bw_source, rates, c_sources, threads, hinted, hinted_source, faulted,
+                   faulted_source)
     records = dk.forecast(g, experts, args.memory, disk, window=window, window_source=window_source,
                           trace_label=label, prompt=prompt, seq=np.asarray(trace.seq))
     if args.json:
@@ -498,16 +502,16 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
                    "its row re-reads")
         print(f"memory {format_bytes(r0['memory_wall'])}: the dense part and every expert "
               f"({format_bytes(g.expert_tensor_bytes)}), {format_bytes(spare)} to spare (every expert fits: mmap and "
-              f"advise read each once{managed})")
+              f"advise keep what the load read, managed reads each once{managed})")
     else:
         print(f"memory {format_bytes(r0['memory_wall'])}: the dense part and {format_bytes(room)} of experts beside "
               f"it ({room / g.expert_tensor_bytes:.0%} of the expert tensors)")
     decode = trace.num_tokens - (0 if prompt is None else int(prompt.sum()))
-    warm = "" if prompt is None else (f" ({int(prompt.sum())} prompt rows besides: they warm the managed pool "
-                                      "uncounted, as a run's prefill does)")
+    warm = "" if prompt is None else (f" ({int(prompt.sum())} prompt rows besides: replayed first, uncounted, as "
+                                      "a run's prefill reads before its decode)")
     print(f"reads from {label}: {decode} {'decode ' if prompt is not None else ''}tokens in {trace.num_sequences} "
-          f"sequence(s){warm}, replayed from an "
-          "empty page cache kept across sequences, first reads counted")
+          f"sequence(s){warm}, replayed from where a run starts (mmap, advise: the file just loaded; managed: an "
+          "empty pool), the page cache kept across sequences, first reads counted")
     same = r0["device_read_bytes_per_s_1"] == r0["device_read_bytes_per_s_4"] and r0["disk_bandwidth_source"] == \
         "--disk-bandwidth"
     bws = (f"B1 = B4 = {r0['device_read_bytes_per_s_1'] / 1e9:.4g} GB/s" if same else
@@ -521,10 +525,12 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
     else:
         comp = "c with every expert resident = " + ", ".join(
             f"{c:.4g} tok/s for {' and '.join(modes)} ({source})" for (c, source), modes in by_pages.items())
-    managed = next((r for r in records if r["mode"] == "managed"), None)
-    hinted = "" if managed is None or managed["read_source"] == "--disk-bandwidth" else \
-        f"; managed's hinted reads {managed['read_bytes_per_s'] / 1e9:.4g} GB/s ({managed['read_source']})"
-    print(f"disk: {bws} ({r0['disk_bandwidth_source']}){hinted}; compute: {comp}")
+    paths = {r["mode"]: r for r in records}
+    own = "" if paths["managed"]["read_source"] == "--disk-bandwidth" else (
+        f"; hinted reads (advise, managed) {paths['managed']['read_bytes_per_s'] / 1e9:.4g} GB/s "
+        f"({paths['managed']['read_source']}); faulted reads (mmap) {paths['mmap']['read_bytes_per_s'] / 1e9:.4g} "
+        f"GB/s ({paths['mmap']['read_source']})")
+    print(f"disk: {bws} ({r0['disk_bandwidth_source']}){own}; compute: {comp}")
     head = ["mode", "dense MB", "experts MB", "demand MB/tok", "ampl", "read MB/tok", "first reads", "tok/s",
             "ovl tok/s", "bound by"]
     rows = []
@@ -538,9 +544,9 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
     for row in [head, ["-" * w for w in widths], *rows]:
         print("  ".join(c.ljust(w) if i in (0, len(head) - 1) else c.rjust(w) for i, (c, w) in
                         enumerate(zip(row, widths))).rstrip())
-    print("  tok/s = 1 / (1/c + read/B): the forecast (reads block compute in these modes), B = B1 for mmap and "
-          "advise, managed's hinted reads for managed; ovl tok/s = min(c, max(B1, B4) / read): reads overlapped "
-          "with compute, for reference; bound by: the larger of 1/c and read/B")
+    print("  tok/s = 1 / (1/c + read/B): the forecast (reads block compute in these modes), B = the rate of each "
+          "mode's own reads (mmap: faults; advise, managed: hints); ovl tok/s = min(c, max(B1, B4) / read): reads "
+          "overlapped with compute, for reference; bound by: the larger of 1/c and read/B")
     print("  demand: an LRU of the mode's expert bytes (experts MB) over the trace; first reads: their share of "
           "read MB/tok")
     for r in records:

@@ -5,54 +5,51 @@ For each page-cache mode of ``expertcache llama run`` (``mmap``, ``advise``, ``m
 the forecast replays a router trace through a model of what that mode keeps in ``SIZE`` bytes of
 memory and counts the bytes a decode token reads from disk, ``D``; the decode rate is then the
 roofline (:func:`expertcache.llama.roofline.limits`) with ``c`` the compute rate with every expert
-resident (:func:`timing_of`): for the kernel modes in the page state their reads leave
-(``mmap``: the large folios of faults' read-around; ``advise``: the single pages of hints;
-``roofline.PAGE_STATES``), for ``managed`` as it runs (hinted pages, its step observing every
-forward: the step's own cost is in ``c``); and ``B1`` (``B4``) the device's ``O_DIRECT`` bandwidth
-with one (four) readers:
+resident (:func:`timing_of`): for ``mmap`` in the page state its reads leave (the large folios of
+faults' read-around; ``roofline.PAGE_STATES``), for ``advise`` and ``managed`` as they run (hinted
+pages, the mode's callback observing every forward: its own cost is in ``c``); and ``B1`` (``B4``)
+the device's ``O_DIRECT`` bandwidth with one (four) readers:
 
 * ``predicted_tokens_per_s = 1 / (1/c + D/B)``: in these modes a missed expert's read blocks the
-  compute that needs it (a page fault, or a hint the layer then waits on). ``B`` is ``B1`` for the
-  kernel modes, whose read models were fitted with it; for ``managed``, whose ``D`` is exact, the
-  rate of its own miss path measured on the file (:func:`expertcache.llama.roofline.hinted_bandwidth`:
-  hints, a fault per page, drops), so that its forecast is a sum of measured costs;
+  compute that needs it (a page fault, or a hint the layer then waits on). ``B`` is ``B1`` for
+  ``mmap`` (a fault is one reader's read); for ``advise`` and ``managed`` (:data:`HINTED`) the rate
+  of their miss path measured on the file (:func:`expertcache.llama.roofline.hinted_bandwidth`:
+  hints, a fault per page, drops), so that their forecasts are sums of measured costs;
 * ``limit_tokens_per_s = min(c, max(B1, B4) / D)``: reads entirely overlapped with compute, for reference.
 
-The replay (:func:`replay_bytes`) is one global pool over every MoE layer's experts, kept across the
-trace's sequences (the page cache outlives a request), **started empty and with every first read
-counted**: on a disk a cold fill is a read like any other. ``D`` = every byte read / tokens replayed.
-A trace that carries its prompts (``capture --generate N --keep-prompt``: a ``prefill`` flag per
-row, :func:`prompt_rows`) has each sequence's prompt replayed through the ``managed`` pool first, as
-one forward and uncounted, as a run's prefill fills the pool before its decode (the run's own demand
-model, ``runner.demand``, does the same); the kernel modes' models, fitted on cold replays of the
-decode steps, leave the prompt rows out.
+Every replay starts where a run starts: with the kernel modes, the file just loaded; with
+``managed``, an empty pool. Every read is counted, first reads too (on a disk a cold fill is a read
+like any other), and kept across the trace's sequences (the page cache outlives a request). A
+trace that carries its prompts (``capture --generate N --keep-prompt``: a ``prefill`` flag per row,
+:func:`prompt_rows`) has each sequence's prompt replayed first as one forward, uncounted, as a run's
+prefill reads before its decode (the run's own demand model, ``runner.demand``, does the same).
+``D`` = the decode's bytes read / its tokens.
 
-Each mode's reads, and what the model was fitted on (``managed``'s is how the mode runs):
+Each mode's reads:
 
 * ``managed``: exactly an LRU pool of :func:`~expertcache.llama.advice.managed_budget` bytes over
   items of :func:`~expertcache.llama.advice.managed_item_bytes` (the whole pages an expert's slices
   cover); a miss reads the expert's bytes. This is how the mode runs (docs/llama.md: its decode
   reads equalled the bytes it hinted; 1.05x the LRU demand at a 25% wall).
-* ``advise``: the kernel's page-granular reclaim, modelled as an LRU of ``SIZE - dense bytes`` over
-  experts of their own sizes, times an amplification ``a(f)`` of the pool's share ``f`` of the
-  expert tensors (:func:`advise_amplification`): 2.70 at ``f <= 0.25``, falling linearly to 1 at
-  ``f = 0.5``, 1 above. Fitted on the benchmark of docs/llama.md (random OLMoE, 1.69 GB f16, 31
-  decode steps, 1 thread): 21.4 MB read against 7.92 MB of LRU demand per token at the 25% wall
-  (2.70x); 0.88x at 50%, taken as 1 (at 50% and above that demand was all first reads, some of which
-  the load had left in the page cache); below 25% nothing was measured and 2.70 is held.
-* ``mmap``: a fault reads the device's readahead window around it, and the window's pages then take
-  room in the page cache: modelled as the same LRU over **readahead windows** instead of experts
-  (:func:`window_groups`): the file cut into aligned windows of the device's ``read_ahead_kb``
-  (:func:`readahead_bytes`, read when the forecast runs), each expert access touching the windows
-  its slices lie in, a miss reading the whole window (windows that exactly the same experts touch
-  are one item: :func:`expert_windows`); and never less than ``advise``'s model (the
-  page-grain reclaim is the kernel's in both; ``advise`` only turns readahead off and hints): ``D =
-  max(window LRU, advise)``. On the benchmark's own routing (captured, 31 decode steps, 8 MiB
-  windows) the window LRU reads 1.17 GB per token at the 25% and 50% walls against 1.39 and 1.32 GB
-  measured, and 98.5 MB at 75% against 8 MB measured (docs/sizing.md has the table).
+* ``advise``: the kernel's two file lists (:mod:`expertcache.llama.pagelists`) in ``SIZE`` bytes,
+  over experts of their own sizes, a use never a reference (the expert tensors are mapped
+  ``MADV_RANDOM``, whose references the kernel ignores): the load leaves the file active, the
+  inactive list turns into a FIFO of about half the wall, and hot experts are read again. On the
+  benchmark's captured routing (docs/llama.md, "The kernel's two lists") it read within 16% of
+  the measured bytes in 4 of 6 cells, and within the runs' own spread in a fifth (the sixth,
+  Qwen3 at 50%: 0.80 against 1.4 MB a token).
+* ``mmap``: the same lists over **readahead windows** instead of experts, a use a reference: a
+  fault reads the readahead window around it, and the window's pages then take room
+  (:func:`expert_windows`: the file cut into aligned windows of :data:`SEQUENTIAL` times the
+  device's ``read_ahead_kb``, :func:`readahead_bytes`, read when the forecast runs, as llama.cpp's
+  ``POSIX_FADV_SEQUENTIAL`` doubles the file's readahead; each expert access touching the windows
+  its slices lie in; windows that exactly the same experts touch are one item); and never less than
+  ``advise``'s model (measured, ``mmap`` read more than ``advise`` in 5 of those 6 cells). It read
+  0.66-1.00x what ``mmap`` measured there (docs/llama.md says what it may leave out).
 
-A group (one token's routed experts at one layer) larger than the whole pool cannot stay resident:
-every item of it is read, and the pool is emptied (the kernel cycles every page).
+In the LRU replays (:func:`replay_bytes`: ``managed``'s, and the LRU demand every record prints), a
+group (one token's routed experts at one layer) larger than the whole pool cannot stay resident:
+every item of it is read, and the pool is emptied.
 """
 
 from __future__ import annotations
@@ -66,15 +63,19 @@ import numpy as np
 from ..errors import ConfigError, is_int
 from ..costmodel.sizing import MB
 from .advice import managed_budget, managed_item_bytes
+from .pagelists import two_lists
 from . import roofline as rl  # its measurements called through the module (tests stand in for them there)
 from .roofline import COMPUTE_REPEATS, PAGE_STATES, STEPS, limits, pages_of
 from .runner import request_bytes
 
 MODES = ("mmap", "advise", "managed")
 """The page-cache modes forecast, in the order printed (docs/llama.md defines them)."""
-ADVISE_POINTS = ((0.25, 2.70), (0.50, 1.0))
-"""``(f, a)``: the advise amplification at a pool of ``f`` of the expert tensors (module docstring);
-held at the ends."""
+SEQUENTIAL = 2
+"""llama.cpp opens the GGUF with ``POSIX_FADV_SEQUENTIAL``, which sets the file's readahead to twice
+the device's: a fault through its mapping reads a window of that size around it."""
+HINTED = ("advise", "managed")
+"""The modes whose misses are read by hints and single-page faults (``MADV_RANDOM``): their ``B`` is
+the rate of that path on the file (:func:`measure_hinted`), not ``O_DIRECT``'s."""
 COMPUTE_PROMPT_TOKENS = 16
 COMPUTE_TOKENS = 16
 """``--compute auto``: the prompt (ids 1..16) and the tokens decoded (once to read the experts in,
@@ -257,28 +258,16 @@ def expert_windows(g, window: int) -> tuple[list[list[np.ndarray]], np.ndarray]:
     return units, np.asarray(sizes, dtype=np.int64)[np.argsort(np.asarray(first), kind="stable")]
 
 
-def window_groups(experts: np.ndarray, windows: list[list[np.ndarray]]) -> Iterator[tuple[np.ndarray, bool]]:
-    """Per (token, layer), the window units its routed experts touch (each once), counted."""
-    T, L, _ = experts.shape
-    for t in range(T):
-        for j in range(L):
-            parts = [windows[j][int(e)] for e in experts[t, j] if e >= 0]
-            yield (np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)), True
+def unit_groups(groups: Iterator[tuple[np.ndarray, bool]], units: list[np.ndarray]) -> Iterator[tuple[np.ndarray, bool]]:
+    """Each group of item ids mapped to the units (:func:`expert_windows`) its items touch, each once."""
+    for items, counted in groups:
+        parts = [units[int(i)] for i in items]
+        yield (np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)), counted
 
 
 def synthetic_tokens(num_experts: int, top_k: int) -> int:
     """Tokens of the synthetic stream (:data:`SYNTHETIC_USES`)."""
     return int(min(4096, max(512, -(-SYNTHETIC_USES * num_experts // top_k))))
-
-
-def advise_amplification(fraction: float) -> float:
-    """``a(f)``: piecewise linear through :data:`ADVISE_POINTS`, held at the ends."""
-    (f0, a0), (f1, a1) = ADVISE_POINTS
-    if fraction <= f0:
-        return a0
-    if fraction >= f1:
-        return a1
-    return a0 + (a1 - a0) * (fraction - f0) / (f1 - f0)
 
 
 def readahead_bytes(path: str) -> tuple[int, str]:
@@ -299,23 +288,25 @@ def readahead_bytes(path: str) -> tuple[int, str]:
 
 COMPUTE_TIMINGS = PAGE_STATES + STEPS
 """How each compute rate of a forecast is timed (:func:`timing_of`): with every expert resident in
-each page state, and as the ``managed`` mode decodes with nothing to read (its step observing,
-hinted pages: :func:`expertcache.llama.roofline.compute_rate` ``step=``)."""
+each page state, and as the ``managed`` and ``advise`` modes decode with nothing to read (their
+callback observing, hinted pages: :func:`expertcache.llama.roofline.compute_rate` ``step=``)."""
 
 
 def timing_of(mode: str) -> str:
-    """The compute rate (:data:`COMPUTE_TIMINGS`) a mode's forecast takes: ``managed`` its own, timed with
-    its step observing (the step's cost is the mode's, and its reads are modelled exactly, so its
-    forecast is a sum of measured costs); the kernel modes that of their page state
-    (:func:`~expertcache.llama.roofline.pages_of`), their read models being fits of the whole."""
+    """The compute rate (:data:`COMPUTE_TIMINGS`) a mode's forecast takes: ``managed`` and ``advise``
+    their own, timed with their callback observing (its cost is the mode's: ``advise`` splits the
+    graph at every routing and hints every routed expert); ``mmap`` that of its page state
+    (:func:`~expertcache.llama.roofline.pages_of`), plain llama.cpp."""
     return mode if mode in STEPS else pages_of(mode)
 
 
 @dataclass(frozen=True)
 class Disk:
     """The forecast's inputs: bandwidths in bytes/s (``O_DIRECT``, one and four readers), the request
-    size they were measured at, the rate of the ``managed`` mode's hinted reads (``hinted_bw``:
-    :func:`~expertcache.llama.roofline.hinted_bandwidth`), the compute rate in tokens/s per timing of
+    size they were measured at, the rate of the hinted reads of ``advise`` and ``managed``
+    (``hinted_bw``: :func:`~expertcache.llama.roofline.hinted_bandwidth`) and of ``mmap``'s faulted
+    reads (``faulted_bw``: :func:`~expertcache.llama.roofline.faulted_bandwidth`), the compute rate
+    in tokens/s per timing of
     :data:`COMPUTE_TIMINGS`, and where each came from."""
 
     bw1: float
@@ -327,6 +318,8 @@ class Disk:
     threads: int
     hinted_bw: float
     hinted_source: str
+    faulted_bw: float
+    faulted_source: str
 
     @staticmethod
     def given_compute(rate: float, source: str) -> tuple[dict, dict]:
@@ -358,6 +351,19 @@ def measure_hinted(g, fresh: bool = False) -> tuple[float, str]:
     how = "cached" if r.get("cached") else "measured"
     return float(r["bytes_per_s"]), (f"{how}: {g.top_k} experts' slices hinted, their pages faulted in and dropped, "
                                      f"median of {r['passes']} passes")
+
+
+def measure_faulted(g, fresh: bool = False) -> tuple[float, str]:
+    """``(bytes/s, source)`` of the ``mmap`` mode's miss path on the file
+    (:func:`expertcache.llama.roofline.faulted_bandwidth`); a one-line ConfigError where this kernel
+    does not count a process's read bytes."""
+    r = rl.faulted_bandwidth(g, fresh=fresh)
+    if not r.get("bytes_per_s"):
+        raise ConfigError(f"--disk-bandwidth auto: cannot measure faulted reads of {g.path} ({r.get('note')}): "
+                          "give --disk-bandwidth GB/s")
+    how = "cached" if r.get("cached") else "measured"
+    return float(r["bytes_per_s"]), (f"{how}: {g.top_k} experts' slices faulted in through a mapping of the file "
+                                     f"opened as llama.cpp opens it, then dropped, median of {r['passes']} passes")
 
 
 def measure_compute(g, threads: int, fresh: bool = False, timing: str = "faulted") -> tuple[float, str]:
@@ -400,38 +406,40 @@ def measure_compute(g, threads: int, fresh: bool = False, timing: str = "faulted
 def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, window_source: str,
              trace_label: str, prompt: np.ndarray | None = None, seq: np.ndarray | None = None) -> list[dict]:
     """One record (:data:`KEYS`) per mode of :data:`MODES` (module docstring). ``prompt`` (a flag per
-    row of ``experts``, :func:`prompt_rows`; ``seq`` the rows' sequences): the prompts' rows warm the
-    ``managed`` pool uncounted, as a run's prefill does; the kernel modes' read models, fitted on the
-    decode steps replayed cold, leave them out; ``tokens`` counts the decode rows."""
-    decode = experts if prompt is None else experts[~prompt]
-    E, L, T = g.num_experts, len(g.moe_layers), int(decode.shape[0])
+    row of ``experts``, :func:`prompt_rows`; ``seq`` the rows' sequences): the prompts' rows are
+    replayed first as one forward each, uncounted, as a run's prefill reads before its decode;
+    ``tokens`` counts the decode rows."""
+    T = int(experts.shape[0] if prompt is None else (~prompt).sum())
+    E, L = g.num_experts, len(g.moe_layers)
     sizes = np.repeat(np.asarray(g.layer_expert_bytes, dtype=np.int64), E)
     total = g.expert_tensor_bytes
     room = min(memory - g.dense_bytes, total)  # a pool never holds more than every expert
-    fraction = room / total
-    lru = replay_bytes(expert_groups(decode, E), room, sizes, sizes, T, L)
-    windows, wsizes = expert_windows(g, window)
-    mm = replay_bytes(window_groups(decode, windows), room, wsizes, wsizes, T, L)
-    amp = advise_amplification(fraction)
+    lru = replay_bytes(expert_groups(experts, E, prompt, seq), room, sizes, sizes, T, L)
+    windows, wsizes = expert_windows(g, SEQUENTIAL * window)
+    flat = [w for per in windows for w in per]  # item j * E + e -> its windows
+    adv_read, adv_fill = two_lists(expert_groups(experts, E, prompt, seq), memory, sizes, g.dense_bytes,
+                                   referenced=False)
+    mm_read, mm_fill = two_lists(unit_groups(expert_groups(experts, E, prompt, seq), flat), memory, wsizes,
+                                 g.dense_bytes, referenced=True)
     base = {"gguf": g.path, "memory_wall": int(memory), "dense_bytes": g.dense_bytes, "expert_tensor_bytes": total,
             "readahead_bytes": window, "device_request_bytes": disk.request_bytes,
             "device_read_bytes_per_s_1": disk.bw1, "device_read_bytes_per_s_4": disk.bw4,
             "disk_bandwidth_source": disk.bandwidth_source, "threads": disk.threads, "trace": trace_label, "tokens": T}
     demand = lru.per_token
-    advise = amp * demand
-    windowed = mm.per_token >= advise
+    advise, windowed = adv_read / T, mm_read >= adv_read
+    lists = "the kernel's two file lists (docs/llama.md, \"The kernel's two lists\")"
     rows = {
-        "mmap": dict(cache_bytes=room, demand=demand, missed=max(mm.per_token, advise),
-                     fill=mm.fill_per_token if windowed else min(lru.fill_per_token, advise),
-                     amplification=max(mm.per_token, advise) / demand if demand else None,
-                     note=(f"LRU over {window:,}-byte readahead windows ({window_source}), which read more than "
-                           "advise's model here" if windowed else
-                           f"as advise: its LRU over {window:,}-byte readahead windows ({window_source}) reads less "
-                           f"({mm.per_token / MB:.4g} MB/token)") + ": a model"),
-        "advise": dict(cache_bytes=room, demand=demand, missed=advise, fill=min(lru.fill_per_token, advise),
-                       amplification=amp,
-                       note=f"LRU x {amp:.3g} for page-grain reclaim at {min(fraction, 1):.0%} of the expert tensors "
-                            "(fitted on docs/llama.md's benchmark): a model"),
+        "mmap": dict(cache_bytes=room, demand=demand, missed=max(mm_read, adv_read) / T,
+                     fill=(mm_fill if windowed else adv_fill) / T,
+                     amplification=max(mm_read, adv_read) / T / demand if demand else None,
+                     note=(f"{lists} over {SEQUENTIAL * window:,}-byte readahead windows (twice {window_source}: "
+                           "llama.cpp's POSIX_FADV_SEQUENTIAL), a use a reference" if windowed else
+                           f"as advise: {lists} over {SEQUENTIAL * window:,}-byte readahead windows (twice "
+                           f"{window_source}: llama.cpp's POSIX_FADV_SEQUENTIAL) read less "
+                           f"({mm_read / T / MB:.4g} MB/token)") + ": a model"),
+        "advise": dict(cache_bytes=room, demand=demand, missed=advise, fill=adv_fill / T,
+                       amplification=advise / demand if demand else None,
+                       note=f"{lists} over experts, a use no reference (MADV_RANDOM): a model"),
     }
     budget = managed_budget(g, memory)
     items = managed_item_bytes(g)
@@ -452,8 +460,8 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
         D = r["missed"]
         timing = timing_of(mode)
         c = disk.compute[timing]
-        B, B_source = ((disk.hinted_bw, disk.hinted_source) if mode == "managed" else
-                       (disk.bw1, f"B1 ({disk.bandwidth_source})"))
+        B, B_source = ((disk.hinted_bw, disk.hinted_source) if mode in HINTED else
+                       (disk.faulted_bw, disk.faulted_source))
         lim = limits(c, D, disk.bw1, disk.bw4)
         bound = None if D is None else ("disk" if D / B > 1.0 / c else "compute")
         rec = {"mode": mode, **base, "read_bytes_per_s": B, "read_source": B_source, "compute_tokens_per_s": c,

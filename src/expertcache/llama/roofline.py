@@ -47,7 +47,7 @@ from pathlib import Path
 from .._io import atomic_open, read_json
 from ..errors import ConfigError, is_int, is_real
 from ..wall.pagecache import evict_file_pages, residency
-from ..wall.procfs import OpenProcFile
+from ..wall.procfs import OpenProcFile, read_self_io
 from ..formats.gguf import read_geometry
 from .advice import (MADV_DONTNEED, MADV_RANDOM, PageAdvisor, drop_file, hint_piece, hint_range, mapped_ranges,
                      mapping_base)
@@ -193,51 +193,34 @@ def device_bandwidth(path: str, request_bytes: int, readers: int, *, seconds: fl
     return {**out, "cached": False}
 
 
-def hinted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
-    """``{"bytes_per_s", "bytes_per_s_min", "bytes_per_s_max", "passes", "bytes", "cached", "note"}``:
-    bytes per second through the ``managed`` mode's miss path on the file of ``g``: rounds of one
-    seeded random MoE layer's ``top_k`` random experts, each round their slices hinted
-    (:func:`~expertcache.llama.advice.hint_range` in :func:`~expertcache.llama.advice.hint_piece`
-    pieces, as the step hints its loads), every page of them then touched through a ``MADV_RANDOM``
-    mapping (a fault per page waiting for its read, as the matmul that needs them does), then
-    dropped (``MADV_DONTNEED``, then ``POSIX_FADV_DONTNEED``, as the step drops a victim); the file's
-    pages evicted first. :data:`BANDWIDTH_PASSES` passes of ``seconds / passes`` each; the median
-    pass and its spread. Unlike :func:`device_bandwidth` it goes through the page cache: page
-    allocation, the per-page faults and the system calls are in it (measured 1.02-1.7 GB/s here on
-    the OLMoE-geometry benchmark file against 1.5-2.3 GB/s of ``O_DIRECT`` reads of a slice).
-    Cached per (file, size, mtime) for a day."""
+def _miss_path(kind: str, g, seconds: float, fresh: bool, prepare, one_round, counter=None) -> dict:
+    """The median and spread of :data:`BANDWIDTH_PASSES` passes of ``seconds / passes`` each through
+    one mode's miss path on the file of ``g`` (``kind`` names it in the cache): ``prepare(fd, view)``
+    once, the file's pages evicted, then rounds of ``one_round(fd, view, rng)`` (one seeded random
+    MoE layer's experts read and dropped; it returns their bytes) until the pass's time is up; a
+    pass's bytes are the rounds' own, or, with ``counter``, its growth over the pass (bytes the
+    process read). Cached per (``kind``, file, size, mtime) for a day."""
     path = g.path
     st = os.stat(path)
-    key = f"hinted {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)}"
+    key = f"{kind} {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)}"
     hit = _cached(key, fresh)
     if hit is not None:
         return {**hit, "cached": True}
-    piece = hint_piece(path)
     rng = random.Random(0)
     rates, total = [], 0
     fd = os.open(path, os.O_RDONLY)
     try:
         view = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
         try:
-            view.madvise(MADV_RANDOM)
+            prepare(fd, view)
             evict_file_pages([path])
             for _ in range(BANDWIDTH_PASSES):
                 done, t0 = 0, time.monotonic()
+                before = counter() if counter else 0
                 stop = t0 + seconds / BANDWIDTH_PASSES
                 while time.monotonic() < stop:
-                    layer = rng.choice(g.moe_layers)
-                    ranges = [r for e in rng.sample(range(g.num_experts), min(g.top_k, g.num_experts))
-                              for r in g.expert_ranges(layer, e)]
-                    for off, n in ranges:
-                        hint_range(fd, off, n, piece)
-                    for off, n in ranges:
-                        for a in range(off - off % BLOCK, off + n, BLOCK):
-                            view[a]  # one fault per page
-                    for off, n in ranges:
-                        lo, hi = off - off % BLOCK, -(-(off + n) // BLOCK) * BLOCK
-                        view.madvise(MADV_DONTNEED, lo, min(hi, st.st_size) - lo)
-                        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
-                    done += sum(n for _, n in ranges)
+                    done += one_round(fd, view, rng)
+                done = counter() - before if counter else done
                 rates.append(done / (time.monotonic() - t0))
                 total += done
         finally:
@@ -248,6 +231,71 @@ def hinted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
            "passes": len(rates), "bytes": total, "at": time.time(), "note": None, "file": os.path.realpath(path)}
     _store(key, out)
     return {**out, "cached": False}
+
+
+def _touch_and_drop(view, ranges, size: int, fd: int | None = None) -> int:
+    """Every page of ``ranges`` touched in order (a fault each where it is not resident), then the
+    ranges dropped from the mapping (and, with ``fd``, from the file's page cache); their bytes."""
+    for off, n in ranges:
+        for a in range(off - off % BLOCK, off + n, BLOCK):
+            view[a]
+    for off, n in ranges:
+        lo, hi = off - off % BLOCK, -(-(off + n) // BLOCK) * BLOCK
+        view.madvise(MADV_DONTNEED, lo, min(hi, size) - lo)
+        if fd is not None:
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+    return sum(n for _, n in ranges)
+
+
+def hinted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
+    """``{"bytes_per_s", "bytes_per_s_min", "bytes_per_s_max", "passes", "bytes", "cached", "note"}``:
+    bytes per second through the hinted miss path of ``advise`` and ``managed`` on the file of
+    ``g`` (:func:`_miss_path`): each round one random MoE layer's ``top_k`` random experts' slices
+    hinted (:func:`~expertcache.llama.advice.hint_range` in
+    :func:`~expertcache.llama.advice.hint_piece` pieces, as the step hints its loads), every page of
+    them then touched through a ``MADV_RANDOM`` mapping (a fault per page waiting for its read, as
+    the matmul that needs them does), then dropped (``MADV_DONTNEED``, then ``POSIX_FADV_DONTNEED``,
+    as the step drops a victim). Unlike :func:`device_bandwidth` it goes through the page cache: page
+    allocation, the per-page faults and the system calls are in it (measured 1.02-1.7 GB/s here on
+    the OLMoE-geometry benchmark file against 1.5-2.3 GB/s of ``O_DIRECT`` reads of a slice)."""
+    piece = hint_piece(g.path)
+    size = os.stat(g.path).st_size
+
+    def one_round(fd, view, rng) -> int:
+        layer = rng.choice(g.moe_layers)
+        ranges = [r for e in rng.sample(range(g.num_experts), min(g.top_k, g.num_experts))
+                  for r in g.expert_ranges(layer, e)]
+        for off, n in ranges:
+            hint_range(fd, off, n, piece)
+        return _touch_and_drop(view, ranges, size, fd)
+    return _miss_path("hinted", g, seconds, fresh, lambda fd, view: view.madvise(MADV_RANDOM), one_round)
+
+
+def faulted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
+    """``{"bytes_per_s", "bytes_per_s_min", "bytes_per_s_max", "passes", "bytes", "cached", "note"}``:
+    bytes read per second through the ``mmap`` mode's miss path on the file of ``g``
+    (:func:`_miss_path`), as llama.cpp maps it: the file opened with ``POSIX_FADV_SEQUENTIAL``
+    (which doubles its readahead window) and mapped plainly; each round every page of one random MoE
+    layer's ``top_k`` random experts' slices touched in the graph's order (a fault reads the window
+    around it, the next faults find the rest), then dropped with the file's other pages (the
+    windows' spill). The bytes are the process's own ``read_bytes`` (``/proc/self/io``: what the
+    faults' read-around read, the spill beyond the slices included); ``bytes_per_s`` None, with a
+    note, where this kernel does not count them."""
+    io, why = read_self_io()
+    if io is None:
+        return {"bytes_per_s": None, "cached": False, "note": why}
+    size = os.stat(g.path).st_size
+
+    def one_round(fd, view, rng) -> int:
+        layer = rng.choice(g.moe_layers)
+        ranges = g.compute_ranges(layer, rng.sample(range(g.num_experts), min(g.top_k, g.num_experts)))
+        done = _touch_and_drop(view, ranges, size)
+        evict_file_pages([g.path])  # the windows' spill too
+        return done
+    def prepare(fd, view) -> None:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # as llama.cpp opens it
+    return _miss_path("faulted", g, seconds, fresh, prepare, one_round,
+                      counter=lambda: read_self_io()[0]["read_bytes"])
 
 
 COMPUTE_REPEATS = 3
@@ -272,9 +320,11 @@ Measured (``benchmarks/page_state.py``, 6 rounds): hinted / faulted 0.85 in medi
 OLMoE-geometry f16 GGUF with 1 thread (31.9 [30.7-37.5] against 37.5 [30.2-41] tok/s; 4 of 6 rounds
 slower), 0.98 with 2 threads, 1.03 and 1.04 on a Qwen3-geometry Q4_K_M one: ties by the spread
 rule, and in the benchmark's own compute cells 0.87 on the first, within 4% on the others."""
-STEPS = ("managed",)
-"""Modes whose step :func:`compute_rate` can time observing (``step=``): the ``managed`` mode, whose
-forecast takes the compute rate as it runs (docs/sizing.md)."""
+STEPS = ("managed", "advise")
+"""Modes whose step :func:`compute_rate` can time observing (``step=``), whose forecasts take the
+compute rate as they run (docs/sizing.md): ``managed`` (its pool's step), ``advise`` (its callback,
+which splits the graph at every routing and hints every routed expert, resident or not: with nothing
+to read, 57.2 tok/s against 76-82 for llama.cpp alone on the OLMoE-geometry benchmark file)."""
 HINT_WAIT_S = 60.0
 """The longest :func:`bring_in` waits for hinted pages to arrive (it stops earlier once the file is
 resident, or its residency has not grown for :data:`HINT_STALL_S`)."""
@@ -361,10 +411,11 @@ def _timed(kind: str, extra: str, path: str, prompt: list, threads: int, n_ctx: 
     advisor = PageAdvisor(read_geometry(path), step) if step is not None else None
     try:
         with Engine(path, n_ctx=n_ctx, threads=threads) as eng:
-            if advisor is None:
+            if advisor is None or step != "managed":
                 note = bring_in(path, pages)
             else:  # the managed mode starts empty: the file dropped, its dense part hinted back
                 note = None
+            if advisor is not None:
                 advisor.start()
                 eng.attach(advisor)
             one_pass(eng)
