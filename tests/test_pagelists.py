@@ -71,6 +71,7 @@ def two_lists_ref(groups, capacity: int, sizes, dense: int, referenced: bool) ->
             put(u, 2 if shadow[u] is not None and b["age"] - shadow[u] <= b["active"] else 1)
             young[u], marked[u] = referenced, False
             reclaim()
+            assert b["inactive"] + b["active"] <= capacity or dense > capacity  # the invariant
     return read, fill
 
 

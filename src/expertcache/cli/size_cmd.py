@@ -53,8 +53,9 @@ and managed of 'expertcache llama run': the dense bytes, the expert bytes that f
 SIZE, the bytes a decode token reads from disk (a trace replayed from where a run starts: the file
 just loaded for mmap and advise, an empty pool for managed; first reads counted; per-mode models of
 what the kernel reads) and the decode rate
-1 / (1/c + read bytes per token / B1), with the disk bandwidth B1 and the compute rate c measured
-on the file (--disk-bandwidth auto, --compute auto) or given.
+1 / (1/c + read bytes per token / B), with B the rate of each mode's own reads (faults, hints) and
+the compute rate c as each mode runs, measured on the file (--disk-bandwidth auto, --compute auto)
+or given.
 """
 
 
@@ -463,7 +464,7 @@ def forecast_cmd(args) -> int:
         faulted, faulted_source = dk.measure_faulted(g)
     if isinstance(compute, float):
         rates, c_sources = dk.Disk.given_compute(compute, "--compute")
-    else:  # in each page state the modes' reads leave, and as the managed mode runs (forecast.COMPUTE_TIMINGS)
+    else:  # in each page state, and as the managed and advise modes run (forecast.COMPUTE_TIMINGS)
         measured = {t: dk.measure_compute(g, threads, timing=t) for t in dk.COMPUTE_TIMINGS}
         rates, c_sources = {t: m[0] for t, m in measured.items()}, {t: m[1] for t, m in measured.items()}
     window, window_source = dk.readahead_bytes(g.path)

@@ -7,14 +7,16 @@ memory and counts the bytes a decode token reads from disk, ``D``; the decode ra
 roofline (:func:`expertcache.llama.roofline.limits`) with ``c`` the compute rate with every expert
 resident (:func:`timing_of`): for ``mmap`` in the page state its reads leave (the large folios of
 faults' read-around; ``roofline.PAGE_STATES``), for ``advise`` and ``managed`` as they run (hinted
-pages, the mode's callback observing every forward: its own cost is in ``c``); and ``B1`` (``B4``)
-the device's ``O_DIRECT`` bandwidth with one (four) readers:
+pages, the mode's callback observing every forward: its own cost is in ``c``); ``B`` the rate of
+the mode's own miss path measured on the file (``mmap``: faults through a mapping opened as
+llama.cpp opens it, :func:`expertcache.llama.roofline.faulted_bandwidth`; ``advise`` and
+``managed``, :data:`HINTED`: hints, a fault per page, drops,
+:func:`expertcache.llama.roofline.hinted_bandwidth`); and ``B1`` (``B4``) the device's ``O_DIRECT``
+bandwidth with one (four) readers:
 
 * ``predicted_tokens_per_s = 1 / (1/c + D/B)``: in these modes a missed expert's read blocks the
-  compute that needs it (a page fault, or a hint the layer then waits on). ``B`` is ``B1`` for
-  ``mmap`` (a fault is one reader's read); for ``advise`` and ``managed`` (:data:`HINTED`) the rate
-  of their miss path measured on the file (:func:`expertcache.llama.roofline.hinted_bandwidth`:
-  hints, a fault per page, drops), so that their forecasts are sums of measured costs;
+  compute that needs it (a page fault, or a hint the layer then waits on), so that each forecast is
+  a sum of measured costs over a model of the reads;
 * ``limit_tokens_per_s = min(c, max(B1, B4) / D)``: reads entirely overlapped with compute, for reference.
 
 Every replay starts where a run starts: with the kernel modes, the file just loaded; with
@@ -34,7 +36,8 @@ Each mode's reads:
 * ``advise``: the kernel's two file lists (:mod:`expertcache.llama.pagelists`) in ``SIZE`` bytes,
   over experts of their own sizes, a use never a reference (the expert tensors are mapped
   ``MADV_RANDOM``, whose references the kernel ignores): the load leaves the file active, the
-  inactive list turns into a FIFO of about half the wall, and hot experts are read again. On the
+  inactive list turns into a FIFO of about half the wall, and the experts a decode uses leave it in
+  their turn, where an LRU would keep them. On the
   benchmark's captured routing (docs/llama.md, "The kernel's two lists") it read within 16% of
   the measured bytes in 4 of 6 cells, and within the runs' own spread in a fifth (the sixth,
   Qwen3 at 50%: 0.80 against 1.4 MB a token).

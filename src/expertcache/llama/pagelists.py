@@ -12,7 +12,8 @@ kept, at the grain of an *item* (an expert, or a read-ahead window) instead of a
   ``inactive_is_low``), the active list's oldest item goes back to the inactive list as its newest,
   its reference cleared (``shrink_active_list``: a data page is deactivated whether referenced or
   not). Otherwise the inactive list's oldest item is scanned: referenced since the last scan and
-  marked by an earlier one, it is activated; referenced but not marked, it is marked and kept
+  marked by an earlier one, it is activated (and stays marked, so that once deactivated a use
+  activates it again at its next scan); referenced but not marked, it is marked and kept
   (moved to the newest end); not referenced, it is evicted (``folio_check_references``);
 * a use through the mapping is a reference only where the mapping has recency: not under
   ``MADV_RANDOM`` (``vma_has_recency``, Linux 6.3+), which ``advise`` sets on the expert tensors;
@@ -20,8 +21,8 @@ kept, at the grain of an *item* (an expert, or a read-ahead window) instead of a
 * llama.cpp's load leaves the file's pages on the active list (measured: 802-876 MB of an 883 MB
   wall active once loaded): the replay first loads every item, in id order, into the active list.
 
-Invariants: the file pages held never exceed ``capacity`` after a step (the dense part aside,
-which is always held); every access to an item not held is a read of its bytes; a read is a
+Invariants: the bytes held, the dense part's included, never exceed ``capacity`` after a step
+unless the dense part alone does; every access to an item not held is a read of its bytes; a read is a
 *fill* when it is the item's first use in the replay (the load is not a use). The compiled loop
 (:func:`_replay`) and the reference in ``tests/test_pagelists.py`` agree exactly.
 """

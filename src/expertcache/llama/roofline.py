@@ -389,9 +389,10 @@ def _timed(kind: str, extra: str, path: str, prompt: list, threads: int, n_ctx: 
            pages: str = "faulted", step: str | None = None) -> dict:
     """The median and spread of ``one_pass(engine)`` (a rate, or None) over :data:`COMPUTE_REPEATS`
     passes after one that reads the experts in, in one process with ``path`` mapped, its pages
-    first evicted and brought in as ``pages`` says (:func:`bring_in`), or, with ``step`` (a mode of
-    :data:`STEPS`), as that mode's own advisor brings them in while it observes every pass (its pool
-    every expert of the file); cached per (``kind``, file, size, mtime, threads, ``extra``, prompt,
+    first evicted and brought in as ``pages`` says (:func:`bring_in`); with ``step`` (a mode of
+    :data:`STEPS`) that mode's own advisor observes every pass (``managed``: its pool every expert of
+    the file, which it brings in itself, the file dropped first; ``advise``: its hints over the pages
+    :func:`bring_in` left); cached per (``kind``, file, size, mtime, threads, ``extra``, prompt,
     ``pages``, ``step``)."""
     if pages not in PAGE_STATES:
         raise ConfigError(f"page state {pages!r} is not one of {', '.join(PAGE_STATES)}")
@@ -439,8 +440,8 @@ def compute_rate(path: str, prompt, tokens: int, threads: int = 1, *, fresh: boo
     in as ``pages`` says (:data:`PAGE_STATES`), the first reading every expert the others route
     (their one-token forwards time the compute alone), then :data:`COMPUTE_REPEATS` timed ones: their
     median rate and its spread. ``step``: a mode of :data:`STEPS` observing every forward as it does
-    in a run, its pool holding every expert (so nothing is read after the first pass): the compute
-    rate as that mode decodes with nothing to read, its step's own cost included."""
+    in a run (``managed``'s pool holding every expert), so that nothing is read after the first
+    pass: the compute rate as that mode decodes with nothing to read, its step's own cost included."""
     prompt = [int(x) for x in prompt]
     steps = max(2, int(tokens))
 
