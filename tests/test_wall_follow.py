@@ -414,6 +414,34 @@ def test_a_tier_squeezed_at_the_limit_raises_it(cgroup):
     assert cgroup.limit <= own + CAPACITY + MARGIN  # never above where the tier's bound puts it
 
 
+def test_a_tier_over_its_capacity_is_reclaimed_at_once(cgroup):
+    """In a page-cache thrash own memory reads high (pages on their way out are still charged), and
+    the tier grew past the capacity while the limit sat at the usage: only the bias, half the excess
+    a sample, brought it down, and 4 of 8 ``advise`` and ``prefetch`` runs at a 480 MB wall ended 1-8
+    MB past the proof's slack. A sample that finds the tier over writes a limit below the usage by
+    the excess, which the kernel reclaims at once; never more than the page cache less the floor."""
+    s = sampler(cgroup)
+    s._steady = True
+    cgroup.set(usage=40 * MiB, file=0)
+    s.sample()  # the first limit is written: the window's least own memory is 40 MiB
+    usage = cgroup.limit
+    over = 3 * MiB
+    cgroup.set(usage=usage, file=CAPACITY + over, anon=usage - CAPACITY - over)  # at the limit, the tier over
+    s.sample()
+    assert cgroup.limit == usage - over
+    # a tier over the capacity in locked pages, with less page cache than the floor: nothing to reclaim,
+    # the limit is not lowered below the usage
+    s2 = sampler(FakeCgroup(cgroup.d))
+    s2._steady = True
+    cgroup.set(usage=40 * MiB, file=0)
+    s2.sample()
+    usage = cgroup.limit
+    cgroup.set(usage=usage, file=2 * MiB, unevictable=CAPACITY + MARGIN - 2 * MiB,
+               anon=usage - CAPACITY - MARGIN)
+    s2.sample()
+    assert cgroup.limit >= usage
+
+
 def test_a_load_over_the_capacity_leaves_no_bias_behind(cgroup, tmp_path):
     """During the model's load the tier sits up to a margin over the capacity by the load's own rule,
     and the limit there does not use the feedback: a bias summed over the load's samples was never

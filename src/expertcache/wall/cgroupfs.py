@@ -549,6 +549,13 @@ class Sampler(threading.Thread):
         elif usage is not None:
             floor = max(margin, FLOOR_BYTES)
             limit = max(usage + min(room, max(0, floor - file)), min(limit, usage + room))
+            if tier > capacity and not waiting:
+                # the tier is over its capacity now: a limit below the usage by the excess has the
+                # kernel reclaim it at once (page cache: nothing the worker needs), where a limit kept
+                # at the usage waited for the bias to catch up (a tier 5-8 MB past a 480 MB wall's
+                # slack in 4 of 8 advise and prefetch runs); never more than the cgroup's page cache
+                # less the floor, so the worker keeps its room for system calls
+                limit = min(limit, usage - min(tier - capacity, max(0, file - floor)))
         limit = min(ceiling, limit)
         grew = usage is not None and self._last_usage is not None and usage - self._last_usage >= margin
         self.interval = SAMPLE_FAST_S if waiting or grew else SAMPLE_S
