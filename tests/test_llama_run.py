@@ -360,11 +360,25 @@ def test_faulted_bandwidth_reads_as_llama_cpp_maps(gguf_path, tmp_path, monkeypa
                                                                             real(fd, off, n, advice))[1])
     reads = iter(range(0, 10 ** 12, 1000))  # the counter: 1000 bytes more at every reading
     monkeypatch.setattr(rl, "read_self_io", lambda: ({"read_bytes": next(reads)}, None))
+    evictions = []
+    real_evict = rl.evict_file_pages
+    monkeypatch.setattr(rl, "evict_file_pages", lambda paths: (evictions.append(paths), real_evict(paths))[1])
     r = rl.faulted_bandwidth(g, seconds=0.3)
     assert not r["cached"] and r["passes"] == rl.BANDWIDTH_PASSES and r["bytes"] == 1000 * rl.BANDWIDTH_PASSES
     assert r["bytes_per_s_min"] <= r["bytes_per_s"] <= r["bytes_per_s_max"]
     assert calls[0] == (0, 0, rl.os.POSIX_FADV_SEQUENTIAL)
     assert not any(advice == rl.os.POSIX_FADV_WILLNEED for _, _, advice in calls)
+    # the file evicted once, before the passes (a whole-file eviction a round had been timed as reads);
+    # each round drops its slices with the windows' spill beside them
+    import os
+
+    from expertcache.tier.readers import readahead_bytes
+
+    spill = 4 * readahead_bytes(g.path)
+    drops = [(off, n) for off, n, advice in calls if advice == rl.os.POSIX_FADV_DONTNEED and n]  # n 0: the eviction
+    slice_bytes = min(n for layer in g.moe_layers for _, n in g.expert_ranges(layer, 0))
+    assert len(evictions) == 1 and drops and all(n >= min(slice_bytes + spill, os.path.getsize(g.path) - off)
+                                                 for off, n in drops)
     assert rl.faulted_bandwidth(g)["cached"]
     monkeypatch.setattr(rl, "read_self_io", lambda: (None, "/proc/self/io: no read_bytes field"))
     assert rl.faulted_bandwidth(g, fresh=True) == {"bytes_per_s": None, "cached": False,

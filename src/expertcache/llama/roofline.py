@@ -233,14 +233,15 @@ def _miss_path(kind: str, g, seconds: float, fresh: bool, prepare, one_round, co
     return {**out, "cached": False}
 
 
-def _touch_and_drop(view, ranges, size: int, fd: int | None = None) -> int:
+def _touch_and_drop(view, ranges, size: int, fd: int | None = None, spill: int = 0) -> int:
     """Every page of ``ranges`` touched in order (a fault each where it is not resident), then the
-    ranges dropped from the mapping (and, with ``fd``, from the file's page cache); their bytes."""
+    ranges, widened by ``spill`` bytes each side (what a fault's readahead read beside them), dropped
+    from the mapping (and, with ``fd``, from the file's page cache); their bytes."""
     for off, n in ranges:
         for a in range(off - off % BLOCK, off + n, BLOCK):
             view[a]
     for off, n in ranges:
-        lo, hi = off - off % BLOCK, -(-(off + n) // BLOCK) * BLOCK
+        lo, hi = max(0, off - off % BLOCK - spill), -(-(off + n) // BLOCK) * BLOCK + spill
         view.madvise(MADV_DONTNEED, lo, min(hi, size) - lo)
         if fd is not None:
             os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
@@ -277,21 +278,23 @@ def faulted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
     (:func:`_miss_path`), as llama.cpp maps it: the file opened with ``POSIX_FADV_SEQUENTIAL``
     (which doubles its readahead window) and mapped plainly; each round every page of one random MoE
     layer's ``top_k`` random experts' slices touched in the graph's order (a fault reads the window
-    around it, the next faults find the rest), then dropped with the file's other pages (the
-    windows' spill). The bytes are the process's own ``read_bytes`` (``/proc/self/io``: what the
-    faults' read-around read, the spill beyond the slices included); ``bytes_per_s`` None, with a
-    note, where this kernel does not count them."""
+    around it, the next faults find the rest), then dropped with the pages the windows read beside
+    them (the spill: two windows each side; a range's drop, not the whole file's eviction, whose 18
+    ms a round had been timed as reads). The bytes are the process's own ``read_bytes``
+    (``/proc/self/io``: what the faults' read-around read, the spill beyond the slices included);
+    ``bytes_per_s`` None, with a note, where this kernel does not count them."""
+    from ..tier.readers import readahead_bytes as device_readahead  # as advice.py reads it
+
     io, why = read_self_io()
     if io is None:
         return {"bytes_per_s": None, "cached": False, "note": why}
     size = os.stat(g.path).st_size
+    spill = 2 * 2 * device_readahead(g.path)  # two of the windows POSIX_FADV_SEQUENTIAL makes
 
     def one_round(fd, view, rng) -> int:
         layer = rng.choice(g.moe_layers)
         ranges = g.compute_ranges(layer, rng.sample(range(g.num_experts), min(g.top_k, g.num_experts)))
-        done = _touch_and_drop(view, ranges, size)
-        evict_file_pages([g.path])  # the windows' spill too
-        return done
+        return _touch_and_drop(view, ranges, size, fd, spill)  # the windows' spill dropped too
     def prepare(fd, view) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # as llama.cpp opens it
     return _miss_path("faulted", g, seconds, fresh, prepare, one_round,
