@@ -41,9 +41,7 @@ Run (about 3 minutes once the GGUFs exist)::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -65,13 +63,9 @@ MB = 1e6
 
 
 def measured(gguf: Path, ids: Path, prompt_len: int, wall: str, mode: str, tokens: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "llama", "run", str(gguf), "--tokens", str(ids),
-                          "--prompt-len", str(prompt_len), "--max-new-tokens", str(tokens), "--mode", mode,
-                          "--memory-wall", wall, "--no-roofline", "--json"],
-                         capture_output=True, text=True, cwd=REPO, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"llama run {mode} {wall}: {out.stderr.strip()[-300:]}")
-    return json.loads(out.stdout.splitlines()[0])
+    """One walled ``llama run`` (its record), through :func:`llama_tier.cli`."""
+    return cli("llama", "run", str(gguf), "--tokens", str(ids), "--prompt-len", str(prompt_len), "--max-new-tokens",
+               str(tokens), "--mode", mode, "--memory-wall", wall, "--no-roofline", "--json")[0]
 
 
 def main() -> None:
