@@ -382,7 +382,7 @@ def main() -> int:
             f"{args.runs} runs per cell in one seeded shuffled order. A wall P% = the dense part + P% of the expert "
             "tensors; the unwalled reference has no observer (plain llama.cpp); compute rates per page state (the "
             "file evicted, then faulted in by llama.cpp's load, or dropped and read back by hints: `roofline.PAGE_STATES`; "
-            "each mode's limit takes its own, `mmap` faulted, the others hinted); `managed-python` is `managed` with its "
+            "each mode's limit takes its own, `mmap` and `prefetch` faulted, the others hinted); `managed-python` is `managed` with its "
             "Python step instead of the compiled one (the A/B). Forecasts by `expertcache size MODEL --memory WALL --threads T` made before the runs: with "
             "`--trace` (this prompt's forward and decode captured: `capture --generate N --keep-prompt`, the prompt "
             "replayed first, uncounted, in every mode's replay) and without (a matched synthetic trace); error = forecast / "

@@ -271,7 +271,7 @@ def test_compute_rate_is_timed_and_kept_per_page_state(gguf_path, prompt, tmp_pa
     assert note.startswith("hinted pages not watched (") and "mincore cannot report residency" in note
     assert {m: pages_of(m) for m in MODES} == {
         "mmap": "faulted", "random": "hinted", "advise": "hinted", "pin": "hinted", "managed": "hinted",
-        "lookahead": "hinted", "nocache": "hinted", "prefetch": "hinted", "nommap": "faulted"}
+        "lookahead": "hinted", "nocache": "hinted", "prefetch": "faulted", "nommap": "faulted"}
 
 
 def test_compute_rate_as_the_managed_step_runs(gguf_path, prompt, tmp_path, monkeypatch):
@@ -453,3 +453,42 @@ def test_the_roofline_cache_forgets_the_measurements_of_deleted_files(tmp_path, 
     assert rl._cached("number", False) is None
     rl._store("again", {**rate, "file": str(kept)})
     assert sorted(json.loads(rl.cache_path().read_text())) == ["again", "device", "kept"]
+
+
+def test_prefetch_marks_cold_only_what_a_prefills_lookahead_read(gguf_path):
+    """As ik_llama.cpp's --prefetch-experts: a decode step's routed experts are read and left as they
+    are (no ffn_moe_out callback, nothing to mark cold); a prefill streams the next MoE layers' whole
+    expert tensors, and what that read is handed back at the layer's ffn_moe_out."""
+    import mmap
+
+    from expertcache.llama.advice import PREFETCH_AHEAD, PageAdvisor
+    from expertcache.wall.pagecache import evict_file_pages
+
+    g = read_geometry(str(gguf_path))
+    layers = g.moe_layers
+    assert len(layers) > PREFETCH_AHEAD
+    out = f"ffn_moe_out-{layers[0]}".encode()
+    assert not PageAdvisor(g, "prefetch", readers=0).wants(out)  # no readers: the hints' fallback
+    evict_file_pages([str(gguf_path)])
+    adv = PageAdvisor(g, "prefetch", readers=1)
+    with open(gguf_path, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        adv.base = int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
+        adv.begin(1, True, False)
+        assert not adv.wants(out)
+        adv.warm(layers[0], np.array([0, 1]))  # a decode step: the routed experts only, untracked
+        adv.begin(24, True, False)
+        assert adv.wants(out) and adv.ahead == set(layers[:PREFETCH_AHEAD])
+        adv.warm(layers[0], np.array([0, 1]))  # a prefill's layer 0: one more layer streams ahead
+        assert adv.ahead == set(layers[:PREFETCH_AHEAD + 1])
+        adv.readers.close()  # every queued piece read
+        read = {layer: adv.readers.take_read(layer) for layer in layers}
+        for layer in layers:
+            got = sum(n for _, n in read[layer])
+            whole = sum(n for _, n in g.layer_span(layer))
+            # the routed experts of layer 0, read before, are skipped: what it hands back is the rest
+            assert (0 < got <= whole) if layer in adv.ahead else got == 0, layer
+    finally:
+        adv.close()
+        m.close()

@@ -520,7 +520,10 @@ def test_expert_hits_are_counted_or_none_never_a_zero_not_counted(small_gguf):
         assert rec["expert_hits"] + rec["expert_misses"] >= 5 * 4 * 2, (mode, rec)  # 5 decode steps x 4 layers x k
     for mode in ("prefetch", "advise"):
         advice = run("run", "--mode", mode, "--no-roofline")["advice"]
-        assert advice["expert_hits"] is None and advice["expert_misses"] is None and advice["hints"] > 0, advice
+        assert advice["expert_hits"] is None and advice["expert_misses"] is None, advice
+        # advise hints the routed experts; prefetch's readers read them, or skip them resident
+        assert advice["hints"] > 0 if mode == "advise" else \
+            advice["hints"] == 0 and advice["populated_bytes"] + advice["resident_pieces_skipped"] > 0, advice
     advice = run("run", "--mode", "managed", "--no-roofline")["advice"]
     assert advice["expert_hits"] + advice["expert_misses"] > 0
 

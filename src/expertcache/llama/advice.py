@@ -36,10 +36,14 @@ on the file through its own descriptor:
   on the mapping (unmaps this process's pages) then ``posix_fadvise(DONTNEED)`` (evicts the clean
   pages): every use pays the device, the in-engine analogue of the incumbent's F_NOCACHE. Against
   ``advise`` it differs only in admission (the paper's section 9 A/B);
-* ``prefetch``: random, plus, as ik_llama.cpp's ``--prefetch-experts`` does: when a layer routes, its
-  experts' pages are hinted and read by a pool of reader threads (:class:`Readers`), and once the
-  layer is computed (``ffn_moe_out``) marked cold (``MADV_COLD``: the first the kernel takes back);
-  no eviction of its own. The closest mechanism a user can get elsewhere, for the same-run A/B;
+* ``prefetch``: ``mmap`` (llama.cpp's mapping as it is), plus what ik_llama.cpp's
+  ``--prefetch-experts`` does (its pull request 2101): when a layer routes, a pool of reader threads
+  (:class:`Readers`; as many as the hardware's threads, at most 8) ``pread``s its routed experts in
+  2 MiB pieces into the page cache, ahead of anything queued, skipping pieces already resident,
+  while the compute goes on without waiting (its faults take what is not read yet); in a prefill the whole
+  expert tensors of the next 3 MoE layers stream behind them, and the pieces so read are marked cold
+  (``MADV_COLD``: the first the kernel takes back) once their layer is computed (``ffn_moe_out``).
+  No eviction of its own. The closest mechanism a user can get elsewhere, for the same-run A/B;
 * ``nommap``: the weights are read into anonymous memory at load (no tier; ``Engine(mmap=False)``).
 
 ``predict="lookahead"`` (``managed`` only): when a layer's ``ffn_inp`` is computed in a decode step,
@@ -47,7 +51,8 @@ the pool loads the next MoE layer's experts the router lookahead predicts (``Exp
 unused prefetched experts are evicted first), so their reads overlap this layer's compute; its
 loads count in ``predicted_loads`` (docs/llama.md: it loses, each wrong prediction a whole read).
 
-``readers`` (``managed``, ``prefetch``) hands loaded slices to threads that populate their pages.
+``readers`` (``managed``, ``prefetch``) hands loaded slices to threads that populate their pages
+(``managed``) or read them into the page cache (``prefetch``).
 A prefill under ``managed`` reads each routed expert once, at its layer's routing (a 512-token
 prefill at a 25% wall read 1.00x the routed experts' bytes; docs/llama.md).
 
@@ -292,9 +297,15 @@ MLOCK_RETRY_S = 2.0
 """How long :func:`mlock` tries again a lock refused for memory (ENOMEM, EAGAIN) before it fails."""
 MADV_POPULATE_READ = 22
 """Linux 5.14+: fault the range's pages in (reading them where needed) and map them, in the caller."""
-DEFAULT_READERS = {"prefetch": 4}
-"""Reader threads per mode unless given (``--readers``): ``prefetch`` is its readers; ``managed``
-takes none by default (measured: no faster with them on this machine, docs/llama.md)."""
+DEFAULT_READERS = {"prefetch": min(8, os.cpu_count() or 1)}
+"""Reader threads per mode unless given (``--readers``): ``prefetch`` takes ik_llama.cpp's default
+(``GGML_MOE_PREFETCH_THREADS``: the hardware's threads, at most 8); ``managed`` takes none by default
+(measured: no faster with them on this machine, docs/llama.md)."""
+PREFETCH_CHUNK = 2 << 20
+"""``prefetch``'s request: ik_llama.cpp's ``GGML_MOE_PREFETCH_CHUNK`` (2 MiB), skipped when resident."""
+PREFETCH_AHEAD = 3
+"""``prefetch`` in a prefill: MoE layers whose whole expert tensors stream ahead of the one computing
+(ik_llama.cpp's ``GGML_MOE_PREFETCH_AHEAD``)."""
 
 
 READER_MODES = ("managed", "prefetch")
@@ -326,49 +337,104 @@ CHUNK = 256 << 10
 class Readers:
     """Threads that map the pages of experts being loaded before the compute thread touches them.
 
-    The compute thread hints a loaded slice (``POSIX_FADV_WILLNEED``: its read is submitted at once,
-    asynchronously, in large requests) and hands its pieces (:data:`CHUNK`) to the readers, which
-    ``madvise(MADV_POPULATE_READ)`` them: each waits for its pages to arrive and maps them, so the
-    compute thread's matmul finds them mapped instead of faulting page by page (``MADV_RANDOM``
-    turns fault-around off), and the device has several requests in flight. Each item's pieces are
-    counted so that a victim is dropped only once its own population has finished
-    (:meth:`settle`): a populate racing a drop would bring its pages back."""
+    ``managed``: the compute thread hints a loaded slice (``POSIX_FADV_WILLNEED``: its read is
+    submitted at once, asynchronously, in large requests) and hands its pieces (:data:`CHUNK`) to
+    the readers (:meth:`submit`), which ``madvise(MADV_POPULATE_READ)`` them: each waits for its
+    pages to arrive and maps them, so the compute thread's matmul finds them mapped instead of
+    faulting page by page (``MADV_RANDOM`` turns fault-around off), and the device has several
+    requests in flight. Each item's pieces are counted so that a victim is dropped only once its own
+    population has finished (:meth:`settle`): a populate racing a drop would bring its pages back.
 
-    def __init__(self, n: int):
-        import queue
-        import threading
+    ``prefetch`` (:meth:`warm`), as ik_llama.cpp's pool does: pieces of :data:`PREFETCH_CHUNK`
+    ``pread`` from ``path`` into each thread's own buffer, through a descriptor opened
+    ``POSIX_FADV_SEQUENTIAL`` as llama.cpp opens the file its pool reads (the page cache reads
+    around and ahead of each, as for any read of the file), a piece whose pages are all resident (``mincore``) skipped,
+    the routed experts' pieces put ahead of the queue (``urgent``) and a prefill's lookahead behind
+    it; the pieces a ``track`` job read (not resident before) are kept under its key, for
+    :meth:`take_read` to mark cold after use."""
 
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, n: int, path: str | None = None):
+        import collections
+
+        self.jobs: collections.deque = collections.deque()
         self.pending: dict[int, int] = {}
-        self.lock = threading.Condition()
-        self.populated = self.errors = 0
+        mutex = threading.Lock()
+        self.lock = threading.Condition(mutex)  # a piece done (settle waits on it)
+        self.work = threading.Condition(mutex)  # a piece queued, or closing
+        self.read: dict[object, list[tuple[int, int]]] = {}
+        self.populated = self.errors = self.skipped = 0
+        self.closing = False
+        self.fd = None
+        if path is not None:
+            self.fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
         for t in self.threads:
             t.start()
 
     def submit(self, item: int, addr: int, length: int) -> None:
         """Populate ``[addr, addr + length)`` for ``item``, in pieces."""
-        pieces = [(off, min(CHUNK, length - off)) for off in range(0, length, CHUNK)]
+        pieces = [(item, addr + off, min(CHUNK, length - off), None, None) for off in range(0, length, CHUNK)]
         with self.lock:
             self.pending[item] = self.pending.get(item, 0) + len(pieces)
-        for off, n in pieces:
-            self.jobs.put((item, addr + off, n))
+            self.jobs.extend(pieces)
+            self.work.notify_all()
+
+    def warm(self, base: int, ranges, urgent: bool, track=None) -> None:
+        """Read the file's ``(offset, length)`` ``ranges`` (mapped at ``base``) in
+        :data:`PREFETCH_CHUNK` pieces, each skipped when resident; ``urgent`` ahead of every queued
+        piece (in order), else behind; ``track``: a key the pieces read are kept under
+        (:meth:`take_read`, as mapped ``(address, length)``)."""
+        pieces = [(None, base + o + off, min(PREFETCH_CHUNK, n - off), o + off, track)
+                  for o, n in ranges for off in range(0, n, PREFETCH_CHUNK)]
+        with self.lock:
+            if urgent:
+                self.jobs.extendleft(reversed(pieces))
+            else:
+                self.jobs.extend(pieces)
+            self.work.notify_all()
+
+    def take_read(self, key) -> list[tuple[int, int]]:
+        """The pieces read so far under ``key`` (forgotten here)."""
+        with self.lock:
+            return self.read.pop(key, [])
+
+    def take_all(self) -> None:
+        """Forget every piece read under any key."""
+        with self.lock:
+            self.read.clear()
 
     def _run(self) -> None:
+        buf = memoryview(bytearray(PREFETCH_CHUNK)) if self.fd is not None else None
         while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            item, addr, n = job
-            lo, hi = _pages(addr, n)
-            if _libc.madvise(lo, hi - lo, MADV_POPULATE_READ) != 0:
-                self.errors += 1
             with self.lock:
+                while not self.jobs and not self.closing:
+                    self.work.wait()
+                if not self.jobs:  # closing, and every queued piece done
+                    return
+                item, addr, n, off, track = self.jobs.popleft()
+            if off is None:  # managed: populate the mapping
+                lo, hi = _pages(addr, n)
+                failed = _libc.madvise(lo, hi - lo, MADV_POPULATE_READ) != 0
+            elif resident(addr, n):
+                with self.lock:
+                    self.skipped += 1
+                continue
+            else:  # prefetch: read through the page cache (a short read leaves the rest to faults)
+                try:
+                    failed = os.preadv(self.fd, [buf[:n]], off) <= 0
+                except OSError:
+                    failed = True
+            with self.lock:
+                self.errors += failed
                 self.populated += n
-                self.pending[item] -= 1
-                if not self.pending[item]:
-                    del self.pending[item]
-                    self.lock.notify_all()
+                if track is not None and not failed:
+                    self.read.setdefault(track, []).append((addr, n))
+                if item is not None:
+                    self.pending[item] -= 1
+                    if not self.pending[item]:
+                        del self.pending[item]
+                        self.lock.notify_all()
 
     def settle(self, item: int) -> None:
         """Wait until no piece of ``item`` is being populated."""
@@ -377,10 +443,14 @@ class Readers:
                 self.lock.wait()
 
     def close(self) -> None:
-        for _ in self.threads:
-            self.jobs.put(None)
+        with self.lock:
+            self.closing = True
+            self.work.notify_all()
         for t in self.threads:
             t.join(timeout=5)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class PageAdvisor:
@@ -446,9 +516,10 @@ class PageAdvisor:
         self.n_tokens = 0
         self.count_hits = count_hits
         self.expert_hits = self.expert_misses = 0
-        self.readers = Readers(readers) if readers > 0 and mode in ("managed", "prefetch") else None
+        self.readers = Readers(readers, geometry.path if mode == "prefetch" else None) \
+            if readers > 0 and mode in ("managed", "prefetch") else None
 
-        self.warmed: dict[int, list] = {}
+        self.ahead: set[int] = set()  # prefetch: the MoE layers this prefill forward streams ahead
         self.prefixes = (self._TOPK if self.observes_routing else ()) + \
             (self._INP if mode == "lookahead" or self.predict_next else ()) + \
             (self._OUT if mode in ("nocache", "prefetch") else ())
@@ -460,7 +531,7 @@ class PageAdvisor:
         self.base = mapping_base(self.g.path, self.maps)
         if self.base is None:
             raise ConfigError(f"{self.g.path}: llama.cpp has not mapped the file (mode {self.mode} needs the mapping)")
-        if self.mode != "mmap":
+        if self.mode not in ("mmap", "prefetch"):  # prefetch: llama.cpp's mapping as it is, as in ik_llama.cpp
             for layer in self.g.moe_layers:
                 for off, n in self.g.layer_span(layer):
                     madvise(self.base + off, n, MADV_RANDOM)
@@ -511,7 +582,7 @@ class PageAdvisor:
         self.hints = self.hint_bytes = self.drops = 0
         self.expert_hits = self.expert_misses = self.look_hits = self.look_total = 0
         self.predicted.clear()
-        self.warmed.clear()
+        self.ahead.clear()
         self._redrop()
         self.hinted_now.clear()
         if self.steps is not None:
@@ -540,6 +611,11 @@ class PageAdvisor:
     # -- observer --------------------------------------------------------------------------
     def begin(self, n_tokens: int, starts_sequence: bool, all_logits: bool) -> None:
         self.n_tokens = n_tokens
+        if self.mode == "prefetch" and self.readers is not None and self.base is not None:
+            self.ahead.clear()
+            self.readers.take_all()  # a last forward's reads not yet marked: not this one's to mark
+            if n_tokens > 1:
+                self._stream_ahead(self.g.moe_layers[:PREFETCH_AHEAD])
         self.sync_counters()
         self._redrop()
         self.hinted_now.clear()
@@ -598,7 +674,10 @@ class PageAdvisor:
             return True
         if (self.mode == "lookahead" or self.predict_next) and layer_of(name, self._INP) is not None:
             return True
-        return self.mode in ("nocache", "prefetch") and layer_of(name, self._OUT) is not None
+        # prefetch: only a prefill's lookahead marks what it read cold after use (ik_llama.cpp's
+        # GGML_MOE_PREFETCH_AHEAD); a decode step's routed experts stay as they are
+        return (self.mode == "nocache" or (self.mode == "prefetch" and self.n_tokens > 1 and self.readers is not None)) \
+            and layer_of(name, self._OUT) is not None
 
     def seen(self, name: bytes, ptr: int) -> None:
         layer = layer_of(name, self._TOPK)
@@ -644,9 +723,8 @@ class PageAdvisor:
             return
         layer = layer_of(name, self._OUT)
         if layer is not None and self.base is not None and self.mode == "prefetch":
-            for e in self.warmed.pop(layer, ()):  # used: the first pages the kernel may take back
-                for off, n in self.g.expert_ranges(layer, e):
-                    madvise(self.base + off, n, MADV_COLD)
+            for addr, n in self.readers.take_read(layer):  # streamed for this layer, now used: the
+                madvise(addr, n, MADV_COLD)  # first pages the kernel may take back
         elif layer is not None and self.base is not None:
             for off, n in self.g.layer_span(layer):
                 drop(self.fd, self.base, off, n)
@@ -720,14 +798,25 @@ class PageAdvisor:
         return self.cache.slots_of(np.asarray(items, dtype=np.int64)) >= 0
 
     def warm(self, layer: int, routed: np.ndarray) -> None:
-        """``prefetch``: the routed experts' pages read by the readers (hinted, then populated), as
-        ik_llama.cpp's ``--prefetch-experts`` warms them; marked cold once the layer is computed."""
-        self.willneed(layer, routed)
-        if self.readers is not None and self.base is not None:
-            for e in routed.tolist():
-                for off, n in self.g.expert_ranges(layer, int(e)):
-                    self.readers.submit(int(e), self.base + off, n)
-        self.warmed[layer] = routed.tolist()
+        """``prefetch``, as ik_llama.cpp's ``--prefetch-experts`` does (its pull request 2101): the
+        routed experts' pages read by the readers ahead of every queued piece, those already
+        resident skipped, with no wait; in a prefill, also the whole expert tensors of the MoE layer
+        :data:`PREFETCH_AHEAD` ahead streamed behind them, whose pieces read are marked cold once
+        that layer is computed. Without readers, the routed experts hinted (its fallback)."""
+        if self.readers is None or self.base is None:
+            self.willneed(layer, routed)
+            return
+        self.readers.warm(self.base, self.g.compute_ranges(layer, routed.tolist()), urgent=True)
+        if self.n_tokens > 1:
+            i = self.g.moe_layers.index(layer)
+            self._stream_ahead(self.g.moe_layers[i + 1:i + 1 + PREFETCH_AHEAD])
+
+    def _stream_ahead(self, layers) -> None:
+        """``prefetch`` in a prefill: queue each of ``layers``' whole expert tensors once a forward."""
+        for nxt in layers:
+            if nxt not in self.ahead:
+                self.ahead.add(nxt)
+                self.readers.warm(self.base, self.g.layer_span(nxt), urgent=False, track=nxt)
 
     def predict(self, layer: int, h: np.ndarray) -> np.ndarray:
         """The router lookahead's top-k for one residual row ``h`` (see the module docstring)."""
@@ -780,6 +869,7 @@ class PageAdvisor:
                 "edge_page_drops": self.edge_drops,
                 "readers": len(self.readers.threads) if self.readers is not None else 0,
                 "populated_bytes": self.readers.populated if self.readers is not None else 0,
+                "resident_pieces_skipped": self.readers.skipped if self.readers is not None else 0,
                 "expert_hits": self.expert_hits if self.counts_hits else None,
                 "expert_misses": self.expert_misses if self.counts_hits else None,
                 "lookahead_recall": self.look_hits / self.look_total if self.look_total else None,

@@ -343,10 +343,11 @@ size at this rate instead (at most :data:`HINT_WAIT_S`), and says so."""
 
 def pages_of(mode: str) -> str:
     """The page state (:data:`PAGE_STATES`) a ``llama run`` mode's reads leave the experts in:
-    ``faulted`` for ``mmap`` (and ``nommap``, whose weights are copied out of the page cache: its
-    reference is plain llama.cpp's), ``hinted`` for every mode that reads by hints or single-page
-    faults (``MADV_RANDOM``)."""
-    return "faulted" if mode in ("mmap", "nommap") else "hinted"
+    ``faulted`` for ``mmap``, ``prefetch`` (whose readers' ``pread`` reads ahead as a fault's
+    read-around does) and ``nommap`` (whose weights are copied out of the page cache: its reference
+    is plain llama.cpp's), ``hinted`` for every mode that reads by hints or single-page faults
+    (``MADV_RANDOM``)."""
+    return "faulted" if mode in ("mmap", "prefetch", "nommap") else "hinted"
 
 
 def bring_in(path: str, pages: str) -> str | None:
