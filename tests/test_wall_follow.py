@@ -475,3 +475,26 @@ def test_a_published_peak_that_is_not_a_count_reads_as_none(tmp_path, text):
     path.write_bytes(text)
     assert cg.read_published_peak(str(path)) is None
     assert cg.read_published_peak(str(tmp_path / "absent")) is None
+
+
+def test_one_sample_short_of_the_capacity_gives_nothing_back(cgroup):
+    """A reading of the tier taken while its pages churn can be tens of MB low: a prefetch prefill's
+    sample read 436 MB of a 480 MB wall's file while the cgroup's file pages were 470; the limit it
+    gave back let the tier end 0.2 MB past the proof's slack. A shortfall is given back only once two
+    samples in a row found it, and only the smaller of the two."""
+    s = sampler(cgroup)
+    s._steady = True
+    cgroup.set(usage=40 * MiB, file=0)
+    s.sample()  # the first limit is written: the window's least own memory is 40 MiB
+    full = cgroup.limit
+    cgroup.set(usage=full, file=CAPACITY - MARGIN // 2, anon=full - CAPACITY + MARGIN // 2)  # at the limit, full
+    s.sample()
+    bias, limit = s._bias, cgroup.limit
+    low = CAPACITY - 3 * MiB
+    cgroup.set(usage=limit, file=low, anon=limit - low)  # one reading 3 MiB short
+    s.sample()
+    assert s._bias == bias and cgroup.limit == limit
+    lower = CAPACITY - 4 * MiB
+    cgroup.set(usage=limit, file=lower, anon=limit - lower)  # short again: half the smaller shortfall
+    s.sample()
+    assert s._bias == bias - (CAPACITY - MARGIN - low) // 2

@@ -332,6 +332,7 @@ class Sampler(threading.Thread):
         self._recent_own: collections.deque = collections.deque(maxlen=FOLLOW_WINDOW)
         self._following = False
         self._bias = 0
+        self._short: int | None = None  # the last sample's tier, when it was short of the capacity at the limit
         self._oom_since: float | None = None
         self._halt = threading.Event()
         self.interval = SAMPLE_S
@@ -487,8 +488,9 @@ class Sampler(threading.Thread):
     def _correct(self, tier: int, usage: int | None) -> None:
         """Feedback on the tier itself (cumulatively: ``bias``, subtracted from the limit): a tier
         above the capacity lowers the limit by half the excess; a tier below the capacity less the
-        margin while the cgroup is at its limit gives half the shortfall back (below a ``bias`` of 0,
-        raising the limit, only after the first forward of a worker that never settled). It
+        margin while the cgroup is at its limit, in two samples in a row, gives half the smaller of
+        their shortfalls back (below a ``bias`` of 0, raising the limit, only after the first forward
+        of a worker that never settled). It
         corrects what ``own`` misjudges both ways: in a page-cache thrash the pages on
         their way out are charged but no longer in the file's cache, so ``own`` reads 10-20 MB high
         and swings (seen: 72-93 MB between samples, the tier 13 MB over a 480 MB wall); and own memory
@@ -499,14 +501,21 @@ class Sampler(threading.Thread):
         capacity, _, margin = self.follow
         if self._loading:  # the load's limit bounds the tier by its own rule (capacity + margin): a bias
             return  # summed there is never used, and it had squeezed the run after (46 MB at the load's end)
+        short, self._short = self._short, None
         if tier > capacity:
             self._bias += (tier - capacity) // 2
         elif tier < capacity - margin and usage is not None and self._limit is not None \
                 and usage >= self._limit - AT_LIMIT_BYTES:
-            give = (capacity - margin - tier) // 2
-            # below 0 only once a worker that never settled has run its first forward (steady): a
-            # settled one restarted its window after that forward already
-            self._bias -= give if self._steady and not self._settled else min(self._bias, give)
+            # a shortfall is given back once two samples in a row found it, and only what both
+            # found: one reading of the tier taken while its pages churn can be tens of MB low (a
+            # prefetch prefill read 436 MB where the cgroup's file pages were 470; the limit given
+            # back on it let the tier end 0.2 MB past a 480 MB wall's slack)
+            self._short = tier
+            if short is not None:
+                give = (capacity - margin - max(tier, short)) // 2
+                # below 0 only once a worker that never settled has run its first forward (steady): a
+                # settled one restarted its window after that forward already
+                self._bias -= give if self._steady and not self._settled else min(self._bias, give)
         self.limits["max_bias_bytes"] = max(self.limits.get("max_bias_bytes", 0), self._bias)
         self.limits["min_bias_bytes"] = min(self.limits.get("min_bias_bytes", 0), self._bias)
 
