@@ -16,7 +16,7 @@ from .llama_opts import add_generation_options, add_readers, open_session
 
 HELP = """llama.cpp as the engine: the GGUF is mmapped, so the kernel page cache is the expert tier.
 'info' prints the expert geometry; 'run' greedy-decodes a prompt in one page-cache mode (mmap,
-random, advise, pin, managed, lookahead, nocache, nommap) behind an enforced memory wall and reports tokens/s,
+random, advise, pin, managed, lookahead, nocache, prefetch, nommap) behind an enforced memory wall and reports tokens/s,
 the process's own read bytes per token, the wall's proof and the LRU demand model; 'sweep' runs
 every (wall, mode) cell several times in a shuffled order. Needs the llama extra. See docs/llama.md."""
 WALLS = ("auto", "cgroup", "balloon")
