@@ -66,3 +66,15 @@ def test_routed_pieces_go_ahead_of_the_lookahead_in_their_own_order(mapped):
         (4 * MB, MB, None), (MB, MB, None), (0, 2 * MB, 1), (2 * MB, 2 * MB, 1)]
     assert [addr - off for _, addr, _, off, _ in r.jobs] == [base] * 4
     r.close()
+
+
+def test_pieces_of_a_mapping_already_gone_are_errors_not_tracebacks(mapped, capfd):
+    """An engine closed before its advisor leaves queued pieces over an unmapped range: ``mincore``
+    fails there; the reader counts an error and goes on (no traceback on stderr). The range: the
+    address space's first pages after page 0, where nothing is mapped (the interpreter, its
+    libraries, heap and mappings lie far above; only a ``MAP_FIXED`` request would put one there)."""
+    path, _ = mapped
+    r = Readers(1, path)
+    r.warm(4096, [(0, 32 << 10), (32 << 10, 16 << 10)], urgent=True, track="x")
+    r.close()
+    assert (r.errors, r.skipped, r.take_read("x")) == (2, 0, []) and capfd.readouterr().err == ""

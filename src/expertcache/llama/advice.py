@@ -416,15 +416,15 @@ class Readers:
             if off is None:  # managed: populate the mapping
                 lo, hi = _pages(addr, n)
                 failed = _libc.madvise(lo, hi - lo, MADV_POPULATE_READ) != 0
-            elif resident(addr, n):
-                with self.lock:
-                    self.skipped += 1
-                continue
             else:  # prefetch: read through the page cache (a short read leaves the rest to faults)
                 try:
+                    if resident(addr, n):
+                        with self.lock:
+                            self.skipped += 1
+                        continue
                     failed = os.preadv(self.fd, [buf[:n]], off) <= 0
-                except OSError:
-                    failed = True
+                except (OSError, ConfigError):  # the mapping gone (an engine closed before its
+                    failed = True  # advisor, with pieces still queued): nothing left to warm
             with self.lock:
                 self.errors += failed
                 self.populated += n
