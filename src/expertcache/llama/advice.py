@@ -301,6 +301,10 @@ DEFAULT_READERS = {"prefetch": min(8, os.cpu_count() or 1)}
 """Reader threads per mode unless given (``--readers``): ``prefetch`` takes ik_llama.cpp's default
 (``GGML_MOE_PREFETCH_THREADS``: the hardware's threads, at most 8); ``managed`` takes none by default
 (measured: no faster with them on this machine, docs/llama.md)."""
+SEQUENTIAL = 2
+"""llama.cpp opens the GGUF with ``POSIX_FADV_SEQUENTIAL``, which sets the file's readahead to twice
+the device's: a fault through its mapping reads a window of that size around it (the forecast's
+windows, ``roofline.faulted_bandwidth``'s spill)."""
 PREFETCH_CHUNK = 2 << 20
 """``prefetch``'s request: ik_llama.cpp's ``GGML_MOE_PREFETCH_CHUNK`` (2 MiB), skipped when resident."""
 PREFETCH_AHEAD = 3

@@ -43,7 +43,7 @@ Each mode's reads:
   Qwen3 at 50%: 0.80 against 1.4 MB a token).
 * ``mmap``: the same lists over **readahead windows** instead of experts, a use a reference: a
   fault reads the readahead window around it, and the window's pages then take room
-  (:func:`expert_windows`: the file cut into aligned windows of :data:`SEQUENTIAL` times the
+  (:func:`expert_windows`: the file cut into aligned windows of :data:`~expertcache.llama.advice.SEQUENTIAL` times the
   device's ``read_ahead_kb``, :func:`readahead_bytes`, read when the forecast runs, as llama.cpp's
   ``POSIX_FADV_SEQUENTIAL`` doubles the file's readahead; each expert access touching the windows
   its slices lie in; windows that exactly the same experts touch are one item); and never less than
@@ -65,7 +65,7 @@ import numpy as np
 
 from ..errors import ConfigError, is_int
 from ..costmodel.sizing import MB
-from .advice import managed_budget, managed_item_bytes
+from .advice import SEQUENTIAL, managed_budget, managed_item_bytes
 from .pagelists import two_lists
 from . import roofline as rl  # its measurements called through the module (tests stand in for them there)
 from .roofline import COMPUTE_REPEATS, PAGE_STATES, STEPS, limits, pages_of
@@ -73,9 +73,6 @@ from .runner import request_bytes
 
 MODES = ("mmap", "advise", "managed")
 """The page-cache modes forecast, in the order printed (docs/llama.md defines them)."""
-SEQUENTIAL = 2
-"""llama.cpp opens the GGUF with ``POSIX_FADV_SEQUENTIAL``, which sets the file's readahead to twice
-the device's: a fault through its mapping reads a window of that size around it."""
 HINTED = ("advise", "managed")
 """The modes whose misses are read by hints and single-page faults (``MADV_RANDOM``): their ``B`` is
 the rate of that path on the file (:func:`measure_hinted`), not ``O_DIRECT``'s."""

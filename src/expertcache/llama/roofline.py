@@ -49,8 +49,8 @@ from ..errors import ConfigError, is_int, is_real
 from ..wall.pagecache import evict_file_pages, residency
 from ..wall.procfs import OpenProcFile, read_self_io
 from ..formats.gguf import read_geometry
-from .advice import (MADV_DONTNEED, MADV_RANDOM, PageAdvisor, drop_file, hint_piece, hint_range, mapped_ranges,
-                     mapping_base)
+from .advice import (MADV_DONTNEED, MADV_RANDOM, SEQUENTIAL, PageAdvisor, drop_file, hint_piece, hint_range,
+                     mapped_ranges, mapping_base)
 
 BLOCK = 4096
 CACHE_SECONDS = 24 * 3600
@@ -289,12 +289,13 @@ def faulted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
     if io is None:
         return {"bytes_per_s": None, "cached": False, "note": why}
     size = os.stat(g.path).st_size
-    spill = 2 * 2 * device_readahead(g.path)  # two of the windows POSIX_FADV_SEQUENTIAL makes
+    spill = 2 * SEQUENTIAL * device_readahead(g.path)  # two of the windows POSIX_FADV_SEQUENTIAL makes
 
     def one_round(fd, view, rng) -> int:
         layer = rng.choice(g.moe_layers)
         ranges = g.compute_ranges(layer, rng.sample(range(g.num_experts), min(g.top_k, g.num_experts)))
         return _touch_and_drop(view, ranges, size, fd, spill)  # the windows' spill dropped too
+
     def prepare(fd, view) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # as llama.cpp opens it
     return _miss_path("faulted", g, seconds, fresh, prepare, one_round,
