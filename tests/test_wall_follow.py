@@ -267,6 +267,37 @@ def test_after_it_settled_a_sample_taken_while_the_tier_moves_stays_out(cgroup, 
     assert list(s._recent_own) == base + [100 * MiB - MARGIN]
 
 
+def test_a_sample_whose_tier_fell_between_its_readings_lowers_no_limit(cgroup, tmp_path):
+    """A managed pool drops its victims, then reads its loads: a usage read between them came out
+    18 MB low against the tier read after, and the tier fell 52 MB between the sample's two
+    readings. Such a sample is moving too (either way): it stays out of the window, it writes no
+    lower limit (its room above that usage had come out 35 MB short, and the kernel took the pool's
+    pages through the decode), and the next sample comes at once."""
+    s, flag, gguf = tier_sampler(cgroup, tmp_path)
+    open(flag + cg.SETTLED_SUFFIX, "w").close()
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()
+    assert s._settled
+    tier = CAPACITY - MARGIN
+    reads = iter([tier] * 4 + [tier + MARGIN, tier - MARGIN])  # steady twice, then a fall within a sample
+
+    class Churning(FileCache):
+        def bytes(self):
+            return next(reads)
+
+    s.files.close()
+    s.files = Churning([str(gguf)])
+    cgroup.set(usage=90 * MiB + tier, file=tier)
+    s.sample()
+    s.sample()  # no growth since the last sample: the settled pace
+    limit, base = cgroup.limit, list(s._recent_own)
+    assert s.interval != cg.SAMPLE_FAST_S
+    cgroup.set(usage=80 * MiB + tier, file=tier)  # the usage read low, between a drop and its loads
+    s.sample()
+    assert list(s._recent_own) == base  # left out of the window
+    assert cgroup.limit == limit and s.interval == cg.SAMPLE_FAST_S  # no lower limit; look again at once
+
+
 def test_a_mark_refused_for_memory_is_tried_again(tmp_path, monkeypatch):
     """On v1 a system call charged at the limit fails with ENOMEM instead of waiting; creating a
     handshake mark at the end of a model's load met it beside two burners. The worker tries again
@@ -498,3 +529,33 @@ def test_one_sample_short_of_the_capacity_gives_nothing_back(cgroup):
     cgroup.set(usage=limit, file=lower, anon=limit - lower)  # short again: half the smaller shortfall
     s.sample()
     assert s._bias == bias - (CAPACITY - MARGIN - low) // 2
+
+
+def test_a_settled_worker_squeezed_by_a_dip_gets_the_room_back_at_once(cgroup, tmp_path):
+    """A settled managed run's window took one sample whose own memory read 20 MB low (its tier read
+    while the pool churned in the prefill); the limit followed the dip, the kernel took the pool's
+    pages at the limit, and the decode after it faulted them back (100-550 major faults a token in 2
+    runs of 6 at OLMoE's 25% wall). A shortfall at the limit that the next sample confirms gives room
+    back for a settled worker too, and that next sample comes at once, not at the settled pace."""
+    s, flag = loading(cgroup, tmp_path, 40 * MiB)
+    open(flag + cg.LOADED_SUFFIX, "w").close()
+    s.sample()
+    open(flag + cg.SETTLED_SUFFIX, "w").close()
+    s.sample()
+    assert s._settled and s._bias == 0
+    dip = 40 * MiB - 2 * MiB  # one sample's own memory, 2 MiB low: the window's least from here
+    cgroup.set(usage=dip + CAPACITY - MiB, file=CAPACITY - MiB, anon=dip)
+    s.sample()
+    assert cgroup.limit == dip + CAPACITY + MARGIN
+    tiers, intervals = [], []
+    for _ in range(6):  # own memory back at 40 MiB: the kernel keeps the tier at the limit less it
+        limit = cgroup.limit
+        tier = limit - 40 * MiB
+        cgroup.set(usage=limit, file=tier, anon=40 * MiB)
+        s.sample()
+        tiers.append(tier)
+        intervals.append(s.interval)
+    assert tiers[0] < CAPACITY - MARGIN  # squeezed
+    assert intervals[1] == cg.SAMPLE_FAST_S  # a shortfall with no growth: confirmed at once
+    assert s._bias < 0 and tiers[-1] >= CAPACITY - MARGIN - (1 << 16)  # given back: the tier at its room
+    assert cgroup.limit <= 40 * MiB + CAPACITY + MARGIN  # never above where the tier's bound puts it

@@ -365,7 +365,9 @@ class Sampler(threading.Thread):
                 # of the usage: while a prefill reads at 1 GB/s a millisecond between them moves it
                 # by a MB, and the own memory (usage - tier) came out 5-11 MB low, a dip the window's
                 # least kept for a second, squeezing a pool sized to the capacity (the tier counted
-                # is the later read, as before: the proof's side)
+                # is the later read, as before: the proof's side). Moved either way: a managed pool
+                # drops its victims, then reads its loads, and a usage read between them came out
+                # 18 MB low against the tier read after (the tier 52 MB lower than before it)
                 t0 = time.thread_time()  # this thread's CPU: what the readings take from the worker
                 before = self.files.bytes() if self._settled else None
                 usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
@@ -374,7 +376,7 @@ class Sampler(threading.Thread):
             except OSError:
                 return
             tier = after + (unev if self.tier_locked else 0)
-            moving = before is not None and self.follow is not None and after - before > self.follow[2] // 4
+            moving = before is not None and self.follow is not None and abs(after - before) > self.follow[2] // 4
         else:
             usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
         vals = {"file_peak_bytes": file, "anon_peak_bytes": st["active_anon"] + st["inactive_anon"],
@@ -421,8 +423,13 @@ class Sampler(threading.Thread):
                 if not (moving and self._recent_own and vals["own_peak_bytes"] < min(self._recent_own)):
                     self._recent_own.append(vals["own_peak_bytes"])
                 self._correct(tier, usage)
-                self._follow(min(self._recent_own), usage, tier, file, other)
-                if self._steady and self.files is not None and self.interval == SAMPLE_S:
+                self._follow(min(self._recent_own), usage, tier, file, other, moving)
+                if self._short is not None and self._settled:  # a settled worker's shortfall at the
+                    # limit (its pool squeezed): the sample that confirms it comes at once, not a
+                    # settled pace later. Only there: a prefetch run's tier, confirmed at once, peaked
+                    # at 487.1-493.6 MB against 487.1-487.6 at its pace (494.3 allowed; 6 runs each)
+                    self.interval = SAMPLE_FAST_S
+                elif self._steady and self.files is not None and self.interval == SAMPLE_S:
                     self.interval = min(SETTLED_MAX_S, max(SAMPLE_S, tier_cost / TIER_CPU_SHARE))
             if os.environ.get(TRACE_ENV):
                 self._trace(tier, usage, vals["own_peak_bytes"], file, unev)
@@ -489,8 +496,9 @@ class Sampler(threading.Thread):
         """Feedback on the tier itself (cumulatively: ``bias``, subtracted from the limit): a tier
         above the capacity lowers the limit by half the excess; a tier below the capacity less the
         margin while the cgroup is at its limit, in two samples in a row, gives half the smaller of
-        their shortfalls back (below a ``bias`` of 0, raising the limit, only after the first forward
-        of a worker that never settled). It
+        their shortfalls back (below a ``bias`` of 0, raising the limit, once the worker has run its
+        first forward; a settled worker's sample after a first shortfall comes at
+        :data:`SAMPLE_FAST_S`). It
         corrects what ``own`` misjudges both ways: in a page-cache thrash the pages on
         their way out are charged but no longer in the file's cache, so ``own`` reads 10-20 MB high
         and swings (seen: 72-93 MB between samples, the tier 13 MB over a 480 MB wall); and own memory
@@ -513,13 +521,16 @@ class Sampler(threading.Thread):
             self._short = tier
             if short is not None:
                 give = (capacity - margin - max(tier, short)) // 2
-                # below 0 only once a worker that never settled has run its first forward (steady): a
-                # settled one restarted its window after that forward already
-                self._bias -= give if self._steady and not self._settled else min(self._bias, give)
+                # below 0 once the worker has run its first forward (steady), settled or not: a
+                # settled managed run's window took a dip of own memory 20 MB deep (the tier read
+                # while its pool churned in the prefill), and the decode after it ran squeezed, its
+                # pool's pages taken by the kernel and faulted back (docs/robustness.md)
+                self._bias -= give if self._steady else min(self._bias, give)
         self.limits["max_bias_bytes"] = max(self.limits.get("max_bias_bytes", 0), self._bias)
         self.limits["min_bias_bytes"] = min(self.limits.get("min_bias_bytes", 0), self._bias)
 
-    def _follow(self, own: int, usage: int | None = None, tier: int = 0, file: int = 0, other: int = 0) -> None:
+    def _follow(self, own: int, usage: int | None = None, tier: int = 0, file: int = 0, other: int = 0,
+                moving: bool = False) -> None:
         """Write the limit: ``capacity + own + margin - bias`` (``own`` the window's least), with room
         above ``usage`` of at most ``capacity + 1.5 margins - tier`` (the proof's slack is 2 margins)
         and room plus reclaimable page cache (``file``: the cgroup's page cache on the LRU lists) of
@@ -538,7 +549,14 @@ class Sampler(threading.Thread):
         During a model load (:func:`~.capacity.model_load`) the other files' page cache charged to
         the wall (``other``) counts as room too, since the kernel reclaims it for the load, and the
         tier's room is ``capacity + margin - tier``: the limit is ``usage - other`` plus that, and
-        plus what makes one margin of reclaimable or free memory."""
+        plus what makes one margin of reclaimable or free memory.
+
+        A ``moving`` sample (a settled worker's tier moved between its two readings) lowers no limit
+        unless its tier is over the capacity, and the next sample comes at :data:`SAMPLE_FAST_S`: its
+        usage and tier are of different instants, and the room it leaves above that usage came out
+        up to 35 MB short of the tier and own memory (a managed prefill's pool churning at 1-2 GB/s);
+        the limit then sat below them through a 0.5 s decode until the next settled sample, and the
+        kernel took the pool's pages (273-284 major faults a token, OLMoE's 25% wall, 3 runs of 8)."""
         capacity, ceiling, margin = self.follow
         limit = min(ceiling, capacity + own + margin - self._bias)
         room = max(margin, capacity + margin + margin // 2 - tier)
@@ -565,9 +583,11 @@ class Sampler(threading.Thread):
                 # slack in 4 of 8 advise and prefetch runs); never more than the cgroup's page cache
                 # less the floor, so the worker keeps its room for system calls
                 limit = min(limit, usage - min(tier - capacity, max(0, file - floor)))
+        if moving and self._limit is not None and tier <= capacity and not self._loading:
+            limit = max(limit, self._limit)
         limit = min(ceiling, limit)
         grew = usage is not None and self._last_usage is not None and usage - self._last_usage >= margin
-        self.interval = SAMPLE_FAST_S if waiting or grew else SAMPLE_S
+        self.interval = SAMPLE_FAST_S if waiting or grew or moving else SAMPLE_S
         self._last_usage = usage
         if waiting and limit >= ceiling and time.monotonic() - self._oom_since > OOM_PATIENCE_S:
             with contextlib.suppress(OSError):  # it needs more than the ceiling: let the kernel kill it
