@@ -24,7 +24,7 @@ pytest.importorskip("llama_cpp", reason="the llama extra (llama-cpp-python) is n
 from expertcache.llama.advice import MODES  # noqa: E402
 from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.runner import demand, run_one  # noqa: E402
-from expertcache.llama.sweep import parse_walls, summarize  # noqa: E402
+from expertcache.llama.sweep import in_rounds, parse_walls, summarize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = REPO / "models" / "small-moe"
@@ -118,6 +118,20 @@ def test_walls_and_summary(gguf_path):
     assert cell["decode_tokens_per_s"] == {"median": 2.0, "min": 1.0, "max": 3.0} and cell["runs"] == 3
     assert cell["failed_runs"] == 1 and cell["errors"] == ["killed by signal 9"] and not cell["proof_ok"]
     assert s["smallest_wall"] == {"mmap": 20} and not s["cells"][1]["proof_ok"]
+
+
+def test_runs_come_in_rounds_of_every_cell():
+    """A sweep's (and the benchmark's) runs: round r holds every cell's run r once, in an order the
+    seed fixes, and differs from round to round; all runs of a cell never sit side by side in one
+    stretch of the host's time."""
+    cells = [(w, m) for w in (10, 20, 30) for m in ("mmap", "advise", "managed")]
+    order = in_rounds(cells, 3, seed=4)
+    assert len(order) == 27 and order == in_rounds(cells, 3, seed=4)
+    rounds = [order[i * 9:(i + 1) * 9] for i in range(3)]
+    for r, block in enumerate(rounds):
+        assert sorted(c[:2] for c in block) == sorted(cells) and {c[2] for c in block} == {r}
+    assert len({tuple(c[:2] for c in block) for block in rounds}) > 1  # each round shuffled on its own
+    assert in_rounds(cells, 3, seed=5) != order and in_rounds(cells, 0, seed=4) == []
 
 
 def covered_bytes(g) -> int:

@@ -3,8 +3,10 @@
 
 Walls are written as bytes (``800MB``) or as ``P%``: the dense part of the file (every tensor that
 is not an expert tensor, read every step: ``Geometry.dense_bytes``) plus P% of the expert tensors, so ``100%`` holds the
-whole model. All (wall, mode, run) cells are run in one seeded shuffled order, so slow drift of a
-shared machine does not line up with a wall or a mode. Per (mode, wall) the summary holds the median
+whole model. The (wall, mode, run) cells are run in rounds, each round every (wall, mode) once in
+its own seeded shuffled order (:func:`in_rounds`), so slow drift of a shared machine lines up with
+neither a wall nor a mode, and a slow minute falls on one run of a cell, not on all of them. Per
+(mode, wall) the summary holds the median
 and the spread (min, max) over runs of ``decode_tokens_per_s`` and ``read_bytes_per_token``, and
 whether every run's wall proof held; a run the wall killed (or that failed) is kept as that cell's
 ``failed_runs`` with its error, and the sweep goes on. ``smallest_wall`` per mode: the smallest wall whose median
@@ -88,19 +90,31 @@ def summarize(records: list[dict], modes: list[str], walls: list[int], target: f
             "tokens_identical": len(shas) == 1}
 
 
+def in_rounds(cells: list[tuple], runs: int, seed: int) -> list[tuple]:
+    """``(*cell, run)`` for every cell and run ``0 .. runs-1``: round ``r`` holds each cell's run ``r``,
+    the rounds in order, each shuffled by one ``random.Random(seed)`` (the same seed, the same order).
+    One shuffled order of all runs had put a cell's three runs within one slow minute of a shared
+    host (docs/llama.md, "Benchmark")."""
+    rng, out = random.Random(seed), []
+    for r in range(runs):
+        block = [(*c, r) for c in cells]
+        rng.shuffle(block)
+        out += block
+    return out
+
+
 def sweep(g: Geometry, prompt, max_new_tokens: int, modes: list[str], walls: list[int], *, runs: int = 3,
           seed: int = 0, wall: str = "auto", headroom_bytes: int | None = None, threads: int = 1,
           target: float | None = None, timeout: float | None = None, progress=None, policy: str = "lru",
           readers: int | None = None, roofline: bool = True, predict: str | None = None) -> dict:
-    """Every (wall, mode, run) once, in one seeded shuffled order; the records and :func:`summarize`.
+    """Every (wall, mode, run) once, in rounds (:func:`in_rounds`); the records and :func:`summarize`.
     ``policy`` decides the ``managed`` mode's residency (checked first; a wall too small for its pool
     is a failed cell, as a run the wall killed is)."""
     if "managed" in modes:
         check_managed(g, None, policy)
     for w in walls:
         check_wall(g, w, "--walls")
-    cells = [(w, m, r) for w in walls for m in modes for r in range(runs)]
-    random.Random(seed).shuffle(cells)
+    cells = in_rounds([(w, m) for w in walls for m in modes], runs, seed)
     records = []
     for i, (w, m, r) in enumerate(cells):
         try:
