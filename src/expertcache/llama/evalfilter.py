@@ -23,7 +23,13 @@ from __future__ import annotations
 import ctypes
 import functools
 
+import numpy as np
+
+from .._jit import AVAILABLE
 from .ggml import GGML_MAX_NAME, NAME_OFFSET
+
+if AVAILABLE:  # numba is imported by _jit already where it is available
+    from numba import carray
 
 SLOT = 32
 """Bytes of one prefix in the table: its length, then up to 31 bytes of it."""
@@ -53,8 +59,6 @@ class Table:
 @functools.cache
 def compiled():
     """The compiled filter's C address, or None where numba cannot provide it."""
-    from .._jit import AVAILABLE
-
     if not AVAILABLE:
         return None
     try:
@@ -63,50 +67,63 @@ def compiled():
         return None
 
 
-def _build() -> int:
-    import numpy as np
+_NAME_END = NAME_OFFSET + GGML_MAX_NAME
+_TABLE_LEN = 16 + SLOT * MAX_PREFIXES
+
+
+def _call_python(typingctx, address, tensor, ask, user):
+    """Call the C function at ``address`` as ``bool f(void *, bool, void *)`` (an ``intrinsic``)."""
     from llvmlite import ir
-    from numba import carray, cfunc, types
+    from numba import types
+
+    sig = types.boolean(types.uint64, types.voidptr, types.boolean, types.voidptr)
+
+    def codegen(context, builder, signature, args):
+        addr, t, a, u = args
+        i8 = ir.IntType(8)
+        fnty = ir.FunctionType(i8, [i8.as_pointer(), i8, i8.as_pointer()])  # C's bool: a byte, 0 or 1
+        fn = builder.inttoptr(addr, fnty.as_pointer())
+        ret = builder.call(fn, [t, builder.zext(a, i8), u])
+        return builder.icmp_unsigned("!=", ret, ir.Constant(i8, 0))
+
+    return sig, codegen
+
+
+call_python = None
+""":func:`_call_python` as a numba ``intrinsic``, made by :func:`_build` (numba stays unimported until then)."""
+
+
+def _filter(tensor, ask, user):
+    """The filter, compiled by :func:`_build` as a ``cfunc``. A function of the module, not a
+    closure: numba's on-disk cache keys a closure by its captured objects, which differ in every
+    process, so each process compiled it again (0.7-1.0 s) and added an entry to the cache (583 in
+    one ``__pycache__``, 18 MB); this one is compiled once and loaded from the cache after."""
+    table = carray(user, (_TABLE_LEN,), dtype=np.uint8)
+    address = np.uint64(0)
+    for i in range(8):
+        address |= np.uint64(table[i]) << np.uint64(8 * i)
+    n = 0
+    for i in range(8):
+        n |= int(table[8 + i]) << (8 * i)
+    raw = carray(tensor, (_NAME_END,), dtype=np.uint8)
+    for k in range(n):
+        base = 16 + SLOT * k
+        length = int(table[base])
+        match = True
+        for j in range(length):
+            if raw[NAME_OFFSET + j] != table[base + 1 + j]:
+                match = False
+                break
+        if match:
+            return call_python(address, tensor, ask, user)
+    return not ask
+
+
+def _build() -> int:
+    global call_python
+    from numba import cfunc, types
     from numba.extending import intrinsic
 
-    name_end = NAME_OFFSET + GGML_MAX_NAME
-    table_len = 16 + SLOT * MAX_PREFIXES
-
-    @intrinsic
-    def call_python(typingctx, address, tensor, ask, user):
-        """Call the C function at ``address`` as ``bool f(void *, bool, void *)``."""
-        sig = types.boolean(types.uint64, types.voidptr, types.boolean, types.voidptr)
-
-        def codegen(context, builder, signature, args):
-            addr, t, a, u = args
-            i8 = ir.IntType(8)
-            fnty = ir.FunctionType(i8, [i8.as_pointer(), i8, i8.as_pointer()])  # C's bool: a byte, 0 or 1
-            fn = builder.inttoptr(addr, fnty.as_pointer())
-            ret = builder.call(fn, [t, builder.zext(a, i8), u])
-            return builder.icmp_unsigned("!=", ret, ir.Constant(i8, 0))
-
-        return sig, codegen
-
-    @cfunc(types.boolean(types.voidptr, types.boolean, types.voidptr), cache=True)
-    def filter_callback(tensor, ask, user):
-        table = carray(user, (table_len,), dtype=np.uint8)
-        address = np.uint64(0)
-        for i in range(8):
-            address |= np.uint64(table[i]) << np.uint64(8 * i)
-        n = 0
-        for i in range(8):
-            n |= int(table[8 + i]) << (8 * i)
-        raw = carray(tensor, (name_end,), dtype=np.uint8)
-        for k in range(n):
-            base = 16 + SLOT * k
-            length = int(table[base])
-            match = True
-            for j in range(length):
-                if raw[NAME_OFFSET + j] != table[base + 1 + j]:
-                    match = False
-                    break
-            if match:
-                return call_python(address, tensor, ask, user)
-        return not ask
-
-    return filter_callback.address
+    if call_python is None:
+        call_python = intrinsic(_call_python)
+    return cfunc(types.boolean(types.voidptr, types.boolean, types.voidptr), cache=True)(_filter).address
