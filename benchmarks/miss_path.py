@@ -42,16 +42,16 @@ from expertcache.llama.advice import (MADV_DONTNEED, MADV_RANDOM, SEQUENTIAL, dr
                                       hint_range, madvise)
 from expertcache.tier.readers import readahead_bytes  # noqa: E402
 from expertcache.wall.pagecache import evict_file_pages  # noqa: E402
+from expertcache.wall.procfs import read_self_io  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def read_bytes() -> int:
-    with open("/proc/self/io") as fh:
-        for line in fh:
-            if line.startswith("read_bytes"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no read_bytes")
+    io, why = read_self_io()
+    if io is None:
+        raise SystemExit(f"miss_path: {why}")
+    return io["read_bytes"]
 
 
 def spread(values: list[float]) -> dict:

@@ -436,9 +436,9 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
                            "llama.cpp's POSIX_FADV_SEQUENTIAL), a use a reference" if windowed else
                            f"as advise: {lists} over {SEQUENTIAL * window:,}-byte readahead windows (twice "
                            f"{window_source}: llama.cpp's POSIX_FADV_SEQUENTIAL) read less "
-                           f"({mm_read / T / MB:.4g} MB/token)") + ": a model, and an upper bound: in every mmap "
-                          "cell of the benchmark the forecast was 12-132% above the measured rate, the most with 2 "
-                          "threads (docs/llama.md, \"Benchmark\")"),
+                           f"({mm_read / T / MB:.4g} MB/token)") + ": a model, and an upper bound: every mmap cell "
+                          "of the benchmark decoded slower than forecast, the most with 2 threads (docs/llama.md, "
+                          "\"Benchmark\")"),
         "advise": dict(cache_bytes=room, demand=demand, missed=advise, fill=adv_fill / T,
                        amplification=advise / demand if demand else None,
                        note=f"{lists} over experts, a use no reference (MADV_RANDOM): a model"),

@@ -424,12 +424,7 @@ class Sampler(threading.Thread):
                     self._recent_own.append(vals["own_peak_bytes"])
                 self._correct(tier, usage)
                 self._follow(min(self._recent_own), usage, tier, file, other, moving)
-                if self._short is not None and self._settled:  # a settled worker's shortfall at the
-                    # limit (its pool squeezed): the sample that confirms it comes at once, not a
-                    # settled pace later. Only there: a prefetch run's tier, confirmed at once, peaked
-                    # at 487.1-493.6 MB against 487.1-487.6 at its pace (494.3 allowed; 6 runs each)
-                    self.interval = SAMPLE_FAST_S
-                elif self._steady and self.files is not None and self.interval == SAMPLE_S:
+                if self._steady and self.files is not None and self.interval == SAMPLE_S:
                     self.interval = min(SETTLED_MAX_S, max(SAMPLE_S, tier_cost / TIER_CPU_SHARE))
             if os.environ.get(TRACE_ENV):
                 self._trace(tier, usage, vals["own_peak_bytes"], file, unev)
@@ -587,7 +582,11 @@ class Sampler(threading.Thread):
             limit = max(limit, self._limit)
         limit = min(ceiling, limit)
         grew = usage is not None and self._last_usage is not None and usage - self._last_usage >= margin
-        self.interval = SAMPLE_FAST_S if waiting or grew or moving else SAMPLE_S
+        # a settled worker's shortfall at the limit (its pool squeezed): the sample that confirms it
+        # comes at once, not a settled pace later. Only there: a prefetch run's tier, confirmed at
+        # once, peaked at 487.1-493.6 MB against 487.1-487.6 at its pace (494.3 allowed; 6 runs each)
+        confirm = self._short is not None and self._settled
+        self.interval = SAMPLE_FAST_S if waiting or grew or moving or confirm else SAMPLE_S
         self._last_usage = usage
         if waiting and limit >= ceiling and time.monotonic() - self._oom_since > OOM_PATIENCE_S:
             with contextlib.suppress(OSError):  # it needs more than the ceiling: let the kernel kill it
