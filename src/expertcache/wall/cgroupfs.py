@@ -341,6 +341,7 @@ class Sampler(threading.Thread):
         self._settled = False  # the worker said its own memory is at its steady state (SETTLED_SUFFIX)
         self._steady = False  # ... or that its first forward has run (STEADY_SUFFIX): samples at TIER_CPU_SHARE's pace
         self._loading = False  # the worker's model load (LOAD_SUFFIX seen, LOADED_SUFFIX not yet)
+        self._loaded = False  # ... and its end seen: a shortfall at the limit is given back from here
         self._squeezed = False  # a limit of the load phase is written: the worker may load
         self._written = False  # the last sample's limit is in place (written, or unchanged)
 
@@ -401,6 +402,7 @@ class Sampler(threading.Thread):
             self._settled = True
         if self._loading and loaded:
             self._loading = False
+            self._loaded = True
             self._note("load over")
         if load_mark and self._following:
             self._loading = True
@@ -420,8 +422,13 @@ class Sampler(threading.Thread):
             if self._following:
                 # a moving tier's sample does not measure own: kept out where it would lower the
                 # window's least (the dip it makes), kept where it would not (the window still slides)
-                if not (moving and self._recent_own and vals["own_peak_bytes"] < min(self._recent_own)):
+                least = min(self._recent_own, default=None)
+                if not (moving and self._recent_own and vals["own_peak_bytes"] < least):
                     self._recent_own.append(vals["own_peak_bytes"])
+                if least is not None and self._bias < 0 and min(self._recent_own) > least:
+                    # the window's least caught up with own memory a room given back stood for: the
+                    # limit moves by neither twice (the tier would pass the capacity by the room)
+                    self._bias = min(0, self._bias + min(self._recent_own) - least)
                 self._correct(tier, usage)
                 self._follow(min(self._recent_own), usage, tier, file, other, moving)
                 if self._steady and self.files is not None and self.interval == SAMPLE_S:
@@ -491,15 +498,18 @@ class Sampler(threading.Thread):
         """Feedback on the tier itself (cumulatively: ``bias``, subtracted from the limit): a tier
         above the capacity lowers the limit by half the excess; a tier below the capacity less the
         margin while the cgroup is at its limit, in two samples in a row, gives half the smaller of
-        their shortfalls back (below a ``bias`` of 0, raising the limit, once the worker has run its
-        first forward; a settled worker's sample after a first shortfall comes at
-        :data:`SAMPLE_FAST_S`). It
+        their shortfalls back (below a ``bias`` of 0, raising the limit, once the worker's model load
+        has ended or it has run its first forward; a settled worker's sample after a first shortfall
+        comes at :data:`SAMPLE_FAST_S`); a negative ``bias`` shrinks by what the window's least rises
+        (:meth:`sample`). It
         corrects what ``own`` misjudges both ways: in a page-cache thrash the pages on
         their way out are charged but no longer in the file's cache, so ``own`` reads 10-20 MB high
         and swings (seen: 72-93 MB between samples, the tier 13 MB over a 480 MB wall); and own memory
         that steps up (a first forward's buffers, 16 MB in a Qwen3 2-thread decode) is in the
         window's least only a second later, which held an ``advise`` run's tier 11 MB under its 393
-        MB capacity through a 0.6 s decode (docs/robustness.md). None during the model's load, whose
+        MB capacity through a 0.6 s decode, and page-cache modes' tiers 25-31 MB under a 480 MB
+        capacity through their prefill, the room given back then only after it (docs/robustness.md).
+        None during the model's load, whose
         limit bounds the tier by its own rule (:meth:`_follow`)."""
         capacity, _, margin = self.follow
         if self._loading:  # the load's limit bounds the tier by its own rule (capacity + margin): a bias
@@ -516,11 +526,11 @@ class Sampler(threading.Thread):
             self._short = tier
             if short is not None:
                 give = (capacity - margin - max(tier, short)) // 2
-                # below 0 once the worker has run its first forward (steady), settled or not: a
-                # settled managed run's window took a dip of own memory 20 MB deep (the tier read
-                # while its pool churned in the prefill), and the decode after it ran squeezed, its
-                # pool's pages taken by the kernel and faulted back (docs/robustness.md)
-                self._bias -= give if self._steady else min(self._bias, give)
+                # below 0 once the load has ended or the worker has run its first forward (steady),
+                # settled or not: a settled managed run's window took a dip of own memory 20 MB deep
+                # (the tier read while its pool churned in the prefill), and the decode after it ran
+                # squeezed, its pool's pages taken by the kernel and faulted back (docs/robustness.md)
+                self._bias -= give if self._steady or self._loaded else min(self._bias, give)
         self.limits["max_bias_bytes"] = max(self.limits.get("max_bias_bytes", 0), self._bias)
         self.limits["min_bias_bytes"] = min(self.limits.get("min_bias_bytes", 0), self._bias)
 
