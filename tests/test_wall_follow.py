@@ -25,10 +25,10 @@ class FakeCgroup:
         self.set(usage=0, file=0)
 
     def set(self, *, usage: int, file: int, anon: int | None = None, unevictable: int = 0,
-            under_oom: bool = False) -> None:
+            under_oom: bool = False, cache: int | None = None) -> None:
         anon = usage - file - unevictable if anon is None else anon
         stat = {"active_file": file, "inactive_file": 0, "active_anon": anon, "inactive_anon": 0,
-                "unevictable": unevictable}
+                "unevictable": unevictable, **({} if cache is None else {"cache": cache})}
         with open(os.path.join(self.d, "memory.stat"), "w") as fh:
             fh.write("".join(f"{k} {v}\n" for k, v in stat.items()))
         with open(os.path.join(self.d, "memory.usage_in_bytes"), "w") as fh:
@@ -611,3 +611,46 @@ def test_the_window_catching_up_takes_back_the_room_it_stood_for(cgroup, tmp_pat
     assert min(s._recent_own) == own  # the window has caught up
     assert s._bias >= 0  # the room given back is taken back as the least rises (then the usual feedback)
     assert max(tiers) <= CAPACITY + MARGIN and tiers[-1] >= CAPACITY - MARGIN - (1 << 16)
+
+
+def test_a_tier_reading_above_the_charged_page_cache_counts_what_was_charged(cgroup, tmp_path):
+    """A ``cachestat`` walk that churning pages outran can read more than the file holds (a 512-token
+    ``prefetch`` prefill: 15 MiB above the cgroup's whole charged page cache, though its walks were
+    retried). The tier counted is never more than the page cache the cgroup had charged right after
+    the walk (``cache`` on v1), plus the file's pages cached outside the cgroup when the wall began
+    (the header the parent read). A reading under that bound is kept as it is."""
+    s, flag, gguf = tier_sampler(cgroup, tmp_path)
+    outside = s._outside
+    assert outside == 1 << 16  # the file was written and is cached: outside the (fake) cgroup
+    reads = iter([CAPACITY + 15 * MiB, CAPACITY - MiB])
+
+    class Overcounting(FileCache):
+        def bytes(self):
+            return next(reads)
+
+    s.files.close()
+    s.files = Overcounting([str(gguf)])
+    charged = CAPACITY - 2 * MiB
+    cgroup.set(usage=40 * MiB + charged, file=charged, cache=charged)
+    s.sample()
+    assert s.peaks["tier_peak_bytes"] == charged + outside
+    cgroup.set(usage=40 * MiB + charged, file=charged, cache=CAPACITY)
+    s.sample()
+    assert s.peaks["tier_peak_bytes"] == CAPACITY - MiB  # a reading under the bound: kept as it is
+
+
+def test_room_given_back_never_stands_for_more_own_memory_than_there_is(cgroup, tmp_path):
+    """Room given back below a bias of 0 stands for own memory above the window's least. When the
+    worker frees it (a 512-token prefill's buffers, 100 MB) the window's least falls with it, and the
+    room must go too: otherwise the limit leaves the tier the freed memory over its capacity."""
+    s, own = stepped_after_the_load(cgroup, tmp_path, 4 * MiB)
+    for _ in range(8):  # the step given back
+        limit = cgroup.limit
+        cgroup.set(usage=limit, file=limit - own, anon=own)
+        s.sample()
+    assert s._bias < -2 * MiB
+    low = 40 * MiB - MiB  # the buffers freed: own memory below the window's least
+    cgroup.set(usage=low + CAPACITY, file=CAPACITY, anon=low)
+    s.sample()
+    assert s._bias >= 0
+    assert cgroup.limit - low <= CAPACITY + MARGIN + MARGIN // 2  # the tier's room: its bound, no more

@@ -272,6 +272,10 @@ def read_published_peak(path: str) -> int | None:
     return int(text) if text.isdigit() and len(text) < 32 else None
 
 
+CHARGED_CACHE = {"v1": "cache", "v2": "file"}
+"""The ``memory.stat`` key of every page-cache byte charged to the cgroup (on its LRU lists or not:
+pages being read in or reclaimed too), per cgroup version: a bound on a tier reading (:meth:`Sampler.sample`)."""
+
 AT_LIMIT_BYTES = 1 << 20
 """A cgroup counts as at its limit when its usage (or peak) is within this of the limit."""
 
@@ -288,7 +292,9 @@ class Sampler(threading.Thread):
     of files that are not the tier, such as the libraries the worker loads), per sample.
 
     The tier: with ``tier_files`` (the files whose page cache is the tier: a GGUF, a checkpoint's
-    shards, a pool) their cached bytes (:class:`~.pagecache.FileCache`), plus ``unevictable`` when
+    shards, a pool) their cached bytes (:class:`~.pagecache.FileCache`; never more than the page cache
+    the cgroup had charged right after the reading, :data:`CHARGED_CACHE`, plus their bytes cached
+    outside it when the sampler began), plus ``unevictable`` when
     ``tier_locked`` (the worker locks anonymous memory as part of its tier: the file tier's arena);
     without them, every file page and locked page charged to the cgroup (which counts the worker's
     libraries too: a cold import of torch charged 60-90 MB of them to a 50 MB wall). ``last_state``
@@ -323,8 +329,13 @@ class Sampler(threading.Thread):
         at the ceiling it is killed after :data:`OOM_PATIENCE_S`."""
         self.tier_locked = tier_locked
         self.files = None
+        self._outside = 0
         if tier_files:
             self.files = FileCache(tier_files)
+            # the tier's pages cached before the worker touches them (the header the parent read),
+            # charged elsewhere: the one part of the tier the cgroup's own page cache does not count
+            with contextlib.suppress(OSError):
+                self._outside = self.files.bytes()
         self.limits: dict = {"min_limit_bytes": None, "max_limit_bytes": None, "limit_writes": 0,
                              "limit_write_errors": 0, "oom_waits": 0, "steady_samples": 0, "at_limit_samples": 0,
                              "at_limit_tier_max_bytes": None}
@@ -372,12 +383,16 @@ class Sampler(threading.Thread):
                 t0 = time.thread_time()  # this thread's CPU: what the readings take from the worker
                 before = self.files.bytes() if self._settled else None
                 usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
-                after = self.files.bytes()
+                walked = self.files.bytes()
+                charged = keyed_numbers(read_text(self.path)[0] or "").get(CHARGED_CACHE[self.version])
                 tier_cost = time.thread_time() - t0
             except OSError:
                 return
+            moving = before is not None and self.follow is not None and abs(walked - before) > self.follow[2] // 4
+            # a walk can still count pages that churned past it (FileCache): never more than the page
+            # cache the cgroup had charged right after it, plus the tier's pages outside the cgroup
+            after = walked if charged is None else min(walked, charged + self._outside)
             tier = after + (unev if self.tier_locked else 0)
-            moving = before is not None and self.follow is not None and abs(after - before) > self.follow[2] // 4
         else:
             usage = read_int(os.path.join(self.dir, FILES[self.version]["usage"]))
         vals = {"file_peak_bytes": file, "anon_peak_bytes": st["active_anon"] + st["inactive_anon"],
@@ -429,6 +444,11 @@ class Sampler(threading.Thread):
                     # the window's least caught up with own memory a room given back stood for: the
                     # limit moves by neither twice (the tier would pass the capacity by the room)
                     self._bias = min(0, self._bias + min(self._recent_own) - least)
+                if self._bias < 0:
+                    # room given back stands for own memory above the window's least: never more
+                    # than there is now (a 512-token prefill's 100 MB of buffers, once freed, would
+                    # leave the tier that room over its capacity)
+                    self._bias = max(self._bias, min(self._recent_own) - vals["own_peak_bytes"])
                 self._correct(tier, usage)
                 self._follow(min(self._recent_own), usage, tier, file, other, moving)
                 if self._steady and self.files is not None and self.interval == SAMPLE_S:
