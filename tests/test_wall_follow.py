@@ -654,3 +654,32 @@ def test_room_given_back_never_stands_for_more_own_memory_than_there_is(cgroup, 
     s.sample()
     assert s._bias >= 0
     assert cgroup.limit - low <= CAPACITY + MARGIN + MARGIN // 2  # the tier's room: its bound, no more
+
+
+def test_a_moving_sample_takes_no_room_back(cgroup, tmp_path):
+    """A settled worker's sample whose tier moved between its two readings does not measure own
+    memory (a managed pool drops its victims, then reads its loads: own read 18 MB low). Room given
+    back stays through such a sample; a steady sample that finds own memory at the window's least
+    takes it back."""
+    s, flag, gguf = tier_sampler(cgroup, tmp_path)
+    open(flag + cg.SETTLED_SUFFIX, "w").close()
+    cgroup.set(usage=90 * MiB, file=0)
+    s.sample()
+    assert s._settled
+    tier = CAPACITY - MARGIN
+    reads = iter([tier, tier + MARGIN, tier, tier])  # a moving sample, then a steady one
+
+    class Churning(FileCache):
+        def bytes(self):
+            return next(reads)
+
+    s.files.close()
+    s.files = Churning([str(gguf)])
+    s._bias = -2 * MiB  # room given back after a confirmed shortfall
+    least = min(s._recent_own)
+    cgroup.set(usage=least - 3 * MiB + tier + MARGIN, file=tier)  # own read 3 MiB below the least
+    s.sample()
+    assert s._bias == -2 * MiB
+    cgroup.set(usage=least + tier, file=tier)  # steady, own at the window's least
+    s.sample()
+    assert s._bias >= 0

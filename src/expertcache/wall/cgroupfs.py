@@ -444,10 +444,11 @@ class Sampler(threading.Thread):
                     # the window's least caught up with own memory a room given back stood for: the
                     # limit moves by neither twice (the tier would pass the capacity by the room)
                     self._bias = min(0, self._bias + min(self._recent_own) - least)
-                if self._bias < 0:
+                if self._bias < 0 and not moving:
                     # room given back stands for own memory above the window's least: never more
                     # than there is now (a 512-token prefill's 100 MB of buffers, once freed, would
-                    # leave the tier that room over its capacity)
+                    # leave the tier that room over its capacity). Not on a moving sample, whose own
+                    # memory read 18 MB low: taking the room back on it squeezed a settled pool
                     self._bias = max(self._bias, min(self._recent_own) - vals["own_peak_bytes"])
                 self._correct(tier, usage)
                 self._follow(min(self._recent_own), usage, tier, file, other, moving)
