@@ -389,8 +389,10 @@ class Sampler(threading.Thread):
             except OSError:
                 return
             moving = before is not None and self.follow is not None and abs(walked - before) > self.follow[2] // 4
-            # a walk can still count pages that churned past it (FileCache): never more than the page
-            # cache the cgroup had charged right after it, plus the tier's pages outside the cgroup
+            # cachestat walks the page-cache index unlocked: preempted while pages churn, a walk
+            # counted pages added ahead of it after others evicted behind it, 4-15 MiB above every
+            # page the cgroup had charged (docs/robustness.md). Never more than the page cache the
+            # cgroup had charged right after it, plus the tier's pages outside the cgroup
             after = walked if charged is None else min(walked, charged + self._outside)
             tier = after + (unev if self.tier_locked else 0)
         else:

@@ -10,7 +10,6 @@ page-cache pages of the named files only.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import ctypes.util
 import mmap
@@ -110,35 +109,16 @@ class _Cachestat(ctypes.Structure):
                 ("nr_evicted", ctypes.c_uint64), ("nr_recently_evicted", ctypes.c_uint64)]
 
 
-WALK_TRIES = 3
-"""Most ``cachestat`` walks :meth:`FileCache.bytes` takes for one reading (the first, and retries of a slow one)."""
-SLOW_WALK = (2.0, 0.5e-3)
-"""A walk is slow when it took more than ``factor`` times the quickest of this reader's last
-:data:`RECENT_WALKS` walks plus ``seconds`` (recent, so that a tier grown tenfold since is not
-measured against its empty start). ``cachestat`` walks the file's page-cache index without a
-lock, so a walk that is preempted while the pages churn counts pages added ahead of it after counting others evicted behind
-it: at a 480 MB wall's thrash, readings 4-15 MiB above every page charged to the cgroup (its
-``memory.stat`` cache read before and after) came only from walks of 7-47 ms, where the median walk
-took 0.2-0.7 ms (docs/robustness.md)."""
-RECENT_WALKS = 16
-
-
 class FileCache:
     """The page-cache bytes of a fixed set of files, read again and again (a wall's sampler):
     ``cachestat`` on descriptors held open (one system call per file, no mapping), else
     :func:`residency` by ``mincore``. ``method`` says which. Counts whole pages, as the cache holds
-    them (a file's last partial page counts whole).
-
-    A reading is the sum of one walk per file; a walk slower than :data:`SLOW_WALK` against the
-    recent quickest is taken again, at most :data:`WALK_TRIES` walks in all, and the reading is the
-    quickest walk's (``slow_walks`` counts the walks set aside)."""
+    them (a file's last partial page counts whole)."""
 
     def __init__(self, paths: Sequence[str]):
         self.paths = [os.fspath(p) for p in paths]
         self.fds = [os.open(p, os.O_RDONLY) for p in self.paths]
         self.method = "cachestat"
-        self.walks: collections.deque = collections.deque(maxlen=RECENT_WALKS)  # their seconds
-        self.slow_walks = 0
         try:
             self._cachestat(self.fds[0]) if self.fds else None
         except OSError:
@@ -154,22 +134,9 @@ class FileCache:
         return int(out.nr_cache) * PAGE
 
     def bytes(self) -> int:
-        if self.method != "cachestat":
-            return residency(self.paths)[0]
-        factor, extra = SLOW_WALK
-        best = None
-        for _ in range(WALK_TRIES):
-            t0 = time.perf_counter()
-            n = sum(self._cachestat(fd) for fd in self.fds)
-            took = time.perf_counter() - t0
-            if best is None or took < best[0]:
-                best = (took, n)
-            quick = not self.walks or took <= factor * min(self.walks) + extra
-            self.walks.append(took)
-            if quick:
-                break
-            self.slow_walks += 1
-        return best[1]
+        if self.method == "cachestat":
+            return sum(self._cachestat(fd) for fd in self.fds)
+        return residency(self.paths)[0]
 
     def close(self) -> None:
         for fd in self.fds:
