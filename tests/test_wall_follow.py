@@ -240,24 +240,37 @@ def tier_sampler(cgroup, tmp_path):
     return s, flag, gguf
 
 
-def test_after_it_settled_a_sample_taken_while_the_tier_moves_stays_out(cgroup, tmp_path):
-    """Once the worker has settled, the tier is read on both sides of the usage; a sample in which
-    it moved by more than a quarter margin (a prefill reading 1 GB/s) and whose own memory would
-    lower the window's least stays out (its dip held the limit low for a second); one that would
-    not lower it is kept, so the window slides."""
+def scripted_tier(s, gguf, values) -> None:
+    """The sampler's tier readings replaced by ``values``, one a reading, in order."""
+    reads = iter(values)
+
+    class Scripted(FileCache):
+        def bytes(self):
+            return next(reads)
+
+    s.files.close()
+    s.files = Scripted([str(gguf)])
+
+
+def settled_tier_sampler(cgroup, tmp_path, values):
+    """:func:`tier_sampler` whose worker has settled at 90 MiB (its window restarted there), then
+    whose tier readings are ``values``: ``(sampler, flag)``."""
     s, flag, gguf = tier_sampler(cgroup, tmp_path)
     open(flag + cg.SETTLED_SUFFIX, "w").close()
     cgroup.set(usage=90 * MiB, file=0)
     s.sample()
     assert s._settled and not os.path.exists(flag + cg.SETTLED_SUFFIX)
-    reads = iter([0, MARGIN, 0, MARGIN])  # the tier grew by a margin during each of the next two samples
+    scripted_tier(s, gguf, values)
+    return s, flag
 
-    class Moving(FileCache):
-        def bytes(self):
-            return next(reads)
 
-    s.files.close()
-    s.files = Moving([str(gguf)])
+def test_after_it_settled_a_sample_taken_while_the_tier_moves_stays_out(cgroup, tmp_path):
+    """Once the worker has settled, the tier is read on both sides of the usage; a sample in which
+    it moved by more than a quarter margin (a prefill reading 1 GB/s) and whose own memory would
+    lower the window's least stays out (its dip held the limit low for a second); one that would
+    not lower it is kept, so the window slides."""
+    # the tier grew by a margin during each of the next two samples
+    s, flag = settled_tier_sampler(cgroup, tmp_path, [0, MARGIN, 0, MARGIN])
     base = list(s._recent_own)
     cgroup.set(usage=80 * MiB, file=0)  # own read low: left out
     s.sample()
@@ -273,20 +286,9 @@ def test_a_sample_whose_tier_fell_between_its_readings_lowers_no_limit(cgroup, t
     readings. Such a sample is moving too (either way): it stays out of the window, it writes no
     lower limit (its room above that usage had come out 35 MB short, and the kernel took the pool's
     pages through the decode), and the next sample comes at once."""
-    s, flag, gguf = tier_sampler(cgroup, tmp_path)
-    open(flag + cg.SETTLED_SUFFIX, "w").close()
-    cgroup.set(usage=90 * MiB, file=0)
-    s.sample()
-    assert s._settled
     tier = CAPACITY - MARGIN
-    reads = iter([tier] * 4 + [tier + MARGIN, tier - MARGIN])  # steady twice, then a fall within a sample
-
-    class Churning(FileCache):
-        def bytes(self):
-            return next(reads)
-
-    s.files.close()
-    s.files = Churning([str(gguf)])
+    # steady twice, then a fall within a sample
+    s, flag = settled_tier_sampler(cgroup, tmp_path, [tier] * 4 + [tier + MARGIN, tier - MARGIN])
     cgroup.set(usage=90 * MiB + tier, file=tier)
     s.sample()
     s.sample()  # no growth since the last sample: the settled pace
@@ -622,14 +624,7 @@ def test_a_tier_reading_above_the_charged_page_cache_counts_what_was_charged(cgr
     s, flag, gguf = tier_sampler(cgroup, tmp_path)
     outside = s._outside
     assert outside == 1 << 16  # the file was written and is cached: outside the (fake) cgroup
-    reads = iter([CAPACITY + 15 * MiB, CAPACITY - MiB])
-
-    class Overcounting(FileCache):
-        def bytes(self):
-            return next(reads)
-
-    s.files.close()
-    s.files = Overcounting([str(gguf)])
+    scripted_tier(s, gguf, [CAPACITY + 15 * MiB, CAPACITY - MiB])  # a walk over-counting, then one under the bound
     charged = CAPACITY - 2 * MiB
     cgroup.set(usage=40 * MiB + charged, file=charged, cache=charged)
     s.sample()
@@ -661,20 +656,8 @@ def test_a_moving_sample_takes_no_room_back(cgroup, tmp_path):
     memory (a managed pool drops its victims, then reads its loads: own read 18 MB low). Room given
     back stays through such a sample; a steady sample that finds own memory at the window's least
     takes it back."""
-    s, flag, gguf = tier_sampler(cgroup, tmp_path)
-    open(flag + cg.SETTLED_SUFFIX, "w").close()
-    cgroup.set(usage=90 * MiB, file=0)
-    s.sample()
-    assert s._settled
     tier = CAPACITY - MARGIN
-    reads = iter([tier, tier + MARGIN, tier, tier])  # a moving sample, then a steady one
-
-    class Churning(FileCache):
-        def bytes(self):
-            return next(reads)
-
-    s.files.close()
-    s.files = Churning([str(gguf)])
+    s, flag = settled_tier_sampler(cgroup, tmp_path, [tier, tier + MARGIN, tier, tier])  # moving, then steady
     s._bias = -2 * MiB  # room given back after a confirmed shortfall
     least = min(s._recent_own)
     cgroup.set(usage=least - 3 * MiB + tier + MARGIN, file=tier)  # own read 3 MiB below the least
@@ -683,3 +666,18 @@ def test_a_moving_sample_takes_no_room_back(cgroup, tmp_path):
     cgroup.set(usage=least + tier, file=tier)  # steady, own at the window's least
     s.sample()
     assert s._bias >= 0
+
+
+def test_the_catch_up_takes_the_room_back_when_own_memory_reads_high(cgroup, tmp_path):
+    """The catch-up above, where the sample's own memory reads above its true level (a thrash's
+    pages on their way out are still charged: 10-20 MB high): the bound on what own memory stands
+    above the window's least is loose then, and the rise of the least itself takes the room back."""
+    s, own = stepped_after_the_load(cgroup, tmp_path, 4 * MiB)
+    old = 40 * MiB
+    s._recent_own.clear()
+    s._recent_own.extend([old] + [own] * (cg.FOLLOW_WINDOW - 1))  # the load's sample about to leave
+    s._bias = -3 * MiB  # room given back for the step
+    high = own + 5 * MiB
+    cgroup.set(usage=cgroup.limit, file=cgroup.limit - high, anon=high)
+    s.sample()
+    assert min(s._recent_own) == own and s._bias == 0

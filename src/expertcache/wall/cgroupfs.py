@@ -439,21 +439,23 @@ class Sampler(threading.Thread):
             if self._following:
                 # a moving tier's sample does not measure own: kept out where it would lower the
                 # window's least (the dip it makes), kept where it would not (the window still slides)
-                least = min(self._recent_own, default=None)
-                if not (moving and self._recent_own and vals["own_peak_bytes"] < least):
-                    self._recent_own.append(vals["own_peak_bytes"])
-                if least is not None and self._bias < 0 and min(self._recent_own) > least:
+                own = vals["own_peak_bytes"]
+                before_least = min(self._recent_own, default=None)
+                if not (moving and before_least is not None and own < before_least):
+                    self._recent_own.append(own)
+                least = min(self._recent_own)
+                if before_least is not None and self._bias < 0 and least > before_least:
                     # the window's least caught up with own memory a room given back stood for: the
                     # limit moves by neither twice (the tier would pass the capacity by the room)
-                    self._bias = min(0, self._bias + min(self._recent_own) - least)
+                    self._bias = min(0, self._bias + least - before_least)
                 if self._bias < 0 and not moving:
                     # room given back stands for own memory above the window's least: never more
                     # than there is now (a 512-token prefill's 100 MB of buffers, once freed, would
                     # leave the tier that room over its capacity). Not on a moving sample, whose own
                     # memory read 18 MB low: taking the room back on it squeezed a settled pool
-                    self._bias = max(self._bias, min(self._recent_own) - vals["own_peak_bytes"])
+                    self._bias = max(self._bias, least - own)
                 self._correct(tier, usage)
-                self._follow(min(self._recent_own), usage, tier, file, other, moving)
+                self._follow(least, usage, tier, file, other, moving)
                 if self._steady and self.files is not None and self.interval == SAMPLE_S:
                     self.interval = min(SETTLED_MAX_S, max(SAMPLE_S, tier_cost / TIER_CPU_SHARE))
             if os.environ.get(TRACE_ENV):
