@@ -10,7 +10,7 @@
    * the compute rates (``size``'s and this prompt's, in both page states of
      ``roofline.PAGE_STATES``; ``size``'s also as the managed and advise steps run, ``forecast.COMPUTE_TIMINGS``),
      the device's bandwidths and the modes' own reads (``roofline.hinted_bandwidth``,
-     ``roofline.faulted_bandwidth``) measured afresh,
+     ``roofline.faulted_bandwidth``, both also at a full cgroup: ``roofline.full_bandwidth``) measured afresh,
      into the cache the forecasts and the runs' roofline read (a cached figure lives a day, and this
      shared host's speed drifts by more than the targets' 15% within one);
    * the forecast first: ``expertcache size MODEL --memory WALL --threads T --trace CAPTURED --json``
@@ -59,7 +59,7 @@ from expertcache.errors import ExpertcacheError  # noqa: E402
 from expertcache.llama.convert import convert_random  # noqa: E402
 from expertcache.formats.gguf import read_geometry  # noqa: E402
 from expertcache.llama.quantize import quantize  # noqa: E402
-from expertcache.llama.forecast import measure_compute, measure_faulted, measure_hinted  # noqa: E402
+from expertcache.llama.forecast import measure_compute, measure_faulted, measure_full, measure_hinted  # noqa: E402
 from expertcache.llama.roofline import (PAGE_STATES, STEPS, compute_rate, device_bandwidths, limits,  # noqa: E402
                                         pages_of, prefill_compute_rate, roofline)
 from expertcache.llama.runner import request_bytes, run_one  # noqa: E402
@@ -362,8 +362,11 @@ def main() -> int:
             for step in STEPS:
                 print(f"{name} T{threads}: compute rate as the {step} step runs "
                       f"{measure_compute(g, threads, True, step)[0]:.3g} tok/s (size's prompt)", flush=True)
-            print(f"{name} T{threads}: hinted reads (advise, managed) {measure_hinted(g, fresh=True)[0] / 1e9:.3g} GB/s, "
-                  f"faulted reads (mmap) {measure_faulted(g, fresh=True)[0] / 1e9:.3g} GB/s", flush=True)
+            full = {kind: measure_full(g, kind, fresh=True)[0] for kind in ("hinted", "faulted")}
+            print(f"{name} T{threads}: hinted reads (managed) {measure_hinted(g, fresh=True)[0] / 1e9:.3g} GB/s, "
+                  f"faulted reads {measure_faulted(g, fresh=True)[0] / 1e9:.3g} GB/s; at a full cgroup: hinted (advise) "
+                  f"{(full['hinted'] or 0) / 1e9:.3g} GB/s, faulted (mmap) {(full['faulted'] or 0) / 1e9:.3g} GB/s",
+                  flush=True)
             fc = {w: forecast(files[name], w, threads, trace) for w in walls}  # predicted before anything is measured
             fc_syn = {w: forecast(files[name], w, threads, None) for w in walls}
             print(f"{name} T{threads}: forecast " + ", ".join(

@@ -8,6 +8,7 @@ Needs the llama extra; skips with the reason otherwise. No timed asserts.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -399,6 +400,62 @@ def test_faulted_bandwidth_reads_as_llama_cpp_maps(gguf_path, tmp_path, monkeypa
                                                    "note": "/proc/self/io: no read_bytes field"}
     with pytest.raises(ConfigError, match="cannot measure faulted reads .* give --disk-bandwidth"):
         dk.measure_faulted(g, fresh=True)
+
+
+def test_full_bandwidth_reads_where_the_kernel_reclaims(gguf_path, tmp_path, monkeypatch):
+    """advise's and mmap's miss paths timed at a full cgroup: a child in a memory cgroup of its own
+    whose limit leaves it a quarter of the expert tensors, nothing dropped, so its charges meet the
+    limit and the kernel reclaims; the cgroup gone after; kept in the cache per kind."""
+    import expertcache.llama.forecast as dk
+    import expertcache.llama.roofline as rl
+    from expertcache.errors import ConfigError
+    from expertcache.formats.gguf import read_geometry
+
+    target, why = rl.cgroup_target()
+    if target is None or target["placement"] == "systemd-scope":
+        pytest.skip(f"no memory cgroup of its own here: {why or 'a systemd scope only'}")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    g = read_geometry(str(gguf_path))
+    before = set(os.listdir(target["dir"]))
+    for kind in rl.FULL_KINDS:
+        r = rl.full_bandwidth(g, kind, seconds=0.3)
+        assert r["note"] is None and not r["cached"] and r["passes"] == rl.BANDWIDTH_PASSES
+        assert r["bytes_per_s_min"] <= r["bytes_per_s"] <= r["bytes_per_s_max"] and r["bytes"] > 0
+        assert r["room_bytes"] == rl.full_room(g) < g.expert_tensor_bytes and r["limit_hits"] > 0
+        assert rl.full_bandwidth(g, kind)["cached"]
+        rate, source = dk.measure_full(g, kind)
+        assert rate == r["bytes_per_s"] and source.startswith("cached: ") and "every page read reclaims one" in source
+    assert {n for n in os.listdir(target["dir"]) if n.startswith("expertcache-full-")} <= before
+    with pytest.raises(ConfigError, match="kind 'managed' is not one of hinted, faulted"):
+        rl.full_bandwidth(g, "managed")
+
+
+def test_without_a_cgroup_the_forecast_reads_at_the_dropped_rate(gguf_path, tmp_path, monkeypatch):
+    """Where no memory cgroup can be made, full_bandwidth says why in one line, and advise and mmap
+    take their dropped paths' rates with that reason in their source; managed's is its own either way."""
+    import expertcache.llama.forecast as dk
+    import expertcache.llama.roofline as rl
+    from expertcache.formats.gguf import read_geometry
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(rl, "cgroup_target", lambda: (None, "no memory controller"))
+    g = read_geometry(str(gguf_path))
+    r = rl.full_bandwidth(g, "hinted", seconds=0.3)
+    assert r == {"bytes_per_s": None, "cached": False, "note": "no memory cgroup of its own to read in (no memory "
+                                                              "controller)"}
+    full = {kind: dk.measure_full(g, kind) for kind in rl.FULL_KINDS}
+    assert full["faulted"] == (None, "not timed at a full cgroup: no memory cgroup of its own to read in (no memory "
+                                     "controller)")
+    disk = dk.Disk(1e9, 1e9, 4096, "x", {}, {}, 1, 2e9, "hinted path", 3e9, "faulted path", *full["hinted"],
+                   *full["faulted"])
+    assert disk.read_rate("managed") == (2e9, "hinted path")
+    assert disk.read_rate("advise") == (2e9, "hinted path; not timed at a full cgroup: no memory cgroup of its own "
+                                             "to read in (no memory controller)")
+    assert disk.read_rate("mmap")[0] == 3e9
+    full = dk.Disk(1e9, 1e9, 4096, "x", {}, {}, 1, 2e9, "hinted path", 3e9, "faulted path", 1e9, "hinted full",
+                   0.5e9, "faulted full")
+    assert [full.read_rate(m) for m in ("managed", "advise", "mmap")] == [
+        (2e9, "hinted path"), (1e9, "hinted full"), (0.5e9, "faulted full")]
 
 
 def test_prefill_compute_rate_is_timed_once_per_prompt(gguf_path, prompt, tmp_path, monkeypatch):

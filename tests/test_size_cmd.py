@@ -714,7 +714,8 @@ def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
     by 1 and 4 readers, the hinted and the faulted reads of its experts, and llama.cpp's compute
     rate, as the roofline module measures them: in both page states and as the managed and advise
     steps run, each mode's forecast taking its own (mmap: faulted pages; advise and managed: hinted,
-    their step observing) and its own read rate (mmap: faulted reads; advise, managed: hinted)."""
+    their step observing) and its own read rate (mmap: faulted reads, advise: hinted, both at a full
+    cgroup; managed: hinted, dropped)."""
     import types
 
     import expertcache.llama.roofline as rl
@@ -735,9 +736,14 @@ def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
         seen.append((g.path, "faulted"))
         return {"bytes_per_s": 0.25e9, "passes": 3, "cached": False, "note": None}
 
+    def full(g, kind, fresh=False):
+        seen.append((g.path, f"{kind} full"))
+        return {"bytes_per_s": {"hinted": 0.4e9, "faulted": 0.2e9}[kind], "passes": 3, "cached": False, "note": None}
+
     monkeypatch.setattr(rl, "device_bandwidth", bandwidth)
     monkeypatch.setattr(rl, "hinted_bandwidth", hinted)
     monkeypatch.setattr(rl, "faulted_bandwidth", faulted)
+    monkeypatch.setattr(rl, "full_bandwidth", full)
     timed = []
 
     def compute(path, prompt, tokens, threads, fresh=False, pages="faulted", step=None):
@@ -751,7 +757,7 @@ def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
     g = read_geometry(str(tiny_gguf))
     c = {"mmap": 50.0, "advise": 34.0, "managed": 36.0}
-    B = {"mmap": 0.25e9, "advise": 0.5e9, "managed": 0.5e9}
+    B = {"mmap": 0.2e9, "advise": 0.4e9, "managed": 0.5e9}  # the kernel modes' at a full cgroup
     ends = {"mmap": "faulted pages", "advise": "hinted pages, the advise step observing",
             "managed": "hinted pages, the managed step observing"}
     for argv in (["--auto"], [], ["--disk-bandwidth", "auto", "--compute", "auto"]):
@@ -759,7 +765,8 @@ def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
         timed.clear()
         recs = records(run(capsys, "size", tiny_gguf, "--memory", "200kB", "--threads", "2", "--json", *argv)[1])
         assert seen == [(str(tiny_gguf), request_bytes(g), 1), (str(tiny_gguf), request_bytes(g), 4),
-                        (str(tiny_gguf), "hinted"), (str(tiny_gguf), "faulted")]
+                        (str(tiny_gguf), "hinted"), (str(tiny_gguf), "faulted"), (str(tiny_gguf), "hinted full"),
+                        (str(tiny_gguf), "faulted full")]
         assert timed == [("faulted", None), ("hinted", None), ("hinted", "managed"), ("hinted", "advise")]
         for r in recs:
             m = r["mode"]
@@ -770,12 +777,13 @@ def test_auto_measures_on_the_file(tiny_gguf, capsys, window, monkeypatch):
             assert r["read_bytes_per_s"] == B[m]
             assert r["read_source"].startswith(f"measured: {g.top_k} experts' slices faulted" if m == "mmap" else
                                                f"measured: {g.top_k} experts' slices hinted")
+            assert ("nothing dropped, in a memory cgroup" in r["read_source"]) == (m != "managed")
             assert r["limit_tokens_per_s"] == pytest.approx(min(c[m], 4e9 / r["missed_bytes_per_token"]))
             assert r["predicted_tokens_per_s"] == pytest.approx(1 / (1 / c[m] + r["missed_bytes_per_token"] / B[m]))
     out = run(capsys, "size", tiny_gguf, "--memory", "200kB", "--threads", "2")[1]
     assert "c with every expert resident = 50 tok/s for mmap (cached" in out and "34 tok/s for advise (" in out
-    assert "36 tok/s for managed (" in out and "hinted reads (advise, managed) 0.5 GB/s (measured: " in out
-    assert "faulted reads (mmap) 0.25 GB/s (measured: " in out
+    assert "36 tok/s for managed (" in out and "managed's hinted reads 0.5 GB/s (measured: " in out
+    assert "advise's hinted reads 0.4 GB/s (measured: " in out and "mmap's faulted reads 0.2 GB/s (measured: " in out
 
 
 def test_a_step_that_cannot_run_takes_its_page_states_rate(tiny_gguf, capsys, window, monkeypatch):

@@ -106,7 +106,9 @@ def add_parser(sub) -> None:
     f.add_argument("--disk-bandwidth", type=auto_or_rate("GB/s"), default=None, metavar="auto|GB/s",
                    help="bandwidth of the disk holding the GGUF: auto (default) measures on the file itself "
                         "O_DIRECT reads of one expert slice by 1 and by 4 readers, and the modes' own reads "
-                        "(hints, faults) of its experts (kept a day); a number in GB/s is taken as given for all")
+                        "(hints, faults; advise's and mmap's also in a memory cgroup kept full, where the kernel reclaims a "
+                        "page for each read, as at a wall) of its experts (kept a day); a number in GB/s is taken as "
+                        "given for all")
     f.add_argument("--compute", type=auto_or_rate("tok/s"), default=None, metavar="auto|tok/s",
                    help="decode rate with every expert resident: auto (default) times llama.cpp on the file "
                         "(needs the llama extra; kept a day); or give it in tok/s")
@@ -458,10 +460,12 @@ def forecast_cmd(args) -> int:
         bw1 = bw4 = hinted = faulted = bandwidth * 1e9
         req, bw_source = dk.request_bytes(g), "--disk-bandwidth"
         hinted_source = faulted_source = "--disk-bandwidth"
+        full = {kind: (None, "") for kind in ("hinted", "faulted")}
     else:
         bw1, bw4, req, bw_source = dk.measure_bandwidth(g)
         hinted, hinted_source = dk.measure_hinted(g)
         faulted, faulted_source = dk.measure_faulted(g)
+        full = {kind: dk.measure_full(g, kind) for kind in ("hinted", "faulted")}
     if isinstance(compute, float):
         rates, c_sources = dk.Disk.given_compute(compute, "--compute")
     else:  # in each page state, and as the managed and advise modes run (forecast.COMPUTE_TIMINGS)
@@ -469,7 +473,7 @@ def forecast_cmd(args) -> int:
         rates, c_sources = {t: m[0] for t, m in measured.items()}, {t: m[1] for t, m in measured.items()}
     window, window_source = dk.readahead_bytes(g.path)
     disk = dk.Disk(bw1, bw4, req, bw_source, rates, c_sources, threads, hinted, hinted_source, faulted,
-                   faulted_source)
+                   faulted_source, *full["hinted"], *full["faulted"])
     records = dk.forecast(g, experts, args.memory, disk, window=window, window_source=window_source,
                           trace_label=label, prompt=prompt, seq=np.asarray(trace.seq))
     if args.json:
@@ -527,10 +531,10 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
         comp = "c with every expert resident = " + ", ".join(
             f"{c:.4g} tok/s for {' and '.join(modes)} ({source})" for (c, source), modes in by_pages.items())
     paths = {r["mode"]: r for r in records}
-    own = "" if paths["managed"]["read_source"] == "--disk-bandwidth" else (
-        f"; hinted reads (advise, managed) {paths['managed']['read_bytes_per_s'] / 1e9:.4g} GB/s "
-        f"({paths['managed']['read_source']}); faulted reads (mmap) {paths['mmap']['read_bytes_per_s'] / 1e9:.4g} "
-        f"GB/s ({paths['mmap']['read_source']})")
+    own = "" if paths["managed"]["read_source"] == "--disk-bandwidth" else "".join(
+        f"; {what} {paths[m]['read_bytes_per_s'] / 1e9:.4g} GB/s ({paths[m]['read_source']})"
+        for m, what in (("managed", "managed's hinted reads"), ("advise", "advise's hinted reads"),
+                        ("mmap", "mmap's faulted reads")))
     print(f"disk: {bws} ({r0['disk_bandwidth_source']}){own}; compute: {comp}")
     head = ["mode", "dense MB", "experts MB", "demand MB/tok", "ampl", "read MB/tok", "first reads", "tok/s",
             "ovl tok/s", "bound by"]
@@ -546,7 +550,8 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
         print("  ".join(c.ljust(w) if i in (0, len(head) - 1) else c.rjust(w) for i, (c, w) in
                         enumerate(zip(row, widths))).rstrip())
     print("  tok/s = 1 / (1/c + read/B): the forecast (reads block compute in these modes), B = the rate of each "
-          "mode's own reads (mmap: faults; advise, managed: hints); ovl tok/s = min(c, max(B1, B4) / read): reads "
+          "mode's own reads (mmap: faults; advise, managed: hints; mmap's and advise's at a full cgroup, whose "
+          "kernel reclaims a page for each it reads, as at a wall); ovl tok/s = min(c, max(B1, B4) / read): reads "
           "overlapped with compute, for reference; bound by: the larger of 1/c and read/B")
     print("  demand: an LRU of the mode's expert bytes (experts MB) over the trace; first reads: their share of "
           "read MB/tok")

@@ -9,10 +9,14 @@ resident (:func:`timing_of`): for ``mmap`` in the page state its reads leave (th
 faults' read-around; ``roofline.PAGE_STATES``), for ``advise`` and ``managed`` as they run (hinted
 pages, the mode's callback observing every forward: its own cost is in ``c``); ``B`` the rate of
 the mode's own miss path measured on the file (``mmap``: faults through a mapping opened as
-llama.cpp opens it, :func:`expertcache.llama.roofline.faulted_bandwidth`; ``advise`` and
-``managed``, :data:`HINTED`: hints, a fault per page, drops,
-:func:`expertcache.llama.roofline.hinted_bandwidth`); and ``B1`` (``B4``) the device's ``O_DIRECT``
-bandwidth with one (four) readers:
+llama.cpp opens it; ``advise``: hints and a fault per page; each in a memory cgroup full of the
+file, so that every page read makes the kernel reclaim another, as at a wall,
+:func:`expertcache.llama.roofline.full_bandwidth`, or where no cgroup can be made here, the same
+path with its pages dropped after each read, :func:`~expertcache.llama.roofline.faulted_bandwidth`
+and :func:`~expertcache.llama.roofline.hinted_bandwidth`, which the forecast's source says;
+``managed``, which drops its own victims and so never leaves the kernel a page to reclaim: hints,
+a fault per page, drops, :func:`~expertcache.llama.roofline.hinted_bandwidth`); and ``B1``
+(``B4``) the device's ``O_DIRECT`` bandwidth with one (four) readers:
 
 * ``predicted_tokens_per_s = 1 / (1/c + D/B)``: in these modes a missed expert's read blocks the
   compute that needs it (a page fault, or a hint the layer then waits on), so that each forecast is
@@ -75,7 +79,8 @@ MODES = ("mmap", "advise", "managed")
 """The page-cache modes forecast, in the order printed (docs/llama.md defines them)."""
 HINTED = ("advise", "managed")
 """The modes whose misses are read by hints and single-page faults (``MADV_RANDOM``): their ``B`` is
-the rate of that path on the file (:func:`measure_hinted`), not ``O_DIRECT``'s."""
+the rate of that path on the file (:func:`measure_hinted`; ``advise``'s at a full cgroup,
+:func:`measure_full`), not ``O_DIRECT``'s."""
 COMPUTE_PROMPT_TOKENS = 16
 COMPUTE_TOKENS = 16
 """``--compute auto``: the prompt (ids 1..16) and the tokens decoded (once to read the experts in,
@@ -305,8 +310,9 @@ class Disk:
     """The forecast's inputs: bandwidths in bytes/s (``O_DIRECT``, one and four readers), the request
     size they were measured at, the rate of the hinted reads of ``advise`` and ``managed``
     (``hinted_bw``: :func:`~expertcache.llama.roofline.hinted_bandwidth`) and of ``mmap``'s faulted
-    reads (``faulted_bw``: :func:`~expertcache.llama.roofline.faulted_bandwidth`), the compute rate
-    in tokens/s per timing of
+    reads (``faulted_bw``: :func:`~expertcache.llama.roofline.faulted_bandwidth`), both also at a
+    full cgroup (``*_full_bw``: :func:`~expertcache.llama.roofline.full_bandwidth`; None where not
+    measured), the compute rate in tokens/s per timing of
     :data:`COMPUTE_TIMINGS`, and where each came from."""
 
     bw1: float
@@ -320,6 +326,24 @@ class Disk:
     hinted_source: str
     faulted_bw: float
     faulted_source: str
+    hinted_full_bw: float | None = None
+    hinted_full_source: str = ""
+    faulted_full_bw: float | None = None
+    faulted_full_source: str = ""
+
+    def read_rate(self, mode: str) -> tuple[float, str]:
+        """``(B, source)`` of ``mode``'s reads: ``managed`` its dropped hinted path; ``advise`` and
+        ``mmap`` theirs at a full cgroup (``*_full_bw``), or, where that was not measured, their
+        dropped path, the source saying why."""
+        if mode == "managed":
+            return self.hinted_bw, self.hinted_source
+        full, full_source, bw, source = ((self.hinted_full_bw, self.hinted_full_source, self.hinted_bw,
+                                          self.hinted_source) if mode in HINTED else
+                                         (self.faulted_full_bw, self.faulted_full_source, self.faulted_bw,
+                                          self.faulted_source))
+        if full:
+            return full, full_source
+        return bw, source + (f"; {full_source}" if full_source else "")
 
     @staticmethod
     def given_compute(rate: float, source: str) -> tuple[dict, dict]:
@@ -364,6 +388,21 @@ def measure_faulted(g, fresh: bool = False) -> tuple[float, str]:
     how = "cached" if r.get("cached") else "measured"
     return float(r["bytes_per_s"]), (f"{how}: {g.top_k} experts' slices faulted in through a mapping of the file "
                                      f"opened as llama.cpp opens it, then dropped, median of {r['passes']} passes")
+
+
+def measure_full(g, kind: str, fresh: bool = False) -> tuple[float | None, str]:
+    """``(bytes/s, source)`` of the miss path ``kind`` (``hinted``: ``advise``'s, ``faulted``:
+    ``mmap``'s) at a full cgroup (:func:`expertcache.llama.roofline.full_bandwidth`), or ``(None,
+    why not)``."""
+    r = rl.full_bandwidth(g, kind, fresh=fresh)
+    if not r.get("bytes_per_s"):
+        return None, f"not timed at a full cgroup: {r.get('note')}"
+    how = "cached" if r.get("cached") else "measured"
+    path = ("hinted, their pages faulted in" if kind == "hinted" else
+            "faulted in through a mapping of the file opened as llama.cpp opens it")
+    return float(r["bytes_per_s"]), (f"{how}: {g.top_k} experts' slices {path}, nothing dropped, in a memory cgroup "
+                                     f"holding {rl.FULL_ROOM_BYTES >> 20} MiB of the file beyond the reader (every "
+                                     f"page read reclaims one, as at a wall), median of {r['passes']} passes")
 
 
 def measure_compute(g, threads: int, fresh: bool = False, timing: str = "faulted") -> tuple[float, str]:
@@ -462,8 +501,7 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
         D = r["missed"]
         timing = timing_of(mode)
         c = disk.compute[timing]
-        B, B_source = ((disk.hinted_bw, disk.hinted_source) if mode in HINTED else
-                       (disk.faulted_bw, disk.faulted_source))
+        B, B_source = disk.read_rate(mode)
         lim = limits(c, D, disk.bw1, disk.bw4)
         bound = None if D is None else ("disk" if D / B > 1.0 / c else "compute")
         rec = {"mode": mode, **base, "read_bytes_per_s": B, "read_source": B_source, "compute_tokens_per_s": c,

@@ -16,7 +16,10 @@ what the compute can do with every expert resident, and the decode rate the two 
   With ``step="managed"`` the ``managed`` mode's advisor observes every pass as in a run (its pool
   every expert, its own hinted pages): the compute rate as that mode decodes with nothing to read.
 * :func:`hinted_bandwidth` times the ``managed`` mode's miss path on the file (hints of a layer's
-  routed experts' slices, a fault per page, drops): bytes / second through the page cache.
+  routed experts' slices, a fault per page, drops): bytes / second through the page cache;
+  :func:`faulted_bandwidth` ``mmap``'s (faults through a mapping opened as llama.cpp opens it);
+  :func:`full_bandwidth` either with nothing dropped, in a memory cgroup kept full, so that the
+  kernel reclaims a page for each one read, as it does for ``advise`` and ``mmap`` at a wall.
 * :func:`prefill_compute_rate` times prefills of a prompt the same way (the
   prefill's ``c``: a prefill's limit is ``min(c, max(B1, B4) / D)`` with ``D`` its routed experts'
   bytes per prompt token, each expert once).
@@ -39,15 +42,19 @@ import json
 import mmap
 import os
 import random
+import secrets
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
 
 from .._io import atomic_open, read_json
 from ..errors import ConfigError, is_int, is_real
+from ..wall import cgroupfs as cg
+from ..wall.cgroupwall import WallUnavailable, cgroup_target, make_wall_cgroup, spawn
 from ..wall.pagecache import evict_file_pages, residency
-from ..wall.procfs import OpenProcFile, read_self_io
+from ..wall.procfs import OpenProcFile, keyed_numbers, read_self_io, read_text
 from ..formats.gguf import read_geometry
 from .advice import (MADV_DONTNEED, MADV_RANDOM, SEQUENTIAL, PageAdvisor, drop_file, hint_piece, hint_range,
                      mapped_ranges, mapping_base)
@@ -96,7 +103,7 @@ def _cached(key: str, fresh: bool) -> dict | None:
     return entry
 
 
-_COUNTS = ("passes", "requests", "bytes", "repeats", "request_bytes")
+_COUNTS = ("passes", "requests", "bytes", "repeats", "request_bytes", "room_bytes")
 
 
 def _current(entry, now: float) -> bool:
@@ -201,51 +208,111 @@ def _miss_path(kind: str, g, seconds: float, fresh: bool, prepare, one_round, co
     pass's bytes are the rounds' own, or, with ``counter``, its growth over the pass (bytes the
     process read). Cached per (``kind``, file, size, mtime) for a day."""
     path = g.path
-    st = os.stat(path)
-    key = f"{kind} {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)}"
-    hit = _cached(key, fresh)
+    key, hit = _file_entry(kind, path, fresh)
     if hit is not None:
-        return {**hit, "cached": True}
+        return hit
     rng = random.Random(0)
-    rates, total = [], 0
     fd = os.open(path, os.O_RDONLY)
     try:
-        view = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        view = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
         try:
             prepare(fd, view)
             evict_file_pages([path])
-            for _ in range(BANDWIDTH_PASSES):
-                done, t0 = 0, time.monotonic()
-                before = counter() if counter else 0
-                stop = t0 + seconds / BANDWIDTH_PASSES
-                while time.monotonic() < stop:
-                    done += one_round(fd, view, rng)
-                done = counter() - before if counter else done
-                rates.append(done / (time.monotonic() - t0))
-                total += done
+            passes = _passes(fd, view, rng, seconds, one_round, counter)
         finally:
             view.close()
     finally:
         os.close(fd)
+    return _store_rates(key, [r for r, _ in passes], sum(n for _, n in passes), path)
+
+
+def _file_entry(kind: str, path: str, fresh: bool) -> tuple[str, dict | None]:
+    """``(key, cached record or None)`` of a measurement ``kind`` of file ``path`` (its size and
+    mtime in the key)."""
+    st = os.stat(path)
+    key = f"{kind} {os.path.realpath(path)} {st.st_size} {int(st.st_mtime)}"
+    hit = _cached(key, fresh)
+    return key, None if hit is None else {**hit, "cached": True}
+
+
+def _store_rates(key: str, rates: list[float], total: int, path: str, **extra) -> dict:
+    """A miss path's record (median, spread, passes, bytes, ``extra``), cached under ``key``."""
     out = {"bytes_per_s": statistics.median(rates), "bytes_per_s_min": min(rates), "bytes_per_s_max": max(rates),
-           "passes": len(rates), "bytes": total, "at": time.time(), "note": None, "file": os.path.realpath(path)}
+           "passes": len(rates), "bytes": total, **extra, "at": time.time(), "note": None,
+           "file": os.path.realpath(path)}
     _store(key, out)
     return {**out, "cached": False}
 
 
-def _touch_and_drop(view, ranges, size: int, fd: int | None = None, spill: int = 0) -> int:
-    """Every page of ``ranges`` touched in order (a fault each where it is not resident), then the
-    ranges, widened by ``spill`` bytes each side (what a fault's readahead read beside them), dropped
-    from the mapping (and, with ``fd``, from the file's page cache); their bytes."""
+def _passes(fd, view, rng, seconds: float, one_round, counter=None) -> list[tuple[float, int]]:
+    """``(bytes/s, bytes)`` of each of :data:`BANDWIDTH_PASSES` passes of ``seconds / passes``:
+    rounds of ``one_round(fd, view, rng)`` until the pass's time is up, its bytes the rounds' own or,
+    with ``counter``, its growth over the pass."""
+    out = []
+    for _ in range(BANDWIDTH_PASSES):
+        done, t0 = 0, time.monotonic()
+        before = counter() if counter else 0
+        stop = t0 + seconds / BANDWIDTH_PASSES
+        while time.monotonic() < stop:
+            done += one_round(fd, view, rng)
+        done = counter() - before if counter else done
+        out.append((done / (time.monotonic() - t0), done))
+    return out
+
+
+def _touch(view, ranges) -> int:
+    """Every page of ``ranges`` touched in order (a fault each where it is not resident); their bytes."""
     for off, n in ranges:
         for a in range(off - off % BLOCK, off + n, BLOCK):
             view[a]
+    return sum(n for _, n in ranges)
+
+
+def _touch_and_drop(view, ranges, size: int, fd: int | None = None, spill: int = 0) -> int:
+    """:func:`_touch`, then the ranges, widened by ``spill`` bytes each side (what a fault's
+    readahead read beside them), dropped from the mapping (and, with ``fd``, from the file's page
+    cache); their bytes."""
+    done = _touch(view, ranges)
     for off, n in ranges:
         lo, hi = max(0, off - off % BLOCK - spill), -(-(off + n) // BLOCK) * BLOCK + spill
         view.madvise(MADV_DONTNEED, lo, min(hi, size) - lo)
         if fd is not None:
             os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
-    return sum(n for _, n in ranges)
+    return done
+
+
+def _hinted_path(g, drop: bool = True):
+    """``(prepare, one_round)`` of :func:`hinted_bandwidth`'s miss path (:func:`_miss_path`); without
+    ``drop`` nothing read is dropped (:func:`full_bandwidth`: the kernel reclaims instead)."""
+    piece = hint_piece(g.path)
+    size = os.stat(g.path).st_size
+
+    def one_round(fd, view, rng) -> int:
+        layer = rng.choice(g.moe_layers)
+        ranges = [r for e in rng.sample(range(g.num_experts), min(g.top_k, g.num_experts))
+                  for r in g.expert_ranges(layer, e)]
+        for off, n in ranges:
+            hint_range(fd, off, n, piece)
+        return _touch_and_drop(view, ranges, size, fd) if drop else _touch(view, ranges)
+    return (lambda fd, view: view.madvise(MADV_RANDOM)), one_round
+
+
+def _faulted_path(g, drop: bool = True):
+    """``(prepare, one_round)`` of :func:`faulted_bandwidth`'s miss path (:func:`_miss_path`); without
+    ``drop`` nothing read is dropped (:func:`full_bandwidth`)."""
+    from ..tier.readers import readahead_bytes as device_readahead  # as advice.py reads it
+
+    size = os.stat(g.path).st_size
+    spill = 2 * SEQUENTIAL * device_readahead(g.path)  # two of the windows POSIX_FADV_SEQUENTIAL makes
+
+    def one_round(fd, view, rng) -> int:
+        layer = rng.choice(g.moe_layers)
+        ranges = g.compute_ranges(layer, rng.sample(range(g.num_experts), min(g.top_k, g.num_experts)))
+        return _touch_and_drop(view, ranges, size, fd, spill) if drop else _touch(view, ranges)
+
+    def prepare(fd, view) -> None:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # as llama.cpp opens it
+    return prepare, one_round
 
 
 def hinted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
@@ -259,17 +326,8 @@ def hinted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
     as the step drops a victim). Unlike :func:`device_bandwidth` it goes through the page cache: page
     allocation, the per-page faults and the system calls are in it (measured 1.02-1.7 GB/s here on
     the OLMoE-geometry benchmark file against 1.5-2.3 GB/s of ``O_DIRECT`` reads of a slice)."""
-    piece = hint_piece(g.path)
-    size = os.stat(g.path).st_size
-
-    def one_round(fd, view, rng) -> int:
-        layer = rng.choice(g.moe_layers)
-        ranges = [r for e in rng.sample(range(g.num_experts), min(g.top_k, g.num_experts))
-                  for r in g.expert_ranges(layer, e)]
-        for off, n in ranges:
-            hint_range(fd, off, n, piece)
-        return _touch_and_drop(view, ranges, size, fd)
-    return _miss_path("hinted", g, seconds, fresh, lambda fd, view: view.madvise(MADV_RANDOM), one_round)
+    prepare, one_round = _hinted_path(g)
+    return _miss_path("hinted", g, seconds, fresh, prepare, one_round)
 
 
 def faulted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
@@ -283,23 +341,118 @@ def faulted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
     ms a round had been timed as reads). The bytes are the process's own ``read_bytes``
     (``/proc/self/io``: what the faults' read-around read, the spill beyond the slices included);
     ``bytes_per_s`` None, with a note, where this kernel does not count them."""
-    from ..tier.readers import readahead_bytes as device_readahead  # as advice.py reads it
-
     io, why = read_self_io()
     if io is None:
         return {"bytes_per_s": None, "cached": False, "note": why}
-    size = os.stat(g.path).st_size
-    spill = 2 * SEQUENTIAL * device_readahead(g.path)  # two of the windows POSIX_FADV_SEQUENTIAL makes
-
-    def one_round(fd, view, rng) -> int:
-        layer = rng.choice(g.moe_layers)
-        ranges = g.compute_ranges(layer, rng.sample(range(g.num_experts), min(g.top_k, g.num_experts)))
-        return _touch_and_drop(view, ranges, size, fd, spill)  # the windows' spill dropped too
-
-    def prepare(fd, view) -> None:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # as llama.cpp opens it
+    prepare, one_round = _faulted_path(g)
     return _miss_path("faulted", g, seconds, fresh, prepare, one_round,
                       counter=lambda: read_self_io()[0]["read_bytes"])
+
+
+FULL_ROOM_BYTES = 64 << 20
+"""The most :func:`full_bandwidth`'s cgroup may hold of the file beyond the reading process's own
+memory (a quarter of the expert tensors where that is less): small beside a model file, so that
+nearly every page read is one the kernel makes room for by reclaiming another, as at a wall."""
+
+
+def full_room(g) -> int:
+    """The page cache :func:`full_bandwidth`'s cgroup holds of the file of ``g`` (whole pages)."""
+    return max(BLOCK, min(FULL_ROOM_BYTES, g.expert_tensor_bytes // 4) // BLOCK * BLOCK)
+FULL_TIMEOUT_S = 120.0
+"""The longest :func:`full_bandwidth`'s reading process may take (it reads about 2 s)."""
+FULL_KINDS = ("hinted", "faulted")
+"""The miss paths :func:`full_bandwidth` times at a full cgroup: ``advise``'s and ``mmap``'s."""
+
+
+def full_bandwidth(g, kind: str, *, seconds: float = 1.5, fresh: bool = False) -> dict:
+    """``{"bytes_per_s", "bytes_per_s_min", "bytes_per_s_max", "passes", "bytes", "room_bytes",
+    "limit_hits", "cached", "note"}``: the miss path of ``kind`` (``hinted``: :func:`hinted_bandwidth`'s, as ``advise`` reads;
+    ``faulted``: :func:`faulted_bandwidth`'s, as ``mmap`` reads) with nothing dropped, timed by a
+    child process in a memory cgroup of its own whose limit is the child's memory plus
+    ``room_bytes`` of the file (:func:`full_room`), filled before the passes: every page read is then
+    one the kernel makes room for by reclaiming another (a mapped page among them, unmapped first),
+    the work a kernel mode's read does at a wall, which the modes' dropped passes leave out
+    (measured here: 18-35% slower). The bytes are the child's own ``read_bytes``; ``limit_hits``
+    how often its charges met the limit (v1 ``memory.failcnt``, v2 ``memory.events`` ``max``).
+    Cached per (``kind``, file, size, mtime) for a day. ``bytes_per_s`` None, with a note, where no memory cgroup can be made
+    here (no permission, a systemd scope only) or the kernel does not count a process's reads."""
+    if kind not in FULL_KINDS:
+        raise ConfigError(f"full_bandwidth: kind {kind!r} is not one of {', '.join(FULL_KINDS)}")
+    path = g.path
+    key, hit = _file_entry(f"{kind}-full", path, fresh)
+    if hit is not None:
+        return hit
+    io, why = read_self_io()
+    if io is None:
+        return {"bytes_per_s": None, "cached": False, "note": why}
+    target, why = cgroup_target()
+    if target is None or target["placement"] == "systemd-scope":
+        return {"bytes_per_s": None, "cached": False,
+                "note": f"no memory cgroup of its own to read in ({why or 'only a systemd scope'})"}
+    d = os.path.join(target["dir"], f"expertcache-full-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        make_wall_cgroup(d, target["version"], cg.UNLIMITED)
+    except WallUnavailable as exc:
+        return {"bytes_per_s": None, "cached": False, "note": str(exc)}
+    argv = [sys.executable, "-c", "from expertcache.llama.roofline import full_child; full_child()", path, kind, d,
+            target["version"], repr(float(seconds))]
+    try:
+        rc, out, err, timed_out = spawn(argv, os.path.join(d, "cgroup.procs"), FULL_TIMEOUT_S)
+    except WallUnavailable as exc:
+        return {"bytes_per_s": None, "cached": False, "note": str(exc)}
+    finally:
+        cg.kill_members(d)
+        cg.rmdir_retry(d)
+    try:
+        res = json.loads(out.strip().splitlines()[-1])
+        rates, total = [float(r) for r in res["rates"]], int(res["bytes"])
+    except (ValueError, IndexError, KeyError, TypeError):
+        said = " ".join(err.split())[-300:] or f"exit status {rc}"
+        return {"bytes_per_s": None, "cached": False,
+                "note": f"the reading process {'timed out' if timed_out else 'failed'}: {said}"}
+    if not rates or min(rates) <= 0:
+        return {"bytes_per_s": None, "cached": False, "note": "the reading process read nothing"}
+    return _store_rates(key, rates, total, path, room_bytes=int(res.get("room_bytes", 0)),
+                        limit_hits=res.get("limit_hits"))
+
+
+def full_child() -> None:
+    """The reading process of :func:`full_bandwidth` (``argv``: file, kind, cgroup, its version,
+    seconds), started inside the cgroup: the path prepared, the file evicted, the limit set to this
+    process's usage plus :data:`FULL_ROOM_BYTES`, rounds read until twice that has been read (the
+    cgroup full), then :data:`BANDWIDTH_PASSES` timed passes; prints ``{"rates", "bytes", "room_bytes",
+    "limit_hits"}``."""
+    path, kind, d, version, seconds = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+    g = read_geometry(path)
+    prepare, one_round = (_hinted_path if kind == "hinted" else _faulted_path)(g, drop=False)
+    names = cg.FILES[version]
+
+    def counter() -> int:
+        return read_self_io()[0]["read_bytes"]
+    rng = random.Random(0)
+    fd = os.open(path, os.O_RDONLY)
+    view = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+    prepare(fd, view)
+    evict_file_pages([path])
+    room = full_room(g)
+    usage = cg.read_int(os.path.join(d, names["usage"]))
+    cg.write(os.path.join(d, names["limit"]), str(int(usage or 0) + room))
+    before, t0 = counter(), time.monotonic()
+    while counter() - before < 2 * room and time.monotonic() - t0 < FULL_TIMEOUT_S / 4:
+        one_round(fd, view, rng)
+    passes = _passes(fd, view, rng, seconds, one_round, counter)
+    print(json.dumps({"rates": [r for r, _ in passes], "bytes": sum(n for _, n in passes), "room_bytes": room,
+                      "limit_hits": limit_hits(d, version)}))
+
+
+def limit_hits(d: str, version: str) -> int | None:
+    """How often charges to cgroup ``d`` met its limit: v1 ``memory.failcnt``, v2 ``memory.events``
+    ``max``; None where unreadable."""
+    if version == "v1":
+        return cg.read_int(os.path.join(d, "memory.failcnt"))
+    text, _ = read_text(os.path.join(d, "memory.events"))
+    counts = keyed_numbers(text or "")
+    return counts.get("max")
 
 
 COMPUTE_REPEATS = 3
