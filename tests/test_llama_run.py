@@ -458,6 +458,31 @@ def test_without_a_cgroup_the_forecast_reads_at_the_dropped_rate(gguf_path, tmp_
         (2e9, "hinted path"), (1e9, "hinted full"), (0.5e9, "faulted full")]
 
 
+def test_a_failed_reading_process_is_one_line(gguf_path, tmp_path, monkeypatch, capsys):
+    """The reading process prints what failed as one JSON line (no traceback), and full_bandwidth
+    turns it, or a process that printed nothing, into a note; the cgroup is removed either way."""
+    import expertcache.llama.roofline as rl
+    from expertcache.formats.gguf import read_geometry
+
+    monkeypatch.setattr(sys, "argv", ["-c", str(tmp_path / "gone.gguf"), "hinted", str(tmp_path), "v1", "0.1"])
+    rl.full_child()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and set(json.loads(out[0])) == {"error"} and "gone.gguf" in json.loads(out[0])["error"]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(rl, "cgroup_target", lambda: ({"version": "v1", "dir": str(tmp_path), "placement": "child"}, ""))
+    made, removed = [], []
+    monkeypatch.setattr(rl, "make_wall_cgroup", lambda d, version, limit: made.append(d))
+    monkeypatch.setattr(rl.cg, "kill_members", lambda d: None)
+    monkeypatch.setattr(rl.cg, "rmdir_retry", lambda d: removed.append(d))
+    g = read_geometry(str(gguf_path))
+    for said, note in (('{"error": "OSError: [Errno 16] Device or resource busy"}',
+                        "the reading process failed: OSError: [Errno 16] Device or resource busy"),
+                       ("", "the reading process failed: exit status 1")):
+        monkeypatch.setattr(rl, "spawn", lambda argv, procs, timeout: (1 if not said else 0, said, "", False))
+        assert rl.full_bandwidth(g, "faulted") == {"bytes_per_s": None, "cached": False, "note": note}
+    assert len(made) == 2 and removed == made
+
+
 def test_prefill_compute_rate_is_timed_once_per_prompt(gguf_path, prompt, tmp_path, monkeypatch):
     """The prefill's compute rate (the benchmark's prefill limit): the median of timed prefills in one
     process, kept per (file, threads, prompt) in the cache file; another prompt is timed afresh."""

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from .._io import atomic_open, read_json
-from ..errors import ConfigError, is_int, is_real
+from ..errors import ConfigError, ExpertcacheError, is_int, is_real
 from ..wall import cgroupfs as cg
 from ..wall.cgroupwall import WallUnavailable, cgroup_target, make_wall_cgroup, spawn
 from ..wall.pagecache import evict_file_pages, residency
@@ -405,6 +405,8 @@ def full_bandwidth(g, kind: str, *, seconds: float = 1.5, fresh: bool = False) -
         cg.rmdir_retry(d)
     try:
         res = json.loads(out.strip().splitlines()[-1])
+        if isinstance(res, dict) and isinstance(res.get("error"), str):
+            return {"bytes_per_s": None, "cached": False, "note": f"the reading process failed: {res['error']}"}
         rates, total = [float(r) for r in res["rates"]], int(res["bytes"])
     except (ValueError, IndexError, KeyError, TypeError):
         said = " ".join(err.split())[-300:] or f"exit status {rc}"
@@ -421,8 +423,15 @@ def full_child() -> None:
     seconds), started inside the cgroup: the path prepared, the file evicted, the limit set to this
     process's usage plus :data:`FULL_ROOM_BYTES`, rounds read until twice that has been read (the
     cgroup full), then :data:`BANDWIDTH_PASSES` timed passes; prints ``{"rates", "bytes", "room_bytes",
-    "limit_hits"}``."""
-    path, kind, d, version, seconds = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+    "limit_hits"}``, or ``{"error"}``: what failed, in one line."""
+    try:
+        out = _full_read(*sys.argv[1:5], float(sys.argv[5]))
+    except (OSError, ValueError, ExpertcacheError) as exc:
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(out))
+
+
+def _full_read(path: str, kind: str, d: str, version: str, seconds: float) -> dict:
     g = read_geometry(path)
     prepare, one_round = (_hinted_path if kind == "hinted" else _faulted_path)(g, drop=False)
     names = cg.FILES[version]
@@ -441,8 +450,8 @@ def full_child() -> None:
     while counter() - before < 2 * room and time.monotonic() - t0 < FULL_TIMEOUT_S / 4:
         one_round(fd, view, rng)
     passes = _passes(fd, view, rng, seconds, one_round, counter)
-    print(json.dumps({"rates": [r for r, _ in passes], "bytes": sum(n for _, n in passes), "room_bytes": room,
-                      "limit_hits": limit_hits(d, version)}))
+    return {"rates": [r for r, _ in passes], "bytes": sum(n for _, n in passes), "room_bytes": room,
+            "limit_hits": limit_hits(d, version)}
 
 
 def limit_hits(d: str, version: str) -> int | None:
