@@ -106,9 +106,9 @@ def add_parser(sub) -> None:
     f.add_argument("--disk-bandwidth", type=auto_or_rate("GB/s"), default=None, metavar="auto|GB/s",
                    help="bandwidth of the disk holding the GGUF: auto (default) measures on the file itself "
                         "O_DIRECT reads of one expert slice by 1 and by 4 readers, and the modes' own reads "
-                        "(hints, faults; advise's and mmap's also in a memory cgroup kept full, where the kernel reclaims a "
-                        "page for each read, as at a wall) of its experts (kept a day); a number in GB/s is taken as "
-                        "given for all")
+                        "(hints, faults; advise's and mmap's also in a memory cgroup kept full, where the kernel "
+                        "reclaims a page for each read, as at a wall) of its experts (kept a day); a number in GB/s is "
+                        "taken as given for all")
     f.add_argument("--compute", type=auto_or_rate("tok/s"), default=None, metavar="auto|tok/s",
                    help="decode rate with every expert resident: auto (default) times llama.cpp on the file "
                         "(needs the llama extra; kept a day); or give it in tok/s")

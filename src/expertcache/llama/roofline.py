@@ -355,27 +355,31 @@ memory (a quarter of the expert tensors where that is less): small beside a mode
 nearly every page read is one the kernel makes room for by reclaiming another, as at a wall."""
 
 
-def full_room(g) -> int:
-    """The page cache :func:`full_bandwidth`'s cgroup holds of the file of ``g`` (whole pages)."""
-    return max(BLOCK, min(FULL_ROOM_BYTES, g.expert_tensor_bytes // 4) // BLOCK * BLOCK)
 FULL_TIMEOUT_S = 120.0
 """The longest :func:`full_bandwidth`'s reading process may take (it reads about 2 s)."""
 FULL_KINDS = ("hinted", "faulted")
 """The miss paths :func:`full_bandwidth` times at a full cgroup: ``advise``'s and ``mmap``'s."""
 
 
+def full_room(g) -> int:
+    """The page cache :func:`full_bandwidth`'s cgroup holds of the file of ``g`` (whole pages)."""
+    return max(BLOCK, min(FULL_ROOM_BYTES, g.expert_tensor_bytes // 4) // BLOCK * BLOCK)
+
+
 def full_bandwidth(g, kind: str, *, seconds: float = 1.5, fresh: bool = False) -> dict:
     """``{"bytes_per_s", "bytes_per_s_min", "bytes_per_s_max", "passes", "bytes", "room_bytes",
-    "limit_hits", "cached", "note"}``: the miss path of ``kind`` (``hinted``: :func:`hinted_bandwidth`'s, as ``advise`` reads;
-    ``faulted``: :func:`faulted_bandwidth`'s, as ``mmap`` reads) with nothing dropped, timed by a
-    child process in a memory cgroup of its own whose limit is the child's memory plus
-    ``room_bytes`` of the file (:func:`full_room`), filled before the passes: every page read is then
-    one the kernel makes room for by reclaiming another (a mapped page among them, unmapped first),
-    the work a kernel mode's read does at a wall, which the modes' dropped passes leave out
-    (measured here: 18-35% slower). The bytes are the child's own ``read_bytes``; ``limit_hits``
-    how often its charges met the limit (v1 ``memory.failcnt``, v2 ``memory.events`` ``max``).
-    Cached per (``kind``, file, size, mtime) for a day. ``bytes_per_s`` None, with a note, where no memory cgroup can be made
-    here (no permission, a systemd scope only) or the kernel does not count a process's reads."""
+    "limit_hits", "cached", "note"}``: the miss path of ``kind`` (``hinted``:
+    :func:`hinted_bandwidth`'s, as ``advise`` reads; ``faulted``: :func:`faulted_bandwidth`'s, as
+    ``mmap`` reads) with nothing dropped, timed by a child process in a memory cgroup of its own
+    whose limit is the child's memory plus ``room_bytes`` of the file (:func:`full_room`), filled
+    before the passes: every page read is then one the kernel makes room for by reclaiming another
+    (a mapped page among them, unmapped first), the work a kernel mode's read does at a wall, which
+    the modes' dropped passes leave out (measured here: 18-35% slower). The bytes are the child's
+    own ``read_bytes``; ``limit_hits`` how often its charges met the limit (v1 ``memory.failcnt``,
+    v2 ``memory.events`` ``max``). Cached per (``kind``, file, size, mtime) for a day.
+    ``bytes_per_s`` None, with a note, where no memory cgroup can be made here (no permission, a
+    systemd scope only), the kernel does not count a process's reads, or the reading process failed
+    (it says what, in one line)."""
     if kind not in FULL_KINDS:
         raise ConfigError(f"full_bandwidth: kind {kind!r} is not one of {', '.join(FULL_KINDS)}")
     path = g.path
@@ -421,8 +425,8 @@ def full_bandwidth(g, kind: str, *, seconds: float = 1.5, fresh: bool = False) -
 def full_child() -> None:
     """The reading process of :func:`full_bandwidth` (``argv``: file, kind, cgroup, its version,
     seconds), started inside the cgroup: the path prepared, the file evicted, the limit set to this
-    process's usage plus :data:`FULL_ROOM_BYTES`, rounds read until twice that has been read (the
-    cgroup full), then :data:`BANDWIDTH_PASSES` timed passes; prints ``{"rates", "bytes", "room_bytes",
+    process's usage plus :func:`full_room`, rounds read until twice that has been read (the cgroup
+    full), then :data:`BANDWIDTH_PASSES` timed passes; prints ``{"rates", "bytes", "room_bytes",
     "limit_hits"}``, or ``{"error"}``: what failed, in one line."""
     try:
         out = _full_read(*sys.argv[1:5], float(sys.argv[5]))
