@@ -400,9 +400,10 @@ def measure_full(g, kind: str, fresh: bool = False) -> tuple[float | None, str]:
     how = "cached" if r.get("cached") else "measured"
     path = ("hinted, their pages faulted in" if kind == "hinted" else
             "faulted in through a mapping of the file opened as llama.cpp opens it")
+    room = r.get("room_bytes") or rl.full_room(g)
     return float(r["bytes_per_s"]), (f"{how}: {g.top_k} experts' slices {path}, nothing dropped, in a memory cgroup "
-                                     f"holding {rl.FULL_ROOM_BYTES >> 20} MiB of the file beyond the reader (every "
-                                     f"page read reclaims one, as at a wall), median of {r['passes']} passes")
+                                     f"holding {room / 2**20:.4g} MiB of the file beyond the reader (every page "
+                                     f"read reclaims one, as at a wall), median of {r['passes']} passes")
 
 
 def measure_compute(g, threads: int, fresh: bool = False, timing: str = "faulted") -> tuple[float, str]:
