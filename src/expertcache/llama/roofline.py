@@ -374,7 +374,7 @@ def full_bandwidth(g, kind: str, *, seconds: float = 1.5, fresh: bool = False) -
     whose limit is the child's memory plus ``room_bytes`` of the file (:func:`full_room`), filled
     before the passes: every page read is then one the kernel makes room for by reclaiming another
     (a mapped page among them, unmapped first), the work a kernel mode's read does at a wall, which
-    the modes' dropped passes leave out (measured here: 18-35% slower). The bytes are the child's
+    the modes' dropped passes leave out (measured here: 17-33% slower, medians). The bytes are the child's
     own ``read_bytes``; ``limit_hits`` how often its charges met the limit (v1 ``memory.failcnt``,
     v2 ``memory.events`` ``max``). Cached per (``kind``, file, size, mtime) for a day.
     ``bytes_per_s`` None, with a note, where no memory cgroup can be made here (no permission, a
