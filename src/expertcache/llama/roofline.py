@@ -54,7 +54,7 @@ from ..errors import ConfigError, ExpertcacheError, is_int, is_real
 from ..wall import cgroupfs as cg
 from ..wall.cgroupwall import WallUnavailable, cgroup_target, make_wall_cgroup, spawn
 from ..wall.pagecache import evict_file_pages, residency
-from ..wall.procfs import OpenProcFile, keyed_numbers, read_self_io, read_text
+from ..wall.procfs import OpenProcFile, read_self_io
 from ..formats.gguf import read_geometry
 from .advice import (MADV_DONTNEED, MADV_RANDOM, SEQUENTIAL, PageAdvisor, drop_file, hint_piece, hint_range,
                      mapped_ranges, mapping_base)
@@ -345,16 +345,18 @@ def faulted_bandwidth(g, *, seconds: float = 1.5, fresh: bool = False) -> dict:
     if io is None:
         return {"bytes_per_s": None, "cached": False, "note": why}
     prepare, one_round = _faulted_path(g)
-    return _miss_path("faulted", g, seconds, fresh, prepare, one_round,
-                      counter=lambda: read_self_io()[0]["read_bytes"])
+    return _miss_path("faulted", g, seconds, fresh, prepare, one_round, counter=_read_bytes)
+
+
+def _read_bytes() -> int:
+    """This process's ``read_bytes`` (``/proc/self/io``): what its faults and hints read from the device."""
+    return read_self_io()[0]["read_bytes"]
 
 
 FULL_ROOM_BYTES = 64 << 20
 """The most :func:`full_bandwidth`'s cgroup may hold of the file beyond the reading process's own
 memory (a quarter of the expert tensors where that is less): small beside a model file, so that
 nearly every page read is one the kernel makes room for by reclaiming another, as at a wall."""
-
-
 FULL_TIMEOUT_S = 120.0
 """The longest :func:`full_bandwidth`'s reading process may take (it reads about 2 s)."""
 FULL_KINDS = ("hinted", "faulted")
@@ -374,9 +376,10 @@ def full_bandwidth(g, kind: str, *, seconds: float = 1.5, fresh: bool = False) -
     whose limit is the child's memory plus ``room_bytes`` of the file (:func:`full_room`), filled
     before the passes: every page read is then one the kernel makes room for by reclaiming another
     (a mapped page among them, unmapped first), the work a kernel mode's read does at a wall, which
-    the modes' dropped passes leave out (measured here: 17-33% slower, medians). The bytes are the child's
-    own ``read_bytes``; ``limit_hits`` how often its charges met the limit (v1 ``memory.failcnt``,
-    v2 ``memory.events`` ``max``). Cached per (``kind``, file, size, mtime) for a day.
+    the modes' dropped passes leave out (measured here: 17-33% slower, medians). The bytes are the
+    child's own ``read_bytes``; ``limit_hits`` how often its charges met the limit (the cgroup's
+    ``failcnt`` of :func:`~expertcache.wall.cgroupfs.cgroup_state`: v1 ``memory.failcnt``, v2
+    ``memory.events`` ``max``). Cached per (``kind``, file, size, mtime) for a day.
     ``bytes_per_s`` None, with a note, where no memory cgroup can be made here (no permission, a
     systemd scope only), the kernel does not count a process's reads, or the reading process failed
     (it says what, in one line)."""
@@ -439,9 +442,6 @@ def _full_read(path: str, kind: str, d: str, version: str, seconds: float) -> di
     g = read_geometry(path)
     prepare, one_round = (_hinted_path if kind == "hinted" else _faulted_path)(g, drop=False)
     names = cg.FILES[version]
-
-    def counter() -> int:
-        return read_self_io()[0]["read_bytes"]
     rng = random.Random(0)
     fd = os.open(path, os.O_RDONLY)
     view = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
@@ -450,22 +450,12 @@ def _full_read(path: str, kind: str, d: str, version: str, seconds: float) -> di
     room = full_room(g)
     usage = cg.read_int(os.path.join(d, names["usage"]))
     cg.write(os.path.join(d, names["limit"]), str(int(usage or 0) + room))
-    before, t0 = counter(), time.monotonic()
-    while counter() - before < 2 * room and time.monotonic() - t0 < FULL_TIMEOUT_S / 4:
+    before, t0 = _read_bytes(), time.monotonic()
+    while _read_bytes() - before < 2 * room and time.monotonic() - t0 < FULL_TIMEOUT_S / 4:
         one_round(fd, view, rng)
-    passes = _passes(fd, view, rng, seconds, one_round, counter)
+    passes = _passes(fd, view, rng, seconds, one_round, _read_bytes)
     return {"rates": [r for r, _ in passes], "bytes": sum(n for _, n in passes), "room_bytes": room,
-            "limit_hits": limit_hits(d, version)}
-
-
-def limit_hits(d: str, version: str) -> int | None:
-    """How often charges to cgroup ``d`` met its limit: v1 ``memory.failcnt``, v2 ``memory.events``
-    ``max``; None where unreadable."""
-    if version == "v1":
-        return cg.read_int(os.path.join(d, "memory.failcnt"))
-    text, _ = read_text(os.path.join(d, "memory.events"))
-    counts = keyed_numbers(text or "")
-    return counts.get("max")
+            "limit_hits": cg.cgroup_state(d, version)["failcnt"]}
 
 
 COMPUTE_REPEATS = 3
