@@ -287,6 +287,18 @@ def test_errors_are_one_line(capsys, argv, message):
     assert rc == 2 and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.parametrize("name, memory", [("config.json", ["--device-memory", "8GB"]),
+                                          ("model.gguf", ["--device-memory", "8GB"]), ("model.gguf", ["--memory", "50%"])])
+def test_a_refusal_names_the_model_as_given(tmp_path, capsys, memory, name):
+    """The positional MODEL is named MODEL in a refusal, --model-config as --model-config (a positional
+    truncated GGUF had been called '--model-config x.gguf')."""
+    bad = tmp_path / name
+    bad.write_bytes(b"GGUF" + bytes(12) if name.endswith(".gguf") else b'{"num_experts": 0}')
+    for argv, named in (([bad], f"MODEL {bad}: "), (["--model-config", bad], f"--model-config {bad}: ")):
+        rc, _, err = run(capsys, "size", *argv, *memory)
+        assert rc == 2 and err.count("\n") == 1 and named in err, err
+
+
 def test_a_trace_with_fewer_layers_is_scaled_to_the_model(tmp_path, capsys):
     """A 4-layer trace of the 16-layer model: copies/token x 16/4, said in the report."""
     from expertcache.trace.synth import synthesize_preset

@@ -152,11 +152,13 @@ def run(args) -> int:
 
 
 def _model_argument(args) -> None:
-    """The positional MODEL is --model-config given in front."""
+    """The positional MODEL is --model-config given in front; ``args.model_option`` names the one
+    given, for messages."""
+    args.model_option = "--model-config"
     if args.model is not None:
         if args.model_config is not None:
             raise ConfigError("MODEL and --model-config both name the model: give one")
-        args.model_config = args.model
+        args.model_config, args.model_option = args.model, "MODEL"
 
 
 FORECAST_ONLY = ("disk_bandwidth", "compute", "threads", "auto")
@@ -226,7 +228,7 @@ def _is_gguf(path) -> bool:
 
 def _model(args, trace) -> ModelSpec:
     if args.model_config is not None:
-        model = read_model(args.model_config)
+        model = read_model(args.model_config, args.model_option)
     else:
         dims = [args.experts, args.top_k, args.moe_layers]
         if trace is not None:
@@ -441,8 +443,8 @@ def forecast_cmd(args) -> int:
     bandwidth = args.disk_bandwidth if args.disk_bandwidth is not None else "auto"
     compute = args.compute if args.compute is not None else "auto"
     threads = args.threads if args.threads is not None else 1
-    type_sizes(f"--model-config {args.model_config}")  # without the gguf package: one line
-    g = read_geometry(str(args.model_config), "--model-config")
+    type_sizes(f"{args.model_option} {args.model_config}")  # without the gguf package: one line
+    g = read_geometry(str(args.model_config), args.model_option)
     args.memory = parse_wall(args.memory, g, "--memory")
     if args.memory < smallest_wall(g):
         raise ConfigError(f"--memory {format_bytes(args.memory)}: below the smallest memory this model decodes in, "

@@ -66,15 +66,16 @@ class ModelSpec:
         return self.num_experts * self.layer_set_bytes
 
 
-def read_model(path: str | Path) -> ModelSpec:
-    """A :class:`ModelSpec` from a config.json, a checkpoint folder or a ``.gguf`` file."""
+def read_model(path: str | Path, option: str = "--model-config") -> ModelSpec:
+    """A :class:`ModelSpec` from a config.json, a checkpoint folder or a ``.gguf`` file (``option``:
+    how the user named it, for messages)."""
     path = Path(path)
-    where = f"--model-config {path}"
+    where = f"{option} {path}"
     if not path.exists():
         raise ConfigError(f"{where}: no such file or folder")
     if path.suffix.lower() == ".gguf" and not path.is_dir():  # a FIFO too: refused as not a regular file
-        return _from_gguf(path, where)
-    config, _, name = read_model_config(path)
+        return _from_gguf(path, option)
+    config, _, name = read_model_config(path, option)
     spec = _from_config(config, path, where, name)
     shards = checkpoint_files(path) if path.is_dir() else []
     if not shards:
@@ -199,15 +200,16 @@ def _safetensors_bytes(shards: list[Path]) -> tuple[int, int]:
     return experts, other
 
 
-def _from_gguf(path: Path, where: str) -> ModelSpec:
+def _from_gguf(path: Path, option: str) -> ModelSpec:
     """The GGUF's own tensor table, read by :func:`expertcache.formats.gguf.read_geometry` (the one
     GGUF reader): E, k, the MoE layers, each layer's expert bytes (types may differ by layer) and the
     dense bytes (every byte that is neither an expert tensor nor a skipped MTP block, header included).
     ``expert_bytes`` is the mean over layers, rounded; ``layer_expert_bytes`` keeps them exactly."""
     from ..formats.gguf import read_geometry, type_sizes
 
+    where = f"{option} {path}"
     type_sizes(where)  # the gguf package first: without it, one line saying so
-    g = read_geometry(str(path), "--model-config")
+    g = read_geometry(str(path), option)
     per_layer = tuple(g.layer_expert_bytes)
     per = round(g.expert_tensor_bytes / (g.num_experts * len(per_layer)))
     if not 1 <= max(per_layer) <= LIMITS["expert_bytes"]:

@@ -207,13 +207,13 @@ def expert_bytes_from_config(path: str | Path) -> int:
     return expert_bytes_of(*read_model_config(path))
 
 
-def read_model_config(path: str | Path) -> tuple[dict, str, str]:
+def read_model_config(path: str | Path, option: str = "--model-config") -> tuple[dict, str, str]:
     """``(config, where, name)``: the JSON object of a config.json (or of the config.json in the
-    folder ``path``), at most :data:`MAX_CONFIG_BYTES` long; ``where`` (``--model-config PATH``)
-    and the file's ``name`` for messages. Every refusal is one ConfigError line."""
+    folder ``path``), at most :data:`MAX_CONFIG_BYTES` long; ``where`` (``OPTION PATH``: how the user
+    named it) and the file's ``name`` for messages. Every refusal is one ConfigError line."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
-    where = f"--model-config {path}"
+    where = f"{option} {path}"
     if not file.is_file():
         raise ConfigError(f"{where}: no such file" + (" (expected a config.json or a folder holding one)"
                                                       if not path.exists() else ": the folder holds no config.json"))
