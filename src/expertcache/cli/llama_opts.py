@@ -92,7 +92,8 @@ def context_settings(args) -> dict:
 def add_readers(p) -> None:
     p.add_argument("--readers", type=_nonnegative_int, default=None, metavar="N",
                    help="threads that read the experts being loaded (managed, prefetch; default for prefetch the "
-                        "machine's threads, at most 8, as ik_llama.cpp's; 0 otherwise)")
+                        "machine's threads, at most 8, as ik_llama.cpp's; 0 otherwise). prefetch with 0 hints the "
+                        "routed experts instead (ik_llama.cpp's fallback)")
 
 
 def sampling_seed(text: str) -> int:

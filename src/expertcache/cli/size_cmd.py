@@ -553,8 +553,8 @@ def print_forecast(g, trace, label: str, records: list[dict], prompt=None) -> No
                         enumerate(zip(row, widths))).rstrip())
     print("  tok/s = 1 / (1/c + read/B): the forecast (reads block compute in these modes), B = the rate of each "
           "mode's own reads (mmap: faults; advise, managed: hints; mmap's and advise's at a full cgroup, whose "
-          "kernel reclaims a page for each it reads, as at a wall); ovl tok/s = min(c, max(B1, B4) / read): reads "
-          "overlapped with compute, for reference; bound by: the larger of 1/c and read/B")
+          "kernel reclaims a page for each it reads, as at a wall); ovl tok/s = min(c, max(B1, B4, B) / read): "
+          "reads overlapped with compute, for reference; bound by: the larger of 1/c and read/B")
     print("  demand: an LRU of the mode's expert bytes (experts MB) over the trace; first reads: their share of "
           "read MB/tok")
     for r in records:

@@ -21,7 +21,9 @@ a fault per page, drops, :func:`~expertcache.llama.roofline.hinted_bandwidth`); 
 * ``predicted_tokens_per_s = 1 / (1/c + D/B)``: in these modes a missed expert's read blocks the
   compute that needs it (a page fault, or a hint the layer then waits on), so that each forecast is
   a sum of measured costs over a model of the reads;
-* ``limit_tokens_per_s = min(c, max(B1, B4) / D)``: reads entirely overlapped with compute, for reference.
+* ``limit_tokens_per_s = min(c, max(B1, B4, B) / D)``: reads entirely overlapped with compute, for
+  reference (``B`` too: the device reads at least as fast as the mode's own path was timed, so this
+  limit is never under the forecast).
 
 Every replay starts where a run starts: with the kernel modes, the file just loaded; with
 ``managed``, an empty pool. Every read is counted, first reads too (on a disk a cold fill is a read
@@ -503,7 +505,7 @@ def forecast(g, experts: np.ndarray, memory: int, disk: Disk, *, window: int, wi
         timing = timing_of(mode)
         c = disk.compute[timing]
         B, B_source = disk.read_rate(mode)
-        lim = limits(c, D, disk.bw1, disk.bw4)
+        lim = limits(c, D, disk.bw1, disk.bw4, observed=B)
         bound = None if D is None else ("disk" if D / B > 1.0 / c else "compute")
         rec = {"mode": mode, **base, "read_bytes_per_s": B, "read_source": B_source, "compute_tokens_per_s": c,
                "compute_source": disk.compute_source[timing], "compute_pages": pages_of(mode),

@@ -628,8 +628,12 @@ def prefill_compute_rate(path: str, prompt, threads: int = 1, *, fresh: bool = F
 
 
 def limits(compute_tokens_per_s: float | None, missed_bytes_per_token: float | None, bw1: float | None,
-           bw4: float | None, measured_tokens_per_s: float | None = None) -> dict:
-    """The roofline fields (module docstring); None where an input is missing."""
+           bw4: float | None, measured_tokens_per_s: float | None = None, observed: float | None = None) -> dict:
+    """The roofline fields (module docstring); None where an input is missing. ``observed``: a rate
+    this file's data was measured read at another way (a mode's own miss path): the device reads at
+    least that fast, so the overlapped limit takes the largest of ``bw1``, ``bw4`` and it (with small
+    slices, ``O_DIRECT`` requests of one slice read slower than a fault's read-around windows, and a
+    limit under the serial forecast had been printed)."""
     c, d = compute_tokens_per_s, missed_bytes_per_token
     out = {"limit_tokens_per_s": None, "serial_limit_tokens_per_s": None, "efficiency": None}
     if not c:
@@ -637,7 +641,7 @@ def limits(compute_tokens_per_s: float | None, missed_bytes_per_token: float | N
     if d is not None and d <= 0:
         out["limit_tokens_per_s"] = out["serial_limit_tokens_per_s"] = c
     elif d is not None:
-        best = max(bw1 or 0, bw4 or 0)
+        best = max(bw1 or 0, bw4 or 0, observed or 0)
         if best:
             out["limit_tokens_per_s"] = min(c, best / d)
         if bw1:
